@@ -1,0 +1,209 @@
+"""Offline throughput and latency: duet against transformers, side by side in one run.
+
+    python -m duet.benchmarks.offline [--dtype float32|bfloat16|auto] [--json out.json] [--plot out.png]
+
+Prints, for SmolLM2-135M-Instruct on this machine: batch-32 x 128-token decode throughput,
+single-stream decode, prefill of one 512-token prompt, and time-to-first-token with and
+without a prefix-cache hit on a 400-token shared system prompt. Machines differ, so the
+figures that matter are the ratios, measured here in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+BATCH = 32
+OUTPUT_TOKENS = 128
+PREFILL_TOKENS = 512
+SYSTEM_PROMPT_TOKENS = 400
+
+TOPICS = [
+    "the water cycle", "volcanoes", "the history of tea", "how bicycles work", "honey bees",
+    "the moon landing", "chess openings", "the printing press", "coral reefs", "jazz music",
+    "the Roman roads", "solar panels", "migratory birds", "glaciers", "the first computers", "origami",
+]
+
+
+@dataclass
+class Figure:
+    name: str
+    duet: float
+    transformers: float
+    unit: str
+    higher_is_better: bool = True
+
+    @property
+    def ratio(self) -> float:
+        if self.higher_is_better:
+            return self.duet / self.transformers
+        return self.transformers / self.duet
+
+
+def batch_prompts(tokenizer) -> list[list[int]]:
+    prompts = []
+    for index in range(BATCH):
+        task = "Explain" if index % 2 == 0 else "Write a short story about"
+        conversation = [{"role": "user", "content": f"{task} {TOPICS[index % len(TOPICS)]}."}]
+        prompts.append(_ids(tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)))
+    return prompts
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def filler_tokens(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    """A prompt of exactly ``num_tokens`` tokens of ordinary text."""
+    text = " ".join(f"Note {seed}.{i}: the {TOPICS[(seed + i) % len(TOPICS)]} chapter is on page {i * 7 + seed}." for i in range(200))
+    return tokenizer.encode(text)[:num_tokens]
+
+
+class TransformersBaseline:
+    def __init__(self, model_dir, dtype: torch.dtype) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> float:
+        """Left-padded batched greedy generate; returns seconds."""
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        start = time.perf_counter()
+        self.model.generate(
+            input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens, pad_token_id=pad,
+        )
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self.model(torch.tensor([prompt]), use_cache=True)
+        return time.perf_counter() - start
+
+
+def _best(fn, repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def run(dtype: str, repeats: int) -> list[Figure]:
+    from duet import LLM, SamplingParams
+    from duet.models.loader import resolve_model_path
+
+    model_dir = resolve_model_path("smollm2")
+    progress = tqdm(total=8, desc="offline benchmark", unit="stage")
+
+    llm = LLM(model="smollm2", dtype=dtype, max_model_len=2048, max_num_seqs=BATCH)
+    tokenizer = llm.get_tokenizer()
+    prompts = batch_prompts(tokenizer)
+    decode = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+
+    def duet_timed(batch, params) -> float:
+        llm.engine.kv_cache_manager.block_pool.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate(batch, params)
+        return time.perf_counter() - start
+
+    duet_batch = _best(lambda: duet_timed(prompts, decode), repeats)
+    progress.update()
+    duet_single = _best(lambda: duet_timed(prompts[:1], decode), repeats)
+    progress.update()
+    long_prompt = filler_tokens(tokenizer, PREFILL_TOKENS, seed=1)
+    duet_prefill = _best(lambda: duet_timed([long_prompt], one_token), repeats)
+    progress.update()
+    system = filler_tokens(tokenizer, SYSTEM_PROMPT_TOKENS, seed=2)
+    question = tokenizer.encode(" Which chapter comes first?")
+
+    def ttft(cached: bool) -> float:
+        llm.engine.kv_cache_manager.block_pool.reset_prefix_cache()
+        if cached:
+            llm.generate([system + tokenizer.encode(" Warm the cache.")], one_token)
+        start = time.perf_counter()
+        llm.generate([system + question], one_token)
+        return time.perf_counter() - start
+
+    ttft_cold = _best(lambda: ttft(False), repeats)
+    ttft_hit = _best(lambda: ttft(True), repeats)
+    progress.update()
+    del llm
+    gc.collect()
+
+    # The baseline stays fp32 whatever duet runs in: the targets are ratios to it.
+    hf = TransformersBaseline(model_dir, torch.float32)
+    progress.update()
+    hf_batch = _best(lambda: hf.generate(prompts, OUTPUT_TOKENS), 1)
+    progress.update()
+    hf_single = _best(lambda: hf.generate(prompts[:1], OUTPUT_TOKENS), repeats)
+    progress.update()
+    hf_prefill = _best(lambda: hf.prefill(long_prompt), repeats)
+    progress.update()
+    progress.close()
+
+    total = BATCH * OUTPUT_TOKENS
+    return [
+        Figure(f"batch {BATCH} x {OUTPUT_TOKENS} tokens", total / duet_batch, total / hf_batch, "tok/s"),
+        Figure(f"single stream, {OUTPUT_TOKENS} tokens", OUTPUT_TOKENS / duet_single, OUTPUT_TOKENS / hf_single, "tok/s"),
+        Figure(f"prefill, {PREFILL_TOKENS}-token prompt", PREFILL_TOKENS / duet_prefill, PREFILL_TOKENS / hf_prefill, "tok/s"),
+        # The TTFT pair compares duet with itself: a cache hit against a cold prompt.
+        Figure(f"TTFT, {SYSTEM_PROMPT_TOKENS}-token system prompt cached vs cold", ttft_hit * 1e3, ttft_cold * 1e3, "ms", False),
+    ]
+
+
+def print_table(figures: list[Figure], dtype: str) -> None:
+    print(f"\nduet vs transformers, SmolLM2-135M-Instruct, dtype={dtype}, torch threads={torch.get_num_threads()}")
+    print(f"{'measure':48} {'duet':>10} {'baseline':>10} {'unit':>6} {'ratio':>7}")
+    for figure in figures:
+        print(f"{figure.name:48} {figure.duet:10.1f} {figure.transformers:10.1f} {figure.unit:>6} {figure.ratio:6.2f}x")
+    print("(baseline: transformers, except TTFT where it is duet without the prefix-cache hit)")
+
+
+def plot(figures: list[Figure], path: str, dtype: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = [f.name for f in figures]
+    ax.barh(names, [f.ratio for f in figures], color="#3b7dd8")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speed-up over baseline (x)")
+    ax.set_title(f"duet offline benchmark, SmolLM2-135M, {dtype}")
+    for y, figure in enumerate(figures):
+        ax.text(figure.ratio, y, f" {figure.ratio:.2f}x", va="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--plot", help="also plot the ratios to this PNG file")
+    args = parser.parse_args(argv)
+    figures = run(args.dtype, args.repeats)
+    print_table(figures, args.dtype)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(fig) | {"ratio": fig.ratio} for fig in figures], f, indent=2)
+    if args.plot:
+        plot(figures, args.plot, args.dtype)
+        print(f"plot written to {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

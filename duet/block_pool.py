@@ -1,0 +1,132 @@
+"""Physical KV blocks: reference counts, a free queue in eviction order, and the prefix cache."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class BlockIntegrityError(AssertionError):
+    """The pool's bookkeeping is inconsistent: a block leaked or was freed twice."""
+
+
+# The parent of a prompt's first block. Not None: hash(None) differs between processes
+# before Python 3.12, and routers compare these hashes across replicas.
+ROOT_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of a full block: it identifies the whole prefix, not only this block.
+
+    Tuples of ints hash the same in every process, so replicas agree on a prefix's hashes.
+    """
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+
+
+@dataclass
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    # Kept with the hash so that a hit is checked token by token: a hash collision
+    # must never hand one prompt another prompt's KV.
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockPool:
+    """Owns every KV block.
+
+    A block is in use (``ref_cnt > 0``, possibly shared by several requests) or free. Free
+    blocks wait in a queue, least recently freed first; a free block that holds a full,
+    hashed block of some prefix stays findable in the prefix cache until the queue hands
+    it out again (lazy eviction).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((block_id, None) for block_id in range(num_blocks))
+        self._cached: dict[int, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVCacheBlock | None:
+        block_id = self._cached.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == tuple(token_ids) else None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks with only {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the queue's tail in the given order."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise BlockIntegrityError(f"block {block.block_id} freed with ref_cnt={block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: Sequence[int]) -> None:
+        """Publish a full block under its chained hash; an existing entry for the hash wins."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached.setdefault(block_hash, block.block_id)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+            self.num_evictions += 1
+        block.block_hash = None
+        block.token_ids = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their KV, but are no longer findable)."""
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self._cached.clear()
+
+    def check_integrity(self, expect_all_free: bool = False) -> None:
+        """Raise ``BlockIntegrityError`` if the free queue, ref counts or cache map disagree."""
+        for block in self.blocks:
+            in_free = block.block_id in self._free
+            if block.ref_cnt < 0 or (block.ref_cnt == 0) != in_free:
+                raise BlockIntegrityError(f"block {block.block_id}: ref_cnt={block.ref_cnt}, in free queue={in_free}")
+        for block_hash, block_id in self._cached.items():
+            if self.blocks[block_id].block_hash != block_hash:
+                raise BlockIntegrityError(f"cache entry {block_hash} points at block {block_id} with another hash")
+        if expect_all_free and self.num_free_blocks != self.num_blocks:
+            leaked = [b.block_id for b in self.blocks if b.ref_cnt > 0]
+            raise BlockIntegrityError(f"{len(leaked)} blocks still referenced when all should be free: {leaked[:16]}")

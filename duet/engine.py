@@ -1,0 +1,224 @@
+"""The single-process engine: scheduler, runner and detokenizer in one step loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from duet.config import EngineArgs, resolve_dtype
+from duet.detokenizer import IncrementalDetokenizer
+from duet.kv_cache_manager import KVCacheManager
+from duet.model_runner import ModelRunner
+from duet.outputs import CompletionOutput, RequestOutput
+from duet.request import Request, RequestStatus
+from duet.sampling_params import SamplingParams
+from duet.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class RequestValidationError(ValueError):
+    """A request cannot be served as given; the message says what to change."""
+
+
+@dataclass
+class _Tracked:
+    """A user request: its ``n`` child sequences and their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    logprobs: list[list[dict[int, float]]] | None
+    first_token_time: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Owns the model and KV cache; ``add_request`` then ``step`` until nothing is unfinished."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        from transformers import AutoTokenizer
+
+        from duet.models.loader import load_model, resolve_model_path
+
+        torch.manual_seed(args.seed)
+        self.args = args
+        model_path = resolve_model_path(args.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        dtype = resolve_dtype(args.dtype, args.device)
+        model_max_len = self._model_max_len(model_path)
+        self.scheduler_config = args.scheduler_config(model_max_len)
+        self.max_model_len = self.scheduler_config.max_model_len
+        model = load_model(model_path, dtype, args.device, self.max_model_len)
+        self.model_config = model.arch
+        self.dtype = dtype
+        cache_config = args.cache_config()
+        self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks(ModelRunner.kv_bytes_per_block(model.arch, self.block_size, dtype))
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            self.scheduler_config.max_num_seqs,
+            self.scheduler_config.max_num_batched_tokens,
+            self.max_model_len,
+            self.scheduler_config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, dtype, args.device, self.eos_token_id)
+        self._tracked: dict[str, _Tracked] = {}
+        self._child_to_parent: dict[str, str] = {}
+        logger.info(
+            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d",
+            model_path.name, dtype, self.num_blocks, self.block_size, self.max_model_len,
+        )
+
+    @staticmethod
+    def _model_max_len(model_path) -> int:
+        import json
+
+        config = json.loads((model_path / "config.json").read_text())
+        return int(config.get("max_position_embeddings", 2048))
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request fits; return its effective max_tokens."""
+        if not prompt_token_ids:
+            raise RequestValidationError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestValidationError(f"prompt token ids must be integers in [0, {vocab})")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise RequestValidationError(
+                f"the prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}; "
+                "shorten the prompt so at least one token can be generated"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - num_prompt
+        if num_prompt + max_tokens > self.max_model_len:
+            raise RequestValidationError(
+                f"max_tokens={max_tokens} exceeds max_model_len={self.max_model_len} minus the "
+                f"{num_prompt} prompt tokens; ask for at most {self.max_model_len - num_prompt}"
+            )
+        blocks_needed = -(-(num_prompt + max_tokens) // self.block_size)
+        if blocks_needed > self.num_blocks:
+            raise RequestValidationError(
+                f"the request needs up to {blocks_needed} KV blocks but the cache has {self.num_blocks}; "
+                "lower max_tokens or give the engine more KV memory"
+            )
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        if request_id in self._tracked:
+            raise RequestValidationError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        children, detokenizers = [], []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child = Request(child_id, prompt_token_ids, child_params, self.eos_token_id)
+            children.append(child)
+            detokenizers.append(
+                IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+                )
+            )
+            self._child_to_parent[child_id] = request_id
+        logprobs = [[] for _ in children] if params.logprobs is not None else None
+        tracked = _Tracked(request_id, prompt, list(prompt_token_ids), children, detokenizers, logprobs)
+        tracked.metrics["arrival_time"] = time.monotonic()
+        self._tracked[request_id] = tracked
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return
+        for child in tracked.children:
+            self.scheduler.abort(child.request_id)
+            self._child_to_parent.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return the requests that gained tokens (cumulative outputs)."""
+        scheduler_output = self.scheduler.schedule()
+        # Even an empty step goes to the runner: it may carry finished ids to forget.
+        runner_output = self.runner.execute(scheduler_output)
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        logprobs_by_id = {}
+        if runner_output.logprobs is not None:
+            logprobs_by_id = dict(zip(runner_output.request_ids, runner_output.logprobs))
+        now = time.monotonic()
+        touched: dict[str, _Tracked] = {}
+        for child in changed:
+            parent_id = self._child_to_parent.get(child.request_id)
+            tracked = self._tracked.get(parent_id) if parent_id else None
+            if tracked is None:
+                continue
+            index = tracked.children.index(child)
+            self._detokenize(tracked, index, child, logprobs_by_id.get(child.request_id))
+            if tracked.first_token_time is None:
+                tracked.first_token_time = now
+                tracked.metrics["first_token_time"] = now
+            touched[parent_id] = tracked
+        return [self._make_output(tracked, now) for tracked in touched.values()]
+
+    def _detokenize(self, tracked: _Tracked, index: int, child: Request, step_logprobs) -> None:
+        detokenizer = tracked.detokenizers[index]
+        new_tokens = child.output_token_ids[detokenizer.num_tokens :]
+        if tracked.logprobs is not None and step_logprobs:
+            tracked.logprobs[index].extend(step_logprobs[: len(new_tokens)])
+        stop = detokenizer.add_tokens(new_tokens)
+        if stop is not None and not child.is_finished:
+            child.stop_reason = stop
+            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:
+        outputs = []
+        for index, (child, detokenizer) in enumerate(zip(tracked.children, tracked.detokenizers)):
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=detokenizer.stream_text(child.is_finished),
+                    token_ids=list(child.output_token_ids),
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                    logprobs=tracked.logprobs[index] if tracked.logprobs is not None else None,
+                )
+            )
+        finished = all(child.is_finished for child in tracked.children)
+        if finished:
+            tracked.metrics["finished_time"] = now
+            self._tracked.pop(tracked.request_id, None)
+            for child in tracked.children:
+                self._child_to_parent.pop(child.request_id, None)
+        return RequestOutput(
+            request_id=tracked.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=tracked.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=min(child.num_cached_tokens for child in tracked.children),
+            metrics=dict(tracked.metrics),
+        )
+
+    def check_integrity(self) -> None:
+        """KV bookkeeping holds; with no request in flight every block must be free."""
+        self.kv_cache_manager.check_integrity()
+        if not self._tracked:
+            self.kv_cache_manager.block_pool.check_integrity(expect_all_free=True)

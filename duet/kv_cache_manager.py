@@ -1,0 +1,122 @@
+"""Which blocks each request holds; prefix-cache lookups. Hides the pool from the scheduler."""
+
+from __future__ import annotations
+
+from duet.block_pool import BlockIntegrityError, BlockPool, KVCacheBlock, hash_block_tokens
+from duet.request import Request
+
+
+class KVCacheManager:
+    """Maps requests to block lists and keeps their full blocks published in the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._req_to_hashes: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
+        """Chained hashes of the request's full blocks among its first ``num_tokens`` tokens."""
+        hashes = self._req_to_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for index in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[index * bs : (index + 1) * bs]))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request, as blocks and a token count.
+
+        The last prompt token is never served from cache: its logits are needed to sample.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_cached_tokens = request.num_tokens - 1
+        hashes = self._block_hashes(request, max_cached_tokens)
+        blocks = []
+        bs = self.block_size
+        for index, block_hash in enumerate(hashes):
+            block = self.block_pool.get_cached_block(block_hash, request.all_token_ids[index * bs : (index + 1) * bs])
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup (not every retry of a request left waiting)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Give the request room for ``num_new_tokens`` more tokens of KV, or return None.
+
+        ``new_computed_blocks`` are prefix-cache hits found by ``get_computed_blocks`` for a
+        request not yet holding blocks; their tokens count as computed.
+        """
+        computed = new_computed_blocks or []
+        held = self.req_to_blocks.get(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
+        total_tokens = num_computed_tokens + num_new_tokens
+        num_required = -(-total_tokens // self.block_size) - len(held) - len(computed)
+        # Hits sitting in the free queue stop being allocatable once touched.
+        num_evictable_hits = sum(1 for block in computed if block.ref_cnt == 0)
+        if num_required > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.block_pool.touch(computed)
+        new_blocks = self.block_pool.get_new_blocks(max(num_required, 0))
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks.extend(computed)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        hashes = self._block_hashes(request, num_tokens)
+        already = self._num_cached_blocks.get(request.request_id, 0)
+        for index in range(already, num_tokens // bs):
+            self.block_pool.cache_block(blocks[index], hashes[index], request.all_token_ids[index * bs : (index + 1) * bs])
+        self._num_cached_blocks[request.request_id] = max(already, num_tokens // bs)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its last blocks are evicted before its prefix."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self._req_to_hashes.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def check_integrity(self) -> None:
+        """Pool invariants, and every held block's ref count covers the requests holding it."""
+        self.block_pool.check_integrity(expect_all_free=False)
+        holders: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for block in blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for block in self.block_pool.blocks:
+            if block.ref_cnt != holders.get(block.block_id, 0):
+                raise BlockIntegrityError(
+                    f"block {block.block_id} has ref_cnt={block.ref_cnt} but {holders.get(block.block_id, 0)} holders"
+                )

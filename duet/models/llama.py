@@ -1,0 +1,158 @@
+"""Llama-family decoder reading and writing the paged KV cache.
+
+The model sees one flat batch of tokens (every sequence's new tokens back to back) and
+returns logits only for the rows the sampler needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from duet.kernels import AttentionMetadata, paged_attention
+from duet.kernels.fused import add_rms_norm, rms_norm, rope_and_write_kv, silu_and_mul
+from duet.models.linear import Linear
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The shape of a Llama checkpoint, read from its Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> LlamaArch:
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported yet")
+        theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise ``x``; with ``residual``, first add ``x`` into it (in place) and normalise the sum."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE tables (fp32), indexed by position."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos().contiguous(), persistent=False)
+        self.register_buffer("sin", freqs.sin().contiguous(), persistent=False)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, arch.hidden_size)
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        rope_and_write_kv(q, k, v, positions, rotary.cos, rotary.sin, key_cache, value_cache, metadata.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. It takes the normalised input and the residual stream, and returns
+    the MLP output for the next norm to add in (norm and residual add are fused)."""
+
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch)
+
+    def forward(self, x, residual, positions, rotary, kv_cache, metadata) -> torch.Tensor:
+        attn_out = self.self_attn(x, positions, rotary, kv_cache, metadata)
+        return self.mlp(self.post_attention_layernorm(attn_out, residual))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head, over a paged KV cache."""
+
+    def __init__(self, arch: LlamaArch, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        residual = self.embed_tokens(input_ids)
+        x = self.layers[0].input_layernorm(residual)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            mlp_out = layer(x, residual, positions, self.rotary, kv_cache, metadata)
+            next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            x = next_norm(mlp_out, residual)
+        return self.lm_head(x[logits_indices]).float()

@@ -1,0 +1,302 @@
+"""Turns one step's logits into next tokens: forbidden tokens, penalties, greedy or filtered random sampling.
+
+Per-row settings become tensors once per step (`build_sampling_metadata`) so the sampler itself
+is a handful of batched ops; the flags on `SamplingMetadata` let the common cases skip whole stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from duet.sampling_params import SamplingParams
+
+# How many of the likeliest tokens top-p sorts before falling back to the whole vocabulary.
+_TOP_P_CANDIDATES = 1024
+
+
+@dataclass
+class SamplingMetadata:
+    """Everything the sampler needs for one step, one entry per logits row.
+
+    Sampling tensors are None when ``all_greedy``; penalty tensors are None when ``no_penalties``.
+    Greedy rows carry neutral values (top_k=vocab_size, top_p=1, min_p=0) and ``temperature == 0``,
+    and the ``no_*`` flags only look at the random rows.
+    """
+
+    all_greedy: bool
+    no_penalties: bool
+    # Per row: how many top logprobs the request asked for, None when it asked for none.
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None
+    # (row indices, token ids) as two 1-D tensors ready for advanced indexing; None when empty.
+    forbidden_token_ids: tuple[torch.Tensor, torch.Tensor] | None
+    no_top_k: bool = True
+    no_top_p: bool = True
+    no_min_p: bool = True
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    # Row -> the request's own generator, only for random rows whose request has a seed.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    repetition_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    # [rows, longest] token ids padded with vocab_size (a bin that is counted, then dropped).
+    prompt_token_ids: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and the raw log-probabilities of rows that asked for them.
+
+    ``logprobs`` is None when no row asked; otherwise it has one entry per row: None for a row
+    that did not ask, else a dict of its top-``logprobs`` tokens (highest first) plus the sampled
+    token (last, if it is not already among them) mapped to log_softmax of the raw model logits.
+    """
+
+    sampled_token_ids: list[int]
+    logprobs: list[dict[int, float] | None] | None
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A request's own random stream, so its samples depend only on its seed."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+    forbidden_token_ids: list[tuple[int, ...]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """Gather one step's per-row settings into tensors; all arguments are indexed by logits row.
+
+    ``generators[row]`` is the request's generator (None when it has no seed).
+    ``forbidden_token_ids[row]`` are tokens whose logits are set to -inf this step.
+    """
+    num_logprobs = [p.logprobs for p in params]
+    asked = [n for n in num_logprobs if n is not None]
+    metadata = SamplingMetadata(
+        all_greedy=all(p.greedy for p in params),
+        no_penalties=all(
+            p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+            for p in params
+        ),
+        num_logprobs=num_logprobs,
+        max_num_logprobs=max(asked) if asked else None,
+        forbidden_token_ids=_forbidden_indices(forbidden_token_ids, vocab_size, device),
+    )
+    if not metadata.all_greedy:
+        _add_sampling_tensors(metadata, params, generators, vocab_size, device)
+    if not metadata.no_penalties:
+        _add_penalty_tensors(metadata, params, prompt_token_ids, output_token_ids, vocab_size, device)
+    return metadata
+
+
+def _forbidden_indices(
+    forbidden_token_ids: list[tuple[int, ...]], vocab_size: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows, token_ids = [], []
+    for row, ids in enumerate(forbidden_token_ids):
+        for token_id in ids:
+            # A token outside the logits can never be sampled, so forbidding it is a no-op.
+            if token_id < vocab_size:
+                rows.append(row)
+                token_ids.append(token_id)
+    if not rows:
+        return None
+    return torch.tensor(rows, device=device), torch.tensor(token_ids, device=device)
+
+
+def _add_sampling_tensors(
+    metadata: SamplingMetadata,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device | str,
+) -> None:
+    random_params = [(row, p) for row, p in enumerate(params) if not p.greedy]
+    top_k = [vocab_size] * len(params)
+    top_p = [1.0] * len(params)
+    min_p = [0.0] * len(params)
+    for row, p in random_params:
+        top_k[row] = min(p.effective_top_k or vocab_size, vocab_size)
+        top_p[row] = p.top_p
+        min_p[row] = p.min_p
+    metadata.no_top_k = all(k == vocab_size for k in top_k)
+    metadata.no_top_p = all(p == 1.0 for p in top_p)
+    metadata.no_min_p = all(p == 0.0 for p in min_p)
+    metadata.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    metadata.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+    metadata.top_p = torch.tensor(top_p, dtype=torch.float32, device=device)
+    metadata.min_p = torch.tensor(min_p, dtype=torch.float32, device=device)
+    metadata.generators = {row: generators[row] for row, _ in random_params if generators[row] is not None}
+
+
+def _add_penalty_tensors(
+    metadata: SamplingMetadata,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> None:
+    def as_tensor(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    metadata.repetition_penalties = as_tensor([p.repetition_penalty for p in params])
+    metadata.frequency_penalties = as_tensor([p.frequency_penalty for p in params])
+    metadata.presence_penalties = as_tensor([p.presence_penalty for p in params])
+    # Only the repetition penalty looks at the prompt; skip copying long prompts when none uses it.
+    uses_prompt = any(p.repetition_penalty != 1.0 for p in params)
+    prompts = prompt_token_ids if uses_prompt else [[] for _ in params]
+    metadata.prompt_token_ids = _pad(prompts, vocab_size, device)
+    metadata.output_token_ids = _pad(output_token_ids, vocab_size, device)
+
+
+def _pad(token_ids: list[list[int]], pad_id: int, device: torch.device | str) -> torch.Tensor:
+    longest = max((len(ids) for ids in token_ids), default=0)
+    padded = [ids + [pad_id] * (longest - len(ids)) for ids in token_ids]
+    return torch.tensor(padded, dtype=torch.int64, device=device)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] occurrence counts; the padding id vocab_size lands in a dropped extra bin."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition, then frequency, then presence penalty, as vLLM applies them; returns new logits.
+
+    Repetition covers tokens seen in prompt or output: positive logits are divided by the
+    penalty, the others multiplied. Frequency subtracts penalty x count in the output; presence
+    subtracts the penalty once for any token present in the output.
+    """
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts(metadata.output_token_ids, vocab_size)
+    in_output = output_counts > 0
+    seen = in_output | (_token_counts(metadata.prompt_token_ids, vocab_size) > 0)
+    repetition = torch.where(seen, metadata.repetition_penalties.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = logits - metadata.frequency_penalties.unsqueeze(1) * output_counts
+    return logits - metadata.presence_penalties.unsqueeze(1) * in_output
+
+
+class Sampler:
+    """Picks one token per logits row.
+
+    Order: forbidden tokens to -inf, penalties (greedy rows too), then argmax for greedy rows;
+    random rows go through temperature, min_p, top-k, top-p and an exponential race that draws
+    from the row's own generator when its request has a seed. Logprobs come from the raw logits.
+    """
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # Later stages only write into tensors they created, so the caller's logits stay untouched.
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        if metadata.forbidden_token_ids is not None:
+            logits = logits.index_put(metadata.forbidden_token_ids, logits.new_tensor(float("-inf")))
+        if not metadata.no_penalties:
+            logits = apply_penalties(logits, metadata)
+        sampled = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            sampled = torch.where(metadata.temperature == 0, sampled, _sample_random(logits, metadata))
+        sampled_token_ids = sampled.tolist()
+        logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled_token_ids, metadata)
+        return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs=logprobs)
+
+
+def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min_p, top-k, top-p, then an exponential race; greedy rows get a throwaway sample."""
+    temperature = metadata.temperature
+    logits = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+    if not metadata.no_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = metadata.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    if not metadata.no_top_k:
+        logits = _apply_top_k(logits, metadata.top_k)
+    if not metadata.no_top_p:
+        logits = _apply_top_p(logits, metadata.top_p)
+    return _exponential_race(logits.softmax(dim=-1), metadata.generators)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's top_k largest logits (and any tied with the k-th); top_k=vocab_size keeps all."""
+    vocab_size = logits.shape[1]
+    disabled = top_k == vocab_size
+    max_k = int(top_k.masked_fill(disabled, 1).max())
+    top_values = logits.topk(max_k, dim=-1).values
+    kth_largest = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth_largest.masked_fill_(disabled.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p.
+
+    Runs after top-k, so the mass is measured among its survivors, renormalized. Tokens tied
+    with the last kept one are kept too. A full-vocabulary sort costs ~10x a top-k on CPU, so
+    only the likeliest candidates are sorted, and only rows they do not cover get a full sort.
+    """
+    probs = logits.softmax(dim=-1)
+    candidates = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values
+    threshold = _top_p_threshold(candidates, top_p)
+    uncovered = (top_p < 1.0) & (candidates.sum(dim=-1) < top_p)
+    if uncovered.any():
+        full_sort = probs[uncovered].sort(dim=-1, descending=True).values
+        threshold[uncovered] = _top_p_threshold(full_sort, top_p[uncovered])
+    # Rows with top_p=1 keep everything, whatever rounding did to their cumulative sum.
+    threshold.masked_fill_((top_p == 1.0).unsqueeze(1), 0.0)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _top_p_threshold(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] probability of the token whose cumulative mass (descending) first reaches top_p."""
+    cumulative = sorted_probs.cumsum(dim=-1)
+    # Tokens before the one that reaches top_p, plus that one.
+    num_kept = ((cumulative < top_p.unsqueeze(1)).sum(dim=-1) + 1).clamp(max=sorted_probs.shape[1])
+    return sorted_probs.gather(1, (num_kept - 1).unsqueeze(1))
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exponential(1) per token picks token i with probability probs[i].
+
+    q = -log(u), u ~ Uniform: on CPU uniform_ plus log is ~2x faster than exponential_.
+    """
+    uniform = torch.empty_like(probs).uniform_()
+    for row, generator in generators.items():
+        uniform[row].uniform_(generator=generator)
+    # u = 0 would make q infinite; if a row's only candidate drew it, argmax would return token 0.
+    q = uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled_token_ids: list[int], metadata: SamplingMetadata
+) -> list[dict[int, float] | None]:
+    top_values, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)
+    sampled_values = raw_logprobs.gather(
+        1, torch.tensor(sampled_token_ids, device=raw_logprobs.device).unsqueeze(1)
+    ).squeeze(1)
+    top_values, top_ids, sampled_values = top_values.tolist(), top_ids.tolist(), sampled_values.tolist()
+    logprobs: list[dict[int, float] | None] = []
+    for row, num in enumerate(metadata.num_logprobs):
+        if num is None:
+            logprobs.append(None)
+            continue
+        row_logprobs = dict(zip(top_ids[row][:num], top_values[row][:num]))
+        row_logprobs.setdefault(sampled_token_ids[row], sampled_values[row])
+        logprobs.append(row_logprobs)
+    return logprobs

@@ -1,0 +1,202 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, prefix hits, preemption.
+
+There is no prefill phase and no decode phase. Each request has ``num_computed_tokens``
+and catches up to ``num_tokens`` within the step's token budget; running requests go
+first, then waiting ones in arrival order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from duet.kv_cache_manager import KVCacheManager
+from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from duet.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()
+        self._runner_known: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: set[str] = set()
+
+        # running requests, oldest first; the newest give way when blocks run out
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = [block.block_id for block in blocks]
+            budget -= num_new
+            index += 1
+
+        # waiting requests, in arrival order, while nothing had to be preempted
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        return self._build_output(num_scheduled, new_blocks, preempted)
+
+    def _build_output(
+        self,
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+        preempted: set[str],
+    ) -> SchedulerOutput:
+        new_requests, cached_requests = [], []
+        for request_id in num_scheduled:
+            request = self.requests[request_id]
+            if request_id not in self._runner_known:
+                new_requests.append(
+                    NewRequestData(
+                        request_id=request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=self.kv_cache_manager.block_ids(request_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+                self._runner_known.add(request_id)
+            else:
+                cached_requests.append(
+                    CachedRequestData(request_id, new_blocks[request_id], request.num_computed_tokens)
+                )
+        finished, self._finished_ids = self._finished_ids, set()
+        self._runner_known -= preempted
+        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.warning(
+            "preempted request %s by recompute (%d tokens, %d free blocks, %d preemptions so far)",
+            request.request_id,
+            request.num_tokens,
+            self.kv_cache_manager.num_free_blocks,
+            self.num_preemptions,
+        )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, stop what is done. Returns requests that got tokens."""
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                request.num_computed_tokens += num_tokens
+        changed = []
+        for request_id, token_ids in zip(runner_output.request_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished or not token_ids:
+                continue
+            for token_id in token_ids:
+                request.append_output_token_ids([token_id])
+                status = self._check_stop(request)
+                if status is not None:
+                    self.finish_request(request_id, status)
+                    break
+            changed.append(request)
+        return changed
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Stop a request (done, stopped by a stop string, or aborted) and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None or request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        if request_id in self._runner_known:
+            self._runner_known.discard(request_id)
+            self._finished_ids.add(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

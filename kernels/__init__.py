@@ -1,0 +1,45 @@
+"""Attention over paged KV and the KV-cache write: one dispatch point, by device.
+
+CUDA tensors go to the Triton kernels; CPU tensors to the C++ kernels of ``cpu_ops`` for
+decode-sized queries and to torch for the rest (and for everything when the C++ kernels
+are unavailable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from duet.kernels import cpu_ops
+from duet.kernels.metadata import AttentionMetadata
+from duet.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+
+__all__ = ["AttentionMetadata", "paged_attention", "write_kv_cache"]
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if key.is_cuda:
+        from duet.kernels.triton_attention import write_kv_cache_triton
+
+        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        write_kv_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    if query.is_cuda:
+        from duet.kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(query, key_cache, value_cache, metadata, scale)
+    return paged_attention_torch(query, key_cache, value_cache, metadata, scale, native_ops=cpu_ops.load())

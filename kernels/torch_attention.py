@@ -1,0 +1,146 @@
+"""Paged attention and KV-cache write in plain torch: the CPU path and the reference.
+
+Cache layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``. Heads come
+first so that gathering a batch's blocks yields ``[num_kv_heads, num_seqs, tokens,
+head_dim]`` at once, ready for batched matmuls without a transpose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from duet.kernels.metadata import AttentionMetadata
+
+# Sequences with at most this many query tokens (decode steps, speculative verification)
+# are attended together in one padded batch; longer ones (prompt chunks) one by one.
+MAX_BATCHED_QUERY_LEN = 8
+
+
+def write_kv_cache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each new token's K and V (``[num_tokens, num_kv_heads, head_dim]``) at its slot."""
+    num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
+    flat_keys = key_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
+    flat_values = value_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
+    flat_keys.index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
+    flat_values.index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    native_ops=None,
+) -> torch.Tensor:
+    """Causal attention of ``query`` (``[num_tokens, num_heads, head_dim]``) over paged KV.
+
+    Short queries (decode, verification) go to ``native_ops.paged_attention`` when given
+    (the C++ CPU kernel), else to one padded batch of torch matmuls; prompt chunks go
+    one by one to ``scaled_dot_product_attention``.
+    """
+    output = torch.empty_like(query)
+    short = [i for i, q_len in enumerate(metadata.query_lens) if q_len <= MAX_BATCHED_QUERY_LEN]
+    if short and native_ops is not None:
+        native_ops.paged_attention(
+            output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, short, scale,
+        )
+    elif short:
+        _attend_short_queries(query, key_cache, value_cache, metadata, scale, short, output)
+    if len(short) < metadata.num_seqs:
+        short_set = set(short)
+        starts = metadata.query_start_loc.tolist()
+        for seq in range(metadata.num_seqs):
+            if seq not in short_set:
+                _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, starts[seq], output)
+    return output
+
+
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[kv_heads, seqs, num_blocks * block_size, head_dim]`` for the given block table rows."""
+    num_kv_heads, _, block_size, head_dim = cache.shape
+    gathered = cache[:, block_tables[:, :num_blocks]]
+    return gathered.view(num_kv_heads, block_tables.shape[0], num_blocks * block_size, head_dim)
+
+
+def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, output) -> None:
+    """All short-query sequences at once: one gather, two batched matmuls, one softmax."""
+    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    query_lens = [metadata.query_lens[i] for i in seqs]
+    seq_lens = [metadata.seq_lens_list[i] for i in seqs]
+    max_q = max(query_lens)
+    max_len = max(seq_lens)
+    num_blocks = -(-max_len // block_size)
+    all_seqs = len(seqs) == metadata.num_seqs
+    uniform = all_seqs and max_q == 1
+
+    if uniform:
+        rows = None
+        q = query
+    else:
+        starts = metadata.query_start_loc.tolist()
+        row_index = [[starts[s] + min(j, q_len - 1) for j in range(max_q)] for s, q_len in zip(seqs, query_lens)]
+        rows = torch.tensor(row_index, dtype=torch.long)
+        q = query[rows.view(-1)]
+    num_seqs = len(seqs)
+    tables = metadata.block_tables if all_seqs else metadata.block_tables[torch.tensor(seqs, dtype=torch.long)]
+    keys = _gather_blocks(key_cache, tables, num_blocks)
+    values = _gather_blocks(value_cache, tables, num_blocks)
+
+    # [seqs * max_q, heads, d] -> [kv_heads, seqs, max_q * group, d]
+    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+    q = q.reshape(num_kv_heads, num_seqs, max_q * group, head_dim).to(key_cache.dtype)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+
+    key_pos = torch.arange(num_blocks * block_size)
+    seq_lens_t = torch.tensor(seq_lens)
+    if max_q == 1:
+        visible = key_pos[None, :] < seq_lens_t[:, None]
+        visible = visible[:, None, :]
+    else:
+        q_pos = seq_lens_t[:, None] - torch.tensor(query_lens)[:, None] + torch.arange(max_q)[None, :]
+        visible = key_pos[None, None, :] <= q_pos[:, :, None]
+        visible = visible.repeat_interleave(group, dim=1)
+    scores.masked_fill_(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # [kv_heads, seqs, max_q * group, d]
+    out = out.view(num_kv_heads, num_seqs, max_q, group, head_dim).permute(1, 2, 0, 3, 4)
+    out = out.reshape(num_seqs * max_q, num_heads, head_dim).to(output.dtype)
+    if rows is None:
+        output.copy_(out)
+        return
+    keep = torch.tensor([j < q_len for q_len in query_lens for j in range(max_q)])
+    output[rows.view(-1)[keep]] = out[keep]
+
+
+def _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, start, output) -> None:
+    """A prompt chunk: SDPA over its cached context plus itself, causal from its offset."""
+    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    q_len = metadata.query_lens[seq]
+    seq_len = metadata.seq_lens_list[seq]
+    num_blocks = -(-seq_len // block_size)
+    table = metadata.block_tables[seq : seq + 1]
+    keys = _gather_blocks(key_cache, table, num_blocks)[:, 0, :seq_len]
+    values = _gather_blocks(value_cache, table, num_blocks)[:, 0, :seq_len]
+    q = query[start : start + q_len].transpose(0, 1).to(key_cache.dtype)  # [heads, q_len, d]
+    context = seq_len - q_len
+    if context == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[None], keys[None], values[None], is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        q_pos = torch.arange(context, seq_len)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    output[start : start + q_len] = out[0].transpose(0, 1).to(output.dtype)

@@ -1,0 +1,50 @@
+"""Shared fixtures: the real SmolLM2 (converted once per machine) and tiny random Llamas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from duet.models.gguf_convert import ensure_smollm2
+
+    return ensure_smollm2()
+
+
+def make_tiny_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight Llama with SmolLM2's tokenizer, saved as a Hugging Face directory."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).float()
+    # Spread the logits so that greedy choices are not near-ties.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(str(target))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(target))
+    assert json.loads((target / "config.json").read_text())["num_hidden_layers"] == settings["num_hidden_layers"]
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)

@@ -1,0 +1,152 @@
+"""Engine behaviour on a tiny random Llama: sampling options, stops, n, aborts, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet import LLM, SamplingParams
+from duet.config import ConfigError
+from duet.engine import RequestValidationError
+from duet.sampling_params import SamplingParamsError
+from tests.reference import compare_to_reference, hf_greedy
+
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017)), [42]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    engine = LLM(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=64)
+    yield engine
+    engine.engine.check_integrity()
+
+
+def _greedy(max_tokens=12, **kwargs):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, **kwargs)
+
+
+def test_greedy_matches_transformers_with_chunked_batches(llm, tiny_llama_dir):
+    """Guards the model, the paged cache and chunking (64-token budget) against the oracle."""
+    references = hf_greedy(tiny_llama_dir, PROMPTS, 12)
+    outputs = llm.generate(PROMPTS, _greedy())
+    for index, (output, reference) in enumerate(zip(outputs, references)):
+        assert compare_to_reference(output.outputs[0].token_ids, reference, f"prompt {index}") is None
+    llm.engine.check_integrity()
+
+
+def test_stop_string_truncates_text_and_reports_it(llm):
+    """Guards against text running past a stop string, or the string leaking into the output."""
+    full = llm.generate([PROMPTS[0]], _greedy(max_tokens=16))[0].outputs[0]
+    stop = full.text[5:9]
+    assert stop and stop not in full.text[:5]
+    cut = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, stop=[stop]))[0].outputs[0]
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
+    kept = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, stop=[stop], include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == full.text[: full.text.index(stop) + len(stop)]
+    llm.engine.check_integrity()
+
+
+def test_stop_token_ids_end_generation_on_that_token(llm):
+    full = llm.generate([PROMPTS[1]], _greedy())[0].outputs[0].token_ids
+    stop_token = full[3]
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]))[0]
+    assert out.outputs[0].token_ids == full[: full.index(stop_token) + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_token)
+
+
+def test_min_tokens_holds_back_stop_tokens(llm):
+    """Guards against a stop token ending a request before min_tokens."""
+    first = llm.generate([PROMPTS[2]], _greedy())[0].outputs[0].token_ids[0]
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4, stop_token_ids=[first]))[0]
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) >= 4 and first not in tokens[:4]
+
+
+def test_max_tokens_finishes_with_length(llm):
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (5, "length")
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    """Guards per-request generators: the same seed gives the same tokens alone or in a crowd."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=1234)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=10)
+    crowd = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others, params, others])
+    assert crowd[1].outputs[0].token_ids == alone
+    different = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seed=99))
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_n_completions_share_the_prompt_blocks(llm):
+    """Guards n > 1: distinct samples, one RequestOutput, the prompt's full blocks reused."""
+    hits_before = llm.engine.kv_cache_manager.prefix_cache_hits
+    out = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert llm.engine.kv_cache_manager.prefix_cache_hits - hits_before >= 2 * (len(PROMPTS[1]) // 16) * 16
+    llm.engine.check_integrity()
+
+
+def test_logprobs_include_the_sampled_token(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert token_id in entry and len(entry) >= 3
+        assert max(entry.values()) == entry[token_id] and all(v <= 0 for v in entry.values())
+
+
+def test_abort_mid_generation_frees_every_block(llm):
+    engine = llm.engine
+    engine.add_request("abort-me", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_cache_manager.usage > 0
+    engine.abort_request("abort-me")
+    engine.step()
+    engine.check_integrity()
+    assert engine.runner.requests == {}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 49152], SamplingParams(), "integers in"),
+        (list(range(512)), SamplingParams(), "max_model_len is 512"),
+        ([1, 2, 3], SamplingParams(max_tokens=600), "max_tokens=600 exceeds max_model_len=512"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_reason(llm, prompt, params, message):
+    with pytest.raises(RequestValidationError, match=message):
+        llm.generate([prompt], params)
+    llm.engine.check_integrity()
+
+
+def test_bad_sampling_params_are_refused_at_construction():
+    with pytest.raises(SamplingParamsError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"block_size": 12}, ConfigError, "power of two"),
+        ({"dtype": "float64"}, ConfigError, "dtype='float64' is not supported"),
+        ({"max_num_seqs": 0}, ConfigError, "max_num_seqs"),
+        ({"max_model_len": 4096}, ConfigError, "exceeds the model's maximum of 1024"),
+        ({"gpu_memory_utilization": 0.9}, TypeError, "unknown arguments"),
+    ],
+)
+def test_bad_engine_settings_fail_at_construction(tiny_llama_dir, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        LLM(model=str(tiny_llama_dir), **kwargs)
+
+
+def test_unknown_model_names_the_aliases():
+    from duet.models.loader import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="not a known alias"):
+        LLM(model="no-such-model")

@@ -1,0 +1,128 @@
+"""The CPU kernels (C++ and torch) agree with an obviously-correct float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duet.kernels import AttentionMetadata, cpu_ops
+from duet.kernels.fused import add_rms_norm, rms_norm, rope_and_write_kv, rotate_half, silu_and_mul
+from duet.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
+
+NATIVE = cpu_ops.load()
+IMPLEMENTATIONS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain"))]
+
+
+def _metadata(query_lens, seq_lens, block_size, num_blocks, generator):
+    """Random, non-contiguous block tables for sequences of the given lengths."""
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, slots, cursor = [], [], 0
+    for q_len, s_len, n in zip(query_lens, seq_lens, blocks_needed):
+        table = perm[cursor : cursor + n]
+        cursor += n
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(s_len - q_len, s_len)]
+    width = max(blocks_needed)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens=list(query_lens),
+        seq_lens_list=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def _reference_attention(query, key_cache, value_cache, md, scale):
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty_like(query, dtype=torch.float64)
+    for seq, (q_len, s_len) in enumerate(zip(md.query_lens, md.seq_lens_list)):
+        start = int(md.query_start_loc[seq])
+        positions = torch.arange(s_len)
+        blocks = md.block_tables[seq][positions // block_size].long()
+        keys = key_cache[:, blocks, positions % block_size].double().repeat_interleave(group, 0)
+        values = value_cache[:, blocks, positions % block_size].double().repeat_interleave(group, 0)
+        q = query[start : start + q_len].double().transpose(0, 1)
+        scores = q @ keys.transpose(1, 2) * scale
+        q_pos = torch.arange(s_len - q_len, s_len)
+        scores.masked_fill_(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start : start + q_len] = (scores.softmax(-1) @ values).transpose(0, 1)
+    return out
+
+
+CASES = {
+    "decode": ([1, 1, 1, 1], [1, 16, 17, 40]),
+    "prefill": ([23], [23]),
+    "chunk_over_context": ([9], [41]),
+    "verification_spans": ([4, 4], [20, 33]),
+    "mixed": ([1, 30, 5, 1], [50, 30, 37, 16]),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+def test_paged_attention_matches_reference(impl, case, heads):
+    """Guards the causal offset, GQA head mapping, block-table indexing and partial last blocks."""
+    generator = torch.Generator().manual_seed(0)
+    query_lens, seq_lens = CASES[case]
+    num_heads, num_kv_heads = heads
+    head_dim, block_size, num_blocks = 64, 16, 24
+    md = _metadata(query_lens, seq_lens, block_size, num_blocks, generator)
+    key_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    value_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
+    got = paged_attention_torch(query, key_cache, value_cache, md, 0.125, native_ops=NATIVE if impl == "cpp" else None)
+    torch.testing.assert_close(got.double(), _reference_attention(query, key_cache, value_cache, md, 0.125), atol=2e-5, rtol=1e-4)
+
+
+def test_write_kv_cache_stores_each_token_at_its_slot():
+    """Guards against K/V landing in the wrong block, offset or head."""
+    key_cache = torch.zeros(2, 4, 4, 8)
+    value_cache = torch.zeros(2, 4, 4, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv_cache_torch(key, value, key_cache, value_cache, torch.tensor([13, 2, 7]))
+    for token, slot in enumerate([13, 2, 7]):
+        torch.testing.assert_close(key_cache[:, slot // 4, slot % 4], key[token], rtol=0, atol=0)
+        torch.testing.assert_close(value_cache[:, slot // 4, slot % 4], value[token], rtol=0, atol=0)
+    assert int((key_cache != 0).sum()) == 3 * 2 * 8
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
+def test_fused_layer_ops_match_transformers_formulas():
+    """Guards the fused norm (with residual add), RoPE + cache write and SiLU-and-mul."""
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    expected = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), expected, atol=1e-5, rtol=1e-5)
+    summed = residual + x
+    normed = add_rms_norm(x.clone(), residual, weight, 1e-5)
+    torch.testing.assert_close(residual, summed, atol=0, rtol=0)
+    torch.testing.assert_close(normed, weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-5)), atol=1e-5, rtol=1e-5)
+
+    gate_up = torch.randn(3, 2 * 40)
+    torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate_up[:, :40]) * gate_up[:, 40:], atol=1e-6, rtol=1e-5)
+
+    qkv = torch.randn(4, (6 + 2 + 2) * 16)
+    q, k, v = (t.view(4, -1, 16) for t in qkv.split([96, 32, 32], dim=-1))
+    positions = torch.tensor([0, 5, 6, 30])
+    freqs = torch.outer(torch.arange(64).float(), 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)))
+    cos_table, sin_table = freqs.cos(), freqs.sin()
+    expected_q = rotate_half(q, cos_table[positions][:, None], sin_table[positions][:, None])
+    expected_k = rotate_half(k, cos_table[positions][:, None], sin_table[positions][:, None])
+    key_cache, value_cache = torch.zeros(2, 4, 8, 16), torch.zeros(2, 4, 8, 16)
+    slots = torch.tensor([3, 9, 10, 31])
+    rope_and_write_kv(q, k, v, positions, cos_table, sin_table, key_cache, value_cache, slots)
+    torch.testing.assert_close(q, expected_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, expected_k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(key_cache.view(2, 32, 16)[:, slots].transpose(0, 1), expected_k, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(value_cache.view(2, 32, 16)[:, slots].transpose(0, 1), v, atol=0, rtol=0)

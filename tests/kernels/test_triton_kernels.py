@@ -1,0 +1,188 @@
+"""The Triton cache-write and paged-attention kernels, run by Triton's CPU interpreter
+against a float64 reference that gathers each sequence's K/V through its block table."""
+
+import os
+
+# The interpreter must be chosen before triton is imported anywhere.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from duet.kernels.metadata import AttentionMetadata  # noqa: E402
+from duet.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _build_batch(spans, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Fill a NaN-initialised cache for sequences given as ``(context_len, query_len)``.
+
+    Blocks are handed out from a random permutation, so block ids are shuffled and
+    non-contiguous; unused slots stay NaN so a kernel reading past a sequence shows up.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [context + query for context, query in spans]
+    blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = torch.randperm(num_blocks, generator=generator)[: sum(blocks_per_seq)].tolist()
+
+    cache_shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
+    block_tables = torch.zeros(len(spans), max(blocks_per_seq) + 1, dtype=torch.int32)
+    slot_mapping = []
+    for seq, (context_len, query_len) in enumerate(spans):
+        own_blocks = [block_ids.pop() for _ in range(blocks_per_seq[seq])]
+        block_tables[seq, : len(own_blocks)] = torch.tensor(own_blocks, dtype=torch.int32)
+        for position in range(context_len + query_len):
+            block, offset = own_blocks[position // block_size], position % block_size
+            key_cache[:, block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator).to(dtype)
+            value_cache[:, block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator).to(dtype)
+            if position >= context_len:
+                slot_mapping.append(block * block_size + offset)
+
+    query_lens = [query for _, query in spans]
+    query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens=query_lens,
+        seq_lens_list=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    query = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, metadata
+
+
+def _reference_attention(query, key_cache, value_cache, metadata, scale):
+    """Per sequence: gather K/V by position, mask causally with the context offset, float64."""
+    block_size = key_cache.shape[2]
+    group = query.shape[1] // key_cache.shape[0]
+    outputs = []
+    for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_list)):
+        positions = torch.arange(seq_len)
+        blocks = metadata.block_tables[seq, positions // block_size].long()
+        keys = key_cache[:, blocks, positions % block_size].double().repeat_interleave(group, dim=0)
+        values = value_cache[:, blocks, positions % block_size].double().repeat_interleave(group, dim=0)
+        start = int(metadata.query_start_loc[seq])
+        seq_query = query[start : start + query_len].double().transpose(0, 1)  # [heads, q, d]
+        scores = seq_query @ keys.transpose(1, 2) * scale
+        query_positions = seq_len - query_len + torch.arange(query_len)
+        scores = scores.masked_fill(positions[None, :] > query_positions[:, None], float("-inf"))
+        outputs.append((scores.softmax(dim=-1) @ values).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def _check_attention(spans, num_q_heads=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32):
+    query, key_cache, value_cache, metadata = _build_batch(
+        spans, num_q_heads, num_kv_heads, head_dim, block_size, dtype
+    )
+    scale = head_dim**-0.5
+    out = paged_attention_triton(query, key_cache, value_cache, metadata, scale)
+    expected = _reference_attention(query, key_cache, value_cache, metadata, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+GQA_AND_DTYPE = pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, dtype",
+    [(4, 4, torch.float32), (9, 3, torch.float32), (9, 3, torch.bfloat16)],
+)
+
+
+@GQA_AND_DTYPE
+def test_decode_batch_with_partial_last_blocks(num_q_heads, num_kv_heads, dtype):
+    """Decode tokens at lengths 1, 16, 17 and 40 must ignore the unwritten tail of the last block."""
+    _check_attention([(0, 1), (15, 1), (16, 1), (39, 1)], num_q_heads, num_kv_heads, dtype=dtype)
+
+
+@GQA_AND_DTYPE
+def test_prefill_without_context_is_causal(num_q_heads, num_kv_heads, dtype):
+    _check_attention([(0, 21), (0, 5)], num_q_heads, num_kv_heads, dtype=dtype)
+
+
+@GQA_AND_DTYPE
+def test_prefill_chunk_attends_to_cached_context(num_q_heads, num_kv_heads, dtype):
+    """Chunk token j sits at context_len + j, not at j."""
+    _check_attention([(19, 13)], num_q_heads, num_kv_heads, dtype=dtype)
+
+
+@GQA_AND_DTYPE
+def test_mixed_batch_of_decode_prefill_and_chunk(num_q_heads, num_kv_heads, dtype):
+    _check_attention([(23, 1), (0, 18), (17, 9), (0, 1)], num_q_heads, num_kv_heads, dtype=dtype)
+
+
+def test_verification_span_of_k_plus_one_tokens():
+    """Speculative decoding verifies k+1 tokens per sequence on top of its context."""
+    _check_attention([(30, 4), (7, 4), (15, 4)], num_q_heads=9, num_kv_heads=3)
+
+
+def test_query_span_longer_than_one_tile():
+    """A 70-token prefill with 3-way GQA spans four query tiles of 21 tokens."""
+    _check_attention([(5, 70)], num_q_heads=6, num_kv_heads=2, head_dim=16)
+
+
+def test_head_dim_128_and_block_size_32():
+    _check_attention([(40, 1), (0, 33)], num_q_heads=2, num_kv_heads=1, head_dim=128, block_size=32)
+
+
+def test_non_power_of_two_head_dim_is_padded():
+    _check_attention([(10, 1), (0, 7)], num_q_heads=2, num_kv_heads=2, head_dim=80)
+
+
+def test_query_sliced_from_fused_qkv_uses_its_strides():
+    """Models split q out of a fused qkv projection, leaving a non-contiguous view."""
+    spans = [(12, 1), (0, 6)]
+    query, key_cache, value_cache, metadata = _build_batch(spans, 9, 3, 64, 16, torch.float32)
+    fused = torch.cat([query, torch.randn(query.shape[0], 6, 64)], dim=1)
+    query_view = fused[:, :9]
+    assert not query_view.is_contiguous()
+    out = paged_attention_triton(query_view, key_cache, value_cache, metadata, 0.125)
+    expected = _reference_attention(query, key_cache, value_cache, metadata, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_rejects_mismatched_head_counts():
+    query, key_cache, value_cache, metadata = _build_batch([(0, 2)], 4, 3, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_q_heads=4 must be a multiple of num_kv_heads=3"):
+        paged_attention_triton(query, key_cache, value_cache, metadata, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_stores_each_token_and_skips_padding(dtype):
+    num_kv_heads, num_blocks, block_size, head_dim = 3, 4, 16, 64
+    key_cache = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    # Slots in blocks 2, 0 and 3; the -1 token is padding and must not land anywhere.
+    slot_mapping = torch.tensor([37, 5, -1, 63], dtype=torch.int64)
+    key = torch.randn(4, num_kv_heads, head_dim).to(dtype)
+    value = torch.randn(4, num_kv_heads, head_dim).to(dtype)
+
+    write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+
+    expected_key = torch.zeros_like(key_cache)
+    expected_value = torch.zeros_like(value_cache)
+    for token, (block, offset) in {0: (2, 5), 1: (0, 5), 3: (3, 15)}.items():
+        expected_key[:, block, offset] = key[token]
+        expected_value[:, block, offset] = value[token]
+    assert torch.equal(key_cache, expected_key)
+    assert torch.equal(value_cache, expected_value)
+
+
+def test_write_kv_cache_reads_key_and_value_through_strides():
+    """K and V arrive as views of a fused [tokens, q+k+v heads, head_dim] projection."""
+    num_kv_heads, block_size, head_dim = 2, 16, 32
+    fused = torch.randn(3, 4 + 2 * num_kv_heads, head_dim)
+    key, value = fused[:, 4:6], fused[:, 6:8]
+    key_cache = torch.zeros(num_kv_heads, 2, block_size, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+
+    write_kv_cache_triton(key, value, key_cache, value_cache, torch.tensor([16, 17, 0]))
+
+    assert torch.equal(key_cache[:, 1, :2], key[:2].transpose(0, 1))
+    assert torch.equal(value_cache[:, 0, 0], value[2])

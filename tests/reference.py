@@ -1,0 +1,57 @@
+"""transformers as the correctness oracle: greedy tokens and how close each choice was."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# A divergence from transformers is accepted only where its top-2 logits are this close.
+NEAR_TIE = 1e-3
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    top2_gaps: list[float]  # logit(best) - logit(second) at each generated position
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32) -> list[Reference]:
+    """transformers ``generate(do_sample=False)`` one prompt at a time (no padding effects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    references = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            gaps = []
+            for logits in out.scores:
+                top2 = torch.topk(logits[0].float(), 2).values
+                gaps.append(float(top2[0] - top2[1]))
+            references.append(Reference(tokens, gaps))
+    return references
+
+
+def compare_to_reference(got: list[int], reference: Reference, label: str) -> str | None:
+    """None when identical; a note when they split at a near-tie; AssertionError otherwise."""
+    for position, (ours, theirs) in enumerate(zip(got, reference.token_ids)):
+        if ours != theirs:
+            gap = reference.top2_gaps[position]
+            assert gap < NEAR_TIE, (
+                f"{label}: token {position} is {ours}, transformers gives {theirs} "
+                f"with a top-2 logit gap of {gap:.2e} (not a near-tie)"
+            )
+            return f"{label}: split from transformers at token {position} where its top-2 gap is {gap:.1e}"
+    assert len(got) == len(reference.token_ids), f"{label}: {len(got)} tokens, transformers {len(reference.token_ids)}"
+    return None
