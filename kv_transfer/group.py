@@ -1,0 +1,80 @@
+"""Pairwise process groups built at run time, without a global ``init_process_group``.
+
+Each receiving (decode) worker hosts one ``TCPStore``; a sending (prefill) worker that has
+never met it connects to that store's address, the two exchange their ``KVSpec`` through
+it (the handshake) and then build a 2-rank group under a key unique to the pair and the
+attempt: rank 0 receives, rank 1 sends. NCCL when both hold CUDA devices, gloo otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from duet.kv_transfer.spec import KVSpec
+
+RECEIVER_RANK = 0
+SENDER_RANK = 1
+
+
+class PeerUnreachableError(RuntimeError):
+    """The other replica did not join the group in time."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a receiver's store listens; travels in the handshake, small and picklable."""
+
+    host: str
+    port: int
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The receiver's store; port 0 picks a free one (read it back from ``store.port``)."""
+    return dist.TCPStore(
+        host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def connect_store(endpoint: Endpoint, timeout_s: float = 30.0) -> dist.TCPStore:
+    return dist.TCPStore(
+        endpoint.host, endpoint.port, None, False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+class PairGroup:
+    """A 2-rank group between one sender and one receiver, after a successful handshake."""
+
+    def __init__(self, store: dist.Store, pair_key: str, rank: int, spec: KVSpec, use_cuda: bool, timeout_s: float):
+        self.pair_key = pair_key
+        self.rank = rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        prefix = dist.PrefixStore(f"duet/{pair_key}", store)
+        peer = SENDER_RANK if rank == RECEIVER_RANK else RECEIVER_RANK
+        prefix.set(f"spec/{rank}", json.dumps(spec.to_dict()))
+        prefix.set(f"cuda/{rank}", "1" if use_cuda else "0")
+        try:
+            prefix.wait([f"spec/{peer}", f"cuda/{peer}"], self.timeout)
+        except RuntimeError as error:
+            raise PeerUnreachableError(f"peer of pair {pair_key} did not handshake within {timeout_s}s") from error
+        self.peer_spec = KVSpec.from_dict(json.loads(prefix.get(f"spec/{peer}")))
+        spec.check_compatible(self.peer_spec)
+        both_cuda = use_cuda and prefix.get(f"cuda/{peer}") == b"1"
+        group_store = dist.PrefixStore("group", prefix)
+        if both_cuda:
+            self.backend = "nccl"
+            self.group = dist.ProcessGroupNCCL(group_store, rank, 2, dist.ProcessGroupNCCL.Options())
+        else:
+            self.backend = "gloo"
+            self.group = dist.ProcessGroupGloo(group_store, rank, 2, self.timeout)
+        self.peer = peer
+
+    def send(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.group.send([tensor], self.peer, tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        return self.group.recv([tensor], self.peer, tag)

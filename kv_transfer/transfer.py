@@ -1,0 +1,206 @@
+"""Sender and receiver threads that move requests' KV blocks over pairwise groups.
+
+The decode side (receiver) decides a transfer: it allocates blocks, calls
+``KVReceiver.expect`` and hands the prefill side the transfer id, its endpoint and the
+pair key; the prefill side (sender) calls ``KVSender.send``. On each pair one thread per
+side works through transfers in order, so the engines' step loops never wait on the
+network. A transfer is a header ``[transfer_id, num_blocks]``, then each layer's packed
+K/V, then an acknowledgement back to the sender. Every wait has a timeout; a failure is
+reported per transfer through ``poll()``, and the pair's group is dropped so the next
+transfer rebuilds it under a new key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from duet.kv_transfer.group import Endpoint, PairGroup, RECEIVER_RANK, SENDER_RANK, connect_store, host_store
+from duet.kv_transfer.spec import KVSpec
+from duet.kv_transfer.wire import layer_shape, pack_layer, unpack_layer
+
+logger = logging.getLogger(__name__)
+
+_HEADER_TAG = 0
+_ACK_TAG = 1
+_FIRST_LAYER_TAG = 2
+
+
+@dataclass
+class TransferResult:
+    transfer_id: int
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class TransferStats:
+    """Counters for metrics: bytes moved, transfers done and failed, time spent."""
+
+    bytes: int = 0
+    transfers: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass
+class _Job:
+    transfer_id: int
+    block_ids: list[int]
+    pair_key: str
+    endpoint: Endpoint | None = None
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class _PairWorker:
+    """One thread per pair and direction, running jobs in order from a bounded queue."""
+
+    def __init__(self, owner: _TransferEndpoint, pair_key: str, max_pending: int) -> None:
+        self.owner = owner
+        self.pair_key = pair_key
+        self.jobs: queue.Queue[_Job] = queue.Queue(maxsize=max_pending)
+        self.group: PairGroup | None = None
+        self.broken = False
+        self.thread = threading.Thread(target=self._run, name=f"kv-{pair_key}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.owner.closed.is_set():
+            try:
+                job = self.jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if self.broken:
+                self.owner._report(TransferResult(job.transfer_id, False, error=f"pair {self.pair_key} is broken"))
+                continue
+            start = time.monotonic()
+            try:
+                if self.group is None:
+                    self.group = self.owner._make_group(self.pair_key, job)
+                num_bytes = self.owner._transfer(self.group, job)
+                self.owner._report(TransferResult(job.transfer_id, True, num_bytes, time.monotonic() - start))
+            except Exception as error:  # a network failure must reach the request, not kill the thread
+                self.broken = True
+                logger.warning("KV transfer %d on pair %s failed: %s", job.transfer_id, self.pair_key, error)
+                self.owner._report(TransferResult(job.transfer_id, False, error=str(error)))
+
+
+class _TransferEndpoint:
+    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, timeout_s: float = 30.0, max_pending: int = 64) -> None:
+        self.kv_cache = kv_cache
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.use_cuda = kv_cache.is_cuda
+        self.closed = threading.Event()
+        self.stats = TransferStats()
+        self._workers: dict[str, _PairWorker] = {}
+        self._results: queue.Queue[TransferResult] = queue.Queue()
+        self._lock = threading.Lock()
+
+    def _submit(self, job: _Job) -> None:
+        with self._lock:
+            worker = self._workers.get(job.pair_key)
+            if worker is None or worker.broken:
+                worker = self._workers[job.pair_key] = _PairWorker(self, job.pair_key, self.max_pending)
+        worker.jobs.put(job, timeout=self.timeout_s)
+
+    def _report(self, result: TransferResult) -> None:
+        if result.ok:
+            self.stats.bytes += result.num_bytes
+            self.stats.transfers += 1
+            self.stats.seconds += result.seconds
+        else:
+            self.stats.failures += 1
+        self._results.put(result)
+
+    def poll(self) -> list[TransferResult]:
+        """Transfers finished (or failed) since the last call."""
+        results = []
+        while True:
+            try:
+                results.append(self._results.get_nowait())
+            except queue.Empty:
+                return results
+
+    def _wait(self, work, what: str) -> None:
+        if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+            raise TimeoutError(f"{what} timed out after {self.timeout_s}s")
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class KVReceiver(_TransferEndpoint):
+    """The decode side: hosts the store, receives KV straight into its own blocks."""
+
+    def __init__(self, kv_cache, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0, max_pending: int = 64):
+        super().__init__(kv_cache, spec, timeout_s, max_pending)
+        self.store = host_store(host, 0, timeout_s)
+        self.endpoint = Endpoint(host, self.store.port)
+
+    def expect(self, transfer_id: int, block_ids: list[int], pair_key: str) -> None:
+        """Receive transfer ``transfer_id`` into ``block_ids`` from the sender of ``pair_key``."""
+        self._submit(_Job(transfer_id, list(block_ids), pair_key))
+
+    def _make_group(self, pair_key: str, job: _Job) -> PairGroup:
+        return PairGroup(self.store, pair_key, RECEIVER_RANK, self.spec, self.use_cuda, self.timeout_s)
+
+    def _transfer(self, group: PairGroup, job: _Job) -> int:
+        header = torch.zeros(2, dtype=torch.int64)
+        self._wait(group.recv(header, _HEADER_TAG), f"header of transfer {job.transfer_id}")
+        transfer_id, num_blocks = (int(v) for v in header)
+        if transfer_id != job.transfer_id or num_blocks != len(job.block_ids):
+            raise RuntimeError(
+                f"expected transfer {job.transfer_id} of {len(job.block_ids)} blocks, got {transfer_id} of {num_blocks}"
+            )
+        num_bytes = 0
+        buffer = torch.empty(layer_shape(self.kv_cache[0], num_blocks), dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        for layer in range(self.kv_cache.shape[0]):
+            self._wait(group.recv(buffer, _FIRST_LAYER_TAG + layer), f"layer {layer} of transfer {transfer_id}")
+            unpack_layer(self.kv_cache[layer], job.block_ids, buffer)
+            num_bytes += buffer.numel() * buffer.element_size()
+        self._wait(group.send(header.clone(), _ACK_TAG), f"ack of transfer {transfer_id}")
+        return num_bytes
+
+
+class KVSender(_TransferEndpoint):
+    """The prefill side: connects to receivers' stores and streams requests' blocks to them."""
+
+    def send(self, transfer_id: int, block_ids: list[int], endpoint: Endpoint, pair_key: str) -> None:
+        self._submit(_Job(transfer_id, list(block_ids), pair_key, endpoint))
+
+    def _make_group(self, pair_key: str, job: _Job) -> PairGroup:
+        store = connect_store(job.endpoint, self.timeout_s)
+        return PairGroup(store, pair_key, SENDER_RANK, self.spec, self.use_cuda, self.timeout_s)
+
+    def _transfer(self, group: PairGroup, job: _Job) -> int:
+        header = torch.tensor([job.transfer_id, len(job.block_ids)], dtype=torch.int64)
+        self._wait(group.send(header, _HEADER_TAG), f"header of transfer {job.transfer_id}")
+        num_bytes = 0
+        in_flight = None  # (work, buffer): one layer on the wire while the next is packed
+        for layer in range(self.kv_cache.shape[0]):
+            packed = pack_layer(self.kv_cache[layer], job.block_ids)
+            work = group.send(packed, _FIRST_LAYER_TAG + layer)
+            if in_flight is not None:
+                self._wait(in_flight[0], f"layer {layer - 1} of transfer {job.transfer_id}")
+            in_flight = (work, packed)
+            num_bytes += packed.numel() * packed.element_size()
+        self._wait(in_flight[0], f"last layer of transfer {job.transfer_id}")
+        ack = torch.zeros(2, dtype=torch.int64)
+        self._wait(group.recv(ack, _ACK_TAG), f"ack of transfer {job.transfer_id}")
+        if int(ack[0]) != job.transfer_id:
+            raise RuntimeError(f"transfer {job.transfer_id} acknowledged as {int(ack[0])}")
+        return num_bytes
