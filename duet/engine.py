@@ -142,6 +142,43 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
 
+    def add_transferred_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> Request | None:
+        """Track a request whose prompt KV another replica computed; it gets blocks for that KV
+        now (None when the cache has no room) and joins the batch at ``admit_transferred``."""
+        if params.n != 1:
+            raise RequestValidationError("a prefilled request carries one completion; fan out n before prefill")
+        if request_id in self._tracked:
+            raise RequestValidationError(f"request id {request_id!r} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        request = Request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=max_tokens), self.eos_token_id)
+        if self.kv_cache_manager.allocate_for_transfer(request, len(prompt_token_ids)) is None:
+            return None
+        request.append_output_token_ids([first_token_id])
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
+        )
+        detokenizer.add_tokens([first_token_id])
+        logprobs = [[]] if params.logprobs is not None else None
+        tracked = _Tracked(request_id, None, list(prompt_token_ids), [request], [detokenizer], logprobs)
+        tracked.metrics["arrival_time"] = time.monotonic()
+        self._tracked[request_id] = tracked
+        self._child_to_parent[request_id] = request_id
+        return request
+
+    def admit_transferred(self, request: Request) -> None:
+        """The prompt KV has arrived: publish its blocks and let the request decode."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache_manager.cache_received(request)
+        self.scheduler.add_prefilled_request(request)
+
+    def recompute_transferred(self, request: Request) -> None:
+        """The KV never arrived: compute the prompt (and first token) here instead."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        self.scheduler.add_request(request)
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks."""
         tracked = self._tracked.pop(request_id, None)
@@ -220,5 +257,5 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """KV bookkeeping holds; with no request in flight every block must be free."""
         self.kv_cache_manager.check_integrity()
-        if not self._tracked:
+        if not self._tracked and not self.kv_cache_manager.pinned:
             self.kv_cache_manager.block_pool.check_integrity(expect_all_free=True)

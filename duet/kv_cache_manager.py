@@ -16,6 +16,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_to_hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # Blocks kept alive after their request finished, until their KV has been sent.
+        self._pin_on_free: set[str] = set()
+        self.pinned: dict[str, list[KVCacheBlock]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -98,10 +101,34 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[index], hashes[index], request.all_token_ids[index * bs : (index + 1) * bs])
         self._num_cached_blocks[request.request_id] = max(already, num_tokens // bs)
 
+    def allocate_for_transfer(self, request: Request, num_tokens: int) -> list[KVCacheBlock] | None:
+        """Blocks for KV that another replica will send; published to the prefix cache only
+        by ``cache_received`` once the KV has arrived, so no one reads them half-written."""
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.get_new_blocks(num_blocks)
+        self.req_to_blocks[request.request_id] = list(blocks)
+        return blocks
+
+    def cache_received(self, request: Request) -> None:
+        self._cache_full_blocks(request, self.req_to_blocks[request.request_id], request.num_computed_tokens)
+
+    def pin_on_free(self, request_id: str) -> None:
+        """When the request is freed, keep its blocks (and their KV) until ``release_pinned``."""
+        self._pin_on_free.add(request_id)
+
+    def release_pinned(self, request_id: str) -> None:
+        self._pin_on_free.discard(request_id)
+        self.block_pool.free_blocks(reversed(self.pinned.pop(request_id, [])))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted before its prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
+        if request.request_id in self._pin_on_free and blocks:
+            self.pinned[request.request_id] = blocks
+        else:
+            self.block_pool.free_blocks(reversed(blocks))
         self._req_to_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
 
@@ -112,7 +139,7 @@ class KVCacheManager:
         """Pool invariants, and every held block's ref count covers the requests holding it."""
         self.block_pool.check_integrity(expect_all_free=False)
         holders: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
+        for blocks in [*self.req_to_blocks.values(), *self.pinned.values()]:
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.block_pool.blocks:

@@ -13,7 +13,7 @@ import torch
 
 from duet.kernels import AttentionMetadata
 from duet.outputs import RunnerOutput, SchedulerOutput
-from duet.sampler import Sampler, build_sampling_metadata, make_generator
+from duet.sampler import Sampler, advance_generator, build_sampling_metadata, make_generator
 from duet.sampling_params import SamplingParams
 
 
@@ -83,7 +83,13 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
-            generator = make_generator(params.seed, self.device) if params.seed is not None else None
+            generator = None
+            if params.seed is not None:
+                generator = make_generator(params.seed, self.device)
+                # A request resumed (after preemption, or on a decode replica) continues its
+                # random stream where it stopped: one draw per token already sampled.
+                if not params.greedy:
+                    advance_generator(generator, self.vocab_size, len(new.output_token_ids))
             self.requests[new.request_id] = CachedRequestState(
                 new.request_id,
                 list(new.prompt_token_ids),

@@ -69,6 +69,12 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+def advance_generator(generator: torch.Generator, vocab_size: int, num_samples: int) -> None:
+    """Skip the random draws of ``num_samples`` earlier samples (see ``_exponential_race``)."""
+    for _ in range(num_samples):
+        torch.empty(vocab_size, device=generator.device).uniform_(generator=generator)
+
+
 def build_sampling_metadata(
     params: list[SamplingParams],
     prompt_token_ids: list[list[int]],

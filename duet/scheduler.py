@@ -35,6 +35,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        # Requests whose prompt KV arrived from a prefill replica: admitted before waiting ones.
+        self.prefilled: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_ids: set[str] = set()
@@ -44,12 +46,17 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def add_prefilled_request(self, request: Request) -> None:
+        """A request that already holds blocks with its prompt's KV and knows its first token."""
+        self.requests[request.request_id] = request
+        self.prefilled.append(request)
+
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.prefilled)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilled)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -80,6 +87,18 @@ class Scheduler:
             new_blocks[request.request_id] = [block.block_id for block in blocks]
             budget -= num_new
             index += 1
+
+        # requests whose prompt KV was computed elsewhere
+        while self.prefilled and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.prefilled[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                break
+            self.prefilled.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
 
         # waiting requests, in arrival order, while nothing had to be preempted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
@@ -192,6 +211,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.prefilled:
+            self.prefilled.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
         if request_id in self._runner_known:

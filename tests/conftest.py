@@ -48,3 +48,26 @@ def make_tiny_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **override
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def parity_prompts(smollm2_tokenizer) -> list[list[int]]:
+    from tests.prompts import encode_conversations, parity_conversations
+
+    return encode_conversations(smollm2_tokenizer, parity_conversations())
+
+
+@pytest.fixture(scope="session")
+def parity_references(smollm2_dir, parity_prompts):
+    """transformers' greedy tokens for the 16 parity prompts, computed once per test session."""
+    from tests.prompts import PARITY_NEW_TOKENS
+    from tests.reference import hf_greedy
+
+    return hf_greedy(smollm2_dir, parity_prompts, PARITY_NEW_TOKENS)

@@ -1,5 +1,8 @@
 """Chat prompts of mixed lengths (about 5 to 600 tokens) for parity tests and benchmarks."""
 
+# New tokens per parity prompt, compared with transformers.
+PARITY_NEW_TOKENS = 64
+
 PARAGRAPHS = [
     "The lighthouse on the northern cape was built in 1874 from granite quarried two miles inland. "
     "Its keeper, a retired ship's carpenter named Elias Brandt, kept a log of every vessel that passed, "
@@ -62,3 +65,9 @@ def shared_prefix_conversations() -> list[list[dict]]:
         [{"role": "system", "content": SHARED_SYSTEM_PROMPT}, {"role": "user", "content": question}]
         for question in QUESTIONS
     ]
+
+
+def encode_conversations(tokenizer, conversations) -> list[list[int]]:
+    """Chat-template token ids, with the assistant turn opened."""
+    encoded = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+    return [list(e["input_ids"] if hasattr(e, "keys") else e) for e in encoded]

@@ -11,41 +11,24 @@ import gc
 import pytest
 
 from duet import LLM, SamplingParams
-from tests.prompts import parity_conversations, shared_prefix_conversations
+from tests.prompts import PARITY_NEW_TOKENS, encode_conversations, shared_prefix_conversations
 from tests.reference import compare_to_reference, hf_greedy
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW_TOKENS = 64
+MAX_NEW_TOKENS = PARITY_NEW_TOKENS
 # min_tokens bars EOS exactly as transformers' min_new_tokens does.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, min_tokens=MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_dir))
-
-
-def _encode(tokenizer, conversations) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"]) for c in conversations]
+def shared_prompts(smollm2_tokenizer) -> list[list[int]]:
+    return encode_conversations(smollm2_tokenizer, shared_prefix_conversations())
 
 
 @pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    return _encode(tokenizer, parity_conversations())
-
-
-@pytest.fixture(scope="module")
-def shared_prompts(tokenizer) -> list[list[int]]:
-    return _encode(tokenizer, shared_prefix_conversations())
-
-
-@pytest.fixture(scope="module")
-def references(smollm2_dir, prompts, shared_prompts):
-    refs = hf_greedy(smollm2_dir, prompts + shared_prompts, MAX_NEW_TOKENS)
-    return refs[: len(prompts)], refs[len(prompts) :]
+def shared_references(smollm2_dir, shared_prompts):
+    return hf_greedy(smollm2_dir, shared_prompts, MAX_NEW_TOKENS)
 
 
 def _check(outputs, refs, label) -> list[str]:
@@ -72,30 +55,30 @@ def _run(engine_kwargs, prompts, one_at_a_time=False):
     return outputs, stats
 
 
-def test_one_request_at_a_time_matches_transformers(prompts, references):
-    outputs, _ = _run({}, prompts, one_at_a_time=True)
-    _check(outputs, references[0], "sequential")
+def test_one_request_at_a_time_matches_transformers(parity_prompts, parity_references):
+    outputs, _ = _run({}, parity_prompts, one_at_a_time=True)
+    _check(outputs, parity_references, "sequential")
 
 
-def test_all_requests_batched_together_match_transformers(prompts, references):
-    outputs, _ = _run({"enable_prefix_caching": False}, prompts)
-    _check(outputs, references[0], "batched")
+def test_all_requests_batched_together_match_transformers(parity_prompts, parity_references):
+    outputs, _ = _run({"enable_prefix_caching": False}, parity_prompts)
+    _check(outputs, parity_references, "batched")
 
 
-def test_chunked_prefill_with_32_token_budget_matches_transformers(prompts, references):
-    outputs, _ = _run({"max_num_batched_tokens": 32, "enable_prefix_caching": False}, prompts)
-    _check(outputs, references[0], "chunked")
+def test_chunked_prefill_with_32_token_budget_matches_transformers(parity_prompts, parity_references):
+    outputs, _ = _run({"max_num_batched_tokens": 32, "enable_prefix_caching": False}, parity_prompts)
+    _check(outputs, parity_references, "chunked")
 
 
-def test_preemption_under_a_small_kv_pool_matches_transformers(prompts, references):
+def test_preemption_under_a_small_kv_pool_matches_transformers(parity_prompts, parity_references):
     # 60 blocks hold 960 tokens: the two longest prompts plus growth cannot all stay resident.
-    outputs, (num_preemptions, _) = _run({"num_kv_blocks": 60, "enable_prefix_caching": False}, prompts)
+    outputs, (num_preemptions, _) = _run({"num_kv_blocks": 60, "enable_prefix_caching": False}, parity_prompts)
     assert num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
-    _check(outputs, references[0], "preempted")
+    _check(outputs, parity_references, "preempted")
 
 
-def test_shared_prefix_cache_hits_match_transformers(shared_prompts, references):
+def test_shared_prefix_cache_hits_match_transformers(shared_prompts, shared_references):
     outputs, (_, hit_tokens) = _run({}, shared_prompts, one_at_a_time=True)
     assert hit_tokens >= 16 * 7 * (len(shared_prompts[0]) // 32), "later prompts should hit the shared system prompt"
     assert all(output.num_cached_tokens > 0 for output in outputs[1:])
-    _check(outputs, references[1], "prefix-hit")
+    _check(outputs, shared_references, "prefix-hit")

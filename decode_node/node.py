@@ -1,0 +1,120 @@
+"""The engine in decode role: pulls prompt KV from prefill replicas and keeps generating.
+
+A plain class driven by ``step()``, so it can be tested in a process of its own; the Serve
+deployment wraps it. Three ways in: ``accept`` a prefilled request (its KV arrives over a
+pairwise group), ``submit_local`` a short prompt (prefilled here, skipping the prefill
+pool), and, when a transfer fails, recompute the prompt here (policy ``recompute``) or
+fail the request (policy ``fail``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from duet.config import EngineArgs
+from duet.engine import LLMEngine
+from duet.kv_transfer import Endpoint, KVHandle, KVReceiver, engine_kv_spec
+from duet.outputs import RequestOutput
+from duet.request import Request
+from duet.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+class NoKVCapacityError(RuntimeError):
+    """The decode replica has no free blocks for this request's prompt right now; try another."""
+
+
+@dataclass
+class TransferFailure:
+    request_id: str
+    error: str
+
+
+class DecodeNode:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        node_id: str,
+        host: str = "127.0.0.1",
+        local_prefill_threshold: int = 0,
+        on_transfer_failure: str = "recompute",
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        if on_transfer_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {on_transfer_failure!r}")
+        self.node_id = node_id
+        self.local_prefill_threshold = local_prefill_threshold
+        self.on_transfer_failure = on_transfer_failure
+        self.engine = LLMEngine(engine_args)
+        self.kv_spec = engine_kv_spec(self.engine)
+        self.receiver = KVReceiver(self.engine.runner.kv_cache, self.kv_spec, host, timeout_s=transfer_timeout_s)
+        self._incoming: dict[int, tuple[Request, str]] = {}  # transfer id -> (request, source)
+        self._aborted: set[str] = set()
+        self._pair_generation: dict[str, int] = {}
+        self.failures: list[TransferFailure] = []
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return self.receiver.endpoint
+
+    def wants_local_prefill(self, num_prompt_tokens: int) -> bool:
+        return num_prompt_tokens < self.local_prefill_threshold
+
+    def submit_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params)
+
+    def accept(self, handle: KVHandle, params: SamplingParams) -> str:
+        """Reserve blocks and expect the KV; returns the pair key the prefill node must send on."""
+        request = self.engine.add_transferred_request(
+            handle.request_id, list(handle.prompt_token_ids), handle.first_token_id, params
+        )
+        if request is None:
+            raise NoKVCapacityError(f"no room for the {handle.num_kv_tokens}-token prompt of {handle.request_id}")
+        pair_key = f"{handle.source}->{self.node_id}/{self._pair_generation.get(handle.source, 0)}"
+        self._incoming[handle.transfer_id] = (request, handle.source)
+        self.receiver.expect(handle.transfer_id, self.engine.kv_cache_manager.block_ids(handle.request_id), pair_key)
+        return pair_key
+
+    def step(self) -> list[RequestOutput]:
+        """Admit arrived KV, handle failed transfers, then one engine step."""
+        for result in self.receiver.poll():
+            incoming = self._incoming.pop(result.transfer_id, None)
+            if incoming is None:
+                continue
+            request, source = incoming
+            if not result.ok:
+                # The pair's group is dropped on failure; the next transfer builds a new one.
+                self._pair_generation[source] = self._pair_generation.get(source, 0) + 1
+            if request.request_id in self._aborted:
+                self._aborted.discard(request.request_id)
+                self.engine.kv_cache_manager.free(request)
+            elif result.ok:
+                self.engine.admit_transferred(request)
+            else:
+                self._on_failure(request, result.error or "transfer failed")
+        return self.engine.step()
+
+    def _on_failure(self, request: Request, error: str) -> None:
+        logger.warning("KV of request %s did not arrive (%s); policy %s", request.request_id, error, self.on_transfer_failure)
+        if self.on_transfer_failure == "recompute":
+            self.engine.recompute_transferred(request)
+        else:
+            self.engine.kv_cache_manager.free(request)
+            self.engine.abort_request(request.request_id)
+            self.failures.append(TransferFailure(request.request_id, error))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; blocks still being written by a transfer are freed when it ends."""
+        if any(request.request_id == request_id for request, _ in self._incoming.values()):
+            self._aborted.add(request_id)
+        self.engine.abort_request(request_id)
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,0 +1,81 @@
+"""Prefill and decode in two processes over gloo give the colocated engine's tokens (tiny Llama)."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet import LLM, SamplingParams
+from duet.config import EngineArgs
+from duet.decode_node.node import DecodeNode
+from tests.decode_node.pd_harness import PrefillProcess, run_disaggregated
+from tests.reference import compare_to_reference, hf_greedy
+
+# Lengths 5, 33 and 70 end in partial blocks; 48 fills its last block exactly.
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3048))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+
+
+def _engine_kwargs(model_dir, **overrides) -> dict:
+    return dict(model=str(model_dir), num_kv_blocks=128, max_model_len=512) | overrides
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir):
+    return hf_greedy(tiny_llama_dir, PROMPTS, 10)
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_llama_dir):
+    process = PrefillProcess(_engine_kwargs(tiny_llama_dir))
+    yield process
+    process.stop()
+
+
+def test_disaggregated_greedy_matches_transformers_and_colocated(prefill, tiny_llama_dir, references):
+    decode = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir)), "decode-0")
+    tokens = run_disaggregated(prefill, decode, PROMPTS, GREEDY)
+    for index, (got, reference) in enumerate(zip(tokens, references)):
+        assert compare_to_reference(got, reference, f"PD prompt {index}") is None
+    colocated = LLM(model=str(tiny_llama_dir), max_model_len=512).generate(PROMPTS, GREEDY)
+    assert tokens == [output.outputs[0].token_ids for output in colocated]
+    decode.check_integrity()
+    decode.close()
+    assert decode.receiver.stats.transfers == len(PROMPTS)
+
+
+def test_prefix_hit_on_prefill_still_sends_every_block(prefill, tiny_llama_dir, references):
+    """The second run hits the prefill prefix cache; decode must still get the whole prompt."""
+    decode = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir)), "decode-1")
+    run_disaggregated(prefill, decode, PROMPTS[1:2], GREEDY)
+    again = run_disaggregated(prefill, decode, PROMPTS[1:2], GREEDY)
+    assert compare_to_reference(again[0], references[1], "PD prefix hit") is None
+    kv_bytes_per_block = decode.receiver.stats.bytes // decode.receiver.stats.transfers
+    assert kv_bytes_per_block * 1 == decode.receiver.stats.bytes // 2
+    decode.check_integrity()
+    decode.close()
+
+
+def test_mismatched_block_size_fails_clearly_or_recomputes(prefill, tiny_llama_dir, references):
+    """Guards the handshake: a decode pool with another block size never scatters foreign KV."""
+    failing = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir, block_size=32)), "decode-2", on_transfer_failure="fail")
+    assert run_disaggregated(prefill, failing, PROMPTS[:1], GREEDY) == [None]
+    assert "block_size: here 32, peer 16" in failing.failures[0].error
+    failing.check_integrity()
+    failing.close()
+    recomputing = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir, block_size=32)), "decode-3")
+    tokens = run_disaggregated(prefill, recomputing, PROMPTS[:1], GREEDY)
+    assert compare_to_reference(tokens[0], references[0], "recomputed after refused handshake") is None
+    recomputing.check_integrity()
+    recomputing.close()
+
+
+def test_prefill_killed_mid_transfer_times_out_and_recomputes(tiny_llama_dir, references):
+    """Guards against a decode replica waiting forever, or leaking blocks, when prefill dies."""
+    doomed = PrefillProcess(_engine_kwargs(tiny_llama_dir), node_id="prefill-doomed", crash_on_send=True)
+    decode = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir)), "decode-4", transfer_timeout_s=3)
+    tokens = run_disaggregated(doomed, decode, PROMPTS[1:2], GREEDY, timeout_s=120)
+    doomed.process.join(10)
+    assert compare_to_reference(tokens[0], references[1], "recomputed after prefill died") is None
+    assert decode.receiver.stats.failures == 1
+    decode.check_integrity()
+    decode.close()
