@@ -30,6 +30,7 @@ class PrefillResult:
     finish_reason: str | None
     handle: KVHandle | None
     logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
 
 
 class PrefillNode:
@@ -80,7 +81,10 @@ class PrefillNode:
             )
         finish_reason = completion.finish_reason if done else None
         logprobs = completion.logprobs
-        return PrefillResult(output.request_id, completion.token_ids[0], completion.text, finish_reason, handle, logprobs)
+        return PrefillResult(
+            output.request_id, completion.token_ids[0], completion.text, finish_reason, handle, logprobs,
+            output.num_cached_tokens,
+        )
 
     def send_kv(self, transfer_id: int, endpoint: Endpoint, pair_key: str) -> None:
         """Ship a prefilled request's KV to the decode replica that asked for it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from dataclasses import dataclass
 
 from duet.config import EngineArgs
 
@@ -63,16 +64,23 @@ class PrefillProcess:
         self.process.join(30)
 
 
+@dataclass
+class PDRun:
+    tokens: list[list[int] | None]  # per prompt; None when the decode node failed the request
+    num_cached_tokens: list[int]  # per prompt: prefix-cache hits on the prefill side
+
+
 def run_disaggregated(prefill: PrefillProcess, decode, prompts, params, timeout_s: float = 600):
-    """Every prompt through prefill (first token) and decode (the rest): token ids per prompt,
-    None for a request failed by the decode node's transfer-failure policy."""
+    """Every prompt through prefill (first token) and decode (the rest)."""
     for index, prompt in enumerate(prompts):
         prefill.conn.send(("submit", f"r{index}", list(prompt), params))
     tokens: dict[str, list[int]] = {}
+    cached = {}
     pending, failed = len(prompts), 0
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
         while (result := _receive(prefill)) is not None:
+            cached[result.request_id] = result.num_cached_tokens
             if result.handle is None:
                 tokens[result.request_id] = [result.first_token_id]
                 pending -= 1
@@ -90,7 +98,8 @@ def run_disaggregated(prefill: PrefillProcess, decode, prompts, params, timeout_
         if not decode.engine.has_unfinished_requests():
             time.sleep(0.002)
     assert pending == 0, f"{pending} requests unfinished after {timeout_s}s"
-    return [tokens[f"r{index}"] for index in range(len(prompts))]
+    ids = [f"r{index}" for index in range(len(prompts))]
+    return PDRun([tokens[i] for i in ids], [cached.get(i, 0) for i in ids])
 
 
 def _receive(prefill: PrefillProcess):

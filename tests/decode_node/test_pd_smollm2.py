@@ -20,7 +20,7 @@ def test_disaggregated_smollm2_matches_transformers(parity_prompts, parity_refer
     decode = DecodeNode(EngineArgs(**engine_kwargs), "decode-0")
     try:
         params = SamplingParams(temperature=0.0, max_tokens=PARITY_NEW_TOKENS, min_tokens=PARITY_NEW_TOKENS)
-        tokens = run_disaggregated(prefill, decode, parity_prompts, params)
+        tokens = run_disaggregated(prefill, decode, parity_prompts, params).tokens
     finally:
         prefill.stop()
     notes = [compare_to_reference(got, ref, f"PD prompt {i}") for i, (got, ref) in enumerate(zip(tokens, parity_references))]
