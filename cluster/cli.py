@@ -21,6 +21,10 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
         from duet.benchmarks.offline import main as offline_main
 
         offline_main(rest)
+    elif args.suite == "transfer":
+        from duet.benchmarks.transfer import main as transfer_main
+
+        transfer_main(rest)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--seed", type=int, default=None)
 
     bench = commands.add_parser("bench", help="benchmarks; `duet bench offline --help` for options")
-    bench.add_argument("suite", choices=["offline"])
+    bench.add_argument("suite", choices=["offline", "transfer"])
 
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -23,7 +23,7 @@ import torch
 
 from duet.kv_transfer.group import Endpoint, PairGroup, RECEIVER_RANK, SENDER_RANK, connect_store, host_store
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import layer_shape, pack_layer, unpack_layer
+from duet.kv_transfer.wire import layer_runs, pack_layers, packed_shape, unpack_layers
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +169,27 @@ class KVReceiver(_TransferEndpoint):
             raise RuntimeError(
                 f"expected transfer {job.transfer_id} of {len(job.block_ids)} blocks, got {transfer_id} of {num_blocks}"
             )
+        runs = layer_runs(self.kv_cache, num_blocks)
+        # Two buffers in turn: run i+1 is already on its way while run i is scattered.
+        buffers = [self._buffer(runs[0], num_blocks), self._buffer(runs[min(1, len(runs) - 1)], num_blocks)]
+        work = group.recv(buffers[0], _FIRST_LAYER_TAG)
         num_bytes = 0
-        buffer = torch.empty(layer_shape(self.kv_cache[0], num_blocks), dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-        for layer in range(self.kv_cache.shape[0]):
-            self._wait(group.recv(buffer, _FIRST_LAYER_TAG + layer), f"layer {layer} of transfer {transfer_id}")
-            unpack_layer(self.kv_cache[layer], job.block_ids, buffer)
-            num_bytes += buffer.numel() * buffer.element_size()
+        for index, (start, end) in enumerate(runs):
+            self._wait(work, f"layers {start}-{end - 1} of transfer {transfer_id}")
+            if index + 1 < len(runs):
+                next_buffer = buffers[(index + 1) % 2]
+                if next_buffer.shape[0] != runs[index + 1][1] - runs[index + 1][0]:
+                    next_buffer = buffers[(index + 1) % 2] = self._buffer(runs[index + 1], num_blocks)
+                work = group.recv(next_buffer, _FIRST_LAYER_TAG + index + 1)
+            unpack_layers(self.kv_cache, start, end, job.block_ids, buffers[index % 2])
+            num_bytes += buffers[index % 2].numel() * buffers[index % 2].element_size()
         self._wait(group.send(header.clone(), _ACK_TAG), f"ack of transfer {transfer_id}")
         return num_bytes
+
+
+    def _buffer(self, run: tuple[int, int], num_blocks: int) -> torch.Tensor:
+        shape = packed_shape(self.kv_cache, run[0], run[1], num_blocks)
+        return torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
 
 
 class KVSender(_TransferEndpoint):
@@ -193,15 +206,15 @@ class KVSender(_TransferEndpoint):
         header = torch.tensor([job.transfer_id, len(job.block_ids)], dtype=torch.int64)
         self._wait(group.send(header, _HEADER_TAG), f"header of transfer {job.transfer_id}")
         num_bytes = 0
-        in_flight = None  # (work, buffer): one layer on the wire while the next is packed
-        for layer in range(self.kv_cache.shape[0]):
-            packed = pack_layer(self.kv_cache[layer], job.block_ids)
-            work = group.send(packed, _FIRST_LAYER_TAG + layer)
+        in_flight = None  # (work, buffer): one run on the wire while the next is packed
+        for index, (start, end) in enumerate(layer_runs(self.kv_cache, len(job.block_ids))):
+            packed = pack_layers(self.kv_cache, start, end, job.block_ids)
+            work = group.send(packed, _FIRST_LAYER_TAG + index)
             if in_flight is not None:
-                self._wait(in_flight[0], f"layer {layer - 1} of transfer {job.transfer_id}")
+                self._wait(in_flight[0], f"layers before {start} of transfer {job.transfer_id}")
             in_flight = (work, packed)
             num_bytes += packed.numel() * packed.element_size()
-        self._wait(in_flight[0], f"last layer of transfer {job.transfer_id}")
+        self._wait(in_flight[0], f"last layers of transfer {job.transfer_id}")
         ack = torch.zeros(2, dtype=torch.int64)
         self._wait(group.recv(ack, _ACK_TAG), f"ack of transfer {job.transfer_id}")
         if int(ack[0]) != job.transfer_id:

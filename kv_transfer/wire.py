@@ -1,31 +1,40 @@
-"""Wire layout of one request's KV: per layer, K then V of its blocks, packed contiguously.
+"""Wire layout of one request's KV: for a run of layers, K then V of its blocks, contiguous.
 
-A layer's cache is ``[2, num_kv_heads, num_blocks, block_size, head_dim]`` (K and V).
-The sender gathers the request's blocks into ``[2, num_kv_heads, n, block_size, head_dim]``
-and the receiver scatters that into its own (different) block ids. A partial last block
-travels whole: positions past the request's length are never read.
+The cache is ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``. The
+sender gathers the request's blocks of layers ``start:end`` into ``[end - start, 2,
+num_kv_heads, n, block_size, head_dim]`` and the receiver scatters that into its own
+(different) block ids. A partial last block travels whole: positions past the request's
+length are never read. Layers travel in runs of about ``TARGET_MESSAGE_BYTES``: one
+message per layer costs gloo ~1 ms each, which dominated small prompts.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def layer_shape(kv_layer: torch.Tensor, num_blocks: int) -> tuple[int, ...]:
-    """Shape of one layer's packed KV for ``num_blocks`` blocks."""
-    two, num_kv_heads, _, block_size, head_dim = kv_layer.shape
-    return (two, num_kv_heads, num_blocks, block_size, head_dim)
+TARGET_MESSAGE_BYTES = 8 << 20
 
 
-def pack_layer(kv_layer: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Gather ``block_ids`` of one layer into a contiguous buffer (``out`` if given)."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
-    if out is None:
-        return kv_layer.index_select(2, index)
-    return torch.index_select(kv_layer, 2, index, out=out)
+def layer_runs(kv_cache: torch.Tensor, num_blocks: int) -> list[tuple[int, int]]:
+    """``(start, end)`` layer ranges, one per message; both sides compute the same ones."""
+    num_layers = kv_cache.shape[0]
+    layer_bytes = 2 * kv_cache.shape[2] * num_blocks * kv_cache.shape[4] * kv_cache.shape[5] * kv_cache.element_size()
+    per_message = max(1, min(num_layers, TARGET_MESSAGE_BYTES // max(layer_bytes, 1)))
+    return [(start, min(start + per_message, num_layers)) for start in range(0, num_layers, per_message)]
 
 
-def unpack_layer(kv_layer: torch.Tensor, block_ids: list[int], packed: torch.Tensor) -> None:
-    """Scatter a packed layer into this replica's ``block_ids``."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
-    kv_layer.index_copy_(2, index, packed.to(kv_layer.dtype))
+def packed_shape(kv_cache: torch.Tensor, start: int, end: int, num_blocks: int) -> tuple[int, ...]:
+    _, two, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    return (end - start, two, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def pack_layers(kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int]) -> torch.Tensor:
+    """Gather ``block_ids`` of layers ``start:end`` into one contiguous tensor."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    return kv_cache[start:end].index_select(3, index)
+
+
+def unpack_layers(kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], packed: torch.Tensor) -> None:
+    """Scatter packed layers ``start:end`` into this replica's ``block_ids``."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    kv_cache[start:end].index_copy_(3, index, packed.to(kv_cache.dtype))

@@ -11,7 +11,7 @@ import torch
 from duet.kv_transfer.group import Endpoint
 from duet.kv_transfer.spec import KVSpec, KVSpecMismatchError
 from duet.kv_transfer.transfer import KVReceiver, KVSender
-from duet.kv_transfer.wire import pack_layer, unpack_layer
+from duet.kv_transfer.wire import layer_runs, pack_layers, unpack_layers
 
 SHAPE = (3, 2, 2, 12, 4, 8)  # layers, K/V, kv heads, blocks, block size, head dim
 SPEC = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="float32")
@@ -66,11 +66,19 @@ def test_pack_and_unpack_move_blocks_between_different_ids():
     """Guards the wire layout: the receiver's block ids differ from the sender's."""
     source = _sender_cache()
     target = torch.zeros(SHAPE)
-    for layer in range(SHAPE[0]):
-        unpack_layer(target[layer], [7, 0, 3], pack_layer(source[layer], [2, 5, 11]))
+    for start, end in [(0, 2), (2, 3)]:
+        unpack_layers(target, start, end, [7, 0, 3], pack_layers(source, start, end, [2, 5, 11]))
     for src, dst in [(2, 7), (5, 0), (11, 3)]:
         assert torch.equal(target[:, :, :, dst], source[:, :, :, src])
     assert int((target != 0).any(dim=(0, 1, 2, 4, 5)).sum()) == 3
+
+
+def test_layers_travel_in_runs_of_about_eight_megabytes():
+    """Guards against one gloo message per layer (~1 ms each) for small prompts."""
+    cache = torch.empty(30, 2, 3, 600, 16, 64)  # SmolLM2's layout: 24 KB per block and layer
+    assert layer_runs(cache, 8) == [(0, 30)]
+    assert layer_runs(cache, 128) == [(start, start + 2) for start in range(0, 30, 2)]  # 3.1 MB a layer
+    assert layer_runs(cache, 512) == [(layer, layer + 1) for layer in range(30)]  # 12.6 MB a layer
 
 
 def test_many_transfers_on_one_pair_arrive_in_order_and_intact():
