@@ -1,8 +1,9 @@
 """The engine in decode role: pulls prompt KV from prefill replicas and keeps generating.
 
 A plain class driven by ``step()``, so it can be tested in a process of its own; the Serve
-deployment wraps it. Three ways in: ``accept`` a prefilled request (its KV arrives over a
-pairwise group), ``submit_local`` a short prompt (prefilled here, skipping the prefill
+deployment wraps it. Three ways in: a prefilled request, either ``reserve``d before its
+prefill (its KV streams in layer by layer while it computes) or ``accept``ed after it (its
+KV is pulled then), ``submit_local`` a short prompt (prefilled here, skipping the prefill
 pool), and, when a transfer fails, recompute the prompt here (policy ``recompute``) or
 fail the request (policy ``fail``).
 """
@@ -10,11 +11,12 @@ fail the request (policy ``fail``).
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 
 from duet.config import EngineArgs
 from duet.engine import LLMEngine
-from duet.kv_transfer import Endpoint, KVHandle, KVReceiver, engine_kv_spec
+from duet.kv_transfer import Endpoint, KVDestination, KVHandle, KVReceiver, engine_kv_spec
 from duet.outputs import RequestOutput
 from duet.request import Request
 from duet.sampling_params import SamplingParams
@@ -54,6 +56,8 @@ class DecodeNode:
         self.receiver = KVReceiver(self.engine.runner.kv_cache, self.kv_spec, host, timeout_s=transfer_timeout_s)
         self._incoming: dict[int, tuple[Request, str]] = {}  # transfer id -> (request, source)
         self._aborted: set[str] = set()
+        # Streamed requests whose KV has arrived (or failed) before their first token did.
+        self._awaiting_first_token: dict[str, tuple[Request, bool]] = {}
         self._pair_generation: dict[str, int] = {}
         self.failures: list[TransferFailure] = []
 
@@ -74,10 +78,40 @@ class DecodeNode:
         )
         if request is None:
             raise NoKVCapacityError(f"no room for the {handle.num_kv_tokens}-token prompt of {handle.request_id}")
-        pair_key = f"{handle.source}->{self.node_id}/{self._pair_generation.get(handle.source, 0)}"
+        pair_key = self._pair_key(handle.source)
         self._incoming[handle.transfer_id] = (request, handle.source)
         self.receiver.expect(handle.transfer_id, self.engine.kv_cache_manager.block_ids(handle.request_id), pair_key)
         return pair_key
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, source: str) -> KVDestination:
+        """Choose this replica before prefill runs: blocks are reserved now, and the prefill
+        node streams the KV into them while it computes (``PrefillNode.submit(destination=)``).
+        The first token follows through ``set_first_token``."""
+        request = self.engine.add_transferred_request(request_id, list(prompt_token_ids), None, params)
+        if request is None:
+            raise NoKVCapacityError(f"no room for the {len(prompt_token_ids)}-token prompt of {request_id}")
+        transfer_id = secrets.randbits(62)
+        pair_key = self._pair_key(source)
+        self._incoming[transfer_id] = (request, source)
+        self.receiver.expect(transfer_id, self.engine.kv_cache_manager.block_ids(request_id), pair_key)
+        return KVDestination(transfer_id, self.endpoint, pair_key)
+
+    def set_first_token(self, request_id: str, token_id: int) -> None:
+        request = self._find_incoming(request_id)
+        parked = self._awaiting_first_token.pop(request_id, None)
+        if parked is not None:
+            request, arrived = parked
+        if request is None:
+            return  # aborted meanwhile
+        self.engine.set_first_token(request, token_id)
+        if parked is not None:
+            self._continue(request, arrived)
+
+    def _find_incoming(self, request_id: str) -> Request | None:
+        return next((request for request, _ in self._incoming.values() if request.request_id == request_id), None)
+
+    def _pair_key(self, source: str) -> str:
+        return f"{source}->{self.node_id}/{self._pair_generation.get(source, 0)}"
 
     def step(self) -> list[RequestOutput]:
         """Admit arrived KV, handle failed transfers, then one engine step."""
@@ -92,11 +126,17 @@ class DecodeNode:
             if request.request_id in self._aborted:
                 self._aborted.discard(request.request_id)
                 self.engine.kv_cache_manager.free(request)
-            elif result.ok:
-                self.engine.admit_transferred(request)
+            elif request.num_output_tokens == 0:
+                self._awaiting_first_token[request.request_id] = (request, result.ok)
             else:
-                self._on_failure(request, result.error or "transfer failed")
+                self._continue(request, result.ok, result.error)
         return self.engine.step()
+
+    def _continue(self, request: Request, arrived: bool, error: str | None = None) -> None:
+        if arrived:
+            self.engine.admit_transferred(request)
+        else:
+            self._on_failure(request, error or "transfer failed")
 
     def _on_failure(self, request: Request, error: str) -> None:
         logger.warning("KV of request %s did not arrive (%s); policy %s", request.request_id, error, self.on_transfer_failure)
@@ -109,8 +149,11 @@ class DecodeNode:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; blocks still being written by a transfer are freed when it ends."""
-        if any(request.request_id == request_id for request, _ in self._incoming.values()):
+        if self._find_incoming(request_id) is not None:
             self._aborted.add(request_id)
+        parked = self._awaiting_first_token.pop(request_id, None)
+        if parked is not None:
+            self.engine.kv_cache_manager.free(parked[0])
         self.engine.abort_request(request_id)
 
     def check_integrity(self) -> None:

@@ -143,10 +143,11 @@ class LLMEngine:
             self.scheduler.add_request(child)
 
     def add_transferred_request(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int | None, params: SamplingParams
     ) -> Request | None:
-        """Track a request whose prompt KV another replica computed; it gets blocks for that KV
-        now (None when the cache has no room) and joins the batch at ``admit_transferred``."""
+        """Track a request whose prompt KV another replica computes; it gets blocks for that KV
+        now (None when the cache has no room) and joins the batch at ``admit_transferred``.
+        The first token may be given later, with ``set_first_token``."""
         if params.n != 1:
             raise RequestValidationError("a prefilled request carries one completion; fan out n before prefill")
         if request_id in self._tracked:
@@ -155,17 +156,22 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=max_tokens), self.eos_token_id)
         if self.kv_cache_manager.allocate_for_transfer(request, len(prompt_token_ids)) is None:
             return None
-        request.append_output_token_ids([first_token_id])
         detokenizer = IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
         )
-        detokenizer.add_tokens([first_token_id])
         logprobs = [[]] if params.logprobs is not None else None
         tracked = _Tracked(request_id, None, list(prompt_token_ids), [request], [detokenizer], logprobs)
         tracked.metrics["arrival_time"] = time.monotonic()
         self._tracked[request_id] = tracked
         self._child_to_parent[request_id] = request_id
+        if first_token_id is not None:
+            self.set_first_token(request, first_token_id)
         return request
+
+    def set_first_token(self, request: Request, token_id: int) -> None:
+        """The token the prefill replica sampled (and the client has already received)."""
+        request.append_output_token_ids([token_id])
+        self._tracked[request.request_id].detokenizers[0].add_tokens([token_id])
 
     def admit_transferred(self, request: Request) -> None:
         """The prompt KV has arrived: publish its blocks and let the request decode."""

@@ -6,6 +6,7 @@ scheduler's diffs, so it can later live on a worker actor of its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,8 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(arch.num_layers)]
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        # Called as (layer index, ids of requests whose prompt KV completes this step).
+        self.layer_listener: Callable[[int, list[str]], None] | None = None
 
     @staticmethod
     def kv_bytes_per_block(arch, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -173,6 +176,19 @@ class ModelRunner:
             device=self.device,
         )
 
+    def _layer_callback(self, scheduler_output: SchedulerOutput) -> Callable[[int], None] | None:
+        if self.layer_listener is None:
+            return None
+        completing = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests[request_id]
+            if state.num_computed_tokens < len(state.prompt_token_ids) <= state.num_computed_tokens + num_tokens:
+                completing.append(request_id)
+        if not completing:
+            return None
+        listener = self.layer_listener
+        return lambda layer: listener(layer, completing)
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self._update_states(scheduler_output)
@@ -182,7 +198,10 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]]] = {}
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs.logits_indices)
+        logits = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs.logits_indices,
+            self._layer_callback(scheduler_output),
+        )
         if inputs.sampling_request_ids:
             result = self.sampler(logits, self._sampling_metadata(inputs.sampling_request_ids))
             for row, request_id in enumerate(inputs.sampling_request_ids):

@@ -1,11 +1,11 @@
 """Moving KV blocks between replicas over pairwise torch.distributed groups (NCCL or gloo)."""
 
 from duet.kv_transfer.group import Endpoint
-from duet.kv_transfer.handle import KVHandle
+from duet.kv_transfer.handle import KVDestination, KVHandle
 from duet.kv_transfer.spec import KVSpec, KVSpecMismatchError
 from duet.kv_transfer.transfer import KVReceiver, KVSender, TransferResult
 
-__all__ = ["Endpoint", "KVHandle", "KVReceiver", "KVSender", "KVSpec", "KVSpecMismatchError", "TransferResult", "engine_kv_spec"]
+__all__ = ["Endpoint", "KVDestination", "KVHandle", "KVReceiver", "KVSender", "KVSpec", "KVSpecMismatchError", "TransferResult", "engine_kv_spec"]
 
 
 def engine_kv_spec(engine) -> KVSpec:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from duet.kv_transfer.group import Endpoint
+
 
 @dataclass(frozen=True)
 class KVHandle:
@@ -15,3 +17,12 @@ class KVHandle:
     num_kv_tokens: int
     source: str  # the prefill node's id, which names the pair on the decode side
     transfer_id: int
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prefill node streams a request's KV when the decode replica is chosen first."""
+
+    transfer_id: int
+    endpoint: Endpoint
+    pair_key: str

@@ -55,12 +55,49 @@ class TransferStats:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
+class LayerProgress:
+    """How many layers of a request's KV are computed, and its block ids once allocated.
+
+    The engine marks layers as its forward pass writes them; the sender ships each run of
+    layers as soon as it is complete, so the transfer overlaps the rest of the prefill.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._condition = threading.Condition()
+        self._num_ready = 0
+        self._block_ids: list[int] | None = None
+
+    @classmethod
+    def complete(cls, num_layers: int, block_ids: list[int]) -> LayerProgress:
+        progress = cls(num_layers)
+        progress.mark_ready(num_layers, block_ids)
+        return progress
+
+    def mark_ready(self, num_ready: int, block_ids: list[int] | None = None) -> None:
+        with self._condition:
+            if block_ids is not None:
+                self._block_ids = list(block_ids)
+            self._num_ready = max(self._num_ready, num_ready)
+            self._condition.notify_all()
+
+    def wait_for(self, num_layers: int, timeout_s: float) -> list[int]:
+        """Block ids, once the first ``num_layers`` layers are computed; TimeoutError otherwise."""
+        with self._condition:
+            ready = self._condition.wait_for(lambda: self._num_ready >= num_layers and self._block_ids is not None, timeout_s)
+            if not ready:
+                raise TimeoutError(f"layers 0-{num_layers - 1} not computed within {timeout_s}s")
+            return self._block_ids
+
+
 @dataclass
 class _Job:
     transfer_id: int
-    block_ids: list[int]
+    block_ids: list[int]  # the receiver's blocks (empty on the sender, which reads ``progress``)
     pair_key: str
+    num_blocks: int
     endpoint: Endpoint | None = None
+    progress: LayerProgress | None = None
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -156,7 +193,7 @@ class KVReceiver(_TransferEndpoint):
 
     def expect(self, transfer_id: int, block_ids: list[int], pair_key: str) -> None:
         """Receive transfer ``transfer_id`` into ``block_ids`` from the sender of ``pair_key``."""
-        self._submit(_Job(transfer_id, list(block_ids), pair_key))
+        self._submit(_Job(transfer_id, list(block_ids), pair_key, len(block_ids)))
 
     def _make_group(self, pair_key: str, job: _Job) -> PairGroup:
         return PairGroup(self.store, pair_key, RECEIVER_RANK, self.spec, self.use_cuda, self.timeout_s)
@@ -195,20 +232,34 @@ class KVReceiver(_TransferEndpoint):
 class KVSender(_TransferEndpoint):
     """The prefill side: connects to receivers' stores and streams requests' blocks to them."""
 
-    def send(self, transfer_id: int, block_ids: list[int], endpoint: Endpoint, pair_key: str) -> None:
-        self._submit(_Job(transfer_id, list(block_ids), pair_key, endpoint))
+    def send(
+        self,
+        transfer_id: int,
+        block_ids: list[int] | None,
+        endpoint: Endpoint,
+        pair_key: str,
+        progress: LayerProgress | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        """Ship ``block_ids`` now, or, with ``progress``, ``num_blocks`` blocks layer run by
+        layer run as the engine computes them."""
+        if progress is None:
+            progress = LayerProgress.complete(self.kv_cache.shape[0], block_ids)
+            num_blocks = len(block_ids)
+        self._submit(_Job(transfer_id, [], pair_key, num_blocks, endpoint, progress))
 
     def _make_group(self, pair_key: str, job: _Job) -> PairGroup:
         store = connect_store(job.endpoint, self.timeout_s)
         return PairGroup(store, pair_key, SENDER_RANK, self.spec, self.use_cuda, self.timeout_s)
 
     def _transfer(self, group: PairGroup, job: _Job) -> int:
-        header = torch.tensor([job.transfer_id, len(job.block_ids)], dtype=torch.int64)
+        header = torch.tensor([job.transfer_id, job.num_blocks], dtype=torch.int64)
         self._wait(group.send(header, _HEADER_TAG), f"header of transfer {job.transfer_id}")
         num_bytes = 0
         in_flight = None  # (work, buffer): one run on the wire while the next is packed
-        for index, (start, end) in enumerate(layer_runs(self.kv_cache, len(job.block_ids))):
-            packed = pack_layers(self.kv_cache, start, end, job.block_ids)
+        for index, (start, end) in enumerate(layer_runs(self.kv_cache, job.num_blocks)):
+            block_ids = job.progress.wait_for(end, self.timeout_s)
+            packed = pack_layers(self.kv_cache, start, end, block_ids)
             work = group.send(packed, _FIRST_LAYER_TAG + index)
             if in_flight is not None:
                 self._wait(in_flight[0], f"layers before {start} of transfer {job.transfer_id}")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from duet.config import EngineArgs
 from duet.engine import LLMEngine, RequestValidationError
-from duet.kv_transfer import Endpoint, KVHandle, KVSender, engine_kv_spec
+from duet.kv_transfer import Endpoint, KVDestination, KVHandle, KVSender, engine_kv_spec
+from duet.kv_transfer.transfer import LayerProgress
 from duet.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,26 @@ class PrefillNode:
         self._params: dict[str, SamplingParams] = {}
         self._ready: dict[int, str] = {}  # transfer id -> request whose KV waits to be pulled
         self._sending: dict[int, str] = {}
+        self._streaming: dict[str, LayerProgress] = {}
+        self.engine.runner.layer_listener = self._on_layer_done
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _on_layer_done(self, layer: int, completing: list[str]) -> None:
+        """Runs on the engine thread during the forward pass: release finished layers."""
+        for request_id in completing:
+            progress = self._streaming.get(request_id)
+            if progress is not None:
+                block_ids = self.engine.kv_cache_manager.block_ids(request_id) if layer == 0 else None
+                progress.mark_ready(layer + 1, block_ids)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        destination: KVDestination | None = None,
+    ) -> None:
+        """Prefill a prompt. With a ``destination`` (a decode replica chosen up front) its KV
+        streams there layer run by layer run while the prompt's last chunk computes."""
         if params.n != 1:
             raise RequestValidationError("prefill takes one completion per request; fan out n before prefill")
         self.engine.validate(prompt_token_ids, params)
@@ -51,6 +70,12 @@ class PrefillNode:
         self.engine.kv_cache_manager.pin_on_free(request_id)
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         self.engine.add_request(request_id, prompt_token_ids, first_only)
+        if destination is not None:
+            progress = LayerProgress(self.kv_spec.num_layers)
+            self._streaming[request_id] = progress
+            self._sending[destination.transfer_id] = request_id
+            num_blocks = -(-len(prompt_token_ids) // self.engine.block_size)
+            self.sender.send(destination.transfer_id, None, destination.endpoint, destination.pair_key, progress, num_blocks)
 
     def step(self) -> list[PrefillResult]:
         """One engine step; returns the requests that got their first token."""
@@ -65,10 +90,12 @@ class PrefillNode:
         completion = output.outputs[0]
         params = self._params.pop(output.request_id)
         done = completion.finish_reason == "stop" or params.max_tokens == 1
+        # A streamed request's KV is already on its way; it is unpinned on acknowledgement.
+        streamed = self._streaming.pop(output.request_id, None) is not None
         handle = None
-        if done:
+        if done and not streamed:
             self.engine.kv_cache_manager.release_pinned(output.request_id)
-        else:
+        elif not done and not streamed:
             transfer_id = secrets.randbits(62)
             self._ready[transfer_id] = output.request_id
             handle = KVHandle(
@@ -79,11 +106,9 @@ class PrefillNode:
                 source=self.node_id,
                 transfer_id=transfer_id,
             )
-        finish_reason = completion.finish_reason if done else None
-        logprobs = completion.logprobs
         return PrefillResult(
-            output.request_id, completion.token_ids[0], completion.text, finish_reason, handle, logprobs,
-            output.num_cached_tokens,
+            output.request_id, completion.token_ids[0], completion.text, completion.finish_reason if done else None,
+            handle, completion.logprobs, output.num_cached_tokens,
         )
 
     def send_kv(self, transfer_id: int, endpoint: Endpoint, pair_key: str) -> None:

@@ -6,6 +6,7 @@ returns logits only for the rows the sampler needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -148,11 +149,16 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """Logits for the rows in ``logits_indices``; ``on_layer_done(i)`` is called once layer
+        ``i``'s KV is in the cache (a prefill node starts shipping it while the rest computes)."""
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             mlp_out = layer(x, residual, positions, self.rotary, kv_cache, metadata)
             next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
             x = next_norm(mlp_out, residual)
+            if on_layer_done is not None:
+                on_layer_done(index)
         return self.lm_head(x[logits_indices]).float()

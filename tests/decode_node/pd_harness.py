@@ -50,6 +50,7 @@ def _die_after_first_layer(node) -> None:
 class PrefillProcess:
     def __init__(self, engine_kwargs: dict, node_id: str = "prefill-0", crash_on_send: bool = False) -> None:
         context = mp.get_context("spawn")
+        self.node_id = node_id
         self.conn, child = context.Pipe()
         self.process = context.Process(target=prefill_worker, args=(child, engine_kwargs, node_id, crash_on_send))
         self.process.start()
@@ -70,10 +71,12 @@ class PDRun:
     num_cached_tokens: list[int]  # per prompt: prefix-cache hits on the prefill side
 
 
-def run_disaggregated(prefill: PrefillProcess, decode, prompts, params, timeout_s: float = 600):
-    """Every prompt through prefill (first token) and decode (the rest)."""
+def run_disaggregated(prefill: PrefillProcess, decode, prompts, params, timeout_s: float = 600, stream=False):
+    """Every prompt through prefill (first token) and decode (the rest). With ``stream`` the
+    decode replica is chosen first and the KV streams in while the prefill computes."""
     for index, prompt in enumerate(prompts):
-        prefill.conn.send(("submit", f"r{index}", list(prompt), params))
+        destination = decode.reserve(f"r{index}", prompt, params, prefill.node_id) if stream else None
+        prefill.conn.send(("submit", f"r{index}", list(prompt), params, destination))
     tokens: dict[str, list[int]] = {}
     cached = {}
     pending, failed = len(prompts), 0
@@ -81,9 +84,14 @@ def run_disaggregated(prefill: PrefillProcess, decode, prompts, params, timeout_
     while pending and time.monotonic() < deadline:
         while (result := _receive(prefill)) is not None:
             cached[result.request_id] = result.num_cached_tokens
-            if result.handle is None:
+            if result.finish_reason is not None:
                 tokens[result.request_id] = [result.first_token_id]
                 pending -= 1
+                if stream:
+                    decode.abort(result.request_id)
+                continue
+            if stream:
+                decode.set_first_token(result.request_id, result.first_token_id)
                 continue
             pair_key = decode.accept(result.handle, params)
             prefill.conn.send(("send", result.handle.transfer_id, decode.endpoint, pair_key))

@@ -43,6 +43,17 @@ def test_disaggregated_greedy_matches_transformers_and_colocated(prefill, tiny_l
     assert decode.receiver.stats.transfers == len(PROMPTS)
 
 
+def test_streamed_kv_while_prefill_computes_matches_transformers(prefill, tiny_llama_dir, references):
+    """Decode chosen first: KV streams in layer runs during the prefill's last chunk."""
+    decode = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir)), "decode-6")
+    tokens = run_disaggregated(prefill, decode, PROMPTS, GREEDY, stream=True).tokens
+    for index, (got, reference) in enumerate(zip(tokens, references)):
+        assert compare_to_reference(got, reference, f"streamed PD prompt {index}") is None
+    assert decode.receiver.stats.transfers == len(PROMPTS)
+    decode.check_integrity()
+    decode.close()
+
+
 def test_prefix_hit_on_prefill_still_sends_every_block(prefill, tiny_llama_dir):
     """The second run hits the prefill prefix cache; decode must still get the whole prompt."""
     decode = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir)), "decode-1")
