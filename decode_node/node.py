@@ -65,6 +65,11 @@ class DecodeNode:
     def endpoint(self) -> Endpoint:
         return self.receiver.endpoint
 
+    @property
+    def pending_transfers(self) -> int:
+        """Requests reserved or accepted whose KV (or first token) has not arrived yet."""
+        return len(self._incoming) + len(self._awaiting_first_token)
+
     def wants_local_prefill(self, num_prompt_tokens: int) -> bool:
         return num_prompt_tokens < self.local_prefill_threshold
 

@@ -7,7 +7,8 @@ import pytest
 from duet import SamplingParams
 from duet.config import EngineArgs
 from duet.decode_node.node import DecodeNode
-from tests.decode_node.pd_harness import PrefillProcess, run_disaggregated
+from duet.prefill_node.process import PrefillProcess
+from tests.decode_node.pd_harness import run_disaggregated
 from tests.prompts import PARITY_NEW_TOKENS
 from tests.reference import compare_to_reference
 

@@ -7,7 +7,8 @@ import pytest
 from duet import LLM, SamplingParams
 from duet.config import EngineArgs
 from duet.decode_node.node import DecodeNode
-from tests.decode_node.pd_harness import PrefillProcess, run_disaggregated
+from duet.prefill_node.process import PrefillProcess
+from tests.decode_node.pd_harness import doomed_prefill, run_disaggregated
 from tests.reference import compare_to_reference, hf_greedy
 
 # Lengths 5, 33 and 70 end in partial blocks; 48 fills its last block exactly.
@@ -85,7 +86,7 @@ def test_mismatched_block_size_fails_clearly_or_recomputes(prefill, tiny_llama_d
 
 def test_prefill_killed_mid_transfer_times_out_and_recomputes(tiny_llama_dir, references):
     """Guards against a decode replica waiting forever, or leaking blocks, when prefill dies."""
-    doomed = PrefillProcess(_engine_kwargs(tiny_llama_dir), node_id="prefill-doomed", crash_on_send=True)
+    doomed = doomed_prefill(_engine_kwargs(tiny_llama_dir))
     decode = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir)), "decode-4", transfer_timeout_s=3)
     tokens = run_disaggregated(doomed, decode, PROMPTS[1:2], GREEDY, timeout_s=120).tokens
     doomed.process.join(10)
