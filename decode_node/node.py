@@ -37,6 +37,8 @@ class TransferFailure:
 
 
 class DecodeNode:
+    """An ``LLMEngine`` whose requests mostly arrive with their prompt's KV computed elsewhere."""
+
     def __init__(
         self,
         engine_args: EngineArgs,
@@ -57,7 +59,7 @@ class DecodeNode:
         self._incoming: dict[int, tuple[Request, str]] = {}  # transfer id -> (request, source)
         self._aborted: set[str] = set()
         # Streamed requests whose KV has arrived (or failed) before their first token did.
-        self._awaiting_first_token: dict[str, tuple[Request, bool]] = {}
+        self._awaiting_first_token: dict[str, tuple[Request, bool, str | None]] = {}
         self._pair_generation: dict[str, int] = {}
         self.failures: list[TransferFailure] = []
 
@@ -105,12 +107,12 @@ class DecodeNode:
         request = self._find_incoming(request_id)
         parked = self._awaiting_first_token.pop(request_id, None)
         if parked is not None:
-            request, arrived = parked
+            request = parked[0]
         if request is None:
             return  # aborted meanwhile
         self.engine.set_first_token(request, token_id)
         if parked is not None:
-            self._continue(request, arrived)
+            self._continue(*parked)
 
     def _find_incoming(self, request_id: str) -> Request | None:
         return next((request for request, _ in self._incoming.values() if request.request_id == request_id), None)
@@ -132,7 +134,7 @@ class DecodeNode:
                 self._aborted.discard(request.request_id)
                 self.engine.kv_cache_manager.free(request)
             elif request.num_output_tokens == 0:
-                self._awaiting_first_token[request.request_id] = (request, result.ok)
+                self._awaiting_first_token[request.request_id] = (request, result.ok, result.error)
             else:
                 self._continue(request, result.ok, result.error)
         return self.engine.step()

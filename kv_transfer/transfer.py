@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -98,7 +98,6 @@ class _Job:
     num_blocks: int
     endpoint: Endpoint | None = None
     progress: LayerProgress | None = None
-    enqueued: float = field(default_factory=time.monotonic)
 
 
 class _PairWorker:

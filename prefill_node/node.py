@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PrefillResult:
-    """The first token; ``handle`` is None when the request already finished with it."""
+    """The first token. ``handle`` (to pull the KV with) is None when the request finished with
+    that token, or when its KV is already streaming to a decode replica chosen up front."""
 
     request_id: str
     first_token_id: int
@@ -35,6 +36,8 @@ class PrefillResult:
 
 
 class PrefillNode:
+    """An ``LLMEngine`` that stops each request after its first token and ships its KV."""
+
     def __init__(self, engine_args: EngineArgs, node_id: str, transfer_timeout_s: float = 30.0) -> None:
         self.node_id = node_id
         self.engine = LLMEngine(engine_args)
