@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duet.config import cpu_has_fast_bf16
+
 # Row-count window where the reordered oneDNN weight wins, measured per dtype on
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
@@ -34,6 +36,8 @@ class Linear(nn.Module):
         rows = _PACKED_ROWS.get(self.weight.dtype)
         if rows is None or self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return
+        if self.weight.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+            return  # oneDNN would emulate bf16 on AVX2-only CPUs; the plain path is the safe one
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
         self._packed_rows = rows
 
