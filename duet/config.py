@@ -6,6 +6,7 @@ returned by methods, not written back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ class ConfigError(ValueError):
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@functools.cache
 def cpu_has_fast_bf16() -> bool:
     """True when this CPU does bf16 matmuls natively (AVX512_BF16 or AMX)."""
     try:
