@@ -122,25 +122,28 @@ class LLMEngine:
         if request_id in self._tracked:
             raise RequestValidationError(f"request id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
-        children, detokenizers = [], []
+        children = []
         for index in range(params.n):
             seed = None if params.seed is None else params.seed + index
             child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens, seed=seed)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            child = Request(child_id, prompt_token_ids, child_params, self.eos_token_id)
-            children.append(child)
-            detokenizers.append(
-                IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-                )
-            )
-            self._child_to_parent[child_id] = request_id
+            children.append(Request(child_id, prompt_token_ids, child_params, self.eos_token_id))
+        self._track(request_id, prompt, prompt_token_ids, children, params)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _track(self, request_id, prompt, prompt_token_ids, children: list[Request], params: SamplingParams) -> None:
+        """Follow a user request's children: detokenizers, logprobs, timing."""
+        detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+            for _ in children
+        ]
         logprobs = [[] for _ in children] if params.logprobs is not None else None
         tracked = _Tracked(request_id, prompt, list(prompt_token_ids), children, detokenizers, logprobs)
         tracked.metrics["arrival_time"] = time.monotonic()
         self._tracked[request_id] = tracked
         for child in children:
-            self.scheduler.add_request(child)
+            self._child_to_parent[child.request_id] = request_id
 
     def add_transferred_request(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int | None, params: SamplingParams
@@ -156,14 +159,7 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, dataclasses.replace(params, max_tokens=max_tokens), self.eos_token_id)
         if self.kv_cache_manager.allocate_for_transfer(request, len(prompt_token_ids)) is None:
             return None
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens
-        )
-        logprobs = [[]] if params.logprobs is not None else None
-        tracked = _Tracked(request_id, None, list(prompt_token_ids), [request], [detokenizer], logprobs)
-        tracked.metrics["arrival_time"] = time.monotonic()
-        self._tracked[request_id] = tracked
-        self._child_to_parent[request_id] = request_id
+        self._track(request_id, None, prompt_token_ids, [request], params)
         if first_token_id is not None:
             self.set_first_token(request, first_token_id)
         return request

@@ -51,10 +51,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.prefilled.append(request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.prefilled)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled)
 

@@ -4,8 +4,8 @@ The decode side (receiver) decides a transfer: it allocates blocks, calls
 ``KVReceiver.expect`` and hands the prefill side the transfer id, its endpoint and the
 pair key; the prefill side (sender) calls ``KVSender.send``. On each pair one thread per
 side works through transfers in order, so the engines' step loops never wait on the
-network. A transfer is a header ``[transfer_id, num_blocks]``, then each layer's packed
-K/V, then an acknowledgement back to the sender. Every wait has a timeout; a failure is
+network. A transfer is a header ``[transfer_id, num_blocks]``, then each run of layers'
+packed K/V (see ``wire.py``), then an acknowledgement back to the sender. Every wait has a timeout; a failure is
 reported per transfer through ``poll()``, and the pair's group is dropped so the next
 transfer rebuilds it under a new key.
 """
@@ -34,6 +34,9 @@ _FIRST_LAYER_TAG = 2
 
 @dataclass
 class TransferResult:
+    """One transfer's outcome. ``seconds`` runs from the header to the acknowledgement: the
+    wire time of a pulled transfer; a streamed one also spans the prefill it overlapped."""
+
     transfer_id: int
     ok: bool
     num_bytes: int = 0
@@ -121,12 +124,11 @@ class _PairWorker:
             if self.broken:
                 self.owner._report(TransferResult(job.transfer_id, False, error=f"pair {self.pair_key} is broken"))
                 continue
-            start = time.monotonic()
             try:
                 if self.group is None:
                     self.group = self.owner._make_group(self.pair_key, job)
-                num_bytes = self.owner._transfer(self.group, job)
-                self.owner._report(TransferResult(job.transfer_id, True, num_bytes, time.monotonic() - start))
+                num_bytes, seconds = self.owner._transfer(self.group, job)
+                self.owner._report(TransferResult(job.transfer_id, True, num_bytes, seconds))
             except Exception as error:  # a network failure must reach the request, not kill the thread
                 self.broken = True
                 logger.warning("KV transfer %d on pair %s failed: %s", job.transfer_id, self.pair_key, error)
@@ -197,35 +199,30 @@ class KVReceiver(_TransferEndpoint):
     def _make_group(self, pair_key: str, job: _Job) -> PairGroup:
         return PairGroup(self.store, pair_key, RECEIVER_RANK, self.spec, self.use_cuda, self.timeout_s)
 
-    def _transfer(self, group: PairGroup, job: _Job) -> int:
+    def _transfer(self, group: PairGroup, job: _Job) -> tuple[int, float]:
         header = torch.zeros(2, dtype=torch.int64)
         self._wait(group.recv(header, _HEADER_TAG), f"header of transfer {job.transfer_id}")
+        start = time.monotonic()
         transfer_id, num_blocks = (int(v) for v in header)
         if transfer_id != job.transfer_id or num_blocks != len(job.block_ids):
             raise RuntimeError(
                 f"expected transfer {job.transfer_id} of {len(job.block_ids)} blocks, got {transfer_id} of {num_blocks}"
             )
         runs = layer_runs(self.kv_cache, num_blocks)
-        # Two buffers in turn: run i+1 is already on its way while run i is scattered.
-        buffers = [self._buffer(runs[0], num_blocks), self._buffer(runs[min(1, len(runs) - 1)], num_blocks)]
-        work = group.recv(buffers[0], _FIRST_LAYER_TAG)
-        num_bytes = 0
-        for index, (start, end) in enumerate(runs):
-            self._wait(work, f"layers {start}-{end - 1} of transfer {transfer_id}")
+        # Two buffers in turn: run i+1 is already on its way while run i is scattered. Runs
+        # are equal but for a shorter last one, which uses a prefix of its buffer.
+        shape = packed_shape(self.kv_cache, *runs[0], num_blocks)
+        buffers = [torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device) for _ in range(2)]
+        received = [buffers[index % 2][: end - start_layer] for index, (start_layer, end) in enumerate(runs)]
+        work = group.recv(received[0], _FIRST_LAYER_TAG)
+        for index, (start_layer, end) in enumerate(runs):
+            self._wait(work, f"layers {start_layer}-{end - 1} of transfer {transfer_id}")
             if index + 1 < len(runs):
-                next_buffer = buffers[(index + 1) % 2]
-                if next_buffer.shape[0] != runs[index + 1][1] - runs[index + 1][0]:
-                    next_buffer = buffers[(index + 1) % 2] = self._buffer(runs[index + 1], num_blocks)
-                work = group.recv(next_buffer, _FIRST_LAYER_TAG + index + 1)
-            unpack_layers(self.kv_cache, start, end, job.block_ids, buffers[index % 2])
-            num_bytes += buffers[index % 2].numel() * buffers[index % 2].element_size()
+                work = group.recv(received[index + 1], _FIRST_LAYER_TAG + index + 1)
+            unpack_layers(self.kv_cache, start_layer, end, job.block_ids, received[index])
         self._wait(group.send(header.clone(), _ACK_TAG), f"ack of transfer {transfer_id}")
-        return num_bytes
-
-
-    def _buffer(self, run: tuple[int, int], num_blocks: int) -> torch.Tensor:
-        shape = packed_shape(self.kv_cache, run[0], run[1], num_blocks)
-        return torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        num_bytes = sum(buffer.numel() * buffer.element_size() for buffer in received)
+        return num_bytes, time.monotonic() - start
 
 
 class KVSender(_TransferEndpoint):
@@ -251,17 +248,21 @@ class KVSender(_TransferEndpoint):
         store = connect_store(job.endpoint, self.timeout_s)
         return PairGroup(store, pair_key, SENDER_RANK, self.spec, self.use_cuda, self.timeout_s)
 
-    def _transfer(self, group: PairGroup, job: _Job) -> int:
+    def _transfer(self, group: PairGroup, job: _Job) -> tuple[int, float]:
+        runs = layer_runs(self.kv_cache, job.num_blocks)
+        # The header goes once the first run is computed, so the clock starts with real data.
+        job.progress.wait_for(runs[0][1], self.timeout_s)
         header = torch.tensor([job.transfer_id, job.num_blocks], dtype=torch.int64)
         self._wait(group.send(header, _HEADER_TAG), f"header of transfer {job.transfer_id}")
+        start = time.monotonic()
         num_bytes = 0
         in_flight = None  # (work, buffer): one run on the wire while the next is packed
-        for index, (start, end) in enumerate(layer_runs(self.kv_cache, job.num_blocks)):
+        for index, (start_layer, end) in enumerate(runs):
             block_ids = job.progress.wait_for(end, self.timeout_s)
-            packed = pack_layers(self.kv_cache, start, end, block_ids)
+            packed = pack_layers(self.kv_cache, start_layer, end, block_ids)
             work = group.send(packed, _FIRST_LAYER_TAG + index)
             if in_flight is not None:
-                self._wait(in_flight[0], f"layers before {start} of transfer {job.transfer_id}")
+                self._wait(in_flight[0], f"layers before {start_layer} of transfer {job.transfer_id}")
             in_flight = (work, packed)
             num_bytes += packed.numel() * packed.element_size()
         self._wait(in_flight[0], f"last layers of transfer {job.transfer_id}")
@@ -269,4 +270,4 @@ class KVSender(_TransferEndpoint):
         self._wait(group.recv(ack, _ACK_TAG), f"ack of transfer {job.transfer_id}")
         if int(ack[0]) != job.transfer_id:
             raise RuntimeError(f"transfer {job.transfer_id} acknowledged as {int(ack[0])}")
-        return num_bytes
+        return num_bytes, time.monotonic() - start

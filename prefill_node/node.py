@@ -129,7 +129,10 @@ class PrefillNode:
             self.engine.kv_cache_manager.release_pinned(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request; blocks already promised to a decode replica stay pinned until that
+        transfer ends (a streamed one times out waiting for layers that never come)."""
         self._params.pop(request_id, None)
+        self._streaming.pop(request_id, None)
         self.engine.abort_request(request_id)
         if request_id not in self._ready.values() and request_id not in self._sending.values():
             self.engine.kv_cache_manager.release_pinned(request_id)

@@ -28,6 +28,5 @@ def test_disaggregated_smollm2_matches_transformers(parity_prompts, parity_refer
     for note in filter(None, notes):
         print(note)
     assert decode.receiver.stats.transfers == len(parity_prompts)
-    print(f"KV moved: {decode.receiver.stats.bytes / 1e6:.1f} MB at {decode.receiver.stats.gbps:.2f} GB/s")
     decode.check_integrity()
     decode.close()

@@ -78,6 +78,20 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert different[0].outputs[0].token_ids != alone
 
 
+def test_seeded_sampling_survives_preemption(tiny_llama_dir):
+    """Guards the resumed random stream: a preempted seeded request must not replay its draws."""
+    params = [SamplingParams(temperature=1.0, max_tokens=40, min_tokens=40, seed=s) for s in range(4)]
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[1][:40]]
+    roomy = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    assert roomy.engine.scheduler.num_preemptions == 0
+    cramped = LLM(model=str(tiny_llama_dir), num_kv_blocks=12, max_model_len=512)
+    got = [o.outputs[0].token_ids for o in cramped.generate(prompts, params)]
+    assert cramped.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    cramped.engine.check_integrity()
+
+
 def test_n_completions_share_the_prompt_blocks(llm):
     """Guards n > 1: distinct samples, one RequestOutput, the prompt's full blocks reused."""
     hits_before = llm.engine.kv_cache_manager.prefix_cache_hits

@@ -16,9 +16,8 @@ from tests.reference import compare_to_reference, hf_greedy
 
 pytestmark = pytest.mark.slow
 
-MAX_NEW_TOKENS = PARITY_NEW_TOKENS
 # min_tokens bars EOS exactly as transformers' min_new_tokens does.
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, min_tokens=MAX_NEW_TOKENS)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=PARITY_NEW_TOKENS, min_tokens=PARITY_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,7 @@ def shared_prompts(smollm2_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def shared_references(smollm2_dir, shared_prompts):
-    return hf_greedy(smollm2_dir, shared_prompts, MAX_NEW_TOKENS)
+    return hf_greedy(smollm2_dir, shared_prompts, PARITY_NEW_TOKENS)
 
 
 def _check(outputs, refs, label) -> list[str]:
