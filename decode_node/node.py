@@ -72,6 +72,10 @@ class DecodeNode:
         """Requests reserved or accepted whose KV (or first token) has not arrived yet."""
         return len(self._incoming) + len(self._awaiting_first_token)
 
+    @property
+    def has_work(self) -> bool:
+        return self.engine.scheduler.has_unfinished_requests() or self.pending_transfers > 0
+
     def wants_local_prefill(self, num_prompt_tokens: int) -> bool:
         return num_prompt_tokens < self.local_prefill_threshold
 

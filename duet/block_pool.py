@@ -24,6 +24,19 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
 
 
+def leading_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
+    """Chained hashes of a prompt's first full blocks (at most ``max_blocks``), as the cache keys them.
+
+    Routers compare these with what replicas report to send a prompt where its prefix is cached.
+    """
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass
 class KVCacheBlock:
     block_id: int
@@ -58,6 +71,9 @@ class BlockPool:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._cached
 
     def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVCacheBlock | None:
         block_id = self._cached.get(block_hash)

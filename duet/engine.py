@@ -71,6 +71,10 @@ class LLMEngine:
             self.scheduler_config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, dtype, args.device, self.eos_token_id)
+        if args.device == "cpu":
+            from duet.kernels import cpu_ops
+
+            cpu_ops.load()  # compile (once per machine) now, not inside the first step
         self._tracked: dict[str, _Tracked] = {}
         self._child_to_parent: dict[str, str] = {}
         logger.info(
@@ -254,6 +258,20 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=min(child.num_cached_tokens for child in tracked.children),
             metrics=dict(tracked.metrics),
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges for metrics and routing."""
+        scheduler, manager = self.scheduler, self.kv_cache_manager
+        return dict(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
+            num_free_blocks=manager.num_free_blocks,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=manager.prefix_cache_queries,
+            prefix_cache_hits=manager.prefix_cache_hits,
         )
 
     def check_integrity(self) -> None:

@@ -49,6 +49,11 @@ class PrefillNode:
         self._streaming: dict[str, LayerProgress] = {}
         self.engine.runner.layer_listener = self._on_layer_done
 
+    @property
+    def has_work(self) -> bool:
+        """Prompts to compute, or KV whose delivery is still to be acknowledged."""
+        return self.engine.scheduler.has_unfinished_requests() or bool(self._sending)
+
     def _on_layer_done(self, layer: int, completing: list[str]) -> None:
         """Runs on the engine thread during the forward pass: release finished layers."""
         for request_id in completing:
@@ -109,8 +114,12 @@ class PrefillNode:
                 source=self.node_id,
                 transfer_id=transfer_id,
             )
+        text = completion.text
+        if not done and params.stop:
+            # Hold back what could start a stop string, exactly as the decode replica will.
+            text = text[: max(0, len(text) - (max(len(stop) for stop in params.stop) - 1))]
         return PrefillResult(
-            output.request_id, completion.token_ids[0], completion.text, completion.finish_reason if done else None,
+            output.request_id, completion.token_ids[0], text, completion.finish_reason if done else None,
             handle, completion.logprobs, output.num_cached_tokens,
         )
 

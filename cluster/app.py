@@ -1,0 +1,109 @@
+"""YAML ``args`` -> a Serve application: the router ingress over a prefill and a decode pool
+(``pd``), or over one pool that does both (``colocated``).
+
+``build_app`` is the ``import_path`` of the shipped configs, so ``serve deploy`` runs them too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from duet.cluster.config import AppArgs, PoolSettings, readable
+
+ROUTING_STATS_PERIOD_S = 0.5
+
+
+class AppConfigError(ValueError):
+    """The application's ``args`` are invalid; the message lists each problem."""
+
+
+def parse_args(args: dict) -> AppArgs:
+    from pydantic import ValidationError
+
+    try:
+        return AppArgs.model_validate(args or {})
+    except ValidationError as error:
+        raise AppConfigError(readable(error)) from None
+
+
+def build_app(args: dict) -> serve.Application:
+    from duet.decode_node.server import DecodeServer
+    from duet.models.loader import resolve_model_path
+    from duet.prefill_node.server import PrefillServer
+    from duet.router.ingress import RouterIngress
+
+    config = parse_args(args)
+    # Resolve (for an alias: download and convert) and compile the CPU kernels once, here,
+    # not in every replica at the same time.
+    model_dir = str(resolve_model_path(config.model))
+    if config.engine.device == "cpu":
+        from duet.kernels import cpu_ops
+
+        cpu_ops.load()
+    kv_host = config.kv_transfer.host
+    if kv_host == "auto":
+        import ray
+
+        kv_host = ray.util.get_node_ip_address()
+
+    decode_engine = config.decode.merged_engine(config.engine)
+    colocated = config.mode == "colocated"
+    decode = _deployment(DecodeServer, "colocated" if colocated else "decode", config.decode, "KVCapacityRouter").bind(
+        engine_args=decode_engine.engine_args(model_dir),
+        num_threads=config.decode.num_threads(decode_engine),
+        local_prefill_threshold=config.decode.local_prefill_threshold,
+        on_transfer_failure=config.decode.on_transfer_failure,
+        transfer_timeout_s=config.kv_transfer.timeout_s,
+        stage="colocated" if colocated else "decode",
+        kv_host=kv_host,
+    )
+    prefill = None
+    if not colocated:
+        prefill_engine = config.prefill.merged_engine(config.engine)
+        prefill = _deployment(PrefillServer, "prefill", config.prefill, "PrefixAffinityRouter").bind(
+            engine_args=prefill_engine.engine_args(model_dir),
+            num_threads=config.prefill.num_threads(prefill_engine),
+            transfer_timeout_s=config.kv_transfer.timeout_s,
+        )
+    router = config.router
+    ingress = serve.deployment(name="router")(RouterIngress).options(
+        num_replicas=router.num_replicas,
+        ray_actor_options=router.ray_actor_options,
+        max_ongoing_requests=router.max_running_requests + router.max_queued_requests + 64,
+    )
+    return ingress.bind(
+        prefill,
+        decode,
+        model_id=config.model_id,
+        model_dir=model_dir,
+        max_model_len=_max_model_len(model_dir, decode_engine.max_model_len),
+        block_size=decode_engine.block_size,
+        local_prefill_threshold=0 if colocated else config.decode.local_prefill_threshold,
+        max_running_requests=router.max_running_requests,
+        max_queued_requests=router.max_queued_requests,
+        max_body_bytes=router.max_body_bytes,
+        api_key=router.api_key or os.environ.get("DUET_API_KEY"),
+    )
+
+
+def _deployment(cls, name: str, pool: PoolSettings, router_class: str):
+    return serve.deployment(name=name)(cls).options(
+        num_replicas=pool.num_replicas,
+        ray_actor_options=pool.ray_actor_options,
+        max_ongoing_requests=pool.max_ongoing_requests,
+        request_router_config=RequestRouterConfig(
+            request_router_class=f"duet.router.routing.{router_class}",
+            request_router_kwargs={"pool": name},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
+    )
+
+
+def _max_model_len(model_dir: str, configured: int | None) -> int:
+    with open(os.path.join(model_dir, "config.json")) as file:
+        model_max = int(json.load(file).get("max_position_embeddings", 2048))
+    return min(configured, model_max) if configured else model_max

@@ -1,0 +1,111 @@
+"""The ``args`` of a duet application in a Serve config file, validated with readable errors."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from duet.config import ConfigError, EngineArgs
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineSettings(_Strict):
+    """``EngineArgs`` for the replicas of a pool (see ``duet.config``), plus torch threads."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_model_len: int | None = 2048
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 0.5
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(default=None, ge=1, description="torch threads per replica; default: its num_cpus, at least 1")
+
+    def engine_args(self, model_path: str) -> dict:
+        args = self.model_dump(exclude={"num_threads"}) | {"model": model_path}
+        EngineArgs(**args)  # fail at deploy time, with the engine's message, not in a replica
+        return args
+
+
+class PoolSettings(_Strict):
+    num_replicas: int = Field(default=1, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
+    max_ongoing_requests: int = Field(default=256, ge=1, description="calls in flight per replica (the engine batches them)")
+    engine: dict[str, Any] = Field(default_factory=dict, description="overrides of the application's engine settings")
+
+    def merged_engine(self, base: EngineSettings) -> EngineSettings:
+        return EngineSettings(**(base.model_dump(exclude_unset=True) | self.engine))
+
+    def num_threads(self, engine: EngineSettings) -> int:
+        return engine.num_threads or max(1, round(float(self.ray_actor_options.get("num_cpus", 1))))
+
+
+class DecodePoolSettings(PoolSettings):
+    local_prefill_threshold: int = Field(default=0, ge=0, description="prompts shorter than this skip the prefill pool")
+    on_transfer_failure: Literal["recompute", "fail"] = "recompute"
+
+
+class RouterSettings(_Strict):
+    num_replicas: int = Field(default=1, ge=1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.25})
+    max_running_requests: int = Field(default=64, ge=1, description="requests in the pools at once")
+    max_queued_requests: int = Field(default=256, ge=0, description="requests waiting for admission; more get 429")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>'; DUET_API_KEY also sets it")
+
+
+class KVTransferSettings(_Strict):
+    host: str = Field(default="127.0.0.1", description="address decode replicas listen on; 'auto' = the Ray node's IP")
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class AppArgs(_Strict):
+    """One duet application: a model served by a prefill and a decode pool (``pd``) or by one
+    pool doing both (``colocated``)."""
+
+    model_id: str = Field(default="smollm2", min_length=1, description="the model's name in the API")
+    model: str = Field(default="smollm2", min_length=1, description="an alias such as smollm2, or a Hugging Face model directory")
+    mode: Literal["pd", "colocated"] = "pd"
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    prefill: PoolSettings | None = None
+    decode: DecodePoolSettings = Field(default_factory=DecodePoolSettings)
+    router: RouterSettings = Field(default_factory=RouterSettings)
+    kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
+
+    @model_validator(mode="after")
+    def _pools_match_mode(self) -> AppArgs:
+        if self.mode == "colocated" and self.prefill is not None:
+            raise ValueError("mode 'colocated' has no prefill pool: remove the 'prefill' section or set mode: pd")
+        if self.mode == "pd" and self.prefill is None:
+            self.prefill = PoolSettings()
+        for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            if pool is None:
+                continue
+            try:
+                pool.merged_engine(self.engine).engine_args(self.model)
+            except (ValueError, ConfigError) as error:
+                raise ValueError(f"{name}.engine: {error}") from None
+        return self
+
+
+def readable(error: Exception) -> str:
+    """A pydantic error as lines a user can act on: 'field.path: what is wrong'."""
+    errors = getattr(error, "errors", None)
+    if errors is None:
+        return str(error)
+    lines = []
+    for item in errors():
+        location = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown setting (check its spelling and its section)"
+        lines.append(f"{location}: {message}" if location else message)
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""Drive a step()-based node from asyncio: one engine thread, outputs routed to per-request queues.
+
+The engine is not thread-safe, so every call into it (adding, aborting, reading stats) runs on
+the engine thread between two steps. Serve replicas use this to stream tokens while the
+batch keeps stepping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoopError(RuntimeError):
+    """A step failed; every request in flight at that moment gets this error."""
+
+
+class EngineLoop:
+    """Runs ``step()`` on a thread whenever ``has_work()``; ``key(output)`` names its request.
+
+    ``idle()`` is polled (on the engine thread) while nothing is runnable but background work,
+    such as KV transfers, is still under way; it should be cheap.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[], list],
+        key: Callable[[Any], str],
+        has_work: Callable[[], bool],
+        busy_poll_s: float = 0.002,
+        idle_wait_s: float = 0.05,
+        name: str = "engine-loop",
+    ) -> None:
+        self._step = step
+        self._key = key
+        self._has_work = has_work
+        self._busy_poll_s = busy_poll_s
+        self._idle_wait_s = idle_wait_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    async def call(self, fn: Callable, *args, **kwargs) -> Any:
+        """Run ``fn`` on the engine thread between steps and return (or raise) its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._calls.put((fn, args, kwargs, loop, future))
+        self._wake.set()
+        return await future
+
+    def call_soon(self, fn: Callable, *args) -> None:
+        """Run ``fn`` on the engine thread without waiting (aborts from cancelled requests)."""
+        self._calls.put((fn, args, {}, None, None))
+        self._wake.set()
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        """A queue that receives every output for ``request_id`` (subscribe before adding it)."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._subscribers[request_id] = (asyncio.get_running_loop(), outputs)
+        return outputs
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscribers.pop(request_id, None)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._run_calls()
+            if self._has_work():
+                self._run_step()
+                continue
+            self._wake.wait(self._idle_wait_s)
+            self._wake.clear()
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, args, kwargs, loop, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                if future is None:
+                    logger.exception("engine call %s failed", getattr(fn, "__name__", fn))
+                else:
+                    loop.call_soon_threadsafe(_settle, future, None, error)
+            else:
+                if future is not None:
+                    loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def _run_step(self) -> None:
+        try:
+            outputs = self._step()
+        except Exception as error:  # noqa: BLE001 - a bug must not kill the replica
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._subscribers))
+            for request_id in list(self._subscribers):
+                self._deliver(request_id, EngineLoopError(f"engine step failed: {error!r}"))
+            return
+        if not outputs:
+            # Runnable work exists only in the background (transfers): do not spin a core.
+            self._wake.wait(self._busy_poll_s)
+            self._wake.clear()
+        for output in outputs:
+            self._deliver(self._key(output), output)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        subscriber = self._subscribers.get(request_id)
+        if subscriber is not None:
+            loop, outputs = subscriber
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,347 @@
+"""The ingress deployment: OpenAI-compatible HTTP API over the prefill and decode pools.
+
+Per request: authorize, parse, tokenize (off the event loop), validate, admit (or 429), fan
+``n`` and prompt lists out into sequences, run each through ``Orchestrator`` and merge their
+deltas into one response or one SSE stream. A client that goes away cancels the handler, and
+the orchestrator's clean-up frees the request's blocks in both pools.
+"""
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from ray import serve
+
+from duet.messages import InvalidRequestError, KVTransferFailedError
+from duet.router.admission import AdmissionQueue, QueueFullError
+from duet.router.metrics import RouterMetrics
+from duet.router.pd import Orchestrator, PoolUnavailableError
+from duet.router.protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.responses import Choice, ResponseBuilder, error_body, sse
+from duet.router.routing import pool_size, pool_stats
+from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
+from duet.sampling_params import SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+app = FastAPI(title="duet", docs_url=None, redoc_url=None)
+
+
+class ApiError(Exception):
+    """An error the client gets as an OpenAI error body with ``status``."""
+
+    def __init__(self, status: int, message: str, error_type: str, param: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.error_type, self.param, self.retry_after = status, message, error_type, param, retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(error_body(self.message, self.error_type, self.param, self.status), self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    return error.response()
+
+
+@dataclasses.dataclass
+class _Sequence:
+    choice_index: int
+    prompt_index: int
+    params: object
+
+
+def _api_error_from(error: Exception) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return bad_request(str(error))
+    if isinstance(error, (PoolUnavailableError, KVTransferFailedError)):
+        return ApiError(503, str(error), "service_unavailable", retry_after=1)
+    logger.exception("request failed", exc_info=error)
+    return ApiError(500, f"internal error: {error!r}", "internal_server_error")
+
+
+class _Run:
+    """One HTTP request's sequences running concurrently, merged in arrival order."""
+
+    def __init__(self, ingress: "RouterIngress", request_id: str, encoded, sequences: list[_Sequence], arrival: float) -> None:
+        self.ingress = ingress
+        self.request_id = request_id
+        self.encoded = encoded
+        self.sequences = sequences
+        self.arrival = arrival
+        self.choices = [Choice(sequence.choice_index) for sequence in sequences]
+        self.num_cached_tokens = 0
+
+    def usage(self, builder: ResponseBuilder) -> dict:
+        return builder.usage(sum(len(prompt) for prompt in self.encoded), self.choices, self.num_cached_tokens)
+
+    async def deltas(self):
+        """Yields ``(choice index, StreamDelta)`` as any sequence produces output."""
+        merged: asyncio.Queue = asyncio.Queue()
+        metrics = self.ingress.metrics
+        tasks = [asyncio.create_task(self._pump(sequence, merged)) for sequence in self.sequences]
+        first_token_at = None
+        try:
+            for _ in range(len(tasks)):
+                while (item := await merged.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    index, delta = item
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                        metrics.ttft.observe(first_token_at - self.arrival)
+                    self.choices[index].add(delta)
+                    yield index, delta
+            metrics.e2e.observe(time.monotonic() - self.arrival)
+            metrics.prompt_tokens.inc(sum(len(prompt) for prompt in self.encoded))
+            for choice in self.choices:
+                metrics.generation_tokens.inc(choice.num_tokens)
+                metrics.success.labels(self.ingress.model_id, choice.finish_reason or "abort").inc()
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _pump(self, sequence: _Sequence, merged: asyncio.Queue) -> None:
+        prompt = self.encoded[sequence.prompt_index]
+        sequence_id = f"{self.request_id}-{sequence.choice_index}"
+        last = None
+        try:
+            async for delta in self.ingress.orchestrator.run(sequence_id, prompt, sequence.params):
+                now = time.monotonic()
+                if last is not None and delta.token_ids:
+                    for _ in delta.token_ids:
+                        self.ingress.metrics.itl.observe((now - last) / len(delta.token_ids))
+                last = now
+                if delta.num_cached_tokens and sequence.choice_index == 0:
+                    self.num_cached_tokens = delta.num_cached_tokens
+                merged.put_nowait((sequence.choice_index, delta))
+            merged.put_nowait(None)
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            merged.put_nowait(error)
+
+
+# Last in the module: Serve serializes the class when it is decorated, with the globals it sees then.
+@serve.ingress(app)
+class RouterIngress:
+    """Serve ingress class (wrapped by ``duet.cluster.app``). ``prefill`` is None when colocated."""
+
+    def __init__(
+        self,
+        prefill,
+        decode,
+        model_id: str,
+        model_dir: str,
+        max_model_len: int,
+        block_size: int,
+        local_prefill_threshold: int,
+        max_running_requests: int,
+        max_queued_requests: int,
+        max_body_bytes: int,
+        api_key: str | None,
+    ) -> None:
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+        self.tokenizer = RouterTokenizer(model_dir)
+        self.pools = {"decode": decode} if prefill is None else {"prefill": prefill, "decode": decode}
+        self.orchestrator = Orchestrator(prefill, decode, block_size, local_prefill_threshold)
+        self.admission = AdmissionQueue(max_running_requests, max_queued_requests)
+        self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission)
+
+    def _pool_stats(self) -> dict:
+        return {pool: stats for pool in self.pools if (stats := pool_stats(pool)) is not None}
+
+    # -- open endpoints
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """200 once every pool answers; 503 with the reason otherwise."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(pool.check_health.remote() for pool in self.pools.values())), 10)
+        except Exception as error:  # noqa: BLE001 - any failure means not healthy
+            return ApiError(503, f"a pool is not healthy: {error!r}", "service_unavailable", retry_after=5).response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/duet/status")
+    async def status(self) -> Response:
+        pools = {}
+        for name in self.pools:
+            stats = pool_stats(name)
+            pools[name] = {
+                "replicas": pool_size(name),
+                "stats": [dataclasses.asdict(s) | {"kv_usage": s.kv_usage, "prefix_hashes": len(s.prefix_hashes)} for s in stats or []],
+            }
+        admission = {"running": self.admission.num_running, "queued": self.admission.num_queued}
+        return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission})
+
+    # -- API endpoints
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "duet", "max_model_len": self.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        try:
+            prompts = body.prompts()
+        except ValueError as error:
+            raise bad_request(str(error), "prompt") from None
+        encoded = await asyncio.to_thread(self._encode_prompts, prompts)
+        return await self._generate(body, encoded, body.max_tokens, body.logprobs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        messages = [message.template_dict() for message in body.messages]
+        try:
+            encoded = [await asyncio.to_thread(self.tokenizer.encode_chat, messages)]
+        except ChatTemplateError as error:
+            raise bad_request(str(error), "messages") from None
+        return await self._generate(body, encoded, body.effective_max_tokens, body.num_logprobs, chat=True)
+
+    # -- the request pipeline
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'", "authentication_error")
+
+    async def _parse(self, request: Request, schema):
+        self._authorize(request)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
+        raw = await request.body()
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
+        try:
+            payload = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise bad_request(f"the body is not valid JSON: {error}") from None
+        if not isinstance(payload, dict):
+            raise bad_request("the body must be a JSON object")
+        try:
+            body = schema.model_validate(payload)
+        except ValidationError as error:
+            first = error.errors()[0]
+            param = ".".join(str(part) for part in first["loc"]) or None
+            raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+        if body.model != self.model_id:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_id!r}", "not_found_error", "model")
+        return body
+
+    def _encode_prompts(self, prompts: list) -> list[list[int]]:
+        encoded = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                encoded.append(self.tokenizer.encode(prompt))
+            elif all(isinstance(token, int) for token in prompt):
+                encoded.append(list(prompt))
+            else:
+                raise bad_request("prompt must be a string, a list of strings, or lists of token ids", "prompt")
+        return encoded
+
+    def _check_length(self, prompt_token_ids: list[int], max_tokens: int | None) -> int:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise bad_request("the prompt is empty", "prompt")
+        if num_prompt >= self.max_model_len:
+            raise bad_request(
+                f"the prompt has {num_prompt} tokens but this model's maximum context length is {self.max_model_len}; "
+                "shorten the prompt", "prompt",
+            )
+        room = self.max_model_len - num_prompt
+        if max_tokens is not None and max_tokens > room:
+            raise bad_request(
+                f"max_tokens={max_tokens} is too large: the {num_prompt}-token prompt leaves {room} of the "
+                f"{self.max_model_len}-token context", "max_tokens",
+            )
+        return room if max_tokens is None else max_tokens
+
+    def _sequences(self, body, encoded: list[list[int]], max_tokens: int | None, logprobs: int | None) -> list[_Sequence]:
+        sequences = []
+        for prompt_index, prompt_token_ids in enumerate(encoded):
+            budget = self._check_length(prompt_token_ids, max_tokens)
+            try:
+                params = body.sampling_params(budget, logprobs)
+            except SamplingParamsError as error:
+                raise bad_request(str(error)) from None
+            for index in range(body.n):
+                seed = None if params.seed is None else params.seed + index
+                choice = prompt_index * body.n + index
+                sequences.append(_Sequence(choice, prompt_index, dataclasses.replace(params, seed=seed)))
+        return sequences
+
+    def _check_pools(self) -> None:
+        for name in self.pools:
+            if pool_size(name) == 0:
+                raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
+
+    async def _generate(self, body, encoded, max_tokens, logprobs, chat: bool) -> Response:
+        sequences = self._sequences(body, encoded, max_tokens, logprobs)
+        self._check_pools()
+        arrival = time.monotonic()
+        try:
+            queued_s = await self.admission.acquire()
+        except QueueFullError as error:
+            self.metrics.rejected.labels(self.model_id, "429").inc()
+            raise ApiError(429, f"the server is at capacity: {error}", "rate_limit_error", retry_after=1) from None
+        self.metrics.queue_time.observe(queued_s)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        builder = ResponseBuilder(request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None)
+        run = _Run(self, request_id, encoded, sequences, arrival)
+        if body.stream:
+            return StreamingResponse(self._stream(run, builder, body.include_usage), media_type="text/event-stream")
+        try:
+            async with aclosing(run.deltas()) as deltas:
+                async for _ in deltas:
+                    pass
+        except Exception as error:
+            raise _api_error_from(error) from None
+        finally:
+            self.admission.release()
+        return JSONResponse(builder.response(run.choices, run.usage(builder)))
+
+    async def _stream(self, run: _Run, builder: ResponseBuilder, include_usage: bool):
+        text_offsets = [0] * len(run.choices)
+        started = [False] * len(run.choices)
+        try:
+            async with aclosing(run.deltas()) as deltas:
+                async for index, delta in deltas:
+                    yield sse(builder.chunk(index, delta, not started[index], text_offsets[index]))
+                    started[index] = True
+                    text_offsets[index] += len(delta.text)
+            if include_usage:
+                yield sse(builder.usage_chunk(run.usage(builder)))
+        except Exception as error:  # noqa: BLE001 - the status is sent; report in the stream
+            api_error = _api_error_from(error)
+            yield sse(error_body(api_error.message, api_error.error_type, code=api_error.status))
+        finally:
+            self.admission.release()
+        yield sse("[DONE]")

@@ -1,0 +1,83 @@
+"""Prometheus metrics of the ingress, with vLLM's names: latencies measured here as the client
+sees them, and the pools' replica stats (reported through ``record_routing_stats``) exposed
+with a ``stage`` label."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from duet.messages import ReplicaStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class RouterMetrics:
+    """One registry per ingress replica."""
+
+    def __init__(self, model_name: str, pool_stats: Callable[[], dict[str, list[ReplicaStats]]], admission) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time from arrival at the router to the first token.")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time spent waiting for admission.")
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=self.registry).labels(model_name)
+        self.success = Counter(
+            "vllm:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"], registry=self.registry
+        )
+        self.rejected = Counter(
+            "duet:requests_rejected", "Requests refused, by HTTP status.", ["model_name", "status"], registry=self.registry
+        )
+        admission_gauge = Gauge("duet:admission_requests", "Requests admitted or queued at the router.", ["model_name", "state"], registry=self.registry)
+        admission_gauge.labels(model_name, "running").set_function(lambda: admission.num_running)
+        admission_gauge.labels(model_name, "queued").set_function(lambda: admission.num_queued)
+        self.registry.register(_PoolCollector(model_name, pool_stats))
+
+
+class _PoolCollector:
+    """Turns the replicas' latest reported stats into metric families at scrape time."""
+
+    def __init__(self, model_name: str, pool_stats: Callable[[], dict[str, list[ReplicaStats]]]) -> None:
+        self.model_name = model_name
+        self.pool_stats = pool_stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        labels = ["model_name", "stage", "replica"]
+        gauges = {
+            "vllm:num_requests_running": ("Sequences running on the replica.", lambda s: s.num_running),
+            "vllm:num_requests_waiting": ("Sequences waiting on the replica.", lambda s: s.num_waiting),
+            "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", lambda s: s.kv_usage),
+            "duet:kv_transfers_pending": ("Transfers reserved or accepted, not yet arrived.", lambda s: s.pending_transfers),
+        }
+        counters = {
+            "vllm:num_preemptions": ("Preemptions by recompute.", lambda s: s.num_preemptions),
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
+            "duet:kv_transfer_bytes": ("KV bytes sent (prefill) or received (decode).", lambda s: s.transfer_bytes),
+            "duet:kv_transfers": ("KV transfers completed.", lambda s: s.transfers),
+            "duet:kv_transfer_failures": ("KV transfers that failed.", lambda s: s.transfer_failures),
+            "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, header to acknowledgement.", lambda s: s.transfer_seconds),
+        }
+        families = {name: GaugeMetricFamily(name, doc, labels=labels) for name, (doc, _) in gauges.items()}
+        families |= {name: CounterMetricFamily(name, doc, labels=labels) for name, (doc, _) in counters.items()}
+        replicas = GaugeMetricFamily("duet:pool_replicas", "Replicas reporting stats, per pool.", labels=["model_name", "stage"])
+        for pool, stats_list in self.pool_stats().items():
+            replicas.add_metric([self.model_name, pool], len(stats_list))
+            for stats in stats_list:
+                values = [self.model_name, pool, stats.replica_id]
+                for name, (_, read) in (gauges | counters).items():
+                    families[name].add_metric(values, read(stats))
+        yield replicas
+        yield from families.values()

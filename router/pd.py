@@ -1,0 +1,106 @@
+"""One sequence's way through the pools: prefill (first token and a ``KVHandle``), then decode
+(KV pulled from the prefill replica, tokens streamed); or decode alone for short prompts and
+the colocated mode. Yields ``StreamDelta``s and cleans up after itself however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from duet.block_pool import leading_block_hashes
+from duet.messages import KVTarget, ReplicaFullError, StreamDelta
+from duet.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ROUTING_PREFIX_BLOCKS = 4  # as many leading blocks as the prefill replicas report
+PINNED_CALL_TIMEOUT_S = 10.0
+DECODE_ATTEMPTS = 3
+
+
+class PoolUnavailableError(RuntimeError):
+    """No replica of a pool could take the request; the client should retry later (HTTP 503)."""
+
+
+class Orchestrator:
+    """``prefill`` is None in the colocated mode: ``decode`` is then the only pool."""
+
+    def __init__(self, prefill, decode, block_size: int, local_prefill_threshold: int) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.block_size = block_size
+        self.local_prefill_threshold = local_prefill_threshold
+
+    def wants_prefill_pool(self, num_prompt_tokens: int) -> bool:
+        return self.prefill is not None and num_prompt_tokens >= self.local_prefill_threshold
+
+    async def run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
+        if not self.wants_prefill_pool(len(prompt_token_ids)):
+            async for delta in self._decode(request_id, prompt_token_ids, params, None, 0):
+                yield delta
+            return
+        hashes = leading_block_hashes(prompt_token_ids, self.block_size, ROUTING_PREFIX_BLOCKS)
+        reply = await self.prefill.prefill.remote(request_id, prompt_token_ids, params, prefix_hashes=hashes)
+        handle = reply.kv_handle
+        try:
+            yield reply.first
+            if handle is None:
+                return
+            async for delta in self._decode(request_id, prompt_token_ids, params, reply, len(reply.first.text)):
+                if handle is not None and isinstance(delta, KVTarget):
+                    await self._pinned(
+                        self.prefill.send_kv.remote(delta.transfer_id, delta.endpoint, delta.pair_key, replica_id=reply.replica_id)
+                    )
+                    handle = None  # the prefill replica unpins it once the transfer ends
+                    continue
+                yield delta
+        finally:
+            if handle is not None:
+                self._fire(self.prefill.drop.remote(handle["transfer_id"], replica_id=reply.replica_id))
+
+    async def _decode(self, request_id, prompt_token_ids, params, reply, num_sent_chars) -> AsyncIterator:
+        kv_handle = reply.kv_handle if reply is not None else None
+        num_blocks = -(-len(prompt_token_ids) // self.block_size)
+        for attempt in range(DECODE_ATTEMPTS):
+            stream = self.decode.options(stream=True).generate.remote(
+                request_id, prompt_token_ids, params, kv_handle=kv_handle, num_sent_chars=num_sent_chars,
+                num_prompt_blocks=num_blocks,
+            )
+            target = None
+            finished = False
+            try:
+                async for item in stream:
+                    if isinstance(item, KVTarget):
+                        target = item
+                    finished = isinstance(item, StreamDelta) and item.finish_reason is not None
+                    yield item
+                return
+            except ReplicaFullError as error:
+                if attempt == DECODE_ATTEMPTS - 1:
+                    raise PoolUnavailableError(f"no decode replica has room for this request: {error}") from None
+                await asyncio.sleep(0.05 * (attempt + 1))
+            finally:
+                if not finished:
+                    stream.cancel()
+                    if target is not None:
+                        self._fire(self.decode.abort.remote(request_id, replica_id=target.replica_id))
+
+    async def _pinned(self, response):
+        """A call pinned to one replica waits forever if that replica is gone: bound it."""
+        try:
+            return await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise PoolUnavailableError("the replica holding this request's KV did not answer") from None
+
+    def _fire(self, response) -> None:
+        """Send a clean-up call without waiting for it; log if it fails."""
+
+        async def settle():
+            try:
+                await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
+            except Exception as error:  # noqa: BLE001 - nothing left to tell the client
+                logger.warning("clean-up call failed: %r", error)
+
+        asyncio.get_running_loop().create_task(settle())

@@ -1,0 +1,131 @@
+"""OpenAI response bodies and stream chunks, for completions and chat completions."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from duet.messages import StreamDelta
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: int | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+@dataclass
+class Choice:
+    """What one sequence has produced so far."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (token id, top logprobs)
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text += delta.text
+        self.num_tokens += len(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs.extend(zip(delta.token_ids, delta.logprobs))
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+class ResponseBuilder:
+    """Builds one request's bodies; ``chat`` picks the chat completion shapes."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, token_text: Callable[[int], str], want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.token_text = token_text
+        self.want_logprobs = want_logprobs
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def usage(self, num_prompt_tokens: int, choices: list[Choice], num_cached_tokens: int) -> dict:
+        completion = sum(choice.num_tokens for choice in choices)
+        return {
+            "prompt_tokens": num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        }
+
+    def response(self, choices: list[Choice], usage: dict) -> dict:
+        return {
+            "id": self.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(choice) for choice in choices],
+            "usage": usage,
+        }
+
+    def _choice(self, choice: Choice) -> dict:
+        body = {"index": choice.index, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        logprobs = self._logprobs(choice.logprobs, 0) if self.want_logprobs else None
+        if self.chat:
+            body["message"] = {"role": "assistant", "content": choice.text}
+        else:
+            body["text"] = choice.text
+        body["logprobs"] = logprobs
+        return body
+
+    def chunk(self, index: int, delta: StreamDelta, first: bool, text_offset: int) -> dict:
+        choice = {"index": index, "finish_reason": delta.finish_reason}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        else:
+            choice["text"] = delta.text
+        if self.want_logprobs:
+            choice["logprobs"] = self._logprobs(list(zip(delta.token_ids, delta.logprobs or [])), text_offset)
+        return {
+            "id": self.request_id,
+            "object": self.object + ".chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {
+            "id": self.request_id,
+            "object": self.object + ".chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage,
+        }
+
+    def _logprobs(self, entries: list[tuple[int, dict[int, float]]], text_offset: int) -> dict:
+        if self.chat:
+            return {"content": [self._chat_logprob(token_id, top) for token_id, top in entries]}
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, top in entries:
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(top.get(token_id))
+            top_logprobs.append({self.token_text(other): logprob for other, logprob in top.items()})
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+    def _chat_logprob(self, token_id: int, top: dict[int, float]) -> dict:
+        text = self.token_text(token_id)
+        return {
+            "token": text,
+            "logprob": top.get(token_id),
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": self.token_text(other), "logprob": logprob, "bytes": list(self.token_text(other).encode())}
+                for other, logprob in sorted(top.items(), key=lambda item: -item[1])
+            ],
+        }

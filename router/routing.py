@@ -1,0 +1,132 @@
+"""Serve request routers for the two pools, and the ingress's view of the replicas' stats.
+
+Replicas report a ``ReplicaStats`` dict through Serve's ``record_routing_stats``; the routers
+live in the ingress process, so they also serve ``/metrics`` and ``duet status``.
+
+Every call that names a ``replica_id`` keyword (``send_kv``, ``drop``, ``abort``) is pinned to
+that replica: it concerns state only that replica holds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from duet.messages import ReplicaStats
+
+logger = logging.getLogger(__name__)
+
+# Pool name ("prefill", "decode") -> the request router of that pool in this (ingress) process.
+_ROUTERS: dict[str, RequestRouter] = {}
+
+
+def _registry() -> dict[str, RequestRouter]:
+    """``_ROUTERS`` of the imported module: Serve ships routers and the ingress by value, and
+    each copy's functions get their own globals, so only ``sys.modules`` is shared."""
+    return importlib.import_module(__name__)._ROUTERS
+
+
+def pool_stats(pool: str) -> list[ReplicaStats] | None:
+    """The last stats of each running replica of a pool; None before the pool was first called."""
+    router = _registry().get(pool)
+    if router is None:
+        return None
+    stats = []
+    for replica in router.curr_replicas.values():
+        if replica.routing_stats:
+            stats.append(ReplicaStats(**replica.routing_stats))
+    return stats
+
+
+def pool_size(pool: str) -> int | None:
+    """Running replicas of a pool as this process's router sees them; None if not known yet."""
+    router = _registry().get(pool)
+    return None if router is None else len(router.curr_replicas)
+
+
+def _stats(replica: RunningReplica) -> ReplicaStats | None:
+    return ReplicaStats(**replica.routing_stats) if replica.routing_stats else None
+
+
+class _PoolRouter(RequestRouter):
+    """Pins calls that name a replica; ranks the others with ``rank``."""
+
+    def initialize_state(self, pool: str) -> None:
+        _registry()[pool] = self
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        pinned = kwargs.get("replica_id")
+        if pinned is not None:
+            # Nothing to choose when that replica is gone: the caller's timeout ends the call.
+            return [[replica for replica in candidate_replicas if replica.replica_id.unique_id == pinned]]
+        if not candidate_replicas:
+            return []
+        return self.rank(candidate_replicas, kwargs)
+
+    def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
+    def _load(self, replica: RunningReplica) -> int:
+        """Requests in flight on the replica as Serve counts them (fresher than the stats)."""
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        if queue_len is not None:
+            return queue_len
+        stats = _stats(replica)
+        return stats.num_running + stats.num_waiting if stats else 0
+
+
+class PrefixAffinityRouter(_PoolRouter):
+    """Prefill pool: the replica holding the longest run of the prompt's leading blocks, unless
+    it is busier than the least loaded replica by more than ``imbalance_threshold`` requests;
+    otherwise the least loaded (ties broken at random)."""
+
+    def initialize_state(self, pool: str, imbalance_threshold: int = 4) -> None:
+        super().initialize_state(pool)
+        self.imbalance_threshold = imbalance_threshold
+
+    def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
+        loads = {replica.replica_id: self._load(replica) for replica in candidates}
+        by_load = sorted(candidates, key=lambda replica: (loads[replica.replica_id], random.random()))
+        prefix_hashes = kwargs.get("prefix_hashes") or []
+        best, best_match = None, 0
+        for replica in candidates:
+            match = _leading_match(prefix_hashes, _stats(replica))
+            if match > best_match:
+                best, best_match = replica, match
+        least = loads[by_load[0].replica_id]
+        if best is not None and loads[best.replica_id] - least <= self.imbalance_threshold:
+            return [[best], [replica for replica in by_load if replica is not best]]
+        return [[replica] for replica in by_load]
+
+
+def _leading_match(prefix_hashes: list[int], stats: ReplicaStats | None) -> int:
+    if stats is None or not stats.prefix_hashes:
+        return 0
+    cached = set(stats.prefix_hashes)
+    match = 0
+    for block_hash in prefix_hashes:
+        if block_hash not in cached:
+            break
+        match += 1
+    return match
+
+
+class KVCapacityRouter(_PoolRouter):
+    """Decode pool: replicas with room for the prompt's KV (``num_prompt_blocks`` keyword) first,
+    fewest running sequences first, most free blocks breaking ties."""
+
+    def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
+        needed = kwargs.get("num_prompt_blocks", 0)
+
+        def key(replica: RunningReplica):
+            stats = _stats(replica)
+            free = stats.num_free_blocks if stats else 0
+            return (stats is not None and free < needed, self._load(replica), -free, random.random())
+
+        return [[replica] for replica in sorted(candidates, key=key)]

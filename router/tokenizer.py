@@ -1,0 +1,62 @@
+"""Tokenization for the router from ``tokenizer.json`` and the chat template, without transformers
+(which would load torch into the ingress process). Encodes exactly as transformers does: plain
+prompts with the special tokens, rendered chat templates without them."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered with the model's chat template."""
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+class RouterTokenizer:
+    """Encode prompts and conversations, decode single tokens (for logprobs)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        template_file = model_dir / "chat_template.jinja"
+        source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        self._template = None
+        if source:
+            # The same sandbox and whitespace settings as transformers' apply_chat_template.
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+            environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+            environment.globals["raise_exception"] = _raise_exception
+            environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = environment.from_string(source)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+        except TemplateError as error:
+            raise ChatTemplateError(f"the chat template rejected the conversation: {error}") from error
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _token_text(token) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
