@@ -16,6 +16,37 @@ def _chat(args: argparse.Namespace) -> None:
     print(output.outputs[0].text)
 
 
+def _up(args: argparse.Namespace) -> int:
+    from duet.cluster.deploy import DeployError, up
+
+    try:
+        state = up(args.config)
+    except DeployError as error:
+        print(f"duet up: {error}", file=sys.stderr)
+        return 1
+    for name, url in zip(state.apps, state.urls):
+        print(f"{name} is healthy at {url}  (OpenAI API under {url}/v1; `duet status`, `duet down`)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from duet.cluster.deploy import DeployError, format_status, status
+
+    try:
+        print(format_status(status(args.url)))
+    except DeployError as error:
+        print(f"duet status: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from duet.cluster.deploy import down
+
+    print("stopped" if down() else "nothing was running")
+    return 0
+
+
 def _bench(args: argparse.Namespace, rest: list[str]) -> None:
     if args.suite == "offline":
         from duet.benchmarks.offline import main as offline_main
@@ -27,7 +58,7 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
         transfer_main(rest)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated prefill/decode LLM serving")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -40,17 +71,28 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
 
+    up = commands.add_parser("up", help="deploy a Serve config file (starting a local Ray cluster if none runs)")
+    up.add_argument("config", help="a YAML file such as configs/local-pd.yaml")
+    status = commands.add_parser("status", help="pools, replicas, KV usage and queue of the running cluster")
+    status.add_argument("--url", default=None, help="the router's URL (default: the one `duet up` printed)")
+    commands.add_parser("down", help="stop what `duet up` started")
+
     bench = commands.add_parser("bench", help="benchmarks; `duet bench offline --help` for options")
     bench.add_argument("suite", choices=["offline", "transfer"])
 
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "chat":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         _chat(args)
     elif args.command == "bench":
         _bench(args, rest)
+    else:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return {"up": _up, "status": _status, "down": _down}[args.command](args)
 
 
 if __name__ == "__main__":

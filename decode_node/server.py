@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -105,13 +106,16 @@ class DecodeServer:
         await self.loop.call(self.node.abort, request_id)
 
     async def record_routing_stats(self) -> dict:
-        return dataclasses.asdict(await self.loop.call(self._stats))
+        """Read off the engine thread: plain counters and lengths, so the report stays on time
+        while a long step runs (a replica that stops reporting is taken for dead)."""
+        return dataclasses.asdict(self._stats())
 
     def _stats(self) -> ReplicaStats:
         receiver = self.node.receiver.stats
         return ReplicaStats(
             stage=self.stage,
             replica_id=self.replica_id,
+            reported_at=time.time(),
             **self.node.engine.stats(),
             transfer_bytes=receiver.bytes,
             transfers=receiver.transfers,

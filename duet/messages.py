@@ -59,6 +59,7 @@ class ReplicaStats:
     transfer_seconds: float = 0.0
     pending_transfers: int = 0
     prefix_hashes: list[int] = field(default_factory=list)
+    reported_at: float = 0.0  # time.time() on the replica; a replica that stops reporting is gone
 
     @property
     def kv_usage(self) -> float:

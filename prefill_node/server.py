@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 
 import torch
@@ -86,7 +87,9 @@ class PrefillServer:
         await self.loop.call(self.node.drop, transfer_id)
 
     async def record_routing_stats(self) -> dict:
-        return dataclasses.asdict(await self.loop.call(self._stats))
+        """Read off the engine thread: plain counters and lengths, so the report stays on time
+        while a long step runs (a replica that stops reporting is taken for dead)."""
+        return dataclasses.asdict(self._stats())
 
     def _stats(self) -> ReplicaStats:
         pool = self.node.engine.kv_cache_manager.block_pool
@@ -94,6 +97,7 @@ class PrefillServer:
         return ReplicaStats(
             stage="prefill",
             replica_id=self.replica_id,
+            reported_at=time.time(),
             **self.node.engine.stats(),
             transfer_bytes=sender.bytes,
             transfers=sender.transfers,

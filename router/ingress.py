@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from ray import serve
+from ray.serve import context as serve_context
 
 from duet.messages import InvalidRequestError, KVTransferFailedError
 from duet.router.admission import AdmissionQueue, QueueFullError
@@ -27,7 +28,7 @@ from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator, PoolUnavailableError
 from duet.router.protocol import ChatCompletionRequest, CompletionRequest
 from duet.router.responses import Choice, ResponseBuilder, error_body, sse
-from duet.router.routing import pool_size, pool_stats
+from duet.router.routing import live_replicas, pool_size, pool_stats
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import SamplingParamsError
 
@@ -110,13 +111,17 @@ class _Run:
             metrics.e2e.observe(time.monotonic() - self.arrival)
             metrics.prompt_tokens.inc(sum(len(prompt) for prompt in self.encoded))
             for choice in self.choices:
-                metrics.generation_tokens.inc(choice.num_tokens)
+                metrics.generation_tokens.inc(len(choice.token_ids))
                 metrics.success.labels(self.ingress.model_id, choice.finish_reason or "abort").inc()
         finally:
             for task in tasks:
                 task.cancel()
 
     async def _pump(self, sequence: _Sequence, merged: asyncio.Queue) -> None:
+        # Serve matches a routed call to its caller by the request's internal id, which every
+        # call made while handling one HTTP request shares: calls of concurrent sequences to
+        # one pool would be mixed up. Each sequence (its own task, its own context) gets its own.
+        serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
         prompt = self.encoded[sequence.prompt_index]
         sequence_id = f"{self.request_id}-{sequence.choice_index}"
         last = None
@@ -189,6 +194,7 @@ class RouterIngress:
             stats = pool_stats(name)
             pools[name] = {
                 "replicas": pool_size(name),
+                "live_replicas": live_replicas(name),
                 "stats": [dataclasses.asdict(s) | {"kv_usage": s.kv_usage, "prefix_hashes": len(s.prefix_hashes)} for s in stats or []],
             }
         admission = {"running": self.admission.num_running, "queued": self.admission.num_queued}
@@ -300,7 +306,7 @@ class RouterIngress:
 
     def _check_pools(self) -> None:
         for name in self.pools:
-            if pool_size(name) == 0:
+            if live_replicas(name) == 0:
                 raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 
     async def _generate(self, body, encoded, max_tokens, logprobs, chat: bool) -> Response:
@@ -314,7 +320,7 @@ class RouterIngress:
             raise ApiError(429, f"the server is at capacity: {error}", "rate_limit_error", retry_after=1) from None
         self.metrics.queue_time.observe(queued_s)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None)
+        builder = ResponseBuilder(request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None, body.return_token_ids)
         run = _Run(self, request_id, encoded, sequences, arrival)
         if body.stream:
             return StreamingResponse(self._stream(run, builder, body.include_usage), media_type="text/event-stream")

@@ -24,14 +24,14 @@ class Choice:
 
     index: int
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (token id, top logprobs)
 
     def add(self, delta: StreamDelta) -> None:
         self.text += delta.text
-        self.num_tokens += len(delta.token_ids)
+        self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs.extend(zip(delta.token_ids, delta.logprobs))
         if delta.finish_reason is not None:
@@ -41,17 +41,20 @@ class Choice:
 class ResponseBuilder:
     """Builds one request's bodies; ``chat`` picks the chat completion shapes."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, token_text: Callable[[int], str], want_logprobs: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, chat: bool, token_text: Callable[[int], str], want_logprobs: bool, want_token_ids: bool
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.token_text = token_text
         self.want_logprobs = want_logprobs
+        self.want_token_ids = want_token_ids
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
     def usage(self, num_prompt_tokens: int, choices: list[Choice], num_cached_tokens: int) -> dict:
-        completion = sum(choice.num_tokens for choice in choices)
+        completion = sum(len(choice.token_ids) for choice in choices)
         return {
             "prompt_tokens": num_prompt_tokens,
             "completion_tokens": completion,
@@ -77,6 +80,8 @@ class ResponseBuilder:
         else:
             body["text"] = choice.text
         body["logprobs"] = logprobs
+        if self.want_token_ids:
+            body["token_ids"] = choice.token_ids
         return body
 
     def chunk(self, index: int, delta: StreamDelta, first: bool, text_offset: int) -> dict:
@@ -87,6 +92,8 @@ class ResponseBuilder:
             choice["text"] = delta.text
         if self.want_logprobs:
             choice["logprobs"] = self._logprobs(list(zip(delta.token_ids, delta.logprobs or [])), text_offset)
+        if self.want_token_ids:
+            choice["token_ids"] = delta.token_ids
         return {
             "id": self.request_id,
             "object": self.object + ".chunk" if self.chat else self.object,

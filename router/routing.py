@@ -12,12 +12,16 @@ from __future__ import annotations
 import importlib
 import logging
 import random
+import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from duet.messages import ReplicaStats
 
 logger = logging.getLogger(__name__)
+
+# Replicas report every 0.5 s, even mid-step; one silent for this long is taken for dead.
+REPLICA_SILENT_S = 5.0
 
 # Pool name ("prefill", "decode") -> the request router of that pool in this (ingress) process.
 _ROUTERS: dict[str, RequestRouter] = {}
@@ -45,6 +49,16 @@ def pool_size(pool: str) -> int | None:
     """Running replicas of a pool as this process's router sees them; None if not known yet."""
     router = _registry().get(pool)
     return None if router is None else len(router.curr_replicas)
+
+
+def live_replicas(pool: str) -> int | None:
+    """Replicas of a pool that reported stats in the last ``REPLICA_SILENT_S`` seconds (their
+    clocks and ours agree to well within that); None before the pool was first called."""
+    stats = pool_stats(pool)
+    if stats is None:
+        return None
+    now = time.time()
+    return sum(1 for replica in stats if now - replica.reported_at < REPLICA_SILENT_S)
 
 
 def _stats(replica: RunningReplica) -> ReplicaStats | None:

@@ -1,0 +1,99 @@
+"""One real cluster for the integration tests: Ray started by ``duet up`` in the background,
+Serve, two applications of SmolLM2 (``pd`` at ``/``, ``colocated`` at ``/colocated``) and
+real HTTP on 127.0.0.1. Torn down by ``duet down`` at the end of the session."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import pytest
+import yaml
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 1024
+MAX_RUNNING, MAX_QUEUED = 2, 2
+MAX_BODY_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Cluster:
+    url: str
+    colocated_url: str
+    api_key: str = API_KEY
+
+    def client(self, colocated: bool = False):
+        import openai
+
+        base = self.colocated_url if colocated else self.url
+        return openai.OpenAI(base_url=f"{base}/v1", api_key=self.api_key, max_retries=0, timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _engine() -> dict:
+    return {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_gib": 0.25, "max_num_seqs": 16}
+
+
+def _pool(**extra) -> dict:
+    return {"ray_actor_options": {"num_cpus": 0.5}, "engine": {"num_threads": 1}, **extra}
+
+
+def cluster_config(port: int) -> dict:
+    pd = {
+        "model_id": "smollm2",
+        "model": "smollm2",
+        "mode": "pd",
+        "engine": _engine(),
+        "prefill": _pool(),
+        "decode": _pool(local_prefill_threshold=16),
+        "router": {
+            "ray_actor_options": {"num_cpus": 0},
+            "max_running_requests": MAX_RUNNING,
+            "max_queued_requests": MAX_QUEUED,
+            "max_body_bytes": MAX_BODY_BYTES,
+            "api_key": API_KEY,
+        },
+    }
+    colocated = {
+        "model_id": "smollm2",
+        "model": "smollm2",
+        "mode": "colocated",
+        "engine": _engine(),
+        "decode": _pool(),
+        "router": {"ray_actor_options": {"num_cpus": 0}, "api_key": API_KEY},
+    }
+    app = {"import_path": "duet.cluster.app:build_app"}
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            app | {"name": "pd", "route_prefix": "/", "args": pd},
+            app | {"name": "colocated", "route_prefix": "/colocated", "args": colocated},
+        ],
+    }
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, smollm2_dir):
+    from duet.cluster.deploy import down, up
+
+    root = tmp_path_factory.mktemp("cluster")
+    config = root / "cluster.yaml"
+    config.write_text(yaml.safe_dump(cluster_config(_free_port())))
+    previous = os.environ.get("DUET_STATE_FILE")
+    os.environ["DUET_STATE_FILE"] = str(root / "state.json")
+    try:
+        state = up(str(config), health_timeout_s=300)
+        yield Cluster(state.urls[0], state.urls[1])
+    finally:
+        down()
+        if previous is None:
+            os.environ.pop("DUET_STATE_FILE", None)
+        else:
+            os.environ["DUET_STATE_FILE"] = previous

@@ -1,0 +1,116 @@
+"""Operating the cluster: metrics, ``duet status``, client disconnects, a pool without replicas."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _metric_values(cluster, name: str) -> dict[str, float]:
+    """``{labels: value}`` for one metric of the PD application's /metrics."""
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def _wait_for(condition, timeout_s: float, interval_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(interval_s)
+    return condition()
+
+
+def _busy(cluster) -> bool:
+    usage = _metric_values(cluster, "vllm:kv_cache_usage_perc")
+    running = _metric_values(cluster, "vllm:num_requests_running")
+    return any(usage.values()) or any(running.values())
+
+
+def test_metrics_carry_vllm_names_and_a_stage_label(cluster):
+    client = cluster.client()
+    prompt = "Summarise the plot of Romeo and Juliet in two sentences, please, for a school report."
+    for _ in range(2):  # the second prefill finds the prompt's blocks in the prefix cache
+        client.completions.create(model="smollm2", prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    time.sleep(1.5)  # replicas report stats every 0.5 s
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    for family in (
+        "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+        "duet:kv_transfer_bytes_total", "duet:kv_transfer_seconds_total",
+    ):
+        assert family in text, family
+    hits = _metric_values(cluster, "vllm:prefix_cache_hits_total")
+    assert any('stage="prefill"' in labels and value > 0 for labels, value in hits.items())
+    sent = _metric_values(cluster, "duet:kv_transfer_bytes_total")
+    assert any('stage="decode"' in labels and value > 0 for labels, value in sent.items())
+
+
+def test_status_lists_pools_and_replicas(cluster, capsys):
+    from duet.cluster.cli import main
+
+    assert main(["status", "--url", cluster.url]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^prefill\s+\S+\s+\d+\s+\d+", out, re.M) and re.search(r"^decode\s+\S+\s+\d+\s+\d+", out, re.M)
+
+
+def test_client_disconnect_frees_the_blocks_in_both_pools(cluster):
+    assert _wait_for(lambda: not _busy(cluster), 30), "cluster busy before the test"
+    body = {
+        "model": "smollm2", "prompt": "Write a very long essay about the history of the bicycle.",
+        "max_tokens": 600, "ignore_eos": True, "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{cluster.url}/v1/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            # Keep reading (so the request stays alive) until the stats show it holding blocks.
+            for _ in range(100):
+                line = next(lines)
+                if line.startswith("data: "):
+                    json.loads(line[6:])
+                    if _busy(cluster):
+                        break
+            else:
+                pytest.fail("the streaming request was never seen holding blocks")
+    # Leaving the `with` closed the connection with ~590 tokens still to go.
+    assert _wait_for(lambda: not _busy(cluster), 30), "blocks still held after the client went away"
+
+
+def test_a_pool_without_replicas_gets_503_and_recovers(cluster):
+    import ray
+
+    decode_actors = [
+        actor for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith("SERVE_REPLICA::pd#decode#")
+    ]
+    assert len(decode_actors) == 1, decode_actors
+    ray.kill(ray.get_actor(decode_actors[0]["name"], namespace=decode_actors[0]["namespace"]), no_restart=True)
+    client = cluster.client()
+
+    def status_of_one_request() -> int:
+        try:
+            client.completions.create(model="smollm2", prompt="Hi there, how are you today?", max_tokens=2, timeout=20)
+            return 200
+        except Exception as error:  # noqa: BLE001 - the openai client raises per status
+            return getattr(error, "status_code", 0)
+
+    seen = set()
+    _wait_for(lambda: seen.add(status_of_one_request()) or 503 in seen, 60, interval_s=0.1)
+    assert 503 in seen, seen
+    assert _wait_for(lambda: status_of_one_request() == 200, 240, interval_s=1.0), "the decode pool did not come back"
