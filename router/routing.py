@@ -21,7 +21,7 @@ from duet.messages import ReplicaStats
 logger = logging.getLogger(__name__)
 
 # Replicas report every 0.5 s, even mid-step; one silent for this long is taken for dead.
-REPLICA_SILENT_S = 5.0
+REPLICA_SILENT_S = 3.0
 
 # Pool name ("prefill", "decode") -> the request router of that pool in this (ingress) process.
 _ROUTERS: dict[str, RequestRouter] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -103,14 +104,23 @@ def test_a_pool_without_replicas_gets_503_and_recovers(cluster):
     ray.kill(ray.get_actor(decode_actors[0]["name"], namespace=decode_actors[0]["namespace"]), no_restart=True)
     client = cluster.client()
 
-    def status_of_one_request() -> int:
+    def status_of_one_request(timeout_s: float) -> int:
         try:
-            client.completions.create(model="smollm2", prompt="Hi there, how are you today?", max_tokens=2, timeout=20)
+            client.completions.create(model="smollm2", prompt="Hi there, how are you today?", max_tokens=2, timeout=timeout_s)
             return 200
         except Exception as error:  # noqa: BLE001 - the openai client raises per status
             return getattr(error, "status_code", 0)
 
-    seen = set()
-    _wait_for(lambda: seen.add(status_of_one_request()) or 503 in seen, 60, interval_s=0.1)
+    # Requests that reach the dead replica wait for its replacement; a fresh one every 0.25 s
+    # lands in the gap, once the dead replica has been silent for REPLICA_SILENT_S.
+    seen: set[int] = set()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and 503 not in seen:
+            futures.append(pool.submit(status_of_one_request, 30))
+            seen.update(future.result() for future in futures if future.done())
+            time.sleep(0.25)
+        seen.update(future.result() for future in futures)
     assert 503 in seen, seen
-    assert _wait_for(lambda: status_of_one_request() == 200, 240, interval_s=1.0), "the decode pool did not come back"
+    assert _wait_for(lambda: status_of_one_request(30) == 200, 240, interval_s=1.0), "the decode pool did not come back"
