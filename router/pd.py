@@ -15,7 +15,7 @@ from duet.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 ROUTING_PREFIX_BLOCKS = 4  # as many leading blocks as the prefill replicas report
-PINNED_CALL_TIMEOUT_S = 10.0
+PINNED_CALL_TIMEOUT_S = 30.0  # a busy replica answers between two steps; only a dead one takes this long
 DECODE_ATTEMPTS = 3
 
 

@@ -15,7 +15,7 @@ def _commands() -> list[str]:
 def test_readme_has_exactly_two_setup_commands():
     commands = _commands()
     assert len(commands) == 2
-    assert "duet chat" in commands[0]
+    assert "duet up configs/local-pd.yaml" in commands[0] and "127.0.0.1:8000/v1/chat/completions" in commands[0]
     assert commands[1].endswith("pytest -q")
 
 

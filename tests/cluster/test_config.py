@@ -1,0 +1,66 @@
+"""Config files: the shipped ones are valid; mistakes get one readable line each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from duet.cluster.app import AppConfigError, parse_args
+from duet.cluster.deploy import DeployError, ServeFile
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "cluster-example.yaml"])
+def test_shipped_configs_are_valid_serve_configs(name):
+    serve_file = ServeFile.read(CONFIGS / name)
+    assert serve_file.applications[0]["import_path"] == "duet.cluster.app:build_app"
+    assert serve_file.applications[0]["args"]["model_id"] == "smollm2"
+
+
+def test_local_configs_listen_on_loopback_only():
+    for name in ("local-pd.yaml", "colocated.yaml"):
+        serve_file = ServeFile.read(CONFIGS / name)
+        assert (serve_file.host, serve_file.url(serve_file.applications[0])) == ("127.0.0.1", "http://127.0.0.1:8000")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"modle": "smollm2"}, "modle: unknown setting"),
+        ({"decode": {"num_replica": 2}}, "decode.num_replica: unknown setting"),
+        ({"mode": "colocated", "prefill": {}}, "mode 'colocated' has no prefill pool"),
+        ({"mode": "both"}, "mode: Input should be 'pd' or 'colocated'"),
+        ({"engine": {"block_size": 12}}, "block_size must be a power of two"),
+        ({"prefill": {"engine": {"dtyp": "float32"}}}, "prefill.engine:"),
+        ({"decode": {"on_transfer_failure": "retry"}}, "decode.on_transfer_failure"),
+    ],
+)
+def test_bad_args_fail_with_a_readable_message(args, message):
+    with pytest.raises(AppConfigError) as error:
+        parse_args(args)
+    assert message in str(error.value)
+
+
+def test_pd_mode_gets_a_default_prefill_pool_and_pool_overrides_merge():
+    config = parse_args({"engine": {"max_num_seqs": 8}, "decode": {"engine": {"max_num_seqs": 4}}})
+    assert config.prefill is not None
+    assert config.prefill.merged_engine(config.engine).max_num_seqs == 8
+    assert config.decode.merged_engine(config.engine).max_num_seqs == 4
+
+
+def test_a_file_without_applications_is_refused(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("http_options: {port: 8000}\n")
+    with pytest.raises(DeployError, match="applications"):
+        ServeFile.read(path)
+
+
+@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "cluster-example.yaml"])
+def test_shipped_configs_pass_serves_own_schema(name):
+    """So that `serve deploy` accepts them as they are."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(yaml.safe_load((CONFIGS / name).read_text()))

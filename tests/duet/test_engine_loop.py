@@ -1,0 +1,99 @@
+"""EngineLoop: calls run on the engine thread, outputs reach their subscriber, a failing step
+fails the requests in flight without stopping the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from duet.engine_loop import EngineLoop, EngineLoopError
+from duet.messages import DeltaCursor
+
+
+@dataclass
+class Output:
+    request_id: str
+    value: int
+
+
+class FakeNode:
+    def __init__(self):
+        self.pending: list[str] = []
+        self.fail_next = False
+        self.threads: set[str] = set()
+
+    def add(self, request_id: str) -> str:
+        self.threads.add(threading.current_thread().name)
+        self.pending.append(request_id)
+        return request_id
+
+    def step(self) -> list[Output]:
+        self.threads.add(threading.current_thread().name)
+        if self.fail_next:
+            self.fail_next = False
+            self.pending.clear()
+            raise RuntimeError("boom")
+        outputs = [Output(request_id, index) for index, request_id in enumerate(self.pending)]
+        self.pending.clear()
+        return outputs
+
+
+def test_calls_and_steps_run_on_the_engine_thread_and_outputs_reach_subscribers():
+    node = FakeNode()
+    loop = EngineLoop(node.step, lambda output: output.request_id, lambda: bool(node.pending), name="test-loop")
+
+    async def scenario():
+        a, b = loop.subscribe("a"), loop.subscribe("b")
+        assert await loop.call(node.add, "a") == "a"
+        await loop.call(node.add, "b")
+        got = {(await a.get()).request_id, (await b.get()).request_id}
+        assert got == {"a", "b"}
+        with pytest.raises(KeyError):
+            await loop.call({}.__getitem__, "missing")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert node.threads == {"test-loop"}
+
+
+def test_a_failing_step_reports_to_every_subscriber_and_the_loop_goes_on():
+    node = FakeNode()
+    loop = EngineLoop(node.step, lambda output: output.request_id, lambda: bool(node.pending))
+
+    async def scenario():
+        outputs = loop.subscribe("x")
+        node.fail_next = True
+        await loop.call(node.add, "x")
+        assert isinstance(await outputs.get(), EngineLoopError)
+        await loop.call(node.add, "x")
+        assert (await outputs.get()).request_id == "x"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+def test_delta_cursor_skips_what_the_prefill_replica_already_sent():
+    cursor = DeltaCursor(num_sent_tokens=1, num_sent_chars=len("Hel"))
+    first = cursor.advance(Completion("Hello", [7, 8], logprobs=[{8: -0.1}]))
+    assert (first.text, first.token_ids, first.logprobs) == ("lo", [8], [{8: -0.1}])
+    # Held-back text (a possible stop string) may shrink the visible text; nothing is resent.
+    held = cursor.advance(Completion("Hell", [7, 8, 9], logprobs=[{8: -0.1}, {9: -0.2}]))
+    assert (held.text, held.token_ids, held.logprobs) == ("", [9], [{9: -0.2}])
+    last = cursor.advance(Completion("Hello world", [7, 8, 9, 10], [{8: -0.1}, {9: -0.2}, {10: -0.3}], "stop"))
+    assert (last.text, last.token_ids, last.finish_reason) == (" world", [10], "stop")

@@ -1,0 +1,59 @@
+"""OpenAI request bodies -> SamplingParams, with errors named by field."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from duet.router.protocol import ChatCompletionRequest, CompletionRequest
+from duet.sampling_params import SamplingParamsError
+
+
+def test_completion_fields_map_to_sampling_params():
+    body = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "hi", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "stop": "END", "seed": 3,
+         "presence_penalty": 0.1, "min_tokens": 2, "ignore_eos": True}
+    )
+    params = body.sampling_params(max_tokens=7, logprobs=2)
+    assert (params.temperature, params.top_p, params.top_k, params.stop, params.seed) == (0.5, 0.9, 5, ("END",), 3)
+    assert (params.max_tokens, params.min_tokens, params.logprobs, params.ignore_eos, params.n) == (7, 2, 2, True, 1)
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [("text", ["text"]), ([1, 2, 3], [[1, 2, 3]]), (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
+def test_prompt_shapes(prompt, expected):
+    assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompts() == expected
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"model": "m", "prompt": "x", "n": 0}, "n"),
+        ({"model": "m", "prompt": "x", "max_tokens": "lots"}, "max_tokens"),
+        ({"model": "m", "prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "surprise": 1}, "surprise"),
+        ({"model": "m"}, "prompt"),
+    ],
+)
+def test_invalid_completion_bodies_name_the_field(body, field):
+    with pytest.raises(ValidationError) as error:
+        CompletionRequest.model_validate(body)
+    assert error.value.errors()[0]["loc"][0] == field
+
+
+def test_out_of_range_values_are_refused_by_sampling_params():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": -1})
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        body.sampling_params(max_tokens=4, logprobs=None)
+
+
+def test_chat_messages_flatten_text_parts_and_logprob_settings():
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "max_completion_tokens": 9, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    )
+    assert body.messages[0].template_dict() == {"role": "system", "content": "ab"}
+    assert body.effective_max_tokens == 9 and body.num_logprobs == 2

@@ -1,0 +1,52 @@
+"""The pools' request routers rank replicas by prefix affinity, load and free KV blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+
+from duet.block_pool import leading_block_hashes
+from duet.messages import ReplicaStats
+from duet.router.routing import KVCapacityRouter, PrefixAffinityRouter
+
+
+def _replica(name: str, **stats) -> SimpleNamespace:
+    values = dict(stage="x", replica_id=name, num_running=0, num_waiting=0, num_free_blocks=100, num_blocks=100,
+                  block_size=16, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, reported_at=time.time())
+    values.update(stats)
+    return SimpleNamespace(replica_id=name, routing_stats=dataclasses.asdict(ReplicaStats(**values)))
+
+
+def _router(cls, loads: dict[str, int], **state):
+    router = cls.__new__(cls)  # no Serve plumbing: only the ranking is under test
+    router._replica_queue_len_cache = loads
+    for key, value in state.items():
+        setattr(router, key, value)
+    return router
+
+
+def test_prefill_prefers_the_replica_holding_the_longest_leading_prefix():
+    prompt = list(range(100))
+    hashes = leading_block_hashes(prompt, 16, 4)
+    cold, warm, partial = _replica("cold"), _replica("warm", prefix_hashes=hashes), _replica("partial", prefix_hashes=hashes[:1])
+    router = _router(PrefixAffinityRouter, {"cold": 0, "warm": 2, "partial": 0}, imbalance_threshold=4)
+    ranks = router.rank([cold, partial, warm], {"prefix_hashes": hashes})
+    assert ranks[0] == [warm]
+
+
+def test_prefill_falls_back_to_the_least_loaded_when_the_warm_replica_is_swamped():
+    hashes = leading_block_hashes(list(range(64)), 16, 4)
+    cold, warm = _replica("cold"), _replica("warm", prefix_hashes=hashes)
+    router = _router(PrefixAffinityRouter, {"cold": 0, "warm": 9}, imbalance_threshold=4)
+    assert router.rank([warm, cold], {"prefix_hashes": hashes})[0] == [cold]
+
+
+def test_decode_prefers_room_for_the_prompt_then_fewer_running_then_more_free_blocks():
+    full = _replica("full", num_free_blocks=2)
+    busy = _replica("busy", num_free_blocks=90)
+    idle_small = _replica("idle-small", num_free_blocks=20)
+    idle_big = _replica("idle-big", num_free_blocks=80)
+    router = _router(KVCapacityRouter, {"full": 0, "busy": 5, "idle-small": 1, "idle-big": 1})
+    ranks = router.rank([full, busy, idle_small, idle_big], {"num_prompt_blocks": 10})
+    assert [rank[0].replica_id for rank in ranks] == ["idle-big", "idle-small", "busy", "full"]

@@ -1,0 +1,30 @@
+"""The router's torch-free tokenizer encodes exactly as transformers does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from duet.router.tokenizer import RouterTokenizer
+from tests.prompts import parity_conversations
+
+
+def test_prompts_and_chat_templates_encode_as_transformers_does(smollm2_dir, smollm2_tokenizer):
+    router = RouterTokenizer(smollm2_dir)
+    for conversation in parity_conversations():
+        expected = smollm2_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        assert router.encode_chat(conversation) == expected
+    for text in ["Hello world", "  spaced\nlines\t", "unicode: é 中文 🙂"]:
+        assert router.encode(text) == smollm2_tokenizer.encode(text, add_special_tokens=True)
+    assert router.token_text(smollm2_tokenizer.encode(" Paris")[0]) == " Paris"
+
+
+def test_the_router_imports_no_torch(smollm2_dir):
+    code = (
+        "import sys; from duet.router.ingress import RouterIngress; "
+        f"from duet.router.tokenizer import RouterTokenizer; RouterTokenizer({str(smollm2_dir)!r}).encode('hi'); "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
