@@ -68,10 +68,13 @@ class _Sequence:
 def _api_error_from(error: Exception) -> ApiError:
     if isinstance(error, ApiError):
         return error
+    # An error raised in a replica arrives wrapped (an instance of both RayTaskError and the
+    # original class); its ``cause`` carries the message without the remote traceback.
+    message = str(getattr(error, "cause", None) or error)
     if isinstance(error, InvalidRequestError):
-        return bad_request(str(error))
+        return bad_request(message)
     if isinstance(error, (PoolUnavailableError, KVTransferFailedError)):
-        return ApiError(503, str(error), "service_unavailable", retry_after=1)
+        return ApiError(503, message, "service_unavailable", retry_after=1)
     logger.exception("request failed", exc_info=error)
     return ApiError(500, f"internal error: {error!r}", "internal_server_error")
 

@@ -31,6 +31,7 @@ class Orchestrator:
         self.decode = decode
         self.block_size = block_size
         self.local_prefill_threshold = local_prefill_threshold
+        self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
 
     def wants_prefill_pool(self, num_prompt_tokens: int) -> bool:
         return self.prefill is not None and num_prompt_tokens >= self.local_prefill_threshold
@@ -103,4 +104,6 @@ class Orchestrator:
             except Exception as error:  # noqa: BLE001 - nothing left to tell the client
                 logger.warning("clean-up call failed: %r", error)
 
-        asyncio.get_running_loop().create_task(settle())
+        task = asyncio.get_running_loop().create_task(settle())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)

@@ -50,6 +50,7 @@ def test_bad_input_gets_an_openai_error_body(cluster, case):
     assert error["message"] and error["type"] and error["code"] == status
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param), error
+    assert "Traceback" not in error["message"]
 
 
 def test_missing_or_wrong_api_key_gets_401_but_health_and_metrics_stay_open(cluster):
