@@ -43,7 +43,7 @@ def _status(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from duet.cluster.deploy import down
 
-    print("stopped" if down() else "nothing was running")
+    print("stopped" if down() else "nothing that `duet up` started is running")
     return 0
 
 

@@ -140,9 +140,10 @@ def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterS
         serve.start(http_options={"host": serve_file.host, "port": serve_file.port}, proxy_location=serve_file.proxy_location)
         for app in serve_file.applications:
             name = app.get("name", "default")
+            state.apps.append(name)  # recorded first, so that a failed deploy is cleaned up too
+            state.save()
             print(f"deploying {name} ...", flush=True)
             serve.run(build_app(app.get("args") or {}), name=name, route_prefix=app.get("route_prefix", "/"))
-            state.apps.append(name)
             state.urls.append(serve_file.url(app))
             state.save()
         for url in state.urls:
@@ -154,27 +155,29 @@ def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterS
 
 
 def down() -> bool:
-    """Stop the Serve applications and, if ``up`` started it, the local Ray cluster."""
+    """Delete the applications ``up`` deployed and, if ``up`` started it, stop the local Ray
+    cluster; other applications on a shared cluster are left alone."""
     import ray
     from ray import serve
 
     state = ClusterState.load()
-    stopped = False
+    if state is None:
+        return False
     try:
-        if not ray.is_initialized():
-            ray.init(address="auto", logging_level="WARNING", log_to_driver=False)
-        serve.shutdown()
-        stopped = True
+        if state.apps and not state.started_ray:
+            if not ray.is_initialized():
+                ray.init(address="auto", logging_level="WARNING", log_to_driver=False)
+            for app in state.apps:
+                serve.delete(app)
     except ConnectionError:
         pass
     finally:
         if ray.is_initialized():
             ray.shutdown()
-    if state is not None and state.started_ray:
+    if state.started_ray:
         subprocess.run([_ray_executable(), "stop", "--force"], capture_output=True, text=True)
-        stopped = True
     state_path().unlink(missing_ok=True)
-    return stopped
+    return True
 
 
 def status(url: str | None = None) -> dict:

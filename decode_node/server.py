@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -111,17 +110,8 @@ class DecodeServer:
         return dataclasses.asdict(self._stats())
 
     def _stats(self) -> ReplicaStats:
-        receiver = self.node.receiver.stats
-        return ReplicaStats(
-            stage=self.stage,
-            replica_id=self.replica_id,
-            reported_at=time.time(),
-            **self.node.engine.stats(),
-            transfer_bytes=receiver.bytes,
-            transfers=receiver.transfers,
-            transfer_failures=receiver.failures,
-            transfer_seconds=receiver.seconds,
-            pending_transfers=self.node.pending_transfers,
+        return ReplicaStats.collect(
+            self.stage, self.replica_id, self.node.engine, self.node.receiver.stats, pending_transfers=self.node.pending_transfers
         )
 
     async def check_health(self) -> None:

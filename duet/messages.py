@@ -3,6 +3,7 @@ strings and lists, importable without torch, so the router never loads the engin
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -60,6 +61,21 @@ class ReplicaStats:
     pending_transfers: int = 0
     prefix_hashes: list[int] = field(default_factory=list)
     reported_at: float = 0.0  # time.time() on the replica; a replica that stops reporting is gone
+
+    @classmethod
+    def collect(cls, stage: str, replica_id: str, engine, transfer, **extra) -> ReplicaStats:
+        """Read an ``LLMEngine``'s counters and a sender's or receiver's ``TransferStats``."""
+        return cls(
+            stage=stage,
+            replica_id=replica_id,
+            reported_at=time.time(),
+            **engine.stats(),
+            transfer_bytes=transfer.bytes,
+            transfers=transfer.transfers,
+            transfer_failures=transfer.failures,
+            transfer_seconds=transfer.seconds,
+            **extra,
+        )
 
     @property
     def kv_usage(self) -> float:

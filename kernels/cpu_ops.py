@@ -25,6 +25,9 @@ def load():
     try:
         from torch.utils.cpp_extension import load as load_extension
 
+        if not _is_built():
+            logger.info("compiling duet's C++ CPU kernels for this machine (once, about a minute)")
+
         # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
         # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
         # never produce or consume infinities (softmax subtracts the max of visible scores).
@@ -38,3 +41,13 @@ def load():
     except Exception as error:  # any build failure leaves the torch path working
         logger.warning("C++ CPU kernels unavailable (%s); using the slower torch implementations", error)
         return None
+
+
+def _is_built() -> bool:
+    """Whether torch's extension cache already holds a build (only to say when one starts)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory("duet_cpu_ops", verbose=False)) / "duet_cpu_ops.so").exists()
+    except Exception:  # noqa: BLE001 - a private helper; not knowing only costs a log line
+        return True

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections import OrderedDict
 
 import torch
@@ -93,18 +92,8 @@ class PrefillServer:
 
     def _stats(self) -> ReplicaStats:
         pool = self.node.engine.kv_cache_manager.block_pool
-        sender = self.node.sender.stats
-        return ReplicaStats(
-            stage="prefill",
-            replica_id=self.replica_id,
-            reported_at=time.time(),
-            **self.node.engine.stats(),
-            transfer_bytes=sender.bytes,
-            transfers=sender.transfers,
-            transfer_failures=sender.failures,
-            transfer_seconds=sender.seconds,
-            prefix_hashes=[h for h in self._prefixes if pool.is_cached(h)],
-        )
+        prefixes = [block_hash for block_hash in self._prefixes if pool.is_cached(block_hash)]
+        return ReplicaStats.collect("prefill", self.replica_id, self.node.engine, self.node.sender.stats, prefix_hashes=prefixes)
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.loop.call(self.node.check_integrity), timeout=30)

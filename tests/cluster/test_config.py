@@ -64,3 +64,15 @@ def test_shipped_configs_pass_serves_own_schema(name):
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(yaml.safe_load((CONFIGS / name).read_text()))
+
+
+def test_duet_up_exits_non_zero_with_the_reason_before_touching_ray(tmp_path, capsys):
+    from duet.cluster.cli import main
+
+    path = tmp_path / "typo.yaml"
+    path.write_text(
+        "applications:\n  - name: duet\n    import_path: duet.cluster.app:build_app\n"
+        "    args: {model_id: smollm2, decode: {num_replica: 2}}\n"
+    )
+    assert main(["up", str(path)]) == 1
+    assert "decode.num_replica: unknown setting" in capsys.readouterr().err

@@ -79,10 +79,24 @@ def cluster_config(port: int) -> dict:
     }
 
 
+def _ray_is_running() -> bool:
+    import ray
+
+    try:
+        ray.init(address="auto", logging_level="WARNING")
+    except ConnectionError:
+        return False
+    ray.shutdown()
+    return True
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory, smollm2_dir):
     from duet.cluster.deploy import down, up
 
+    if _ray_is_running():
+        # `duet up` would join it, and its workers would run whatever code that cluster has.
+        pytest.fail("a Ray cluster is already running on this machine; stop it (`ray stop`) so the tests start their own")
     root = tmp_path_factory.mktemp("cluster")
     config = root / "cluster.yaml"
     config.write_text(yaml.safe_dump(cluster_config(_free_port())))

@@ -100,12 +100,15 @@ def test_n_choices_are_seeded_and_counted(cluster):
 
 def test_stop_string_cuts_the_text_and_is_reported(cluster):
     client = cluster.client()
-    prompt = "Count from one to ten in words: one, two,"
+    # Over 16 tokens, so it takes the PD path: the first token's text comes from the prefill replica.
+    prompt = "Please count from one up to ten, writing every number out in words: one, two,"
     free = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
     words = [word for word in free.split(",") if word.strip()]
     assert len(words) >= 3, free
     stop = words[2].strip()
-    stopped = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0, stop=[stop]).choices[0]
+    response = client.completions.create(model="smollm2", prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert response.usage.prompt_tokens > 16
+    stopped = response.choices[0]
     assert stopped.finish_reason == "stop"
     assert stopped.model_extra["stop_reason"] == stop
     assert stopped.text == free[: free.index(stop)]

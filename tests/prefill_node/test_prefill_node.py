@@ -38,3 +38,20 @@ def test_dropped_handle_and_aborted_request_leave_no_pinned_blocks(tiny_llama_di
         node.check_integrity()  # every block free: nothing tracked, nothing pinned
     finally:
         node.close()
+
+
+def test_first_token_text_is_held_back_like_the_decode_replica_holds_it(tiny_llama_dir):
+    """Guards against the client receiving, from the prefill replica, the start of a stop string
+    that the decode replica's text later cuts off."""
+    node = PrefillNode(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=32, max_model_len=512), "prefill-s")
+    try:
+        node.submit("free", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+        free = _first_result(node)
+        node.drop(free.handle.transfer_id)
+        assert free.text  # the tiny model's first token decodes to visible text
+        node.submit("held", PROMPT, SamplingParams(temperature=0.0, max_tokens=8, stop=["x" * (len(free.text) + 3)]))
+        held = _first_result(node)
+        node.drop(held.handle.transfer_id)
+        assert (held.first_token_id, held.text) == (free.first_token_id, "")
+    finally:
+        node.close()
