@@ -129,15 +129,16 @@ class _Run:
         sequence_id = f"{self.request_id}-{sequence.choice_index}"
         last = None
         try:
-            async for delta in self.ingress.orchestrator.run(sequence_id, prompt, sequence.params):
-                now = time.monotonic()
-                if last is not None and delta.token_ids:
-                    for _ in delta.token_ids:
-                        self.ingress.metrics.itl.observe((now - last) / len(delta.token_ids))
-                last = now
-                if delta.num_cached_tokens and sequence.choice_index == 0:
-                    self.num_cached_tokens = delta.num_cached_tokens
-                merged.put_nowait((sequence.choice_index, delta))
+            async with aclosing(self.ingress.orchestrator.run(sequence_id, prompt, sequence.params)) as deltas:
+                async for delta in deltas:
+                    now = time.monotonic()
+                    if last is not None and delta.token_ids:
+                        for _ in delta.token_ids:
+                            self.ingress.metrics.itl.observe((now - last) / len(delta.token_ids))
+                    last = now
+                    if delta.num_cached_tokens and sequence.choice_index == 0:
+                        self.num_cached_tokens = delta.num_cached_tokens
+                    merged.put_nowait((sequence.choice_index, delta))
             merged.put_nowait(None)
         except Exception as error:  # noqa: BLE001 - handed to the consumer
             merged.put_nowait(error)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from duet.block_pool import leading_block_hashes
 from duet.messages import KVTarget, ReplicaFullError, StreamDelta
@@ -38,8 +39,9 @@ class Orchestrator:
 
     async def run(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
         if not self.wants_prefill_pool(len(prompt_token_ids)):
-            async for delta in self._decode(request_id, prompt_token_ids, params, None, 0):
-                yield delta
+            async with aclosing(self._decode(request_id, prompt_token_ids, params, None, 0)) as deltas:
+                async for delta in deltas:
+                    yield delta
             return
         hashes = leading_block_hashes(prompt_token_ids, self.block_size, ROUTING_PREFIX_BLOCKS)
         reply = await self.prefill.prefill.remote(request_id, prompt_token_ids, params, prefix_hashes=hashes)
@@ -48,14 +50,16 @@ class Orchestrator:
             yield reply.first
             if handle is None:
                 return
-            async for delta in self._decode(request_id, prompt_token_ids, params, reply, len(reply.first.text)):
-                if handle is not None and isinstance(delta, KVTarget):
-                    await self._pinned(
-                        self.prefill.send_kv.remote(delta.transfer_id, delta.endpoint, delta.pair_key, replica_id=reply.replica_id)
-                    )
-                    handle = None  # the prefill replica unpins it once the transfer ends
-                    continue
-                yield delta
+            # Closed on every way out, so the decode side is cancelled and aborted at once.
+            async with aclosing(self._decode(request_id, prompt_token_ids, params, reply, len(reply.first.text))) as deltas:
+                async for delta in deltas:
+                    if handle is not None and isinstance(delta, KVTarget):
+                        await self._pinned(
+                            self.prefill.send_kv.remote(delta.transfer_id, delta.endpoint, delta.pair_key, replica_id=reply.replica_id)
+                        )
+                        handle = None  # the prefill replica unpins it once the transfer ends
+                        continue
+                    yield delta
         finally:
             if handle is not None:
                 self._fire(self.prefill.drop.remote(handle["transfer_id"], replica_id=reply.replica_id))
