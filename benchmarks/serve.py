@@ -177,6 +177,10 @@ def format_table(summaries: list[Summary]) -> str:
     return "\n".join(lines)
 
 
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
 def format_ratios(summaries: list[Summary]) -> str:
     """Each config against the first, per workload: >1 means better for throughput and goodput,
     and for latencies (baseline / this)."""
@@ -186,8 +190,6 @@ def format_ratios(summaries: list[Summary]) -> str:
         base = baseline.get(s.workload)
         if base is None or s is base:
             continue
-        def ratio(a, b):
-            return a / b if b else float("nan")
         lines.append(
             f"{s.config} vs {base.config} ({s.workload}): throughput x{ratio(s.output_throughput, base.output_throughput):.2f}, "
             f"goodput x{ratio(s.goodput, base.goodput):.2f}, "

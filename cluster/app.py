@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
-import json
 import os
+from pathlib import Path
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from duet.cluster.config import AppArgs, PoolSettings, readable
+from duet.config import EngineArgs
 
 ROUTING_STATS_PERIOD_S = 0.5
 
@@ -32,7 +33,7 @@ def parse_args(args: dict) -> AppArgs:
 
 def build_app(args: dict) -> serve.Application:
     from duet.decode_node.server import DecodeServer
-    from duet.models.loader import resolve_model_path
+    from duet.models.loader import max_positions, resolve_model_path
     from duet.prefill_node.server import PrefillServer
     from duet.router.ingress import RouterIngress
 
@@ -51,14 +52,18 @@ def build_app(args: dict) -> serve.Application:
         kv_host = ray.util.get_node_ip_address()
 
     decode_engine = config.decode.merged_engine(config.engine)
+    decode_args = decode_engine.engine_args(model_dir)
+    # The engine's own rule: the configured length, which may not exceed the model's.
+    max_model_len = EngineArgs(**decode_args).scheduler_config(max_positions(Path(model_dir))).max_model_len
     colocated = config.mode == "colocated"
-    decode = _deployment(DecodeServer, "colocated" if colocated else "decode", config.decode, "KVCapacityRouter").bind(
-        engine_args=decode_engine.engine_args(model_dir),
+    decode_pool = "colocated" if colocated else "decode"
+    decode = _deployment(DecodeServer, decode_pool, config.decode, "KVCapacityRouter").bind(
+        engine_args=decode_args,
         num_threads=config.decode.num_threads(decode_engine),
         local_prefill_threshold=config.decode.local_prefill_threshold,
         on_transfer_failure=config.decode.on_transfer_failure,
         transfer_timeout_s=config.kv_transfer.timeout_s,
-        stage="colocated" if colocated else "decode",
+        stage=decode_pool,
         kv_host=kv_host,
     )
     prefill = None
@@ -80,7 +85,7 @@ def build_app(args: dict) -> serve.Application:
         decode,
         model_id=config.model_id,
         model_dir=model_dir,
-        max_model_len=_max_model_len(model_dir, decode_engine.max_model_len),
+        max_model_len=max_model_len,
         block_size=decode_engine.block_size,
         local_prefill_threshold=0 if colocated else config.decode.local_prefill_threshold,
         max_running_requests=router.max_running_requests,
@@ -101,9 +106,3 @@ def _deployment(cls, name: str, pool: PoolSettings, router_class: str):
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         ),
     )
-
-
-def _max_model_len(model_dir: str, configured: int | None) -> int:
-    with open(os.path.join(model_dir, "config.json")) as file:
-        model_max = int(json.load(file).get("max_position_embeddings", 2048))
-    return min(configured, model_max) if configured else model_max

@@ -52,8 +52,10 @@ class DecodeServer:
 
     def _step(self) -> list:
         outputs = self.node.step()
-        failures, self.node.failures = self.node.failures, []
-        return [*outputs, *failures]
+        if self.node.failures:
+            outputs += self.node.failures
+            self.node.failures = []
+        return outputs
 
     async def generate(
         self,
@@ -64,6 +66,7 @@ class DecodeServer:
         num_sent_chars: int = 0,
         num_prompt_blocks: int = 0,
     ) -> AsyncIterator[KVTarget | StreamDelta]:
+        """Stream one sequence. ``num_prompt_blocks`` is the router's routing hint; unused here."""
         outputs = self.loop.subscribe(request_id)
         finished = False
         try:

@@ -5,6 +5,13 @@ from __future__ import annotations
 from tokenizers.decoders import DecodeStream
 
 
+def hold_back_stop_prefix(text: str, stop: tuple[str, ...]) -> str:
+    """The part of ``text`` safe to show while the request goes on: a tail that could still
+    turn out to be the start of a stop string is held back."""
+    hold_back = max((len(s) for s in stop), default=1) - 1
+    return text[: max(0, len(text) - hold_back)]
+
+
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text as they arrive, and spots stop strings.
 
@@ -49,4 +56,4 @@ class IncrementalDetokenizer:
     def stream_text(self, finished: bool) -> str:
         if finished or not self._stop or self.stop_string is not None:
             return self.text
-        return self.text[: max(0, len(self.text) - self._hold_back)]
+        return hold_back_stop_prefix(self.text, self._stop)

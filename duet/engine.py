@@ -45,14 +45,14 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         from transformers import AutoTokenizer
 
-        from duet.models.loader import load_model, resolve_model_path
+        from duet.models.loader import load_model, max_positions, resolve_model_path
 
         torch.manual_seed(args.seed)
         self.args = args
         model_path = resolve_model_path(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         dtype = resolve_dtype(args.dtype, args.device)
-        model_max_len = self._model_max_len(model_path)
+        model_max_len = max_positions(model_path)
         self.scheduler_config = args.scheduler_config(model_max_len)
         self.max_model_len = self.scheduler_config.max_model_len
         model = load_model(model_path, dtype, args.device, self.max_model_len)
@@ -81,13 +81,6 @@ class LLMEngine:
             "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d",
             model_path.name, dtype, self.num_blocks, self.block_size, self.max_model_len,
         )
-
-    @staticmethod
-    def _model_max_len(model_path) -> int:
-        import json
-
-        config = json.loads((model_path / "config.json").read_text())
-        return int(config.get("max_position_embeddings", 2048))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request fits; return its effective max_tokens."""

@@ -94,7 +94,7 @@ class DeltaCursor:
     def advance(self, completion, num_cached_tokens: int = 0) -> StreamDelta:
         """``completion`` is a cumulative ``CompletionOutput``."""
         token_ids = completion.token_ids[self.num_sent_tokens :]
-        text = completion.text[self.num_sent_chars :] if len(completion.text) > self.num_sent_chars else ""
+        text = completion.text[self.num_sent_chars :]  # empty while held-back text is shorter
         logprobs = None
         if completion.logprobs is not None:
             logprobs = completion.logprobs[self.num_sent_logprobs :]

@@ -13,6 +13,7 @@ import secrets
 from dataclasses import dataclass
 
 from duet.config import EngineArgs
+from duet.detokenizer import hold_back_stop_prefix
 from duet.engine import LLMEngine, RequestValidationError
 from duet.kv_transfer import Endpoint, KVDestination, KVHandle, KVSender, engine_kv_spec
 from duet.kv_transfer.transfer import LayerProgress
@@ -114,10 +115,9 @@ class PrefillNode:
                 source=self.node_id,
                 transfer_id=transfer_id,
             )
-        text = completion.text
-        if not done and params.stop:
-            # Hold back what could start a stop string, exactly as the decode replica will.
-            text = text[: max(0, len(text) - (max(len(stop) for stop in params.stop) - 1))]
+        # The engine flushed the text when the one-token request ended; the request goes on at
+        # the decode replica, so hold back what could start a stop string, as decode will.
+        text = completion.text if done or not params.stop else hold_back_stop_prefix(completion.text, params.stop)
         return PrefillResult(
             output.request_id, completion.token_ids[0], text, completion.finish_reason if done else None,
             handle, completion.logprobs, output.num_cached_tokens,

@@ -30,7 +30,7 @@ from duet.router.protocol import ChatCompletionRequest, CompletionRequest
 from duet.router.responses import Choice, ResponseBuilder, error_body, sse
 from duet.router.routing import live_replicas, pool_size, pool_stats
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
-from duet.sampling_params import SamplingParamsError
+from duet.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ async def _api_error(request: Request, error: ApiError) -> JSONResponse:
 class _Sequence:
     choice_index: int
     prompt_index: int
-    params: object
+    params: SamplingParams
 
 
 def _api_error_from(error: Exception) -> ApiError:
@@ -311,6 +311,7 @@ class RouterIngress:
     def _check_pools(self) -> None:
         for name in self.pools:
             if live_replicas(name) == 0:
+                self.metrics.rejected.labels(self.model_id, "503").inc()
                 raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 
     async def _generate(self, body, encoded, max_tokens, logprobs, chat: bool) -> Response:

@@ -33,6 +33,11 @@ def resolve_model_path(model: str) -> Path:
     )
 
 
+def max_positions(path: Path) -> int:
+    """The longest sequence the model's config allows."""
+    return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
+
+
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
