@@ -70,7 +70,8 @@ def build_app(args: dict) -> serve.Application:
     if not colocated:
         prefill_engine = config.prefill.merged_engine(config.engine)
         prefill = _deployment(PrefillServer, "prefill", config.prefill, "PrefixAffinityRouter").bind(
-            engine_args=prefill_engine.engine_args(model_dir),
+            # Prefill samples only the first token: an application-wide draft would be loaded for nothing.
+            engine_args=prefill_engine.engine_args(model_dir) | {"speculative_config": None},
             num_threads=config.prefill.num_threads(prefill_engine),
             transfer_timeout_s=config.kv_transfer.timeout_s,
         )

@@ -60,6 +60,10 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> None:
         from duet.benchmarks.serve import main as serve_main
 
         serve_main(rest)
+    elif args.suite == "spec":
+        from duet.benchmarks.spec import main as spec_main
+
+        spec_main(rest)
 
 
 def main(argv: list[str] | None = None) -> int | None:
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int | None:
     commands.add_parser("down", help="stop what `duet up` started")
 
     bench = commands.add_parser("bench", help="benchmarks; `duet bench offline --help` for options")
-    bench.add_argument("suite", choices=["offline", "transfer", "serve"])
+    bench.add_argument("suite", choices=["offline", "transfer", "serve", "spec"])
 
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

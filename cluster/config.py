@@ -27,6 +27,9 @@ class EngineSettings(_Strict):
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 0.5
     enable_prefix_caching: bool = True
+    speculative_config: dict[str, Any] | None = Field(
+        default=None, description="speculative decoding on the decode pool (vLLM's dict); the prefill pool ignores it"
+    )
     num_threads: int | None = Field(default=None, ge=1, description="torch threads per replica; default: its num_cpus, at least 1")
 
     def engine_args(self, model_path: str) -> dict:
@@ -86,6 +89,8 @@ class AppArgs(_Strict):
             raise ValueError("mode 'colocated' has no prefill pool: remove the 'prefill' section or set mode: pd")
         if self.mode == "pd" and self.prefill is None:
             self.prefill = PoolSettings()
+        if self.prefill is not None and self.prefill.engine.get("speculative_config") is not None:
+            raise ValueError("prefill.engine.speculative_config: speculation runs where tokens are decoded; set it under decode.engine")
         for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
             if pool is None:
                 continue

@@ -89,6 +89,69 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, from the ``speculative_config`` dict (vLLM's names).
+
+    ``ngram`` copies what followed an earlier occurrence of the context's last tokens;
+    ``draft_model`` runs a smaller model sharing the tokenizer (``model``); ``layer_skip`` runs
+    the target's first ``num_draft_layers`` layers with its final norm and LM head.
+    With ``adaptive`` each request drafts, each step, the number of tokens (0 to
+    ``num_speculative_tokens``) that maximises expected tokens per second, from the measured
+    cost of a step and its own acceptance so far (see ``duet.spec_decode.policy``); without it
+    every request drafts ``num_speculative_tokens``. No request speculates while
+    ``disable_by_batch_size`` or more are running.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    num_draft_layers: int | None = None
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative_config.method={self.method!r}: use one of {', '.join(SPECULATIVE_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("speculative_config.model (the draft's alias or path) is required for, and only for, method 'draft_model'")
+        if (self.method == "layer_skip") != (self.num_draft_layers is not None):
+            raise ConfigError("speculative_config.num_draft_layers is required for, and only for, method 'layer_skip'")
+        if self.num_draft_layers is not None and self.num_draft_layers < 1:
+            raise ConfigError(f"speculative_config.num_draft_layers must be at least 1, got {self.num_draft_layers}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ConfigError(f"speculative_config.disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> SpeculativeConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown settings {unknown}; known are {sorted(known)}")
+        if "method" not in settings or "num_speculative_tokens" not in settings:
+            raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**settings)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past the verified tokens a proposer writes while drafting (n-gram writes none)."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything ``LLM(...)`` accepts, with vLLM's names. Model-dependent limits are checked by the engine."""
@@ -105,6 +168,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -115,6 +179,10 @@ class EngineArgs:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
         resolve_dtype(self.dtype, self.device)
         self.cache_config()
+        self.speculative()
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gib, self.enable_prefix_caching)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from duet.config import EngineArgs, resolve_dtype
+from duet.config import ConfigError, EngineArgs, resolve_dtype
 from duet.detokenizer import IncrementalDetokenizer
 from duet.kv_cache_manager import KVCacheManager
 from duet.model_runner import ModelRunner
@@ -63,14 +63,20 @@ class LLMEngine:
         self.num_blocks = cache_config.num_blocks(ModelRunner.kv_bytes_per_block(model.arch, self.block_size, dtype))
         self.eos_token_id = self.tokenizer.eos_token_id
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.speculative_config = args.speculative()
+        draft_model = self._load_draft_model(model_path, model.arch) if self.speculative_config else None
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             self.scheduler_config.max_num_seqs,
             self.scheduler_config.max_num_batched_tokens,
             self.max_model_len,
             self.scheduler_config.enable_chunked_prefill,
+            self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
         )
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, dtype, args.device, self.eos_token_id)
+        self.runner = ModelRunner(
+            model, self.num_blocks, self.block_size, dtype, args.device, self.eos_token_id, self.max_model_len,
+            self.speculative_config, draft_model,
+        )
         if args.device == "cpu":
             from duet.kernels import cpu_ops
 
@@ -81,6 +87,37 @@ class LLMEngine:
             "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d",
             model_path.name, dtype, self.num_blocks, self.block_size, self.max_model_len,
         )
+
+    def _load_draft_model(self, model_path, arch):
+        """The draft of ``draft_model`` speculation (checked against the target), else None."""
+        from transformers import AutoTokenizer
+
+        from duet.models.loader import load_model, resolve_model_path
+
+        config = self.speculative_config
+        if config.method == "layer_skip":
+            if config.num_draft_layers >= arch.num_layers:
+                raise ConfigError(
+                    f"speculative_config.num_draft_layers={config.num_draft_layers} must be below the "
+                    f"target's {arch.num_layers} layers"
+                )
+            return None
+        if config.method != "draft_model":
+            return None
+        draft_path = resolve_model_path(config.model)
+        draft_tokenizer = AutoTokenizer.from_pretrained(str(draft_path))
+        if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab() or draft_tokenizer.eos_token_id != self.eos_token_id:
+            raise ConfigError(
+                f"the draft model {config.model!r} does not share the target's tokenizer ({model_path.name}); "
+                "speculative decoding needs a draft with the same vocabulary"
+            )
+        draft = load_model(draft_path, self.dtype, self.args.device, self.max_model_len)
+        if draft.arch.vocab_size != arch.vocab_size:
+            raise ConfigError(
+                f"the draft model's output has {draft.arch.vocab_size} logits but the target's has {arch.vocab_size}"
+            )
+        logger.info("draft model %s: %d layers, hidden size %d", draft_path.name, draft.arch.num_layers, draft.arch.hidden_size)
+        return draft
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request fits; return its effective max_tokens."""
@@ -253,9 +290,10 @@ class LLMEngine:
             metrics=dict(tracked.metrics),
         )
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         """Counters and gauges for metrics and routing."""
         scheduler, manager = self.scheduler, self.kv_cache_manager
+        spec = scheduler.spec_stats
         return dict(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
@@ -265,6 +303,10 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
     def check_integrity(self) -> None:

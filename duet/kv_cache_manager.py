@@ -132,6 +132,16 @@ class KVCacheManager:
         self._req_to_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first ``num_tokens`` positions, tail first: the slots
+        of rejected draft tokens. Those blocks hold no full block of real tokens, so none is cached."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        num_kept = -(-num_tokens // self.block_size)
+        if blocks and len(blocks) > num_kept:
+            extra = blocks[num_kept:]
+            del blocks[num_kept:]
+            self.block_pool.free_blocks(reversed(extra))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 

@@ -54,6 +54,10 @@ class ReplicaStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     transfer_bytes: int = 0
     transfers: int = 0
     transfer_failures: int = 0

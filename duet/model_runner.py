@@ -6,16 +6,19 @@ scheduler's diffs, so it can later live on a worker actor of its own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from duet.kernels import AttentionMetadata
+from duet.config import SpeculativeConfig
+from duet.model_inputs import BatchInputs, Span, build_batch
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.sampler import Sampler, advance_generator, build_sampling_metadata, make_generator
 from duet.sampling_params import SamplingParams
+from duet.spec_decode.decoder import SpeculativeDecoder
+from duet.spec_decode.proposers import ModelProposer, NgramProposer
 
 
 @dataclass
@@ -32,6 +35,10 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
     def token_slice(self, start: int, end: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
@@ -41,17 +48,8 @@ class CachedRequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampling_request_ids: list[str]
-
-
 class ModelRunner:
-    """Owns the model, the paged KV cache and the sampler."""
+    """Owns the model, the paged KV cache, the sampler and, when configured, the speculative decoder."""
 
     def __init__(
         self,
@@ -61,6 +59,9 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         device: str,
         eos_token_id: int | None,
+        max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
+        draft_model: torch.nn.Module | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -68,11 +69,13 @@ class ModelRunner:
         self.device = device
         self.eos_token_id = eos_token_id
         self.vocab_size = arch.vocab_size
-        shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(arch.num_layers)]
+        self.kv_cache, self.kv_caches = _allocate_kv_cache(arch, num_blocks, block_size, kv_dtype, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.spec = None
+        if speculative_config is not None:
+            proposer = _make_proposer(speculative_config, self, draft_model, num_blocks, kv_dtype)
+            self.spec = SpeculativeDecoder(speculative_config, proposer, self.vocab_size, max_model_len, eos_token_id)
         # Called as (layer index, ids of requests whose prompt KV completes this step).
         self.layer_listener: Callable[[int, list[str]], None] | None = None
 
@@ -84,6 +87,8 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids:
             self.requests.pop(request_id, None)
+            if self.spec is not None:
+                self.spec.forget(request_id)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
             generator = None
@@ -107,54 +112,24 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        query_lens, seq_lens, logits_indices, sampling_ids = [], [], [], []
-        block_rows = []
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor, list[str]]:
+        """The flat batch, the rows to compute logits for, and the requests those rows belong to
+        (one row each, or one per draft token plus one for a request verifying drafts)."""
+        spans, logits_rows, row_owners = [], [], []
         offset = 0
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[request_id]
+            drafts = scheduler_output.scheduled_spec_token_ids.get(request_id, [])
             start = state.num_computed_tokens
-            end = start + num_tokens
-            input_ids.extend(state.token_slice(start, end))
-            pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(state.block_ids, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            query_lens.append(num_tokens)
-            seq_lens.append(end)
-            block_rows.append(table)
+            end = start + num_tokens - len(drafts)
+            spans.append(Span(state.token_slice(start, end) + drafts, start, state.block_ids))
             offset += num_tokens
             if end == state.num_tokens:
-                logits_indices.append(offset - 1)
-                sampling_ids.append(request_id)
-        max_blocks = max(len(row) for row in block_rows)
-        block_tables = np.zeros((len(block_rows), max_blocks), dtype=np.int32)
-        for row, table in enumerate(block_rows):
-            block_tables[row, : len(table)] = table
-        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        device = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.from_numpy(block_tables).to(device),
-            query_lens=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        return ModelInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.from_numpy(np.concatenate(positions)).to(device),
-            metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-            sampling_request_ids=sampling_ids,
-        )
+                num_rows = len(drafts) + 1
+                logits_rows.extend(range(offset - num_rows, offset))
+                row_owners.extend([request_id] * num_rows)
+        batch = build_batch(spans, self.block_size, self.device)
+        return batch, torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owners
 
     def _sampling_metadata(self, request_ids: list[str]):
         states = [self.requests[request_id] for request_id in request_ids]
@@ -195,25 +170,78 @@ class ModelRunner:
         request_ids = list(scheduler_output.num_scheduled_tokens)
         if not request_ids:
             return RunnerOutput([], [])
-        inputs = self._prepare_inputs(scheduler_output)
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[dict[int, float]]] = {}
+        started = time.perf_counter()
+        batch, logits_rows, row_owners = self._prepare_inputs(scheduler_output)
         logits = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs.logits_indices,
+            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows,
             self._layer_callback(scheduler_output),
         )
-        if inputs.sampling_request_ids:
-            result = self.sampler(logits, self._sampling_metadata(inputs.sampling_request_ids))
-            for row, request_id in enumerate(inputs.sampling_request_ids):
-                token_id = result.sampled_token_ids[row]
-                self.requests[request_id].output_token_ids.append(token_id)
-                sampled[request_id] = [token_id]
-                if result.logprobs is not None and result.logprobs[row] is not None:
-                    logprobs[request_id] = [result.logprobs[row]]
+        sampled, logprobs = self._sample(logits, row_owners, scheduler_output.scheduled_spec_token_ids)
+        if self.spec is not None:
+            # Sampling returned host lists, so the device work is done and the time is real.
+            self.spec.step_cost.observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            state = self.requests[request_id]
+            num_rejected = 0
+            drafts = scheduler_output.scheduled_spec_token_ids.get(request_id)
+            if drafts:
+                num_rejected = len(drafts) + 1 - len(sampled[request_id])
+            state.num_computed_tokens += num_tokens - num_rejected
+        draft_token_ids = {}
+        if self.spec is not None and sampled:
+            states = [self.requests[request_id] for request_id in sampled]
+            draft_token_ids = self.spec.propose(states, len(request_ids))
+        for request_id in request_ids:
+            # The scheduler frees the same blocks: the slots of rejected drafts past the last token.
+            state = self.requests[request_id]
+            del state.block_ids[-(-state.num_tokens // self.block_size) :]
         return RunnerOutput(
             request_ids=request_ids,
             sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
             logprobs=[logprobs.get(request_id, []) for request_id in request_ids] if logprobs else None,
+            draft_token_ids=draft_token_ids,
         )
+
+    def _sample(
+        self, logits: torch.Tensor, row_owners: list[str], spec_token_ids: dict[str, list[int]]
+    ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
+        """Tokens per request that reached its last token: sampled, or verified drafts plus one."""
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] = {}
+        if not row_owners:
+            return sampled, logprobs
+        plain_rows = [row for row, owner in enumerate(row_owners) if owner not in spec_token_ids]
+        if plain_rows:
+            plain_ids = [row_owners[row] for row in plain_rows]
+            plain_logits = logits if len(plain_rows) == len(row_owners) else logits[plain_rows]
+            result = self.sampler(plain_logits, self._sampling_metadata(plain_ids))
+            for row, request_id in enumerate(plain_ids):
+                sampled[request_id] = [result.sampled_token_ids[row]]
+                if result.logprobs is not None and result.logprobs[row] is not None:
+                    logprobs[request_id] = [result.logprobs[row]]
+        if len(plain_rows) < len(row_owners):
+            spec_rows = [row for row, owner in enumerate(row_owners) if owner in spec_token_ids]
+            spec_ids = list(dict.fromkeys(row_owners[row] for row in spec_rows))
+            states = [self.requests[request_id] for request_id in spec_ids]
+            verified = self.spec.verify(logits[spec_rows], states, [spec_token_ids[i] for i in spec_ids])
+            sampled.update(zip(spec_ids, verified))
+        for request_id, token_ids in sampled.items():
+            self.requests[request_id].output_token_ids.extend(token_ids)
+        return sampled, logprobs
+
+
+def _allocate_kv_cache(arch, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):
+    """One [layers, 2, kv_heads, blocks, block_size, head_dim] tensor, and per layer its (key, value) views."""
+    shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
+    kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    return kv_cache, [(kv_cache[layer, 0], kv_cache[layer, 1]) for layer in range(arch.num_layers)]
+
+
+def _make_proposer(config: SpeculativeConfig, runner: ModelRunner, draft_model, num_blocks: int, kv_dtype: torch.dtype):
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "layer_skip":
+        caches = runner.kv_caches[: config.num_draft_layers]
+        return ModelProposer(runner.model, caches, runner.block_size, runner.device, shares_target_cache=True)
+    _, caches = _allocate_kv_cache(draft_model.arch, num_blocks, runner.block_size, kv_dtype, runner.device)
+    return ModelProposer(draft_model, caches, runner.block_size, runner.device, shares_target_cache=False)

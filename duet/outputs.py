@@ -37,6 +37,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Draft tokens to verify, per request; they are the last of its scheduled tokens.
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -49,11 +51,16 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Tokens sampled this step, per request in batch order (empty for a mid-prompt chunk)."""
+    """Tokens sampled this step, per request in batch order (empty for a mid-prompt chunk).
+
+    With speculation a request gets its accepted draft tokens plus one; ``draft_token_ids``
+    holds the proposals for the next step.
+    """
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]]] | None = None
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

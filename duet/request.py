@@ -48,6 +48,8 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Proposed continuation, verified by the target at this request's next step.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -70,7 +70,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def advance_generator(generator: torch.Generator, vocab_size: int, num_samples: int) -> None:
-    """Skip the random draws of ``num_samples`` earlier samples (see ``_exponential_race``)."""
+    """Skip the random draws of ``num_samples`` earlier samples (see ``exponential_race``)."""
     for _ in range(num_samples):
         torch.empty(vocab_size, device=generator.device).uniform_(generator=generator)
 
@@ -225,6 +225,20 @@ class Sampler:
 
 def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Temperature, min_p, top-k, top-p, then an exponential race; greedy rows get a throwaway sample."""
+    return exponential_race(_filtered_probs(logits, metadata), metadata.generators)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] the distribution each row's random (temperature > 0) params sample from:
+    temperature, min_p, top-k and top-p, without penalties or forbidden tokens."""
+    rows, vocab_size = logits.shape
+    metadata = build_sampling_metadata(
+        params, [[]] * rows, [[]] * rows, [None] * rows, [()] * rows, vocab_size, logits.device
+    )
+    return _filtered_probs(logits.float(), metadata)
+
+
+def _filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     temperature = metadata.temperature
     logits = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
     if not metadata.no_min_p:
@@ -235,7 +249,7 @@ def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
         logits = _apply_top_k(logits, metadata.top_k)
     if not metadata.no_top_p:
         logits = _apply_top_p(logits, metadata.top_p)
-    return _exponential_race(logits.softmax(dim=-1), metadata.generators)
+    return logits.softmax(dim=-1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -276,7 +290,7 @@ def _top_p_threshold(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.T
     return sorted_probs.gather(1, (num_kept - 1).unsqueeze(1))
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exponential(1) per token picks token i with probability probs[i].
 
     q = -log(u), u ~ Uniform: on CPU uniform_ plus log is ~2x faster than exponential_.

@@ -2,7 +2,8 @@
 
 There is no prefill phase and no decode phase. Each request has ``num_computed_tokens``
 and catches up to ``num_tokens`` within the step's token budget; running requests go
-first, then waiting ones in arrival order.
+first, then waiting ones in arrival order. A request with draft tokens schedules them after
+its own, so verification counts against the same budget.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import deque
 from duet.kv_cache_manager import KVCacheManager
 from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from duet.request import Request, RequestStatus
+from duet.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +29,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # KV slots past a step's tokens for a proposer that writes KV while drafting.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         # Requests whose prompt KV arrived from a prefill replica: admitted before waiting ones.
@@ -59,17 +65,19 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: set[str] = set()
+        spec_tokens: dict[str, list[int]] = {}
 
         # running requests, oldest first; the newest give way when blocks run out
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_uncomputed = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_uncomputed + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 index += 1
                 continue
             while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new + self._lookahead(request, num_new))
                 if blocks is not None:
                     break
                 victim = self.running.pop()
@@ -81,6 +89,8 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             new_blocks[request.request_id] = [block.block_id for block in blocks]
+            if num_new > num_uncomputed:
+                spec_tokens[request.request_id] = request.spec_token_ids[: num_new - num_uncomputed]
             budget -= num_new
             index += 1
 
@@ -88,7 +98,7 @@ class Scheduler:
         while self.prefilled and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.prefilled[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_new + self._lookahead(request, num_new)) is None:
                 break
             self.prefilled.popleft()
             request.status = RequestStatus.RUNNING
@@ -105,7 +115,8 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            lookahead = self._lookahead(request, num_new, num_hit_tokens)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead, computed_blocks)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -117,13 +128,22 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        return self._build_output(num_scheduled, new_blocks, preempted)
+        return self._build_output(num_scheduled, new_blocks, preempted, spec_tokens)
+
+    def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
+        """Slots to reserve past this step's tokens: the proposer drafts after a request's step
+        reaches its last token, and writes draft KV there (never past ``max_model_len``)."""
+        end = (request.num_computed_tokens if num_computed is None else num_computed) + num_new
+        if not self.num_lookahead_tokens or end < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _build_output(
         self,
         num_scheduled: dict[str, int],
         new_blocks: dict[str, list[int]],
         preempted: set[str],
+        spec_tokens: dict[str, list[int]],
     ) -> SchedulerOutput:
         new_requests, cached_requests = [], []
         for request_id in num_scheduled:
@@ -146,12 +166,13 @@ class Scheduler:
                 )
         finished, self._finished_ids = self._finished_ids, set()
         self._runner_known -= preempted
-        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished, preempted)
+        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished, preempted, spec_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -164,7 +185,8 @@ class Scheduler:
         )
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, stop what is done. Returns requests that got tokens."""
+        """Advance computed counts, append sampled tokens, stop what is done, take the next drafts
+        and free the slots of rejected ones. Returns requests that got tokens."""
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
@@ -174,6 +196,12 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished or not token_ids:
                 continue
+            drafts = scheduler_output.scheduled_spec_token_ids.get(request_id)
+            if drafts:
+                # Emitted: the accepted drafts and one token of the target's own.
+                num_accepted = len(token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_stats.observe(len(drafts), num_accepted)
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
                 status = self._check_stop(request)
@@ -181,6 +209,11 @@ class Scheduler:
                     self.finish_request(request_id, status)
                     break
             changed.append(request)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
+                self.kv_cache_manager.trim(request, request.num_tokens)
         return changed
 
     def _check_stop(self, request: Request) -> RequestStatus | None:

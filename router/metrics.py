@@ -69,15 +69,26 @@ class _PoolCollector:
             "duet:kv_transfers": ("KV transfers completed.", lambda s: s.transfers),
             "duet:kv_transfer_failures": ("KV transfers that failed.", lambda s: s.transfer_failures),
             "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, header to acknowledgement.", lambda s: s.transfer_seconds),
+            "vllm:spec_decode_num_drafts": ("Draft proposals verified (one per request per step).", lambda s: s.spec_num_drafts),
+            "vllm:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda s: s.spec_num_draft_tokens),
+            "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),
         }
         families = {name: GaugeMetricFamily(name, doc, labels=labels) for name, (doc, _) in gauges.items()}
         families |= {name: CounterMetricFamily(name, doc, labels=labels) for name, (doc, _) in counters.items()}
         replicas = GaugeMetricFamily("duet:pool_replicas", "Replicas reporting stats, per pool.", labels=["model_name", "stage"])
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted (and every earlier one).",
+            labels=[*labels, "position"],
+        )
         for pool, stats_list in self.pool_stats().items():
             replicas.add_metric([self.model_name, pool], len(stats_list))
             for stats in stats_list:
                 values = [self.model_name, pool, stats.replica_id]
                 for name, (_, read) in (gauges | counters).items():
                     families[name].add_metric(values, read(stats))
+                for position, count in enumerate(stats.spec_accepted_per_position):
+                    per_position.add_metric([*values, str(position)], count)
         yield replicas
+        yield per_position
         yield from families.values()

@@ -152,12 +152,17 @@ class LlamaForCausalLM(nn.Module):
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits for the rows in ``logits_indices``; ``on_layer_done(i)`` is called once layer
-        ``i``'s KV is in the cache (a prefill node starts shipping it while the rest computes)."""
+        ``i``'s KV is in the cache (a prefill node starts shipping it while the rest computes).
+
+        Given fewer ``kv_caches`` than layers, only that many first layers run, followed by the
+        final norm and LM head: the layer-skip draft.
+        """
+        num_layers = len(kv_caches)
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             mlp_out = layer(x, residual, positions, self.rotary, kv_cache, metadata)
-            next_norm = self.layers[index + 1].input_layernorm if index + 1 < len(self.layers) else self.norm
+            next_norm = self.layers[index + 1].input_layernorm if index + 1 < num_layers else self.norm
             x = next_norm(mlp_out, residual)
             if on_layer_done is not None:
                 on_layer_done(index)

@@ -18,7 +18,7 @@ from itertools import accumulate
 
 import torch
 
-from duet.sampler import _exponential_race
+from duet.sampler import exponential_race
 
 
 @dataclass
@@ -58,7 +58,7 @@ def one_hot_draft_probs(
 
 def rejection_sample(
     draft_token_ids: list[list[int]],
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     greedy: list[bool],
     generators: list[torch.Generator | None],
@@ -68,7 +68,8 @@ def rejection_sample(
     ``draft_probs`` is [sum k_r, vocab] and ``target_probs`` [sum (k_r + 1), vocab]: probabilities
     after each request's temperature and filters. A request may have no drafts: it then samples p_0.
     Greedy requests use only the argmax of their target rows (so the caller may pass raw logits
-    there, avoiding ties that softmax rounding creates) and ignore their draft rows.
+    there, avoiding ties that softmax rounding creates) and ignore their draft rows; when every
+    request is greedy ``draft_probs`` may be None.
     ``generators[r]`` is request r's own stream (None: the global one); a random request draws k_r
     uniforms and then one vocabulary-sized race from it per call, whatever else shares the batch.
     """
@@ -89,12 +90,20 @@ def rejection_sample(
 
 def _check_shapes(
     draft_token_ids: list[list[int]],
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     greedy: list[bool],
     generators: list[torch.Generator | None],
 ) -> None:
     num_requests, total = len(draft_token_ids), sum(len(ids) for ids in draft_token_ids)
+    if len(greedy) != num_requests or len(generators) != num_requests:
+        raise ValueError(
+            f"greedy ({len(greedy)}) and generators ({len(generators)}) need one entry per request ({num_requests})"
+        )
+    if draft_probs is None:
+        if not all(greedy):
+            raise ValueError("draft_probs may be None only when every request is greedy")
+        draft_probs = target_probs[:total]
     if draft_probs.shape[0] != total:
         raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows but the batch proposes {total} draft tokens")
     if target_probs.shape[0] != total + num_requests:
@@ -105,10 +114,6 @@ def _check_shapes(
     if draft_probs.shape[1] != target_probs.shape[1]:
         raise ValueError(
             f"draft vocabulary {draft_probs.shape[1]} differs from target vocabulary {target_probs.shape[1]}"
-        )
-    if len(greedy) != num_requests or len(generators) != num_requests:
-        raise ValueError(
-            f"greedy ({len(greedy)}) and generators ({len(generators)}) need one entry per request ({num_requests})"
         )
 
 
@@ -195,7 +200,7 @@ def _final_tokens(
             for row, request in enumerate(random_requests.tolist())
             if batch.generators[request] is not None
         }
-        final[random_requests] = _exponential_race(probs, race_generators)
+        final[random_requests] = exponential_race(probs, race_generators)
     return final
 
 
