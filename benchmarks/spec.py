@@ -1,11 +1,12 @@
 """Speculative decoding: decode speed with and without each method, side by side in one run.
 
-    duet bench spec [--max-tokens 128] [--num-prompts 4] [--methods none,ngram,...] [--json out.json] [--plot out.png]
+    duet bench spec [--max-tokens 128] [--rounds 2] [--methods none,ngram,...] [--json out.json] [--plot out.png]
 
 On SmolLM2-135M-Instruct, for two workloads: input-grounded (rewrite, proofread or continue
 a given text: the output copies long spans of the prompt) and open chat (questions and
 stories: little to copy). Each workload runs single-stream (one request at a time) and as a
-batch of 8, greedy. Figures are decode tokens per second (after the first token),
+batch of 8, greedy. Every method's engine is loaded up front and the methods take turns on
+each case, in a rotated order each round, so that the machine's swings hit them alike. Figures are decode tokens per second (after the first token),
 acceptance rate and mean accepted length, and every method's speed as a ratio to no
 speculation in the same run. ``draft_model`` uses SmolLM2's first layers saved as a
 checkpoint of their own (SmolLM2-135M is the smallest model with its tokenizer).
@@ -14,8 +15,8 @@ checkpoint of their own (SmolLM2-135M is the smallest model with its tokenizer).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,7 +62,7 @@ class Result:
     workload: str
     batch: int
     decode_tokens_per_s: float
-    num_output_tokens: int
+    max_tokens: int
     acceptance_rate: float | None
     mean_accepted_length: float | None
     speedup: float = 1.0
@@ -81,18 +82,12 @@ def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
 
 def draft_checkpoint(smollm2_dir: Path) -> Path:
     """SmolLM2's first DRAFT_LAYERS layers as a checkpoint of their own (made once, cached)."""
+    from duet.models.loader import save_first_layers
+
     target = smollm2_dir.parent / f"{smollm2_dir.name}-first-{DRAFT_LAYERS}-layers"
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
-    model.model.layers = model.model.layers[:DRAFT_LAYERS]
-    model.config.num_hidden_layers = DRAFT_LAYERS
-    model.save_pretrained(str(target))
-    AutoTokenizer.from_pretrained(str(smollm2_dir)).save_pretrained(str(target))
-    return target
+    return save_first_layers(smollm2_dir, target, DRAFT_LAYERS)
 
 
 def method_configs(k: int, smollm2_dir: Path) -> dict[str, dict | None]:
@@ -106,58 +101,64 @@ def method_configs(k: int, smollm2_dir: Path) -> dict[str, dict | None]:
     }
 
 
-def _decode_rate(outputs) -> tuple[float, int]:
+def _decode_rate(outputs) -> float:
     """Tokens after each request's first, over the time from the first first-token to the last finish."""
     start = min(output.metrics["first_token_time"] for output in outputs)
     end = max(output.metrics["finished_time"] for output in outputs)
-    tokens = sum(len(output.outputs[0].token_ids) - 1 for output in outputs)
-    return tokens / (end - start), sum(len(output.outputs[0].token_ids) for output in outputs)
+    return sum(len(output.outputs[0].token_ids) - 1 for output in outputs) / (end - start)
 
 
-def run_method(name: str, config: dict | None, workloads: dict[str, list[list[int]]], max_tokens: int, progress) -> list[Result]:
-    from duet import LLM, SamplingParams
+def measure(llm, case_prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, tuple[int, ...]]:
+    """Decode tokens/s of one case, and the (drafts, draft tokens, accepted tokens) it added."""
+    from duet import SamplingParams
 
-    llm = LLM(model="smollm2", max_model_len=2048, speculative_config=config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    llm.generate([workloads["open chat"][0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    stats = llm.engine.scheduler.spec_stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    if batch == 1:
+        # The mean time per token, as one stream sees it.
+        rates = [_decode_rate(llm.generate([prompt], params)) for prompt in case_prompts]
+        rate = len(rates) / sum(1 / r for r in rates)
+    else:
+        rate = _decode_rate(llm.generate(case_prompts[:batch], params))
+    after = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    return rate, tuple(a - b for a, b in zip(after, before))
+
+
+def run_cases(engines: dict, workloads: dict[str, list[list[int]]], args, progress) -> list[Result]:
+    """Every case for every method; the median round counts."""
     results = []
+    names = list(engines)
     for workload, workload_prompts in workloads.items():
         for batch in (1, 8):
-            before = llm.engine.scheduler.spec_stats
-            before = (before.num_drafts, before.num_draft_tokens, before.num_accepted_tokens)
-            if batch == 1:
-                rates, num_tokens = [], 0
-                for prompt in workload_prompts[: max(1, len(workload_prompts) // 2)]:
-                    rate, count = _decode_rate(llm.generate([prompt], params))
-                    rates.append(rate)
-                    num_tokens += count
-                # Mean time per token, as one stream sees it.
-                rate = len(rates) / sum(1 / r for r in rates)
-            else:
-                rate, num_tokens = _decode_rate(llm.generate(workload_prompts[:batch], params))
-            stats = llm.engine.scheduler.spec_stats
-            drafts = stats.num_drafts - before[0]
-            draft_tokens = stats.num_draft_tokens - before[1]
-            accepted = stats.num_accepted_tokens - before[2]
-            results.append(
-                Result(
-                    name, workload, batch, rate, num_tokens,
-                    accepted / draft_tokens if draft_tokens else None,
-                    1 + accepted / drafts if drafts else None,
+            case_prompts = workload_prompts[: args.single_stream_prompts] if batch == 1 else workload_prompts
+            rates: dict[str, list[float]] = {name: [] for name in names}
+            counts = {name: (0, 0, 0) for name in names}
+            for round_index in range(args.rounds):
+                shift = round_index % len(names)
+                for name in names[shift:] + names[:shift]:
+                    rate, added = measure(engines[name], case_prompts, batch, args.max_tokens)
+                    rates[name].append(rate)
+                    counts[name] = tuple(a + b for a, b in zip(counts[name], added))
+                    progress.update(1)
+            for name in names:
+                drafts, draft_tokens, accepted = counts[name]
+                results.append(
+                    Result(
+                        name, workload, batch, statistics.median(rates[name]), args.max_tokens,
+                        accepted / draft_tokens if draft_tokens else None,
+                        1 + accepted / drafts if drafts else None,
+                    )
                 )
-            )
-            progress.update(1)
-    del llm
-    gc.collect()
     return results
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"\n{'method':<20} {'workload':<15} {'batch':>5} {'decode tok/s':>13} {'vs none':>8} {'accept':>7} {'mean len':>9}")
+    print(f"\n{'method':<14} {'workload':<15} {'batch':>5} {'decode tok/s':>13} {'vs none':>8} {'accept':>7} {'mean len':>9}")
     for r in results:
         accept = f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "-"
         length = f"{r.mean_accepted_length:.2f}" if r.mean_accepted_length is not None else "-"
-        print(f"{r.method:<20} {r.workload:<15} {r.batch:>5} {r.decode_tokens_per_s:>13.1f} {r.speedup:>7.2f}x {accept:>7} {length:>9}")
+        print(f"{r.method:<14} {r.workload:<15} {r.batch:>5} {r.decode_tokens_per_s:>13.1f} {r.speedup:>7.2f}x {accept:>7} {length:>9}")
 
 
 def plot(results: list[Result], path: str) -> None:
@@ -187,7 +188,8 @@ def plot(results: list[Result], path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench spec", description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=8, help="per workload; single-stream runs half of them")
+    parser.add_argument("--rounds", type=int, default=2, help="turns each method takes on each case")
+    parser.add_argument("--single-stream-prompts", type=int, default=2, help="prompts run one at a time per case")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--methods", default="none,ngram,ngram-fixed,layer_skip,draft_model")
     parser.add_argument("--json")
@@ -196,26 +198,28 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
+    from duet import LLM, SamplingParams
     from duet.models.gguf_convert import ensure_smollm2
 
     smollm2_dir = ensure_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    workloads = {name: prompts(tokenizer, name, args.num_prompts) for name in ("input-grounded", "open chat")}
+    workloads = {name: prompts(tokenizer, name, 8) for name in ("input-grounded", "open chat")}
     configs = method_configs(args.num_speculative_tokens, smollm2_dir)
     names = args.methods.split(",")
-    unknown = [name for name in names if name not in configs]
-    if unknown or "none" not in names:
+    if "none" not in names or any(name not in configs for name in names):
         parser.error(f"--methods must include none and name only {', '.join(configs)}")
-    results: list[Result] = []
     started = time.time()
-    with tqdm(total=len(names) * 4, desc="bench spec", unit="case") as progress:
-        for name in names:
-            results.extend(run_method(name, configs[name], workloads, args.max_tokens, progress))
+    engines = {}
+    for name in tqdm(names, desc="loading engines", unit="engine"):
+        engines[name] = LLM(model="smollm2", max_model_len=2048, kv_cache_memory_gib=0.25, speculative_config=configs[name])
+        engines[name].generate([workloads["open chat"][0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    with tqdm(total=len(names) * 4 * args.rounds, desc="bench spec", unit="run") as progress:
+        results = run_cases(engines, workloads, args, progress)
     baseline = {(r.workload, r.batch): r.decode_tokens_per_s for r in results if r.method == "none"}
     for r in results:
         r.speedup = r.decode_tokens_per_s / baseline[(r.workload, r.batch)]
     print_table(results)
-    print(f"\n{time.time() - started:.0f} s; k={args.num_speculative_tokens}, {args.max_tokens} tokens per request, greedy")
+    print(f"\n{time.time() - started:.0f} s; k={args.num_speculative_tokens}, {args.max_tokens} tokens per request, greedy, median of {args.rounds} rounds")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
     if args.plot:

@@ -138,7 +138,9 @@ class LLMEngine:
                 f"max_tokens={max_tokens} exceeds max_model_len={self.max_model_len} minus the "
                 f"{num_prompt} prompt tokens; ask for at most {self.max_model_len - num_prompt}"
             )
-        blocks_needed = -(-(num_prompt + max_tokens) // self.block_size)
+        # A request may also hold slots for the draft tokens it writes past its last one.
+        lookahead = self.scheduler.num_lookahead_tokens
+        blocks_needed = -(-(num_prompt + max_tokens + lookahead) // self.block_size)
         if blocks_needed > self.num_blocks:
             raise RequestValidationError(
                 f"the request needs up to {blocks_needed} KV blocks but the cache has {self.num_blocks}; "

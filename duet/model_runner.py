@@ -95,7 +95,9 @@ class ModelRunner:
             if params.seed is not None:
                 generator = make_generator(params.seed, self.device)
                 # A request resumed (after preemption, or on a decode replica) continues its
-                # random stream where it stopped: one draw per token already sampled.
+                # random stream where it stopped: one draw per token already sampled. Speculation
+                # draws differently (k acceptance uniforms, then one race), so a seeded request
+                # preempted while speculating goes on with another, equally distributed, stream.
                 if not params.greedy:
                     advance_generator(generator, self.vocab_size, len(new.output_token_ids))
             self.requests[new.request_id] = CachedRequestState(

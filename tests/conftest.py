@@ -53,19 +53,6 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
-def save_truncated_llama(source: Path, target: Path, num_layers: int) -> Path:
-    """A Hugging Face checkpoint of ``source``'s first ``num_layers`` layers (same embeddings, norm,
-    LM head and tokenizer): a real, weaker model to use as a draft."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-    model.model.layers = model.model.layers[:num_layers]
-    model.config.num_hidden_layers = num_layers
-    model.save_pretrained(str(target))
-    AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(target))
-    return target
-
-
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer

@@ -95,3 +95,17 @@ def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) 
         if isinstance(module, Linear):
             module.pack_for_cpu()
     return model.eval()
+
+
+def save_first_layers(source: Path, target: Path, num_layers: int) -> Path:
+    """Save a Hugging Face checkpoint of ``source``'s first ``num_layers`` layers (with its
+    embeddings, final norm, LM head and tokenizer) to ``target``: a weaker model sharing the
+    tokenizer, usable as a speculative draft."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(str(target))
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(target))
+    return target

@@ -35,6 +35,18 @@ def test_local_configs_listen_on_loopback_only():
         ({"engine": {"block_size": 12}}, "block_size must be a power of two"),
         ({"prefill": {"engine": {"dtyp": "float32"}}}, "prefill.engine:"),
         ({"decode": {"on_transfer_failure": "retry"}}, "decode.on_transfer_failure"),
+        (
+            {"decode": {"engine": {"speculative_config": {"method": "medusa", "num_speculative_tokens": 3}}}},
+            "decode.engine: speculative_config.method='medusa': use one of ngram, draft_model, layer_skip",
+        ),
+        (
+            {"decode": {"engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "k": 2}}}},
+            "speculative_config: unknown settings ['k']",
+        ),
+        (
+            {"prefill": {"engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}}},
+            "speculation runs where tokens are decoded; set it under decode.engine",
+        ),
     ],
 )
 def test_bad_args_fail_with_a_readable_message(args, message):

@@ -112,6 +112,25 @@ def test_short_prompts_prefill_locally_on_the_decode_node(tiny_llama_dir, refere
     decode.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_draft_model_on_the_decode_node_computes_its_own_prompt_kv(stream, prefill, tiny_llama_dir, references):
+    """The prefill replica knows nothing of speculation; the decode node computes the draft's KV
+    for the transferred prompt itself. With the target as its own draft every draft token must
+    then be accepted, which it would not be over wrong draft KV. (n-gram speculation over PD is
+    exercised with SmolLM2 by the cluster tests: a random model gives it nothing to match.)"""
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False, "model": str(tiny_llama_dir)}
+    decode = DecodeNode(EngineArgs(**_engine_kwargs(tiny_llama_dir, speculative_config=config)), f"decode-draft-{stream}")
+    tokens = run_disaggregated(prefill, decode, PROMPTS, GREEDY, stream=stream).tokens
+    for index, (got, reference) in enumerate(zip(tokens, references)):
+        assert compare_to_reference(got, reference, f"PD draft_model prompt {index}") is None
+    spec = decode.engine.scheduler.spec_stats
+    assert spec.num_drafts >= len(PROMPTS)
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
+    assert decode.receiver.stats.transfers == len(PROMPTS)
+    decode.check_integrity()
+    decode.close()
+
+
 def _prompt_kv_bytes(node, num_tokens: int) -> int:
     """Bytes on the wire for a prompt: whole blocks, K and V, every layer."""
     cache = node.engine.runner.kv_cache

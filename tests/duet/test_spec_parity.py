@@ -24,9 +24,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 
 @pytest.fixture(scope="module")
 def smollm2_first_layers_dir(tmp_path_factory, smollm2_dir):
-    from tests.conftest import save_truncated_llama
+    from duet.models.loader import save_first_layers
 
-    return save_truncated_llama(smollm2_dir, tmp_path_factory.mktemp("smollm2-8-layers"), num_layers=8)
+    return save_first_layers(smollm2_dir, tmp_path_factory.mktemp("smollm2-8-layers"), num_layers=8)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,8 @@ def test_preemption_with_drafts_in_flight_matches(parity_prompts, parity_referen
 def test_prefix_cache_hits_with_a_draft_model_match(parity_prompts, parity_references, unspeculated, smollm2_first_layers_dir):
     """The draft computes its own KV for the prompt even where the target's came from the prefix cache."""
     config = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(smollm2_first_layers_dir), "adaptive": False}
-    prompts = parity_prompts[:6] + parity_prompts[:2]
-    outputs, stats = _run(config, prompts, one_at_a_time=True)
+    order = [0, 1, 2, 0, 1]
+    outputs, stats = _run(config, [parity_prompts[i] for i in order], one_at_a_time=True)
     assert stats["prefix_cache_hits"] > 0
-    _check_speculated(outputs, stats, parity_references[:6] + parity_references[:2], unspeculated[:6] + unspeculated[:2], "draft prefix-hit")
+    references = [parity_references[i] for i in order]
+    _check_speculated(outputs, stats, references, [unspeculated[i] for i in order], "draft prefix-hit")

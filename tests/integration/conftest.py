@@ -36,6 +36,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
 def _engine() -> dict:
     return {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory_gib": 0.25, "max_num_seqs": 16}
 
@@ -51,7 +54,8 @@ def cluster_config(port: int) -> dict:
         "mode": "pd",
         "engine": _engine(),
         "prefill": _pool(),
-        "decode": _pool(local_prefill_threshold=16),
+        # The PD application decodes with n-gram speculation; the colocated one without.
+        "decode": _pool(local_prefill_threshold=16) | {"engine": {"num_threads": 1, "speculative_config": NGRAM}},
         "router": {
             "ray_actor_options": {"num_cpus": 0},
             "max_running_requests": MAX_RUNNING,

@@ -61,6 +61,25 @@ def test_metrics_carry_vllm_names_and_a_stage_label(cluster):
     assert any('stage="decode"' in labels and value > 0 for labels, value in sent.items())
 
 
+def test_speculation_on_the_decode_pool_is_exact_and_counted(cluster):
+    """Greedy text that quotes the prompt: n-gram drafts are accepted, the output is the
+    colocated application's (no speculation), and the decode pool's counters show it."""
+    text = "The lighthouse keeper climbed the narrow stairs every night and polished the great lens until it shone."
+    messages = [{"role": "user", "content": f"Repeat this sentence exactly: {text}"}]
+    answers = [
+        client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, temperature=0)
+        for client in (cluster.client(), cluster.client(colocated=True))
+    ]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    time.sleep(1.5)
+    drafts = _metric_values(cluster, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric_values(cluster, "vllm:spec_decode_num_accepted_tokens_total")
+    assert any('stage="decode"' in labels and value > 0 for labels, value in accepted.items()), accepted
+    assert sum(accepted.values()) <= sum(drafts.values())
+    per_position = _metric_values(cluster, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert any('position="0"' in labels for labels in per_position)
+
+
 def test_status_lists_pools_and_replicas(cluster, capsys):
     from duet.cluster.cli import main
 
