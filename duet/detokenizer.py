@@ -31,9 +31,11 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string if one now appears in the text."""
-        self.num_tokens += len(token_ids)
+        """Append tokens; return the stop string if one now appears in the text. Tokens after
+        the one that completed it (several arrive at once under speculation) are not taken:
+        ``num_tokens`` counts the tokens the output keeps."""
         for token_id in token_ids:
+            self.num_tokens += 1
             piece = self._stream.step(self._backend, token_id)
             if not piece:
                 continue

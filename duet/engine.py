@@ -261,6 +261,7 @@ class LLMEngine:
         stop = detokenizer.add_tokens(new_tokens)
         if stop is not None and not child.is_finished:
             child.stop_reason = stop
+            child.truncate_output(detokenizer.num_tokens)
             self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _make_output(self, tracked: _Tracked, now: float) -> RequestOutput:

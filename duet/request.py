@@ -67,6 +67,11 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first ``num_output_tokens`` (emitted in the same step as a stop)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

@@ -60,6 +60,10 @@ class _PoolCollector:
             "vllm:num_requests_waiting": ("Sequences waiting on the replica.", lambda s: s.num_waiting),
             "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", lambda s: s.kv_usage),
             "duet:kv_transfers_pending": ("Transfers reserved or accepted, not yet arrived.", lambda s: s.pending_transfers),
+            "duet:spec_decode_mean_accepted_length": (
+                "Tokens emitted per verified draft since start (accepted drafts plus one); 0 before any.",
+                lambda s: 1 + s.spec_num_accepted_tokens / s.spec_num_drafts if s.spec_num_drafts else 0.0,
+            ),
         }
         counters = {
             "vllm:num_preemptions": ("Preemptions by recompute.", lambda s: s.num_preemptions),

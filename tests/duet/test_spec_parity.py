@@ -93,3 +93,25 @@ def test_prefix_cache_hits_with_a_draft_model_match(parity_prompts, parity_refer
     assert stats["prefix_cache_hits"] > 0
     references = [parity_references[i] for i in order]
     _check_speculated(outputs, stats, references, [unspeculated[i] for i in order], "draft prefix-hit")
+
+
+def test_stop_string_inside_an_accepted_run_ends_the_output_there():
+    """Drafts copy the quoted sentence, so a stop string lands mid-run: text, tokens and
+    finish reason must be those of the engine without speculation."""
+    from duet import SamplingParams
+
+    sentence = "The quick brown fox jumps over the lazy dog near the old mill by the river."
+    messages = [{"role": "user", "content": f"Repeat this sentence exactly: {sentence}"}]
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop=["lazy dog"])
+    results = []
+    for config in (None, NGRAM):
+        llm = LLM(model="smollm2", max_model_len=1024, speculative_config=config)
+        output = llm.chat(messages, params)[0].outputs[0]
+        results.append((output.text, output.token_ids, output.finish_reason, output.stop_reason))
+        stats = llm.engine.stats()
+        llm.engine.check_integrity()
+        del llm
+        gc.collect()
+    assert results[0] == results[1]
+    assert results[1][2] == "stop" and results[1][3] == "lazy dog"
+    assert stats["spec_num_accepted_tokens"] > 0

@@ -78,6 +78,8 @@ def test_speculation_on_the_decode_pool_is_exact_and_counted(cluster):
     assert sum(accepted.values()) <= sum(drafts.values())
     per_position = _metric_values(cluster, "vllm:spec_decode_num_accepted_tokens_per_pos_total")
     assert any('position="0"' in labels for labels in per_position)
+    mean_length = _metric_values(cluster, "duet:spec_decode_mean_accepted_length")
+    assert any('stage="decode"' in labels and value > 1 for labels, value in mean_length.items())
 
 
 def test_status_lists_pools_and_replicas(cluster, capsys):
