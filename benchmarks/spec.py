@@ -91,12 +91,13 @@ def draft_checkpoint(smollm2_dir: Path) -> Path:
 
 
 def method_configs(k: int, smollm2_dir: Path) -> dict[str, dict | None]:
-    """Each method with the adaptive draft-length rule (the default), and ngram without it ("fixed")."""
+    """Each method with the adaptive draft-length rule (the default), and two without it ("fixed")."""
     return {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": k},
         "ngram-fixed": {"method": "ngram", "num_speculative_tokens": k, "adaptive": False},
         "layer_skip": {"method": "layer_skip", "num_speculative_tokens": k, "num_draft_layers": 20},
+        "layer_skip-fixed": {"method": "layer_skip", "num_speculative_tokens": k, "num_draft_layers": 20, "adaptive": False},
         "draft_model": {"method": "draft_model", "num_speculative_tokens": k, "model": str(draft_checkpoint(smollm2_dir))},
     }
 
@@ -154,11 +155,11 @@ def run_cases(engines: dict, workloads: dict[str, list[list[int]]], args, progre
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"\n{'method':<14} {'workload':<15} {'batch':>5} {'decode tok/s':>13} {'vs none':>8} {'accept':>7} {'mean len':>9}")
+    print(f"\n{'method':<18} {'workload':<15} {'batch':>5} {'decode tok/s':>13} {'vs none':>8} {'accept':>7} {'mean len':>9}")
     for r in results:
         accept = f"{r.acceptance_rate:.2f}" if r.acceptance_rate is not None else "-"
         length = f"{r.mean_accepted_length:.2f}" if r.mean_accepted_length is not None else "-"
-        print(f"{r.method:<14} {r.workload:<15} {r.batch:>5} {r.decode_tokens_per_s:>13.1f} {r.speedup:>7.2f}x {accept:>7} {length:>9}")
+        print(f"{r.method:<18} {r.workload:<15} {r.batch:>5} {r.decode_tokens_per_s:>13.1f} {r.speedup:>7.2f}x {accept:>7} {length:>9}")
 
 
 def plot(results: list[Result], path: str) -> None:

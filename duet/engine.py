@@ -89,7 +89,8 @@ class LLMEngine:
         )
 
     def _load_draft_model(self, model_path, arch):
-        """The draft of ``draft_model`` speculation (checked against the target), else None."""
+        """Check the speculative config against the target; return the draft model that
+        ``draft_model`` speculation runs (checked to share the tokenizer), else None."""
         from transformers import AutoTokenizer
 
         from duet.models.loader import load_model, resolve_model_path
