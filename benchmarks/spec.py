@@ -68,16 +68,12 @@ class Result:
     speedup: float = 1.0
 
 
-def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
+def prompts(llm, workload: str, count: int) -> list[list[int]]:
     if workload == "input-grounded":
         contents = [GROUNDED_TASKS[i % len(GROUNDED_TASKS)].format(text=TEXTS[i % len(TEXTS)]) for i in range(count)]
     else:
         contents = [OPEN_CHAT[i % len(OPEN_CHAT)] for i in range(count)]
-    encoded = []
-    for content in contents:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
-        encoded.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return encoded
+    return [llm.apply_chat_template([{"role": "user", "content": content}]) for content in contents]
 
 
 def draft_checkpoint(smollm2_dir: Path) -> Path:
@@ -197,14 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
     from duet import LLM, SamplingParams
     from duet.models.gguf_convert import ensure_smollm2
 
     smollm2_dir = ensure_smollm2()
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    workloads = {name: prompts(tokenizer, name, 8) for name in ("input-grounded", "open chat")}
     configs = method_configs(args.num_speculative_tokens, smollm2_dir)
     names = args.methods.split(",")
     if "none" not in names or any(name not in configs for name in names):
@@ -213,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     engines = {}
     for name in tqdm(names, desc="loading engines", unit="engine"):
         engines[name] = LLM(model="smollm2", max_model_len=2048, kv_cache_memory_gib=0.25, speculative_config=configs[name])
-        engines[name].generate([workloads["open chat"][0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+        engines[name].generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    workloads = {name: prompts(engines["none"], name, 8) for name in ("input-grounded", "open chat")}
     with tqdm(total=len(names) * 4 * args.rounds, desc="bench spec", unit="run") as progress:
         results = run_cases(engines, workloads, args, progress)
     baseline = {(r.workload, r.batch): r.decode_tokens_per_s for r in results if r.method == "none"}

@@ -85,6 +85,11 @@ class ReplicaStats:
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verified draft (the accepted ones plus the target's own); 0 before any."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
 
 class DeltaCursor:
     """Turns one sequence's cumulative outputs into deltas; starts after what was already sent

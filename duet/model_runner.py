@@ -193,7 +193,7 @@ class ModelRunner:
         if self.spec is not None and sampled:
             states = [self.requests[request_id] for request_id in sampled]
             draft_token_ids = self.spec.propose(states, len(request_ids))
-        for request_id in request_ids:
+        for request_id in scheduler_output.scheduled_spec_token_ids:
             # The scheduler frees the same blocks: the slots of rejected drafts past the last token.
             state = self.requests[request_id]
             del state.block_ids[-(-state.num_tokens // self.block_size) :]

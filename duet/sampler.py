@@ -93,10 +93,7 @@ def build_sampling_metadata(
     asked = [n for n in num_logprobs if n is not None]
     metadata = SamplingMetadata(
         all_greedy=all(p.greedy for p in params),
-        no_penalties=all(
-            p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            for p in params
-        ),
+        no_penalties=not any(p.has_penalties for p in params),
         num_logprobs=num_logprobs,
         max_num_logprobs=max(asked) if asked else None,
         forbidden_token_ids=_forbidden_indices(forbidden_token_ids, vocab_size, device),

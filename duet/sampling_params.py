@@ -72,6 +72,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def effective_top_k(self) -> int:
         """top_k with the two 'disabled' spellings (0 and -1) folded to 0."""
         return max(self.top_k, 0)

@@ -208,12 +208,12 @@ class Scheduler:
                 if status is not None:
                     self.finish_request(request_id, status)
                     break
-            changed.append(request)
-        for request_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(request_id)
-            if request is not None and not request.is_finished:
+            if not request.is_finished:
                 request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
-                self.kv_cache_manager.trim(request, request.num_tokens)
+                if drafts:
+                    # The runner frees the same blocks: those past the last token, holding only rejected drafts.
+                    self.kv_cache_manager.trim(request, request.num_tokens)
+            changed.append(request)
         return changed
 
     def _check_stop(self, request: Request) -> RequestStatus | None:

@@ -62,7 +62,7 @@ class _PoolCollector:
             "duet:kv_transfers_pending": ("Transfers reserved or accepted, not yet arrived.", lambda s: s.pending_transfers),
             "duet:spec_decode_mean_accepted_length": (
                 "Tokens emitted per verified draft since start (accepted drafts plus one); 0 before any.",
-                lambda s: 1 + s.spec_num_accepted_tokens / s.spec_num_drafts if s.spec_num_drafts else 0.0,
+                lambda s: s.spec_mean_accepted_length,
             ),
         }
         counters = {

@@ -62,7 +62,7 @@ class SpeculativeDecoder:
         """How many tokens the request may draft now (0: it may not)."""
         params = state.sampling_params
         num_output = len(state.output_token_ids)
-        if params.logprobs is not None or not _no_penalties(params):
+        if params.logprobs is not None or params.has_penalties:
             return 0
         room = min(params.max_tokens - num_output, self.max_model_len - state.num_tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, room))
@@ -72,8 +72,9 @@ class SpeculativeDecoder:
         limit = self.config.disable_by_batch_size
         if limit is not None and num_running >= limit:
             return {}
-        candidates = [state for state in states if self.num_drafts(state)]
-        max_lengths = [self.num_drafts(state) for state in candidates]
+        allowed = [(state, self.num_drafts(state)) for state in states]
+        candidates = [state for state, k in allowed if k]
+        max_lengths = [k for _, k in allowed if k]
         tracks = [self._tracks.setdefault(state.request_id, _Track()) for state in candidates]
         lengths = max_lengths
         if self.config.adaptive:
@@ -151,6 +152,3 @@ class SpeculativeDecoder:
             row += num_rows
         return target, torch.cat(draft_rows)
 
-
-def _no_penalties(params) -> bool:
-    return params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0

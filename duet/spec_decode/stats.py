@@ -23,12 +23,3 @@ class SpecDecodingStats:
             self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per verified draft: the accepted ones plus the target's own."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
