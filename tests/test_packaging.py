@@ -33,3 +33,38 @@ def test_transformers_does_not_mistake_our_kernels_folder_for_hf_kernels():
     except importlib.metadata.PackageNotFoundError:
         hf_kernels_installed = False
     assert result.stdout.strip().splitlines()[-1] == str(hf_kernels_installed)
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    """`pip install -e .` (no extras) is README's first command: a module the package imports but
+    only an extra installs (httpx once was) breaks `duet up` on a fresh machine."""
+    import ast
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    declared = {_normalize(re.split(r"[<>=!~\[; ]", requirement, 1)[0]) for requirement in pyproject["project"]["dependencies"]}
+    distributions = importlib.metadata.packages_distributions()
+    missing = {}
+    for folder in pyproject["tool"]["setuptools"]["package-dir"].values():
+        for path in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in sys.stdlib_module_names or top == "duet":
+                        continue
+                    owners = {_normalize(dist) for dist in distributions.get(top, [top])}
+                    if not owners & declared:
+                        missing.setdefault(top, set()).add(str(path.relative_to(root)))
+    assert not missing, f"imported but not in [project].dependencies: {missing}"
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("_", "-")
