@@ -119,13 +119,18 @@ class BlockPool:
         self._cached.setdefault(block_hash, block.block_id)
 
     def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is None:
-            return
-        if self._cached.get(block.block_hash) == block.block_id:
-            del self._cached[block.block_hash]
+        if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             self.num_evictions += 1
-        block.block_hash = None
-        block.token_ids = None
+        self.uncache([block])
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Withdraw blocks from the prefix cache (their KV is not what the hash promises); they
+        stay allocated to whoever holds them."""
+        for block in blocks:
+            if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their KV, but are no longer findable)."""

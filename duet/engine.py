@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
+from duet.block_pool import BlockIntegrityError
 from duet.config import ConfigError, EngineArgs, resolve_dtype
 from duet.detokenizer import IncrementalDetokenizer
 from duet.kv_cache_manager import KVCacheManager
@@ -83,6 +85,8 @@ class LLMEngine:
             cpu_ops.load()  # compile (once per machine) now, not inside the first step
         self._tracked: dict[str, _Tracked] = {}
         self._child_to_parent: dict[str, str] = {}
+        # Requests the last step ran and then restarted (it failed): the KV it wrote is gone.
+        self.restarted_request_ids: list[str] = []
         logger.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d",
             model_path.name, dtype, self.num_blocks, self.block_size, self.max_model_len,
@@ -161,8 +165,7 @@ class LLMEngine:
         max_tokens = self.validate(prompt_token_ids, params)
         children = []
         for index in range(params.n):
-            seed = None if params.seed is None else params.seed + index
-            child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens, seed=seed)
+            child_params = dataclasses.replace(params.choice(index), max_tokens=max_tokens)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, prompt_token_ids, child_params, self.eos_token_id))
         self._track(request_id, prompt, prompt_token_ids, children, params)
@@ -233,8 +236,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return the requests that gained tokens (cumulative outputs)."""
         scheduler_output = self.scheduler.schedule()
-        # Even an empty step goes to the runner: it may carry finished ids to forget.
-        runner_output = self.runner.execute(scheduler_output)
+        self.restarted_request_ids = []
+        try:
+            # Even an empty step goes to the runner: it may carry finished ids to forget.
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
+            return self._recover(scheduler_output, error)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs_by_id = {}
         if runner_output.logprobs is not None:
@@ -253,6 +260,38 @@ class LLMEngine:
                 tracked.metrics["first_token_time"] = now
             touched[parent_id] = tracked
         return [self._make_output(tracked, now) for tracked in touched.values()]
+
+    def _recover(self, scheduler_output, error: Exception) -> list[RequestOutput]:
+        """A step failed: runner and scheduler drop what it did; its requests rerun alone until
+        the one that fails alone is found, and only that one fails (see ``Scheduler.reset_step``)."""
+        request_ids = list(scheduler_output.num_scheduled_tokens)
+        self.runner.forget(
+            set(request_ids) | scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids
+        )
+        failed = self.scheduler.reset_step(scheduler_output)
+        if not failed:
+            self.restarted_request_ids = request_ids
+            logger.error(
+                "engine step over %d requests failed (%r); rerunning them one at a time to find the cause",
+                len(request_ids), error, exc_info=error,
+            )
+            return []
+        outputs = []
+        for child in failed:
+            logger.error("request %s failed in a step of its own (%r); failing it alone", child.request_id, error)
+            tracked = self._tracked.get(self._child_to_parent.get(child.request_id, ""))
+            if tracked is not None:
+                message = f"the engine failed on this request ({type(error).__name__}: {error})"
+                outputs.append(self._fail(tracked, message))
+        return outputs
+
+    def _fail(self, tracked: _Tracked, message: str) -> RequestOutput:
+        """End a user request with an error; its other completions stop too."""
+        for child in tracked.children:
+            self.scheduler.abort(child.request_id)
+        output = self._make_output(tracked, time.monotonic())
+        output.error = message
+        return output
 
     def _detokenize(self, tracked: _Tracked, index: int, child: Request, step_logprobs) -> None:
         detokenizer = tracked.detokenizers[index]
@@ -313,8 +352,14 @@ class LLMEngine:
             spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
-    def check_integrity(self) -> None:
-        """KV bookkeeping holds; with no request in flight every block must be free."""
-        self.kv_cache_manager.check_integrity()
-        if not self._tracked and not self.kv_cache_manager.pinned:
-            self.kv_cache_manager.block_pool.check_integrity(expect_all_free=True)
+    def check_integrity(self, held_for_transfer: Collection[str] = ()) -> None:
+        """KV bookkeeping holds and every held block has a holder someone tracks: a request the
+        scheduler knows, or one whose KV is in transit (``held_for_transfer``, given by the node
+        moving it). With no request in flight, every block is free."""
+        manager = self.kv_cache_manager
+        manager.check_integrity()
+        known = set(self.scheduler.requests) | set(held_for_transfer)
+        strays = sorted({*manager.req_to_blocks, *manager.pinned} - known)
+        if strays:
+            num_blocks = sum(len(manager.req_to_blocks.get(i, [])) + len(manager.pinned.get(i, [])) for i in strays)
+            raise BlockIntegrityError(f"{num_blocks} blocks held for {len(strays)} requests nobody tracks: {strays[:8]}")

@@ -24,8 +24,8 @@ class EngineLoopError(RuntimeError):
 class EngineLoop:
     """Runs ``step()`` on a thread whenever ``has_work()``; ``key(output)`` names its request.
 
-    ``idle()`` is polled (on the engine thread) while nothing is runnable but background work,
-    such as KV transfers, is still under way; it should be cheap.
+    ``on_idle()`` runs on the engine thread each time the work runs out (a bookkeeping check
+    that must see the engine at rest); its exceptions are logged, never raised.
     """
 
     def __init__(
@@ -36,10 +36,13 @@ class EngineLoop:
         busy_poll_s: float = 0.002,
         idle_wait_s: float = 0.05,
         name: str = "engine-loop",
+        on_idle: Callable[[], None] | None = None,
     ) -> None:
         self._step = step
         self._key = key
         self._has_work = has_work
+        self._on_idle = on_idle
+        self._busy = False
         self._busy_poll_s = busy_poll_s
         self._idle_wait_s = idle_wait_s
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -76,14 +79,29 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=5)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while not self._stopped:
             self._run_calls()
             if self._has_work():
+                self._busy = True
                 self._run_step()
                 continue
+            if self._busy:
+                self._busy = False
+                self._run_on_idle()
             self._wake.wait(self._idle_wait_s)
             self._wake.clear()
+
+    def _run_on_idle(self) -> None:
+        if self._on_idle is None:
+            return
+        try:
+            self._on_idle()
+        except Exception:  # noqa: BLE001 - the hook reports; the loop goes on
+            logger.exception("idle check failed")
 
     def _run_calls(self) -> None:
         while True:

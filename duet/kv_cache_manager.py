@@ -122,10 +122,17 @@ class KVCacheManager:
         self._pin_on_free.discard(request_id)
         self.block_pool.free_blocks(reversed(self.pinned.pop(request_id, [])))
 
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Withdraw from the prefix cache the request's blocks past its computed tokens: they were
+        published when allocated, for a step that then failed before computing their KV."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        self.block_pool.uncache(blocks[request.num_computed_tokens // self.block_size :])
+
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its last blocks are evicted before its prefix."""
+        """Release the request's blocks, tail first, so its last blocks are evicted before its prefix.
+        A finished request marked ``pin_on_free`` keeps them until ``release_pinned``."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        if request.request_id in self._pin_on_free and blocks:
+        if request.request_id in self._pin_on_free and blocks and request.is_finished:
             self.pinned[request.request_id] = blocks
         else:
             self.block_pool.free_blocks(reversed(blocks))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from duet.config import EngineArgs
 from duet.engine import LLMEngine
+from duet.messages import RequestFailedError
 from duet.outputs import RequestOutput
 from duet.sampling_params import SamplingParams
 
@@ -77,6 +78,8 @@ class LLM:
         try:
             while len(finished) < len(order):
                 for output in self.engine.step():
+                    if output.error is not None:
+                        raise RequestFailedError(f"request {output.request_id}: {output.error}")
                     if output.finished:
                         finished[output.request_id] = output
         except BaseException:

@@ -39,6 +39,10 @@ class KVTarget:
     pair_key: str
 
 
+# Replicas report their stats every 0.5 s, even mid-step; one silent this long is taken for dead.
+REPLICA_SILENT_S = 3.0
+
+
 @dataclass
 class ReplicaStats:
     """One replica's state, reported through Serve's ``record_routing_stats`` for routing,
@@ -61,8 +65,10 @@ class ReplicaStats:
     transfer_bytes: int = 0
     transfers: int = 0
     transfer_failures: int = 0
+    transfers_cancelled: int = 0  # their requests were aborted: not failures
     transfer_seconds: float = 0.0
     pending_transfers: int = 0
+    integrity_failures: int = 0  # idle KV bookkeeping checks that failed (a leak, logged)
     prefix_hashes: list[int] = field(default_factory=list)
     reported_at: float = 0.0  # time.time() on the replica; a replica that stops reporting is gone
 
@@ -77,6 +83,7 @@ class ReplicaStats:
             transfer_bytes=transfer.bytes,
             transfers=transfer.transfers,
             transfer_failures=transfer.failures,
+            transfers_cancelled=transfer.cancelled,
             transfer_seconds=transfer.seconds,
             **extra,
         )
@@ -123,3 +130,17 @@ class ReplicaFullError(RuntimeError):
 
 class KVTransferFailedError(RuntimeError):
     """The prompt's KV never reached the decode replica and its policy is to fail the request."""
+
+
+class ReplicaGoneError(RuntimeError):
+    """A call pinned to a replica that no longer runs; what it held there is gone with it."""
+
+    @classmethod
+    def check(cls, replica_id: str, here: str) -> None:
+        """Refuse a pinned call that Serve routed here because its replica is gone."""
+        if replica_id != here:
+            raise cls(f"replica {replica_id} is gone")
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request, with it alone in a step; the others went on (HTTP 500)."""

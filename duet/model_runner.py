@@ -84,11 +84,15 @@ class ModelRunner:
         element = torch.empty((), dtype=kv_dtype).element_size()
         return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim * element
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for request_id in scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids:
+    def forget(self, request_ids) -> None:
+        """Drop what the runner holds of these requests; one it meets again is sent whole."""
+        for request_id in request_ids:
             self.requests.pop(request_id, None)
             if self.spec is not None:
                 self.spec.forget(request_id)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        self.forget(scheduler_output.finished_request_ids | scheduler_output.preempted_request_ids)
         for new in scheduler_output.new_requests:
             params = new.sampling_params
             generator = None

@@ -14,6 +14,9 @@ from duet.sampling_params import SamplingParams
 
 # How many of the likeliest tokens top-p sorts before falling back to the whole vocabulary.
 _TOP_P_CANDIDATES = 1024
+# Logits and temperatures stay below this, so dividing one by the other never overflows float32:
+# an overflow to inf turns the probabilities into NaN.
+_MAX_MAGNITUDE = 1e30
 
 
 @dataclass
@@ -65,7 +68,7 @@ class SamplerOutput:
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A request's own random stream, so its samples depend only on its seed."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)  # torch's own mapping of negative seeds, for any integer
     return generator
 
 
@@ -138,7 +141,8 @@ def _add_sampling_tensors(
     metadata.no_top_k = all(k == vocab_size for k in top_k)
     metadata.no_top_p = all(p == 1.0 for p in top_p)
     metadata.no_min_p = all(p == 0.0 for p in min_p)
-    metadata.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    temperatures = [0.0 if p.greedy else min(p.temperature, _MAX_MAGNITUDE) for p in params]
+    metadata.temperature = torch.tensor(temperatures, dtype=torch.float32, device=device)
     metadata.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
     metadata.top_p = torch.tensor(top_p, dtype=torch.float32, device=device)
     metadata.min_p = torch.tensor(min_p, dtype=torch.float32, device=device)
@@ -211,7 +215,8 @@ class Sampler:
         if metadata.forbidden_token_ids is not None:
             logits = logits.index_put(metadata.forbidden_token_ids, logits.new_tensor(float("-inf")))
         if not metadata.no_penalties:
-            logits = apply_penalties(logits, metadata)
+            # A penalty near 0 divides positive logits towards +inf; past float32 that is NaN later.
+            logits = apply_penalties(logits, metadata).clamp_(max=_MAX_MAGNITUDE)
         sampled = logits.argmax(dim=-1)
         if not metadata.all_greedy:
             sampled = torch.where(metadata.temperature == 0, sampled, _sample_random(logits, metadata))

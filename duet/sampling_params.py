@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this temperature sampling is greedy: its limit as the temperature goes to 0 (dividing
+# logits by less would overflow float32 and turn the probabilities into NaN).
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParamsError(ValueError):
-    """A sampling setting is out of range; the message says which and what is allowed."""
+    """A sampling setting is out of range; the message says which and what is allowed, ``param``
+    names the setting."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature=0`` is greedy. ``seed`` makes one request's samples reproducible whatever
-    else shares its batch. ``logprobs=k`` returns the top-k log-probabilities of each
+    ``temperature=0`` (or anything below ``GREEDY_TEMPERATURE``) is greedy. ``seed`` makes one
+    request's samples reproducible whatever else shares its batch. ``logprobs=k`` returns the top-k log-probabilities of each
     generated token (plus the sampled one). ``n`` completions share the prompt's KV blocks.
     """
 
@@ -45,31 +57,52 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """One table of what the engine can represent; the HTTP API refuses the same values (400)."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise SamplingParamsError(f"{name} must be a finite number, got {getattr(self, name)}", name)
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0 or self.top_k == -1, f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("temperature", self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= 0 or self.top_k == -1, f"top_k must be >= 0 (0 or -1 disables it), got {self.top_k}"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (
+                "min_tokens",
                 self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
             ),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (
+                "seed",
+                self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+                f"seed must be a 64-bit signed integer, in [{INT64_MIN}, {INT64_MAX}]",
+            ),
+            (
+                "stop_token_ids",
+                all(0 <= token_id <= INT64_MAX for token_id in self.stop_token_ids),
+                f"stop_token_ids must be token ids, integers in [0, {INT64_MAX}]",
+            ),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise SamplingParamsError(message)
+                raise SamplingParamsError(message, param)
+
+    def choice(self, index: int) -> SamplingParams:
+        """Completion ``index`` of the ``n``: one completion, seeded with ``seed + index`` (wrapped
+        into 64 bits) so that each completion has its own reproducible stream."""
+        seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -4,6 +4,9 @@ There is no prefill phase and no decode phase. Each request has ``num_computed_t
 and catches up to ``num_tokens`` within the step's token budget; running requests go
 first, then waiting ones in arrival order. A request with draft tokens schedules them after
 its own, so verification counts against the same budget.
+
+A step that fails is rolled back (``reset_step``): its requests start over from the prefix
+cache, one at a time, until the one that fails alone is found and failed; the others go on.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Scheduler:
         self.prefilled: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Requests of a failed step, rerun alone in this order until each has passed a step.
+        self.suspects: list[str] = []
         self._finished_ids: set[str] = set()
         self._runner_known: set[str] = set()
 
@@ -73,7 +78,7 @@ class Scheduler:
             request = self.running[index]
             num_uncomputed = request.num_tokens - request.num_computed_tokens
             num_new = min(num_uncomputed + len(request.spec_token_ids), budget)
-            if num_new <= 0:
+            if num_new <= 0 or not self._may_run(request):
                 index += 1
                 continue
             while True:
@@ -95,7 +100,7 @@ class Scheduler:
             index += 1
 
         # requests whose prompt KV was computed elsewhere
-        while self.prefilled and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while self.prefilled and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and not self.suspects:
             request = self.prefilled[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new + self._lookahead(request, num_new)) is None:
@@ -109,6 +114,8 @@ class Scheduler:
         # waiting requests, in arrival order, while nothing had to be preempted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             request = self.waiting[0]
+            if not self._may_run(request):
+                break
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -129,6 +136,10 @@ class Scheduler:
             budget -= num_new
 
         return self._build_output(num_scheduled, new_blocks, preempted, spec_tokens)
+
+    def _may_run(self, request: Request) -> bool:
+        """While a failed step's requests are being rerun, only the first of them runs."""
+        return not self.suspects or request.request_id == self.suspects[0]
 
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Slots to reserve past this step's tokens: the proposer drafts after a request's step
@@ -169,13 +180,10 @@ class Scheduler:
         return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished, preempted, spec_tokens)
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        self._restart(request)
+        self.waiting.appendleft(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
         logger.warning(
             "preempted request %s by recompute (%d tokens, %d free blocks, %d preemptions so far)",
             request.request_id,
@@ -183,6 +191,37 @@ class Scheduler:
             self.kv_cache_manager.num_free_blocks,
             self.num_preemptions,
         )
+
+    def _restart(self, request: Request) -> None:
+        """Free the request's blocks; it computes again from its prefix-cache hits when next admitted."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+
+    def reset_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
+        """Roll back a step whose execution failed; return the requests failed for it.
+
+        The runner has forgotten the step's requests. A step that ran one suspect alone fails
+        that request (``FINISHED_ERROR``). Otherwise every request of the step withdraws the
+        blocks the step published before computing them and starts over, as a suspect.
+        """
+        request_ids = [request_id for request_id in scheduler_output.num_scheduled_tokens if request_id in self.requests]
+        self._runner_known -= set(scheduler_output.num_scheduled_tokens)
+        if self.suspects and request_ids == self.suspects[:1]:
+            request = self.requests[request_ids[0]]
+            self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+            return [request]
+        restarted = [self.requests[request_id] for request_id in request_ids]
+        for request in restarted:
+            self.kv_cache_manager.uncache_uncomputed(request)
+        for request in restarted:
+            if request in self.running:
+                self.running.remove(request)
+            self._restart(request)
+        self.waiting.extendleft(reversed(restarted))
+        self.suspects = [request_id for request_id in request_ids if request_id not in self.suspects] + self.suspects
+        return []
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, stop what is done, take the next drafts
@@ -208,6 +247,8 @@ class Scheduler:
                 if status is not None:
                     self.finish_request(request_id, status)
                     break
+            if self.suspects and self.suspects[0] == request_id:
+                self.suspects.pop(0)  # passed a step of its own
             if not request.is_finished:
                 request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
                 if drafts:
@@ -244,6 +285,8 @@ class Scheduler:
             self.prefilled.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
+        if request_id in self.suspects:
+            self.suspects.remove(request_id)
         if request_id in self._runner_known:
             self._runner_known.discard(request_id)
             self._finished_ids.add(request_id)

@@ -7,6 +7,7 @@ import pytest
 from duet import LLM, SamplingParams
 from duet.config import ConfigError
 from duet.engine import RequestValidationError
+from duet.messages import RequestFailedError
 from duet.sampling_params import SamplingParamsError
 from tests.reference import compare_to_reference, hf_greedy
 
@@ -142,6 +143,89 @@ def test_bad_sampling_params_are_refused_at_construction():
         SamplingParams(max_tokens=-1)
     with pytest.raises(SamplingParamsError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop_token_ids": [2**70], "min_tokens": 2}, "stop_token_ids"),
+        ({"stop_token_ids": [-1], "min_tokens": 2}, "stop_token_ids"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ],
+)
+def test_values_the_engine_cannot_represent_are_refused_naming_the_field(params, param):
+    """Guards the hostile-input failures: these passed validation, then made the engine step
+    raise ('Overflow when unpacking long long') and failed every request in that step."""
+    with pytest.raises(SamplingParamsError) as refused:
+        SamplingParams(**params)
+    assert refused.value.param == param
+
+
+def test_seeds_at_the_edges_of_64_bits_sample_and_fan_out(llm):
+    """n completions seed with seed + index, wrapped into 64 bits: no overflow at the edge."""
+    for seed in (2**63 - 1, -(2**63)):
+        outputs = llm.generate([PROMPTS[0]], SamplingParams(seed=seed, n=3, max_tokens=4))[0].outputs
+        assert [len(output.token_ids) for output in outputs] == [4, 4, 4]
+    assert SamplingParams(seed=2**63 - 1).choice(2).seed == -(2**63) + 1
+    llm.engine.check_integrity()
+
+
+def test_a_temperature_near_zero_is_greedy(llm):
+    """Guards temperature=1e-45, which divided the logits into NaN and sampled token 0 forever."""
+    greedy = llm.generate([PROMPTS[1]], _greedy())[0].outputs[0].token_ids
+    tiny = llm.generate([PROMPTS[1]], SamplingParams(temperature=1e-45, max_tokens=12, min_tokens=12, seed=3))
+    assert tiny[0].outputs[0].token_ids == greedy
+
+
+def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
+    """Guards the hostile-input report: one request whose step raises failed every request in
+    the step, and the engine kept failing later steps (runner and scheduler disagreed). Now
+    the step is rolled back, its requests rerun alone, the culprit alone fails, and the others
+    give the tokens of an undisturbed run; no block leaks, no stale prefix-cache entry."""
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=64)
+    undisturbed = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
+    llm.engine.kv_cache_manager.block_pool.reset_prefix_cache()
+    runner = llm.engine.runner
+    build = runner._sampling_metadata
+
+    def poisoned(request_ids):
+        if "bad" in request_ids:
+            raise ValueError("Overflow when unpacking long long")
+        return build(request_ids)
+
+    runner._sampling_metadata = poisoned
+    engine = llm.engine
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(f"good-{index}", prompt, _greedy())
+    engine.add_request("bad", PROMPTS[3], _greedy())
+    finished = {}
+    for _ in range(200):
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        if not engine.has_unfinished_requests():
+            break
+    assert finished["bad"].error == "the engine failed on this request (ValueError: Overflow when unpacking long long)"
+    assert [finished[f"good-{index}"].outputs[0].token_ids for index in range(len(PROMPTS))] == undisturbed
+    assert all(finished[f"good-{index}"].error is None for index in range(len(PROMPTS)))
+    engine.check_integrity()
+    runner._sampling_metadata = build
+    again = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
+    assert again == undisturbed  # prefix hits on what the failed steps left behind are exact
+
+
+def test_offline_generate_raises_for_a_request_the_engine_failed(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512)
+    build = llm.engine.runner._sampling_metadata
+    llm.engine.runner._sampling_metadata = lambda request_ids: (_ for _ in ()).throw(RuntimeError("broken"))
+    with pytest.raises(RequestFailedError, match="RuntimeError: broken"):
+        llm.generate([PROMPTS[0]], _greedy())
+    llm.engine.runner._sampling_metadata = build
+    assert llm.generate([PROMPTS[0]], _greedy(max_tokens=2))[0].outputs[0].finish_reason == "length"
+    llm.engine.check_integrity()
 
 
 @pytest.mark.parametrize(

@@ -273,3 +273,28 @@ def test_bfloat16_logits_sample_like_float32():
     output = Sampler()(logits, _metadata(params))
     assert output.sampled_token_ids == logits.float().argmax(dim=-1).tolist()
     assert all(math.isfinite(value) for row in output.logprobs for value in row.values())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-45, seed=1),
+        SamplingParams(temperature=1e-6, top_k=5, seed=1),
+        SamplingParams(temperature=1e38, seed=1),
+        SamplingParams(temperature=0.5, repetition_penalty=1e-38, seed=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1e-38),
+        SamplingParams(temperature=1e-30, top_p=1e-30, min_p=1.0, seed=1),
+    ],
+)
+def test_extreme_values_sample_a_valid_token_as_their_limit(params):
+    """Guards temperature=1e-45 (logits divided into inf, probabilities NaN, token 0 every time)
+    and its kin: a temperature below GREEDY_TEMPERATURE is greedy, a huge one stays finite, a
+    repetition penalty near 0 pushes seen tokens up without overflowing."""
+    logits = _skewed_logits().unsqueeze(0) * 10
+    output = Sampler()(logits, _metadata([params], prompts=[[3]], outputs=[[29]]))
+    (token,) = output.sampled_token_ids
+    assert 0 <= token < VOCAB
+    if params.greedy and not params.has_penalties:
+        assert token == TOKEN_IDS[0]
+    if params.repetition_penalty < 1:
+        assert token in (3, 29)  # the seen tokens, their logits pushed towards the top

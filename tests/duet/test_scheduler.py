@@ -509,3 +509,65 @@ def test_prefix_cache_counters_count_a_waiting_request_once_when_admitted():
                    for r, n in output.num_scheduled_tokens.items()]
         scheduler.update_from_output(output, RunnerOutput(list(output.num_scheduled_tokens), sampled))
     assert manager.prefix_cache_queries == 16
+
+
+# a failed step
+
+
+def test_a_failed_step_withdraws_the_blocks_it_published_and_reruns_its_requests_one_at_a_time(make_scheduler):
+    """Guards the engine state after a step raised: before, the runner and scheduler disagreed
+    (KeyError on every later step), and blocks published for KV never computed stayed findable
+    in the prefix cache. The step's requests restart (first in line) as suspects, each run alone
+    until it passes a step; a prefix computed by an earlier step is still a hit."""
+    scheduler = make_scheduler()
+    shared = list(range(500, 508))
+    first = _request("a", shared + [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=3)
+    scheduler.add_request(first)
+    _step(scheduler)  # a: 16 tokens, blocks 0-3 published, first token sampled
+    second = _request("b", shared + [9, 9, 9, 9], max_tokens=3)
+    third = _request("c", 6, max_tokens=3)
+    scheduler.add_request(second)
+    scheduler.add_request(third)
+    failed = scheduler.schedule()
+    assert failed.num_scheduled_tokens == {"a": 1, "b": 4, "c": 6}
+    assert scheduler.kv_cache_manager.block_pool.is_cached(fresh := _hash_of(shared + [9] * 4, 3))
+
+    assert scheduler.reset_step(failed) == []
+
+    assert not scheduler.kv_cache_manager.block_pool.is_cached(fresh)  # b's third block was never computed
+    assert scheduler.kv_cache_manager.block_pool.is_cached(_hash_of(shared, 2))  # a computed these
+    assert [request.request_id for request in scheduler.waiting] == ["a", "b", "c"]
+    assert scheduler.suspects == ["a", "b", "c"] and not scheduler.running
+    alone = scheduler.schedule()
+    assert alone.num_scheduled_tokens == {"a": 1}  # 16 prompt tokens hit, its output token recomputed
+    assert [new.request_id for new in alone.new_requests] == ["a"]
+    scheduler.update_from_output(alone, RunnerOutput(["a"], [[TOKEN]]))
+    assert scheduler.suspects == ["b", "c"]
+    assert _step(scheduler).num_scheduled_tokens == {"b": 4}  # its shared block is still a hit
+    assert _step(scheduler).num_scheduled_tokens == {"c": 6}
+    assert scheduler.suspects == []
+    _run_until_done(scheduler)
+    assert [r.output_token_ids for r in (first, second, third)] == [[TOKEN] * 3] * 3
+
+
+def test_a_step_that_fails_with_one_suspect_alone_fails_that_request_only(make_scheduler):
+    """The request a failure follows is the one failed (finish reason 'error'); the others,
+    rerun alone before and after it, finish normally and no block is leaked."""
+    scheduler = make_scheduler()
+    good, bad = _request("good", 5, max_tokens=2), _request("bad", 5, max_tokens=2)
+    scheduler.add_request(good)
+    scheduler.add_request(bad)
+    assert scheduler.reset_step(scheduler.schedule()) == []
+    _step(scheduler)  # good passes alone
+    assert scheduler.suspects == ["bad"]
+    failed = scheduler.reset_step(scheduler.schedule())
+    assert failed == [bad] and bad.finish_reason == "error"
+    assert scheduler.suspects == [] and "bad" not in scheduler.requests
+    _run_until_done(scheduler)
+    assert good.output_token_ids == [TOKEN, TOKEN]
+
+
+def _hash_of(token_ids: list[int], num_blocks: int) -> int:
+    from duet.block_pool import leading_block_hashes
+
+    return leading_block_hashes(token_ids, BLOCK_SIZE, num_blocks)[-1]
