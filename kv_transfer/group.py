@@ -3,13 +3,15 @@
 Each receiving (decode) worker hosts one ``TCPStore``; a sending (prefill) worker that has
 never met it connects to that store's address, the two exchange their ``KVSpec`` through
 it (the handshake) and then build a 2-rank group under a key unique to the pair and the
-attempt: rank 0 receives, rank 1 sends. NCCL when both hold CUDA devices, gloo otherwise.
+attempt: rank 0 receives, rank 1 sends. NCCL when both hold CUDA devices, gloo otherwise;
+a gloo group listens on the address each side was given (``kv_transfer.host``).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +35,28 @@ class Endpoint:
     port: int
 
 
+def resolve_host(host: str) -> str:
+    """A configured transfer address; ``auto`` is this node's address in the Ray cluster (each
+    replica resolves it where it runs)."""
+    if host != "auto":
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
-    """The receiver's store; port 0 picks a free one (read it back from ``store.port``)."""
+    """The receiver's store, listening on ``host`` only (a TCPStore left to itself listens on every
+    interface); port 0 picks a free one (read it back from ``store.port``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    bound_port = listener.getsockname()[1]
     return dist.TCPStore(
-        host, port, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        host, bound_port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=listener.detach(),  # the store owns the socket now
     )
 
 
@@ -49,7 +69,9 @@ def connect_store(endpoint: Endpoint, timeout_s: float = 30.0) -> dist.TCPStore:
 class PairGroup:
     """A 2-rank group between one sender and one receiver, after a successful handshake."""
 
-    def __init__(self, store: dist.Store, pair_key: str, rank: int, spec: KVSpec, use_cuda: bool, timeout_s: float):
+    def __init__(
+        self, store: dist.Store, pair_key: str, rank: int, spec: KVSpec, use_cuda: bool, timeout_s: float, host: str = "127.0.0.1"
+    ):
         self.pair_key = pair_key
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -70,7 +92,12 @@ class PairGroup:
             self.group = dist.ProcessGroupNCCL(group_store, rank, 2, dist.ProcessGroupNCCL.Options())
         else:
             self.backend = "gloo"
-            self.group = dist.ProcessGroupGloo(group_store, rank, 2, self.timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = self.timeout
+            # Listen on the replica's own address only (loopback on a local cluster), not on
+            # whatever the machine's hostname resolves to.
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            self.group = dist.ProcessGroupGloo(group_store, rank, 2, options)
         self.peer = peer
 
     def send(self, tensor: torch.Tensor, tag: int) -> dist.Work:

@@ -12,13 +12,15 @@ def _die_after_header(node) -> None:
     """Make the node's sender crash the whole process in the middle of its first transfer."""
     import os
 
-    import torch
+    from duet.kv_transfer.group import SENDER_RANK
+    from duet.kv_transfer.transfer import _announce, _SenderPair
 
-    def header_then_crash(group, job):
-        group.send(torch.tensor([job.transfer_id, job.num_blocks]), 0).wait()
+    def announce_then_crash(pair, client, control, job):
+        _announce(control, f"send {job.transfer_id} {job.num_blocks}")
+        pair.owner._group(client, pair.pair_key, SENDER_RANK)
         os._exit(1)
 
-    node.sender._transfer = header_then_crash
+    _SenderPair._send = announce_then_crash
 
 
 def doomed_prefill(engine_kwargs: dict, node_id: str = "prefill-doomed") -> PrefillProcess:

@@ -1,8 +1,10 @@
-"""KV blocks cross process boundaries intact over a pairwise gloo group built at run time."""
+"""KV blocks cross process boundaries intact over a pairwise gloo group built at run time, in
+whatever order transfers are announced, with cancellations and timeouts that never break a pair."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import time
 
 import pytest
@@ -10,56 +12,110 @@ import torch
 
 from duet.kv_transfer.group import Endpoint
 from duet.kv_transfer.spec import KVSpec, KVSpecMismatchError
-from duet.kv_transfer.transfer import KVReceiver, KVSender
+from duet.kv_transfer.transfer import KVReceiver, KVSender, LayerProgress
 from duet.kv_transfer.wire import layer_runs, pack_layers, unpack_layers
 
 SHAPE = (3, 2, 2, 12, 4, 8)  # layers, K/V, kv heads, blocks, block size, head dim
 SPEC = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="float32")
+BLOCK_BYTES = 3 * 2 * 2 * 4 * 8 * 4
 
 
-def _sender_cache() -> torch.Tensor:
-    return torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).view(SHAPE)
+def _sender_cache(shape=SHAPE) -> torch.Tensor:
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
 
 
-def _sender_process(conn, spec_dict, die_after_header: bool) -> None:
-    """Runs a KVSender on commands from the test: (transfer_id, block_ids, endpoint, pair_key)."""
-    sender = KVSender(_sender_cache(), KVSpec.from_dict(spec_dict), timeout_s=10)
-    if die_after_header:
-        # Simulate a crash mid-transfer: send only the header, then exit abruptly.
-        from duet.kv_transfer.group import SENDER_RANK, PairGroup, connect_store
+def _crash_after_announcing(pair, client, control, job) -> None:
+    """A sender that announces its transfer, joins the group, and dies before any data."""
+    import os
 
-        transfer_id, block_ids, endpoint, pair_key = conn.recv()
-        group = PairGroup(connect_store(endpoint, 10), pair_key, SENDER_RANK, sender.spec, False, 10)
-        group.send(torch.tensor([transfer_id, len(block_ids)]), 0).wait()
-        import os
+    from duet.kv_transfer.group import SENDER_RANK
+    from duet.kv_transfer.transfer import _announce
 
-        os._exit(1)
+    _announce(control, f"send {job.transfer_id} {job.num_blocks}")
+    pair.owner._group(client, pair.pair_key, SENDER_RANK)
+    os._exit(1)
+
+
+def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | None) -> None:
+    """A KVSender driven by commands from the test:
+    ("send", id, blocks, endpoint, key) ships ready blocks; ("stream", id, num_blocks, endpoint,
+    key) queues a transfer whose layers come later with ("mark", id, layers, blocks);
+    ("cancel", id); ("await_start", id) answers once that transfer is under way; ("results",
+    count) answers with the first ``count`` results."""
+    if crash:
+        from duet.kv_transfer.transfer import _SenderPair
+
+        _SenderPair._send = _crash_after_announcing
+    if message_bytes is not None:
+        import duet.kv_transfer.wire as wire
+
+        wire.TARGET_MESSAGE_BYTES = message_bytes
+    sender = KVSender(_sender_cache(shape), KVSpec.from_dict(spec_dict), timeout_s=5)
+    progress: dict[int, LayerProgress] = {}
     while True:
-        command = conn.recv()
-        if command is None:
-            break
-        sender.send(*command)
-    expected, deadline = conn.recv(), time.monotonic() + 30
-    done = []
-    while len(done) < expected and time.monotonic() < deadline:
-        done += sender.poll()
-        time.sleep(0.01)
-    conn.send([(r.transfer_id, r.ok, r.error) for r in done])
+        command, *args = conn.recv()
+        if command == "send":
+            transfer_id, block_ids, endpoint, pair_key = args
+            sender.send(transfer_id, endpoint, pair_key, LayerProgress.complete(shape[0], block_ids), len(block_ids))
+        elif command == "stream":
+            transfer_id, num_blocks, endpoint, pair_key = args
+            progress[transfer_id] = LayerProgress(shape[0])
+            sender.send(transfer_id, endpoint, pair_key, progress[transfer_id], num_blocks, timeout_s=30)
+        elif command == "mark":
+            transfer_id, num_layers, block_ids = args
+            progress[transfer_id].mark_ready(num_layers, block_ids)
+        elif command == "cancel":
+            sender.cancel(args[0])
+        elif command == "await_start":  # answers once that transfer is on the wire
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(
+                getattr(pair.active, "transfer_id", None) == args[0] for pair in list(sender._pairs.values())
+            ):
+                time.sleep(0.01)
+            conn.send("started")
+        elif command == "results":
+            done, deadline = [], time.monotonic() + 60
+            while len(done) < args[0] and time.monotonic() < deadline:
+                done += sender.poll()
+                time.sleep(0.01)
+            conn.send([(r.transfer_id, r.ok, r.error) for r in done])
+            sender.close()
+            return
 
 
-def _start_sender(spec: KVSpec, die_after_header: bool = False):
-    parent, child = mp.get_context("spawn").Pipe()
-    process = mp.get_context("spawn").Process(target=_sender_process, args=(child, spec.to_dict(), die_after_header))
-    process.start()
-    return process, parent
+@pytest.fixture
+def start_sender():
+    processes = []
+
+    def start(spec: KVSpec = SPEC, shape=SHAPE, crash: bool = False, message_bytes: int | None = None):
+        parent, child = mp.get_context("spawn").Pipe()
+        args = (child, spec.to_dict(), shape, crash, message_bytes)
+        process = mp.get_context("spawn").Process(target=_sender_process, args=args)
+        process.start()
+        processes.append(process)
+        return parent
+
+    yield start
+    for process in processes:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
 
 
-def _wait_results(receiver: KVReceiver, count: int, timeout_s: float = 30):
-    results, deadline = [], time.monotonic() + timeout_s
+def _wait_results(receiver: KVReceiver, count: int, timeout_s: float = 30) -> dict[int, tuple[bool, str | None]]:
+    results, deadline = {}, time.monotonic() + timeout_s
     while len(results) < count and time.monotonic() < deadline:
-        results += receiver.poll()
+        for result in receiver.poll():
+            assert result.transfer_id not in results, f"transfer {result.transfer_id} reported twice"
+            results[result.transfer_id] = (result.ok, result.error)
         time.sleep(0.01)
     return results
+
+
+def _assert_arrived(receiver: KVReceiver, src_blocks: list[int], dst_blocks: list[int]) -> None:
+    source = _sender_cache()
+    for src, dst in zip(src_blocks, dst_blocks):
+        assert torch.equal(receiver.kv_cache[:, :, :, dst], source[:, :, :, src])
 
 
 def test_pack_and_unpack_move_blocks_between_different_ids():
@@ -81,66 +137,170 @@ def test_layers_travel_in_runs_of_about_eight_megabytes():
     assert layer_runs(cache, 512) == [(layer, layer + 1) for layer in range(30)]  # 12.6 MB a layer
 
 
-def test_many_transfers_on_one_pair_arrive_in_order_and_intact():
-    """Two processes over gloo: several requests queued on one pair, each scattered into its own blocks."""
+def test_transfers_sent_in_another_order_than_expected_all_arrive_intact(start_sender):
+    """Guards against 'expected transfer A, got B': under load the prefill side sends in the
+    order its requests finish, not the order the decode side expected them, and each mix-up
+    broke the pair and failed every transfer queued behind it."""
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
-    process, conn = _start_sender(SPEC)
+    conn = start_sender()
     jobs = [(1, [0, 1, 2], [4, 5, 6]), (2, [3], [7]), (3, [11, 10], [8, 9]), (4, [9], [10])]
     try:
-        for transfer_id, src_blocks, dst_blocks in jobs:
-            receiver.expect(transfer_id, dst_blocks, "prefill-0/0")
-            conn.send((transfer_id, src_blocks, receiver.endpoint, "prefill-0/0"))
-        conn.send(None)
-        conn.send(len(jobs))
+        keys = {transfer_id: receiver.expect(transfer_id, dst, "prefill-0") for transfer_id, _, dst in jobs}
+        for transfer_id, src, _ in reversed(jobs):
+            conn.send(("send", transfer_id, src, receiver.endpoint, keys[transfer_id]))
         results = _wait_results(receiver, len(jobs))
+        conn.send(("results", len(jobs)))
         sender_results = conn.recv()
     finally:
-        process.join(30)
         receiver.close()
-    assert [(r.transfer_id, r.ok) for r in results] == [(j[0], True) for j in jobs]
+    assert results == {transfer_id: (True, None) for transfer_id, _, _ in jobs}
     assert sorted(r[:2] for r in sender_results) == [(j[0], True) for j in jobs]
-    source = _sender_cache()
-    for _, src_blocks, dst_blocks in jobs:
-        for src, dst in zip(src_blocks, dst_blocks):
-            assert torch.equal(receiver.kv_cache[:, :, :, dst], source[:, :, :, src])
-    assert receiver.stats.bytes == sum(len(j[1]) for j in jobs) * 3 * 2 * 2 * 4 * 8 * 4
+    for _, src, dst in jobs:
+        _assert_arrived(receiver, src, dst)
+    assert receiver.stats.bytes == sum(len(j[1]) for j in jobs) * BLOCK_BYTES
 
 
-def test_mismatched_block_size_is_refused_with_a_clear_error():
+def test_a_cancelled_transfer_ends_at_once_and_the_pair_goes_on(start_sender):
+    """Guards the leak of aborted requests' blocks: a transfer the decode side cancels reports
+    at once (its blocks can be freed), its data is drained when it comes, and the next transfer
+    on the same pair arrives."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender()
+    try:
+        first = receiver.expect(1, [0, 1], "prefill-0")
+        receiver.cancel(1)
+        assert _wait_results(receiver, 1, timeout_s=1) == {1: (False, "cancelled")}
+        conn.send(("send", 1, [5, 6], receiver.endpoint, first))  # sent anyway: drained
+        second = receiver.expect(2, [3], "prefill-0")
+        assert second == first
+        conn.send(("send", 2, [7], receiver.endpoint, second))
+        results = _wait_results(receiver, 1)
+        conn.send(("results", 2))
+        sender_results = dict((r[0], r[1]) for r in conn.recv())
+    finally:
+        receiver.close()
+    assert results == {2: (True, None)}
+    assert sender_results == {1: False, 2: True}
+    assert not receiver.kv_cache[:, :, :, [0, 1]].any()  # the cancelled blocks were never written
+    _assert_arrived(receiver, [7], [3])
+
+
+def test_a_sender_that_gives_up_mid_stream_fails_only_that_transfer(start_sender, monkeypatch):
+    """A prefill request aborted after its first layers went out: the rest goes as filler marked
+    invalid, the decode side fails that transfer, and the pair stays in step."""
+    import duet.kv_transfer.wire as wire
+
+    monkeypatch.setattr(wire, "TARGET_MESSAGE_BYTES", 1)  # one layer a run, on both sides
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender(message_bytes=1)
+    try:
+        key = receiver.expect(1, [0, 1], "prefill-0")
+        conn.send(("stream", 1, 2, receiver.endpoint, key))
+        conn.send(("mark", 1, 1, [2, 3]))  # layer 0 computed and sent, then the request is aborted
+        conn.send(("await_start", 1))
+        assert conn.recv() == "started"
+        conn.send(("cancel", 1))
+        results = _wait_results(receiver, 1)
+        key = receiver.expect(2, [4], "prefill-0")
+        conn.send(("send", 2, [8], receiver.endpoint, key))
+        results |= _wait_results(receiver, 1)
+        conn.send(("results", 2))
+        sender_results = dict((r[0], r[1]) for r in conn.recv())
+    finally:
+        receiver.close()
+    assert results[1] == (False, "the prefill replica aborted the request mid-transfer")
+    assert results[2] == (True, None)
+    assert sender_results == {1: False, 2: True}
+    _assert_arrived(receiver, [8], [4])
+
+
+def test_an_expected_transfer_never_announced_times_out_alone(start_sender):
+    """Guards against a decode replica holding blocks forever for a prefill that never sends:
+    the expectation expires through poll(), and another transfer on the pair is unaffected."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender()
+    try:
+        receiver.expect(1, [0], "prefill-0", timeout_s=0.5)
+        key = receiver.expect(2, [1], "prefill-0")
+        conn.send(("send", 2, [4], receiver.endpoint, key))
+        results = _wait_results(receiver, 2)
+        conn.send(("results", 1))
+        conn.recv()
+    finally:
+        receiver.close()
+    assert results[1] == (False, "its KV was not announced in time")
+    assert results[2] == (True, None)
+
+
+def test_a_burst_of_transfers_with_cancellations_never_breaks_the_pair(start_sender):
+    """Guards item 5 of the hostile-load report: hundreds of transfers on one pair, sent in a
+    shuffled order, a fifth cancelled by the decode side: every transfer reports exactly once,
+    every kept one arrives intact, none fails for any other reason."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender()
+    rng = random.Random(0)
+    jobs = [(transfer_id, [rng.randrange(12)], [rng.randrange(12)]) for transfer_id in range(1, 201)]
+    cancelled = {transfer_id for transfer_id, _, _ in jobs if rng.random() < 0.2}
+    try:
+        keys = {transfer_id: receiver.expect(transfer_id, dst, "prefill-0") for transfer_id, _, dst in jobs}
+        order = jobs[:]
+        rng.shuffle(order)
+        for transfer_id, src, _ in order:
+            if transfer_id in cancelled:
+                receiver.cancel(transfer_id)
+            conn.send(("send", transfer_id, src, receiver.endpoint, keys[transfer_id]))
+        results = _wait_results(receiver, len(jobs), timeout_s=60)
+        conn.send(("results", len(jobs)))
+        conn.recv()
+    finally:
+        receiver.close()
+    assert len(results) == len(jobs)
+    assert {tid for tid, (ok, _) in results.items() if not ok} == cancelled
+    assert all(error == "cancelled" for ok, error in results.values() if not ok)
+    assert receiver.stats.transfers == len(jobs) - len(cancelled)
+    assert (receiver.stats.cancelled, receiver.stats.failures) == (len(cancelled), 0)
+
+
+def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):
     """Guards against scattering KV of another layout: the handshake names the differing fields."""
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=10)
     other = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, kv_dtype="bfloat16")
-    process, conn = _start_sender(other)
+    conn = start_sender(other)
     try:
-        receiver.expect(1, [0], "prefill-1/0")
-        conn.send((1, [0], receiver.endpoint, "prefill-1/0"))
-        conn.send(None)
-        conn.send(1)
+        key = receiver.expect(1, [0], "prefill-1")
+        conn.send(("send", 1, [0], receiver.endpoint, key))
         results = _wait_results(receiver, 1)
+        conn.send(("results", 1))
         sender_results = conn.recv()
     finally:
-        process.join(30)
         receiver.close()
-    assert not results[0].ok and "block_size: here 4, peer 16" in results[0].error
-    assert "kv_dtype" in results[0].error
+    assert not results[1][0] and "block_size: here 4, peer 16" in results[1][1]
+    assert "kv_dtype" in results[1][1]
     assert sender_results[0][1] is False
+    assert receiver.pair_key("prefill-1") != key  # the next transfer builds a new group
     with pytest.raises(KVSpecMismatchError, match="block_size"):
         SPEC.check_compatible(other)
 
 
-def test_sender_killed_mid_transfer_fails_the_request_after_the_timeout():
-    """Guards against a decode replica waiting forever on a dead prefill replica."""
+def test_sender_killed_mid_transfer_fails_its_transfers_and_ends_the_pair(start_sender):
+    """Guards against a decode replica waiting forever on a dead prefill replica, and against
+    the broken pair's thread staying behind."""
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=3)
-    process, conn = _start_sender(SPEC, die_after_header=True)
+    conn = start_sender(crash=True)
     try:
-        receiver.expect(5, [0, 1], "prefill-2/0")
-        conn.send((5, [3, 4], receiver.endpoint, "prefill-2/0"))
-        results = _wait_results(receiver, 1, timeout_s=30)
+        key = receiver.expect(5, [0, 1], "prefill-2")
+        receiver.expect(6, [2], "prefill-2")
+        conn.send(("send", 5, [3, 4], receiver.endpoint, key))
+        results = _wait_results(receiver, 2, timeout_s=30)
+        deadline = time.monotonic() + 5
+        while receiver.num_threads and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.num_threads == 0
     finally:
-        process.join(30)
         receiver.close()
-    assert [(r.transfer_id, r.ok) for r in results] == [(5, False)]
-    assert receiver.stats.failures == 1
+    assert {tid: ok for tid, (ok, _) in results.items()} == {5: False, 6: False}
+    assert receiver.stats.failures == 2
+    assert receiver.pair_key("prefill-2") != key
 
 
 def test_endpoint_is_small_and_picklable():
