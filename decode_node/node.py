@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from duet.config import EngineArgs
 from duet.engine import LLMEngine
 from duet.kv_transfer import Endpoint, KVDestination, KVHandle, KVReceiver, engine_kv_spec
+from duet.kv_transfer.transfer import STREAM_START_TIMEOUT_S
 from duet.outputs import RequestOutput
 from duet.request import Request
 from duet.sampling_params import SamplingParams
@@ -55,12 +56,11 @@ class DecodeNode:
         self.on_transfer_failure = on_transfer_failure
         self.engine = LLMEngine(engine_args)
         self.kv_spec = engine_kv_spec(self.engine)
-        self.receiver = KVReceiver(self.engine.runner.kv_cache, self.kv_spec, host, timeout_s=transfer_timeout_s)
-        self._incoming: dict[int, tuple[Request, str]] = {}  # transfer id -> (request, source)
+        self.receiver = KVReceiver(self.engine.runner.kv_cache, self.kv_spec, host, transfer_timeout_s, name=node_id)
+        self._incoming: dict[int, Request] = {}  # transfer id -> request whose KV is on its way
         self._aborted: set[str] = set()
         # Streamed requests whose KV has arrived (or failed) before their first token did.
         self._awaiting_first_token: dict[str, tuple[Request, bool, str | None]] = {}
-        self._pair_generation: dict[str, int] = {}
         self.failures: list[TransferFailure] = []
 
     @property
@@ -89,10 +89,7 @@ class DecodeNode:
         )
         if request is None:
             raise NoKVCapacityError(f"no room for the {handle.num_kv_tokens}-token prompt of {handle.request_id}")
-        pair_key = self._pair_key(handle.source)
-        self._incoming[handle.transfer_id] = (request, handle.source)
-        self.receiver.expect(handle.transfer_id, self.engine.kv_cache_manager.block_ids(handle.request_id), pair_key)
-        return pair_key
+        return self._expect(handle.transfer_id, request, handle.source)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, source: str) -> KVDestination:
         """Choose this replica before prefill runs: blocks are reserved now, and the prefill
@@ -102,13 +99,23 @@ class DecodeNode:
         if request is None:
             raise NoKVCapacityError(f"no room for the {len(prompt_token_ids)}-token prompt of {request_id}")
         transfer_id = secrets.randbits(62)
-        pair_key = self._pair_key(source)
-        self._incoming[transfer_id] = (request, source)
-        self.receiver.expect(transfer_id, self.engine.kv_cache_manager.block_ids(request_id), pair_key)
+        # The prompt may wait behind others on the prefill replica before its layers stream.
+        pair_key = self._expect(transfer_id, request, source, STREAM_START_TIMEOUT_S)
         return KVDestination(transfer_id, self.endpoint, pair_key)
 
+    def _expect(self, transfer_id: int, request: Request, source: str, timeout_s: float | None = None) -> str:
+        try:
+            pair_key = self.receiver.expect(transfer_id, self.engine.kv_cache_manager.block_ids(request.request_id), source, timeout_s)
+        except BaseException:
+            self.engine.kv_cache_manager.free(request)
+            self.engine.abort_request(request.request_id)
+            raise
+        self._incoming[transfer_id] = request
+        return pair_key
+
     def set_first_token(self, request_id: str, token_id: int) -> None:
-        request = self._find_incoming(request_id)
+        incoming = self._find_incoming(request_id)
+        request = incoming[1] if incoming is not None else None
         parked = self._awaiting_first_token.pop(request_id, None)
         if parked is not None:
             request = parked[0]
@@ -118,22 +125,15 @@ class DecodeNode:
         if parked is not None:
             self._continue(*parked)
 
-    def _find_incoming(self, request_id: str) -> Request | None:
-        return next((request for request, _ in self._incoming.values() if request.request_id == request_id), None)
-
-    def _pair_key(self, source: str) -> str:
-        return f"{source}->{self.node_id}/{self._pair_generation.get(source, 0)}"
+    def _find_incoming(self, request_id: str) -> tuple[int, Request] | None:
+        return next(((tid, request) for tid, request in self._incoming.items() if request.request_id == request_id), None)
 
     def step(self) -> list[RequestOutput]:
         """Admit arrived KV, handle failed transfers, then one engine step."""
         for result in self.receiver.poll():
-            incoming = self._incoming.pop(result.transfer_id, None)
-            if incoming is None:
+            request = self._incoming.pop(result.transfer_id, None)
+            if request is None:
                 continue
-            request, source = incoming
-            if not result.ok:
-                # The pair's group is dropped on failure; the next transfer builds a new one.
-                self._pair_generation[source] = self._pair_generation.get(source, 0) + 1
             if request.request_id in self._aborted:
                 self._aborted.discard(request.request_id)
                 self.engine.kv_cache_manager.free(request)
@@ -159,16 +159,21 @@ class DecodeNode:
             self.failures.append(TransferFailure(request.request_id, error))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; blocks still being written by a transfer are freed when it ends."""
-        if self._find_incoming(request_id) is not None:
+        """Stop a request. Its transfer is cancelled; its blocks are freed when the receiver lets
+        go of them (at once, unless the KV is being written into them right now)."""
+        incoming = self._find_incoming(request_id)
+        if incoming is not None:
             self._aborted.add(request_id)
+            self.receiver.cancel(incoming[0])
         parked = self._awaiting_first_token.pop(request_id, None)
         if parked is not None:
             self.engine.kv_cache_manager.free(parked[0])
         self.engine.abort_request(request_id)
 
     def check_integrity(self) -> None:
-        self.engine.check_integrity()
+        """Blocks are held only by requests in the engine and by KV on its way or parked."""
+        in_transit = [request.request_id for request in self._incoming.values()]
+        self.engine.check_integrity([*in_transit, *self._awaiting_first_token])
 
     def close(self) -> None:
         self.receiver.close()

@@ -15,14 +15,26 @@ from collections.abc import AsyncIterator
 import torch
 from ray import serve
 
+from duet.block_pool import BlockIntegrityError
+from duet.cluster.loopback import keep_replica_on_loopback
 from duet.config import EngineArgs
 from duet.decode_node.node import DecodeNode, NoKVCapacityError, TransferFailure
 from duet.engine import RequestValidationError
 from duet.engine_loop import EngineLoop
 from duet.kv_transfer import KVHandle
-from duet.messages import DeltaCursor, InvalidRequestError, KVTarget, KVTransferFailedError, ReplicaFullError, ReplicaStats, StreamDelta
-from duet.sampling_params import SamplingParamsError
-from duet.sampling_params import SamplingParams
+from duet.kv_transfer.group import resolve_host
+from duet.messages import (
+    DeltaCursor,
+    InvalidRequestError,
+    KVTarget,
+    KVTransferFailedError,
+    ReplicaFullError,
+    ReplicaGoneError,
+    ReplicaStats,
+    RequestFailedError,
+    StreamDelta,
+)
+from duet.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +52,18 @@ class DecodeServer:
         stage: str = "decode",
         kv_host: str = "127.0.0.1",
     ) -> None:
+        keep_replica_on_loopback()
         torch.set_num_threads(num_threads)
         self.stage = stage
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.node = DecodeNode(
-            EngineArgs(**engine_args), self.replica_id, host=kv_host, local_prefill_threshold=local_prefill_threshold,
+            EngineArgs(**engine_args), self.replica_id, host=resolve_host(kv_host), local_prefill_threshold=local_prefill_threshold,
             on_transfer_failure=on_transfer_failure, transfer_timeout_s=transfer_timeout_s,
         )
-        self.loop = EngineLoop(self._step, _output_key, lambda: self.node.has_work, name=f"{stage}-loop")
+        self.integrity_failures = 0
+        self.loop = EngineLoop(
+            self._step, _output_key, lambda: self.node.has_work, name=f"{stage}-loop", on_idle=self._check_when_idle
+        )
         logger.info("%s replica %s ready with %d threads", stage, self.replica_id, num_threads)
 
     def _step(self) -> list:
@@ -87,6 +103,8 @@ class DecodeServer:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 delta = cursor.advance(item.outputs[0], item.num_cached_tokens)
                 if delta.token_ids or delta.text or finished:
                     yield delta
@@ -105,6 +123,7 @@ class DecodeServer:
             raise ReplicaFullError(str(error)) from None
 
     async def abort(self, request_id: str, replica_id: str) -> None:
+        ReplicaGoneError.check(replica_id, self.replica_id)
         await self.loop.call(self.node.abort, request_id)
 
     async def record_routing_stats(self) -> dict:
@@ -114,11 +133,30 @@ class DecodeServer:
 
     def _stats(self) -> ReplicaStats:
         return ReplicaStats.collect(
-            self.stage, self.replica_id, self.node.engine, self.node.receiver.stats, pending_transfers=self.node.pending_transfers
+            self.stage, self.replica_id, self.node.engine, self.node.receiver.stats, pending_transfers=self.node.pending_transfers,
+            integrity_failures=self.integrity_failures,
         )
 
-    async def check_health(self) -> None:
+    def _check_when_idle(self) -> None:
+        """At rest every block must be free or held for KV on its way. A failure is logged and
+        counted, not raised: killing a replica that serves live streams to report a leak would
+        lose those streams."""
+        try:
+            self.node.check_integrity()
+        except BlockIntegrityError as error:
+            self.integrity_failures += 1
+            logger.error("KV bookkeeping check failed on idle %s replica %s (%d so far): %s", self.stage, self.replica_id, self.integrity_failures, error)
+
+    async def check_integrity(self, replica_id: str) -> None:
+        """Run the bookkeeping check now (on this replica: ``replica_id`` pins the call)."""
+        ReplicaGoneError.check(replica_id, self.replica_id)
         await asyncio.wait_for(self.loop.call(self.node.check_integrity), timeout=30)
+
+    async def check_health(self) -> None:
+        """Serve's liveness probe: the engine thread runs and answers between two steps."""
+        if not self.loop.alive():
+            raise RuntimeError("the engine thread has stopped")
+        await asyncio.wait_for(self.loop.call(lambda: None), timeout=30)
 
     def __del__(self) -> None:
         self.loop.stop()

@@ -15,12 +15,14 @@ from collections import OrderedDict
 import torch
 from ray import serve
 
-from duet.block_pool import leading_block_hashes
+from duet.block_pool import BlockIntegrityError, leading_block_hashes
+from duet.cluster.loopback import keep_replica_on_loopback
 from duet.config import EngineArgs
+from duet.engine import RequestValidationError
 from duet.engine_loop import EngineLoop
 from duet.kv_transfer import Endpoint
-from duet.engine import RequestValidationError
-from duet.messages import InvalidRequestError, PrefillReply, ReplicaStats, StreamDelta
+from duet.kv_transfer.group import resolve_host
+from duet.messages import InvalidRequestError, PrefillReply, ReplicaGoneError, ReplicaStats, RequestFailedError, StreamDelta
 from duet.prefill_node.node import PrefillNode, PrefillResult
 from duet.sampling_params import SamplingParams, SamplingParamsError
 
@@ -34,13 +36,17 @@ MAX_REPORTED_PREFIXES = 512
 class PrefillServer:
     """Serve deployment class for the prefill pool (wrapped by ``duet.cluster.app``)."""
 
-    def __init__(self, engine_args: dict, num_threads: int, transfer_timeout_s: float = 30.0) -> None:
+    def __init__(self, engine_args: dict, num_threads: int, transfer_timeout_s: float = 30.0, kv_host: str = "127.0.0.1") -> None:
+        keep_replica_on_loopback()
         torch.set_num_threads(num_threads)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.node = PrefillNode(EngineArgs(**engine_args), self.replica_id, transfer_timeout_s)
+        self.node = PrefillNode(EngineArgs(**engine_args), self.replica_id, transfer_timeout_s, resolve_host(kv_host))
         self.block_size = self.node.engine.block_size
         self._prefixes: OrderedDict[int, None] = OrderedDict()
-        self.loop = EngineLoop(self.node.step, _result_key, lambda: self.node.has_work, name="prefill-loop")
+        self.integrity_failures = 0
+        self.loop = EngineLoop(
+            self.node.step, _result_key, lambda: self.node.has_work, name="prefill-loop", on_idle=self._check_when_idle
+        )
         logger.info("prefill replica %s ready with %d threads", self.replica_id, num_threads)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefix_hashes=None) -> PrefillReply:
@@ -57,6 +63,8 @@ class PrefillServer:
             if isinstance(result, Exception):
                 raise result
             answered = True
+            if result.error is not None:
+                raise RequestFailedError(result.error)
             self._remember_prefix(prompt_token_ids)
             return self._reply(result)
         finally:
@@ -80,9 +88,11 @@ class PrefillServer:
             self._prefixes.popitem(last=False)
 
     async def send_kv(self, transfer_id: int, endpoint: dict, pair_key: str, replica_id: str) -> None:
+        ReplicaGoneError.check(replica_id, self.replica_id)
         await self.loop.call(self.node.send_kv, transfer_id, Endpoint(**endpoint), pair_key)
 
     async def drop(self, transfer_id: int, replica_id: str) -> None:
+        ReplicaGoneError.check(replica_id, self.replica_id)
         await self.loop.call(self.node.drop, transfer_id)
 
     async def record_routing_stats(self) -> dict:
@@ -93,10 +103,31 @@ class PrefillServer:
     def _stats(self) -> ReplicaStats:
         pool = self.node.engine.kv_cache_manager.block_pool
         prefixes = [block_hash for block_hash in self._prefixes if pool.is_cached(block_hash)]
-        return ReplicaStats.collect("prefill", self.replica_id, self.node.engine, self.node.sender.stats, prefix_hashes=prefixes)
+        return ReplicaStats.collect(
+            "prefill", self.replica_id, self.node.engine, self.node.sender.stats, prefix_hashes=prefixes,
+            integrity_failures=self.integrity_failures,
+        )
+
+    def _check_when_idle(self) -> None:
+        """At rest every block must be free or held for a pull or a transfer. A failure is logged
+        and counted, not raised: killing a replica that serves live streams to report a leak
+        would lose those streams."""
+        try:
+            self.node.check_integrity()
+        except BlockIntegrityError as error:
+            self.integrity_failures += 1
+            logger.error("KV bookkeeping check failed on idle prefill replica %s (%d so far): %s", self.replica_id, self.integrity_failures, error)
+
+    async def check_integrity(self, replica_id: str) -> None:
+        """Run the bookkeeping check now (on this replica: ``replica_id`` pins the call)."""
+        ReplicaGoneError.check(replica_id, self.replica_id)
+        await asyncio.wait_for(self.loop.call(self.node.check_integrity), timeout=30)
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.loop.call(self.node.check_integrity), timeout=30)
+        """Serve's liveness probe: the engine thread runs and answers between two steps."""
+        if not self.loop.alive():
+            raise RuntimeError("the engine thread has stopped")
+        await asyncio.wait_for(self.loop.call(lambda: None), timeout=30)
 
     def __del__(self) -> None:
         self.loop.stop()

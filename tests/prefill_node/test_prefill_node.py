@@ -55,3 +55,69 @@ def test_first_token_text_is_held_back_like_the_decode_replica_holds_it(tiny_lla
         assert (held.first_token_id, held.text) == (free.first_token_id, "")
     finally:
         node.close()
+
+
+def test_a_request_aborted_while_its_kv_waits_to_be_pulled_unpins_it(tiny_llama_dir):
+    """Guards the prefill leak of the hostile-input run (4 of 728 blocks held for good): the
+    router's call was cancelled just as the first token came back, so the abort found the
+    request's KV waiting to be pulled and kept it pinned, and no one ever dropped it. The
+    integrity check did not see it: it skipped the all-free check while anything was pinned."""
+    node = PrefillNode(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=32, max_model_len=512), "prefill-a")
+    try:
+        node.submit("late", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+        assert _first_result(node).handle is not None
+        node.abort("late")
+        assert node.engine.kv_cache_manager.pinned == {}
+        node.check_integrity()
+        assert node.engine.kv_cache_manager.num_free_blocks == 32
+    finally:
+        node.close()
+
+
+def test_kv_never_pulled_is_unpinned_after_the_transfer_timeout(tiny_llama_dir, monkeypatch):
+    """If the router never comes back for a handle (it died), the KV does not stay pinned."""
+    import time
+
+    node = PrefillNode(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=32, max_model_len=512), "prefill-u", transfer_timeout_s=0.2)
+    try:
+        node.submit("orphan", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+        assert _first_result(node).handle is not None
+        assert node.has_work
+        time.sleep(0.3)
+        node.step()
+        assert node.engine.kv_cache_manager.pinned == {} and not node.has_work
+        node.check_integrity()
+    finally:
+        node.close()
+
+
+def test_a_failed_step_on_the_prefill_node_fails_only_its_culprit_and_pins_nothing(tiny_llama_dir):
+    """Guards the prefill replica after a step raised: its requests restart (their blocks were
+    pinned then, as if finished, and the pin of the rerun replaced that map entry: those blocks
+    were never freed). Now only the request that fails alone gets an error; the other gets its
+    first token and a handle, and every block comes back."""
+    node = PrefillNode(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=32, max_model_len=512), "prefill-f")
+    build = node.engine.runner._sampling_metadata
+
+    def poisoned(request_ids):
+        if "bad" in request_ids:
+            raise ValueError("Overflow when unpacking long long")
+        return build(request_ids)
+
+    node.engine.runner._sampling_metadata = poisoned
+    try:
+        node.submit("good", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+        node.submit("bad", PROMPT[::-1], SamplingParams(temperature=0.0, max_tokens=8))
+        results = {}
+        for _ in range(50):
+            results |= {result.request_id: result for result in node.step()}
+            if len(results) == 2:
+                break
+        assert results["bad"].error == "the engine failed on this request (ValueError: Overflow when unpacking long long)"
+        assert results["good"].error is None and results["good"].handle is not None
+        assert list(node.engine.kv_cache_manager.pinned) == ["good"]
+        node.drop(results["good"].handle.transfer_id)
+        node.check_integrity()
+        assert node.engine.kv_cache_manager.num_free_blocks == 32
+    finally:
+        node.close()
