@@ -12,23 +12,10 @@ from pathlib import Path
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from duet.cluster.config import AppArgs, PoolSettings, readable
+from duet.cluster.config import PoolSettings, parse_args
 from duet.config import EngineArgs
 
 ROUTING_STATS_PERIOD_S = 0.5
-
-
-class AppConfigError(ValueError):
-    """The application's ``args`` are invalid; the message lists each problem."""
-
-
-def parse_args(args: dict) -> AppArgs:
-    from pydantic import ValidationError
-
-    try:
-        return AppArgs.model_validate(args or {})
-    except ValidationError as error:
-        raise AppConfigError(readable(error)) from None
 
 
 def build_app(args: dict) -> serve.Application:
@@ -45,12 +32,6 @@ def build_app(args: dict) -> serve.Application:
         from duet.kernels import cpu_ops
 
         cpu_ops.load()
-    kv_host = config.kv_transfer.host
-    if kv_host == "auto":
-        import ray
-
-        kv_host = ray.util.get_node_ip_address()
-
     decode_engine = config.decode.merged_engine(config.engine)
     decode_args = decode_engine.engine_args(model_dir)
     # The engine's own rule: the configured length, which may not exceed the model's.
@@ -64,7 +45,7 @@ def build_app(args: dict) -> serve.Application:
         on_transfer_failure=config.decode.on_transfer_failure,
         transfer_timeout_s=config.kv_transfer.timeout_s,
         stage=decode_pool,
-        kv_host=kv_host,
+        kv_host=config.kv_transfer.host,
     )
     prefill = None
     if not colocated:
@@ -74,12 +55,13 @@ def build_app(args: dict) -> serve.Application:
             engine_args=prefill_engine.engine_args(model_dir) | {"speculative_config": None},
             num_threads=config.prefill.num_threads(prefill_engine),
             transfer_timeout_s=config.kv_transfer.timeout_s,
+            kv_host=config.kv_transfer.host,
         )
     router = config.router
     ingress = serve.deployment(name="router")(RouterIngress).options(
         num_replicas=router.num_replicas,
         ray_actor_options=router.ray_actor_options,
-        max_ongoing_requests=router.max_running_requests + router.max_queued_requests + 64,
+        max_ongoing_requests=router.max_running_sequences + router.max_queued_requests + 64,
     )
     return ingress.bind(
         prefill,
@@ -89,8 +71,9 @@ def build_app(args: dict) -> serve.Application:
         max_model_len=max_model_len,
         block_size=decode_engine.block_size,
         local_prefill_threshold=0 if colocated else config.decode.local_prefill_threshold,
-        max_running_requests=router.max_running_requests,
+        max_running_sequences=router.max_running_sequences,
         max_queued_requests=router.max_queued_requests,
+        max_prompts_per_request=router.max_prompts_per_request,
         max_body_bytes=router.max_body_bytes,
         api_key=router.api_key or os.environ.get("DUET_API_KEY"),
     )

@@ -59,8 +59,11 @@ class DecodePoolSettings(PoolSettings):
 class RouterSettings(_Strict):
     num_replicas: int = Field(default=1, ge=1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.25})
-    max_running_requests: int = Field(default=64, ge=1, description="requests in the pools at once")
+    max_running_sequences: int = Field(
+        default=64, ge=1, description="sequences (prompts x n) in the pools at once; a request with more runs alone"
+    )
     max_queued_requests: int = Field(default=256, ge=0, description="requests waiting for admission; more get 429")
+    max_prompts_per_request: int = Field(default=64, ge=1, description="prompts in one completions request; more get 400")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>'; DUET_API_KEY also sets it")
 
@@ -114,3 +117,16 @@ def readable(error: Exception) -> str:
             message = "unknown setting (check its spelling and its section)"
         lines.append(f"{location}: {message}" if location else message)
     return "\n".join(lines)
+
+
+class AppConfigError(ValueError):
+    """The application's ``args`` are invalid; the message lists each problem."""
+
+
+def parse_args(args: dict) -> AppArgs:
+    from pydantic import ValidationError
+
+    try:
+        return AppArgs.model_validate(args or {})
+    except ValidationError as error:
+        raise AppConfigError(readable(error)) from None

@@ -3,11 +3,19 @@
 ``up`` joins the running Ray cluster if there is one, else starts a local head node in the
 background (``ray start``), deploys every application of the file and waits until each answers
 ``/health``. What it started is written to a state file so that ``down`` stops exactly that.
+
+A file whose HTTP host is a loopback address is a local cluster: everything it starts listens
+on 127.0.0.1 only. Ray binds its own servers (GCS, raylet, client server, agents) to the node's
+external address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set (then the node is
+127.0.0.1, as Ray does on a laptop); that is read when ray is imported, in every process that
+connects, so ``duet`` sets it before importing ray (``use_loopback_ray``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -18,10 +26,22 @@ from pathlib import Path
 
 import yaml
 
-from duet.cluster.app import AppConfigError, parse_args
+from duet.cluster.loopback import LOOPBACK_RAY_ENV
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 HEALTH_TIMEOUT_S = 600.0
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def use_loopback_ray() -> None:
+    """Make this process (and what it starts) run or join a Ray cluster on 127.0.0.1 only.
+    Must happen before ray is first imported."""
+    if "ray" in sys.modules and os.environ.get(LOOPBACK_RAY_ENV) != "0":
+        raise DeployError(
+            f"ray was imported before {LOOPBACK_RAY_ENV}=0 was set; a local (127.0.0.1) cluster needs it "
+            "set first: run `duet up` from the command line, or set it in the environment"
+        )
+    os.environ[LOOPBACK_RAY_ENV] = "0"
 
 
 class DeployError(RuntimeError):
@@ -40,6 +60,7 @@ class ClusterState:
     urls: list[str] = field(default_factory=list)
     apps: list[str] = field(default_factory=list)
     started_ray: bool = False
+    loopback: bool = False  # the Ray cluster listens on 127.0.0.1 only
 
     def save(self) -> None:
         state_path().parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +91,8 @@ class ServeFile:
             raise DeployError(f"cannot read {path}: {error}") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("applications"), list) or not raw["applications"]:
             raise DeployError(f"{path}: a Serve config needs a non-empty 'applications' list")
+        from duet.cluster.config import AppConfigError, parse_args
+
         http = raw.get("http_options") or {}
         for index, app in enumerate(raw["applications"]):
             if app.get("import_path") != "duet.cluster.app:build_app":
@@ -79,6 +102,10 @@ class ServeFile:
             except AppConfigError as error:
                 raise DeployError(f"{path}: applications[{index}].args:\n{error}") from None
         return cls(http.get("host", DEFAULT_HOST), int(http.get("port", DEFAULT_PORT)), raw.get("proxy_location", "HeadOnly"), raw["applications"])
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in LOOPBACK_HOSTS
 
     def url(self, app: dict) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
@@ -90,8 +117,10 @@ def _ray_executable() -> str:
     return str(candidate) if candidate.exists() else (shutil.which("ray") or "ray")
 
 
-def _connect_or_start_ray() -> bool:
+def _connect_or_start_ray(loopback: bool) -> bool:
     """Connect to the running Ray cluster, or start a local head node; True if started here."""
+    if loopback:
+        use_loopback_ray()
     import ray
 
     try:
@@ -103,6 +132,8 @@ def _connect_or_start_ray() -> bool:
         _ray_executable(), "start", "--head", f"--num-cpus={max(2, os.cpu_count() or 2)}",
         "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={256 * 2**20}",
     ]
+    if loopback:
+        command.append("--node-ip-address=127.0.0.1")
     print("starting a local Ray cluster: " + " ".join(command[1:]), flush=True)
     completed = subprocess.run(command, capture_output=True, text=True)
     if completed.returncode != 0:
@@ -128,14 +159,31 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
     raise DeployError(f"{url} did not become healthy within {timeout_s:.0f} s: {last}")
 
 
+@contextlib.contextmanager
+def _quiet_serve_restart_notice():
+    """``serve.run`` starts Serve again and, finding it up, logs that "new http_options will not
+    be applied": noise, since ``up`` started it a moment before with the file's own options."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "will not be applied" not in record.getMessage()
+
+    serve_logger = logging.getLogger("ray.serve")
+    serve_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        serve_logger.removeFilter(keep)
+
+
 def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterState:
+    serve_file = ServeFile.read(config_path)
+    state = ClusterState(loopback=serve_file.loopback)
+    state.started_ray = _connect_or_start_ray(serve_file.loopback)
+    state.save()
     from ray import serve
 
     from duet.cluster.app import build_app
 
-    serve_file = ServeFile.read(config_path)
-    state = ClusterState(started_ray=_connect_or_start_ray())
-    state.save()
     try:
         serve.start(http_options={"host": serve_file.host, "port": serve_file.port}, proxy_location=serve_file.proxy_location)
         for app in serve_file.applications:
@@ -143,7 +191,8 @@ def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterS
             state.apps.append(name)  # recorded first, so that a failed deploy is cleaned up too
             state.save()
             print(f"deploying {name} ...", flush=True)
-            serve.run(build_app(app.get("args") or {}), name=name, route_prefix=app.get("route_prefix", "/"))
+            with _quiet_serve_restart_notice():
+                serve.run(build_app(app.get("args") or {}), name=name, route_prefix=app.get("route_prefix", "/"))
             state.urls.append(serve_file.url(app))
             state.save()
         for url in state.urls:
@@ -157,12 +206,14 @@ def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterS
 def down() -> bool:
     """Delete the applications ``up`` deployed and, if ``up`` started it, stop the local Ray
     cluster; other applications on a shared cluster are left alone."""
-    import ray
-    from ray import serve
-
     state = ClusterState.load()
     if state is None:
         return False
+    if state.loopback:
+        use_loopback_ray()
+    import ray
+    from ray import serve
+
     try:
         if state.apps and not state.started_ray:
             if not ray.is_initialized():
@@ -195,6 +246,10 @@ def status(url: str | None = None) -> dict:
 
 
 def format_status(report: dict) -> str:
+    """The status as a table; a replica whose last report is older than ``REPLICA_SILENT_S``
+    (it stopped reporting: dead, or stuck) is marked stale, with the age of its figures."""
+    from duet.messages import REPLICA_SILENT_S
+
     lines = [f"duet at {report['url']}, model {report['model']}"]
     header = f"{'pool':<10} {'replica':<10} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} {'transfers':>9} {'preempted':>9}"
     lines.append(header)
@@ -206,7 +261,9 @@ def format_status(report: dict) -> str:
                 f"{pool:<10} {stats['replica_id']:<10} {stats['num_running']:>7} {stats['num_waiting']:>7} "
                 f"{stats['kv_usage']:>8.1%} {str(stats['num_free_blocks']) + '/' + str(stats['num_blocks']):>12} "
                 f"{stats['transfers']:>9} {stats['num_preemptions']:>9}"
+                + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
+                + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )
     admission = report["admission"]
-    lines.append(f"router admission: {admission['running']} running, {admission['queued']} queued")
+    lines.append(f"router admission: {admission['running_sequences']} sequences running, {admission['queued_requests']} requests queued")
     return "\n".join(lines)

@@ -9,7 +9,6 @@ the orchestrator's clean-up frees the request's blocks in both pools.
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -20,15 +19,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve import context as serve_context
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duet.messages import InvalidRequestError, KVTransferFailedError
-from duet.router.admission import AdmissionQueue, QueueFullError
+from duet.router.admission import AdmissionQueue, Admitted, QueueFullError
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator, PoolUnavailableError
-from duet.router.protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from duet.router.responses import Choice, ResponseBuilder, error_body, sse
-from duet.router.routing import live_replicas, pool_size, pool_stats
+from duet.router.routing import live_replicas, pool_size, pool_stats, replica_ids
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import SamplingParams, SamplingParamsError
 
@@ -58,6 +59,19 @@ async def _api_error(request: Request, error: ApiError) -> JSONResponse:
     return error.response()
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own refusals (no such route, wrong method) in OpenAI's shape."""
+    error_type = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(error_body(message, error_type, code=error.status_code), error.status_code, headers=error.headers)
+
+
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    return _api_error_from(error).response()
+
+
 @dataclasses.dataclass
 class _Sequence:
     choice_index: int
@@ -75,8 +89,18 @@ def _api_error_from(error: Exception) -> ApiError:
         return bad_request(message)
     if isinstance(error, (PoolUnavailableError, KVTransferFailedError)):
         return ApiError(503, message, "service_unavailable", retry_after=1)
-    logger.exception("request failed", exc_info=error)
-    return ApiError(500, f"internal error: {error!r}", "internal_server_error")
+    if isinstance(error, RayActorError):
+        return ApiError(503, "a replica serving this request went away; retry it", "service_unavailable", retry_after=1)
+    incident = uuid.uuid4().hex[:12]
+    logger.error("request failed (incident %s)", incident, exc_info=error)
+    return ApiError(500, f"internal error (incident {incident} in the router's log)", "internal_server_error")
+
+
+def _own_serve_request() -> None:
+    """Give the current task a Serve request id of its own. Serve matches a routed call to its
+    caller by that id, which every call made while handling one HTTP request shares: concurrent
+    calls to one pool (sequences of one request, checks of several replicas) would be mixed up."""
+    serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
 
 
 class _Run:
@@ -121,10 +145,7 @@ class _Run:
                 task.cancel()
 
     async def _pump(self, sequence: _Sequence, merged: asyncio.Queue) -> None:
-        # Serve matches a routed call to its caller by the request's internal id, which every
-        # call made while handling one HTTP request shares: calls of concurrent sequences to
-        # one pool would be mixed up. Each sequence (its own task, its own context) gets its own.
-        serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+        _own_serve_request()
         prompt = self.encoded[sequence.prompt_index]
         sequence_id = f"{self.request_id}-{sequence.choice_index}"
         last = None
@@ -158,11 +179,15 @@ class RouterIngress:
         max_model_len: int,
         block_size: int,
         local_prefill_threshold: int,
-        max_running_requests: int,
+        max_running_sequences: int,
         max_queued_requests: int,
+        max_prompts_per_request: int,
         max_body_bytes: int,
         api_key: str | None,
     ) -> None:
+        from duet.cluster.loopback import keep_replica_on_loopback
+
+        keep_replica_on_loopback()
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
@@ -170,7 +195,8 @@ class RouterIngress:
         self.tokenizer = RouterTokenizer(model_dir)
         self.pools = {"decode": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.orchestrator = Orchestrator(prefill, decode, block_size, local_prefill_threshold)
-        self.admission = AdmissionQueue(max_running_requests, max_queued_requests)
+        self.max_prompts_per_request = max_prompts_per_request
+        self.admission = AdmissionQueue(max_running_sequences, max_queued_requests)
         self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission)
 
     def _pool_stats(self) -> dict:
@@ -180,12 +206,34 @@ class RouterIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 once every pool answers; 503 with the reason otherwise."""
-        try:
-            await asyncio.wait_for(asyncio.gather(*(pool.check_health.remote() for pool in self.pools.values())), 10)
-        except Exception as error:  # noqa: BLE001 - any failure means not healthy
-            return ApiError(503, f"a pool is not healthy: {error!r}", "service_unavailable", retry_after=5).response()
+        """200 once a replica of every pool answers; 503 naming the pool that does not."""
+        for name, pool in self.pools.items():
+            try:
+                await asyncio.wait_for(pool.check_health.remote(), 10)
+            except Exception as error:  # noqa: BLE001 - any failure means not healthy
+                reason = "no answer within 10 s" if isinstance(error, asyncio.TimeoutError) else str(getattr(error, "cause", None) or error)
+                return ApiError(503, f"the {name} pool is not healthy: {reason}", "service_unavailable", retry_after=5).response()
         return JSONResponse({"status": "ok"})
+
+    @app.get("/duet/integrity")
+    async def integrity(self, request: Request) -> Response:
+        """Run every replica's KV bookkeeping check now: per replica ``ok`` or what is wrong."""
+        self._authorize(request)
+
+        async def check(pool: str, replica_id: str) -> str:
+            _own_serve_request()  # concurrent calls to one pool must not share a request id
+            try:
+                await asyncio.wait_for(self.pools[pool].check_integrity.remote(replica_id=replica_id), 30)
+            except Exception as error:  # noqa: BLE001 - reported per replica
+                return str(getattr(error, "cause", None) or error)
+            return "ok"
+
+        targets = [(pool, replica_id) for pool in self.pools for replica_id in replica_ids(pool)]
+        results = await asyncio.gather(*(check(pool, replica_id) for pool, replica_id in targets))
+        report: dict[str, dict[str, str]] = {pool: {} for pool in self.pools}
+        for (pool, replica_id), result in zip(targets, results):
+            report[pool][replica_id] = result
+        return JSONResponse({"ok": all(result == "ok" for result in results), "pools": report})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -193,15 +241,20 @@ class RouterIngress:
 
     @app.get("/duet/status")
     async def status(self) -> Response:
+        """Each pool's replicas with their last reported stats and how old those are."""
+        now = time.time()
         pools = {}
         for name in self.pools:
             stats = pool_stats(name)
             pools[name] = {
                 "replicas": pool_size(name),
                 "live_replicas": live_replicas(name),
-                "stats": [dataclasses.asdict(s) | {"kv_usage": s.kv_usage, "prefix_hashes": len(s.prefix_hashes)} for s in stats or []],
+                "stats": [
+                    dataclasses.asdict(s) | {"kv_usage": s.kv_usage, "prefix_hashes": len(s.prefix_hashes), "age_s": now - s.reported_at}
+                    for s in stats or []
+                ],
             }
-        admission = {"running": self.admission.num_running, "queued": self.admission.num_queued}
+        admission = {"running_sequences": self.admission.num_running, "queued_requests": self.admission.num_queued}
         return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission})
 
     # -- API endpoints
@@ -219,6 +272,11 @@ class RouterIngress:
             prompts = body.prompts()
         except ValueError as error:
             raise bad_request(str(error), "prompt") from None
+        if len(prompts) > self.max_prompts_per_request:
+            raise bad_request(
+                f"the request has {len(prompts)} prompts; this server takes at most {self.max_prompts_per_request} per request",
+                "prompt",
+            )
         encoded = await asyncio.to_thread(self._encode_prompts, prompts)
         return await self._generate(body, encoded, body.max_tokens, body.logprobs, chat=False)
 
@@ -251,11 +309,9 @@ class RouterIngress:
         if len(raw) > self.max_body_bytes:
             raise ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
         try:
-            payload = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise bad_request(f"the body is not valid JSON: {error}") from None
-        if not isinstance(payload, dict):
-            raise bad_request("the body must be a JSON object")
+            payload = parse_json_object(raw)
+        except ValueError as error:
+            raise bad_request(str(error)) from None
         try:
             body = schema.model_validate(payload)
         except ValidationError as error:
@@ -301,11 +357,10 @@ class RouterIngress:
             try:
                 params = body.sampling_params(budget, logprobs)
             except SamplingParamsError as error:
-                raise bad_request(str(error)) from None
+                raise bad_request(str(error), error.param) from None
             for index in range(body.n):
-                seed = None if params.seed is None else params.seed + index
                 choice = prompt_index * body.n + index
-                sequences.append(_Sequence(choice, prompt_index, dataclasses.replace(params, seed=seed)))
+                sequences.append(_Sequence(choice, prompt_index, params.choice(index)))
         return sequences
 
     def _check_pools(self) -> None:
@@ -319,16 +374,17 @@ class RouterIngress:
         self._check_pools()
         arrival = time.monotonic()
         try:
-            queued_s = await self.admission.acquire()
+            queued_s = await self.admission.acquire(len(sequences))
         except QueueFullError as error:
             self.metrics.rejected.labels(self.model_id, "429").inc()
             raise ApiError(429, f"the server is at capacity: {error}", "rate_limit_error", retry_after=1) from None
+        admitted = Admitted(self.admission, len(sequences))
         self.metrics.queue_time.observe(queued_s)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         builder = ResponseBuilder(request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None, body.return_token_ids)
         run = _Run(self, request_id, encoded, sequences, arrival)
         if body.stream:
-            return StreamingResponse(self._stream(run, builder, body.include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._stream(run, builder, body.include_usage, admitted), media_type="text/event-stream")
         try:
             async with aclosing(run.deltas()) as deltas:
                 async for _ in deltas:
@@ -336,10 +392,10 @@ class RouterIngress:
         except Exception as error:
             raise _api_error_from(error) from None
         finally:
-            self.admission.release()
+            admitted.release()
         return JSONResponse(builder.response(run.choices, run.usage(builder)))
 
-    async def _stream(self, run: _Run, builder: ResponseBuilder, include_usage: bool):
+    async def _stream(self, run: _Run, builder: ResponseBuilder, include_usage: bool, admitted: Admitted):
         text_offsets = [0] * len(run.choices)
         started = [False] * len(run.choices)
         try:
@@ -354,5 +410,5 @@ class RouterIngress:
             api_error = _api_error_from(error)
             yield sse(error_body(api_error.message, api_error.error_type, code=api_error.status))
         finally:
-            self.admission.release()
+            admitted.release()
         yield sse("[DONE]")

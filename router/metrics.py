@@ -37,9 +37,10 @@ class RouterMetrics:
         self.rejected = Counter(
             "duet:requests_rejected", "Requests refused, by HTTP status.", ["model_name", "status"], registry=self.registry
         )
-        admission_gauge = Gauge("duet:admission_requests", "Requests admitted or queued at the router.", ["model_name", "state"], registry=self.registry)
-        admission_gauge.labels(model_name, "running").set_function(lambda: admission.num_running)
-        admission_gauge.labels(model_name, "queued").set_function(lambda: admission.num_queued)
+        running = Gauge("duet:admission_running_sequences", "Sequences admitted into the pools.", labels, registry=self.registry)
+        running.labels(model_name).set_function(lambda: admission.num_running)
+        queued = Gauge("duet:admission_queued_requests", "Requests waiting for admission.", labels, registry=self.registry)
+        queued.labels(model_name).set_function(lambda: admission.num_queued)
         self.registry.register(_PoolCollector(model_name, pool_stats))
 
 
@@ -72,7 +73,9 @@ class _PoolCollector:
             "duet:kv_transfer_bytes": ("KV bytes sent (prefill) or received (decode).", lambda s: s.transfer_bytes),
             "duet:kv_transfers": ("KV transfers completed.", lambda s: s.transfers),
             "duet:kv_transfer_failures": ("KV transfers that failed.", lambda s: s.transfer_failures),
-            "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, header to acknowledgement.", lambda s: s.transfer_seconds),
+            "duet:kv_transfers_cancelled": ("KV transfers given up because their request was aborted.", lambda s: s.transfers_cancelled),
+            "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, announcement to acknowledgement.", lambda s: s.transfer_seconds),
+            "duet:kv_integrity_failures": ("Idle KV bookkeeping checks that failed (blocks leaked).", lambda s: s.integrity_failures),
             "vllm:spec_decode_num_drafts": ("Draft proposals verified (one per request per step).", lambda s: s.spec_num_drafts),
             "vllm:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda s: s.spec_num_draft_tokens),
             "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from duet.block_pool import leading_block_hashes
-from duet.messages import KVTarget, ReplicaFullError, StreamDelta
+from duet.messages import KVTarget, ReplicaFullError, ReplicaGoneError, StreamDelta
+from duet.router.routing import replica_running
 from duet.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,14 +56,15 @@ class Orchestrator:
                 async for delta in deltas:
                     if handle is not None and isinstance(delta, KVTarget):
                         await self._pinned(
-                            self.prefill.send_kv.remote(delta.transfer_id, delta.endpoint, delta.pair_key, replica_id=reply.replica_id)
+                            "prefill", reply.replica_id,
+                            lambda: self.prefill.send_kv.remote(delta.transfer_id, delta.endpoint, delta.pair_key, replica_id=reply.replica_id),
                         )
                         handle = None  # the prefill replica unpins it once the transfer ends
                         continue
                     yield delta
         finally:
             if handle is not None:
-                self._fire(self.prefill.drop.remote(handle["transfer_id"], replica_id=reply.replica_id))
+                self._fire("prefill", reply.replica_id, lambda: self.prefill.drop.remote(handle["transfer_id"], replica_id=reply.replica_id))
 
     async def _decode(self, request_id, prompt_token_ids, params, reply, num_sent_chars) -> AsyncIterator:
         kv_handle = reply.kv_handle if reply is not None else None
@@ -89,24 +91,34 @@ class Orchestrator:
                 if not finished:
                     stream.cancel()
                     if target is not None:
-                        self._fire(self.decode.abort.remote(request_id, replica_id=target.replica_id))
+                        self._fire("decode", target.replica_id, lambda: self.decode.abort.remote(request_id, replica_id=target.replica_id))
 
-    async def _pinned(self, response):
-        """A call pinned to one replica waits forever if that replica is gone: bound it."""
+    async def _pinned(self, pool: str, replica_id: str, call):
+        """Make a call pinned to one replica (``call()`` sends it); fail at once if the replica is
+        gone, and bound the wait: a replica that dies mid-call never answers."""
+        if not replica_running(pool, replica_id):
+            raise PoolUnavailableError(f"the {pool} replica holding this request's state is gone")
+        response = call()
         try:
             return await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
         except asyncio.TimeoutError:
             response.cancel()
-            raise PoolUnavailableError("the replica holding this request's KV did not answer") from None
+            raise PoolUnavailableError(f"the {pool} replica holding this request's state did not answer") from None
+        except ReplicaGoneError as error:
+            raise PoolUnavailableError(f"the {pool} replica holding this request's state is gone") from error
 
-    def _fire(self, response) -> None:
-        """Send a clean-up call without waiting for it; log if it fails."""
+    def _fire(self, pool: str, replica_id: str, call) -> None:
+        """Send a clean-up call without waiting for it; nothing to clean where the replica is gone."""
+        if not replica_running(pool, replica_id):
+            return
 
         async def settle():
             try:
-                await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
+                await self._pinned(pool, replica_id, call)
+            except PoolUnavailableError:
+                pass  # the replica went away, and what it held with it
             except Exception as error:  # noqa: BLE001 - nothing left to tell the client
-                logger.warning("clean-up call failed: %r", error)
+                logger.warning("clean-up call on %s replica %s failed: %r", pool, replica_id, error)
 
         task = asyncio.get_running_loop().create_task(settle())
         self._cleanups.add(task)

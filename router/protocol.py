@@ -3,11 +3,45 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from duet.sampling_params import SamplingParams
+
+# A JSON string escape that may decode to half of a UTF-16 surrogate pair.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a dict, or ValueError with what is wrong with it: invalid JSON or
+    UTF-8, NaN or Infinity (not JSON), nesting past Python's recursion limit, integers past its
+    4300-digit limit, a lone surrogate that no text encoding can carry, or not an object."""
+
+    class NotJSON(ValueError):
+        pass
+
+    def refuse_constant(name: str):
+        raise NotJSON(f"{name} is not a JSON value")
+
+    try:
+        payload = json.loads(raw, parse_constant=refuse_constant)
+    except RecursionError:
+        raise ValueError("the body is not valid JSON: nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, NotJSON) as error:
+        raise ValueError(f"the body is not valid JSON: {error}") from None
+    except ValueError:  # Python's cap on converting long integer literals
+        raise ValueError("the body has an integer literal over 4300 digits long") from None
+    if not isinstance(payload, dict):
+        raise ValueError("the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(payload, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ValueError("the body has a string with a lone UTF-16 surrogate (such as \\ud800), which is not text") from None
+    return payload
 
 
 class StreamOptions(BaseModel):

@@ -3,8 +3,11 @@
 Replicas report a ``ReplicaStats`` dict through Serve's ``record_routing_stats``; the routers
 live in the ingress process, so they also serve ``/metrics`` and ``duet status``.
 
-Every call that names a ``replica_id`` keyword (``send_kv``, ``drop``, ``abort``) is pinned to
-that replica: it concerns state only that replica holds.
+Every call that names a ``replica_id`` keyword (``send_kv``, ``drop``, ``abort``,
+``check_integrity``) is pinned to that replica: it concerns state only that replica holds. When
+that replica is gone the call goes to any live one, which refuses it at once
+(``ReplicaGoneError``): waiting for a replica that will never come back would hold the call,
+and Serve's routing loop with it, forever.
 """
 
 from __future__ import annotations
@@ -16,12 +19,9 @@ import time
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from duet.messages import ReplicaStats
+from duet.messages import REPLICA_SILENT_S, ReplicaStats
 
 logger = logging.getLogger(__name__)
-
-# Replicas report every 0.5 s, even mid-step; one silent for this long is taken for dead.
-REPLICA_SILENT_S = 3.0
 
 # Pool name ("prefill", "decode") -> the request router of that pool in this (ingress) process.
 _ROUTERS: dict[str, RequestRouter] = {}
@@ -61,6 +61,18 @@ def live_replicas(pool: str) -> int | None:
     return sum(1 for replica in stats if now - replica.reported_at < REPLICA_SILENT_S)
 
 
+def replica_ids(pool: str) -> list[str]:
+    """The running replicas of a pool as this process's router sees them (none before its first call)."""
+    router = _registry().get(pool)
+    return [] if router is None else [replica.unique_id for replica in router.curr_replicas]
+
+
+def replica_running(pool: str, replica_id: str) -> bool:
+    """Whether this process's router of ``pool`` still lists the replica (True before it has a router)."""
+    router = _registry().get(pool)
+    return router is None or any(replica.unique_id == replica_id for replica in router.curr_replicas)
+
+
 def _stats(replica: RunningReplica) -> ReplicaStats | None:
     return ReplicaStats(**replica.routing_stats) if replica.routing_stats else None
 
@@ -74,13 +86,18 @@ class _PoolRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        kwargs = pending_request.kwargs if pending_request is not None else {}
-        pinned = kwargs.get("replica_id")
-        if pinned is not None:
-            # Nothing to choose when that replica is gone: the caller's timeout ends the call.
-            return [[replica for replica in candidate_replicas if replica.replica_id.unique_id == pinned]]
         if not candidate_replicas:
             return []
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        if pending_request is not None:
+            # Serve sleeps between rounds only when told to (its locality tiers set this); without
+            # it a round that chooses nothing is retried at once, and this coroutine never awaits:
+            # the routing loop would spin and starve every other call in the process.
+            pending_request.routing_context.should_backoff = True
+        pinned = kwargs.get("replica_id")
+        if pinned is not None:
+            chosen = [replica for replica in candidate_replicas if replica.replica_id.unique_id == pinned]
+            return [chosen or candidate_replicas]
         return self.rank(candidate_replicas, kwargs)
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:

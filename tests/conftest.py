@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+# The integration tests run a local cluster, which listens on 127.0.0.1 only; every process that
+# connects to it must say so before it first imports ray (see duet.cluster.deploy).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # duet.cluster.loopback.LOOPBACK_RAY_ENV
 
 import pytest
 import torch

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from duet.cluster.app import AppConfigError, parse_args
+from duet.cluster.config import AppConfigError, parse_args
 from duet.cluster.deploy import DeployError, ServeFile
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

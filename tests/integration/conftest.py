@@ -1,6 +1,8 @@
 """One real cluster for the integration tests: Ray started by ``duet up`` in the background,
-Serve, two applications of SmolLM2 (``pd`` at ``/``, ``colocated`` at ``/colocated``) and
-real HTTP on 127.0.0.1. Torn down by ``duet down`` at the end of the session."""
+Serve, two applications of SmolLM2 (``pd`` at ``/``, ``colocated`` at ``/colocated``), one
+PD application of the tiny random Llama for load and fault tests (``stress`` at ``/stress``:
+fast to restart, generous admission) and real HTTP on 127.0.0.1. Torn down by ``duet down``
+at the end of the session."""
 
 from __future__ import annotations
 
@@ -17,10 +19,16 @@ MAX_RUNNING, MAX_QUEUED = 2, 2
 MAX_BODY_BYTES = 64 * 1024
 
 
+STRESS_MODEL_LEN = 1024
+
+
 @dataclass(frozen=True)
 class Cluster:
     url: str
     colocated_url: str
+    stress_url: str
+    tiny_model_dir: str
+    listeners_before: frozenset[str]  # TCP listening addresses on the machine before `duet up`
     api_key: str = API_KEY
 
     def client(self, colocated: bool = False):
@@ -28,6 +36,13 @@ class Cluster:
 
         base = self.colocated_url if colocated else self.url
         return openai.OpenAI(base_url=f"{base}/v1", api_key=self.api_key, max_retries=0, timeout=120)
+
+    def integrity(self, url: str | None = None) -> dict:
+        """Every replica's KV bookkeeping check of one application (default: ``pd``)."""
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        return httpx.get(f"{url or self.url}/duet/integrity", headers=headers, timeout=60).json()
 
 
 def _free_port() -> int:
@@ -47,7 +62,29 @@ def _pool(**extra) -> dict:
     return {"ray_actor_options": {"num_cpus": 0.5}, "engine": {"num_threads": 1}, **extra}
 
 
-def cluster_config(port: int) -> dict:
+def listening_addresses() -> frozenset[str]:
+    """``address:port`` of every listening TCP socket on this machine (from /proc/net)."""
+    found = set()
+    for name, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in open(name).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":  # LISTEN
+                continue
+            address, port = local.split(":")
+            found.add(f"{_address(address, width)}:{int(port, 16)}")
+    return frozenset(found)
+
+
+def _address(hex_address: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_address)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def cluster_config(port: int, tiny_model_dir: str) -> dict:
     pd = {
         "model_id": "smollm2",
         "model": "smollm2",
@@ -58,7 +95,7 @@ def cluster_config(port: int) -> dict:
         "decode": _pool(local_prefill_threshold=16) | {"engine": {"num_threads": 1, "speculative_config": NGRAM}},
         "router": {
             "ray_actor_options": {"num_cpus": 0},
-            "max_running_requests": MAX_RUNNING,
+            "max_running_sequences": MAX_RUNNING,
             "max_queued_requests": MAX_QUEUED,
             "max_body_bytes": MAX_BODY_BYTES,
             "api_key": API_KEY,
@@ -72,6 +109,16 @@ def cluster_config(port: int) -> dict:
         "decode": _pool(),
         "router": {"ray_actor_options": {"num_cpus": 0}, "api_key": API_KEY},
     }
+    stress = {
+        "model_id": "tiny",
+        "model": tiny_model_dir,
+        "mode": "pd",
+        # Every prompt goes through the prefill pool; room for a few hundred sequences at once.
+        "engine": {"max_model_len": STRESS_MODEL_LEN, "num_kv_blocks": 8192, "max_num_seqs": 64, "max_num_batched_tokens": 1024},
+        "prefill": {"ray_actor_options": {"num_cpus": 0.25}, "engine": {"num_threads": 1}},
+        "decode": {"ray_actor_options": {"num_cpus": 0.25}, "engine": {"num_threads": 1}},
+        "router": {"ray_actor_options": {"num_cpus": 0}, "max_running_sequences": 512, "max_queued_requests": 512},
+    }
     app = {"import_path": "duet.cluster.app:build_app"}
     return {
         "proxy_location": "HeadOnly",
@@ -79,6 +126,7 @@ def cluster_config(port: int) -> dict:
         "applications": [
             app | {"name": "pd", "route_prefix": "/", "args": pd},
             app | {"name": "colocated", "route_prefix": "/colocated", "args": colocated},
+            app | {"name": "stress", "route_prefix": "/stress", "args": stress},
         ],
     }
 
@@ -95,7 +143,7 @@ def _ray_is_running() -> bool:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory, smollm2_dir):
+def cluster(tmp_path_factory, smollm2_dir, tiny_llama_dir):
     from duet.cluster.deploy import down, up
 
     if _ray_is_running():
@@ -103,12 +151,13 @@ def cluster(tmp_path_factory, smollm2_dir):
         pytest.fail("a Ray cluster is already running on this machine; stop it (`ray stop`) so the tests start their own")
     root = tmp_path_factory.mktemp("cluster")
     config = root / "cluster.yaml"
-    config.write_text(yaml.safe_dump(cluster_config(_free_port())))
+    config.write_text(yaml.safe_dump(cluster_config(_free_port(), str(tiny_llama_dir))))
     previous = os.environ.get("DUET_STATE_FILE")
     os.environ["DUET_STATE_FILE"] = str(root / "state.json")
+    listeners_before = listening_addresses()
     try:
         state = up(str(config), health_timeout_s=300)
-        yield Cluster(state.urls[0], state.urls[1])
+        yield Cluster(*state.urls, tiny_model_dir=str(tiny_llama_dir), listeners_before=listeners_before)
     finally:
         down()
         if previous is None:

@@ -1,11 +1,10 @@
-"""Operating the cluster: metrics, ``duet status``, client disconnects, a pool without replicas."""
+"""Operating the cluster: metrics, ``duet status``, client disconnects."""
 
 from __future__ import annotations
 
 import json
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -112,36 +111,3 @@ def test_client_disconnect_frees_the_blocks_in_both_pools(cluster):
                 pytest.fail("the streaming request was never seen holding blocks")
     # Leaving the `with` closed the connection with ~590 tokens still to go.
     assert _wait_for(lambda: not _busy(cluster), 30), "blocks still held after the client went away"
-
-
-def test_a_pool_without_replicas_gets_503_and_recovers(cluster):
-    import ray
-
-    decode_actors = [
-        actor for actor in ray.util.list_named_actors(all_namespaces=True)
-        if actor["name"].startswith("SERVE_REPLICA::pd#decode#")
-    ]
-    assert len(decode_actors) == 1, decode_actors
-    ray.kill(ray.get_actor(decode_actors[0]["name"], namespace=decode_actors[0]["namespace"]), no_restart=True)
-    client = cluster.client()
-
-    def status_of_one_request(timeout_s: float) -> int:
-        try:
-            client.completions.create(model="smollm2", prompt="Hi there, how are you today?", max_tokens=2, timeout=timeout_s)
-            return 200
-        except Exception as error:  # noqa: BLE001 - the openai client raises per status
-            return getattr(error, "status_code", 0)
-
-    # Requests that reach the dead replica wait for its replacement; a fresh one every 0.25 s
-    # lands in the gap, once the dead replica has been silent for REPLICA_SILENT_S.
-    seen: set[int] = set()
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        futures = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and 503 not in seen:
-            futures.append(pool.submit(status_of_one_request, 30))
-            seen.update(future.result() for future in futures if future.done())
-            time.sleep(0.25)
-        seen.update(future.result() for future in futures)
-    assert 503 in seen, seen
-    assert _wait_for(lambda: status_of_one_request(30) == 200, 240, interval_s=1.0), "the decode pool did not come back"

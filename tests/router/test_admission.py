@@ -66,3 +66,69 @@ def test_a_waiter_cancelled_after_being_handed_the_slot_gives_it_back():
         assert (queue.num_running, queue.num_queued) == (0, 0)
 
     asyncio.run(scenario())
+
+
+def test_admission_counts_sequences_so_a_fan_out_cannot_crowd_out_others():
+    """Guards the fan-out report: one request of 256 prompts x n=4 counted as one request and
+    took every seat; a concurrent 8-token request then waited 37 s. Now a request costs its
+    sequences, one larger than the whole budget runs alone, and nobody overtakes it."""
+
+    async def scenario():
+        queue = AdmissionQueue(max_running=8, max_queued=4)
+        await queue.acquire(3)
+        await queue.acquire(4)
+        assert queue.num_running == 7
+        big = asyncio.create_task(queue.acquire(1024))  # capped at the budget: runs alone
+        await asyncio.sleep(0)
+        small = asyncio.create_task(queue.acquire(1))  # would fit now, but queues behind big
+        await asyncio.sleep(0)
+        assert (queue.num_running, queue.num_queued) == (7, 2)
+        queue.release(3)
+        await asyncio.sleep(0)
+        assert not big.done()
+        queue.release(4)
+        await big
+        assert (queue.num_running, queue.num_queued) == (8, 1) and not small.done()
+        queue.release(1024)
+        await small
+        queue.release(1)
+        assert (queue.num_running, queue.num_queued) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_large_waiter_lets_the_smaller_ones_behind_it_in():
+    async def scenario():
+        queue = AdmissionQueue(max_running=4, max_queued=4)
+        await queue.acquire(2)
+        big = asyncio.create_task(queue.acquire(4))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(queue.acquire(2))
+        await asyncio.sleep(0)
+        big.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await big
+        await small
+        assert (queue.num_running, queue.num_queued) == (4, 0)
+
+    asyncio.run(scenario())
+
+
+def test_an_admission_dropped_without_ending_gives_its_sequences_back():
+    """A stream the client leaves before it begins never runs its generator's clean-up; its
+    admission must still come back (else every such client costs a seat for good)."""
+    from duet.router.admission import Admitted
+
+    async def scenario():
+        queue = AdmissionQueue(max_running=4, max_queued=4)
+        await queue.acquire(3)
+        admitted = Admitted(queue, 3)
+        del admitted
+        assert queue.num_running == 0
+        await queue.acquire(2)
+        once = Admitted(queue, 2)
+        once.release()
+        once.release()
+        assert queue.num_running == 0
+
+    asyncio.run(scenario())

@@ -6,6 +6,8 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from duet.block_pool import leading_block_hashes
 from duet.messages import ReplicaStats
 from duet.router.routing import KVCapacityRouter, PrefixAffinityRouter
@@ -50,3 +52,33 @@ def test_decode_prefers_room_for_the_prompt_then_fewer_running_then_more_free_bl
     router = _router(KVCapacityRouter, {"full": 0, "busy": 5, "idle-small": 1, "idle-big": 1})
     ranks = router.rank([full, busy, idle_small, idle_big], {"num_prompt_blocks": 10})
     assert [rank[0].replica_id for rank in ranks] == ["idle-big", "idle-small", "busy", "full"]
+
+
+def test_a_call_pinned_to_a_gone_replica_goes_to_a_live_one_and_every_round_backs_off():
+    """Guards the router that never recovered after a decode replica died: for a clean-up call
+    pinned to the dead replica ``choose_replicas`` chose nothing and never asked Serve to back
+    off, so Serve retried at once, forever, in a coroutine that never awaited: the routing loop
+    spun and starved every other call (503 for everyone, /health timing out). Now the call goes
+    to a live replica, which refuses it at once (``ReplicaGoneError``), and every round backs off."""
+    import asyncio
+
+    from ray.serve._private.request_router.common import RequestRoutingContext
+
+    def pinned(replica_id: str) -> SimpleNamespace:
+        return SimpleNamespace(kwargs={"replica_id": replica_id}, routing_context=RequestRoutingContext())
+
+    live = _replica("live")
+    live.replica_id = SimpleNamespace(unique_id="live")
+    router = _router(KVCapacityRouter, {})
+    gone, here = pinned("dead"), pinned("live")
+    assert asyncio.run(router.choose_replicas([live], gone)) == [[live]]
+    assert asyncio.run(router.choose_replicas([live], here)) == [[live]]
+    assert gone.routing_context.should_backoff and here.routing_context.should_backoff
+
+
+def test_a_replica_refuses_a_call_pinned_to_another():
+    from duet.messages import ReplicaGoneError
+
+    ReplicaGoneError.check("abc", "abc")
+    with pytest.raises(ReplicaGoneError, match="replica dead is gone"):
+        ReplicaGoneError.check("dead", "abc")

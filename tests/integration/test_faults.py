@@ -1,0 +1,322 @@
+"""What a newcomer and a hostile client broke, against a real cluster: hostile bodies beside
+well-formed requests, a burst with cancellations over the KV transfer, a decode replica killed
+mid-stream, fan-out against admission, and what a local cluster listens on. Each test ends with
+every replica's KV bookkeeping check and a normal request answered correctly.
+
+The load and fault tests run on the ``stress`` application (a tiny random Llama, PD, every
+prompt through the prefill pool): it restarts in seconds and decodes hundreds of streams at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import random
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import MAX_QUEUED, MAX_RUNNING, listening_addresses
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_offline(cluster):
+    """Greedy tokens of the offline engine on the stress application's model, by prompt."""
+    from duet import LLM, SamplingParams
+
+    llm = LLM(model=cluster.tiny_model_dir, max_model_len=1024, num_kv_blocks=2048, max_num_seqs=128)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def tokens(prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
+        missing = [prompt for prompt in prompts if (tuple(prompt), max_tokens) not in cache]
+        if missing:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+            for prompt, output in zip(missing, llm.generate(missing, params)):
+                cache[(tuple(prompt), max_tokens)] = output.outputs[0].token_ids
+        return [cache[(tuple(prompt), max_tokens)] for prompt in prompts]
+
+    return tokens
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 49000) for _ in range(length)]
+
+
+def _greedy_body(prompt: list[int], max_tokens: int = NEW_TOKENS, stream: bool = False) -> dict:
+    return {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+        "temperature": 0, "return_token_ids": True, "stream": stream,
+    }
+
+
+async def _complete(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[int], list[dict]]:
+    """Status, generated token ids and error events of one request, streamed or not."""
+    if not body.get("stream"):
+        response = await client.post(f"{url}/v1/completions", json=body)
+        payload = response.json()
+        if response.status_code != 200:
+            return response.status_code, [], [payload]
+        return 200, payload["choices"][0]["token_ids"], []
+    tokens, errors = [], []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event)
+                else:
+                    tokens += event["choices"][0]["token_ids"]
+        return response.status_code, tokens, errors
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def _settled(cluster, url: str, timeout_s: float = 30) -> dict:
+    """The integrity report once no replica of the application holds a block."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        usage = _metric(url, "vllm:kv_cache_usage_perc")
+        if usage and not any(usage.values()):
+            break
+        time.sleep(0.5)
+    return cluster.integrity(url)
+
+
+def _assert_answers_correctly(url: str, tiny_offline) -> None:
+    prompt = list(range(100, 140))
+
+    async def one():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await _complete(client, url, _greedy_body(prompt))
+
+    status, tokens, errors = asyncio.run(one())
+    assert (status, errors) == (200, [])
+    assert tokens == tiny_offline([prompt])[0]
+
+
+def _raw(**fields) -> str:
+    return json.dumps({"model": "tiny", "prompt": [5, 6, 7, 8] * 5, "max_tokens": 4} | fields)
+
+
+# name -> (raw body, status, param the error must name)
+HOSTILE = {
+    "seed past 64 bits": (_raw(seed=2**64), 400, "seed"),
+    "seed below 64 bits": (_raw(seed=-(2**63) - 1), 400, "seed"),
+    "stop id past 64 bits with min_tokens": (_raw(stop_token_ids=[2**70], min_tokens=2), 400, "stop_token_ids"),
+    "negative stop id with min_tokens": (_raw(stop_token_ids=[-1], min_tokens=2), 400, "stop_token_ids"),
+    "JSON nested 1000 deep": ('{"model": "tiny", "prompt": ' + "[" * 1000 + "]" * 1000 + "}", 400, None),
+    "5000-digit integer": ('{"model": "tiny", "prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", 400, None),
+    "lone surrogate in a prompt": ('{"model": "tiny", "prompt": "hi \\ud800 there", "max_tokens": 4}', 400, None),
+    "lone surrogate in a message": (
+        '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 4}', 400, None,
+    ),
+    "NaN temperature": ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, None),
+    "65 prompts": (_raw(prompt=[[5, 6, 7]] * 65), 400, "prompt"),
+    "token id past the vocabulary": (_raw(prompt=[2**62]), 400, None),
+    # Valid, at the edges of what the engine represents: answered, and harmless to others.
+    "temperature 1e-45": (_raw(temperature=1e-45), 200, None),
+    "repetition penalty 1e-38": (_raw(repetition_penalty=1e-38, temperature=0.7, seed=1), 200, None),
+    "largest seed, n=16": (_raw(seed=2**63 - 1, n=16), 200, None),
+    "largest stop id with min_tokens": (_raw(stop_token_ids=[2**63 - 1], min_tokens=2), 200, None),
+    "huge top_k, tiny top_p, min_p 1": (_raw(top_k=10**30, top_p=1e-300, min_p=1.0, temperature=2.0), 200, None),
+}
+
+
+def test_hostile_bodies_get_openai_errors_and_fail_no_one_else(cluster, tiny_offline):
+    """Guards items 3, 6 and 9 of the report: values past int64 failed the engine step and with
+    it every request in the batch (500 events mid-stream), after which the engine kept failing;
+    deep JSON, huge literals and lone surrogates got a plain-text 500; temperature 1e-45 gave
+    token 0 forever. Well-formed requests running beside them must all get their exact tokens."""
+    rng = random.Random(1)
+    prompts = [_prompt(rng, length) for length in (5, 17, 40, 90, 160, 300) * 3]
+    expected = tiny_offline(prompts)
+    url = cluster.stress_url
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as client:
+            normal = [_complete(client, url, _greedy_body(prompt, stream=index % 2 == 0)) for index, prompt in enumerate(prompts)]
+            hostile = [
+                client.post(f"{url}/v1/completions" if "message" not in name else f"{url}/v1/chat/completions",
+                            content=body, headers={"content-type": "application/json"})
+                for _ in range(3) for name, (body, _, _) in HOSTILE.items()
+            ]
+            return await asyncio.gather(*normal), await asyncio.gather(*hostile)
+
+    normal, hostile = asyncio.run(run())
+    for index, (status, tokens, errors) in enumerate(normal):
+        assert (status, errors) == (200, []), f"well-formed request {index} failed: {errors}"
+        assert tokens == expected[index], f"well-formed request {index} got other tokens"
+    for (name, (_, status, param)), response in zip(list(HOSTILE.items()) * 3, hostile):
+        assert response.status_code == status, f"{name}: {response.status_code} {response.text[:300]}"
+        if status != 200:
+            error = response.json()["error"]
+            assert error["code"] == status and error["type"] == "invalid_request_error" and error["message"], name
+            assert "Traceback" not in error["message"] and "RayTaskError" not in error["message"], name
+            if param is not None:
+                assert error["param"] == param, f"{name}: {error}"
+    assert _settled(cluster, url)["ok"]
+    _assert_answers_correctly(url, tiny_offline)
+
+
+def test_unknown_routes_and_methods_get_openai_errors(cluster):
+    """Guards FastAPI's own {"detail": ...} bodies for 404 and 405."""
+    for method, path, status in (("GET", "/nope", 404), ("DELETE", "/v1/completions", 405), ("GET", "/v1/completions", 405)):
+        response = httpx.request(method, f"{cluster.stress_url}{path}", timeout=10)
+        assert response.status_code == status
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        assert response.json()["error"]["code"] == status
+
+
+def test_a_burst_with_cancellations_breaks_no_transfer_and_leaks_no_block(cluster, tiny_offline):
+    """Guards items 4 and 5: a few hundred concurrent PD requests broke transfer pairs ('pair is
+    broken', 'expected transfer A, got B', gloo timeouts) and aborted transfers left blocks
+    held on the decode replica. Now every request the client did not cancel gets its exact
+    tokens, no transfer fails, and every block comes back."""
+    rng = random.Random(2)
+    url = cluster.stress_url
+    failures_before = sum(_metric(url, "duet:kv_transfer_failures_total").values())
+    requests = []
+    for index in range(300):
+        prompt = _prompt(rng, rng.choice([20, 60, 150, 300, 600]))
+        cancel_after = rng.uniform(0.05, 3.0) if rng.random() < 0.2 else None
+        requests.append((prompt, rng.choice([4, 12, 24]), cancel_after))
+    expected = {}
+    for max_tokens in (4, 12, 24):
+        chosen = [prompt for prompt, tokens, _ in requests if tokens == max_tokens]
+        expected.update(zip(map(tuple, chosen), tiny_offline(chosen, max_tokens)))
+
+    async def one(client, prompt, max_tokens, cancel_after):
+        call = _complete(client, url, _greedy_body(prompt, max_tokens, stream=True))
+        if cancel_after is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, cancel_after)
+        except asyncio.TimeoutError:
+            return None
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=400)) as client:
+            return await asyncio.gather(*(one(client, *request) for request in requests))
+
+    results = asyncio.run(run())
+    completed = 0
+    for (prompt, max_tokens, cancel_after), result in zip(requests, results):
+        if result is None:
+            continue
+        status, tokens, errors = result
+        assert (status, errors) == (200, []), errors
+        assert tokens == expected[tuple(prompt)]
+        completed += 1
+    assert completed >= 200
+    report = _settled(cluster, url)
+    assert report["ok"], report
+    assert sum(_metric(url, "duet:kv_transfer_failures_total").values()) == failures_before
+    assert sum(_metric(url, "duet:kv_transfers_total").values()) > 0
+    _assert_answers_correctly(url, tiny_offline)
+
+
+def test_fan_out_counts_every_sequence_against_admission(cluster):
+    """Guards item 7: 256 prompts x n=4 counted as one request against the running limit.
+    On the pd application (2 sequences may run, 2 requests queue) a request of 2 prompts takes
+    both seats: of 3 small requests sent beside it, 2 queue and the third is refused at once."""
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    fan_out = {"model": "smollm2", "prompt": ["Count slowly to forty:", "Name forty animals:"], "max_tokens": 40,
+               "ignore_eos": True, "stream": True}
+    small = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120, headers=headers) as client:
+            async with client.stream("POST", f"{cluster.url}/v1/completions", json=fan_out) as stream:
+                assert stream.status_code == 200
+                lines = stream.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass  # admitted and producing: its sequences hold the seats
+                status = (await client.get(f"{cluster.url}/duet/status")).json()["admission"]
+                others = [asyncio.create_task(client.post(f"{cluster.url}/v1/completions", json=small)) for _ in range(3)]
+                done, _ = await asyncio.wait(others, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+                refused = [task.result().status_code for task in done]
+                async for _ in lines:
+                    pass
+            return status, refused, [(await task).status_code for task in others]
+
+    status, refused, finals = asyncio.run(run())
+    assert status["running_sequences"] == MAX_RUNNING
+    assert refused == [429]
+    assert sorted(finals) == [200] * MAX_QUEUED + [429]
+
+
+def test_a_decode_replica_killed_mid_stream_fails_its_streams_retryably_and_the_router_recovers(cluster, tiny_offline):
+    """Guards item 2: after a decode replica died, calls pinned to it spun Serve's routing loop
+    forever; every later request got 503 and /health timed out until `duet down`. Now its
+    streams end with a retryable 503 event, a request in the gap gets 503 at once, and the
+    application serves again as soon as the replacement reports."""
+    import ray
+
+    url = cluster.stress_url
+    rng = random.Random(3)
+    prompts = [_prompt(rng, 24) for _ in range(4)]
+
+    def kill_decode_replica() -> None:
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::stress#decode#")]
+        assert len(actors) == 1, actors
+        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+
+    async def streams_then_kill():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(_complete(client, url, _greedy_body(prompt, 990, stream=True))) for prompt in prompts]
+            await asyncio.sleep(1.0)
+            assert not any(task.done() for task in tasks)
+            kill_decode_replica()
+            return await asyncio.gather(*tasks)
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="WARNING")
+    results = asyncio.run(streams_then_kill())
+    for status, tokens, errors in results:
+        assert status == 200 and tokens and len(errors) == 1
+        assert errors[0]["error"]["code"] == 503, errors
+
+    def one_status() -> int:
+        try:
+            return httpx.post(f"{url}/v1/completions", json=_greedy_body(prompts[0]), timeout=30).status_code
+        except httpx.TimeoutException:
+            return 0
+
+    statuses, deadline = [], time.monotonic() + 90
+    while time.monotonic() < deadline and (not statuses or statuses[-1] != 200):
+        statuses.append(one_status())
+        time.sleep(0.5)
+    assert statuses[-1] == 200, statuses
+    assert 503 in statuses and 0 not in statuses, f"requests in the gap must fail fast, with 503: {statuses}"
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert _settled(cluster, url)["ok"]
+    _assert_answers_correctly(url, tiny_offline)
+
+
+def test_everything_a_local_cluster_starts_listens_on_loopback_only(cluster):
+    """Guards item 8: `duet up` left Ray's GCS on *:6379 and its client server and agents on the
+    machine's external address, and torch's TCPStore and Serve's replicas listened on every
+    interface."""
+    new = listening_addresses() - cluster.listeners_before
+    assert new, "the cluster opened no listening socket?"
+    exposed = []
+    for listener in new:
+        address = ipaddress.ip_address(listener.rsplit(":", 1)[0])
+        mapped = getattr(address, "ipv4_mapped", None)
+        if not (address.is_loopback or (mapped is not None and mapped.is_loopback)):
+            exposed.append(listener)
+    assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
