@@ -18,9 +18,12 @@ import time
 
 import torch
 
-from duet.kv_transfer.group import Endpoint, PairGroup, RECEIVER_RANK, SENDER_RANK, connect_store
+from duet.kv_transfer.group import RECEIVER_RANK, SENDER_RANK, PairGroup, connect_store
+from duet.kv_transfer.progress import LayerProgress
+from duet.kv_transfer.receiver import KVReceiver
+from duet.kv_transfer.sender import KVSender
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.transfer import KVReceiver, KVSender
+from duet.messages import KVEndpoint
 
 TOKENS = [128, 256, 512, 1024, 2048, 4096]
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
@@ -40,7 +43,7 @@ def _receiver(conn) -> None:
     while (command := conn.recv()) is not None:
         kind, transfer_id, num_blocks = command
         if kind == "kv":
-            receiver.expect(transfer_id, list(range(NUM_BLOCKS - num_blocks, NUM_BLOCKS)), "kv")
+            receiver.expect(transfer_id, list(range(NUM_BLOCKS - num_blocks, NUM_BLOCKS)))
             while not (results := receiver.poll()):
                 time.sleep(0.0005)
             conn.send(results[0].ok)
@@ -56,7 +59,7 @@ def measure(progress) -> list[dict]:
     conn, child = context.Pipe()
     process = context.Process(target=_receiver, args=(child,))
     process.start()
-    endpoint: Endpoint = conn.recv()
+    endpoint: KVEndpoint = conn.recv()
     sender = KVSender(_cache(), SPEC, timeout_s=60)
     raw = PairGroup(connect_store(endpoint, 60), "raw", SENDER_RANK, SPEC, False, 60)
     records, transfer_id = [], 0
@@ -68,7 +71,7 @@ def measure(progress) -> list[dict]:
             transfer_id += 1
             conn.send(("kv", transfer_id, num_blocks))
             start = time.perf_counter()
-            sender.send(transfer_id, list(range(num_blocks)), endpoint, "kv")
+            sender.send(transfer_id, endpoint, LayerProgress.complete(LAYERS, list(range(num_blocks)), 0), num_blocks)
             assert conn.recv(), "KV transfer failed"
             kv_times.append(time.perf_counter() - start)
             payload = torch.randn(kv_bytes // 4)
@@ -102,63 +105,65 @@ OVERLAP_TOKENS = 1024
 def measure_overlap(repeats: int = 2) -> dict:
     """Share of the KV transfer hidden behind prefill compute by layer-wise streaming.
 
-    Real SmolLM2 nodes, prefill in a child process: the time from submitting a 1024-token
-    prompt until its KV is on the decode replica, when the KV is pulled after the first
-    token (``after``) and when it streams during the prefill (``streamed``); the transfer
-    alone is the pull's duration. hidden = (after - streamed) / transfer alone, not clipped:
-    above 1 means the pull path also paid for its extra round trip to the router's stand-in
-    (here, this process) or for noise between the two runs.
+    Real SmolLM2 engines, prefill in a child process, decode here, as the cluster runs them:
+    the decode engine reserves the blocks first, the prefill engine streams each run of layers
+    as its forward writes it. ``streamed``: from submitting a 1024-token prompt until the decode
+    engine has its KV and first token; ``prefill``: the same prompt's prefill alone (no
+    transfer); ``transfer``: the KV alone, from the throughput measurement. hidden =
+    (prefill + transfer - streamed) / transfer, not clipped (noise can push it past 1).
     """
     from duet import SamplingParams
     from duet.config import EngineArgs
-    from duet.decode_node.node import DecodeNode
-    from duet.prefill_node.process import PrefillProcess
+    from duet.engine import LLMEngine
+    from duet.engine_process import EngineProcess
 
     engine_kwargs = dict(model="smollm2", max_model_len=2048)
-    prefill = PrefillProcess(engine_kwargs)
-    decode = DecodeNode(EngineArgs(**engine_kwargs), "decode-bench")
+    prefill = EngineProcess(engine_kwargs | {"kv_transfer_config": {"name": "prefill-bench"}})
+    decode = LLMEngine(EngineArgs(**engine_kwargs, kv_transfer_config={"name": "decode-bench"}))
     params = SamplingParams(temperature=0.0, max_tokens=2)
-    timings = {"after": [], "streamed": [], "transfer": []}
+    timings = {"prefill": [], "streamed": []}
     try:
         for run in range(repeats + 1):  # the first round warms up and builds the pair group
             for streamed in (False, True):
                 # A different prompt every time: a prefix-cache hit would skip the compute.
                 prompt = [(run * 7919 + streamed * 104729 + i * 31) % 40000 + 100 for i in range(OVERLAP_TOKENS)]
-                total, transfer = _time_one(prefill, decode, f"o{run}{streamed}", prompt, params, streamed)
+                seconds = _time_one(prefill, decode, f"o{run}{streamed}", prompt, params, streamed)
                 if run:
-                    timings["streamed" if streamed else "after"].append(total)
-                    if not streamed:
-                        timings["transfer"].append(transfer)
+                    timings["streamed" if streamed else "prefill"].append(seconds)
     finally:
         prefill.stop()
         decode.close()
-    after, streamed, transfer = (min(timings[k]) for k in ("after", "streamed", "transfer"))
-    return {"tokens": OVERLAP_TOKENS, "after_s": after, "streamed_s": streamed, "transfer_s": transfer,
-            "overlap_hidden_frac": (after - streamed) / transfer}
+    return {"tokens": OVERLAP_TOKENS, "prefill_s": min(timings["prefill"]), "streamed_s": min(timings["streamed"])}
 
 
-def _time_one(prefill, decode, request_id, prompt, params, streamed) -> tuple[float, float]:
-    """(submit to KV admitted on decode, pull duration) for one request."""
+def _time_one(prefill, decode, request_id, prompt, params, streamed) -> float:
+    """Submit to KV (and first token) on the decode engine; without ``streamed``, submit to the
+    prefill engine's first token."""
+    import dataclasses
+
+    from duet.messages import EngineRequest
+    from duet.request import RequestStatus
+
+    request = EngineRequest(request_id, prompt, params)
     start = time.perf_counter()
     deadline = start + 120
-    destination = decode.reserve(request_id, prompt, params, prefill.node_id) if streamed else None
-    prefill.submit(request_id, prompt, params, destination)
-    pulled_at, transfer_started = None, streamed
-    while not (transfer_started and decode.pending_transfers == 0):
+    if not streamed:
+        prefill.add_request(dataclasses.replace(request, params=dataclasses.replace(params, max_tokens=1)))
+        while prefill.receive() is None:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"request {request_id} got no first token in 120 s")
+        return time.perf_counter() - start
+    destination = decode.add_request(dataclasses.replace(request, kv_receive=True))
+    prefill.add_request(dataclasses.replace(request, kv_send=destination))
+    waiting = decode.scheduler.requests[request_id]
+    while waiting.status == RequestStatus.WAITING_FOR_REMOTE_KV:
         if time.perf_counter() > deadline:
-            raise TimeoutError(f"request {request_id} did not reach the decode node in 120 s")
-        result = prefill.receive()
-        if result is not None and streamed:
-            decode.set_first_token(request_id, result.first_token_id)
-        elif result is not None:
-            pair_key = decode.accept(result.handle, params)
-            pulled_at, transfer_started = time.perf_counter(), True
-            prefill.send_kv(result.handle.transfer_id, decode.endpoint, pair_key)
+            raise TimeoutError(f"request {request_id} did not reach the decode engine in 120 s")
         decode.step()
     end = time.perf_counter()
-    while decode.engine.has_unfinished_requests():
+    while prefill.receive() is not None or decode.has_unfinished_requests():
         decode.step()
-    return end - start, (end - pulled_at) if pulled_at is not None else 0.0
+    return end - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,15 +179,17 @@ def main(argv: list[str] | None = None) -> None:
         bar.update()
     for record in records:
         if record["tokens"] == overlap["tokens"]:
+            overlap["transfer_s"] = record["seconds"]
+            overlap["overlap_hidden_frac"] = (overlap["prefill_s"] + record["seconds"] - overlap["streamed_s"]) / record["seconds"]
             record["overlap_hidden_frac"] = overlap["overlap_hidden_frac"]
     print(f"\nKV transfer vs raw send/recv, gloo, SmolLM2 layout ({LAYERS} layers), best of {REPEATS}")
     print(f"{'tokens':>7} {'KV MB':>8} {'KV GB/s':>8} {'raw GB/s':>9} {'ratio':>6}")
     for r in records:
         print(f"{r['tokens']:7d} {r['kv_bytes'] / 1e6:8.1f} {r['gbps']:8.2f} {r['raw_gbps']:9.2f} {r['ratio_vs_raw']:6.2f}")
     print(
-        f"layer-wise streaming, SmolLM2 {overlap['tokens']}-token prompt: submit to KV on decode "
-        f"{overlap['after_s'] * 1e3:.0f} ms pulled after prefill vs {overlap['streamed_s'] * 1e3:.0f} ms streamed; "
-        f"transfer alone {overlap['transfer_s'] * 1e3:.0f} ms, {overlap['overlap_hidden_frac']:.0%} of it hidden"
+        f"layer-wise streaming, SmolLM2 {overlap['tokens']}-token prompt: prefill alone {overlap['prefill_s'] * 1e3:.0f} ms, "
+        f"transfer alone {overlap['transfer_s'] * 1e3:.0f} ms, submit to KV on decode {overlap['streamed_s'] * 1e3:.0f} ms: "
+        f"{overlap['overlap_hidden_frac']:.0%} of the transfer hidden"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -19,9 +19,7 @@ ROUTING_STATS_PERIOD_S = 0.5
 
 
 def build_app(args: dict) -> serve.Application:
-    from duet.decode_node.server import DecodeServer
     from duet.models.loader import max_positions, resolve_model_path
-    from duet.prefill_node.server import PrefillServer
     from duet.router.ingress import RouterIngress
 
     config = parse_args(args)
@@ -32,30 +30,22 @@ def build_app(args: dict) -> serve.Application:
         from duet.kernels import cpu_ops
 
         cpu_ops.load()
+    colocated = config.mode == "colocated"
+    kv_transfer = None if colocated else {"host": config.kv_transfer.host, "timeout_s": config.kv_transfer.timeout_s}
     decode_engine = config.decode.merged_engine(config.engine)
     decode_args = decode_engine.engine_args(model_dir)
     # The engine's own rule: the configured length, which may not exceed the model's.
     max_model_len = EngineArgs(**decode_args).scheduler_config(max_positions(Path(model_dir))).max_model_len
-    colocated = config.mode == "colocated"
-    decode_pool = "colocated" if colocated else "decode"
-    decode = _deployment(DecodeServer, decode_pool, config.decode, "KVCapacityRouter").bind(
-        engine_args=decode_args,
-        num_threads=config.decode.num_threads(decode_engine),
-        local_prefill_threshold=config.decode.local_prefill_threshold,
-        on_transfer_failure=config.decode.on_transfer_failure,
-        transfer_timeout_s=config.kv_transfer.timeout_s,
-        stage=decode_pool,
-        kv_host=config.kv_transfer.host,
+    decode_role = "colocated" if colocated else "decode"
+    decode = _deployment(decode_role, config.decode, "KVCapacityRouter").bind(
+        role=decode_role, engine_args=decode_args, num_threads=config.decode.num_threads(decode_engine), kv_transfer=kv_transfer,
     )
     prefill = None
     if not colocated:
         prefill_engine = config.prefill.merged_engine(config.engine)
-        prefill = _deployment(PrefillServer, "prefill", config.prefill, "PrefixAffinityRouter").bind(
-            # Prefill samples only the first token: an application-wide draft would be loaded for nothing.
-            engine_args=prefill_engine.engine_args(model_dir) | {"speculative_config": None},
-            num_threads=config.prefill.num_threads(prefill_engine),
-            transfer_timeout_s=config.kv_transfer.timeout_s,
-            kv_host=config.kv_transfer.host,
+        prefill = _deployment("prefill", config.prefill, "PrefixAffinityRouter").bind(
+            role="prefill", engine_args=prefill_engine.engine_args(model_dir),
+            num_threads=config.prefill.num_threads(prefill_engine), kv_transfer=kv_transfer,
         )
     router = config.router
     ingress = serve.deployment(name="router")(RouterIngress).options(
@@ -71,6 +61,7 @@ def build_app(args: dict) -> serve.Application:
         max_model_len=max_model_len,
         block_size=decode_engine.block_size,
         local_prefill_threshold=0 if colocated else config.decode.local_prefill_threshold,
+        on_transfer_failure=config.decode.on_transfer_failure,
         max_running_sequences=router.max_running_sequences,
         max_queued_requests=router.max_queued_requests,
         max_prompts_per_request=router.max_prompts_per_request,
@@ -79,8 +70,10 @@ def build_app(args: dict) -> serve.Application:
     )
 
 
-def _deployment(cls, name: str, pool: PoolSettings, router_class: str):
-    return serve.deployment(name=name)(cls).options(
+def _deployment(name: str, pool: PoolSettings, router_class: str):
+    from duet.cluster.replica import EngineReplica
+
+    return serve.deployment(name=name)(EngineReplica).options(
         num_replicas=pool.num_replicas,
         ray_actor_options=pool.ray_actor_options,
         max_ongoing_requests=pool.max_ongoing_requests,

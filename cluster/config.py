@@ -2,40 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from duet.config import ConfigError, EngineArgs
+from duet.config import ConfigError, EngineArgs, resolve_dtype
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineSettings(_Strict):
+def _engine_fields() -> dict:
+    """``EngineArgs``' own fields, types and defaults (one set of defaults: the engine's), but
+    the model (the application's) and the KV connector (the builder sets it per pool)."""
+    hints = typing.get_type_hints(EngineArgs)
+    return {
+        field.name: (hints[field.name], field.default)
+        for field in dataclasses.fields(EngineArgs)
+        if field.name not in ("model", "kv_transfer_config")
+    }
+
+
+class _EngineSettingsBase(_Strict):
     """``EngineArgs`` for the replicas of a pool (see ``duet.config``), plus torch threads."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    max_model_len: int | None = 2048
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 0.5
-    enable_prefix_caching: bool = True
-    speculative_config: dict[str, Any] | None = Field(
-        default=None, description="speculative decoding on the decode pool (vLLM's dict); the prefill pool ignores it"
-    )
     num_threads: int | None = Field(default=None, ge=1, description="torch threads per replica; default: its num_cpus, at least 1")
 
     def engine_args(self, model_path: str) -> dict:
         args = self.model_dump(exclude={"num_threads"}) | {"model": model_path}
         EngineArgs(**args)  # fail at deploy time, with the engine's message, not in a replica
         return args
+
+
+EngineSettings = pydantic.create_model("EngineSettings", __base__=_EngineSettingsBase, **_engine_fields())
 
 
 class PoolSettings(_Strict):
@@ -101,6 +104,8 @@ class AppArgs(_Strict):
                 pool.merged_engine(self.engine).engine_args(self.model)
             except (ValueError, ConfigError) as error:
                 raise ValueError(f"{name}.engine: {error}") from None
+        if self.prefill is not None:
+            check_pools_exchange_kv(self.prefill.merged_engine(self.engine), self.decode.merged_engine(self.engine))
         return self
 
 
@@ -130,3 +135,20 @@ def parse_args(args: dict) -> AppArgs:
         return AppArgs.model_validate(args or {})
     except ValidationError as error:
         raise AppConfigError(readable(error)) from None
+
+
+def check_pools_exchange_kv(prefill, decode) -> None:
+    """The prefill pool's KV blocks must land in the decode pool's as they are: same model (one
+    per application), block size, KV dtype and device kind. Fails with the setting to change."""
+    pairs = {
+        "block_size": (prefill.block_size, decode.block_size),
+        "dtype": (resolve_dtype(prefill.dtype, prefill.device), resolve_dtype(decode.dtype, decode.device)),
+        "device": (prefill.device.split(":")[0], decode.device.split(":")[0]),
+    }
+    for name, (theirs, ours) in pairs.items():
+        if theirs != ours:
+            shown = [str(value).removeprefix("torch.") for value in (theirs, ours)]
+            raise ValueError(
+                f"prefill.engine.{name}={shown[0]} but decode.engine.{name}={shown[1]}: the pools exchange KV blocks, "
+                f"so {name} must be the same in both (set it in the application's engine section)"
+            )

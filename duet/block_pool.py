@@ -14,6 +14,8 @@ class BlockIntegrityError(AssertionError):
 # The parent of a prompt's first block. Not None: hash(None) differs between processes
 # before Python 3.12, and routers compare these hashes across replicas.
 ROOT_HASH = 0
+# How many leading blocks of a prompt the prefill replicas report and the router matches.
+ROUTING_PREFIX_BLOCKS = 4
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:

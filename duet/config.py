@@ -7,6 +7,7 @@ returned by methods, not written back.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,40 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """The KV connector: how this engine's prompt KV goes to, or comes from, other replicas
+    (vLLM's ``kv_transfer_config``). ``name`` tells this engine apart in transfer pair keys;
+    ``host`` is the address its workers listen on (``auto``: the Ray node's); ``timeout_s`` bounds
+    every wait on data that must come. ``connector`` is the workers' side, by import path."""
+
+    name: str = "engine"
+    host: str = "127.0.0.1"
+    timeout_s: float = 30.0
+    connector: str = "duet.kv_transfer.connector:KVConnectorWorker"
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"kv_transfer_config.timeout_s must be positive, got {self.timeout_s}")
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> KVTransferConfig:
+        unknown = sorted(set(settings) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"kv_transfer_config: unknown settings {unknown}; known are {sorted(cls.__dataclass_fields__)}")
+        return cls(**settings)
+
+
+EXECUTOR_BACKENDS = {"uni": "duet.executor:UniprocExecutor", "ray": "duet.cluster.ray_executor:RayExecutor"}
+
+
+def import_object(import_path: str):
+    """``module:attribute``: a plugin the config names (an executor, a KV connector), loaded
+    only when used, as vLLM names its connectors."""
+    module, _, attribute = import_path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
 class EngineArgs:
     """Everything ``LLM(...)`` accepts, with vLLM's names. Model-dependent limits are checked by the engine."""
 
@@ -169,6 +204,8 @@ class EngineArgs:
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
     speculative_config: dict | None = None
+    kv_transfer_config: dict | None = None
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -177,12 +214,20 @@ class EngineArgs:
             raise ConfigError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend={self.distributed_executor_backend!r}: use one of {', '.join(EXECUTOR_BACKENDS)}"
+            )
         resolve_dtype(self.dtype, self.device)
         self.cache_config()
         self.speculative()
+        self.kv_transfer()
 
     def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        return None if self.kv_transfer_config is None else KVTransferConfig.from_dict(self.kv_transfer_config)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gib, self.enable_prefix_caching)

@@ -16,9 +16,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_to_hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # Blocks kept alive after their request finished, until their KV has been sent.
-        self._pin_on_free: set[str] = set()
-        self.pinned: dict[str, list[KVCacheBlock]] = {}
+        # Blocks of requests that ended, kept (by transfer id) until a KV transfer lets go of them.
+        self.held: dict[int, list[KVCacheBlock]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -114,13 +113,15 @@ class KVCacheManager:
     def cache_received(self, request: Request) -> None:
         self._cache_full_blocks(request, self.req_to_blocks[request.request_id], request.num_computed_tokens)
 
-    def pin_on_free(self, request_id: str) -> None:
-        """When the request is freed, keep its blocks (and their KV) until ``release_pinned``."""
-        self._pin_on_free.add(request_id)
+    def hold(self, request: Request, key: int) -> None:
+        """Keep the request's blocks (and their KV) past its end, under ``key``, until
+        ``release(key)``: a transfer may still be reading or writing them."""
+        self.held[key] = self.req_to_blocks.pop(request.request_id, [])
+        self._req_to_hashes.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
 
-    def release_pinned(self, request_id: str) -> None:
-        self._pin_on_free.discard(request_id)
-        self.block_pool.free_blocks(reversed(self.pinned.pop(request_id, [])))
+    def release(self, key: int) -> None:
+        self.block_pool.free_blocks(reversed(self.held.pop(key, [])))
 
     def uncache_uncomputed(self, request: Request) -> None:
         """Withdraw from the prefix cache the request's blocks past its computed tokens: they were
@@ -129,13 +130,8 @@ class KVCacheManager:
         self.block_pool.uncache(blocks[request.num_computed_tokens // self.block_size :])
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first, so its last blocks are evicted before its prefix.
-        A finished request marked ``pin_on_free`` keeps them until ``release_pinned``."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        if request.request_id in self._pin_on_free and blocks and request.is_finished:
-            self.pinned[request.request_id] = blocks
-        else:
-            self.block_pool.free_blocks(reversed(blocks))
+        """Release the request's blocks, tail first, so its last blocks are evicted before its prefix."""
+        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request.request_id, [])))
         self._req_to_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
 
@@ -156,7 +152,7 @@ class KVCacheManager:
         """Pool invariants, and every held block's ref count covers the requests holding it."""
         self.block_pool.check_integrity(expect_all_free=False)
         holders: dict[int, int] = {}
-        for blocks in [*self.req_to_blocks.values(), *self.pinned.values()]:
+        for blocks in [*self.req_to_blocks.values(), *self.held.values()]:
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.block_pool.blocks:

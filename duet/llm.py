@@ -1,14 +1,17 @@
-"""The offline API, shaped like vLLM's ``LLM``."""
+"""The offline API, shaped like vLLM's ``LLM``: text in, text out, on one engine in this process."""
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 from duet.config import EngineArgs
+from duet.detokenizer import SequenceText
 from duet.engine import LLMEngine
-from duet.messages import RequestFailedError
-from duet.outputs import RequestOutput
+from duet.errors import RequestFailedError
+from duet.messages import EngineRequest
+from duet.outputs import CompletionOutput, RequestOutput
 from duet.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -37,7 +40,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in order. A prompt is text or a list of token ids."""
+        """One ``RequestOutput`` per prompt, in order. A prompt is text or a list of token ids;
+        each of its ``n`` completions is a sequence of its own in the engine."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -48,16 +52,12 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        order = []
+        requests = []
         for prompt, params in zip(prompts, params_list):
-            request_id = str(next(self._ids))
-            if isinstance(prompt, str):
-                token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=True)
-                self.engine.add_request(request_id, token_ids, params, prompt=prompt)
-            else:
-                self.engine.add_request(request_id, list(prompt), params)
-            order.append(request_id)
-        return self._run(order)
+            text = prompt if isinstance(prompt, str) else None
+            token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
+            requests.append(_Request(str(next(self._ids)), text, token_ids, params))
+        return self._run(requests)
 
     def chat(
         self,
@@ -73,17 +73,53 @@ class LLM:
         encoded = self.engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
-    def _run(self, order: list[str]) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, requests: list[_Request]) -> list[RequestOutput]:
+        engine = self.engine
+        tokenizer = engine.tokenizer.backend_tokenizer
+        sequences: dict[str, tuple[_Request, SequenceText]] = {}
         try:
-            while len(finished) < len(order):
-                for output in self.engine.step():
-                    if output.error is not None:
-                        raise RequestFailedError(f"request {output.request_id}: {output.error}")
-                    if output.finished:
-                        finished[output.request_id] = output
-        except BaseException:
-            for request_id in order:
-                self.engine.abort_request(request_id)
-            raise
-        return [finished[request_id] for request_id in order]
+            for request in requests:
+                for index in range(request.params.n):
+                    sequence_id = f"{request.request_id}#{index}"
+                    engine.add_request(EngineRequest(sequence_id, request.prompt_token_ids, request.params.choice(index)))
+                    sequences[sequence_id] = (request, SequenceText.start(tokenizer, request.params))
+                    request.sequences.append(sequences[sequence_id][1])
+            unfinished = set(sequences)
+            while unfinished:
+                for delta in engine.step():
+                    request, sequence = sequences[delta.request_id]
+                    if delta.error is not None:
+                        raise RequestFailedError(f"request {request.request_id}: {delta.error}")
+                    request.num_cached_tokens[delta.request_id] = delta.num_cached_tokens
+                    sequence.add(delta)
+                    request.metrics.setdefault("first_token_time", time.monotonic())
+                    if sequence.finished:
+                        request.metrics["finished_time"] = time.monotonic()
+                        if not delta.finished:
+                            engine.abort_request(delta.request_id)  # a stop string: the engine knows no text
+                        unfinished.discard(delta.request_id)
+        finally:
+            for sequence_id in sequences:
+                engine.abort_request(sequence_id)
+        return [request.output() for request in requests]
+
+
+class _Request:
+    """A prompt and its ``n`` sequences, gathered into one ``RequestOutput``."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.sequences: list[SequenceText] = []
+        self.num_cached_tokens: dict[str, int] = {}  # per sequence: prompt tokens found in the prefix cache
+        self.metrics: dict[str, float] = {}
+
+    def output(self) -> RequestOutput:
+        completions = [
+            CompletionOutput(index, sequence.text, sequence.token_ids, sequence.finish_reason, sequence.stop_reason, sequence.logprobs)
+            for index, sequence in enumerate(self.sequences)
+        ]
+        num_cached = min(self.num_cached_tokens.values(), default=0)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True, num_cached, self.metrics)

@@ -6,37 +6,64 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from duet.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    """Where one decode worker's KV receiver takes announcements (its TCPStore)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prefill replica ships a request's prompt KV. The decode replica picks it, with the
+    blocks reserved, before the prefill starts, so the transfer overlaps the prefill."""
+
+    transfer_id: int
+    endpoints: tuple[KVEndpoint, ...]  # one per decode worker
+    replica_id: str
+
 
 @dataclass
-class StreamDelta:
-    """New output of one sequence since the previous delta."""
+class EngineRequest:
+    """One sequence for an engine, as the router hands it to a replica (token ids, never text).
 
-    text: str
+    ``output_token_ids``: tokens generated before, elsewhere (a request resumed after its KV was
+    lost); the engine recomputes their KV and goes on from them. ``kv_send``: a prefill
+    replica's request: ship the prompt's KV there and stop after the first token. ``kv_receive``:
+    a decode replica's request whose prompt KV (and first token) come from a prefill replica.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    kv_send: KVDestination | None = None
+    kv_receive: bool = False
+
+
+@dataclass
+class TokenDelta:
+    """What an engine produced for one sequence since its previous delta.
+
+    ``finished``: the engine is done with the sequence. ``finish_reason`` is the sequence's own
+    (None while it goes on, here or on the decode replica its KV went to). ``error`` says why the
+    engine failed it; ``kv_lost`` marks the failure of a prompt KV that never arrived (the
+    router may compute the prompt elsewhere).
+    """
+
+    request_id: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-
-
-@dataclass
-class PrefillReply:
-    """A prefill replica's answer: the first token and, when the request goes on, the
-    ``KVHandle`` (as a dict) that a decode replica pulls the KV with."""
-
-    first: StreamDelta
-    kv_handle: dict | None
-    replica_id: str
-
-
-@dataclass
-class KVTarget:
-    """The decode replica's reply to a ``KVHandle``: where the prefill replica must send the KV."""
-
-    replica_id: str
-    transfer_id: int
-    endpoint: dict
-    pair_key: str
+    error: str | None = None
+    kv_lost: bool = False
 
 
 # Replicas report their stats every 0.5 s, even mid-step; one silent this long is taken for dead.
@@ -73,20 +100,9 @@ class ReplicaStats:
     reported_at: float = 0.0  # time.time() on the replica; a replica that stops reporting is gone
 
     @classmethod
-    def collect(cls, stage: str, replica_id: str, engine, transfer, **extra) -> ReplicaStats:
-        """Read an ``LLMEngine``'s counters and a sender's or receiver's ``TransferStats``."""
-        return cls(
-            stage=stage,
-            replica_id=replica_id,
-            reported_at=time.time(),
-            **engine.stats(),
-            transfer_bytes=transfer.bytes,
-            transfers=transfer.transfers,
-            transfer_failures=transfer.failures,
-            transfers_cancelled=transfer.cancelled,
-            transfer_seconds=transfer.seconds,
-            **extra,
-        )
+    def collect(cls, stage: str, replica_id: str, engine, **extra) -> ReplicaStats:
+        """Read an ``LLMEngine``'s counters (its KV transfers' among them)."""
+        return cls(stage=stage, replica_id=replica_id, reported_at=time.time(), **engine.stats(), **extra)
 
     @property
     def kv_usage(self) -> float:
@@ -96,51 +112,3 @@ class ReplicaStats:
     def spec_mean_accepted_length(self) -> float:
         """Tokens emitted per verified draft (the accepted ones plus the target's own); 0 before any."""
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
-
-
-class DeltaCursor:
-    """Turns one sequence's cumulative outputs into deltas; starts after what was already sent
-    (a transferred request's first token and its text went out from the prefill replica)."""
-
-    def __init__(self, num_sent_tokens: int = 0, num_sent_chars: int = 0) -> None:
-        self.num_sent_tokens = num_sent_tokens
-        self.num_sent_chars = num_sent_chars
-        self.num_sent_logprobs = 0
-
-    def advance(self, completion, num_cached_tokens: int = 0) -> StreamDelta:
-        """``completion`` is a cumulative ``CompletionOutput``."""
-        token_ids = completion.token_ids[self.num_sent_tokens :]
-        text = completion.text[self.num_sent_chars :]  # empty while held-back text is shorter
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = completion.logprobs[self.num_sent_logprobs :]
-            self.num_sent_logprobs = len(completion.logprobs)
-        self.num_sent_tokens = len(completion.token_ids)
-        self.num_sent_chars = max(self.num_sent_chars, len(completion.text))
-        return StreamDelta(text, token_ids, logprobs, completion.finish_reason, completion.stop_reason, num_cached_tokens)
-
-
-class InvalidRequestError(ValueError):
-    """A replica refused the request as given (HTTP 400); the message says what to change."""
-
-
-class ReplicaFullError(RuntimeError):
-    """The replica has no KV room for this request right now; another replica or a later try may."""
-
-
-class KVTransferFailedError(RuntimeError):
-    """The prompt's KV never reached the decode replica and its policy is to fail the request."""
-
-
-class ReplicaGoneError(RuntimeError):
-    """A call pinned to a replica that no longer runs; what it held there is gone with it."""
-
-    @classmethod
-    def check(cls, replica_id: str, here: str) -> None:
-        """Refuse a pinned call that Serve routed here because its replica is gone."""
-        if replica_id != here:
-            raise cls(f"replica {replica_id} is gone")
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed on this request, with it alone in a step; the others went on (HTTP 500)."""

@@ -1,51 +1,23 @@
-"""Turns a ``SchedulerOutput`` into one forward pass and sampled tokens.
+"""Turns a ``SchedulerOutput`` into one forward pass and sampled tokens, on one worker.
 
-The runner keeps its own copy of each request's tokens and block table, updated from the
-scheduler's diffs, so it can later live on a worker actor of its own.
+The runner keeps its own copy of each request's tokens and block table (``runner_state``),
+updated from the scheduler's diffs: the scheduler's block table is the only authority.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from duet.config import SpeculativeConfig
 from duet.model_inputs import BatchInputs, Span, build_batch
 from duet.outputs import RunnerOutput, SchedulerOutput
+from duet.runner_state import CachedRequestState
 from duet.sampler import Sampler, advance_generator, build_sampling_metadata, make_generator
-from duet.sampling_params import SamplingParams
 from duet.spec_decode.decoder import SpeculativeDecoder
 from duet.spec_decode.proposers import ModelProposer, NgramProposer
-
-
-@dataclass
-class CachedRequestState:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def token_slice(self, start: int, end: int) -> list[int]:
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
 
 class ModelRunner:
@@ -76,13 +48,6 @@ class ModelRunner:
         if speculative_config is not None:
             proposer = _make_proposer(speculative_config, self, draft_model, num_blocks, kv_dtype)
             self.spec = SpeculativeDecoder(speculative_config, proposer, self.vocab_size, max_model_len, eos_token_id)
-        # Called as (layer index, ids of requests whose prompt KV completes this step).
-        self.layer_listener: Callable[[int, list[str]], None] | None = None
-
-    @staticmethod
-    def kv_bytes_per_block(arch, block_size: int, kv_dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=kv_dtype).element_size()
-        return arch.num_layers * 2 * arch.num_kv_heads * block_size * arch.head_dim * element
 
     def forget(self, request_ids) -> None:
         """Drop what the runner holds of these requests; one it meets again is sent whole."""
@@ -115,6 +80,7 @@ class ModelRunner:
             )
         for cached in scheduler_output.cached_requests:
             state = self.requests[cached.request_id]
+            del state.block_ids[cached.num_kept_blocks :]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -157,21 +123,10 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _layer_callback(self, scheduler_output: SchedulerOutput) -> Callable[[int], None] | None:
-        if self.layer_listener is None:
-            return None
-        completing = []
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            state = self.requests[request_id]
-            if state.num_computed_tokens < len(state.prompt_token_ids) <= state.num_computed_tokens + num_tokens:
-                completing.append(request_id)
-        if not completing:
-            return None
-        listener = self.layer_listener
-        return lambda layer: listener(layer, completing)
-
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None) -> RunnerOutput:
+        """One forward over the step's tokens, then sampling (and drafts for the next step).
+        ``on_layer_done(i)`` is called once layer ``i``'s KV is in the cache."""
         self._update_states(scheduler_output)
         request_ids = list(scheduler_output.num_scheduled_tokens)
         if not request_ids:
@@ -179,8 +134,7 @@ class ModelRunner:
         started = time.perf_counter()
         batch, logits_rows, row_owners = self._prepare_inputs(scheduler_output)
         logits = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows,
-            self._layer_callback(scheduler_output),
+            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done,
         )
         sampled, logprobs = self._sample(logits, row_owners, scheduler_output.scheduled_spec_token_ids)
         if self.spec is not None:
@@ -197,10 +151,6 @@ class ModelRunner:
         if self.spec is not None and sampled:
             states = [self.requests[request_id] for request_id in sampled]
             draft_token_ids = self.spec.propose(states, len(request_ids))
-        for request_id in scheduler_output.scheduled_spec_token_ids:
-            # The scheduler frees the same blocks: the slots of rejected drafts past the last token.
-            state = self.requests[request_id]
-            del state.block_ids[-(-state.num_tokens // self.block_size) :]
         return RunnerOutput(
             request_ids=request_ids,
             sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],

@@ -1,10 +1,56 @@
-"""Messages between scheduler and runner, and the results users get. Lists, not tensors."""
+"""Messages between scheduler and workers, and the results users get. Lists, not tensors."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from duet.messages import KVEndpoint
 from duet.sampling_params import SamplingParams
+
+
+@dataclass
+class KVSendSpec:
+    """Ship this request's prompt KV, layer run by layer run, as this step's forward writes it."""
+
+    request_id: str
+    transfer_id: int
+    endpoints: tuple[KVEndpoint, ...]
+    num_blocks: int
+
+
+@dataclass
+class KVReceiveSpec:
+    """The prompt KV of this request is on its way: take it into these blocks."""
+
+    request_id: str
+    transfer_id: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the scheduler side of the KV connector asks the workers' side to start or stop."""
+
+    sends: list[KVSendSpec] = field(default_factory=list)
+    receives: list[KVReceiveSpec] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)  # transfer ids whose request went away
+
+    def __bool__(self) -> bool:
+        return bool(self.sends or self.receives or self.cancels)
+
+
+@dataclass
+class KVTransferResult:
+    """How a transfer ended, as the workers report it. A received one carries the first token
+    the prefill replica sampled; ``cancelled``: its request was aborted, not a failure."""
+
+    transfer_id: int
+    ok: bool
+    first_token_id: int | None = None
+    error: str | None = None
+    cancelled: bool = False
+    num_bytes: int = 0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -21,11 +67,14 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A request the runner already holds: only what changed."""
+    """A request the runner already holds: only what changed. Its block table keeps its first
+    ``num_kept_blocks`` entries (the scheduler freed the rest: slots of rejected drafts), then
+    gains ``new_block_ids``."""
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    num_kept_blocks: int
 
 
 @dataclass
@@ -39,6 +88,7 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     # Draft tokens to verify, per request; they are the last of its scheduled tokens.
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -61,6 +111,7 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]]] | None = None
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_results: list[KVTransferResult] = field(default_factory=list)
 
 
 @dataclass
@@ -89,5 +140,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # the engine failed on this request (and only on it); it is finished
+    metrics: dict[str, float] = field(default_factory=dict)  # first_token_time, finished_time (monotonic)

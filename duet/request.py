@@ -5,21 +5,25 @@ from __future__ import annotations
 import enum
 import time
 
+from duet.messages import KVDestination
 from duet.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved, its prompt's KV on its way
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_REMOTE = "remote"  # its first token is out; the sequence goes on where its KV went
     FINISHED_ERROR = "error"  # a step failed with this request alone in it
+    FINISHED_KV_LOST = "kv_lost"  # its prompt's KV never arrived
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self.value in ("stop", "length", "abort", "remote", "error", "kv_lost")
 
 
 class Request:
@@ -27,6 +31,7 @@ class Request:
 
     There is no prefill or decode phase: ``num_computed_tokens`` (tokens whose KV is in the
     cache) catches up with ``num_tokens`` (prompt plus output so far), a chunk at a time.
+    ``output_token_ids`` may start non-empty: tokens generated elsewhere, recomputed here.
     """
 
     def __init__(
@@ -35,6 +40,8 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None,
+        output_token_ids: list[int] | None = None,
+        kv_send: KVDestination | None = None,
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
@@ -42,15 +49,23 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        # Output tokens already reported (given at arrival, or sent out by the prefill replica).
+        self.num_emitted_tokens = len(self.output_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
         # Proposed continuation, verified by the target at this request's next step.
         self.spec_token_ids: list[int] = []
+        # Prefill role: ship the prompt's KV here, and stop after the first token.
+        self.kv_send = kv_send
+        self.remote_decode = kv_send is not None
+        # Decode role: the transfer bringing the prompt's KV.
+        self.kv_receive_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,15 +83,13 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
-    def truncate_output(self, num_output_tokens: int) -> None:
-        """Drop output tokens past the first ``num_output_tokens`` (emitted in the same step as a stop)."""
-        del self.output_token_ids[num_output_tokens:]
-        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
-
     @property
     def is_finished(self) -> bool:
         return self.status.finished
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+        """The sequence's own reason; None while it goes on, here or on another replica."""
+        if not self.status.finished or self.status == RequestStatus.FINISHED_REMOTE:
+            return None
+        return self.status.value

@@ -6,19 +6,40 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from duet.errors import InvalidRequestError
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this temperature sampling is greedy: its limit as the temperature goes to 0 (dividing
 # logits by less would overflow float32 and turn the probabilities into NaN).
 GREEDY_TEMPERATURE = 1e-5
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(InvalidRequestError):
     """A sampling setting is out of range; the message says which and what is allowed, ``param``
     names the setting."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, with the tokens asked for, does not fit the model's context."""
+
+
+def fit_to_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The tokens a request may generate: ``max_tokens``, or all the room the prompt leaves.
+    The one length rule, applied by the router at the edge and by the engine."""
+    if num_prompt_tokens == 0:
+        raise ContextLengthError("the prompt is empty; send at least one token", "prompt")
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"the prompt has {num_prompt_tokens} tokens but this model's maximum context length is {max_model_len}; "
+            "shorten the prompt so at least one token can be generated", "prompt",
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise ContextLengthError(
+            f"max_tokens={max_tokens} is too large: the {num_prompt_tokens}-token prompt leaves {room} of the "
+            f"{max_model_len}-token context", "max_tokens",
+        )
+    return room if max_tokens is None else max_tokens
 
 
 @dataclass(frozen=True)
@@ -26,8 +47,11 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature=0`` (or anything below ``GREEDY_TEMPERATURE``) is greedy. ``seed`` makes one
-    request's samples reproducible whatever else shares its batch. ``logprobs=k`` returns the top-k log-probabilities of each
-    generated token (plus the sampled one). ``n`` completions share the prompt's KV blocks.
+    request's samples reproducible whatever else shares its batch. ``logprobs=k`` returns the
+    top-k log-probabilities of each generated token (plus the sampled one). ``n`` completions
+    are fanned out before the engine (``choice``), and share the prompt's KV through the prefix
+    cache. ``stop`` strings and the text options act where text is made (the router, ``LLM``);
+    the engine stops on token ids (EOS, ``stop_token_ids``, ``max_tokens``).
     """
 
     n: int = 1

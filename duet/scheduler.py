@@ -7,6 +7,10 @@ its own, so verification counts against the same budget.
 
 A step that fails is rolled back (``reset_step``): its requests start over from the prefix
 cache, one at a time, until the one that fails alone is found and failed; the others go on.
+
+Prompt KV computed on another replica arrives through the KV connector (``duet.kv_connector``):
+such a request waits, with its blocks reserved, until its KV is in, then joins the batch with
+its first token. A request whose KV goes to another replica stops after its first token.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 from collections import deque
 
 from duet.kv_cache_manager import KVCacheManager
+from duet.kv_connector import KVConnectorScheduler
 from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from duet.request import Request, RequestStatus
 from duet.spec_decode.stats import SpecDecodingStats
@@ -35,6 +40,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.kv_connector = KVConnectorScheduler(kv_cache_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -57,13 +63,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def add_prefilled_request(self, request: Request) -> None:
-        """A request that already holds blocks with its prompt's KV and knows its first token."""
+    def add_remote_request(self, request: Request, transfer_id: int) -> bool:
+        """A request whose prompt KV another replica computes and sends as ``transfer_id``: its
+        blocks are reserved now (False: no room). It joins the batch once the KV is in."""
+        if not self.kv_connector.reserve(request, transfer_id):
+            return False
         self.requests[request.request_id] = request
-        self.prefilled.append(request)
+        return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilled)
+        return bool(self.waiting or self.running or self.prefilled or self.kv_connector.num_in_flight)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -94,6 +103,7 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             new_blocks[request.request_id] = [block.block_id for block in blocks]
+            self._maybe_start_send(request, num_new)
             if num_new > num_uncomputed:
                 spec_tokens[request.request_id] = request.spec_token_ids[: num_new - num_uncomputed]
             budget -= num_new
@@ -133,9 +143,17 @@ class Scheduler:
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
             self.running.append(request)
             num_scheduled[request.request_id] = num_new
+            self._maybe_start_send(request, num_new)
             budget -= num_new
 
         return self._build_output(num_scheduled, new_blocks, preempted, spec_tokens)
+
+    def _maybe_start_send(self, request: Request, num_new: int) -> None:
+        """A request whose KV goes to another replica starts shipping in the step that computes
+        its prompt's last chunk."""
+        if request.kv_send is not None and request.num_computed_tokens + num_new >= request.num_prompt_tokens:
+            if not self.kv_connector.sending(request):
+                self.kv_connector.start_send(request)
 
     def _may_run(self, request: Request) -> bool:
         """While a failed step's requests are being rerun, only the first of them runs."""
@@ -172,12 +190,16 @@ class Scheduler:
                 )
                 self._runner_known.add(request_id)
             else:
+                # The scheduler's block table is the runner's: what it kept, then what is new.
+                num_kept = len(self.kv_cache_manager.block_ids(request_id)) - len(new_blocks[request_id])
                 cached_requests.append(
-                    CachedRequestData(request_id, new_blocks[request_id], request.num_computed_tokens)
+                    CachedRequestData(request_id, new_blocks[request_id], request.num_computed_tokens, num_kept)
                 )
         finished, self._finished_ids = self._finished_ids, set()
         self._runner_known -= preempted
-        return SchedulerOutput(new_requests, cached_requests, num_scheduled, finished, preempted, spec_tokens)
+        return SchedulerOutput(
+            new_requests, cached_requests, num_scheduled, finished, preempted, spec_tokens, self.kv_connector.take_metadata()
+        )
 
     def _preempt(self, request: Request) -> None:
         self._restart(request)
@@ -193,9 +215,10 @@ class Scheduler:
         )
 
     def _restart(self, request: Request) -> None:
-        """Free the request's blocks; it computes again from its prefix-cache hits when next admitted."""
-        self.kv_cache_manager.free(request)
+        """Give back the request's blocks; it computes again from its prefix-cache hits when next
+        admitted (a transfer of its KV under way is cancelled)."""
         request.status = RequestStatus.PREEMPTED
+        self.kv_connector.release_or_hold(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
 
@@ -225,7 +248,8 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, stop what is done, take the next drafts
-        and free the slots of rejected ones. Returns requests that got tokens."""
+        and free the slots of rejected ones; admit requests whose prompt KV arrived. Returns the
+        requests that got tokens or ended."""
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
@@ -252,10 +276,34 @@ class Scheduler:
             if not request.is_finished:
                 request.spec_token_ids = runner_output.draft_token_ids.get(request_id, [])
                 if drafts:
-                    # The runner frees the same blocks: those past the last token, holding only rejected drafts.
+                    # Past the last token the blocks hold only rejected drafts (the runner hears next step).
                     self.kv_cache_manager.trim(request, request.num_tokens)
             changed.append(request)
-        return changed
+        return changed + self._finish_transfers(runner_output)
+
+    def _finish_transfers(self, runner_output: RunnerOutput) -> list[Request]:
+        """Requests whose prompt KV arrived join the batch after their first token (unless that
+        token ends them); those whose KV was lost fail. Returns the ones that ended."""
+        arrived, lost = self.kv_connector.finished_transfers(runner_output.kv_results)
+        ended = []
+        for request, first_token_id in arrived:
+            request.num_computed_tokens = request.num_prompt_tokens
+            self.kv_cache_manager.cache_received(request)
+            request.append_output_token_ids([first_token_id])
+            request.num_emitted_tokens += 1  # the prefill replica sent it out
+            status = self._check_stop(request)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                ended.append(request)
+            else:
+                request.status = RequestStatus.WAITING
+                self.prefilled.append(request)
+        for request, error in lost:
+            logger.warning("the prompt KV of request %s did not arrive: %s", request.request_id, error)
+            request.error = f"the prompt's KV did not arrive: {error}"
+            self.finish_request(request.request_id, RequestStatus.FINISHED_KV_LOST)
+            ended.append(request)
+        return ended
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -270,10 +318,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if request.remote_decode:
+            return RequestStatus.FINISHED_REMOTE
         return None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
-        """Stop a request (done, stopped by a stop string, or aborted) and free its blocks."""
+        """Stop a request (done, failed or aborted) and give back its blocks (held first, while a
+        transfer may still use them)."""
         request = self.requests.pop(request_id, None)
         if request is None or request.is_finished:
             return
@@ -284,7 +335,7 @@ class Scheduler:
         elif request in self.prefilled:
             self.prefilled.remove(request)
         request.status = status
-        self.kv_cache_manager.free(request)
+        self.kv_connector.release_or_hold(request)
         if request_id in self.suspects:
             self.suspects.remove(request_id)
         if request_id in self._runner_known:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import datetime
 import json
 import socket
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from duet.kv_transfer.spec import KVSpec
+from duet.messages import KVEndpoint
 
 RECEIVER_RANK = 0
 SENDER_RANK = 1
@@ -25,24 +25,6 @@ SENDER_RANK = 1
 
 class PeerUnreachableError(RuntimeError):
     """The other replica did not join the group in time."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where a receiver's store listens; travels in the handshake, small and picklable."""
-
-    host: str
-    port: int
-
-
-def resolve_host(host: str) -> str:
-    """A configured transfer address; ``auto`` is this node's address in the Ray cluster (each
-    replica resolves it where it runs)."""
-    if host != "auto":
-        return host
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
@@ -60,7 +42,7 @@ def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) 
     )
 
 
-def connect_store(endpoint: Endpoint, timeout_s: float = 30.0) -> dist.TCPStore:
+def connect_store(endpoint: KVEndpoint, timeout_s: float = 30.0) -> dist.TCPStore:
     return dist.TCPStore(
         endpoint.host, endpoint.port, None, False, timeout=datetime.timedelta(seconds=timeout_s)
     )

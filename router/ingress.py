@@ -23,7 +23,8 @@ from ray.exceptions import RayActorError
 from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from duet.messages import InvalidRequestError, KVTransferFailedError
+from duet.detokenizer import SequenceText
+from duet.errors import InvalidRequestError, KVTransferFailedError, RequestFailedError
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator, PoolUnavailableError
@@ -31,7 +32,7 @@ from duet.router.protocol import ChatCompletionRequest, CompletionRequest, parse
 from duet.router.responses import Choice, ResponseBuilder, error_body, sse
 from duet.router.routing import live_replicas, pool_size, pool_stats, replica_ids
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
-from duet.sampling_params import SamplingParams, SamplingParamsError
+from duet.sampling_params import SamplingParams, fit_to_context
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +85,14 @@ def _api_error_from(error: Exception) -> ApiError:
         return error
     # An error raised in a replica arrives wrapped (an instance of both RayTaskError and the
     # original class); its ``cause`` carries the message without the remote traceback.
-    message = str(getattr(error, "cause", None) or error)
+    cause = getattr(error, "cause", None) or error
+    message = str(cause)
     if isinstance(error, InvalidRequestError):
-        return bad_request(message)
+        return bad_request(message, getattr(cause, "param", None))
     if isinstance(error, (PoolUnavailableError, KVTransferFailedError)):
         return ApiError(503, message, "service_unavailable", retry_after=1)
+    if isinstance(error, RequestFailedError):
+        return ApiError(500, message, "internal_server_error")
     if isinstance(error, RayActorError):
         return ApiError(503, "a replica serving this request went away; retry it", "service_unavailable", retry_after=1)
     incident = uuid.uuid4().hex[:12]
@@ -119,7 +123,7 @@ class _Run:
         return builder.usage(sum(len(prompt) for prompt in self.encoded), self.choices, self.num_cached_tokens)
 
     async def deltas(self):
-        """Yields ``(choice index, StreamDelta)`` as any sequence produces output."""
+        """Yields ``(choice index, TextDelta)`` as any sequence produces output."""
         merged: asyncio.Queue = asyncio.Queue()
         metrics = self.ingress.metrics
         tasks = [asyncio.create_task(self._pump(sequence, merged)) for sequence in self.sequences]
@@ -145,9 +149,12 @@ class _Run:
                 task.cancel()
 
     async def _pump(self, sequence: _Sequence, merged: asyncio.Queue) -> None:
+        """One sequence's token ids from the pools, made into text here; a stop string ends it
+        (leaving the ``async with`` aborts it in the pools, which know no text)."""
         _own_serve_request()
         prompt = self.encoded[sequence.prompt_index]
         sequence_id = f"{self.request_id}-{sequence.choice_index}"
+        text = SequenceText.start(self.ingress.tokenizer.backend, sequence.params)
         last = None
         try:
             async with aclosing(self.ingress.orchestrator.run(sequence_id, prompt, sequence.params)) as deltas:
@@ -159,7 +166,9 @@ class _Run:
                     last = now
                     if delta.num_cached_tokens and sequence.choice_index == 0:
                         self.num_cached_tokens = delta.num_cached_tokens
-                    merged.put_nowait((sequence.choice_index, delta))
+                    merged.put_nowait((sequence.choice_index, text.add(delta)))
+                    if text.finished:
+                        break
             merged.put_nowait(None)
         except Exception as error:  # noqa: BLE001 - handed to the consumer
             merged.put_nowait(error)
@@ -179,6 +188,7 @@ class RouterIngress:
         max_model_len: int,
         block_size: int,
         local_prefill_threshold: int,
+        on_transfer_failure: str,
         max_running_sequences: int,
         max_queued_requests: int,
         max_prompts_per_request: int,
@@ -193,8 +203,8 @@ class RouterIngress:
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
         self.tokenizer = RouterTokenizer(model_dir)
-        self.pools = {"decode": decode} if prefill is None else {"prefill": prefill, "decode": decode}
-        self.orchestrator = Orchestrator(prefill, decode, block_size, local_prefill_threshold)
+        self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
+        self.orchestrator = Orchestrator(prefill, decode, block_size, local_prefill_threshold, on_transfer_failure)
         self.max_prompts_per_request = max_prompts_per_request
         self.admission = AdmissionQueue(max_running_sequences, max_queued_requests)
         self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission)
@@ -333,30 +343,13 @@ class RouterIngress:
                 raise bad_request("prompt must be a string, a list of strings, or lists of token ids", "prompt")
         return encoded
 
-    def _check_length(self, prompt_token_ids: list[int], max_tokens: int | None) -> int:
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise bad_request("the prompt is empty", "prompt")
-        if num_prompt >= self.max_model_len:
-            raise bad_request(
-                f"the prompt has {num_prompt} tokens but this model's maximum context length is {self.max_model_len}; "
-                "shorten the prompt", "prompt",
-            )
-        room = self.max_model_len - num_prompt
-        if max_tokens is not None and max_tokens > room:
-            raise bad_request(
-                f"max_tokens={max_tokens} is too large: the {num_prompt}-token prompt leaves {room} of the "
-                f"{self.max_model_len}-token context", "max_tokens",
-            )
-        return room if max_tokens is None else max_tokens
-
     def _sequences(self, body, encoded: list[list[int]], max_tokens: int | None, logprobs: int | None) -> list[_Sequence]:
         sequences = []
         for prompt_index, prompt_token_ids in enumerate(encoded):
-            budget = self._check_length(prompt_token_ids, max_tokens)
             try:
+                budget = fit_to_context(len(prompt_token_ids), max_tokens, self.max_model_len)
                 params = body.sampling_params(budget, logprobs)
-            except SamplingParamsError as error:
+            except InvalidRequestError as error:
                 raise bad_request(str(error), error.param) from None
             for index in range(body.n):
                 choice = prompt_index * body.n + index

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from duet.messages import StreamDelta
+from duet.detokenizer import TextDelta
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: int | None = None) -> dict:
@@ -29,7 +29,7 @@ class Choice:
     stop_reason: int | str | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (token id, top logprobs)
 
-    def add(self, delta: StreamDelta) -> None:
+    def add(self, delta: TextDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
@@ -84,7 +84,7 @@ class ResponseBuilder:
             body["token_ids"] = choice.token_ids
         return body
 
-    def chunk(self, index: int, delta: StreamDelta, first: bool, text_offset: int) -> dict:
+    def chunk(self, index: int, delta: TextDelta, first: bool, text_offset: int) -> dict:
         choice = {"index": index, "finish_reason": delta.finish_reason}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}

@@ -40,6 +40,11 @@ class RouterTokenizer:
             environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = environment.from_string(source)
 
+    @property
+    def backend(self) -> Tokenizer:
+        """The ``tokenizers`` tokenizer, for incremental detokenization."""
+        return self._tokenizer
+
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 

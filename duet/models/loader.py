@@ -72,8 +72,8 @@ def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch) -> dict[s
     return fused
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) -> LlamaForCausalLM:
-    """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``."""
+def read_arch(path: Path) -> LlamaArch:
+    """The model's shape from its config alone (no weights): what sizes the KV cache."""
     from transformers import AutoConfig
 
     raw_config = json.loads((path / "config.json").read_text())
@@ -82,7 +82,12 @@ def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) 
         raise ModelNotFoundError(f"{path}: architecture {architectures} is not supported; duet runs {SUPPORTED_ARCHITECTURES}")
     if raw_config.get("attention_bias") or raw_config.get("mlp_bias"):
         raise ModelNotFoundError(f"{path}: Llama variants with projection biases are not supported yet")
-    arch = LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    return LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(path)))
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) -> LlamaForCausalLM:
+    """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``."""
+    arch = read_arch(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions)
     model = model.to_empty(device=device)

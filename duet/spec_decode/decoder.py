@@ -13,7 +13,7 @@ from duet.spec_decode.policy import AcceptanceEstimate, StepCostModel, choose_dr
 from duet.spec_decode.rejection import one_hot_draft_probs, rejection_sample
 
 if TYPE_CHECKING:
-    from duet.model_runner import CachedRequestState
+    from duet.runner_state import CachedRequestState
     from duet.spec_decode.proposers import ModelProposer, NgramProposer
 
 # Acceptance assumed for a request with no verified drafts yet, before any request has any.

@@ -13,7 +13,7 @@ from duet.sampler import exponential_race, sampling_probs
 from duet.spec_decode.ngram import propose_ngram_tokens
 
 if TYPE_CHECKING:
-    from duet.model_runner import CachedRequestState
+    from duet.runner_state import CachedRequestState
 
 
 class NgramProposer:

@@ -88,3 +88,29 @@ def test_duet_up_exits_non_zero_with_the_reason_before_touching_ray(tmp_path, ca
     )
     assert main(["up", str(path)]) == 1
     assert "decode.num_replica: unknown setting" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"decode": {"engine": {"block_size": 32}}}, "prefill.engine.block_size=16 but decode.engine.block_size=32"),
+        ({"prefill": {"engine": {"dtype": "bfloat16"}}}, "prefill.engine.dtype=bfloat16 but decode.engine.dtype=float32"),
+    ],
+)
+def test_pools_that_could_not_exchange_kv_are_refused_at_deploy_time(args, message):
+    """Guards the silent failure: a block_size or dtype mismatch showed up only at the first
+    transfer, and the recompute policy then prefilled every prompt on the decode pool."""
+    with pytest.raises(AppConfigError) as error:
+        parse_args(args)
+    assert message in str(error.value) and "the pools exchange KV blocks" in str(error.value)
+
+
+def test_engine_settings_are_the_engines_own_fields_and_defaults():
+    from dataclasses import fields
+
+    from duet.cluster.config import EngineSettings
+    from duet.config import EngineArgs
+
+    engine_fields = {f.name: f.default for f in fields(EngineArgs) if f.name not in ("model", "kv_transfer_config")}
+    settings = EngineSettings()
+    assert {name: getattr(settings, name) for name in engine_fields} == engine_fields

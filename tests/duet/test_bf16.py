@@ -35,7 +35,7 @@ def _check_bf16(got: list[int], reference) -> bool:
 def test_bf16_tiny_llama_follows_transformers_bf16(tiny_llama_dir):
     references = hf_greedy(tiny_llama_dir, PROMPTS, 16, dtype=torch.bfloat16)
     llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=512)
-    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    assert llm.engine.executor.worker.runner.kv_cache.dtype == torch.bfloat16
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16))
     identical = [_check_bf16(o.outputs[0].token_ids, r) for o, r in zip(outputs, references)]
     assert sum(identical) >= len(PROMPTS) // 2, "most prompts should match bf16 transformers exactly"

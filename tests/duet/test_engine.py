@@ -6,8 +6,8 @@ import pytest
 
 from duet import LLM, SamplingParams
 from duet.config import ConfigError
-from duet.engine import RequestValidationError
-from duet.messages import RequestFailedError
+from duet.errors import InvalidRequestError, RequestFailedError
+from duet.messages import EngineRequest
 from duet.sampling_params import SamplingParamsError
 from tests.reference import compare_to_reference, hf_greedy
 
@@ -113,14 +113,14 @@ def test_logprobs_include_the_sampled_token(llm):
 
 def test_abort_mid_generation_frees_every_block(llm):
     engine = llm.engine
-    engine.add_request("abort-me", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=50))
+    engine.add_request(EngineRequest("abort-me", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=50)))
     for _ in range(3):
         engine.step()
     assert engine.kv_cache_manager.usage > 0
     engine.abort_request("abort-me")
     engine.step()
     engine.check_integrity()
-    assert engine.runner.requests == {}
+    assert engine.executor.worker.runner.requests == {}
 
 
 @pytest.mark.parametrize(
@@ -128,12 +128,12 @@ def test_abort_mid_generation_frees_every_block(llm):
     [
         ([], SamplingParams(), "empty"),
         ([1, 2, 49152], SamplingParams(), "integers in"),
-        (list(range(512)), SamplingParams(), "max_model_len is 512"),
-        ([1, 2, 3], SamplingParams(max_tokens=600), "max_tokens=600 exceeds max_model_len=512"),
+        (list(range(512)), SamplingParams(), "maximum context length is 512"),
+        ([1, 2, 3], SamplingParams(max_tokens=600), "max_tokens=600 is too large: the 3-token prompt leaves 509"),
     ],
 )
 def test_bad_requests_are_refused_with_a_reason(llm, prompt, params, message):
-    with pytest.raises(RequestValidationError, match=message):
+    with pytest.raises(InvalidRequestError, match=message):
         llm.generate([prompt], params)
     llm.engine.check_integrity()
 
@@ -188,7 +188,7 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, max_num_batched_tokens=64)
     undisturbed = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
     llm.engine.kv_cache_manager.block_pool.reset_prefix_cache()
-    runner = llm.engine.runner
+    runner = llm.engine.executor.worker.runner
     build = runner._sampling_metadata
 
     def poisoned(request_ids):
@@ -199,18 +199,19 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
     runner._sampling_metadata = poisoned
     engine = llm.engine
     for index, prompt in enumerate(PROMPTS):
-        engine.add_request(f"good-{index}", prompt, _greedy())
-    engine.add_request("bad", PROMPTS[3], _greedy())
-    finished = {}
+        engine.add_request(EngineRequest(f"good-{index}", prompt, _greedy()))
+    engine.add_request(EngineRequest("bad", PROMPTS[3], _greedy()))
+    tokens, errors = {}, {}
     for _ in range(200):
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            if delta.finished:
+                errors[delta.request_id] = delta.error
         if not engine.has_unfinished_requests():
             break
-    assert finished["bad"].error == "the engine failed on this request (ValueError: Overflow when unpacking long long)"
-    assert [finished[f"good-{index}"].outputs[0].token_ids for index in range(len(PROMPTS))] == undisturbed
-    assert all(finished[f"good-{index}"].error is None for index in range(len(PROMPTS)))
+    assert errors.pop("bad") == "the engine failed on this request (ValueError: Overflow when unpacking long long)"
+    assert [tokens[f"good-{index}"] for index in range(len(PROMPTS))] == undisturbed
+    assert set(errors.values()) == {None}
     engine.check_integrity()
     runner._sampling_metadata = build
     again = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
@@ -219,11 +220,12 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
 
 def test_offline_generate_raises_for_a_request_the_engine_failed(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512)
-    build = llm.engine.runner._sampling_metadata
-    llm.engine.runner._sampling_metadata = lambda request_ids: (_ for _ in ()).throw(RuntimeError("broken"))
+    runner = llm.engine.executor.worker.runner
+    build = runner._sampling_metadata
+    runner._sampling_metadata = lambda request_ids: (_ for _ in ()).throw(RuntimeError("broken"))
     with pytest.raises(RequestFailedError, match="RuntimeError: broken"):
         llm.generate([PROMPTS[0]], _greedy())
-    llm.engine.runner._sampling_metadata = build
+    runner._sampling_metadata = build
     assert llm.generate([PROMPTS[0]], _greedy(max_tokens=2))[0].outputs[0].finish_reason == "length"
     llm.engine.check_integrity()
 
@@ -248,3 +250,23 @@ def test_unknown_model_names_the_aliases():
 
     with pytest.raises(ModelNotFoundError, match="not a known alias"):
         LLM(model="no-such-model")
+
+
+@pytest.mark.slow
+def test_workers_as_ray_actors_give_the_in_process_tokens(tiny_llama_dir):
+    """The executor seam: the same engine with its worker in a Ray actor (the backend a replica's
+    TP/PP ranks use) gives the in-process executor's tokens, and its failed steps recover alike."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512, distributed_executor_backend="ray")
+        local = LLM(model=str(tiny_llama_dir), num_kv_blocks=256, max_model_len=512)
+        params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, n=2)
+        assert [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)] == [
+            [c.token_ids for c in o.outputs] for o in local.generate(PROMPTS, params)
+        ]
+        llm.engine.check_integrity()
+        llm.engine.close()
+    finally:
+        ray.shutdown()

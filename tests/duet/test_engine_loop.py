@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import pytest
 
 from duet.engine_loop import EngineLoop, EngineLoopError
-from duet.messages import DeltaCursor
 
 
 @dataclass
@@ -77,23 +76,3 @@ def test_a_failing_step_reports_to_every_subscriber_and_the_loop_goes_on():
         asyncio.run(scenario())
     finally:
         loop.stop()
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-
-
-def test_delta_cursor_skips_what_the_prefill_replica_already_sent():
-    cursor = DeltaCursor(num_sent_tokens=1, num_sent_chars=len("Hel"))
-    first = cursor.advance(Completion("Hello", [7, 8], logprobs=[{8: -0.1}]))
-    assert (first.text, first.token_ids, first.logprobs) == ("lo", [8], [{8: -0.1}])
-    # Held-back text (a possible stop string) may shrink the visible text; nothing is resent.
-    held = cursor.advance(Completion("Hell", [7, 8, 9], logprobs=[{8: -0.1}, {9: -0.2}]))
-    assert (held.text, held.token_ids, held.logprobs) == ("", [9], [{9: -0.2}])
-    last = cursor.advance(Completion("Hello world", [7, 8, 9, 10], [{8: -0.1}, {9: -0.2}, {10: -0.3}], "stop"))
-    assert (last.text, last.token_ids, last.finish_reason) == (" world", [10], "stop")

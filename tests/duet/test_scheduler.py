@@ -6,42 +6,15 @@ reach its ``num_tokens`` (the end of its prompt, or a decode step), like ``Model
 
 from collections.abc import Callable
 
-import pytest
-
 from duet.kv_cache_manager import KVCacheManager
 from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from duet.request import Request, RequestStatus
 from duet.sampling_params import SamplingParams
 from duet.scheduler import Scheduler
+from tests.duet.conftest import BLOCK_SIZE
 
-BLOCK_SIZE = 4
 EOS = 2
 TOKEN = 7  # what the fake runner samples unless a test says otherwise
-
-
-@pytest.fixture
-def make_scheduler():
-    """Build schedulers; after the test, their KV bookkeeping must hold and idle ones must hold no block."""
-    made: list[Scheduler] = []
-
-    def make(
-        num_blocks: int = 32,
-        max_num_seqs: int = 8,
-        max_num_batched_tokens: int = 64,
-        max_model_len: int = 128,
-        enable_chunked_prefill: bool = True,
-        enable_caching: bool = True,
-    ) -> Scheduler:
-        manager = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
-        scheduler = Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill)
-        made.append(scheduler)
-        return scheduler
-
-    yield make
-    for scheduler in made:
-        scheduler.kv_cache_manager.check_integrity()
-        if not scheduler.has_unfinished_requests():
-            scheduler.kv_cache_manager.block_pool.check_integrity(expect_all_free=True)
 
 
 def _request(request_id: str, prompt: list[int] | int, **params) -> Request:
@@ -485,11 +458,11 @@ def test_new_requests_are_sent_whole_once_then_as_diffs_with_only_new_blocks(mak
 
     # 4 tokens fill block 0; the 5th token (scheduled at step 3) opens block 1.
     assert diffs == [
-        CachedRequestData("a", [], 3),
-        CachedRequestData("a", [1], 4),
-        CachedRequestData("a", [], 5),
-        CachedRequestData("a", [], 6),
-        CachedRequestData("a", [], 7),
+        CachedRequestData("a", [], 3, 1),
+        CachedRequestData("a", [1], 4, 1),
+        CachedRequestData("a", [], 5, 2),
+        CachedRequestData("a", [], 6, 2),
+        CachedRequestData("a", [], 7, 2),
     ]
     assert scheduler.requests == {}
 

@@ -21,7 +21,7 @@ def four_layer_llama(tmp_path_factory, smollm2_dir):
 
 def _recorded_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
     """Wrap the proposer to record (context, drafts) of every proposal."""
-    proposer = llm.engine.runner.spec.proposer
+    proposer = llm.engine.executor.worker.runner.spec.proposer
     recorded = []
     original = proposer.propose
 

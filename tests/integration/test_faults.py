@@ -320,3 +320,52 @@ def test_everything_a_local_cluster_starts_listens_on_loopback_only(cluster):
         if not (address.is_loopback or (mapped is not None and mapped.is_loopback)):
             exposed.append(listener)
     assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
+
+
+def _boundary_stop(text_pieces: list[str], boundary: int) -> str:
+    """Two characters on each side of the boundary between token ``boundary`` and the next."""
+    before = "".join(text_pieces[: boundary + 1])
+    return before[-2:] + text_pieces[boundary + 1][:2]
+
+
+@pytest.mark.parametrize("boundary", [0, 5], ids=["prefill|decode", "decode|decode"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_string_across_tokens_ends_the_text_where_offline_generation_does(cluster, boundary, stream):
+    """Guards the text moved to the router: a stop string made of the prefill replica's first
+    token and the decode replica's second (or of two decode steps) ends the output exactly where
+    the offline engine ends it, text and tokens, and the sequence stops in both pools."""
+    from duet import LLM, SamplingParams
+
+    llm = LLM(model=cluster.tiny_model_dir, max_model_len=1024, num_kv_blocks=256)
+    tokenizer = llm.get_tokenizer()
+    prompt = list(range(200, 240))
+    for attempt in range(20):  # a prompt whose text around the boundary is long enough to cut
+        prompt = [token + attempt for token in prompt]
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=20))[0].outputs[0]
+        pieces = [tokenizer.decode(free.token_ids[: index + 1])[len(tokenizer.decode(free.token_ids[:index])):] for index in range(20)]
+        if len("".join(pieces[: boundary + 1])) >= 2 and len(pieces[boundary + 1]) >= 2 and "".join(pieces) == free.text:
+            stop = _boundary_stop(pieces, boundary)
+            if free.text.index(stop) == len("".join(pieces[: boundary + 1])) - 2:
+                break
+    else:
+        pytest.skip("no prompt gave a usable boundary")
+    offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=20, stop=[stop]))[0].outputs[0]
+    assert offline.finish_reason == "stop" and offline.text == free.text[: free.text.index(stop)]
+    body = _greedy_body(prompt, 20, stream=stream) | {"stop": [stop]}
+
+    async def ask():
+        async with httpx.AsyncClient(timeout=60) as client:
+            if not stream:
+                return (await client.post(f"{cluster.stress_url}/v1/completions", json=body)).json()["choices"][0]
+            text, tokens, reason = "", [], None
+            async with client.stream("POST", f"{cluster.stress_url}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        choice = json.loads(line[6:])["choices"][0]
+                        text, tokens, reason = text + choice["text"], tokens + choice["token_ids"], choice["finish_reason"] or reason
+            return {"text": text, "token_ids": tokens, "finish_reason": reason}
+
+    choice = asyncio.run(ask())
+    assert (choice["text"], choice["finish_reason"]) == (offline.text, "stop")
+    assert choice["token_ids"] == offline.token_ids
+    assert _settled(cluster, cluster.stress_url)["ok"]

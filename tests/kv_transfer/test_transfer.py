@@ -10,10 +10,13 @@ import time
 import pytest
 import torch
 
-from duet.kv_transfer.group import Endpoint
+from duet.kv_connector import TransferCounters
+from duet.kv_transfer.progress import LayerProgress
+from duet.kv_transfer.receiver import KVReceiver
+from duet.kv_transfer.sender import KVSender
 from duet.kv_transfer.spec import KVSpec, KVSpecMismatchError
-from duet.kv_transfer.transfer import KVReceiver, KVSender, LayerProgress
 from duet.kv_transfer.wire import layer_runs, pack_layers, unpack_layers
+from duet.messages import KVEndpoint
 
 SHAPE = (3, 2, 2, 12, 4, 8)  # layers, K/V, kv heads, blocks, block size, head dim
 SPEC = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="float32")
@@ -24,28 +27,23 @@ def _sender_cache(shape=SHAPE) -> torch.Tensor:
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
 
 
-def _crash_after_announcing(pair, client, control, job) -> None:
-    """A sender that announces its transfer, joins the group, and dies before any data."""
+def _crash_mid_transfer(pair, group, job) -> None:
+    """A sender that has announced its transfer and joined the group dies before any data."""
     import os
 
-    from duet.kv_transfer.group import SENDER_RANK
-    from duet.kv_transfer.transfer import _announce
-
-    _announce(control, f"send {job.transfer_id} {job.num_blocks}")
-    pair.owner._group(client, pair.pair_key, SENDER_RANK)
     os._exit(1)
 
 
 def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | None) -> None:
     """A KVSender driven by commands from the test:
-    ("send", id, blocks, endpoint, key) ships ready blocks; ("stream", id, num_blocks, endpoint,
-    key) queues a transfer whose layers come later with ("mark", id, layers, blocks);
+    ("send", id, blocks, endpoint) ships ready blocks (first token: the id); ("stream", id,
+    num_blocks, endpoint) queues a transfer whose layers come later with ("mark", id, layers, blocks);
     ("cancel", id); ("await_start", id) answers once that transfer is under way; ("results",
     count) answers with the first ``count`` results."""
     if crash:
-        from duet.kv_transfer.transfer import _SenderPair
+        from duet.kv_transfer.sender import _SenderPair
 
-        _SenderPair._send = _crash_after_announcing
+        _SenderPair._send = _crash_mid_transfer
     if message_bytes is not None:
         import duet.kv_transfer.wire as wire
 
@@ -55,12 +53,12 @@ def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | No
     while True:
         command, *args = conn.recv()
         if command == "send":
-            transfer_id, block_ids, endpoint, pair_key = args
-            sender.send(transfer_id, endpoint, pair_key, LayerProgress.complete(shape[0], block_ids), len(block_ids))
+            transfer_id, block_ids, endpoint = args
+            sender.send(transfer_id, endpoint, LayerProgress.complete(shape[0], block_ids, transfer_id), len(block_ids))
         elif command == "stream":
-            transfer_id, num_blocks, endpoint, pair_key = args
+            transfer_id, num_blocks, endpoint = args
             progress[transfer_id] = LayerProgress(shape[0])
-            sender.send(transfer_id, endpoint, pair_key, progress[transfer_id], num_blocks, timeout_s=30)
+            sender.send(transfer_id, endpoint, progress[transfer_id], num_blocks, timeout_s=30)
         elif command == "mark":
             transfer_id, num_layers, block_ids = args
             progress[transfer_id].mark_ready(num_layers, block_ids)
@@ -102,12 +100,16 @@ def start_sender():
             process.kill()
 
 
-def _wait_results(receiver: KVReceiver, count: int, timeout_s: float = 30) -> dict[int, tuple[bool, str | None]]:
+def _wait_results(receiver: KVReceiver, count: int, timeout_s: float = 30, counters=None) -> dict[int, tuple[bool, str | None]]:
     results, deadline = {}, time.monotonic() + timeout_s
     while len(results) < count and time.monotonic() < deadline:
         for result in receiver.poll():
+            if counters is not None:
+                counters.count(result)
             assert result.transfer_id not in results, f"transfer {result.transfer_id} reported twice"
             results[result.transfer_id] = (result.ok, result.error)
+            if result.ok:  # the sender in these tests sends the transfer id as the first token
+                assert result.first_token_id == result.transfer_id
         time.sleep(0.01)
     return results
 
@@ -145,10 +147,12 @@ def test_transfers_sent_in_another_order_than_expected_all_arrive_intact(start_s
     conn = start_sender()
     jobs = [(1, [0, 1, 2], [4, 5, 6]), (2, [3], [7]), (3, [11, 10], [8, 9]), (4, [9], [10])]
     try:
-        keys = {transfer_id: receiver.expect(transfer_id, dst, "prefill-0") for transfer_id, _, dst in jobs}
+        for transfer_id, _, dst in jobs:
+            receiver.expect(transfer_id, dst)
         for transfer_id, src, _ in reversed(jobs):
-            conn.send(("send", transfer_id, src, receiver.endpoint, keys[transfer_id]))
-        results = _wait_results(receiver, len(jobs))
+            conn.send(("send", transfer_id, src, receiver.endpoint))
+        counters = TransferCounters()
+        results = _wait_results(receiver, len(jobs), counters=counters)
         conn.send(("results", len(jobs)))
         sender_results = conn.recv()
     finally:
@@ -157,7 +161,26 @@ def test_transfers_sent_in_another_order_than_expected_all_arrive_intact(start_s
     assert sorted(r[:2] for r in sender_results) == [(j[0], True) for j in jobs]
     for _, src, dst in jobs:
         _assert_arrived(receiver, src, dst)
-    assert receiver.stats.bytes == sum(len(j[1]) for j in jobs) * BLOCK_BYTES
+    assert counters.bytes == sum(len(j[1]) for j in jobs) * BLOCK_BYTES
+
+
+def test_an_announcement_before_its_expectation_waits_for_it(start_sender):
+    """The decode engine tells its workers what to expect between two steps; a prefill replica
+    quick enough announces its transfer first. The receiver waits for the expectation."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender()
+    try:
+        conn.send(("send", 7, [2, 3], receiver.endpoint))
+        time.sleep(1.0)
+        assert receiver.poll() == []
+        receiver.expect(7, [9, 10])
+        results = _wait_results(receiver, 1)
+        conn.send(("results", 1))
+        conn.recv()
+    finally:
+        receiver.close()
+    assert results == {7: (True, None)}
+    _assert_arrived(receiver, [2, 3], [9, 10])
 
 
 def test_a_cancelled_transfer_ends_at_once_and_the_pair_goes_on(start_sender):
@@ -167,13 +190,12 @@ def test_a_cancelled_transfer_ends_at_once_and_the_pair_goes_on(start_sender):
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
     conn = start_sender()
     try:
-        first = receiver.expect(1, [0, 1], "prefill-0")
+        receiver.expect(1, [0, 1])
         receiver.cancel(1)
         assert _wait_results(receiver, 1, timeout_s=1) == {1: (False, "cancelled")}
-        conn.send(("send", 1, [5, 6], receiver.endpoint, first))  # sent anyway: drained
-        second = receiver.expect(2, [3], "prefill-0")
-        assert second == first
-        conn.send(("send", 2, [7], receiver.endpoint, second))
+        conn.send(("send", 1, [5, 6], receiver.endpoint))  # sent anyway: drained
+        receiver.expect(2, [3])
+        conn.send(("send", 2, [7], receiver.endpoint))
         results = _wait_results(receiver, 1)
         conn.send(("results", 2))
         sender_results = dict((r[0], r[1]) for r in conn.recv())
@@ -194,15 +216,15 @@ def test_a_sender_that_gives_up_mid_stream_fails_only_that_transfer(start_sender
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
     conn = start_sender(message_bytes=1)
     try:
-        key = receiver.expect(1, [0, 1], "prefill-0")
-        conn.send(("stream", 1, 2, receiver.endpoint, key))
+        receiver.expect(1, [0, 1])
+        conn.send(("stream", 1, 2, receiver.endpoint))
         conn.send(("mark", 1, 1, [2, 3]))  # layer 0 computed and sent, then the request is aborted
         conn.send(("await_start", 1))
         assert conn.recv() == "started"
         conn.send(("cancel", 1))
         results = _wait_results(receiver, 1)
-        key = receiver.expect(2, [4], "prefill-0")
-        conn.send(("send", 2, [8], receiver.endpoint, key))
+        receiver.expect(2, [4])
+        conn.send(("send", 2, [8], receiver.endpoint))
         results |= _wait_results(receiver, 1)
         conn.send(("results", 2))
         sender_results = dict((r[0], r[1]) for r in conn.recv())
@@ -220,9 +242,9 @@ def test_an_expected_transfer_never_announced_times_out_alone(start_sender):
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
     conn = start_sender()
     try:
-        receiver.expect(1, [0], "prefill-0", timeout_s=0.5)
-        key = receiver.expect(2, [1], "prefill-0")
-        conn.send(("send", 2, [4], receiver.endpoint, key))
+        receiver.expect(1, [0], timeout_s=0.5)
+        receiver.expect(2, [1])
+        conn.send(("send", 2, [4], receiver.endpoint))
         results = _wait_results(receiver, 2)
         conn.send(("results", 1))
         conn.recv()
@@ -242,14 +264,16 @@ def test_a_burst_of_transfers_with_cancellations_never_breaks_the_pair(start_sen
     jobs = [(transfer_id, [rng.randrange(12)], [rng.randrange(12)]) for transfer_id in range(1, 201)]
     cancelled = {transfer_id for transfer_id, _, _ in jobs if rng.random() < 0.2}
     try:
-        keys = {transfer_id: receiver.expect(transfer_id, dst, "prefill-0") for transfer_id, _, dst in jobs}
+        for transfer_id, _, dst in jobs:
+            receiver.expect(transfer_id, dst)
         order = jobs[:]
         rng.shuffle(order)
         for transfer_id, src, _ in order:
             if transfer_id in cancelled:
                 receiver.cancel(transfer_id)
-            conn.send(("send", transfer_id, src, receiver.endpoint, keys[transfer_id]))
-        results = _wait_results(receiver, len(jobs), timeout_s=60)
+            conn.send(("send", transfer_id, src, receiver.endpoint))
+        counters = TransferCounters()
+        results = _wait_results(receiver, len(jobs), timeout_s=60, counters=counters)
         conn.send(("results", len(jobs)))
         conn.recv()
     finally:
@@ -257,8 +281,8 @@ def test_a_burst_of_transfers_with_cancellations_never_breaks_the_pair(start_sen
     assert len(results) == len(jobs)
     assert {tid for tid, (ok, _) in results.items() if not ok} == cancelled
     assert all(error == "cancelled" for ok, error in results.values() if not ok)
-    assert receiver.stats.transfers == len(jobs) - len(cancelled)
-    assert (receiver.stats.cancelled, receiver.stats.failures) == (len(cancelled), 0)
+    assert counters.transfers == len(jobs) - len(cancelled)
+    assert (counters.cancelled, counters.failures) == (len(cancelled), 0)
 
 
 def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):
@@ -267,8 +291,8 @@ def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):
     other = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, kv_dtype="bfloat16")
     conn = start_sender(other)
     try:
-        key = receiver.expect(1, [0], "prefill-1")
-        conn.send(("send", 1, [0], receiver.endpoint, key))
+        receiver.expect(1, [0])
+        conn.send(("send", 1, [0], receiver.endpoint))
         results = _wait_results(receiver, 1)
         conn.send(("results", 1))
         sender_results = conn.recv()
@@ -277,7 +301,6 @@ def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):
     assert not results[1][0] and "block_size: here 4, peer 16" in results[1][1]
     assert "kv_dtype" in results[1][1]
     assert sender_results[0][1] is False
-    assert receiver.pair_key("prefill-1") != key  # the next transfer builds a new group
     with pytest.raises(KVSpecMismatchError, match="block_size"):
         SPEC.check_compatible(other)
 
@@ -288,23 +311,23 @@ def test_sender_killed_mid_transfer_fails_its_transfers_and_ends_the_pair(start_
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=3)
     conn = start_sender(crash=True)
     try:
-        key = receiver.expect(5, [0, 1], "prefill-2")
-        receiver.expect(6, [2], "prefill-2")
-        conn.send(("send", 5, [3, 4], receiver.endpoint, key))
+        receiver.expect(5, [0, 1])
+        receiver.expect(6, [2], timeout_s=3)
+        conn.send(("send", 5, [3, 4], receiver.endpoint))
         results = _wait_results(receiver, 2, timeout_s=30)
         deadline = time.monotonic() + 5
-        while receiver.num_threads and time.monotonic() < deadline:
+        while receiver.num_threads > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert receiver.num_threads == 0
+        assert receiver.num_threads == 1  # the listener; the broken pair's thread has ended
     finally:
         receiver.close()
     assert {tid: ok for tid, (ok, _) in results.items()} == {5: False, 6: False}
-    assert receiver.stats.failures == 2
-    assert receiver.pair_key("prefill-2") != key
+    assert "broke" in results[5][1] and results[6][1] == "its KV was not announced in time"
+
 
 
 def test_endpoint_is_small_and_picklable():
     import pickle
 
-    endpoint = Endpoint("127.0.0.1", 12345)
+    endpoint = KVEndpoint("127.0.0.1", 12345)
     assert pickle.loads(pickle.dumps(endpoint)) == endpoint

@@ -77,7 +77,7 @@ def test_a_call_pinned_to_a_gone_replica_goes_to_a_live_one_and_every_round_back
 
 
 def test_a_replica_refuses_a_call_pinned_to_another():
-    from duet.messages import ReplicaGoneError
+    from duet.errors import ReplicaGoneError
 
     ReplicaGoneError.check("abc", "abc")
     with pytest.raises(ReplicaGoneError, match="replica dead is gone"):

@@ -1,0 +1,34 @@
+"""The errors that cross from an engine to the router, importable without torch. Each says, in
+its message, what went wrong and what to change; the router turns each into an HTTP status."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given (HTTP 400); ``param`` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ReplicaFullError(RuntimeError):
+    """The replica has no KV room for this request right now; another replica or a later try may."""
+
+
+class KVTransferFailedError(RuntimeError):
+    """The prompt's KV never reached the decode replica, and the policy is to fail the request."""
+
+
+class ReplicaGoneError(RuntimeError):
+    """A call pinned to a replica that no longer runs; what it held there is gone with it."""
+
+    @classmethod
+    def check(cls, replica_id: str, here: str) -> None:
+        """Refuse a pinned call that Serve routed here because its replica is gone."""
+        if replica_id != here:
+            raise cls(f"replica {replica_id} is gone")
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request, with it alone in a step; the others went on (HTTP 500)."""

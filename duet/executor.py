@@ -1,0 +1,33 @@
+"""Executors run an engine's workers and return the last rank's output each step.
+
+``UniprocExecutor`` runs one worker in the engine's own process. ``RayExecutor``
+(``duet.cluster.ray_executor``, chosen with ``distributed_executor_backend="ray"``) runs
+them as Ray actors, in the placement group of the replica that owns the engine.
+"""
+
+from __future__ import annotations
+
+from duet.messages import KVEndpoint
+from duet.outputs import RunnerOutput, SchedulerOutput
+from duet.worker import Worker, WorkerConfig
+
+
+class UniprocExecutor:
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.world_size != 1:
+            raise ValueError(f"the in-process executor runs one worker, not {config.world_size}")
+        self.worker = Worker(config)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.worker.execute(scheduler_output)
+
+    def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
+        """Each rank's KV receiver, in rank order (empty without a KV connector)."""
+        endpoint = self.worker.kv_endpoint()
+        return () if endpoint is None else (endpoint,)
+
+    def forget(self, request_ids) -> None:
+        self.worker.forget(request_ids)
+
+    def close(self) -> None:
+        self.worker.close()

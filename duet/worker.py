@@ -1,0 +1,87 @@
+"""A worker: one rank's model, KV cache and runner, and the workers' side of the KV connector.
+
+The engine's scheduler never touches tensors; an executor hands each step's ``SchedulerOutput``
+to its workers (in this process, or as Ray actors) and returns the last rank's ``RunnerOutput``.
+A worker builds its own model from the config, so a rank can later load only its shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from duet.config import KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype
+from duet.messages import KVEndpoint
+from duet.outputs import RunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker builds its part of the engine from: scalars and paths, picklable."""
+
+    model_path: str
+    dtype: str
+    device: str
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    eos_token_id: int | None
+    seed: int = 0
+    speculative_config: SpeculativeConfig | None = None
+    draft_model_path: str | None = None
+    kv_transfer: KVTransferConfig | None = None
+    rank: int = 0
+    world_size: int = 1
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
+    """What one block costs across all layers, K and V."""
+    return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        from duet.model_runner import ModelRunner
+        from duet.models.loader import load_model
+
+        torch.manual_seed(config.seed)
+        self.config = config
+        dtype = resolve_dtype(config.dtype, config.device)
+        model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len)
+        draft = None
+        if config.draft_model_path is not None:
+            draft = load_model(Path(config.draft_model_path), dtype, config.device, config.max_model_len)
+        self.runner = ModelRunner(
+            model, config.num_blocks, config.block_size, dtype, config.device, config.eos_token_id,
+            config.max_model_len, config.speculative_config, draft,
+        )
+        if config.device == "cpu":
+            from duet.kernels import cpu_ops
+
+            cpu_ops.load()  # compile (once per machine) now, not inside the first step
+        self.kv_connector = None
+        if config.kv_transfer is not None:
+            self.kv_connector = import_object(config.kv_transfer.connector)(self.runner.kv_cache, model.arch, config)
+
+    def kv_endpoint(self) -> KVEndpoint | None:
+        return None if self.kv_connector is None else self.kv_connector.endpoint
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        connector = self.kv_connector
+        if connector is None:
+            return self.runner.execute(scheduler_output)
+        connector.start_step(scheduler_output.kv_connector, lambda request_id: self.runner.requests[request_id].block_ids)
+        output = self.runner.execute(scheduler_output, connector.on_layer_done if connector.streaming else None)
+        connector.end_step(dict(zip(output.request_ids, output.sampled_token_ids)))
+        output.kv_results = connector.poll()
+        return output
+
+    def forget(self, request_ids) -> None:
+        """Drop the runner's state of these requests (a failed step): they are sent whole again."""
+        self.runner.forget(request_ids)
+
+    def close(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()

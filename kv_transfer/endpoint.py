@@ -1,0 +1,103 @@
+"""What a KV sender and receiver share: the KV cache they read or write, the results ``poll()``
+returns, counters, the wire's waits and buffers, and their pairs' threads.
+
+One transfer on a pair, after its announcement (``channel.py``): each run of layers' packed K/V
+(``wire.py``), then a trailer ``[transfer id, valid, first token]`` (a request aborted mid-way
+still sends its remaining runs, from blocks its engine holds until the transfer ends, marked
+invalid, so the pair stays in step), then an acknowledgement ``[transfer id, accepted]``. Only
+data that does not come in time (the peer died or hung) breaks a pair: its group is dropped and
+its thread ends; the sender opens a new pair, under a new key, for what it still has to send.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+
+import torch
+
+from duet.kv_transfer.group import PairGroup
+from duet.kv_transfer.spec import KVSpec
+from duet.kv_transfer.wire import layer_runs, packed_shape
+from duet.outputs import KVTransferResult
+
+logger = logging.getLogger(__name__)
+
+TRAILER_TAG = 0
+ACK_TAG = 1
+FIRST_LAYER_TAG = 2
+NO_TOKEN = -1
+# A pair with nothing to do for this long ends its threads; the next transfer opens a new one.
+PAIR_IDLE_S = 600.0
+# How long a streamed transfer waits for its prompt's first layers: the prompt may be queued
+# behind others on the prefill replica first. A request aborted meanwhile cancels it at once.
+STREAM_START_TIMEOUT_S = 600.0
+
+
+class TransferEndpoint:
+    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str, timeout_s: float) -> None:
+        self.kv_cache = kv_cache
+        self.spec = spec
+        self.host = host
+        self.timeout_s = timeout_s
+        self.use_cuda = kv_cache.is_cuda
+        self.closed = threading.Event()
+        self._results: queue.SimpleQueue[KVTransferResult] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._threads: list[threading.Thread] = []
+
+    def report(self, result: KVTransferResult) -> None:
+        self._results.put(result)
+
+    def poll(self) -> list[KVTransferResult]:
+        """Transfers finished (or failed, or cancelled) since the last call."""
+        results = []
+        while True:
+            try:
+                results.append(self._results.get_nowait())
+            except queue.Empty:
+                return results
+
+    def start_thread(self, target, name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        with self._lock:
+            self._threads = [running for running in self._threads if running.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+        return thread
+
+    @property
+    def num_threads(self) -> int:
+        """Threads still running, those of pairs that broke or retired included."""
+        with self._lock:
+            return sum(thread.is_alive() for thread in self._threads)
+
+    def group(self, store, pair_key: str, rank: int) -> PairGroup:
+        return PairGroup(store, pair_key, rank, self.spec, self.use_cuda, self.timeout_s, self.host)
+
+    def wait(self, work, what: str) -> None:
+        if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+            raise TimeoutError(f"{what} timed out after {self.timeout_s}s")
+
+    def buffers(self, num_blocks: int) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+        """The layer runs of a transfer and, for each, a view of one of two buffers in turn: run
+        i+1 is on its way while run i is handled. Runs are equal but for a shorter last one."""
+        runs = layer_runs(self.kv_cache, num_blocks)
+        shape = packed_shape(self.kv_cache, *runs[0], num_blocks)
+        buffers = [torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device) for _ in range(2)]
+        return runs, [buffers[index % 2][: end - start] for index, (start, end) in enumerate(runs)]
+
+    def close(self) -> None:
+        """Stop the threads (each notices at once unless it is mid-transfer)."""
+        self.closed.set()
+        with self._lock:
+            self._lock.notify_all()
+            threads = list(self._threads)
+        self.wake_threads()
+        for thread in threads:
+            thread.join(timeout=1.0)
+
+    def wake_threads(self) -> None:
+        pass

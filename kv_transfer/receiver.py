@@ -1,0 +1,200 @@
+"""The receiving side (a decode worker): hosts a TCPStore whose channel takes announcements,
+and receives each announced transfer straight into the blocks its engine reserved.
+
+One listener thread reads the channel in order and hands each transfer to its pair's thread
+(one per sender and pair key, started on the pair's first announcement: no sender needs to be
+known in advance). Transfers are matched to expectations by id, in whatever order they come;
+an announcement may even come before its expectation (the engine tells its workers between
+two steps), and waits for it. One whose request went away (cancelled, timed out) is drained
+into scratch buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+import torch
+
+from duet.kv_transfer.channel import Channel
+from duet.kv_transfer.endpoint import ACK_TAG, FIRST_LAYER_TAG, NO_TOKEN, TRAILER_TAG, TransferEndpoint
+from duet.kv_transfer.group import RECEIVER_RANK, connect_store, host_store
+from duet.kv_transfer.spec import KVSpec
+from duet.kv_transfer.wire import unpack_layers
+from duet.messages import KVEndpoint
+from duet.outputs import KVTransferResult
+
+logger = logging.getLogger(__name__)
+
+# A cancellation is remembered this long, to drain a late announcement of the same transfer.
+_CANCELLED_MEMORY_S = 3600.0
+
+
+@dataclass
+class _Expected:
+    transfer_id: int
+    block_ids: list[int]
+    deadline: float
+    cancelled: bool = False
+
+
+class KVReceiver(TransferEndpoint):
+    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
+        super().__init__(kv_cache, spec, host, timeout_s)
+        self.store = host_store(host, 0, timeout_s)
+        self.endpoint = KVEndpoint(host, self.store.port)
+        self._expected: dict[int, _Expected] = {}  # not announced yet
+        self._active: dict[int, _Expected] = {}  # being received
+        self._cancelled: dict[int, float] = {}  # cancelled before any announcement: when
+        self._pairs: dict[str, queue.SimpleQueue] = {}  # pair key -> its thread's inbox
+        self.start_thread(self._listen, "kv-listener")
+
+    def expect(self, transfer_id: int, block_ids: list[int], timeout_s: float | None = None) -> None:
+        """Receive transfer ``transfer_id`` into ``block_ids`` if it is announced within
+        ``timeout_s`` (default: the endpoint's). Its result comes through ``poll()``, and
+        only then may the blocks be reused."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            if self._cancelled.pop(transfer_id, None) is None:
+                self._expected[transfer_id] = _Expected(transfer_id, list(block_ids), deadline)
+                self._lock.notify_all()
+                return
+        self.report(KVTransferResult(transfer_id, False, error="cancelled", cancelled=True))
+
+    def cancel(self, transfer_id: int) -> None:
+        """The request went away: its transfer ends at once (mid-way: once its data is in),
+        reported through ``poll()``. A transfer not expected yet is drained when it comes."""
+        with self._lock:
+            job = self._expected.pop(transfer_id, None) or self._active.get(transfer_id)
+            if transfer_id not in self._active:
+                self._cancelled[transfer_id] = time.monotonic()  # drain its announcement, if one comes
+                self._lock.notify_all()
+            if job is None:
+                return
+            job.cancelled = True
+            if transfer_id in self._active:
+                return
+        self.report(KVTransferResult(transfer_id, False, error="cancelled", cancelled=True))
+
+    def poll(self) -> list[KVTransferResult]:
+        """Transfers finished (or failed) since the last call; announcements overdue fail here."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [job for job in self._expected.values() if job.deadline <= now]
+            for job in overdue:
+                del self._expected[job.transfer_id]
+                self._cancelled[job.transfer_id] = now
+            for transfer_id, when in list(self._cancelled.items()):
+                if now - when > _CANCELLED_MEMORY_S:
+                    del self._cancelled[transfer_id]
+        for job in overdue:
+            self.report(KVTransferResult(job.transfer_id, False, error="its KV was not announced in time"))
+        return super().poll()
+
+    def wake_threads(self) -> None:
+        Channel(self.store).post("wake")
+
+    def _listen(self) -> None:
+        channel = Channel(connect_store(self.endpoint, self.timeout_s))
+        index = 0
+        while not self.closed.is_set():
+            index += 1
+            message = channel.read(index, self.closed.is_set)
+            if message is None:
+                return
+            kind = message[0]
+            if kind == "send":
+                self._inbox(message[1]).put((int(message[2]), int(message[3])))
+            elif kind == "cancel":
+                self._sender_gave_up(int(message[1]), aborted=message[2] == "aborted")
+            elif kind == "close":
+                inbox = self._pairs.pop(message[1], None)
+                if inbox is not None:
+                    inbox.put(None)
+
+    def _inbox(self, pair_key: str) -> queue.SimpleQueue:
+        if pair_key not in self._pairs:
+            inbox = self._pairs[pair_key] = queue.SimpleQueue()
+            self.start_thread(lambda: self._run_pair(pair_key, inbox), f"kv-{pair_key}")
+        return self._pairs[pair_key]
+
+    def _sender_gave_up(self, transfer_id: int, aborted: bool) -> None:
+        with self._lock:
+            job = self._expected.pop(transfer_id, None)
+            if job is None:
+                self._cancelled[transfer_id] = time.monotonic()
+                return
+        error = "the prefill replica aborted the request" if aborted else "the prefill replica gave the transfer up"
+        self.report(KVTransferResult(transfer_id, False, error=error, cancelled=aborted))
+
+    def _run_pair(self, pair_key: str, inbox: queue.SimpleQueue) -> None:
+        client = connect_store(self.endpoint, self.timeout_s)
+        group = None
+        while not self.closed.is_set():
+            try:
+                announced = inbox.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if announced is None:
+                return
+            transfer_id, num_blocks = announced
+            job = self._claim(transfer_id)
+            try:
+                if group is None:
+                    group = self.group(client, pair_key, RECEIVER_RANK)
+                self._receive(group, transfer_id, num_blocks, job)
+            except Exception as error:  # the pair is broken: its transfers fail, the replica goes on
+                if not self.closed.is_set():
+                    logger.warning("KV transfer pair %s broke: %s", pair_key, error)
+                self._pairs.pop(pair_key, None)
+                if job is not None:
+                    with self._lock:
+                        self._active.pop(transfer_id, None)
+                    self.report(KVTransferResult(transfer_id, False, error=f"pair {pair_key} broke: {error}"))
+                return
+
+    def _claim(self, transfer_id: int) -> _Expected | None:
+        """The expectation of an announced transfer (waiting for it a while: the engine tells its
+        workers between steps); None if its request went away, and it must be drained."""
+        with self._lock:
+            self._lock.wait_for(
+                lambda: transfer_id in self._expected or transfer_id in self._cancelled or self.closed.is_set(), self.timeout_s
+            )
+            self._cancelled.pop(transfer_id, None)
+            job = self._expected.pop(transfer_id, None)
+            if job is not None:
+                self._active[transfer_id] = job
+            return job
+
+    def _receive(self, group, transfer_id: int, num_blocks: int, job: _Expected | None) -> None:
+        if not 0 < num_blocks <= self.kv_cache.shape[3]:
+            raise RuntimeError(f"transfer {transfer_id} announced with {num_blocks} blocks")
+        start = time.monotonic()
+        mismatch = job is not None and len(job.block_ids) != num_blocks
+        runs, received = self.buffers(num_blocks)
+        work = group.recv(received[0], FIRST_LAYER_TAG)
+        for index, (start_layer, end) in enumerate(runs):
+            self.wait(work, f"layers {start_layer}-{end - 1} of transfer {transfer_id}")
+            if index + 1 < len(runs):
+                work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
+            if job is not None and not mismatch:
+                unpack_layers(self.kv_cache, start_layer, end, job.block_ids, received[index])
+        trailer = torch.zeros(3, dtype=torch.int64)
+        self.wait(group.recv(trailer, TRAILER_TAG), f"trailer of transfer {transfer_id}")
+        with self._lock:  # from here a cancel no longer reaches this transfer: it ends now
+            self._active.pop(transfer_id, None)
+            accepted = job is not None and not mismatch and not job.cancelled and bool(trailer[1])
+        self.wait(group.send(torch.tensor([transfer_id, int(accepted)]), ACK_TAG), f"ack of transfer {transfer_id}")
+        if job is None:
+            return  # drained: its request went away, and was told so then
+        if accepted:
+            num_bytes = sum(buffer.numel() * buffer.element_size() for buffer in received)
+            first_token_id = None if int(trailer[2]) == NO_TOKEN else int(trailer[2])
+            self.report(KVTransferResult(transfer_id, True, first_token_id, num_bytes=num_bytes, seconds=time.monotonic() - start))
+        elif mismatch:
+            self.report(KVTransferResult(transfer_id, False, error=f"announced with {num_blocks} blocks, expected {len(job.block_ids)}"))
+        else:
+            error = "cancelled" if job.cancelled else "the prefill replica aborted the request mid-transfer"
+            self.report(KVTransferResult(transfer_id, False, error=error, cancelled=True))

@@ -1,0 +1,199 @@
+"""The sending side (a prefill worker): ships requests' KV to the receivers that expect it.
+
+One pair per receiver endpoint, with a thread that picks whichever of its transfers has its
+first run of layers computed (a long prompt queued first does not hold up a short one), then
+announces it on the receiver's channel and sends it whole. A pair that broke fails the
+transfer under way; the others move, once, to a new pair (a new key, a new group).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from duet.kv_transfer.channel import Channel
+from duet.kv_transfer.endpoint import ACK_TAG, FIRST_LAYER_TAG, NO_TOKEN, PAIR_IDLE_S, TRAILER_TAG, TransferEndpoint
+from duet.kv_transfer.group import SENDER_RANK, connect_store
+from duet.kv_transfer.progress import LayerProgress, TransferCancelled
+from duet.kv_transfer.spec import KVSpec
+from duet.kv_transfer.wire import layer_runs, pack_layers
+from duet.messages import KVEndpoint
+from duet.outputs import KVTransferResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Send:
+    transfer_id: int
+    num_blocks: int
+    progress: LayerProgress
+    deadline: float  # to have the first run of layers computed
+    moved: bool = False  # already moved off a pair that broke
+
+
+class KVSender(TransferEndpoint):
+    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0, name: str = "prefill"):
+        super().__init__(kv_cache, spec, host, timeout_s)
+        self.name = name
+        self._pairs: dict[KVEndpoint, _SenderPair] = {}
+        self._generation: dict[KVEndpoint, int] = {}
+        self._jobs: dict[int, _Send] = {}
+
+    def send(self, transfer_id: int, endpoint: KVEndpoint, progress: LayerProgress, num_blocks: int, timeout_s: float | None = None) -> None:
+        """Ship ``num_blocks`` blocks of a request, each run of layers once ``progress`` has it
+        computed, and its first token after them. Gives up (and tells the receiver) if the
+        first run is not computed within ``timeout_s`` (default: the endpoint's)."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        progress.on_change = self._wake_pairs
+        self._queue(_Send(transfer_id, num_blocks, progress, deadline), endpoint)
+
+    def _queue(self, job: _Send, endpoint: KVEndpoint) -> None:
+        with self._lock:
+            pair = self._pairs.get(endpoint)
+            if pair is None:
+                generation = self._generation.get(endpoint, 0)
+                self._generation[endpoint] = generation + 1
+                pair = self._pairs[endpoint] = _SenderPair(self, endpoint, f"{self.name}->{endpoint.host}:{endpoint.port}/{generation}")
+                self.start_thread(pair.run, f"kv-{pair.pair_key}")
+            pair.jobs.append(job)
+            self._jobs[job.transfer_id] = job
+            self._lock.notify_all()
+
+    def cancel(self, transfer_id: int) -> None:
+        """The request was aborted: its transfer is given up, or sent on as invalid if under way."""
+        with self._lock:
+            job = self._jobs.get(transfer_id)
+        if job is not None:
+            job.progress.cancel()
+
+    def done(self, job: _Send, result: KVTransferResult) -> None:
+        with self._lock:
+            self._jobs.pop(job.transfer_id, None)
+        self.report(result)
+
+    def _wake_pairs(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+
+class _SenderPair:
+    def __init__(self, owner: KVSender, endpoint: KVEndpoint, pair_key: str) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self.pair_key = pair_key
+        self.jobs: list[_Send] = []
+        self.active: _Send | None = None
+        self.idle_since = time.monotonic()
+
+    def run(self) -> None:
+        owner = self.owner
+        try:
+            client = connect_store(self.endpoint, owner.timeout_s)
+            channel = Channel(client)
+            group = None
+            while not owner.closed.is_set():
+                job, give_up = self._next_job()
+                if job is _RETIRE:
+                    channel.post("close", self.pair_key)
+                    return
+                if job is None:
+                    continue
+                if give_up is not None:
+                    aborted = job.progress.cancelled
+                    channel.post("cancel", job.transfer_id, "aborted" if aborted else "timeout")
+                    owner.done(job, KVTransferResult(job.transfer_id, False, error=give_up, cancelled=aborted))
+                    continue
+                self.active = job
+                channel.post("send", self.pair_key, job.transfer_id, job.num_blocks)
+                if group is None:
+                    group = owner.group(client, self.pair_key, SENDER_RANK)
+                self._send(group, job)
+                self.active = None
+        except Exception as error:  # a network failure must reach the requests, not kill the replica
+            if not owner.closed.is_set():
+                logger.warning("KV transfer pair %s broke: %s", self.pair_key, error)
+            self._break(str(error))
+
+    def _next_job(self) -> tuple[_Send | None, str | None]:
+        """The first transfer ready to go, or to give up; waits a little for one otherwise."""
+        owner = self.owner
+        with owner._lock:
+            now = time.monotonic()
+            for job in self.jobs:
+                give_up = None
+                if job.progress.cancelled:
+                    give_up = "cancelled"
+                elif job.deadline <= now and not job.progress.ready(1):
+                    give_up = "its first layers were not computed in time"
+                if give_up is not None or job.progress.ready(1):
+                    self.jobs.remove(job)
+                    self.idle_since = now
+                    return job, give_up
+            if not self.jobs and now - self.idle_since > PAIR_IDLE_S:
+                del owner._pairs[self.endpoint]  # under the lock: no job can join it any more
+                return _RETIRE, None
+            next_deadline = min((job.deadline for job in self.jobs), default=now + 1.0)
+            owner._lock.wait(timeout=max(0.001, min(next_deadline - now, 1.0)))
+        return None, None
+
+    def _send(self, group, job: _Send) -> None:
+        owner = self.owner
+        start = time.monotonic()
+        runs = layer_runs(owner.kv_cache, job.num_blocks)
+        valid, reason = True, None
+        block_ids = job.progress.wait_for(runs[0][1], owner.timeout_s)
+        num_bytes = 0
+        in_flight = None  # (work, buffer): one run on the wire while the next is packed
+        for index, (start_layer, end) in enumerate(runs):
+            if valid:
+                try:
+                    block_ids = job.progress.wait_for(end, owner.timeout_s)
+                except (TransferCancelled, TimeoutError) as error:
+                    valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
+            packed = pack_layers(owner.kv_cache, start_layer, end, block_ids)
+            work = group.send(packed, FIRST_LAYER_TAG + index)
+            if in_flight is not None:
+                owner.wait(in_flight[0], f"layers before {start_layer} of transfer {job.transfer_id}")
+            in_flight = (work, packed)
+            num_bytes += packed.numel() * packed.element_size()
+        owner.wait(in_flight[0], f"last layers of transfer {job.transfer_id}")
+        first_token_id = NO_TOKEN
+        if valid:
+            try:
+                first_token_id = job.progress.wait_first_token(owner.timeout_s)
+            except (TransferCancelled, TimeoutError) as error:
+                valid, reason = False, str(error)
+        owner.wait(group.send(torch.tensor([job.transfer_id, int(valid), first_token_id]), TRAILER_TAG), "trailer")
+        ack = torch.zeros(2, dtype=torch.int64)
+        owner.wait(group.recv(ack, ACK_TAG), f"ack of transfer {job.transfer_id}")
+        if int(ack[0]) != job.transfer_id:
+            raise RuntimeError(f"transfer {job.transfer_id} acknowledged as {int(ack[0])}")
+        if valid and bool(ack[1]):
+            owner.done(job, KVTransferResult(job.transfer_id, True, num_bytes=num_bytes, seconds=time.monotonic() - start))
+        elif valid:
+            owner.done(job, KVTransferResult(job.transfer_id, False, error="the decode replica had cancelled it", cancelled=True))
+        else:
+            owner.done(job, KVTransferResult(job.transfer_id, False, error=reason, cancelled=job.progress.cancelled))
+
+    def _break(self, error: str) -> None:
+        """Fail the transfer under way; move the others (once each) to a new pair."""
+        owner = self.owner
+        with owner._lock:
+            if owner._pairs.get(self.endpoint) is self:
+                del owner._pairs[self.endpoint]
+            waiting, self.jobs = self.jobs, []
+        if self.active is not None:
+            owner.done(self.active, KVTransferResult(self.active.transfer_id, False, error=f"pair {self.pair_key} broke: {error}"))
+        for job in waiting:
+            if job.moved:
+                owner.done(job, KVTransferResult(job.transfer_id, False, error=f"pair {self.pair_key} broke: {error}"))
+            else:
+                job.moved = True
+                owner._queue(job, self.endpoint)
+
+
+_RETIRE = _Send(-1, 0, LayerProgress(0), 0.0)  # what ``_next_job`` returns to end an idle pair's thread

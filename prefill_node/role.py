@@ -1,0 +1,46 @@
+"""The prefill role of the one replica class (``duet.cluster.replica``).
+
+A prefill replica runs the engine on sequences the router sends with a ``kv_send``
+destination: it computes the prompt (prefix cache, chunked), streams its KV to the decode
+replica that reserved it, and answers with the first token. It loads no speculative draft
+(nothing is decoded here), and it reports the leading block hashes of the prompts it holds in
+its prefix cache, so the router can send a prompt where its prefix already is.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
+from duet.errors import InvalidRequestError
+from duet.messages import EngineRequest
+
+# How many prompts' leading blocks the replica recalls.
+MAX_REPORTED_PREFIXES = 512
+
+
+class PrefillRole:
+    stage = "prefill"
+
+    def __init__(self) -> None:
+        self._prefixes: OrderedDict[int, None] = OrderedDict()
+
+    @staticmethod
+    def engine_args(args: dict) -> dict:
+        # An application-wide draft would be loaded for nothing: prefill samples one token.
+        return args | {"speculative_config": None}
+
+    def admit(self, request: EngineRequest, block_size: int) -> None:
+        if request.kv_send is None:
+            raise InvalidRequestError("a prefill replica computes prompts whose KV goes to a decode replica (kv_send)")
+        for block_hash in leading_block_hashes(request.prompt_token_ids, block_size, ROUTING_PREFIX_BLOCKS):
+            self._prefixes[block_hash] = None
+            self._prefixes.move_to_end(block_hash)
+        while len(self._prefixes) > MAX_REPORTED_PREFIXES:
+            self._prefixes.popitem(last=False)
+
+    def routing_stats(self, engine) -> dict:
+        """The recalled prefixes still in the prefix cache (read off the engine thread: a stale
+        answer only costs a routing choice)."""
+        pool = engine.kv_cache_manager.block_pool
+        return {"prefix_hashes": [block_hash for block_hash in list(self._prefixes) if pool.is_cached(block_hash)]}

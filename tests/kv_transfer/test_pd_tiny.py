@@ -1,0 +1,142 @@
+"""Prefill and decode engines in two processes over gloo give the colocated engine's tokens (tiny
+Llama): decode chosen first, the prompt's KV streamed in layer runs while the prefill computes,
+the first token travelling with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet import LLM, SamplingParams
+from duet.config import EngineArgs
+from duet.engine import LLMEngine
+from duet.engine_process import EngineProcess
+from duet.errors import InvalidRequestError
+from duet.messages import EngineRequest
+from tests.kv_transfer.pd_harness import doomed_prefill, run_disaggregated
+from tests.reference import compare_to_reference, hf_greedy
+
+# Lengths 5, 33 and 70 end in partial blocks; 48 fills its last block exactly.
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3048))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+
+
+def _engine_kwargs(model_dir, name: str, **overrides) -> dict:
+    kv = {"name": name, "timeout_s": overrides.pop("timeout_s", 30.0)}
+    return dict(model=str(model_dir), num_kv_blocks=128, max_model_len=512, kv_transfer_config=kv) | overrides
+
+
+def _decode(model_dir, name: str, **overrides) -> LLMEngine:
+    return LLMEngine(EngineArgs(**_engine_kwargs(model_dir, name, **overrides)))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir):
+    return hf_greedy(tiny_llama_dir, PROMPTS, 10)
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_llama_dir):
+    process = EngineProcess(_engine_kwargs(tiny_llama_dir, "prefill-0"))
+    yield process
+    process.stop()
+
+
+def test_disaggregated_greedy_matches_transformers_and_colocated(prefill, tiny_llama_dir, references):
+    decode = _decode(tiny_llama_dir, "decode-0")
+    run = run_disaggregated(prefill, decode, PROMPTS, GREEDY)
+    for index, (got, reference) in enumerate(zip(run.tokens, references)):
+        assert compare_to_reference(got, reference, f"PD prompt {index}") is None
+    colocated = LLM(model=str(tiny_llama_dir), max_model_len=512).generate(PROMPTS, GREEDY)
+    assert run.tokens == [output.outputs[0].token_ids for output in colocated]
+    assert (run.lost, decode.stats()["transfers"]) == ([], len(PROMPTS))
+    decode.check_integrity()
+    decode.close()
+
+
+def test_prefix_hit_on_prefill_still_sends_every_block(prefill, tiny_llama_dir):
+    """The second run hits the prefill prefix cache; decode must still get the whole prompt."""
+    decode = _decode(tiny_llama_dir, "decode-1")
+    prompt = list(range(5000, 5070))  # not seen by the prefill engine before
+    reference = hf_greedy(tiny_llama_dir, [prompt], 10)[0]
+    first = run_disaggregated(prefill, decode, [prompt], GREEDY)
+    again = run_disaggregated(prefill, decode, [prompt], GREEDY)
+    assert (first.num_cached_tokens, again.num_cached_tokens) == ([0], [64])  # 70 tokens: 4 full blocks hit
+    assert compare_to_reference(again.tokens[0], reference, "PD prefix hit") is None
+    assert first.tokens == again.tokens
+    assert decode.stats()["transfer_bytes"] == 2 * _prompt_kv_bytes(decode, len(prompt))
+    decode.check_integrity()
+    decode.close()
+
+
+def test_mismatched_block_size_is_refused_and_recomputed_or_lost(prefill, tiny_llama_dir, references):
+    """Guards the handshake: a decode engine with another block size never scatters foreign KV."""
+    refusing = _decode(tiny_llama_dir, "decode-2", block_size=32)
+    run = run_disaggregated(prefill, refusing, PROMPTS[:1], GREEDY, recompute=False)
+    assert run.tokens == [None] and "block_size: here 32, peer 16" in run.lost[0]
+    refusing.check_integrity()
+    refusing.close()
+    recomputing = _decode(tiny_llama_dir, "decode-3", block_size=32)
+    run = run_disaggregated(prefill, recomputing, PROMPTS[:1], GREEDY)
+    assert compare_to_reference(run.tokens[0], references[0], "recomputed after refused handshake") is None
+    recomputing.check_integrity()
+    recomputing.close()
+
+
+def test_prefill_killed_mid_transfer_is_recomputed_on_decode(tiny_llama_dir, references):
+    """Guards against a decode engine waiting forever, or leaking blocks, when prefill dies."""
+    doomed = doomed_prefill(_engine_kwargs(tiny_llama_dir, "prefill-doomed"))
+    decode = _decode(tiny_llama_dir, "decode-4", timeout_s=3)
+    run = run_disaggregated(doomed, decode, PROMPTS[1:2], GREEDY, timeout_s=120)
+    doomed.process.join(10)
+    assert compare_to_reference(run.tokens[0], references[1], "recomputed after prefill died") is None
+    assert len(run.lost) == 1 and "broke" in run.lost[0]
+    decode.check_integrity()
+    decode.close()
+
+
+def test_an_aborted_request_frees_its_reserved_blocks_on_both_sides(prefill, tiny_llama_dir):
+    """Guards the decode replica's held blocks after aborted transfers: an abort cancels the
+    transfer, and the blocks come back once the receiver lets go of them."""
+    decode = _decode(tiny_llama_dir, "decode-5")
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    destination = decode.add_request(EngineRequest("gone", PROMPTS[1], params, kv_receive=True))
+    assert decode.kv_cache_manager.num_free_blocks < 128
+    decode.abort_request("gone")  # before the prefill even starts: the blocks were never written
+    prefill.add_request(EngineRequest("gone", PROMPTS[1], params, kv_send=destination))
+    for _ in range(200):
+        decode.step()
+        if not decode.has_unfinished_requests():
+            break
+    assert decode.kv_cache_manager.num_free_blocks == 128
+    decode.check_integrity()
+    with pytest.raises(InvalidRequestError, match="no KV connector"):
+        LLMEngine(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=16)).add_request(
+            EngineRequest("x", PROMPTS[0], params, kv_receive=True)
+        )
+    decode.close()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculation_on_the_decode_engine_over_transferred_kv(method, prefill, tiny_llama_dir, references):
+    """The prefill engine knows nothing of speculation; the decode engine computes the draft's KV
+    for the transferred prompt itself. With the target as its own draft every draft token must
+    then be accepted, which it would not be over wrong draft KV."""
+    config = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model":
+        config["model"] = str(tiny_llama_dir)
+    decode = _decode(tiny_llama_dir, f"decode-{method}", speculative_config=config)
+    run = run_disaggregated(prefill, decode, PROMPTS, GREEDY)
+    for index, (got, reference) in enumerate(zip(run.tokens, references)):
+        assert compare_to_reference(got, reference, f"PD {method} prompt {index}") is None
+    spec = decode.scheduler.spec_stats
+    if method == "draft_model":
+        assert spec.num_drafts >= len(PROMPTS) and spec.num_accepted_tokens == spec.num_draft_tokens
+    decode.check_integrity()
+    decode.close()
+
+
+def _prompt_kv_bytes(engine, num_tokens: int) -> int:
+    """Bytes on the wire for a prompt: whole blocks, K and V, every layer."""
+    arch = engine.model_config
+    num_blocks = -(-num_tokens // engine.block_size)
+    return arch.num_layers * 2 * arch.num_kv_heads * num_blocks * engine.block_size * arch.head_dim * 4
