@@ -3,8 +3,9 @@
 Requests arrive as a Poisson process at ``--rate``; prompts are random token ids of
 ``--input-len`` tokens (``--shared-prefix`` of them common to all requests in the
 shared-prefix workload) and each generates exactly ``--output-len`` tokens (EOS ignored).
-Per request it measures TTFT, TPOT (time per output token after the first), ITL (gaps
-between streamed tokens) and end-to-end latency, and prints p50/p90/p99 with throughput
+Per request it measures TTFT, the time to the second token (in PD mode, when the decode
+replica's first decode step is out: the prompt's KV had to arrive first), TPOT (time per
+output token after the first), ITL (gaps between streamed tokens) and end-to-end latency, and prints p50/p90/p99 with throughput
 and goodput: requests per second that met both the TTFT and the TPOT SLO (vLLM's
 definition; DistServe's goodput is the highest rate at which 90% of requests do).
 
@@ -33,6 +34,7 @@ SAFE_TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary of SmolLM2's tokenizer, 
 class RequestResult:
     ok: bool
     ttft: float = 0.0
+    tt2t: float = 0.0  # time to the second token
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
@@ -91,6 +93,8 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
                     result.ttft = now - start
                 else:
                     result.itls.extend([(now - last) / tokens] * tokens)
+                if result.output_tokens < 2 <= result.output_tokens + tokens:
+                    result.tt2t = now - start
                 last = now
                 result.output_tokens += tokens
         result.e2e = time.perf_counter() - start
@@ -152,6 +156,7 @@ def summarise(config: str, workload: str, results: list[RequestResult], duration
         goodput=len(good) / duration,
         percentiles={
             "ttft_ms": _percentiles([r.ttft * 1e3 for r in ok]),
+            "tt2t_ms": _percentiles([r.tt2t * 1e3 for r in ok]),
             "tpot_ms": _percentiles([r.tpot * 1e3 for r in ok]),
             "itl_ms": _percentiles([gap * 1e3 for r in ok for gap in r.itls]),
             "e2e_ms": _percentiles([r.e2e * 1e3 for r in ok]),
@@ -162,7 +167,7 @@ def summarise(config: str, workload: str, results: list[RequestResult], duration
 def format_table(summaries: list[Summary]) -> str:
     lines = []
     header = f"{'config':<22} {'workload':<14} {'ok/all':>7} {'req/s':>6} {'tok/s':>7} {'goodput':>7}"
-    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+    for metric in ("ttft_ms", "tt2t_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         header += f" {metric[:-3] + ' p50/p90/p99 ms':>24}"
     lines.append(header)
     for s in summaries:
@@ -170,7 +175,7 @@ def format_table(summaries: list[Summary]) -> str:
             f"{s.config:<22} {s.workload:<14} {s.num_requests - s.failed:>3}/{s.num_requests:<3} "
             f"{s.request_throughput:>6.2f} {s.output_throughput:>7.1f} {s.goodput:>7.2f}"
         )
-        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        for metric in ("ttft_ms", "tt2t_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             p = s.percentiles[metric]
             row += f" {p['p50']:>7.0f}/{p['p90']:>7.0f}/{p['p99']:>7.0f}"
         lines.append(row)
@@ -194,6 +199,7 @@ def format_ratios(summaries: list[Summary]) -> str:
             f"{s.config} vs {base.config} ({s.workload}): throughput x{ratio(s.output_throughput, base.output_throughput):.2f}, "
             f"goodput x{ratio(s.goodput, base.goodput):.2f}, "
             f"TTFT p50 x{ratio(base.percentiles['ttft_ms']['p50'], s.percentiles['ttft_ms']['p50']):.2f}, "
+            f"TT2T p50 x{ratio(base.percentiles['tt2t_ms']['p50'], s.percentiles['tt2t_ms']['p50']):.2f}, "
             f"TPOT p50 x{ratio(base.percentiles['tpot_ms']['p50'], s.percentiles['tpot_ms']['p50']):.2f}, "
             f"ITL p90 x{ratio(base.percentiles['itl_ms']['p90'], s.percentiles['itl_ms']['p90']):.2f}, "
             f"E2E p50 x{ratio(base.percentiles['e2e_ms']['p50'], s.percentiles['e2e_ms']['p50']):.2f}  (>1 = better)"
@@ -231,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=[], help="a config to bring up and measure (repeat to compare)")
     parser.add_argument("--url", default=None, help="measure a running server instead of --config")
+    parser.add_argument("--name", default="server", help="what to call the server of --url in the results")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--rate", type=float, default=0.5, help="mean arrivals per second (Poisson); 0 = all at once")
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
     summaries = []
-    targets = [(Path(config).stem, config) for config in args.config] or [("server", None)]
+    targets = [(Path(config).stem, config) for config in args.config] or [(args.name, None)]
     for name, config in targets:
         url = args.url
         if config is not None:
