@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import time
 
 from duet.block_pool import BlockIntegrityError
 from duet.config import EXECUTOR_BACKENDS, ConfigError, EngineArgs, import_object, resolve_dtype
 from duet.errors import InvalidRequestError, ReplicaFullError
 from duet.kv_cache_manager import KVCacheManager
+from duet.load import LoadTracker
 from duet.messages import EngineRequest, KVDestination, TokenDelta
 from duet.request import Request
 from duet.sampling_params import SamplingParams, fit_to_context
@@ -75,6 +77,7 @@ class LLMEngine:
             self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
+        self.load = LoadTracker()
         logger.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d",
             model_path.name, self.dtype, self.num_blocks, self.block_size, self.max_model_len,
@@ -154,6 +157,21 @@ class LLMEngine:
             raise ReplicaFullError(f"no room for the {len(request.prompt_token_ids)}-token prompt of {request.request_id}")
         return KVDestination(transfer_id, self.kv_endpoints, self.kv_transfer_config.name)
 
+    def freeze(self, request_id: str) -> list[int] | None:
+        """Hold a decoding sequence still for a migration; its output tokens (None: it can move
+        only by recompute). See ``Scheduler.freeze``."""
+        return self.scheduler.freeze(request_id)
+
+    def unfreeze(self, request_id: str) -> None:
+        self.scheduler.unfreeze(request_id)
+
+    def migrate(self, request_id: str, destination: KVDestination) -> bool:
+        """Ship a frozen sequence's KV to another replica's reserved blocks and end it here."""
+        if not self.scheduler.migrate(request_id, destination):
+            return False
+        self._logprobs.pop(request_id, None)  # all reported before it was frozen
+        return True
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks come back (once no transfer uses them)."""
         self.scheduler.abort(request_id)
@@ -165,11 +183,15 @@ class LLMEngine:
     def step(self) -> list[TokenDelta]:
         """Run one scheduling step; return what each sequence produced (or how it ended)."""
         scheduler_output = self.scheduler.schedule()
+        started = time.perf_counter()
         try:
             # Even an empty step goes to the workers: it may carry finished ids and KV transfers.
             runner_output = self.executor.execute(scheduler_output)
         except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
             return self._recover(scheduler_output, error)
+        self.load.observe_step(
+            scheduler_output.total_num_scheduled_tokens, sum(map(len, runner_output.sampled_token_ids)), time.perf_counter() - started
+        )
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.logprobs is not None:
             for request_id, logprobs in zip(runner_output.request_ids, runner_output.logprobs):
@@ -178,6 +200,8 @@ class LLMEngine:
         return [self._delta(request) for request in changed]
 
     def _delta(self, request: Request) -> TokenDelta:
+        if request.num_emitted_tokens == 0 and request.output_token_ids:
+            self.load.observe_first_token(time.monotonic() - request.arrival_time)
         new_tokens = request.output_token_ids[request.num_emitted_tokens :]
         request.num_emitted_tokens = request.num_output_tokens
         logprobs = None
@@ -212,6 +236,9 @@ class LLMEngine:
         """Counters and gauges for metrics and routing."""
         scheduler, manager = self.scheduler, self.kv_cache_manager
         spec, transfers = scheduler.spec_stats, scheduler.kv_connector.counters
+        # Read off the engine thread: snapshots, and blocks looked up leniently.
+        waiting, running, prefilled = list(scheduler.waiting), list(scheduler.running), list(scheduler.prefilled)
+        decoding = [request for request in running if request.num_computed_tokens >= request.num_prompt_tokens] + prefilled
         return dict(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
@@ -231,6 +258,15 @@ class LLMEngine:
             transfer_failures=transfers.failures,
             transfers_cancelled=transfers.cancelled,
             transfer_seconds=transfers.seconds,
+            prompt_tokens_pending=sum(
+                max(0, request.num_prompt_tokens - request.num_computed_tokens) for request in (*waiting, *running)
+            ),
+            num_decoding_blocks=sum(len(manager.req_to_blocks.get(request.request_id, ())) for request in decoding),
+            num_decode_waiting=len(prefilled) + sum(1 for request in waiting if request.output_token_ids),
+            prefill_tokens_per_s=self.load.prefill_tokens_per_s,
+            decode_step_s=self.load.decode_step_s,
+            ttft_s=self.load.ttft_s,
+            output_tokens_per_s=self.load.output_tokens_per_s,
         )
 
     def check_integrity(self) -> None:

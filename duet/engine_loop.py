@@ -66,7 +66,10 @@ class EngineLoop:
         self._wake.set()
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
-        """A queue that receives every output for ``request_id`` (subscribe before adding it)."""
+        """A queue that receives every output for ``request_id`` (subscribe before adding it).
+        Ids are unique among the requests here: a second one would take the first one's outputs."""
+        if request_id in self._subscribers:
+            raise RuntimeError(f"request {request_id} is already running here")
         outputs: asyncio.Queue = asyncio.Queue()
         self._subscribers[request_id] = (asyncio.get_running_loop(), outputs)
         return outputs

@@ -1,9 +1,10 @@
 """An ``LLMEngine`` in a process of its own, driven over a pipe: a prefill engine and a decode
 engine on one machine without Ray (the PD tests, ``duet bench transfer``).
 
-Commands: ``("add", EngineRequest)`` answered by ``("added", KVDestination | None | error)``,
-``("abort", request_id)``, ``("stop",)`` answered by ``("stopped", None)`` after the integrity
-check; every ``TokenDelta`` comes back as ``("delta", delta)``.
+Commands: ``("call", method, args)`` runs an engine method (``add_request``, ``freeze``,
+``migrate``, ...) and is answered by ``("result", its result or error)``; ``("abort",
+request_id)``; ``("stop",)`` answered by ``("stopped", None)`` after the integrity check. Every
+``TokenDelta`` comes back as ``("delta", delta)``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ def serve_engine(conn, engine_kwargs: dict, setup: Callable | None) -> None:
                 engine.check_integrity()
                 conn.send(("stopped", None))
                 return
-            if command == "add":
+            if command == "call":
+                method, call_args = args
                 try:
-                    conn.send(("added", engine.add_request(args[0])))
+                    conn.send(("result", getattr(engine, method)(*call_args)))
                 except Exception as error:  # noqa: BLE001 - handed to the caller
-                    conn.send(("added", error))
+                    conn.send(("result", error))
             elif command == "abort":
                 engine.abort_request(args[0])
         if engine.has_unfinished_requests():
@@ -57,7 +59,11 @@ class EngineProcess:
         self._deltas: deque[TokenDelta] = deque()
 
     def add_request(self, request: EngineRequest) -> KVDestination | None:
-        self.conn.send(("add", request))
+        return self.call("add_request", request)
+
+    def call(self, method: str, *args):
+        """Run an engine method in the process; its result (an error it raised is raised here)."""
+        self.conn.send(("call", method, args))
         while True:
             kind, payload = self.conn.recv()
             if kind == "delta":

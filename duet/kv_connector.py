@@ -45,7 +45,9 @@ class TransferCounters:
 
 
 # A request that ends with its first token out keeps sending its KV: the decode side goes on.
-_SENT_ON = (RequestStatus.FINISHED_REMOTE, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+_SENT_ON = (
+    RequestStatus.FINISHED_REMOTE, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_MIGRATED,
+)
 
 
 class KVConnectorScheduler:
@@ -62,8 +64,9 @@ class KVConnectorScheduler:
         return len(self._receiving) + len(self._sending) + len(self.held)
 
     def reserve(self, request: Request, transfer_id: int) -> bool:
-        """Take blocks for the request's prompt, to be written by a transfer; False if no room."""
-        if self.kv_cache_manager.allocate_for_transfer(request, request.num_prompt_tokens) is None:
+        """Take blocks for the KV a transfer brings (a prompt's, or a migrating sequence's); False
+        if there is no room."""
+        if self.kv_cache_manager.allocate_for_transfer(request, request.num_transfer_tokens) is None:
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.kv_receive_id = transfer_id
@@ -72,11 +75,15 @@ class KVConnectorScheduler:
         self._metadata.receives.append(KVReceiveSpec(request.request_id, transfer_id, block_ids))
         return True
 
-    def start_send(self, request: Request) -> None:
-        """The step about to run computes the request's last prompt chunk: ship as it goes."""
+    def start_send(self, request: Request, computed: bool = False) -> None:
+        """Ship the request's KV to ``request.kv_send``: as the step about to run computes its
+        last prompt chunk, or (``computed``) from its blocks as they are (a migration)."""
         destination = request.kv_send
-        num_blocks = -(-request.num_prompt_tokens // self.kv_cache_manager.block_size)
-        self._metadata.sends.append(KVSendSpec(request.request_id, destination.transfer_id, destination.endpoints, num_blocks))
+        num_blocks = -(-request.num_transfer_tokens // self.kv_cache_manager.block_size)
+        block_ids = self.kv_cache_manager.block_ids(request.request_id)[:num_blocks] if computed else None
+        self._metadata.sends.append(
+            KVSendSpec(request.request_id, destination.transfer_id, destination.endpoints, num_blocks, block_ids)
+        )
         self._sending[destination.transfer_id] = request
 
     def sending(self, request: Request) -> bool:

@@ -27,6 +27,25 @@ class KVDestination:
     replica_id: str
 
 
+@dataclass(frozen=True)
+class Placement:
+    """The first item of a decode replica's stream: where the sequence runs, and, for one whose
+    KV comes from elsewhere, the destination to send it to."""
+
+    replica_id: str
+    destination: KVDestination | None = None
+
+
+@dataclass(frozen=True)
+class Moved:
+    """The last item of a decode replica's stream when the sequence left it mid-way (the replica
+    is leaving its pool): ``token_ids`` are its output so far, all streamed before; it goes on
+    at ``replica_id`` (attach to it there), or, if None, must be recomputed elsewhere."""
+
+    replica_id: str | None
+    token_ids: list[int]
+
+
 @dataclass
 class EngineRequest:
     """One sequence for an engine, as the router hands it to a replica (token ids, never text).
@@ -95,6 +114,13 @@ class ReplicaStats:
     transfers_cancelled: int = 0  # their requests were aborted: not failures
     transfer_seconds: float = 0.0
     pending_transfers: int = 0
+    prompt_tokens_pending: int = 0  # prompt tokens queued or in their prefill
+    num_decoding_blocks: int = 0  # KV blocks of sequences past their prompt (not of prompts, nor reserved for transfers)
+    num_decode_waiting: int = 0  # sequences past their prompt that cannot run for lack of room (preempted, or KV arrived)
+    prefill_tokens_per_s: float = 0.0  # measured prompt throughput (0: not measured yet)
+    decode_step_s: float = 0.0  # recent decode steps' time: each running sequence's time per token
+    ttft_s: float = 0.0  # recent requests' wait for their first token computed here
+    output_tokens_per_s: float = 0.0
     integrity_failures: int = 0  # idle KV bookkeeping checks that failed (a leak, logged)
     prefix_hashes: list[int] = field(default_factory=list)
     reported_at: float = 0.0  # time.time() on the replica; a replica that stops reporting is gone

@@ -10,12 +10,14 @@ from duet.sampling_params import SamplingParams
 
 @dataclass
 class KVSendSpec:
-    """Ship this request's prompt KV, layer run by layer run, as this step's forward writes it."""
+    """Ship this request's KV: a prompt's layer run by layer run as this step's forward writes
+    it, or (``block_ids`` given) a sequence's KV already in these blocks (a migration)."""
 
     request_id: str
     transfer_id: int
     endpoints: tuple[KVEndpoint, ...]
     num_blocks: int
+    block_ids: list[int] | None = None
 
 
 @dataclass

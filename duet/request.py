@@ -20,10 +20,12 @@ class RequestStatus(enum.Enum):
     FINISHED_REMOTE = "remote"  # its first token is out; the sequence goes on where its KV went
     FINISHED_ERROR = "error"  # a step failed with this request alone in it
     FINISHED_KV_LOST = "kv_lost"  # its prompt's KV never arrived
+    MIGRATING = "migrating"  # held still, its KV about to move to another replica
+    FINISHED_MIGRATED = "migrated"  # its KV went to another replica, where it goes on
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "remote", "error", "kv_lost")
+        return self.value in ("stop", "length", "abort", "remote", "error", "kv_lost", "migrated")
 
 
 class Request:
@@ -79,6 +81,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def num_transfer_tokens(self) -> int:
+        """Tokens whose KV a transfer of this request carries: its prompt, or, for a sequence
+        under way, all its tokens but the last (the next step computes that one)."""
+        return self.num_tokens - 1 if self.output_token_ids else self.num_prompt_tokens
+
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
@@ -90,6 +98,6 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         """The sequence's own reason; None while it goes on, here or on another replica."""
-        if not self.status.finished or self.status == RequestStatus.FINISHED_REMOTE:
+        if not self.status.finished or self.status in (RequestStatus.FINISHED_REMOTE, RequestStatus.FINISHED_MIGRATED):
             return None
         return self.status.value

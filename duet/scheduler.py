@@ -287,10 +287,11 @@ class Scheduler:
         arrived, lost = self.kv_connector.finished_transfers(runner_output.kv_results)
         ended = []
         for request, first_token_id in arrived:
-            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_computed_tokens = request.num_transfer_tokens
             self.kv_cache_manager.cache_received(request)
-            request.append_output_token_ids([first_token_id])
-            request.num_emitted_tokens += 1  # the prefill replica sent it out
+            if not request.output_token_ids:  # a prompt's: its first token came with it
+                request.append_output_token_ids([first_token_id])
+                request.num_emitted_tokens += 1  # the prefill replica sent it out
             status = self._check_stop(request)
             if status is not None:
                 self.finish_request(request.request_id, status)
@@ -341,6 +342,35 @@ class Scheduler:
         if request_id in self._runner_known:
             self._runner_known.discard(request_id)
             self._finished_ids.add(request_id)
+
+    def freeze(self, request_id: str) -> list[int] | None:
+        """Hold a running sequence still, its KV about to move to another replica; return its
+        output tokens. None when it is not between two decode steps (waiting, preempted, in
+        its prompt): it can move only by recompute."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
+            return None
+        self.running.remove(request)
+        request.status = RequestStatus.MIGRATING
+        request.spec_token_ids = []
+        return list(request.output_token_ids)
+
+    def unfreeze(self, request_id: str) -> None:
+        """Let a frozen sequence go on here: its move did not happen."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.MIGRATING:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def migrate(self, request_id: str, destination) -> bool:
+        """Ship a frozen sequence's KV to ``destination`` (``KVDestination``) and end it here."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.MIGRATING:
+            return False
+        request.kv_send = destination
+        self.kv_connector.start_send(request, computed=True)
+        self.finish_request(request_id, RequestStatus.FINISHED_MIGRATED)
+        return True
 
     def abort(self, request_id: str) -> None:
         self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

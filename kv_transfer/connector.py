@@ -1,7 +1,8 @@
 """The workers' side of the KV connector: each worker sends and receives KV on its own cache.
 
 The engine's scheduler names, in each step's ``SchedulerOutput.kv_connector``, the transfers
-to expect, to start and to cancel; the worker calls ``start_step`` before its forward,
+to expect, to start (a prompt's KV as the forward writes it, or a migrating sequence's KV as it
+is) and to cancel; the worker calls ``start_step`` before its forward,
 ``on_layer_done`` after each layer (the sender ships runs of layers as they are written),
 ``end_step`` with what it sampled (a sent prompt's first token travels after its KV), and
 reports ``poll()`` back in its ``RunnerOutput``.
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from duet.kv_transfer.endpoint import STREAM_START_TIMEOUT_S
+from duet.kv_transfer.endpoint import NO_TOKEN, STREAM_START_TIMEOUT_S
 from duet.kv_transfer.progress import LayerProgress
 from duet.kv_transfer.receiver import KVReceiver
 from duet.kv_transfer.sender import KVSender
@@ -61,7 +62,10 @@ class KVConnectorWorker:
         self._sending = {}
         self._block_table = block_table
         for spec in metadata.sends:
-            progress = self._sending[spec.request_id] = LayerProgress(self.num_layers)
+            if spec.block_ids is not None:  # a sequence's KV, computed before: it goes as it is
+                progress = LayerProgress.complete(self.num_layers, spec.block_ids, NO_TOKEN)
+            else:
+                progress = self._sending[spec.request_id] = LayerProgress(self.num_layers)
             self.sender.send(spec.transfer_id, spec.endpoints[self.rank], progress, spec.num_blocks)
 
     def on_layer_done(self, layer: int) -> None:

@@ -4,6 +4,8 @@ the first token travelling with it."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from duet import LLM, SamplingParams
@@ -140,3 +142,44 @@ def _prompt_kv_bytes(engine, num_tokens: int) -> int:
     arch = engine.model_config
     num_blocks = -(-num_tokens // engine.block_size)
     return arch.num_layers * 2 * arch.num_kv_heads * num_blocks * engine.block_size * arch.head_dim * 4
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=60, min_tokens=60), SamplingParams(temperature=0.9, seed=11, max_tokens=60, min_tokens=60)],
+    ids=["greedy", "seeded"],
+)
+def test_a_decoding_sequence_migrates_by_kv_and_goes_on_as_if_it_had_not_moved(tiny_llama_dir, params):
+    """Live migration between decode engines: the sequence is held still between two steps, a
+    second engine reserves blocks for its prompt and output so far, the first ships that KV
+    and lets the sequence go. Greedy and seeded tokens equal an undisturbed run's; the second
+    engine computed no prompt (one transfer, no prefill), and neither engine leaks a block."""
+    source = EngineProcess(_engine_kwargs(tiny_llama_dir, "decode-src"))
+    target = _decode(tiny_llama_dir, "decode-dst")
+    prompt = PROMPTS[1]
+    undisturbed = LLM(model=str(tiny_llama_dir), max_model_len=512).generate([prompt], params)[0].outputs[0].token_ids
+    try:
+        source.add_request(EngineRequest("m", prompt, params))
+        streamed = []
+        while len(streamed) < 6:
+            delta = source.receive()
+            if delta is not None:
+                streamed += delta.token_ids
+        held = source.call("freeze", "m")
+        assert held[: len(streamed)] == streamed and len(held) >= 6
+        destination = target.add_request(EngineRequest("m", prompt, params, output_token_ids=held, kv_receive=True))
+        assert source.call("migrate", "m", destination) is True
+        rest, deadline = [], time.monotonic() + 60
+        while target.has_unfinished_requests() and time.monotonic() < deadline:
+            deltas = target.step()
+            for delta in deltas:
+                assert delta.error is None, delta.error
+                rest += delta.token_ids
+            if not deltas:
+                time.sleep(0.002)  # waiting for the KV: leave the transfer threads the CPU
+        assert held + rest == undisturbed
+        assert target.stats()["transfers"] == 1 and target.stats()["prefix_cache_queries"] == 0
+        target.check_integrity()
+    finally:
+        source.stop()  # checks the source's integrity too: the sent blocks came back
+        target.close()
