@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -166,13 +167,13 @@ def summarise(config: str, workload: str, results: list[RequestResult], duration
 
 def format_table(summaries: list[Summary]) -> str:
     lines = []
-    header = f"{'config':<22} {'workload':<14} {'ok/all':>7} {'req/s':>6} {'tok/s':>7} {'goodput':>7}"
+    header = f"{'config':<22} {'workload':<20} {'ok/all':>7} {'req/s':>6} {'tok/s':>7} {'goodput':>7}"
     for metric in ("ttft_ms", "tt2t_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         header += f" {metric[:-3] + ' p50/p90/p99 ms':>24}"
     lines.append(header)
     for s in summaries:
         row = (
-            f"{s.config:<22} {s.workload:<14} {s.num_requests - s.failed:>3}/{s.num_requests:<3} "
+            f"{s.config:<22} {s.workload:<20} {s.num_requests - s.failed:>3}/{s.num_requests:<3} "
             f"{s.request_throughput:>6.2f} {s.output_throughput:>7.1f} {s.goodput:>7.2f}"
         )
         for metric in ("ttft_ms", "tt2t_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -240,7 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="server", help="what to call the server of --url in the results")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--rate", type=float, default=0.5, help="mean arrivals per second (Poisson); 0 = all at once")
+    parser.add_argument(
+        "--rate", default="0.5", help="mean arrivals per second (Poisson; 0 = all at once); several, comma separated, run one after another"
+    )
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--shared-prefix", type=int, default=192, help="common prefix tokens in the shared-prefix workload")
@@ -260,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         "shared-prefix": args.shared_prefix,
     }
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    rates = [float(rate) for rate in args.rate.split(",")]
     summaries = []
     targets = [(Path(config).stem, config) for config in args.config] or [(args.name, None)]
     for name, config in targets:
@@ -270,15 +274,18 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bringing up {config} ...", flush=True)
             url = up(config).urls[0]
         try:
-            for workload in chosen:
-                prompts = make_prompts(args.num_requests, args.input_len, workloads[workload], args.seed)
+            for (index, rate), workload in itertools.product(enumerate(rates), chosen):
+                # Fresh prompts at each rate: none finds the last rate's in the prefix cache.
+                seed = args.seed + 1000 * index
+                prompts = make_prompts(args.num_requests, args.input_len, workloads[workload], seed)
+                label = workload if len(rates) == 1 else f"{workload}@{rate:g}/s"
                 results, duration = asyncio.run(
-                    run_load(url, args.model, prompts, args.output_len, args.rate, args.seed, args.api_key, f"{name}/{workload}")
+                    run_load(url, args.model, prompts, args.output_len, rate, seed, args.api_key, f"{name}/{label}")
                 )
-                summary = summarise(name, workload, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                summary = summarise(name, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                 summaries.append(summary)
                 errors = {r.error for r in results if not r.ok}
-                print(f"{name}/{workload}: {summary.num_requests - summary.failed}/{summary.num_requests} ok" + (f", errors: {sorted(errors)[:3]}" if errors else ""), flush=True)
+                print(f"{name}/{label}: {summary.num_requests - summary.failed}/{summary.num_requests} ok" + (f", errors: {sorted(errors)[:3]}" if errors else ""), flush=True)
         finally:
             if config is not None:
                 down()

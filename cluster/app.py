@@ -1,5 +1,7 @@
 """YAML ``args`` -> a Serve application: the router ingress over a prefill and a decode pool
-(``pd``), or over one pool that does both (``colocated``).
+(``pd``), or over one pool that does both (``colocated``). A pool with an
+``autoscaling_config`` is sized by ``duet.cluster.autoscale.PoolPolicy``; one without has a
+fixed ``num_replicas``.
 
 ``build_app`` is the ``import_path`` of the shipped configs, so ``serve deploy`` runs them too.
 """
@@ -16,6 +18,7 @@ from duet.cluster.config import PoolSettings, parse_args
 from duet.config import EngineArgs
 
 ROUTING_STATS_PERIOD_S = 0.5
+POLICY = "duet.cluster.autoscale:PoolPolicy"
 
 
 def build_app(args: dict) -> serve.Application:
@@ -37,13 +40,15 @@ def build_app(args: dict) -> serve.Application:
     # The engine's own rule: the configured length, which may not exceed the model's.
     max_model_len = EngineArgs(**decode_args).scheduler_config(max_positions(Path(model_dir))).max_model_len
     decode_role = "colocated" if colocated else "decode"
-    decode = _deployment(decode_role, config.decode, "KVCapacityRouter").bind(
+    pools = {decode_role: config.decode} | ({} if colocated else {"prefill": config.prefill})
+    targets = {stage: pool.policy_targets(stage, config.slo) for stage, pool in pools.items()}
+    decode = _deployment(decode_role, config.decode, "KVCapacityRouter", targets).bind(
         role=decode_role, engine_args=decode_args, num_threads=config.decode.num_threads(decode_engine), kv_transfer=kv_transfer,
     )
     prefill = None
     if not colocated:
         prefill_engine = config.prefill.merged_engine(config.engine)
-        prefill = _deployment("prefill", config.prefill, "PrefixAffinityRouter").bind(
+        prefill = _deployment("prefill", config.prefill, "PrefixAffinityRouter", targets).bind(
             role="prefill", engine_args=prefill_engine.engine_args(model_dir),
             num_threads=config.prefill.num_threads(prefill_engine), kv_transfer=kv_transfer,
         )
@@ -61,7 +66,11 @@ def build_app(args: dict) -> serve.Application:
         max_model_len=max_model_len,
         block_size=decode_engine.block_size,
         local_prefill_threshold=0 if colocated else config.decode.local_prefill_threshold,
+        adaptive_local_prefill=config.decode.adaptive_local_prefill,
+        tpot_s=config.slo.tpot_ms / 1000,
         on_transfer_failure=config.decode.on_transfer_failure,
+        max_migrations=router.max_migrations,
+        autoscaled=[stage for stage, pool in pools.items() if pool.autoscaling_config is not None],
         max_running_sequences=router.max_running_sequences,
         max_queued_requests=router.max_queued_requests,
         max_prompts_per_request=router.max_prompts_per_request,
@@ -70,11 +79,17 @@ def build_app(args: dict) -> serve.Application:
     )
 
 
-def _deployment(name: str, pool: PoolSettings, router_class: str):
-    from duet.cluster.replica import EngineReplica
+def _deployment(name: str, pool: PoolSettings, router_class: str, targets: dict):
+    """A pool: fixed, or scaled by its ``PoolPolicy`` (which sees every pool's ``targets``)."""
+    from duet.cluster.replica import GRACEFUL_SHUTDOWN_TIMEOUT_S, EngineReplica
 
+    autoscaling = pool.serve_autoscaling(name)
+    if autoscaling is not None:
+        autoscaling["policy"] = {"policy_function": POLICY, "policy_kwargs": {"stage": name, "targets": targets}}
     return serve.deployment(name=name)(EngineReplica).options(
-        num_replicas=pool.num_replicas,
+        num_replicas=pool.num_replicas if autoscaling is None else None,
+        autoscaling_config=autoscaling,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         ray_actor_options=pool.ray_actor_options,
         max_ongoing_requests=pool.max_ongoing_requests,
         request_router_config=RequestRouterConfig(

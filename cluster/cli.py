@@ -40,6 +40,19 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from duet.cluster.deploy import DeployError, scale
+
+    replicas = None if args.replicas == "auto" else int(args.replicas)
+    try:
+        scale(args.pool, replicas, args.url)
+    except DeployError as error:
+        print(f"duet scale: {error}", file=sys.stderr)
+        return 1
+    print(f"the {args.pool} pool is " + ("back with its autoscaling policy" if replicas is None else f"pinned at {replicas} replicas"))
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
     from duet.cluster.deploy import down
 
@@ -47,23 +60,13 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_SUITES = ("offline", "transfer", "serve", "spec", "autoscale", "migrate")
+
+
 def _bench(args: argparse.Namespace, rest: list[str]) -> None:
-    if args.suite == "offline":
-        from duet.benchmarks.offline import main as offline_main
+    import importlib
 
-        offline_main(rest)
-    elif args.suite == "transfer":
-        from duet.benchmarks.transfer import main as transfer_main
-
-        transfer_main(rest)
-    elif args.suite == "serve":
-        from duet.benchmarks.serve import main as serve_main
-
-        serve_main(rest)
-    elif args.suite == "spec":
-        from duet.benchmarks.spec import main as spec_main
-
-        spec_main(rest)
+    importlib.import_module(f"duet.benchmarks.{args.suite}").main(rest)
 
 
 def main(argv: list[str] | None = None) -> int | None:
@@ -83,10 +86,14 @@ def main(argv: list[str] | None = None) -> int | None:
     up.add_argument("config", help="a YAML file such as configs/local-pd.yaml")
     status = commands.add_parser("status", help="pools, replicas, KV usage and queue of the running cluster")
     status.add_argument("--url", default=None, help="the router's URL (default: the one `duet up` printed)")
+    scale = commands.add_parser("scale", help="pin an autoscaled pool at a size, or give it back to its policy (auto)")
+    scale.add_argument("pool", choices=["prefill", "decode", "colocated"])
+    scale.add_argument("replicas", help="a number of replicas, or 'auto'")
+    scale.add_argument("--url", default=None, help="the router's URL (default: the one `duet up` printed)")
     commands.add_parser("down", help="stop what `duet up` started")
 
     bench = commands.add_parser("bench", help="benchmarks; `duet bench offline --help` for options")
-    bench.add_argument("suite", choices=["offline", "transfer", "serve", "spec"])
+    bench.add_argument("suite", choices=BENCH_SUITES)
 
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -100,7 +107,9 @@ def main(argv: list[str] | None = None) -> int | None:
     else:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return {"up": _up, "status": _status, "down": _down}[args.command](args)
+        if args.command == "scale" and args.replicas != "auto" and not args.replicas.isdigit():
+            parser.error("replicas must be a number or 'auto'")
+        return {"up": _up, "status": _status, "scale": _scale, "down": _down}[args.command](args)
 
 
 if __name__ == "__main__":

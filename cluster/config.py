@@ -41,11 +41,77 @@ class _EngineSettingsBase(_Strict):
 EngineSettings = pydantic.create_model("EngineSettings", __base__=_EngineSettingsBase, **_engine_fields())
 
 
+def _policy_stage(stage: str) -> str:
+    return "prefill" if stage == "prefill" else "decode"
+
+
+class SLOSettings(_Strict):
+    """The service level the router balances the stages for and the autoscaler sizes the pools for."""
+
+    ttft_ms: float = Field(default=2000.0, gt=0, description="time to first token")
+    tpot_ms: float = Field(default=200.0, gt=0, description="time per output token")
+
+
+# duet's policy settings a pool's autoscaling_config may hold beside Serve's own keys.
+_POLICY_KEYS = {"prefill": ("prompt_tokens_per_replica", "cooldown_s"), "decode": ("kv_usage", "cooldown_s")}
+# Serve's keys duet sets when a pool's autoscaling_config leaves them out: react within seconds.
+AUTOSCALING_DEFAULTS = {
+    "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 5.0, "downscale_delay_s": 30.0,
+    "metrics_interval_s": 1.0, "look_back_period_s": 5.0,
+}
+
+
 class PoolSettings(_Strict):
-    num_replicas: int = Field(default=1, ge=1)
+    num_replicas: int = Field(default=1, ge=1, description="a fixed pool size; autoscaling_config makes it move")
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     max_ongoing_requests: int = Field(default=256, ge=1, description="calls in flight per replica (the engine batches them)")
     engine: dict[str, Any] = Field(default_factory=dict, description="overrides of the application's engine settings")
+    autoscaling_config: dict[str, Any] | None = Field(
+        default=None,
+        description="Serve's autoscaling_config keys (min_replicas, max_replicas, initial_replicas, upscale_delay_s, "
+        "downscale_delay_s, metrics_interval_s, look_back_period_s, ...) plus duet's policy settings (see duet.cluster.autoscale)",
+    )
+
+    def serve_autoscaling(self, stage: str) -> dict | None:
+        """Serve's part of ``autoscaling_config``, with duet's defaults; None for a fixed pool."""
+        if self.autoscaling_config is None:
+            return None
+        return AUTOSCALING_DEFAULTS | {
+            key: value for key, value in self.autoscaling_config.items() if key not in _POLICY_KEYS[_policy_stage(stage)]
+        }
+
+    def policy_targets(self, stage: str, slo: SLOSettings) -> dict:
+        """duet's part: the ``Targets`` of this pool's policy."""
+        own = {key: value for key, value in (self.autoscaling_config or {}).items() if key in _POLICY_KEYS[_policy_stage(stage)]}
+        return {"ttft_s": slo.ttft_ms / 1000, "tpot_s": slo.tpot_ms / 1000} | own
+
+    @model_validator(mode="after")
+    def _autoscaling_valid(self) -> PoolSettings:
+        if self.autoscaling_config is None:
+            return self
+        if "num_replicas" in self.model_fields_set:
+            raise ValueError("num_replicas and autoscaling_config exclude each other: set autoscaling_config.initial_replicas instead")
+        if "policy" in self.autoscaling_config:
+            raise ValueError("autoscaling_config.policy: duet sets the policy of its pools (duet.cluster.autoscale)")
+        from ray.serve.config import AutoscalingConfig
+
+        from duet.cluster.autoscale import Targets
+
+        stage = "decode" if isinstance(self, DecodePoolSettings) else "prefill"
+        unknown = sorted(set(self.autoscaling_config) - set(AutoscalingConfig.model_fields) - set(_POLICY_KEYS[stage]))
+        if unknown:
+            raise ValueError(
+                f"autoscaling_config: unknown setting {', '.join(unknown)} (Serve's keys, and duet's for this pool: "
+                f"{', '.join(_POLICY_KEYS[stage])})"
+            )
+        try:
+            AutoscalingConfig(**self.serve_autoscaling(stage))
+            Targets(**self.policy_targets(stage, SLOSettings()))
+        except pydantic.ValidationError as error:
+            raise ValueError("autoscaling_config: " + readable(error).replace("\n", "; ")) from None
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"autoscaling_config: {error}") from None
+        return self
 
     def merged_engine(self, base: EngineSettings) -> EngineSettings:
         return EngineSettings(**(base.model_dump(exclude_unset=True) | self.engine))
@@ -55,7 +121,12 @@ class PoolSettings(_Strict):
 
 
 class DecodePoolSettings(PoolSettings):
-    local_prefill_threshold: int = Field(default=0, ge=0, description="prompts shorter than this skip the prefill pool")
+    local_prefill_threshold: int = Field(
+        default=0, ge=0, description="prompts shorter than this skip the prefill pool (the starting point of adaptive_local_prefill)"
+    )
+    adaptive_local_prefill: bool = Field(
+        default=True, description="per sequence, compute its prompt where its first token comes sooner (duet.router.balance)"
+    )
     on_transfer_failure: Literal["recompute", "fail"] = "recompute"
 
 
@@ -69,6 +140,9 @@ class RouterSettings(_Strict):
     max_prompts_per_request: int = Field(default=64, ge=1, description="prompts in one completions request; more get 400")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>'; DUET_API_KEY also sets it")
+    max_migrations: int = Field(
+        default=3, ge=0, description="moves between decode replicas a sequence may make; one more fails it with an error event"
+    )
 
 
 class KVTransferSettings(_Strict):
@@ -87,6 +161,7 @@ class AppArgs(_Strict):
     prefill: PoolSettings | None = None
     decode: DecodePoolSettings = Field(default_factory=DecodePoolSettings)
     router: RouterSettings = Field(default_factory=RouterSettings)
+    slo: SLOSettings = Field(default_factory=SLOSettings)
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
 
     @model_validator(mode="after")

@@ -94,6 +94,8 @@ class ServeFile:
         from duet.cluster.config import AppConfigError, parse_args
 
         http = raw.get("http_options") or {}
+        if http.get("host", DEFAULT_HOST) in LOOPBACK_HOSTS:
+            use_loopback_ray()  # before the args' validation imports ray (Serve's autoscaling config)
         for index, app in enumerate(raw["applications"]):
             if app.get("import_path") != "duet.cluster.app:build_app":
                 raise DeployError(f"{path}: applications[{index}].import_path must be duet.cluster.app:build_app")
@@ -231,12 +233,31 @@ def down() -> bool:
     return True
 
 
+def _router_url(url: str | None) -> str:
+    if url is not None:
+        return url
+    state = ClusterState.load()
+    return state.urls[0] if state and state.urls else f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+
+
+def scale(pool: str, replicas: int | None, url: str | None = None) -> None:
+    """Pin an autoscaled pool at ``replicas`` (None: back to its policy) through the router."""
+    import httpx
+
+    url = _router_url(url)
+    headers = {"Authorization": f"Bearer {os.environ['DUET_API_KEY']}"} if os.environ.get("DUET_API_KEY") else {}
+    try:
+        response = httpx.post(f"{url}/duet/scale", json={"pool": pool, "replicas": replicas}, headers=headers, timeout=30)
+    except httpx.HTTPError as error:
+        raise DeployError(f"no duet cluster answers at {url}: {error!r}") from None
+    if response.status_code != 200:
+        raise DeployError(response.json().get("error", {}).get("message", response.text))
+
+
 def status(url: str | None = None) -> dict:
     import httpx
 
-    if url is None:
-        state = ClusterState.load()
-        url = state.urls[0] if state and state.urls else f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    url = _router_url(url)
     try:
         response = httpx.get(f"{url}/duet/status", timeout=10)
         response.raise_for_status()
@@ -264,6 +285,22 @@ def format_status(report: dict) -> str:
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
                 + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )
+    for pool, info in report["pools"].items():
+        decision = info.get("autoscaler")
+        if decision is None:
+            lines.append(f"{pool} pool: {info['replicas']} replicas (fixed)")
+        else:
+            lines.append(
+                f"{pool} pool: {decision['running']} running, target {decision['target']} replicas "
+                f"(autoscaler: {decision['reason']}, {time.time() - decision['at']:.0f} s ago)"
+            )
+    routing = report.get("routing", {})
+    if routing:
+        migrations = routing.get("migrations", {})
+        line = f"router: sequences moved by KV {migrations.get('kv', 0)}, by recompute {migrations.get('recompute', 0)}"
+        if "local_prefills" in routing:
+            line += f"; prompts computed on decode {routing['local_prefills']}, on prefill {routing['pd_prefills']}"
+        lines.append(line)
     admission = report["admission"]
     lines.append(f"router admission: {admission['running_sequences']} sequences running, {admission['queued_requests']} requests queued")
     return "\n".join(lines)

@@ -1,10 +1,21 @@
 """The one Serve deployment class of every pool: an engine stepped by an ``EngineLoop``,
 configured by its role (``prefill_node.role``, ``decode_node.role``).
 
-``generate`` streams one sequence: for a ``kv_receive`` request first the ``KVDestination``
-(blocks reserved), then ``TokenDelta``s; a prefill replica's stream is its first token. Calls
-that name a ``replica_id`` (``abort``, ``check_integrity``) are pinned to that replica (see
+``generate`` streams one sequence: on a decode (or colocated) replica first a ``Placement``
+(its replica, and for a ``kv_receive`` request the ``KVDestination`` of the blocks it reserved),
+then ``TokenDelta``s; a prefill replica's stream is its first token. Calls that name a
+``replica_id`` (``abort``, ``attach``, ``check_integrity``) are pinned to that replica (see
 ``duet.router.routing``).
+
+A decode replica leaving its pool while alive (Serve stopping it: scale-down, redeploy) moves
+its sequences to the others by KV before it goes: it watches its own pool through a handle of
+its own, and when its id leaves the pool's replica set it refuses new sequences and, for each
+one it streams, holds it still between two steps, has another replica ``reserve`` blocks for
+its tokens so far, ships the KV there and ends the stream with ``Moved``: the router then
+``attach``es to the new replica and reads on. A sequence that cannot move by KV (a colocated
+pool has no connector; no replica has room in time) ends with ``Moved(None)``: the router
+recomputes it elsewhere. A leaving prefill replica finishes what it has (Serve routes nothing
+new to it) and its transfers before its engine closes.
 """
 
 from __future__ import annotations
@@ -12,24 +23,42 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import torch
 from ray import serve
 
 from duet.block_pool import BlockIntegrityError
+from duet.cluster.autoscale import autoscaling_metrics
 from duet.cluster.loopback import keep_replica_on_loopback
 from duet.config import EngineArgs
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
 from duet.engine_loop import EngineLoop
-from duet.errors import KVTransferFailedError, ReplicaGoneError, RequestFailedError
-from duet.messages import EngineRequest, KVDestination, ReplicaStats, TokenDelta
+from duet.errors import KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
+from duet.messages import EngineRequest, Moved, Placement, ReplicaStats, TokenDelta
 from duet.prefill_node.role import PrefillRole
+from duet.router.routing import own_serve_request, replica_ids, watch_departure
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
+# Serve waits this long for a stopped replica's calls to end before killing it (its default, 20
+# s, cuts long streams; here they move away, so it is rarely reached).
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 60.0
+DRAIN_TIMEOUT_S = 45.0  # a leaving replica's moves and transfers, within the above
+ATTACH_TIMEOUT_S = 30.0  # a sequence moved here that no router reads by then is dropped
+MOVE_CALL_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass
+class _Stream:
+    """A sequence streaming from this replica: what it was asked, where its outputs go."""
+
+    request: EngineRequest
+    outputs: asyncio.Queue
 
 
 class EngineReplica:
@@ -39,7 +68,8 @@ class EngineReplica:
     def __init__(self, role: str, engine_args: dict, num_threads: int, kv_transfer: dict | None = None) -> None:
         keep_replica_on_loopback()
         torch.set_num_threads(num_threads)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
         self.role = PrefillRole() if role == "prefill" else DecodeRole(colocated=role == "colocated")
         args = self.role.engine_args(engine_args)
         if kv_transfer is not None:
@@ -49,36 +79,147 @@ class EngineReplica:
         self.loop = EngineLoop(
             self.engine.step, _request_id, self.engine.has_unfinished_requests, name=f"{role}-loop", on_idle=self._check_when_idle
         )
+        self.draining = False
+        self._streams: dict[str, _Stream] = {}
+        self._adopted: dict[str, _Stream] = {}  # moved here; the router has yet to attach
+        self._tasks: set[asyncio.Task] = set()
+        if self.role.stage != "prefill":
+            # A handle on its own pool: its router in this process sees the replica set change
+            # (this replica leaving it) and sends the moves' reservations to the others.
+            self._pool = serve.get_deployment_handle(context.deployment, context.app_name).options(stream=False)
+            self._spawn(self._leave_when_departed(watch_departure(self.replica_id)))
         logger.info("%s replica %s ready with %d threads", role, self.replica_id, num_threads)
 
     async def generate(
         self, request: EngineRequest, prefix_hashes: list[int] | None = None, num_prompt_blocks: int = 0
-    ) -> AsyncIterator[KVDestination | TokenDelta]:
+    ) -> AsyncIterator[Placement | TokenDelta | Moved]:
         """Stream one sequence; it is aborted in the engine however the stream ends early.
         ``prefix_hashes`` and ``num_prompt_blocks`` are hints for the pools' request routers."""
-        outputs = self.loop.subscribe(request.request_id)
+        self._refuse_when_draining()
+        self.role.admit(request, self.engine.block_size)
+        stream = _Stream(request, self.loop.subscribe(request.request_id))
+        try:
+            destination = await self.loop.call(self.engine.add_request, request)
+        except BaseException:
+            self.loop.unsubscribe(request.request_id)
+            raise
+        if self.role.stage != "prefill":
+            yield Placement(self.replica_id, destination)
+        async with aclosing(self._follow(stream)) as items:
+            async for item in items:
+                yield item
+
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0) -> Placement:
+        """Take a sequence moving here by KV from a leaving replica: reserve blocks for its
+        tokens so far and answer where to send them. Its outputs wait for ``attach``."""
+        self._refuse_when_draining()
+        stream = _Stream(request, self.loop.subscribe(request.request_id))
+        try:
+            destination = await self.loop.call(self.engine.add_request, request)
+        except BaseException:
+            self.loop.unsubscribe(request.request_id)
+            raise
+        self._adopted[request.request_id] = stream
+        self._spawn(self._drop_unless_attached(request.request_id))
+        return Placement(self.replica_id, destination)
+
+    async def attach(self, request_id: str, replica_id: str) -> AsyncIterator[TokenDelta | Moved]:
+        """Stream a sequence moved here by ``reserve``, from its first token made here."""
+        ReplicaGoneError.check(replica_id, self.replica_id)
+        stream = self._adopted.pop(request_id, None)
+        if stream is None:
+            raise ReplicaGoneError(f"{request_id} is not held on replica {self.replica_id} (dropped, or never moved here)")
+        async with aclosing(self._follow(stream)) as items:
+            async for item in items:
+                yield item
+
+    async def _follow(self, stream: _Stream) -> AsyncIterator[TokenDelta | Moved]:
+        request_id = stream.request.request_id
+        self._streams[request_id] = stream
         finished = False
         try:
-            self.role.admit(request, self.engine.block_size)
-            destination = await self.loop.call(self.engine.add_request, request)
-            if destination is not None:
-                yield destination
             while not finished:
-                item = await outputs.get()
+                item = await stream.outputs.get()
                 if isinstance(item, Exception):
                     raise item
+                if isinstance(item, Moved):
+                    finished = True
+                    yield item
+                    return
                 finished = item.finished
                 if item.error is not None:
                     raise (KVTransferFailedError if item.kv_lost else RequestFailedError)(item.error)
                 yield item
         finally:
-            self.loop.unsubscribe(request.request_id)
+            self._streams.pop(request_id, None)
+            self.loop.unsubscribe(request_id)
             if not finished:
-                self.loop.call_soon(self.engine.abort_request, request.request_id)
+                self.loop.call_soon(self.engine.abort_request, request_id)
 
     async def abort(self, request_id: str, replica_id: str) -> None:
         ReplicaGoneError.check(replica_id, self.replica_id)
+        if self._adopted.pop(request_id, None) is not None:
+            self.loop.unsubscribe(request_id)
         await self.loop.call(self.engine.abort_request, request_id)
+
+    def _refuse_when_draining(self) -> None:
+        if self.draining:
+            raise ReplicaFullError(f"replica {self.replica_id} is leaving its pool")
+
+    # -- leaving the pool
+
+    async def _leave_when_departed(self, departed: asyncio.Event) -> None:
+        await departed.wait()
+        self.draining = True
+        logger.info("%s replica %s left its pool: moving its %d sequences", self.role.stage, self.replica_id, len(self._streams))
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self._streams and time.monotonic() < deadline:
+            for request_id in list(self._streams):
+                await self._move(request_id, by_kv=self.engine.kv_transfer_config is not None and bool(replica_ids(self.role.stage)))
+            await asyncio.sleep(0.02)  # the ones between no two steps yet: after the next
+
+    async def _move(self, request_id: str, by_kv: bool) -> None:
+        """Move one sequence off this replica, by KV if it can (else the router recomputes it)."""
+        stream = self._streams.get(request_id)
+        held = await self.loop.call(self.engine.freeze, request_id)
+        if stream is None or held is None:
+            return  # ended meanwhile, or not between two decode steps: try after the next
+        moved_to = None
+        if by_kv:
+            moved_to = await self._move_by_kv(stream.request, held)
+        if moved_to is None:
+            await self.loop.call(self.engine.abort_request, request_id)
+        stream.outputs.put_nowait(Moved(moved_to, held))
+
+    async def _move_by_kv(self, request: EngineRequest, held: list[int]) -> str | None:
+        """Ship a frozen sequence's KV to another replica; the replica it went to (None: it did not)."""
+        request_id = request.request_id
+        resumed = dataclasses.replace(request, output_token_ids=held, kv_receive=True)
+        num_blocks = -(-(len(request.prompt_token_ids) + len(held)) // self.engine.block_size)
+        own_serve_request()  # the moves' calls overlap (an abort below, the next move)
+        try:
+            placement = await asyncio.wait_for(self._pool.reserve.remote(resumed, num_prompt_blocks=num_blocks), MOVE_CALL_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - no replica took it: recomputed elsewhere
+            logger.warning("no decode replica took %s (%r); it will be recomputed", request_id, error)
+            return None
+        if await self.loop.call(self.engine.migrate, request_id, placement.destination):
+            logger.info("moved %s to replica %s by KV (%d tokens)", request_id, placement.replica_id, len(request.prompt_token_ids) + len(held))
+            return placement.replica_id
+        own_serve_request()
+        self._pool.abort.remote(request_id, replica_id=placement.replica_id)  # gone here meanwhile: free the blocks there
+        return None
+
+    async def _drop_unless_attached(self, request_id: str) -> None:
+        await asyncio.sleep(ATTACH_TIMEOUT_S)
+        if self._adopted.pop(request_id, None) is not None:
+            logger.warning("%s was moved here but no router attached to it in %.0f s; dropping it", request_id, ATTACH_TIMEOUT_S)
+            self.loop.unsubscribe(request_id)
+            await self.loop.call(self.engine.abort_request, request_id)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def record_routing_stats(self) -> dict:
         """Read off the engine thread: plain counters and lengths, so the report stays on time
@@ -110,7 +251,18 @@ class EngineReplica:
             raise RuntimeError("the engine thread has stopped")
         await asyncio.wait_for(self.loop.call(lambda: None), timeout=30)
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's load as the pools' autoscaling policies read it (``duet.cluster.autoscale``)."""
+        return autoscaling_metrics(ReplicaStats.collect(self.role.stage, self.replica_id, self.engine))
+
     def __del__(self) -> None:
+        """Serve stops the replica once its calls ended (or its patience did): let the KV still
+        on its way out (moves, prefills' last layers) reach the other side, then close."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.loop.alive() and self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for task in self._tasks:
+            task.cancel()
         self.loop.stop()
         self.engine.close()
 

@@ -20,17 +20,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve import context as serve_context
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from duet.cluster.autoscale import pin, published
 from duet.detokenizer import SequenceText
 from duet.errors import InvalidRequestError, KVTransferFailedError, RequestFailedError
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError
+from duet.router.balance import StageBalancer
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator, PoolUnavailableError
 from duet.router.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from duet.router.responses import Choice, ResponseBuilder, error_body, sse
-from duet.router.routing import live_replicas, pool_size, pool_stats, replica_ids
+from duet.router.routing import live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import SamplingParams, fit_to_context
 
@@ -100,13 +101,6 @@ def _api_error_from(error: Exception) -> ApiError:
     return ApiError(500, f"internal error (incident {incident} in the router's log)", "internal_server_error")
 
 
-def _own_serve_request() -> None:
-    """Give the current task a Serve request id of its own. Serve matches a routed call to its
-    caller by that id, which every call made while handling one HTTP request shares: concurrent
-    calls to one pool (sequences of one request, checks of several replicas) would be mixed up."""
-    serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
-
-
 class _Run:
     """One HTTP request's sequences running concurrently, merged in arrival order."""
 
@@ -151,7 +145,7 @@ class _Run:
     async def _pump(self, sequence: _Sequence, merged: asyncio.Queue) -> None:
         """One sequence's token ids from the pools, made into text here; a stop string ends it
         (leaving the ``async with`` aborts it in the pools, which know no text)."""
-        _own_serve_request()
+        own_serve_request()
         prompt = self.encoded[sequence.prompt_index]
         sequence_id = f"{self.request_id}-{sequence.choice_index}"
         text = SequenceText.start(self.ingress.tokenizer.backend, sequence.params)
@@ -188,7 +182,11 @@ class RouterIngress:
         max_model_len: int,
         block_size: int,
         local_prefill_threshold: int,
+        adaptive_local_prefill: bool,
+        tpot_s: float,
         on_transfer_failure: str,
+        max_migrations: int,
+        autoscaled: list[str],
         max_running_sequences: int,
         max_queued_requests: int,
         max_prompts_per_request: int,
@@ -204,13 +202,24 @@ class RouterIngress:
         self.api_key = api_key
         self.tokenizer = RouterTokenizer(model_dir)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
-        self.orchestrator = Orchestrator(prefill, decode, block_size, local_prefill_threshold, on_transfer_failure)
+        self.app_name = serve.get_replica_context().app_name
+        self.autoscaled = autoscaled
+        balancer = None
+        if prefill is not None:
+            # Without adaptivity, the static threshold decides alone: no stats to read.
+            stats = pool_stats if adaptive_local_prefill else (lambda pool: None)
+            balancer = StageBalancer(stats, pool_size, local_prefill_threshold, tpot_s)
+        self.orchestrator = Orchestrator(prefill, decode, block_size, balancer, on_transfer_failure, max_migrations)
         self.max_prompts_per_request = max_prompts_per_request
         self.admission = AdmissionQueue(max_running_sequences, max_queued_requests)
-        self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission)
+        self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission, self.orchestrator, self._autoscaler)
 
     def _pool_stats(self) -> dict:
         return {pool: stats for pool in self.pools if (stats := pool_stats(pool)) is not None}
+
+    def _autoscaler(self) -> dict[str, dict]:
+        """The latest decision of each autoscaled pool's policy."""
+        return published(self.app_name, self.autoscaled)
 
     # -- open endpoints
 
@@ -231,7 +240,7 @@ class RouterIngress:
         self._authorize(request)
 
         async def check(pool: str, replica_id: str) -> str:
-            _own_serve_request()  # concurrent calls to one pool must not share a request id
+            own_serve_request()  # concurrent calls to one pool must not share a request id
             try:
                 await asyncio.wait_for(self.pools[pool].check_integrity.remote(replica_id=replica_id), 30)
             except Exception as error:  # noqa: BLE001 - reported per replica
@@ -244,6 +253,25 @@ class RouterIngress:
         for (pool, replica_id), result in zip(targets, results):
             report[pool][replica_id] = result
         return JSONResponse({"ok": all(result == "ok" for result in results), "pools": report})
+
+    @app.post("/duet/scale")
+    async def scale(self, request: Request) -> Response:
+        """Pin an autoscaled pool at a size (``{"pool": "decode", "replicas": 2}``), or give it back
+        to its policy (``"replicas": null``)."""
+        self._authorize(request)
+        try:
+            payload = parse_json_object(await request.body())
+        except ValueError as error:
+            raise bad_request(str(error)) from None
+        pool, replicas = payload.get("pool"), payload.get("replicas")
+        if pool not in self.pools:
+            raise bad_request(f"pool must be one of {sorted(self.pools)}", "pool")
+        if pool not in self.autoscaled:
+            raise bad_request(f"the {pool} pool has a fixed size; give it an autoscaling_config to scale it", "pool")
+        if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1):
+            raise bad_request("replicas must be a positive integer, or null to unpin", "replicas")
+        await asyncio.to_thread(pin, self.app_name, pool, replicas)
+        return JSONResponse({"pool": pool, "pinned": replicas})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -265,7 +293,13 @@ class RouterIngress:
                 ],
             }
         admission = {"running_sequences": self.admission.num_running, "queued_requests": self.admission.num_queued}
-        return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission})
+        for name, decision in (await asyncio.to_thread(self._autoscaler)).items():
+            pools[name]["autoscaler"] = decision
+        routing = {"migrations": self.orchestrator.migrations}
+        if self.orchestrator.balancer is not None:
+            routing["local_prefills"] = self.orchestrator.balancer.decisions[True]
+            routing["pd_prefills"] = self.orchestrator.balancer.decisions[False]
+        return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission, "routing": routing})
 
     # -- API endpoints
 

@@ -17,7 +17,14 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 class RouterMetrics:
     """One registry per ingress replica."""
 
-    def __init__(self, model_name: str, pool_stats: Callable[[], dict[str, list[ReplicaStats]]], admission) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        pool_stats: Callable[[], dict[str, list[ReplicaStats]]],
+        admission,
+        orchestrator,
+        autoscaler: Callable[[], dict[str, dict]],
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -42,6 +49,7 @@ class RouterMetrics:
         queued = Gauge("duet:admission_queued_requests", "Requests waiting for admission.", labels, registry=self.registry)
         queued.labels(model_name).set_function(lambda: admission.num_queued)
         self.registry.register(_PoolCollector(model_name, pool_stats))
+        self.registry.register(_RoutingCollector(model_name, orchestrator, autoscaler))
 
 
 class _PoolCollector:
@@ -99,3 +107,50 @@ class _PoolCollector:
         yield replicas
         yield per_position
         yield from families.values()
+
+
+class _RoutingCollector:
+    """Where the router sent sequences (their moves, the stages that computed their prompts) and
+    the pools' autoscaling decisions, read at scrape time."""
+
+    def __init__(self, model_name: str, orchestrator, autoscaler: Callable[[], dict[str, dict]]) -> None:
+        self.model_name = model_name
+        self.orchestrator = orchestrator
+        self.autoscaler = autoscaler
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        migrations = CounterMetricFamily(
+            "duet:migrations", "Sequences moved between decode replicas, by how (kv, recompute).", labels=["model_name", "how"]
+        )
+        for how, count in self.orchestrator.migrations.items():
+            migrations.add_metric([self.model_name, how], count)
+        yield migrations
+        balancer = self.orchestrator.balancer
+        if balancer is not None:
+            fallbacks = CounterMetricFamily(
+                "duet:prefill_fallbacks", "Contexts computed on a decode replica because their prefill replica failed.", labels=["model_name"]
+            )
+            fallbacks.add_metric([self.model_name], self.orchestrator.prefill_fallbacks)
+            yield fallbacks
+            prefills = CounterMetricFamily(
+                "duet:prompts_computed", "Prompts (and recomputed contexts) by the stage that computed them.", labels=["model_name", "stage"]
+            )
+            prefills.add_metric([self.model_name, "decode"], balancer.decisions[True])
+            prefills.add_metric([self.model_name, "prefill"], balancer.decisions[False])
+            yield prefills
+        target = GaugeMetricFamily("duet:autoscaler_target_replicas", "The pool's size its autoscaling policy decided.", labels=["model_name", "stage"])
+        running = GaugeMetricFamily("duet:autoscaler_running_replicas", "The pool's running replicas as the policy saw them.", labels=["model_name", "stage"])
+        decisions = CounterMetricFamily(
+            "duet:autoscaler_decisions", "Changes of the pool's autoscaling decision, by reason.", labels=["model_name", "stage", "reason"]
+        )
+        for stage, record in self.autoscaler().items():
+            target.add_metric([self.model_name, stage], record["target"])
+            running.add_metric([self.model_name, stage], record["running"])
+            for reason, count in record["decisions"].items():
+                decisions.add_metric([self.model_name, stage, reason], count)
+        yield target
+        yield running
+        yield decisions

@@ -1,16 +1,24 @@
 """One sequence's way through the pools, as token ids (the router makes the text).
 
-Disaggregated: the decode replica is chosen first (by free KV) and reserves the prompt's
-blocks, answering with a ``KVDestination``; the prefill replica computes the prompt, streams
-its KV there layer run by layer run as its forward writes them, and answers with the first
-token, which goes to the client at once (the same token travels with the KV); the decode
-replica starts when the last layer lands and streams the rest. Short prompts (under
-``local_prefill_threshold``) and the colocated mode go to the decode pool alone.
+Disaggregated: the decode replica is chosen first (by free KV) and reserves the context's
+blocks, answering with its ``Placement`` (a ``KVDestination``); the prefill replica computes
+the prompt, streams its KV there layer run by layer run as its forward writes it, and answers
+with the first token, which goes to the client at once (the same token travels with the KV);
+the decode replica starts when the last layer lands and streams the rest. Local: one decode
+replica computes everything (the colocated mode, and the ``StageBalancer``'s choice per
+sequence: see ``duet.router.balance``).
 
-If the prefill replica fails before the first token, the prompt is computed on a decode
-replica instead; if the KV never arrives, ``on_transfer_failure`` says whether the sequence is
-recomputed there from its prompt and first token (``recompute``) or fails (``fail``, 503).
-Every way out aborts what the sequence holds in both pools.
+A sequence outlives its decode replica. One leaving its pool alive (Serve stopping it:
+scale-down, redeploy) moves the sequence to another replica by KV and ends the stream with
+``Moved``: the router attaches to the new replica and reads on. When the replica died (or the
+sequence's KV was lost, or it could not move by KV) the sequence is recomputed: its prompt and
+the tokens already out go to another decode replica, their KV computed by the prefill pool or
+there (the balancer's choice again), and the stream goes on. The client's stream sees neither:
+no token twice, none missing, and what shapes the next tokens (the seed's stream, penalties,
+``min_tokens``) is the engine's function of the tokens so far. After ``max_migrations`` moves
+the sequence fails with a 503 error event. If the prefill replica fails before the first
+token, the prompt is computed on a decode replica; a lost prompt KV is recomputed too
+(``on_transfer_failure: recompute``) or fails the sequence (``fail``).
 """
 
 from __future__ import annotations
@@ -21,135 +29,291 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from ray.exceptions import RayActorError
+
 from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
 from duet.errors import InvalidRequestError, KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
-from duet.messages import EngineRequest, KVDestination, TokenDelta
-from duet.router.routing import replica_running
+from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
+from duet.router.balance import Choice, StageBalancer
+from duet.router.routing import own_serve_request, replica_running
 from duet.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 PINNED_CALL_TIMEOUT_S = 30.0  # a busy replica answers between two steps; only a dead one takes this long
-DECODE_ATTEMPTS = 3
+DECODE_ATTEMPTS = 5
 FAILURE_POLICIES = ("recompute", "fail")
+# What a prefill replica runs to fill a resumed sequence's KV: the one token it samples is not used.
+_FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class PoolUnavailableError(RuntimeError):
     """No replica of a pool could take the request; the client should retry later (HTTP 503)."""
 
 
-class Orchestrator:
-    """``prefill`` is None in the colocated mode: ``decode`` is then the only pool."""
+@dataclasses.dataclass
+class _Sequence:
+    """What the router knows of one sequence: enough to start it over anywhere."""
 
-    def __init__(self, prefill, decode, block_size: int, local_prefill_threshold: int, on_transfer_failure: str = "recompute") -> None:
+    request: EngineRequest  # as the client asked it; its id names the sequence
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # sent to the client so far
+    migrations: int = 0
+    placements: int = 0
+
+    @property
+    def num_context_tokens(self) -> int:
+        """Tokens whose KV a (re)start computes: the prompt and all outputs but the last."""
+        return len(self.request.prompt_token_ids) + max(0, len(self.token_ids) - 1)
+
+    def resumed(self, kv_receive: bool = False) -> EngineRequest:
+        """The sequence with its tokens so far, to place anew: under an id of its own each
+        time, so that an earlier placement's tear-down (a cancel or an abort still on its way to
+        the same replica) cannot touch this one."""
+        self.placements += 1
+        request_id = self.request.request_id
+        if self.placements > 1:
+            request_id = f"{request_id}.{self.placements - 1}"
+        return dataclasses.replace(self.request, request_id=request_id, output_token_ids=list(self.token_ids), kv_receive=kv_receive)
+
+
+class Orchestrator:
+    """``prefill`` is None in the colocated mode: ``decode`` is then the only pool, and
+    ``balancer`` unused."""
+
+    def __init__(
+        self,
+        prefill,
+        decode,
+        block_size: int,
+        balancer: StageBalancer | None,
+        on_transfer_failure: str = "recompute",
+        max_migrations: int = 3,
+    ) -> None:
         if on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {on_transfer_failure!r}")
         self.prefill = prefill
         self.decode = decode
         self.block_size = block_size
-        self.local_prefill_threshold = local_prefill_threshold
+        self.balancer = balancer
         self.on_transfer_failure = on_transfer_failure
+        self.max_migrations = max_migrations
+        self.decode_pool = "decode" if prefill is not None else "colocated"
+        self.migrations = {"kv": 0, "recompute": 0}
+        self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
 
-    def wants_prefill_pool(self, num_prompt_tokens: int) -> bool:
-        return self.prefill is not None and num_prompt_tokens >= self.local_prefill_threshold
-
     async def run(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        local = EngineRequest(sequence_id, prompt_token_ids, params)
-        if not self.wants_prefill_pool(len(prompt_token_ids)):
-            async with aclosing(self._decode(local)) as deltas:
-                async for delta in deltas:
-                    yield delta
-            return
-        # Closed on every way out, so the decode side is cancelled and aborted at once.
-        async with aclosing(self._reserve_and_decode(dataclasses.replace(local, kv_receive=True))) as decoding:
-            destination = await anext(decoding)
+        """The sequence's deltas, wherever it runs; started over elsewhere each time it must."""
+        sequence = _Sequence(EngineRequest(sequence_id, prompt_token_ids, params))
+        moved_to = moved = None
+        while True:
+            stream = None
             try:
-                first = await self._prefill(dataclasses.replace(local, kv_send=destination))
-            except (InvalidRequestError, RequestFailedError):
-                raise
-            except Exception as error:  # noqa: BLE001 - the prefill replica is gone: compute the prompt on decode
-                logger.warning("prefill of %s failed (%r); computing its prompt on a decode replica", sequence_id, error)
-                await decoding.aclose()
-                async with aclosing(self._decode(local)) as deltas:
-                    async for delta in deltas:
-                        yield delta
-                return
-            yield first
-            if first.finish_reason is not None:  # the first token ended the sequence
-                return
-            try:
-                async for delta in decoding:
-                    yield delta
-                return
-            except KVTransferFailedError:
-                if self.on_transfer_failure == "fail":
+                if moved_to is None:
+                    async with aclosing(self._start(sequence)) as items:
+                        async for item in items:
+                            if isinstance(item, _DecodeStream):
+                                stream = item
+                            else:
+                                sequence.token_ids += item.token_ids
+                                yield item
+                    if stream is None:  # the prefill replica's first token ended it
+                        return
+                else:
+                    stream = _DecodeStream(self, moved, replica_id=moved_to)
+                async for item in stream:
+                    if isinstance(item, Moved):
+                        moved_to, moved = item.replica_id, stream.request
+                        self.migrations["kv" if moved_to else "recompute"] += 1
+                        break
+                    sequence.token_ids += item.token_ids
+                    yield item
+                    if item.finished:
+                        return
+                else:
+                    raise PoolUnavailableError(f"decode replica {stream.replica_id} ended {sequence.request.request_id} early")
+            except (RayActorError, ReplicaGoneError, KVTransferFailedError) as error:
+                if isinstance(error, KVTransferFailedError) and self.on_transfer_failure == "fail":
                     raise
-        logger.warning("the KV of %s was lost; recomputing its prompt and first token on a decode replica", sequence_id)
-        async with aclosing(self._decode(dataclasses.replace(local, output_token_ids=first.token_ids))) as deltas:
-            async for delta in deltas:
-                yield delta
+                where = stream.replica_id if stream is not None else "(placing it)"
+                logger.warning("%s lost on decode replica %s (%r); recomputing it", sequence.request.request_id, where, error)
+                self.migrations["recompute"] += 1
+                moved_to = None
+            finally:
+                if stream is not None:
+                    await stream.aclose()
+            sequence.migrations += 1
+            if sequence.migrations > self.max_migrations:
+                if moved_to is not None:  # it went on there: stop it
+                    request_id, replica_id = moved.request_id, moved_to
+                    self.fire(replica_id, lambda: self.decode.abort.remote(request_id, replica_id=replica_id))
+                raise PoolUnavailableError(
+                    f"the sequence had to move to another decode replica once more than router.max_migrations={self.max_migrations} allows; retry it"
+                )
 
-    async def _prefill(self, request: EngineRequest) -> TokenDelta:
-        """The first token, from the prefill replica that prefix affinity picks."""
+    async def _start(self, sequence: _Sequence) -> AsyncIterator[TokenDelta | _DecodeStream]:
+        """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
+        context computed by the prefill pool or there; yields the prefill's first token of a
+        new sequence, then the decode stream (none if that token ended it), the caller's to close."""
+        choice = Choice(True, 0) if self.prefill is None else self.balancer.choose(sequence.num_context_tokens)
+        if choice.local:
+            yield await self._place_local(sequence, choice)
+            return
+        num_blocks = -(-sequence.num_context_tokens // self.block_size)
+        stream = _DecodeStream(self, sequence.resumed(kv_receive=True), num_prompt_blocks=num_blocks)
+        try:
+            placement = await stream.place()
+            first = await self._prefill(sequence, stream.request.request_id, placement.destination)
+        except (InvalidRequestError, RequestFailedError):
+            await stream.aclose()
+            raise
+        except Exception as error:  # noqa: BLE001 - the prefill replica is gone: compute the context on decode
+            await stream.aclose()
+            if stream.replica_id is None:  # no decode replica took it: nothing to fall back on
+                raise
+            logger.warning("prefill of %s failed (%r); computing it on a decode replica", sequence.request.request_id, error)
+            self.prefill_fallbacks += 1
+            yield await self._place_local(sequence)
+            return
+        except BaseException:
+            await stream.aclose()
+            raise
+        finally:
+            choice.done()
+        if first is not None:
+            try:
+                yield first
+            except BaseException:
+                await stream.aclose()
+                raise
+            if first.finish_reason is not None:  # the first token ended the sequence
+                await stream.aclose()
+                return
+        yield stream
+
+    async def _place_local(self, sequence: _Sequence, choice: Choice | None = None) -> _DecodeStream:
+        stream = _DecodeStream(self, sequence.resumed(), choice=choice)
+        try:
+            await stream.place()
+        except BaseException:
+            await stream.aclose()
+            raise
+        return stream
+
+    async def _prefill(self, sequence: _Sequence, request_id: str, destination: KVDestination) -> TokenDelta | None:
+        """Have the prefill replica that prefix affinity picks compute the context's KV into
+        ``destination`` (``request_id``: the placement's): a new sequence's prompt (its first
+        token returned), or a resumed one's prompt and outputs but the last (the decode replica
+        computes that one; None returned)."""
+        request = sequence.request
+        if sequence.token_ids:
+            context = request.prompt_token_ids + sequence.token_ids[:-1]
+            request = EngineRequest(request_id, context, _FILL_PARAMS)
+        request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
         hashes = leading_block_hashes(request.prompt_token_ids, self.block_size, ROUTING_PREFIX_BLOCKS)
+        own_serve_request()
         stream = self.prefill.options(stream=True).generate.remote(request, prefix_hashes=hashes)
         try:
             async for delta in stream:
-                return delta
+                return None if sequence.token_ids else delta
         finally:
             stream.cancel()
         raise PoolUnavailableError("the prefill replica ended the request without a token")
 
-    async def _reserve_and_decode(self, request: EngineRequest) -> AsyncIterator[KVDestination | TokenDelta]:
-        """First the destination (a decode replica with room reserved the blocks), then the
-        sequence's deltas from that replica."""
-        num_blocks = -(-len(request.prompt_token_ids) // self.block_size)
-        async with aclosing(self._decode(request, num_prompt_blocks=num_blocks)) as deltas:
-            async for item in deltas:
-                yield item
+    async def _pinned(self, call):
+        response = call()
+        try:
+            return await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise
 
-    async def _decode(self, request: EngineRequest, num_prompt_blocks: int = 0) -> AsyncIterator[KVDestination | TokenDelta]:
-        """Stream the sequence from a decode replica; a full one sends us to another."""
-        for attempt in range(DECODE_ATTEMPTS):
-            stream = self.decode.options(stream=True).generate.remote(request, num_prompt_blocks=num_prompt_blocks)
-            replica_id = None
-            finished = False
+    def fire(self, replica_id: str, call) -> None:
+        """Send a clean-up call pinned to a decode replica without waiting for it; nothing to
+        clean where the replica is gone, and a replica that dies mid-call is not waited for."""
+        if not replica_running(self.decode_pool, replica_id):
+            return
+
+        async def settle():
+            own_serve_request()  # beside the sequence's next call, which has the id it inherited
             try:
-                async for item in stream:
-                    if isinstance(item, KVDestination):
-                        replica_id = item.replica_id
-                    else:
-                        finished = item.finished
+                await self._pinned(call)
+            except (asyncio.TimeoutError, ReplicaGoneError, RayActorError):
+                pass  # the replica went away, and what it held with it
+            except Exception as error:  # noqa: BLE001 - nothing left to tell the client
+                logger.warning("clean-up call on decode replica %s failed: %r", replica_id, error)
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+
+class _DecodeStream:
+    """One sequence's stream from a decode replica. Started there (``generate``): ``place()``
+    reads where it runs (and its KV destination), and a full or leaving replica sends it to
+    another. Moved there (``replica_id`` given): ``attach``. Iterating gives its deltas, and a
+    final ``Moved`` if it leaves that replica; the first delta settles the balancer's
+    ``choice``. Closing it before it finished cancels it, and aborts the sequence there."""
+
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        request: EngineRequest,
+        num_prompt_blocks: int = 0,
+        replica_id: str | None = None,
+        choice: Choice | None = None,
+    ):
+        self.orchestrator = orchestrator
+        self.request = request
+        self.num_prompt_blocks = num_prompt_blocks
+        self.replica_id = replica_id
+        self.choice = choice
+        self.finished = False
+        self._stream = None
+        self._items = self._attach() if replica_id is not None else self._generate()
+
+    async def place(self) -> Placement:
+        placement = await anext(self._items)
+        self.replica_id = placement.replica_id
+        return placement
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenDelta | Moved:
+        item = await anext(self._items)
+        if self.choice is not None:
+            self.choice.done()
+        self.finished = isinstance(item, Moved) or item.finished
+        return item
+
+    async def _generate(self) -> AsyncIterator[Placement | TokenDelta | Moved]:
+        decode = self.orchestrator.decode
+        for attempt in range(DECODE_ATTEMPTS):
+            own_serve_request()  # an abort of an earlier placement may still be on its way
+            self._stream = decode.options(stream=True).generate.remote(self.request, num_prompt_blocks=self.num_prompt_blocks)
+            try:
+                async for item in self._stream:
                     yield item
                 return
             except ReplicaFullError as error:
                 if attempt == DECODE_ATTEMPTS - 1:
                     raise PoolUnavailableError(f"no decode replica has room for this request: {error}") from None
-                await asyncio.sleep(0.05 * (attempt + 1))
-            finally:
-                if not finished:
-                    stream.cancel()
-                    if replica_id is not None:
-                        self._fire("decode", replica_id, lambda: self.decode.abort.remote(request.request_id, replica_id=replica_id))
+                await asyncio.sleep(0.05 * 2**attempt)
 
-    def _fire(self, pool: str, replica_id: str, call) -> None:
-        """Send a clean-up call pinned to a replica without waiting for it; nothing to clean
-        where the replica is gone, and a replica that dies mid-call is not waited for."""
-        if not replica_running(pool, replica_id):
+    async def _attach(self) -> AsyncIterator[TokenDelta | Moved]:
+        own_serve_request()
+        self._stream = self.orchestrator.decode.options(stream=True).attach.remote(self.request.request_id, replica_id=self.replica_id)
+        async for item in self._stream:
+            yield item
+
+    async def aclose(self) -> None:
+        if self.choice is not None:
+            self.choice.done()
+        if self.finished or self._stream is None:
             return
-
-        async def settle():
-            response = call()
-            try:
-                await asyncio.wait_for(response, PINNED_CALL_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                response.cancel()
-            except ReplicaGoneError:
-                pass  # the replica went away, and what it held with it
-            except Exception as error:  # noqa: BLE001 - nothing left to tell the client
-                logger.warning("clean-up call on %s replica %s failed: %r", pool, replica_id, error)
-
-        task = asyncio.get_running_loop().create_task(settle())
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        self.finished = True
+        self._stream.cancel()
+        if self.replica_id is not None:
+            replica_id, request_id = self.replica_id, self.request.request_id
+            self.orchestrator.fire(replica_id, lambda: self.orchestrator.decode.abort.remote(request_id, replica_id=replica_id))

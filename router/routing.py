@@ -1,10 +1,11 @@
 """Serve request routers for the two pools, and the ingress's view of the replicas' stats.
 
 Replicas report a ``ReplicaStats`` dict through Serve's ``record_routing_stats``; the routers
-live in the ingress process, so they also serve ``/metrics`` and ``duet status``.
+live in the ingress process, so they also serve ``/metrics`` and ``duet status``. A decode
+replica has a router of its own pool too: it learns from it that it is leaving the pool.
 
-Every call that names a ``replica_id`` keyword (``send_kv``, ``drop``, ``abort``,
-``check_integrity``) is pinned to that replica: it concerns state only that replica holds. When
+Every call that names a ``replica_id`` keyword (``abort``, ``attach``, ``check_integrity``) is
+pinned to that replica: it concerns state only that replica holds. When
 that replica is gone the call goes to any live one, which refuses it at once
 (``ReplicaGoneError``): waiting for a replica that will never come back would hold the call,
 and Serve's routing loop with it, forever.
@@ -12,25 +13,58 @@ and Serve's routing loop with it, forever.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import random
 import time
+import uuid
 
+from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from duet.messages import REPLICA_SILENT_S, ReplicaStats
 
 logger = logging.getLogger(__name__)
 
-# Pool name ("prefill", "decode") -> the request router of that pool in this (ingress) process.
+# Pool name ("prefill", "decode", "colocated") -> the request router of that pool in this process.
 _ROUTERS: dict[str, RequestRouter] = {}
+# Replica id -> events to set (each on its own event loop) when the replica leaves its pool's set.
+_DEPARTURE_WATCHERS: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+
+
+def _module():
+    """This module as imported: Serve ships routers and the ingress by value, and each copy's
+    functions get their own globals, so only ``sys.modules`` is shared."""
+    return importlib.import_module(__name__)
 
 
 def _registry() -> dict[str, RequestRouter]:
-    """``_ROUTERS`` of the imported module: Serve ships routers and the ingress by value, and
-    each copy's functions get their own globals, so only ``sys.modules`` is shared."""
-    return importlib.import_module(__name__)._ROUTERS
+    return _module()._ROUTERS
+
+
+def watch_departure(replica_id: str) -> asyncio.Event:
+    """An event set (on the caller's loop) once a router in this process sees the replica leave
+    its pool's set: Serve stopping it (scale-down, redeploy) or its death. A replica watches
+    itself through a handle on its own pool, to move its sequences away before it goes."""
+    event = asyncio.Event()
+    _module()._DEPARTURE_WATCHERS.setdefault(replica_id, []).append((asyncio.get_running_loop(), event))
+    return event
+
+
+def _departed(replica_ids) -> None:
+    for replica_id in replica_ids:
+        for loop, event in _module()._DEPARTURE_WATCHERS.pop(replica_id, []):
+            loop.call_soon_threadsafe(event.set)
+
+
+def own_serve_request() -> None:
+    """Give the current task a Serve request id of its own; call it before each call to a pool
+    that may overlap another. Serve's request router matches a routed call to its caller by that
+    id, which a task shares with every call made while handling one HTTP request (and with the
+    tasks it starts): a second call in flight under the same id is never matched, and waits
+    until something cancels it."""
+    serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
 
 
 def pool_stats(pool: str) -> list[ReplicaStats] | None:
@@ -52,13 +86,16 @@ def pool_size(pool: str) -> int | None:
 
 
 def live_replicas(pool: str) -> int | None:
-    """Replicas of a pool that reported stats in the last ``REPLICA_SILENT_S`` seconds (their
-    clocks and ours agree to well within that); None before the pool was first called."""
-    stats = pool_stats(pool)
-    if stats is None:
+    """Running replicas of a pool that have not gone silent: reported stats in the last
+    ``REPLICA_SILENT_S`` seconds (their clocks and ours agree to well within that), or have
+    not reported yet (just started); None while this process's router of the pool lists none
+    (before its first call, or between Serve's updates: calls then wait in Serve's queue)."""
+    router = _registry().get(pool)
+    if router is None or not router.curr_replicas:
         return None
     now = time.time()
-    return sum(1 for replica in stats if now - replica.reported_at < REPLICA_SILENT_S)
+    stats = [_stats(replica) for replica in router.curr_replicas.values()]
+    return sum(1 for replica in stats if replica is None or now - replica.reported_at < REPLICA_SILENT_S)
 
 
 def replica_ids(pool: str) -> list[str]:
@@ -82,6 +119,16 @@ class _PoolRouter(RequestRouter):
 
     def initialize_state(self, pool: str) -> None:
         _registry()[pool] = self
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of the pool's running replicas; sequences on one that left move."""
+        before = {replica.unique_id for replica in self.curr_replicas}
+        super().update_replicas(replicas)
+        _departed(before - {replica.unique_id for replica in self.curr_replicas})
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        _departed([replica_id.unique_id])
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -12,7 +12,7 @@ from duet.cluster.deploy import DeployError, ServeFile
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "cluster-example.yaml"])
+@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "autoscale.yaml", "cluster-example.yaml"])
 def test_shipped_configs_are_valid_serve_configs(name):
     serve_file = ServeFile.read(CONFIGS / name)
     assert serve_file.applications[0]["import_path"] == "duet.cluster.app:build_app"
@@ -20,7 +20,7 @@ def test_shipped_configs_are_valid_serve_configs(name):
 
 
 def test_local_configs_listen_on_loopback_only():
-    for name in ("local-pd.yaml", "colocated.yaml"):
+    for name in ("local-pd.yaml", "colocated.yaml", "autoscale.yaml"):
         serve_file = ServeFile.read(CONFIGS / name)
         assert (serve_file.host, serve_file.url(serve_file.applications[0])) == ("127.0.0.1", "http://127.0.0.1:8000")
 
@@ -47,12 +47,31 @@ def test_local_configs_listen_on_loopback_only():
             {"prefill": {"engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}}},
             "speculation runs where tokens are decoded; set it under decode.engine",
         ),
+        ({"decode": {"num_replicas": 2, "autoscaling_config": {}}}, "num_replicas and autoscaling_config exclude each other"),
+        ({"decode": {"autoscaling_config": {"policy": {"policy_function": "x:y"}}}}, "duet sets the policy of its pools"),
+        ({"decode": {"autoscaling_config": {"prompt_tokens_per_replica": 100}}}, "unknown setting prompt_tokens_per_replica"),
+        ({"prefill": {"autoscaling_config": {"kv_usage": 0.5}}}, "unknown setting kv_usage"),
+        ({"decode": {"autoscaling_config": {"kv_usage": 1.5}}}, "autoscaling_config: kv_usage=1.5 is out of range"),
+        ({"decode": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}}, "autoscaling_config:"),
+        ({"slo": {"ttft_ms": 0}}, "slo.ttft_ms"),
+        ({"router": {"max_migrations": -1}}, "router.max_migrations"),
     ],
 )
 def test_bad_args_fail_with_a_readable_message(args, message):
     with pytest.raises(AppConfigError) as error:
         parse_args(args)
     assert message in str(error.value)
+
+
+def test_a_pools_autoscaling_config_splits_into_serves_settings_and_its_policys_targets():
+    config = parse_args({
+        "slo": {"ttft_ms": 1500, "tpot_ms": 100},
+        "decode": {"autoscaling_config": {"max_replicas": 4, "kv_usage": 0.6, "cooldown_s": 5}},
+    })
+    serve = config.decode.serve_autoscaling("decode")
+    assert serve["max_replicas"] == 4 and serve["min_replicas"] == 1 and "kv_usage" not in serve
+    assert config.decode.policy_targets("decode", config.slo) == {"ttft_s": 1.5, "tpot_s": 0.1, "kv_usage": 0.6, "cooldown_s": 5}
+    assert config.prefill.serve_autoscaling("prefill") is None  # a fixed pool
 
 
 def test_pd_mode_gets_a_default_prefill_pool_and_pool_overrides_merge():
@@ -69,7 +88,7 @@ def test_a_file_without_applications_is_refused(tmp_path):
         ServeFile.read(path)
 
 
-@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "cluster-example.yaml"])
+@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "autoscale.yaml", "cluster-example.yaml"])
 def test_shipped_configs_pass_serves_own_schema(name):
     """So that `serve deploy` accepts them as they are."""
     import yaml

@@ -1,8 +1,9 @@
 """One real cluster for the integration tests: Ray started by ``duet up`` in the background,
 Serve, two applications of SmolLM2 (``pd`` at ``/``, ``colocated`` at ``/colocated``), one
 PD application of the tiny random Llama for load and fault tests (``stress`` at ``/stress``:
-fast to restart, generous admission) and real HTTP on 127.0.0.1. Torn down by ``duet down``
-at the end of the session."""
+fast to restart, generous admission, two decode replicas) and real HTTP on 127.0.0.1; tests of
+scaling deploy applications of their own beside them (``deploy``). Torn down by ``duet down``
+at the end of the session. Logical CPUs: 2, shared out so that every replica fits."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def _engine() -> dict:
 
 
 def _pool(**extra) -> dict:
-    return {"ray_actor_options": {"num_cpus": 0.5}, "engine": {"num_threads": 1}, **extra}
+    return {"ray_actor_options": {"num_cpus": 0.4}, "engine": {"num_threads": 1}, **extra}
 
 
 def listening_addresses() -> frozenset[str]:
@@ -115,8 +116,11 @@ def cluster_config(port: int, tiny_model_dir: str) -> dict:
         "mode": "pd",
         # Every prompt goes through the prefill pool; room for a few hundred sequences at once.
         "engine": {"max_model_len": STRESS_MODEL_LEN, "num_kv_blocks": 8192, "max_num_seqs": 64, "max_num_batched_tokens": 1024},
-        "prefill": {"ray_actor_options": {"num_cpus": 0.25}, "engine": {"num_threads": 1}},
-        "decode": {"ray_actor_options": {"num_cpus": 0.25}, "engine": {"num_threads": 1}},
+        "prefill": {"ray_actor_options": {"num_cpus": 0.2}, "engine": {"num_threads": 1}},
+        # Two decode replicas: a sequence whose replica dies goes on on the other.
+        "decode": {
+            "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}, "adaptive_local_prefill": False,
+        },
         "router": {"ray_actor_options": {"num_cpus": 0}, "max_running_sequences": 512, "max_queued_requests": 512},
     }
     app = {"import_path": "duet.cluster.app:build_app"}
@@ -164,3 +168,57 @@ def cluster(tmp_path_factory, smollm2_dir, tiny_llama_dir):
             os.environ.pop("DUET_STATE_FILE", None)
         else:
             os.environ["DUET_STATE_FILE"] = previous
+
+
+@pytest.fixture(scope="session")
+def tiny_offline(tiny_llama_dir):
+    """Greedy tokens of the offline engine on the tiny model (the stress application's), by prompt."""
+    from duet import LLM, SamplingParams
+    from tests.integration.client import NEW_TOKENS
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=1024, num_kv_blocks=4096, max_num_seqs=128)
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def tokens(prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
+        missing = [prompt for prompt in prompts if (tuple(prompt), max_tokens) not in cache]
+        if missing:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+            for prompt, output in zip(missing, llm.generate(missing, params)):
+                cache[(tuple(prompt), max_tokens)] = output.outputs[0].token_ids
+        return [cache[(tuple(prompt), max_tokens)] for prompt in prompts]
+
+    tokens.llm = llm
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def ray_driver(cluster):
+    """This process connected to the cluster's Ray (to kill replicas, deploy applications)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="WARNING")
+    yield ray
+
+
+@pytest.fixture
+def deploy(cluster, ray_driver):
+    """Deploy an application of the tiny model beside the session's (``deploy(name, args)``
+    gives its URL once healthy); deleted at the end of the test."""
+    import httpx
+    from ray import serve
+
+    from duet.cluster.app import build_app
+
+    names = []
+
+    def run(name: str, args: dict) -> str:
+        names.append(name)
+        serve.run(build_app({"model_id": "tiny", "model": cluster.tiny_model_dir} | args), name=name, route_prefix=f"/{name}")
+        url = f"{cluster.url}/{name}"
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        return url
+
+    yield run
+    for name in names:
+        serve.delete(name)

@@ -1,10 +1,12 @@
 """What a newcomer and a hostile client broke, against a real cluster: hostile bodies beside
 well-formed requests, a burst with cancellations over the KV transfer, a decode replica killed
-mid-stream, fan-out against admission, and what a local cluster listens on. Each test ends with
+mid-stream, a prefill replica killed with prompts in flight, fan-out against admission, and
+what a local cluster listens on. Each test ends with
 every replica's KV bookkeeping check and a normal request answered correctly.
 
 The load and fault tests run on the ``stress`` application (a tiny random Llama, PD, every
-prompt through the prefill pool): it restarts in seconds and decodes hundreds of streams at once.
+prompt through the prefill pool, two decode replicas): it restarts in seconds and decodes
+hundreds of streams at once.
 """
 
 from __future__ import annotations
@@ -13,95 +15,22 @@ import asyncio
 import ipaddress
 import json
 import random
-import re
 import time
 
 import httpx
 import pytest
 
+from tests.integration.client import complete, greedy_body, metric, random_prompt, settled
 from tests.integration.conftest import MAX_QUEUED, MAX_RUNNING, listening_addresses
 
 pytestmark = pytest.mark.slow
-
-NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def tiny_offline(cluster):
-    """Greedy tokens of the offline engine on the stress application's model, by prompt."""
-    from duet import LLM, SamplingParams
-
-    llm = LLM(model=cluster.tiny_model_dir, max_model_len=1024, num_kv_blocks=2048, max_num_seqs=128)
-    cache: dict[tuple[int, ...], list[int]] = {}
-
-    def tokens(prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
-        missing = [prompt for prompt in prompts if (tuple(prompt), max_tokens) not in cache]
-        if missing:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-            for prompt, output in zip(missing, llm.generate(missing, params)):
-                cache[(tuple(prompt), max_tokens)] = output.outputs[0].token_ids
-        return [cache[(tuple(prompt), max_tokens)] for prompt in prompts]
-
-    return tokens
-
-
-def _prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randrange(3, 49000) for _ in range(length)]
-
-
-def _greedy_body(prompt: list[int], max_tokens: int = NEW_TOKENS, stream: bool = False) -> dict:
-    return {
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-        "temperature": 0, "return_token_ids": True, "stream": stream,
-    }
-
-
-async def _complete(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[int], list[dict]]:
-    """Status, generated token ids and error events of one request, streamed or not."""
-    if not body.get("stream"):
-        response = await client.post(f"{url}/v1/completions", json=body)
-        payload = response.json()
-        if response.status_code != 200:
-            return response.status_code, [], [payload]
-        return 200, payload["choices"][0]["token_ids"], []
-    tokens, errors = [], []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                if "error" in event:
-                    errors.append(event)
-                else:
-                    tokens += event["choices"][0]["token_ids"]
-        return response.status_code, tokens, errors
-
-
-def _metric(url: str, name: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-        if match:
-            values[match.group(1)] = float(match.group(2))
-    return values
-
-
-def _settled(cluster, url: str, timeout_s: float = 30) -> dict:
-    """The integrity report once no replica of the application holds a block."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        usage = _metric(url, "vllm:kv_cache_usage_perc")
-        if usage and not any(usage.values()):
-            break
-        time.sleep(0.5)
-    return cluster.integrity(url)
-
 
 def _assert_answers_correctly(url: str, tiny_offline) -> None:
     prompt = list(range(100, 140))
 
     async def one():
         async with httpx.AsyncClient(timeout=60) as client:
-            return await _complete(client, url, _greedy_body(prompt))
+            return await complete(client, url, greedy_body(prompt))
 
     status, tokens, errors = asyncio.run(one())
     assert (status, errors) == (200, [])
@@ -142,13 +71,13 @@ def test_hostile_bodies_get_openai_errors_and_fail_no_one_else(cluster, tiny_off
     deep JSON, huge literals and lone surrogates got a plain-text 500; temperature 1e-45 gave
     token 0 forever. Well-formed requests running beside them must all get their exact tokens."""
     rng = random.Random(1)
-    prompts = [_prompt(rng, length) for length in (5, 17, 40, 90, 160, 300) * 3]
+    prompts = [random_prompt(rng, length) for length in (5, 17, 40, 90, 160, 300) * 3]
     expected = tiny_offline(prompts)
     url = cluster.stress_url
 
     async def run():
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=200)) as client:
-            normal = [_complete(client, url, _greedy_body(prompt, stream=index % 2 == 0)) for index, prompt in enumerate(prompts)]
+            normal = [complete(client, url, greedy_body(prompt, stream=index % 2 == 0)) for index, prompt in enumerate(prompts)]
             hostile = [
                 client.post(f"{url}/v1/completions" if "message" not in name else f"{url}/v1/chat/completions",
                             content=body, headers={"content-type": "application/json"})
@@ -168,7 +97,7 @@ def test_hostile_bodies_get_openai_errors_and_fail_no_one_else(cluster, tiny_off
             assert "Traceback" not in error["message"] and "RayTaskError" not in error["message"], name
             if param is not None:
                 assert error["param"] == param, f"{name}: {error}"
-    assert _settled(cluster, url)["ok"]
+    assert settled(cluster, url)["ok"]
     _assert_answers_correctly(url, tiny_offline)
 
 
@@ -188,10 +117,10 @@ def test_a_burst_with_cancellations_breaks_no_transfer_and_leaks_no_block(cluste
     tokens, no transfer fails, and every block comes back."""
     rng = random.Random(2)
     url = cluster.stress_url
-    failures_before = sum(_metric(url, "duet:kv_transfer_failures_total").values())
+    failures_before = sum(metric(url, "duet:kv_transfer_failures_total").values())
     requests = []
     for index in range(300):
-        prompt = _prompt(rng, rng.choice([20, 60, 150, 300, 600]))
+        prompt = random_prompt(rng, rng.choice([20, 60, 150, 300, 600]))
         cancel_after = rng.uniform(0.05, 3.0) if rng.random() < 0.2 else None
         requests.append((prompt, rng.choice([4, 12, 24]), cancel_after))
     expected = {}
@@ -200,7 +129,7 @@ def test_a_burst_with_cancellations_breaks_no_transfer_and_leaks_no_block(cluste
         expected.update(zip(map(tuple, chosen), tiny_offline(chosen, max_tokens)))
 
     async def one(client, prompt, max_tokens, cancel_after):
-        call = _complete(client, url, _greedy_body(prompt, max_tokens, stream=True))
+        call = complete(client, url, greedy_body(prompt, max_tokens, stream=True))
         if cancel_after is None:
             return await call
         try:
@@ -222,10 +151,10 @@ def test_a_burst_with_cancellations_breaks_no_transfer_and_leaks_no_block(cluste
         assert tokens == expected[tuple(prompt)]
         completed += 1
     assert completed >= 200
-    report = _settled(cluster, url)
+    report = settled(cluster, url)
     assert report["ok"], report
-    assert sum(_metric(url, "duet:kv_transfer_failures_total").values()) == failures_before
-    assert sum(_metric(url, "duet:kv_transfers_total").values()) > 0
+    assert sum(metric(url, "duet:kv_transfer_failures_total").values()) == failures_before
+    assert sum(metric(url, "duet:kv_transfers_total").values()) > 0
     _assert_answers_correctly(url, tiny_offline)
 
 
@@ -259,52 +188,89 @@ def test_fan_out_counts_every_sequence_against_admission(cluster):
     assert sorted(finals) == [200] * MAX_QUEUED + [429]
 
 
-def test_a_decode_replica_killed_mid_stream_fails_its_streams_retryably_and_the_router_recovers(cluster, tiny_offline):
-    """Guards item 2: after a decode replica died, calls pinned to it spun Serve's routing loop
-    forever; every later request got 503 and /health timed out until `duet down`. Now its
-    streams end with a retryable 503 event, a request in the gap gets 503 at once, and the
-    application serves again as soon as the replacement reports."""
-    import ray
+def _kill_replica(ray, app: str, pool: str, replica_id: str | None = None) -> str:
+    """Kill a replica's actor (one of the pool's, or the one named); its id."""
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"SERVE_REPLICA::{app}#{pool}#")]
+    if replica_id is not None:
+        actors = [a for a in actors if a["name"].endswith(f"#{replica_id}")]
+    assert actors, f"no {pool} replica {replica_id or ''} in {app}"
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+    return actors[0]["name"].rsplit("#", 1)[1]
 
+
+def _recomputed(url: str) -> float:
+    return sum(value for labels, value in metric(url, "duet:migrations_total").items() if 'how="recompute"' in labels)
+
+
+def test_a_decode_replica_killed_mid_stream_its_streams_go_on_on_another(cluster, tiny_offline, ray_driver):
+    """A decode replica dies (killed) with streams running on it: each of them goes on on the
+    other decode replica, recomputed from its prompt and the tokens already sent, and the
+    client reads one stream with the offline engine's exact tokens. (Before #10 calls pinned to
+    the dead replica spun Serve's routing loop forever; before #12 its streams ended with a 503.)"""
     url = cluster.stress_url
     rng = random.Random(3)
-    prompts = [_prompt(rng, 24) for _ in range(4)]
-
-    def kill_decode_replica() -> None:
-        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::stress#decode#")]
-        assert len(actors) == 1, actors
-        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+    prompts = [random_prompt(rng, 24) for _ in range(4)]
+    recomputed_before = _recomputed(url)
 
     async def streams_then_kill():
         async with httpx.AsyncClient(timeout=120) as client:
-            tasks = [asyncio.create_task(_complete(client, url, _greedy_body(prompt, 990, stream=True))) for prompt in prompts]
-            await asyncio.sleep(1.0)
+            tasks = [asyncio.create_task(complete(client, url, greedy_body(prompt, 900, stream=True))) for prompt in prompts]
+            await asyncio.sleep(1.5)
             assert not any(task.done() for task in tasks)
-            kill_decode_replica()
+            decode = (await client.get(f"{url}/duet/status")).json()["pools"]["decode"]["stats"]
+            busiest = max(decode, key=lambda stats: stats["num_running"])
+            assert busiest["num_running"] > 0, decode
+            _kill_replica(ray_driver, "stress", "decode", busiest["replica_id"])
+            return await asyncio.gather(*tasks), busiest["num_running"]
+
+    results, num_killed = asyncio.run(streams_then_kill())
+    expected = tiny_offline(prompts, 900)
+    for (status, tokens, errors), want in zip(results, expected):
+        assert (status, errors) == (200, [])
+        assert tokens == want
+    assert _recomputed(url) - recomputed_before >= num_killed
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and len(cluster_replicas(url, "decode")) < 2:
+        time.sleep(1)  # Serve replaces the dead replica
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert settled(cluster, url)["ok"]
+    _assert_answers_correctly(url, tiny_offline)
+
+
+def test_a_prefill_replica_killed_with_prompts_in_flight_all_complete(cluster, tiny_offline, ray_driver):
+    """The prefill replica dies with prompts queued and in their prefill: each of them is
+    computed on its decode replica instead (which frees the blocks it had reserved for the
+    transfer), and every client gets the offline engine's exact tokens."""
+    url = cluster.stress_url
+    rng = random.Random(4)
+    prompts = [random_prompt(rng, 900) for _ in range(96)]
+    fallbacks_before = sum(metric(url, "duet:prefill_fallbacks_total").values())
+
+    async def requests_then_kill():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
+            tasks = [asyncio.create_task(complete(client, url, greedy_body(prompt, 8))) for prompt in prompts]
+            # Once one is done, the prefill replica has the others queued or in their prefill.
+            await asyncio.wait(tasks, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            assert not all(task.done() for task in tasks)
+            _kill_replica(ray_driver, "stress", "prefill")
             return await asyncio.gather(*tasks)
 
-    if not ray.is_initialized():
-        ray.init(address="auto", logging_level="WARNING")
-    results = asyncio.run(streams_then_kill())
-    for status, tokens, errors in results:
-        assert status == 200 and tokens and len(errors) == 1
-        assert errors[0]["error"]["code"] == 503, errors
-
-    def one_status() -> int:
-        try:
-            return httpx.post(f"{url}/v1/completions", json=_greedy_body(prompts[0]), timeout=30).status_code
-        except httpx.TimeoutException:
-            return 0
-
-    statuses, deadline = [], time.monotonic() + 90
-    while time.monotonic() < deadline and (not statuses or statuses[-1] != 200):
-        statuses.append(one_status())
-        time.sleep(0.5)
-    assert statuses[-1] == 200, statuses
-    assert 503 in statuses and 0 not in statuses, f"requests in the gap must fail fast, with 503: {statuses}"
+    results = asyncio.run(requests_then_kill())
+    for (status, tokens, errors), want in zip(results, tiny_offline(prompts, 8)):
+        assert (status, errors) == (200, [])
+        assert tokens == want
+    assert sum(metric(url, "duet:prefill_fallbacks_total").values()) > fallbacks_before
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not cluster_replicas(url, "prefill"):
+        time.sleep(1)
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-    assert _settled(cluster, url)["ok"]
+    assert settled(cluster, url)["ok"]
     _assert_answers_correctly(url, tiny_offline)
+
+
+def cluster_replicas(url: str, pool: str) -> list[str]:
+    """The pool's replicas that report stats, as the router sees them."""
+    return [stats["replica_id"] for stats in httpx.get(f"{url}/duet/status", timeout=10).json()["pools"][pool]["stats"]]
 
 
 def test_everything_a_local_cluster_starts_listens_on_loopback_only(cluster):
@@ -351,7 +317,7 @@ def test_a_stop_string_across_tokens_ends_the_text_where_offline_generation_does
         pytest.skip("no prompt gave a usable boundary")
     offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=20, stop=[stop]))[0].outputs[0]
     assert offline.finish_reason == "stop" and offline.text == free.text[: free.text.index(stop)]
-    body = _greedy_body(prompt, 20, stream=stream) | {"stop": [stop]}
+    body = greedy_body(prompt, 20, stream=stream) | {"stop": [stop]}
 
     async def ask():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -368,4 +334,4 @@ def test_a_stop_string_across_tokens_ends_the_text_where_offline_generation_does
     choice = asyncio.run(ask())
     assert (choice["text"], choice["finish_reason"]) == (offline.text, "stop")
     assert choice["token_ids"] == offline.token_ids
-    assert _settled(cluster, cluster.stress_url)["ok"]
+    assert settled(cluster, cluster.stress_url)["ok"]

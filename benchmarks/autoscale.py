@@ -1,0 +1,226 @@
+"""``duet bench autoscale``: a phased load against an autoscaled cluster, and what each pool did.
+
+Three phases, each a Poisson arrival process of fresh random prompts: prompt-heavy (long
+prompts, one output token: the prefill pool's load), decode-heavy (short prompts, long outputs:
+the decode pool's), then idle. Twice a second it reads ``/duet/status``: the replicas running
+and the target of each pool's policy. It prints goodput per phase (requests that met the TTFT
+and TPOT SLO, per second of the phase) and the requests that failed (there should be none), and
+plots a timeline PNG: replicas per pool, offered and completed requests per second, and TTFT
+and TPOT p90 per window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+from duet.benchmarks.serve import SAFE_TOKEN_RANGE, RequestResult, _one_request
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    duration_s: float
+    rate: float  # requests per second
+    input_len: int
+    output_len: int
+
+
+@dataclasses.dataclass
+class Sample:
+    at: float
+    running: dict[str, int]  # replicas reporting, per pool
+    target: dict[str, int]  # the policy's latest target, per pool
+
+
+@dataclasses.dataclass
+class Sent:
+    phase: str
+    start: float  # seconds since the run began
+    result: RequestResult
+
+
+def parse_phases(text: str) -> list[Phase]:
+    """``name:seconds:rate:input_len:output_len`` separated by commas."""
+    phases = []
+    for item in text.split(","):
+        name, duration, rate, input_len, output_len = item.split(":")
+        phases.append(Phase(name, float(duration), float(rate), int(input_len), int(output_len)))
+    return phases
+
+
+async def _watch(client, url: str, origin: float, samples: list[Sample], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            pools = (await client.get(f"{url}/duet/status", timeout=5)).json()["pools"]
+            samples.append(Sample(
+                time.perf_counter() - origin,
+                {pool: len(info["stats"]) for pool, info in pools.items()},
+                {pool: (info.get("autoscaler") or {}).get("target", len(info["stats"])) for pool, info in pools.items()},
+            ))
+        except Exception:  # noqa: BLE001 - a missed sample is a gap in the plot
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run(url: str, model: str, phases: list[Phase], seed: int, api_key: str | None) -> tuple[list[Sent], list[Sample], dict]:
+    import httpx
+
+    rng = random.Random(seed)
+    sent: list[Sent] = []
+    samples: list[Sample] = []
+    bounds: dict[str, tuple[float, float]] = {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
+        await _one_request(client, url, model, [SAFE_TOKEN_RANGE[0]] * 8, 4, api_key)  # warm the path
+        origin = time.perf_counter()
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(_watch(client, url, origin, samples, stop))
+        tasks = []
+
+        async def one(phase: Phase, prompt: list[int]) -> None:
+            start = time.perf_counter() - origin
+            result = await _one_request(client, url, model, prompt, phase.output_len, api_key)
+            sent.append(Sent(phase.name, start, result))
+
+        for phase in phases:
+            began = time.perf_counter() - origin
+            print(f"[{began:6.1f} s] {phase.name}: {phase.rate} req/s of {phase.input_len} + {phase.output_len} tokens "
+                  f"for {phase.duration_s:.0f} s", flush=True)
+            end = began + phase.duration_s
+            while phase.rate > 0:
+                await asyncio.sleep(rng.expovariate(phase.rate))
+                if time.perf_counter() - origin >= end:
+                    break
+                prompt = [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(phase.input_len)]
+                tasks.append(asyncio.create_task(one(phase, prompt)))
+            await asyncio.sleep(max(0.0, end - (time.perf_counter() - origin)))
+            bounds[phase.name] = (began, end)
+            done = sum(1 for item in sent if item.phase == phase.name)
+            print(f"[{end:6.1f} s] {phase.name} over: {done} done so far; replicas {samples[-1].running if samples else '?'}", flush=True)
+        await asyncio.gather(*tasks)
+        stop.set()
+        await watcher
+    return sent, samples, bounds
+
+
+def phase_figures(sent: list[Sent], bounds: dict, slo_ttft: float, slo_tpot: float) -> dict[str, dict]:
+    figures = {}
+    for name, (began, end) in bounds.items():
+        mine = [item.result for item in sent if item.phase == name]
+        ok = [result for result in mine if result.ok]
+        good = [result for result in ok if result.ttft <= slo_ttft and result.tpot <= slo_tpot]
+        figures[name] = {
+            "requests": len(mine), "failed": len(mine) - len(ok), "goodput": len(good) / (end - began),
+            "ttft_p90_ms": _p90([result.ttft * 1e3 for result in ok]), "tpot_p90_ms": _p90([result.tpot * 1e3 for result in ok]),
+        }
+    return figures
+
+
+def _p90(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.9 * len(values)))] if values else 0.0
+
+
+def plot(sent: list[Sent], samples: list[Sample], bounds: dict, window_s: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    end = max([s.at for s in samples] + [item.start + item.result.e2e for item in sent] + [0.0])
+    windows = [index * window_s for index in range(int(end // window_s) + 1)]
+    figure, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    for axis in axes:
+        for index, (name, (began, finish)) in enumerate(bounds.items()):
+            axis.axvspan(began, finish, color=f"C{index}", alpha=0.08)
+            if axis is axes[0]:
+                axis.text((began + finish) / 2, 0.05, name, ha="center", transform=axis.get_xaxis_transform())
+    pools = sorted({pool for sample in samples for pool in sample.running})
+    for index, pool in enumerate(pools):
+        times = [s.at for s in samples]
+        axes[0].step(times, [s.running.get(pool, 0) + 0.03 * index for s in samples], where="post", color=f"C{index}", label=f"{pool} running")
+        axes[0].step(times, [s.target.get(pool, 0) + 0.03 * index for s in samples], where="post", color=f"C{index}", linestyle="--",
+                     label=f"{pool} target")
+    axes[0].set_ylabel("replicas")
+    axes[0].legend(fontsize=8, loc="upper right")
+
+    def per_window(values: list[tuple[float, float]], reduce) -> list[float]:
+        return [reduce([v for at, v in values if start <= at < start + window_s]) for start in windows]
+
+    offered = per_window([(item.start, 1.0) for item in sent], lambda v: len(v) / window_s)
+    completed = per_window([(item.start + item.result.e2e, 1.0) for item in sent if item.result.ok], lambda v: len(v) / window_s)
+    axes[1].step(windows, offered, where="post", label="offered req/s")
+    axes[1].step(windows, completed, where="post", label="completed req/s")
+    axes[1].set_ylabel("requests / s")
+    axes[1].legend(fontsize=8, loc="upper right")
+    done = [item for item in sent if item.result.ok]
+    ttft = per_window([(item.start + item.result.e2e, item.result.ttft * 1e3) for item in done], _p90)
+    tpot = per_window([(item.start + item.result.e2e, item.result.tpot * 1e3) for item in done if item.result.output_tokens > 1], _p90)
+    axes[2].step(windows, ttft, where="post", label="TTFT p90 (ms)")
+    axes[2].step(windows, tpot, where="post", label="TPOT p90 (ms)")
+    axes[2].set_yscale("symlog", linthresh=100)
+    axes[2].set_ylabel(f"ms (requests done per {window_s:.0f} s)")
+    axes[2].set_xlabel("seconds")
+    axes[2].legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+DEFAULT_PHASES = "prompt-heavy:60:1.2:768:1,decode-heavy:60:1.5:32:192,idle:60:0:0:0"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="duet bench autoscale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/autoscale.yaml", help="brought up with `duet up` and taken down after")
+    parser.add_argument("--url", default=None, help="drive a running cluster instead of --config")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--phases", default=DEFAULT_PHASES, help="name:seconds:rate:input_len:output_len, comma separated")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    parser.add_argument("--window-s", type=float, default=5.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--plot", default="autoscale.png")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    phases = parse_phases(args.phases)
+    url = args.url
+    if url is None:
+        from duet.cluster.deploy import up
+
+        print(f"bringing up {args.config} ...", flush=True)
+        url = up(args.config).urls[0]
+    try:
+        sent, samples, bounds = asyncio.run(run(url, args.model, phases, args.seed, args.api_key))
+    finally:
+        if args.url is None:
+            from duet.cluster.deploy import down
+
+            down()
+    figures = phase_figures(sent, bounds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    print(f"\nSLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
+    print(f"{'phase':<14} {'requests':>8} {'failed':>6} {'goodput':>8} {'TTFT p90':>9} {'TPOT p90':>9}  replicas (min-max per pool)")
+    for name, (began, end) in bounds.items():
+        f = figures[name]
+        seen = [s for s in samples if began <= s.at < end]
+        pools = seen[0].running if seen else {}
+        ranges = ", ".join(f"{pool} {min(s.running.get(pool, 0) for s in seen)}-{max(s.running.get(pool, 0) for s in seen)}" for pool in pools)
+        print(f"{name:<14} {f['requests']:>8} {f['failed']:>6} {f['goodput']:>8.2f} {f['ttft_p90_ms']:>7.0f}ms {f['tpot_p90_ms']:>7.0f}ms  {ranges}")
+    failed = sum(f["failed"] for f in figures.values())
+    errors = sorted({item.result.error for item in sent if not item.result.ok})
+    print(f"failed requests: {failed}" + (f" ({errors[:3]})" if errors else ""))
+    plot(sent, samples, bounds, args.window_s, args.plot)
+    print(f"timeline written to {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "phases": figures,
+            "samples": [dataclasses.asdict(sample) for sample in samples],
+            "requests": [{"phase": item.phase, "start": item.start} | dataclasses.asdict(item.result) for item in sent],
+        }, indent=1))

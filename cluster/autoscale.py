@@ -1,0 +1,328 @@
+"""Each pool scales on its own load, in one decision over both: Serve autoscaling policies.
+
+Replicas report their stage's load through Serve's ``record_autoscaling_stats``
+(``autoscaling_metrics``): prompt tokens queued or in their prefill and the prompt tokens per
+second the replica measured it can do, first-token waits, the KV blocks of decoding sequences
+(not of prompts being computed, nor reserved for prompts on their way: those are prefill's
+load), running sequences and decoding ones waiting for room, decode step time (the TPOT of its
+sequences) and output tokens per second. Serve
+averages each over ``look_back_period_s`` per replica and hands them to the pool's policy,
+every control-loop tick (0.1 s); replicas record every ``min(metrics_interval_s, 0.2 *
+look_back_period_s)`` and push every ``metrics_interval_s``.
+
+``PoolPolicy`` is a deployment-level policy, one per pool, referenced by import path (so
+``serve deploy`` runs it as ``duet up`` does). Both pools' policies run in the Serve controller,
+one after the other in each tick; each posts its pool's view on a board shared through this
+module as imported (Serve ships the policy by value, so its own globals are a copy per pool)
+and decides with the other pool's latest view: ``decide`` is one function of both pools, so
+the P:D balance is one decision. Ray 2.60's application-level ``autoscaling_policy`` would see
+both pools natively, but it is registered only by a declarative deploy (``serve deploy``, the
+REST API): ``serve.run``, which ``duet up`` uses, has no way to set it.
+
+The rules (``decide``), per pool, from its target (not its running count: replicas starting
+are counted):
+
+- prefill: replicas for the prompt backlog, at ``prompt_tokens_per_replica`` each (default: what
+  one replica computes in half the TTFT target, at its measured speed); the backlog counts the
+  prompts the router computes on decode replicas because the prefill pool was busy. One more
+  when first tokens come later than the TTFT target, unless the decode pool is short of room
+  or time: then prefill is not what delays them, and it holds.
+- decode (and colocated): replicas for the decoding sequences' KV at ``kv_usage`` of each
+  replica's blocks; one more while decoding sequences wait for room or decode steps exceed the
+  TPOT target (a colocated pool:
+  also while first tokens exceed the TTFT target).
+- down by one only when the load fits in one replica fewer at half the targets (hysteresis),
+  never within ``cooldown_s`` of the pool's last change (new replicas need time to start and to
+  be measured). Serve then holds each change for its ``upscale_delay_s``/``downscale_delay_s``
+  and keeps the target within ``min_replicas``..``max_replicas``.
+
+An operator may pin an autoscaled pool at a size (``duet scale POOL N``, ``POST /duet/scale``;
+``auto`` unpins, and so does deploying the application again): the policy then decides the pin,
+within the bounds, without cooldown.
+
+Each change of a pool's decision is logged in one line with the numbers behind it, and
+published (Ray's internal KV store) for the router's ``/metrics``
+(``duet:autoscaler_target_replicas{stage}``, decisions counted by reason) and ``duet status``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import math
+import time
+
+from duet.messages import ReplicaStats
+
+logger = logging.getLogger("ray.serve")
+
+# What a replica reports to its pool's policy (Serve keeps float series per name).
+METRICS = (
+    "prompt_tokens_pending", "prefill_tokens_per_s", "ttft_s", "num_running", "num_decode_waiting",
+    "num_decoding_blocks", "num_blocks", "decode_step_s", "output_tokens_per_s",
+)
+LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fraction of each target
+DEFAULT_PROMPT_TOKENS_PER_REPLICA = 2048  # before any replica measured its prompt speed
+PUBLISH_EVERY_S = 1.0
+PINS_READ_EVERY_S = 0.5
+_KV_NAMESPACE = "duet_autoscaler"
+
+# app name -> stage -> its latest PoolView (the board both pools' policies read).
+_BOARD: dict[str, dict[str, PoolView]] = {}
+
+
+def autoscaling_metrics(stats: ReplicaStats) -> dict[str, float]:
+    return {name: float(getattr(stats, name)) for name in METRICS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """A pool's policy settings: the SLO and the capacity it is sized for."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.2
+    prompt_tokens_per_replica: int | None = None
+    kv_usage: float = 0.7
+    cooldown_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "ttft_s": _number(self.ttft_s) and self.ttft_s > 0,
+            "tpot_s": _number(self.tpot_s) and self.tpot_s > 0,
+            "prompt_tokens_per_replica": self.prompt_tokens_per_replica is None
+            or (isinstance(self.prompt_tokens_per_replica, int) and self.prompt_tokens_per_replica >= 1),
+            "kv_usage": _number(self.kv_usage) and 0 < self.kv_usage <= 1,
+            "cooldown_s": _number(self.cooldown_s) and self.cooldown_s >= 0,
+        }
+        wrong = [name for name, ok in checks.items() if not ok]
+        if wrong:
+            raise ValueError(
+                f"{wrong[0]}={getattr(self, wrong[0])!r} is out of range (kv_usage in (0, 1], prompt_tokens_per_replica a "
+                "positive integer, times positive)"
+            )
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolView:
+    """One pool at one tick: its target and bounds, and each running replica's metrics."""
+
+    stage: str
+    target: int
+    min_replicas: int
+    max_replicas: int
+    replicas: list[dict[str, float]]
+    last_change: float = 0.0  # when its target last moved (epoch seconds; 0: never)
+
+    def total(self, name: str) -> float:
+        return sum(replica.get(name, 0.0) for replica in self.replicas)
+
+    def peak(self, name: str) -> float:
+        return max((replica.get(name, 0.0) for replica in self.replicas), default=0.0)
+
+    def mean_nonzero(self, name: str) -> float:
+        values = [replica[name] for replica in self.replicas if replica.get(name, 0.0) > 0]
+        return sum(values) / len(values) if values else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    stage: str
+    current: int  # the pool's target when deciding
+    target: int
+    reason: str
+    numbers: dict[str, float]
+
+    def line(self) -> str:
+        figures = ", ".join(f"{name}={value:.3g}" for name, value in self.numbers.items())
+        return f"autoscaler {self.stage}: {self.current} -> {self.target} replicas ({self.reason}; {figures})"
+
+
+def decide(views: dict[str, PoolView], targets: dict[str, Targets], now: float, pins: dict[str, int] | None = None) -> dict[str, Decision]:
+    """Both pools' decisions from their views (``prefill`` absent when colocated). A pool an
+    operator pinned (``duet scale``) gets its pin, within its bounds, at once."""
+    decisions = {}
+    for stage in ("decode", "colocated"):
+        if stage in views:
+            decisions[stage] = _decode(views[stage], targets[stage])
+    if "prefill" in views:
+        decode = decisions.get("decode")
+        decode_short = decode is not None and decode.target > decode.current
+        decisions["prefill"] = _prefill(views["prefill"], targets["prefill"], views.get("decode"), decode_short)
+    for stage, decision in decisions.items():
+        pin = (pins or {}).get(stage)
+        if pin is not None:
+            decision = dataclasses.replace(decision, target=pin, reason="pinned")
+        decisions[stage] = _bounded(decision, views[stage], targets[stage], now)
+    return decisions
+
+
+def _prefill(view: PoolView, targets: Targets, decode: PoolView | None, decode_short: bool) -> Decision:
+    speed = view.mean_nonzero("prefill_tokens_per_s")
+    per_replica = targets.prompt_tokens_per_replica or (speed * targets.ttft_s / 2 if speed else DEFAULT_PROMPT_TOKENS_PER_REPLICA)
+    backlog = view.total("prompt_tokens_pending") + (decode.total("prompt_tokens_pending") if decode else 0.0)
+    ttft = view.peak("ttft_s")
+    numbers = {"prompt_backlog": backlog, "per_replica": per_replica, "ttft_s": ttft, "ttft_target_s": targets.ttft_s}
+    current = view.target
+    needed = math.ceil(backlog / per_replica)
+
+    def decision(target: int, reason: str) -> Decision:
+        return Decision(view.stage, current, target, reason, numbers)
+
+    if needed > current:
+        return decision(needed, "prompt_backlog")
+    if ttft > targets.ttft_s:
+        return decision(current, "ttft_decode_bound") if decode_short else decision(current + 1, "ttft")
+    if current > 1 and backlog <= LOW_LOAD * per_replica * (current - 1) and ttft <= LOW_LOAD * targets.ttft_s:
+        return decision(current - 1, "low_load")
+    return decision(current, "steady")
+
+
+def _decode(view: PoolView, targets: Targets) -> Decision:
+    blocks_per_replica = view.mean_nonzero("num_blocks")
+    used = view.total("num_decoding_blocks")
+    waiting = view.total("num_decode_waiting")
+    step = view.peak("decode_step_s")
+    ttft = view.peak("ttft_s") if view.stage == "colocated" else 0.0
+    numbers = {"kv_used_blocks": used, "blocks_per_replica": blocks_per_replica, "kv_target": targets.kv_usage,
+               "waiting": waiting, "decode_step_s": step, "tpot_target_s": targets.tpot_s}
+    if view.stage == "colocated":
+        numbers |= {"ttft_s": ttft, "ttft_target_s": targets.ttft_s}
+    current = view.target
+    capacity = blocks_per_replica * targets.kv_usage
+    needed = math.ceil(used / capacity) if capacity else current
+
+    def decision(target: int, reason: str) -> Decision:
+        return Decision(view.stage, current, target, reason, numbers)
+
+    if needed > current:
+        return decision(needed, "kv_usage")
+    if waiting > 0:
+        return decision(current + 1, "waiting")
+    if step > targets.tpot_s:
+        return decision(current + 1, "tpot")
+    if ttft > targets.ttft_s:
+        return decision(current + 1, "ttft")
+    fits_in_fewer = used <= LOW_LOAD * capacity * (current - 1)
+    if current > 1 and fits_in_fewer and step <= LOW_LOAD * targets.tpot_s and ttft <= LOW_LOAD * targets.ttft_s:
+        return decision(current - 1, "low_load")
+    return decision(current, "steady")
+
+
+def _bounded(decision: Decision, view: PoolView, targets: Targets, now: float) -> Decision:
+    target = min(max(decision.target, view.min_replicas), view.max_replicas)
+    if decision.reason == "pinned":
+        return dataclasses.replace(decision, target=target)
+    if target < decision.current and len(view.replicas) < decision.current:
+        # Replicas starting, or not reporting yet: the load per replica is not known.
+        return dataclasses.replace(decision, target=decision.current, reason=f"awaiting_metrics ({decision.reason})")
+    if target != decision.current and now - view.last_change < targets.cooldown_s:
+        return dataclasses.replace(decision, target=decision.current, reason=f"cooldown ({decision.reason})")
+    if target != decision.target:
+        return dataclasses.replace(decision, target=target, reason=f"{decision.reason}, bounded")
+    return decision
+
+
+class PoolPolicy:
+    """Serve's deployment-level policy of one pool (``policy_kwargs``: ``stage``, and ``targets``:
+    a dict of ``Targets`` per stage of the application)."""
+
+    def __init__(self, stage: str, targets: dict[str, dict]) -> None:
+        self.stage = stage
+        self.targets = {name: Targets(**values) for name, values in targets.items()}
+        self._last: Decision | None = None
+        self._published_at = 0.0
+        self._counts: dict[str, int] = {}
+        self._pins: dict[str, int] = {}
+        self._pins_read_at = 0.0
+        self._created_at = time.time()  # pins set before this deployment of the pool do not hold
+
+    def __call__(self, ctx) -> tuple[int, dict]:
+        now = ctx.current_time or time.time()
+        metrics = ctx.aggregated_metrics or {}
+        replicas = [
+            {name: float(metrics[name][replica_id]) for name in METRICS if replica_id in metrics.get(name, {})}
+            for replica_id in ctx.running_replicas
+        ]
+        last_change = max(ctx.last_scale_up_time or 0.0, ctx.last_scale_down_time or 0.0)
+        view = PoolView(
+            self.stage, ctx.target_num_replicas, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
+            [replica for replica in replicas if replica], last_change,
+        )
+        board = _board(ctx.app_name)
+        board[self.stage] = view
+        if now - self._pins_read_at >= PINS_READ_EVERY_S:
+            self._pins_read_at = now
+            self._pins = pins(ctx.app_name, [self.stage], since=self._created_at)
+        decision = decide(dict(board), self.targets, now, self._pins)[self.stage]
+        self._report(ctx.app_name, decision, ctx.current_num_replicas, now)
+        return decision.target, {}
+
+    def _report(self, app_name: str, decision: Decision, running: int, now: float) -> None:
+        changed = self._last is None or (decision.target, decision.reason) != (self._last.target, self._last.reason)
+        if changed:
+            self._counts[decision.reason] = self._counts.get(decision.reason, 0) + 1
+            if decision.target != decision.current or (self._last is not None and self._last.target != self._last.current):
+                logger.info("%s (app %s)", decision.line(), app_name)
+        self._last = decision
+        if changed or now - self._published_at >= PUBLISH_EVERY_S:
+            self._published_at = now
+            record = dataclasses.asdict(decision) | {"running": running, "decisions": self._counts, "at": now}
+            publish(app_name, self.stage, record)
+
+
+def _board(app_name: str) -> dict[str, PoolView]:
+    """This module as imported (one per controller process), not the policy's by-value copy."""
+    return importlib.import_module(__name__)._BOARD.setdefault(app_name or "", {})
+
+
+def publish(app_name: str, stage: str, record: dict) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    try:
+        _internal_kv_put(f"{app_name}/{stage}", json.dumps(record), overwrite=True, namespace=_KV_NAMESPACE)
+    except Exception as error:  # noqa: BLE001 - the decision stands; only its report is lost
+        logger.warning("could not publish the %s autoscaler decision: %r", stage, error)
+
+
+def published(app_name: str, stages) -> dict[str, dict]:
+    """The latest published decision per stage of an application (stages without one left out)."""
+    return _read(app_name, stages, "")
+
+
+def pin(app_name: str, stage: str, replicas: int | None) -> None:
+    """Hold a pool at ``replicas`` (within its bounds) until unpinned (None): an operator's
+    override of the policy (``duet scale``), e.g. to drain a replica before maintenance."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
+
+    key = f"{app_name}/{stage}/pin"
+    if replicas is None:
+        _internal_kv_del(key, namespace=_KV_NAMESPACE)
+    else:
+        record = {"replicas": replicas, "at": time.time()}
+        _internal_kv_put(key, json.dumps(record), overwrite=True, namespace=_KV_NAMESPACE)
+
+
+def pins(app_name: str, stages, since: float = 0.0) -> dict[str, int]:
+    """Pins per stage set at or after ``since`` (wall-clock seconds; older ones belong to an
+    earlier deployment of the application)."""
+    return {stage: record["replicas"] for stage, record in _read(app_name, stages, "/pin").items() if record["at"] >= since}
+
+
+def _read(app_name: str, stages, suffix: str) -> dict:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    found = {}
+    for stage in stages:
+        try:
+            raw = _internal_kv_get(f"{app_name}/{stage}{suffix}", namespace=_KV_NAMESPACE)
+        except Exception:  # noqa: BLE001 - nothing readable is nothing there
+            raw = None
+        if raw:
+            found[stage] = json.loads(raw)
+    return found

@@ -1,0 +1,177 @@
+"""The pools' autoscaling policies on synthetic metric histories: what each pool's load asks for,
+the P:D decision (a TTFT breach that a saturated decode pool causes does not grow prefill),
+hysteresis, cooldowns, bounds, pins, and Serve's own calls of the policy class."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet.cluster.autoscale import LOW_LOAD, PoolPolicy, PoolView, Targets, decide
+
+PREFILL = Targets(prompt_tokens_per_replica=1000, cooldown_s=10)
+DECODE = Targets(kv_usage=0.5, tpot_s=0.2, cooldown_s=10)
+TARGETS = {"prefill": PREFILL, "decode": DECODE}
+BLOCKS = 1000  # per decode replica
+
+
+def prefill_view(target: int, pending: list[float], ttft_s: float = 0.0, last_change: float = 0.0, bounds=(1, 4)) -> PoolView:
+    replicas = [{"prompt_tokens_pending": tokens, "ttft_s": ttft_s, "prefill_tokens_per_s": 2000.0} for tokens in pending]
+    return PoolView("prefill", target, *bounds, replicas, last_change)
+
+
+def decode_view(
+    target: int, used: list[float], step_s: float = 0.02, waiting: float = 0, last_change: float = 0.0, bounds=(1, 4)
+) -> PoolView:
+    replicas = [
+        {"num_decoding_blocks": blocks, "num_blocks": BLOCKS, "decode_step_s": step_s, "num_decode_waiting": waiting}
+        for blocks in used
+    ]
+    return PoolView("decode", target, *bounds, replicas, last_change)
+
+
+NOW = 1000.0
+
+
+def test_a_prompt_backlog_grows_the_prefill_pool_to_what_it_needs_and_no_further_than_max():
+    decision = decide({"prefill": prefill_view(1, [2500]), "decode": decode_view(1, [0])}, TARGETS, NOW)["prefill"]
+    assert (decision.target, decision.reason) == (3, "prompt_backlog")
+    assert decision.numbers["prompt_backlog"] == 2500
+
+    capped = decide({"prefill": prefill_view(1, [9000], bounds=(1, 2)), "decode": decode_view(1, [0])}, TARGETS, NOW)["prefill"]
+    assert (capped.target, capped.reason) == (2, "prompt_backlog, bounded")
+
+
+def test_prompts_computed_on_decode_count_toward_the_prefill_pools_backlog():
+    """The balancer keeps prompts local while prefill is short: they are its load all the same."""
+    decode = decode_view(1, [0])
+    decode.replicas[0]["prompt_tokens_pending"] = 1800
+    decision = decide({"prefill": prefill_view(1, [500]), "decode": decode}, TARGETS, NOW)["prefill"]
+    assert (decision.target, decision.reason) == (3, "prompt_backlog")
+
+
+def test_long_outputs_grow_decode_and_leave_prefill_alone():
+    # 1800 blocks in use at 50% of 1000 per replica: 4 replicas' worth.
+    decisions = decide({"prefill": prefill_view(1, [0]), "decode": decode_view(2, [900, 900])}, TARGETS, NOW)
+    assert (decisions["decode"].target, decisions["decode"].reason) == (4, "kv_usage")
+    assert (decisions["prefill"].target, decisions["prefill"].reason) == (1, "steady")
+
+
+@pytest.mark.parametrize(
+    ("view", "reason"),
+    [(decode_view(1, [100], waiting=2), "waiting"), (decode_view(1, [100], step_s=0.3), "tpot")],
+)
+def test_decode_grows_by_one_while_sequences_wait_or_steps_miss_the_tpot_target(view, reason):
+    decision = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (decision.target, decision.reason) == (2, reason)
+
+
+def test_a_ttft_breach_grows_prefill_unless_the_decode_pool_is_what_is_short():
+    slow_first_tokens = prefill_view(1, [0], ttft_s=3.0)
+    decode_fine = decide({"prefill": slow_first_tokens, "decode": decode_view(1, [100])}, TARGETS, NOW)
+    assert (decode_fine["prefill"].target, decode_fine["prefill"].reason) == (2, "ttft")
+
+    decode_full = decide({"prefill": slow_first_tokens, "decode": decode_view(1, [100], waiting=4)}, TARGETS, NOW)
+    assert (decode_full["decode"].target, decode_full["decode"].reason) == (2, "waiting")
+    assert (decode_full["prefill"].target, decode_full["prefill"].reason) == (1, "ttft_decode_bound")
+
+
+def _run(history: list[dict], stage: str, targets=TARGETS, start_target: int = 1) -> list[tuple[int, str]]:
+    """Tick the policy over a history of loads, ten seconds apart, Serve-like: the pool's target
+    follows each decision, and its last change is when it moved. (target, reason) per tick."""
+    target, last_change, out = start_target, 0.0, []
+    for tick, loads in enumerate(history):
+        now = NOW + 10.0 * tick
+        if stage == "prefill":
+            views = {"prefill": prefill_view(target, loads["pending"][:target], last_change=last_change), "decode": decode_view(1, [0])}
+        else:
+            views = {"decode": decode_view(target, loads["used"][:target], last_change=last_change), "prefill": prefill_view(1, [0])}
+        decision = decide(views, targets, now)[stage]
+        if decision.target != target:
+            target, last_change = decision.target, now
+        out.append((target, decision.reason))
+    return out
+
+
+def test_hysteresis_a_pool_shrinks_only_once_one_replica_fewer_would_run_at_half_its_target():
+    # Decode at 2 replicas, capacity 500 blocks each at kv_usage 0.5: one replica fewer holds 500.
+    threshold = LOW_LOAD * BLOCKS * DECODE.kv_usage  # 250 blocks in all
+    loads = [{"used": [200, 200]}, {"used": [150, 150]}, {"used": [threshold / 2, threshold / 2]}, {"used": [100, 100]}]
+    steps = _run(loads, "decode", start_target=2)
+    assert steps == [(2, "steady"), (2, "steady"), (1, "low_load"), (1, "steady")]
+
+
+def test_cooldown_holds_a_change_right_after_the_last_one_and_bounds_hold_min_replicas():
+    view = decode_view(2, [0, 0], last_change=NOW - 3)
+    held = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (held.target, held.reason) == (2, "cooldown (low_load)")
+
+    at_min = decode_view(2, [0, 0], bounds=(2, 4))
+    kept = decide({"decode": at_min, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (kept.target, kept.reason) == (2, "low_load, bounded")
+
+
+def test_a_burst_then_quiet_scales_up_at_once_and_down_one_by_one_after_cooldowns():
+    burst = [{"pending": [3000] * 4}] + [{"pending": [0] * 4}] * 6
+    steps = _run(burst, "prefill", {"prefill": Targets(prompt_tokens_per_replica=1000, cooldown_s=15), "decode": DECODE})
+    targets = [target for target, _ in steps]
+    assert targets[0] == 3  # 3000 tokens, 1000 per replica: three replicas at once
+    # then down by one at a time, never twice within 15 s (ticks are 10 s apart)
+    assert targets[1:] == [3, 2, 2, 1, 1, 1]
+    assert [reason for _, reason in steps][1] == "cooldown (low_load)"
+
+
+def test_no_scale_down_while_replicas_have_yet_to_report():
+    view = decode_view(2, [0])  # two replicas targeted, one reporting
+    decision = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (decision.target, decision.reason) == (2, "awaiting_metrics (low_load)")
+
+
+def test_a_pin_wins_at_once_within_the_bounds():
+    view = decode_view(1, [900], last_change=NOW - 1)  # within cooldown, and loaded
+    pinned = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW, pins={"decode": 3})["decode"]
+    assert (pinned.target, pinned.reason) == (3, "pinned")
+    over = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW, pins={"decode": 9})["decode"]
+    assert over.target == 4
+
+
+def test_targets_reject_values_out_of_range():
+    for bad in ({"kv_usage": 0}, {"kv_usage": 1.5}, {"ttft_s": -1}, {"prompt_tokens_per_replica": 0}, {"cooldown_s": float("nan")}):
+        with pytest.raises(ValueError):
+            Targets(**bad)
+
+
+def _context(app: str, stage: str, replicas: dict[str, dict[str, float]], target: int, now: float):
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.config import AutoscalingContext
+
+    deployment = DeploymentID(stage, app)
+    ids = {name: ReplicaID(name, deployment) for name in replicas}
+    metrics: dict[str, dict] = {}
+    for name, values in replicas.items():
+        for metric, value in values.items():
+            metrics.setdefault(metric, {})[ids[name]] = value
+    return AutoscalingContext(
+        deployment_id=deployment, deployment_name=stage, app_name=app, current_num_replicas=len(replicas),
+        target_num_replicas=target, running_replicas=list(ids.values()), total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics=metrics, raw_metrics={}, capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
+        policy_state={}, last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=None,
+    )
+
+
+def test_serve_ticks_each_pools_policy_and_they_decide_together_through_the_board():
+    """Two policy instances of one application (as Serve's controller holds them): the prefill
+    pool's decision reads the decode pool's latest view, posted by the decode policy's tick."""
+    targets = {name: vars(values) for name, values in TARGETS.items()}
+    prefill, decode = PoolPolicy("prefill", targets), PoolPolicy("decode", targets)
+    app = "board-test"
+    full = {"num_decoding_blocks": 400.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 3.0, "decode_step_s": 0.05}
+    slow = {"prompt_tokens_pending": 0.0, "ttft_s": 5.0, "prefill_tokens_per_s": 2000.0}
+
+    decode_target, _ = decode(_context(app, "decode", {"d1": full}, 1, NOW))
+    prefill_target, _ = prefill(_context(app, "prefill", {"p1": slow}, 1, NOW))
+    assert (decode_target, prefill_target) == (2, 1)
+    assert prefill._last.reason == "ttft_decode_bound"
+
+    calm = full | {"num_decode_waiting": 0.0, "num_decoding_blocks": 100.0}
+    decode(_context(app + "-2", "decode", {"d1": calm}, 1, NOW))
+    assert prefill(_context(app + "-2", "prefill", {"p1": slow}, 1, NOW))[0] == 2

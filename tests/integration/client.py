@@ -1,0 +1,67 @@
+"""What the integration tests do as clients of a cluster: bodies, requests streamed or not,
+metrics read off ``/metrics``, and the KV bookkeeping report once the replicas are idle."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+
+import httpx
+
+NEW_TOKENS = 12
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 49000) for _ in range(length)]
+
+
+def greedy_body(prompt: list[int], max_tokens: int = NEW_TOKENS, stream: bool = False, model: str = "tiny") -> dict:
+    return {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+        "temperature": 0, "return_token_ids": True, "stream": stream,
+    }
+
+
+async def complete(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[int], list[dict]]:
+    """Status, generated token ids and error events (or error body) of one request, streamed or not."""
+    if not body.get("stream"):
+        response = await client.post(f"{url}/v1/completions", json=body)
+        payload = response.json()
+        if response.status_code != 200:
+            return response.status_code, [], [payload]
+        return 200, payload["choices"][0]["token_ids"], []
+    tokens, errors = [], []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return response.status_code, [], [json.loads(await response.aread())]
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event)
+                else:
+                    tokens += event["choices"][0]["token_ids"]
+        return response.status_code, tokens, errors
+
+
+def metric(url: str, name: str) -> dict[str, float]:
+    """A metric's samples on ``/metrics``, by their label string."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def settled(cluster, url: str, timeout_s: float = 30) -> dict:
+    """The integrity report once no replica of the application holds a block."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        usage = metric(url, "vllm:kv_cache_usage_perc")
+        if usage and not any(usage.values()):
+            break
+        time.sleep(0.5)
+    return cluster.integrity(url)

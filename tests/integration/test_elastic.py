@@ -1,0 +1,257 @@
+"""Pools that follow their load, and sequences that outlive their decode replica, on a real
+cluster: applications of the tiny model deployed beside the session's, driven over HTTP.
+
+- A decode replica stopped by a scale-down (an operator's pin through ``/duet/scale``, acted on
+  by the pool's autoscaling policy and Serve) moves its live streams to the other replica by
+  KV: greedy, seeded and stop-string streams read on as if nothing had happened.
+- Past ``router.max_migrations`` a stream ends with an error event, and nothing leaks.
+- Prompt-heavy load grows the prefill pool while decode stays; long outputs grow the decode
+  pool while prefill does not grow; idle shrinks both to their minimum; every request
+  completes with the offline engine's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.client import complete, greedy_body, metric, random_prompt, settled
+
+pytestmark = pytest.mark.slow
+
+SMALL_POOL = {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}}
+
+
+def _moves_app(max_migrations: int) -> dict:
+    """PD with two decode replicas that the test scales down to one while streams run."""
+    # The pins decide: the policy holds a pinned size, and Serve's delays are short.
+    decode_scaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 2,
+                      "cooldown_s": 0}
+    return {
+        "mode": "pd",
+        "engine": {"max_model_len": 1024, "num_kv_blocks": 8192, "max_num_seqs": 64},
+        "prefill": SMALL_POOL,
+        "decode": SMALL_POOL | {"autoscaling_config": decode_scaling},
+        "router": {"ray_actor_options": {"num_cpus": 0}, "max_migrations": max_migrations},
+    }
+
+
+def _status(url: str) -> dict:
+    return httpx.get(f"{url}/duet/status", timeout=10).json()
+
+
+def _running(url: str, pool: str) -> dict[str, int]:
+    """Sequences running per replica of a pool (the replicas that report stats)."""
+    return {stats["replica_id"]: stats["num_running"] for stats in _status(url)["pools"][pool]["stats"]}
+
+
+def _pinned_at(url: str, pool: str, replicas: int) -> bool:
+    """The pool's policy holds the pin (a scale-down decided before it may still be under way
+    when it is set), and that many replicas run and report."""
+    status = _status(url)["pools"][pool]
+    record = status.get("autoscaler") or {}
+    settled = (record.get("reason"), record.get("target"), record.get("running")) == ("pinned", replicas, replicas)
+    return settled and len(status["stats"]) == replicas
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def _scale(url: str, pool: str, replicas: int | None) -> None:
+    response = httpx.post(f"{url}/duet/scale", json={"pool": pool, "replicas": replicas}, timeout=10)
+    assert response.status_code == 200, response.text
+
+
+async def _stream_text(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str, list[int], list[dict]]:
+    text, tokens, errors = "", [], []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event)
+                else:
+                    text += event["choices"][0]["text"]
+                    tokens += event["choices"][0]["token_ids"]
+    return text, tokens, errors
+
+
+def _streams_scaled_down_midway(url: str, bodies: list[dict]) -> list[tuple[str, list[int], list[dict]]]:
+    """Run the streams on both decode replicas and scale the pool down to one meanwhile."""
+    _scale(url, "decode", 2)
+    _wait_for(lambda: _pinned_at(url, "decode", 2), 120, "two decode replicas, pinned")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(_stream_text(client, url, body)) for body in bodies]
+            await asyncio.sleep(1.5)
+            running = _running(url, "decode")
+            assert len(running) == 2 and all(running.values()), f"streams on both replicas before the scale-down: {running}"
+            _scale(url, "decode", 1)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(run())
+
+
+def _migrations(url: str) -> dict[str, float]:
+    return {labels.split('how="')[1].split('"')[0]: value for labels, value in metric(url, "duet:migrations_total").items()}
+
+
+def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluster, tiny_offline, deploy):
+    from duet import SamplingParams
+
+    url = deploy("moves", _moves_app(max_migrations=3))
+    rng = random.Random(12)
+    prompts = [random_prompt(rng, rng.randrange(20, 120)) for _ in range(8)]
+    cases = []
+    for index, prompt in enumerate(prompts):
+        sampling = {"temperature": 0.8, "seed": 1000 + index} if index % 2 else {"temperature": 0.0}
+        params = SamplingParams(max_tokens=850, min_tokens=850, **sampling)
+        stop = None
+        if index % 4 == 3:  # a stop string met late, after the move
+            text = tiny_offline.llm.generate([prompt], params)[0].outputs[0].text
+            stop = text[int(len(text) * 0.9) :][:3]
+        cases.append((prompt, sampling, stop))
+    expected = [
+        tiny_offline.llm.generate([prompt], SamplingParams(max_tokens=850, min_tokens=850, stop=[stop] if stop else None, **sampling))[0]
+        .outputs[0]
+        for prompt, sampling, stop in cases
+    ]
+    bodies = [
+        {"model": "tiny", "prompt": prompt, "max_tokens": 850, "min_tokens": 850, "return_token_ids": True, "stream": True, **sampling}
+        | ({"stop": [stop]} if stop else {})
+        for prompt, sampling, stop in cases
+    ]
+
+    results = _streams_scaled_down_midway(url, bodies)
+
+    for (text, tokens, errors), want in zip(results, expected):
+        assert errors == []
+        assert (text, tokens) == (want.text, want.token_ids)
+    migrations = _migrations(url)
+    assert migrations["kv"] >= 1 and migrations["recompute"] == 0, migrations
+    assert len(_running(url, "decode")) == 1
+    assert settled(cluster, url)["ok"]
+
+
+def test_a_stream_past_max_migrations_ends_with_an_error_event_and_leaks_nothing(cluster, tiny_offline, deploy):
+    url = deploy("nomoves", _moves_app(max_migrations=0))
+    rng = random.Random(13)
+    prompts = [random_prompt(rng, 40) for _ in range(8)]
+    expected = tiny_offline(prompts, 850)
+
+    results = _streams_scaled_down_midway(url, [greedy_body(prompt, 850, stream=True) for prompt in prompts])
+
+    failed = 0
+    for (_, tokens, errors), want in zip(results, expected):
+        if errors:
+            failed += 1
+            assert len(errors) == 1 and errors[0]["error"]["code"] == 503
+            assert "max_migrations" in errors[0]["error"]["message"]
+            assert tokens == want[: len(tokens)] and len(tokens) < len(want)
+        else:
+            assert tokens == want
+    assert failed >= 1
+    assert settled(cluster, url)["ok"]
+
+
+class _Timeline:
+    """Replicas reporting per pool, sampled twice a second in the background, by phase."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.phase = "start"
+        self.samples: list[tuple[str, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                pools = _status(self.url)["pools"]
+            except httpx.HTTPError:
+                continue
+            self.samples.append((self.phase, len(pools["prefill"]["stats"]), len(pools["decode"]["stats"])))
+
+    def counts(self, phase: str, pool: str) -> list[int]:
+        return [sample[1 if pool == "prefill" else 2] for sample in self.samples if sample[0] == phase]
+
+
+async def _load(url: str, prompt_len: int, max_tokens: int, concurrency: int, until, max_s: float, rng: random.Random) -> list:
+    """``concurrency`` clients sending fresh random prompts, one after another, until ``until()``
+    holds (then a few seconds more) or ``max_s`` passed: (prompt, result)s."""
+    results = []
+    deadline = time.monotonic() + max_s
+
+    async def client_loop(client):
+        while time.monotonic() < deadline:
+            prompt = random_prompt(rng, prompt_len)
+            results.append((prompt, await complete(client, url, greedy_body(prompt, max_tokens, stream=True))))
+
+    async def watch():
+        nonlocal deadline
+        while time.monotonic() < deadline and not until():
+            await asyncio.sleep(0.5)
+        deadline = min(deadline, time.monotonic() + 3)
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        await asyncio.gather(watch(), *(client_loop(client) for _ in range(concurrency)))
+    return results
+
+
+def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
+    scaling = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 3, "metrics_interval_s": 0.5,
+               "look_back_period_s": 2, "cooldown_s": 2}
+    url = deploy("elastic", {
+        "mode": "pd",
+        "engine": {"max_model_len": 1024, "num_kv_blocks": 1024, "max_num_seqs": 64},
+        "prefill": SMALL_POOL | {"autoscaling_config": scaling | {"prompt_tokens_per_replica": 400}},
+        "decode": SMALL_POOL | {"autoscaling_config": scaling | {"kv_usage": 0.3}},
+        "router": {"ray_actor_options": {"num_cpus": 0}, "max_running_sequences": 16},
+    })
+    rng = random.Random(14)
+    with _Timeline(url) as timeline:
+        # Each phase lasts until its pool has grown (a replica takes 5-30 s to start on a busy
+        # 2-core machine), and at least long enough for the other pool to have grown if it would.
+        def grown(pool: str):
+            return lambda: len(timeline.counts(timeline.phase, pool)) > 20 and timeline.counts(timeline.phase, pool)[-1] == 2
+
+        timeline.phase = "prompt-heavy"
+        prompt_heavy = asyncio.run(_load(url, 500, 1, concurrency=16, until=grown("prefill"), max_s=90, rng=rng))
+        timeline.phase = "decode-heavy"
+        decode_heavy = asyncio.run(_load(url, 32, 700, concurrency=16, until=grown("decode"), max_s=90, rng=rng))
+        timeline.phase = "idle"
+        _wait_for(lambda: len(timeline.counts("idle", "prefill")) > 4 and timeline.counts("idle", "prefill")[-1] == 1
+                  and timeline.counts("idle", "decode")[-1] == 1, 60, "both pools back to one replica")
+
+    assert max(timeline.counts("prompt-heavy", "prefill")) == 2, timeline.samples
+    assert max(timeline.counts("prompt-heavy", "decode")) == 1, timeline.samples
+    assert max(timeline.counts("decode-heavy", "decode")) == 2, timeline.samples
+    prefill_in_decode_phase = timeline.counts("decode-heavy", "prefill")
+    assert all(later <= earlier for earlier, later in zip(prefill_in_decode_phase, prefill_in_decode_phase[1:])), timeline.samples
+    for results, max_tokens in ((prompt_heavy, 1), (decode_heavy, 700)):
+        prompts = [prompt for prompt, _ in results]
+        for (prompt, (status, tokens, errors)), want in zip(results, tiny_offline(prompts, max_tokens)):
+            assert (status, errors) == (200, [])
+            assert tokens == want
+    assert len(prompt_heavy) >= 50 and len(decode_heavy) >= 16
+    assert settled(cluster, url)["ok"]

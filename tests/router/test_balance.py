@@ -1,0 +1,78 @@
+"""Adaptive selective PD: where the balancer sends each context, from the replicas' measured
+speeds and loads and from what it sent that has no first token yet."""
+
+from __future__ import annotations
+
+from duet.messages import ReplicaStats
+from duet.router.balance import StageBalancer
+
+TPOT_S = 0.2
+
+
+def stats(stage: str, name: str, **fields) -> ReplicaStats:
+    base = dict(
+        num_running=0, num_waiting=0, num_free_blocks=1000, num_blocks=1000, block_size=16, num_preemptions=0,
+        prefix_cache_queries=0, prefix_cache_hits=0,
+    )
+    return ReplicaStats(stage=stage, replica_id=name, **(base | fields))
+
+
+def balancer(prefill: list[ReplicaStats] | None, decode: list[ReplicaStats] | None, prefill_replicas: int | None = 1, threshold=64):
+    pools = {"prefill": prefill, "decode": decode}
+    sizes = {"prefill": prefill_replicas, "decode": len(decode or [])}
+    return StageBalancer(pools.get, sizes.get, threshold, TPOT_S)
+
+
+def test_before_any_measurement_the_static_threshold_decides():
+    unmeasured = balancer([stats("prefill", "p")], [stats("decode", "d")])
+    assert unmeasured.choose(10).local and not unmeasured.choose(500).local
+    unknown = balancer(None, None, prefill_replicas=None)
+    assert unknown.choose(63).local and not unknown.choose(64).local
+
+
+def test_with_no_prefill_replica_running_every_context_stays_local():
+    alone = balancer([], [stats("decode", "d", decode_step_s=0.5, num_decode_waiting=3)], prefill_replicas=0)
+    assert alone.choose(5000).local
+
+
+def test_a_long_prompt_stays_local_when_the_prefill_pool_is_the_bottleneck():
+    # Prefill has 20 s of prompts queued; an idle decode replica computes 2000 tokens in 2 s.
+    busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=20_000)]
+    idle_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_step_s=0.02)]
+    assert balancer(busy_prefill, idle_decode).choose(2000).local
+
+
+def test_a_short_prompt_goes_through_an_idle_prefill_pool_when_decode_is_busy_computing_prompts():
+    idle_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
+    # Local prompts queued on decode: 5 s of them.
+    loaded_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, prompt_tokens_pending=5000, decode_step_s=0.02)]
+    assert not balancer(idle_prefill, loaded_decode).choose(32).local
+
+
+def test_no_local_prompt_while_decode_lacks_headroom():
+    busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=50_000)]
+    for loaded in (
+        {"decode_step_s": TPOT_S * 0.6},  # steps past half the TPOT target
+        {"num_decode_waiting": 1},  # a sequence waits for room
+        {"num_free_blocks": 100},  # KV 90% used
+    ):
+        decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, **({"decode_step_s": 0.02} | loaded))]
+        assert not balancer(busy_prefill, decode).choose(100).local, loaded
+
+
+def test_what_it_sent_without_a_first_token_yet_counts_until_done():
+    """Reports lag; the balancer's own outstanding tokens are fresher. Both stages equal: the
+    prompts alternate as each side's backlog grows, and a finished one frees its side."""
+    prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
+    decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_step_s=0.02)]
+    chooser = balancer(prefill, decode)
+    first = chooser.choose(1000)
+    assert first.local  # 1.0 s either way, and going through prefill adds its overhead
+    second = chooser.choose(1000)
+    assert not second.local  # 2.0 s local now, 1.0 s + overhead through prefill
+    assert chooser._outstanding == {True: 1000, False: 1000}
+    first.done()
+    first.done()  # once only
+    assert chooser._outstanding == {True: 0, False: 1000}
+    assert chooser.choose(1000).local
+    assert chooser.decisions == {True: 2, False: 1}
