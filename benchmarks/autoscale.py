@@ -173,7 +173,7 @@ def plot(sent: list[Sent], samples: list[Sample], bounds: dict, window_s: float,
     figure.savefig(path, dpi=120)
 
 
-DEFAULT_PHASES = "prompt-heavy:60:1.2:768:1,decode-heavy:60:1.5:32:192,idle:60:0:0:0"
+DEFAULT_PHASES = "prompt-heavy:60:0.6:768:1,decode-heavy:60:2:32:256,idle:60:0:0:0"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,11 +3,11 @@ decode replica, by KV (its replica is scaled down: the KV ships over) and by rec
 replica is killed: the router re-admits prompt and tokens so far elsewhere).
 
 It pins the decode pool of an autoscaled cluster (``configs/autoscale.yaml``) at two replicas,
-starts ``--streams`` greedy streams of ``--context`` prompt tokens, and after ``--after-s``
+starts ``--streams`` greedy streams of ``--context`` prompt tokens, and once each is decoding
 either pins the pool at one replica (Serve stops one, whose sequences move by KV) or kills one
-decode replica's actor. Each stream's pause is its longest gap between two tokens; the moved
+decode replica's actor. Each stream's pause is its longest gap between two token events; the moved
 streams are the ones with the longest pauses (as many as the router counted migrations), set
-beside the streams' median gap.
+beside the median gap between two token events.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ import time
 from duet.benchmarks.serve import SAFE_TOKEN_RANGE
 
 
-async def _stream(client, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[list[float], str]:
+async def _stream(client, url: str, model: str, prompt: list[int], max_tokens: int, times: list[float]) -> str:
+    """Stream one completion, appending the arrival time of each event that carries tokens (a
+    speculative step may bring several) to ``times``; its error message, if it ended with one."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "return_token_ids": True}
-    times, error = [], ""
+    error = ""
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -34,8 +36,8 @@ async def _stream(client, url: str, model: str, prompt: list[int], max_tokens: i
                 if "error" in event:
                     error = event["error"]["message"]
                 elif event["choices"][0].get("token_ids"):
-                    times.extend([time.perf_counter()] * len(event["choices"][0]["token_ids"]))
-    return times, error
+                    times.append(time.perf_counter())
+    return error
 
 
 def _migrations(client, url: str) -> dict[str, float]:
@@ -80,24 +82,31 @@ def measure(url: str, app: str, model: str, how: str, args) -> dict:
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(args.context)] for _ in range(args.streams)]
 
+        times: list[list[float]] = [[] for _ in prompts]
+        placement: dict[str, int] = {}
+
         async def run():
             async with httpx.AsyncClient(timeout=600) as aclient:
-                tasks = [asyncio.create_task(_stream(aclient, url, model, prompt, args.max_tokens)) for prompt in prompts]
-                await asyncio.sleep(args.after_s)
+                tasks = [asyncio.create_task(_stream(aclient, url, model, prompt, args.max_tokens, mine)) for prompt, mine in zip(prompts, times)]
+                deadline = time.monotonic() + 300
+                while min(len(mine) for mine in times) < args.decoded_before and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)  # every stream decoding
+                stats = (await aclient.get(f"{url}/duet/status")).json()["pools"]["decode"]["stats"]
+                placement.update({replica["replica_id"]: replica["num_running"] for replica in stats})
                 if how == "kv":
                     await asyncio.to_thread(client.post, f"{url}/duet/scale", json={"pool": "decode", "replicas": 1})
                 else:
                     await asyncio.to_thread(_kill_busiest, client, url, app)
                 return await asyncio.gather(*tasks)
 
-        results = asyncio.run(run())
+        errors = asyncio.run(run())
         after = _migrations(client, url)
         _pin(client, url, None)
     moved = int(sum(after.values()) - sum(before.values()))
-    pauses = sorted((max(b - a for a, b in zip(times, times[1:])) for times, _ in results if len(times) > 1), reverse=True)
-    gaps = [b - a for times, _ in results for a, b in zip(times, times[1:])]
+    pauses = sorted((max(b - a for a, b in zip(mine, mine[1:])) for mine in times if len(mine) > 1), reverse=True)
+    gaps = [b - a for mine in times for a, b in zip(mine, mine[1:])]
     return {
-        "how": how, "streams": len(results), "errors": sum(1 for _, error in results if error), "moved": moved,
+        "how": how, "streams": len(prompts), "placement": placement, "errors": sum(1 for error in errors if error), "moved": moved,
         "by": {key: after.get(key, 0) - before.get(key, 0) for key in after},
         "moved_pause_ms": [round(pause * 1e3) for pause in pauses[:moved]],
         "median_gap_ms": round(statistics.median(gaps) * 1e3, 1) if gaps else 0.0,
@@ -111,9 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--app", default="duet", help="the application's name (to find its replicas' actors)")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--context", type=int, default=1000, help="prompt tokens of each stream")
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=900, help="long enough to outlast the pool's downscale_delay_s")
     parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--after-s", type=float, default=6.0, help="when to move them, after the streams start")
+    parser.add_argument("--decoded-before", type=int, default=16, help="token events every stream has had when they move")
     parser.add_argument("--ways", default="kv,recompute")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -127,14 +136,15 @@ def main(argv: list[str] | None = None) -> None:
         url = up(args.config).urls[0]
     import ray
 
-    ray.init(address="auto", logging_level="ERROR")
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR")
     try:
         for how in args.ways.split(","):
             figures = measure(url, args.app, args.model, how, args)
-            print(f"by {how}: {figures['moved']} of {figures['streams']} streams moved ({figures['by']}), {figures['errors']} errors; "
+            print(f"by {how}: {figures['moved']} of {figures['streams']} streams moved (running per replica before: "
+                  f"{figures['placement']}; {figures['by']}), {figures['errors']} errors; "
                   f"their pauses {figures['moved_pause_ms']} ms, against a median gap of {figures['median_gap_ms']} ms", flush=True)
     finally:
-        ray.shutdown()
         if args.url is None:
             from duet.cluster.deploy import down
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -41,7 +43,9 @@ from duet.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PINNED_CALL_TIMEOUT_S = 30.0  # a busy replica answers between two steps; only a dead one takes this long
-DECODE_ATTEMPTS = 5
+# A sequence no decode replica has room for (KV reserved for prompts queued on prefill, full
+# batches) waits for room, backing off up to a second at a time, this long before a 503.
+ROOM_WAIT_S = 60.0
 FAILURE_POLICIES = ("recompute", "fail")
 # What a prefill replica runs to fill a resumed sequence's KV: the one token it samples is not used.
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
@@ -289,17 +293,18 @@ class _DecodeStream:
 
     async def _generate(self) -> AsyncIterator[Placement | TokenDelta | Moved]:
         decode = self.orchestrator.decode
-        for attempt in range(DECODE_ATTEMPTS):
+        deadline = time.monotonic() + ROOM_WAIT_S
+        for attempt in itertools.count():
             own_serve_request()  # an abort of an earlier placement may still be on its way
             self._stream = decode.options(stream=True).generate.remote(self.request, num_prompt_blocks=self.num_prompt_blocks)
             try:
                 async for item in self._stream:
                     yield item
                 return
-            except ReplicaFullError as error:
-                if attempt == DECODE_ATTEMPTS - 1:
-                    raise PoolUnavailableError(f"no decode replica has room for this request: {error}") from None
-                await asyncio.sleep(0.05 * 2**attempt)
+            except ReplicaFullError:
+                if time.monotonic() >= deadline:
+                    raise PoolUnavailableError(f"no decode replica had room for this request for {ROOM_WAIT_S:.0f} s; retry it") from None
+                await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
 
     async def _attach(self) -> AsyncIterator[TokenDelta | Moved]:
         own_serve_request()
