@@ -38,7 +38,7 @@ from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
 from duet.engine_loop import EngineLoop
 from duet.errors import KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
-from duet.messages import EngineRequest, Moved, Placement, ReplicaStats, TokenDelta
+from duet.messages import EngineRequest, KVDestination, Moved, Placement, ReplicaStats, TokenDelta
 from duet.prefill_node.role import PrefillRole
 from duet.router.routing import own_serve_request, replica_ids, watch_departure
 
@@ -97,12 +97,7 @@ class EngineReplica:
         ``prefix_hashes`` and ``num_prompt_blocks`` are hints for the pools' request routers."""
         self._refuse_when_draining()
         self.role.admit(request, self.engine.block_size)
-        stream = _Stream(request, self.loop.subscribe(request.request_id))
-        try:
-            destination = await self.loop.call(self.engine.add_request, request)
-        except BaseException:
-            self.loop.unsubscribe(request.request_id)
-            raise
+        stream, destination = await self._add(request)
         if self.role.stage != "prefill":
             yield Placement(self.replica_id, destination)
         async with aclosing(self._follow(stream)) as items:
@@ -113,15 +108,20 @@ class EngineReplica:
         """Take a sequence moving here by KV from a leaving replica: reserve blocks for its
         tokens so far and answer where to send them. Its outputs wait for ``attach``."""
         self._refuse_when_draining()
-        stream = _Stream(request, self.loop.subscribe(request.request_id))
-        try:
-            destination = await self.loop.call(self.engine.add_request, request)
-        except BaseException:
-            self.loop.unsubscribe(request.request_id)
-            raise
+        stream, destination = await self._add(request)
         self._adopted[request.request_id] = stream
         self._spawn(self._drop_unless_attached(request.request_id))
         return Placement(self.replica_id, destination)
+
+    async def _add(self, request: EngineRequest) -> tuple[_Stream, KVDestination | None]:
+        """Subscribe to the sequence's outputs and add it to the engine: its stream, and where
+        its KV is to be sent when it comes from elsewhere."""
+        stream = _Stream(request, self.loop.subscribe(request.request_id))
+        try:
+            return stream, await self.loop.call(self.engine.add_request, request)
+        except BaseException:
+            self.loop.unsubscribe(request.request_id)
+            raise
 
     async def attach(self, request_id: str, replica_id: str) -> AsyncIterator[TokenDelta | Moved]:
         """Stream a sequence moved here by ``reserve``, from its first token made here."""

@@ -26,24 +26,31 @@ def greedy_body(prompt: list[int], max_tokens: int = NEW_TOKENS, stream: bool = 
 
 async def complete(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[int], list[dict]]:
     """Status, generated token ids and error events (or error body) of one request, streamed or not."""
+    status, _, tokens, errors = await complete_text(client, url, body)
+    return status, tokens, errors
+
+
+async def complete_text(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, str, list[int], list[dict]]:
+    """``complete``, with the text too."""
     if not body.get("stream"):
         response = await client.post(f"{url}/v1/completions", json=body)
         payload = response.json()
         if response.status_code != 200:
-            return response.status_code, [], [payload]
-        return 200, payload["choices"][0]["token_ids"], []
-    tokens, errors = [], []
+            return response.status_code, "", [], [payload]
+        return 200, payload["choices"][0]["text"], payload["choices"][0]["token_ids"], []
+    text, tokens, errors = "", [], []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
-            return response.status_code, [], [json.loads(await response.aread())]
+            return response.status_code, "", [], [json.loads(await response.aread())]
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[6:])
                 if "error" in event:
                     errors.append(event)
                 else:
+                    text += event["choices"][0]["text"]
                     tokens += event["choices"][0]["token_ids"]
-        return response.status_code, tokens, errors
+        return response.status_code, text, tokens, errors
 
 
 def metric(url: str, name: str) -> dict[str, float]:

@@ -13,7 +13,6 @@ cluster: applications of the tiny model deployed beside the session's, driven ov
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import threading
 import time
@@ -21,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.client import complete, greedy_body, metric, random_prompt, settled
+from tests.integration.client import complete, complete_text, greedy_body, metric, random_prompt, settled
 
 pytestmark = pytest.mark.slow
 
@@ -73,17 +72,8 @@ def _scale(url: str, pool: str, replicas: int | None) -> None:
 
 
 async def _stream_text(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str, list[int], list[dict]]:
-    text, tokens, errors = "", [], []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                if "error" in event:
-                    errors.append(event)
-                else:
-                    text += event["choices"][0]["text"]
-                    tokens += event["choices"][0]["token_ids"]
+    status, text, tokens, errors = await complete_text(client, url, body)
+    assert status == 200, errors
     return text, tokens, errors
 
 
@@ -112,6 +102,9 @@ def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluste
     from duet import SamplingParams
 
     url = deploy("moves", _moves_app(max_migrations=3))
+    for wrong, field in (({"pool": "prefill", "replicas": 2}, "pool"), ({"pool": "decode", "replicas": 0}, "replicas")):
+        response = httpx.post(f"{url}/duet/scale", json=wrong, timeout=10)  # a fixed pool; no pool of 0
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
     rng = random.Random(12)
     prompts = [random_prompt(rng, rng.randrange(20, 120)) for _ in range(8)]
     cases = []
