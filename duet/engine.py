@@ -20,6 +20,7 @@ from duet.errors import InvalidRequestError, ReplicaFullError
 from duet.kv_cache_manager import KVCacheManager
 from duet.load import LoadTracker
 from duet.messages import EngineRequest, KVDestination, TokenDelta
+from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.request import Request
 from duet.sampling_params import SamplingParams, fit_to_context
 from duet.scheduler import Scheduler
@@ -189,15 +190,24 @@ class LLMEngine:
             runner_output = self.executor.execute(scheduler_output)
         except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
             return self._recover(scheduler_output, error)
-        self.load.observe_step(
-            scheduler_output.total_num_scheduled_tokens, sum(map(len, runner_output.sampled_token_ids)), time.perf_counter() - started
-        )
+        self._observe_load(scheduler_output, runner_output, time.perf_counter() - started)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.logprobs is not None:
             for request_id, logprobs in zip(runner_output.request_ids, runner_output.logprobs):
                 if request_id in self._logprobs:
                     self._logprobs[request_id].extend(logprobs)
         return [self._delta(request) for request in changed]
+
+    def _observe_load(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
+        """A decoding sequence is scheduled its next token and its drafts; the rest is prompt work."""
+        drafts = scheduler_output.scheduled_spec_token_ids
+        num_decoding = num_decode_tokens = 0
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            if num_tokens == 1 + len(drafts.get(request_id, ())):
+                num_decoding += 1
+                num_decode_tokens += num_tokens
+        num_prompt_tokens = scheduler_output.total_num_scheduled_tokens - num_decode_tokens
+        self.load.observe_step(num_prompt_tokens, num_decoding, sum(map(len, runner_output.sampled_token_ids)), seconds)
 
     def _delta(self, request: Request) -> TokenDelta:
         if request.num_emitted_tokens == 0 and request.output_token_ids:

@@ -1,7 +1,7 @@
 """What an engine measures of its own load, for the router's stage balancing and the pools'
 autoscaling: how fast it computes prompts (a capacity: a moving average kept while idle), and,
-over the last ``WINDOW_S`` seconds, how long its decode steps took (each running sequence's
-time per output token), how long its requests waited for their first token, and how many
+over the last ``WINDOW_S`` seconds, how long its decode steps took (the steps that gave
+decoding sequences their next tokens, whatever else they computed: each one's wait per step), how long its requests waited for their first token, and how many
 output tokens it produced per second. A window with nothing in it reads 0: an idle replica has
 no latency to report.
 """
@@ -13,8 +13,7 @@ from collections import deque
 
 WINDOW_S = 5.0
 _WEIGHT = 0.2  # of the newest sample in the prompt throughput's moving average
-# A step computing at least this many tokens measures prompt throughput; a smaller one is a
-# decode step (its time is what each running sequence waits per token).
+# A step computing at least this many prompt tokens measures prompt throughput.
 _PROMPT_STEP_TOKENS = 32
 
 
@@ -51,16 +50,19 @@ class LoadTracker:
         self._first_tokens = _Window()
         self._outputs = _Window()
 
-    def observe_step(self, num_scheduled_tokens: int, num_output_tokens: int, seconds: float) -> None:
-        if not num_scheduled_tokens or seconds <= 0:
+    def observe_step(self, num_prompt_tokens: int, num_decoding: int, num_output_tokens: int, seconds: float) -> None:
+        """One step: prompt tokens it computed (chunks of prompts, recomputed contexts), sequences
+        it gave their next token(s) (their drafts verified), tokens it sampled, its time."""
+        if seconds <= 0:
             return
-        if num_scheduled_tokens >= _PROMPT_STEP_TOKENS:
-            sample = num_scheduled_tokens / seconds
+        if num_prompt_tokens >= _PROMPT_STEP_TOKENS:
+            # Beside whatever decoded in the same step: the speed prompts get on this replica.
+            sample = num_prompt_tokens / seconds
             self.prefill_tokens_per_s = sample if self.prefill_tokens_per_s == 0 else self.prefill_tokens_per_s + _WEIGHT * (
                 sample - self.prefill_tokens_per_s
             )
-        else:
-            self._decode_steps.add(seconds)
+        if num_decoding:
+            self._decode_steps.add(seconds)  # what each decoding sequence waited, prompt chunks included
         self._outputs.add(num_output_tokens)
 
     def observe_first_token(self, seconds: float) -> None:

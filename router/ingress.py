@@ -23,17 +23,17 @@ from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duet.cluster.autoscale import pin, published
-from duet.detokenizer import SequenceText
 from duet.errors import InvalidRequestError, KVTransferFailedError, RequestFailedError
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError
 from duet.router.balance import StageBalancer
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator, PoolUnavailableError
 from duet.router.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
-from duet.router.responses import Choice, ResponseBuilder, error_body, sse
+from duet.router.responses import ResponseBuilder, error_body, sse
 from duet.router.routing import live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
+from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
-from duet.sampling_params import SamplingParams, fit_to_context
+from duet.sampling_params import fit_to_context
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +74,6 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     return _api_error_from(error).response()
 
 
-@dataclasses.dataclass
-class _Sequence:
-    choice_index: int
-    prompt_index: int
-    params: SamplingParams
-
-
 def _api_error_from(error: Exception) -> ApiError:
     if isinstance(error, ApiError):
         return error
@@ -99,73 +92,6 @@ def _api_error_from(error: Exception) -> ApiError:
     incident = uuid.uuid4().hex[:12]
     logger.error("request failed (incident %s)", incident, exc_info=error)
     return ApiError(500, f"internal error (incident {incident} in the router's log)", "internal_server_error")
-
-
-class _Run:
-    """One HTTP request's sequences running concurrently, merged in arrival order."""
-
-    def __init__(self, ingress: "RouterIngress", request_id: str, encoded, sequences: list[_Sequence], arrival: float) -> None:
-        self.ingress = ingress
-        self.request_id = request_id
-        self.encoded = encoded
-        self.sequences = sequences
-        self.arrival = arrival
-        self.choices = [Choice(sequence.choice_index) for sequence in sequences]
-        self.num_cached_tokens = 0
-
-    def usage(self, builder: ResponseBuilder) -> dict:
-        return builder.usage(sum(len(prompt) for prompt in self.encoded), self.choices, self.num_cached_tokens)
-
-    async def deltas(self):
-        """Yields ``(choice index, TextDelta)`` as any sequence produces output."""
-        merged: asyncio.Queue = asyncio.Queue()
-        metrics = self.ingress.metrics
-        tasks = [asyncio.create_task(self._pump(sequence, merged)) for sequence in self.sequences]
-        first_token_at = None
-        try:
-            for _ in range(len(tasks)):
-                while (item := await merged.get()) is not None:
-                    if isinstance(item, BaseException):
-                        raise item
-                    index, delta = item
-                    if first_token_at is None:
-                        first_token_at = time.monotonic()
-                        metrics.ttft.observe(first_token_at - self.arrival)
-                    self.choices[index].add(delta)
-                    yield index, delta
-            metrics.e2e.observe(time.monotonic() - self.arrival)
-            metrics.prompt_tokens.inc(sum(len(prompt) for prompt in self.encoded))
-            for choice in self.choices:
-                metrics.generation_tokens.inc(len(choice.token_ids))
-                metrics.success.labels(self.ingress.model_id, choice.finish_reason or "abort").inc()
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def _pump(self, sequence: _Sequence, merged: asyncio.Queue) -> None:
-        """One sequence's token ids from the pools, made into text here; a stop string ends it
-        (leaving the ``async with`` aborts it in the pools, which know no text)."""
-        own_serve_request()
-        prompt = self.encoded[sequence.prompt_index]
-        sequence_id = f"{self.request_id}-{sequence.choice_index}"
-        text = SequenceText.start(self.ingress.tokenizer.backend, sequence.params)
-        last = None
-        try:
-            async with aclosing(self.ingress.orchestrator.run(sequence_id, prompt, sequence.params)) as deltas:
-                async for delta in deltas:
-                    now = time.monotonic()
-                    if last is not None and delta.token_ids:
-                        for _ in delta.token_ids:
-                            self.ingress.metrics.itl.observe((now - last) / len(delta.token_ids))
-                    last = now
-                    if delta.num_cached_tokens and sequence.choice_index == 0:
-                        self.num_cached_tokens = delta.num_cached_tokens
-                    merged.put_nowait((sequence.choice_index, text.add(delta)))
-                    if text.finished:
-                        break
-            merged.put_nowait(None)
-        except Exception as error:  # noqa: BLE001 - handed to the consumer
-            merged.put_nowait(error)
 
 
 # Last in the module: Serve serializes the class when it is decorated, with the globals it sees then.
@@ -377,7 +303,7 @@ class RouterIngress:
                 raise bad_request("prompt must be a string, a list of strings, or lists of token ids", "prompt")
         return encoded
 
-    def _sequences(self, body, encoded: list[list[int]], max_tokens: int | None, logprobs: int | None) -> list[_Sequence]:
+    def _sequences(self, body, encoded: list[list[int]], max_tokens: int | None, logprobs: int | None) -> list[SequenceSpec]:
         sequences = []
         for prompt_index, prompt_token_ids in enumerate(encoded):
             try:
@@ -387,7 +313,7 @@ class RouterIngress:
                 raise bad_request(str(error), error.param) from None
             for index in range(body.n):
                 choice = prompt_index * body.n + index
-                sequences.append(_Sequence(choice, prompt_index, params.choice(index)))
+                sequences.append(SequenceSpec(choice, prompt_index, params.choice(index)))
         return sequences
 
     def _check_pools(self) -> None:
@@ -409,7 +335,7 @@ class RouterIngress:
         self.metrics.queue_time.observe(queued_s)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         builder = ResponseBuilder(request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None, body.return_token_ids)
-        run = _Run(self, request_id, encoded, sequences, arrival)
+        run = Run(self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival)
         if body.stream:
             return StreamingResponse(self._stream(run, builder, body.include_usage, admitted), media_type="text/event-stream")
         try:
@@ -422,7 +348,7 @@ class RouterIngress:
             admitted.release()
         return JSONResponse(builder.response(run.choices, run.usage(builder)))
 
-    async def _stream(self, run: _Run, builder: ResponseBuilder, include_usage: bool, admitted: Admitted):
+    async def _stream(self, run: Run, builder: ResponseBuilder, include_usage: bool, admitted: Admitted):
         text_offsets = [0] * len(run.choices)
         started = [False] * len(run.choices)
         try:
