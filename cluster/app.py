@@ -67,6 +67,7 @@ def build_app(args: dict) -> serve.Application:
         block_size=decode_engine.block_size,
         local_prefill_threshold=0 if colocated else config.decode.local_prefill_threshold,
         adaptive_local_prefill=config.decode.adaptive_local_prefill,
+        ttft_s=config.slo.ttft_ms / 1000,
         tpot_s=config.slo.tpot_ms / 1000,
         on_transfer_failure=config.decode.on_transfer_failure,
         max_migrations=router.max_migrations,

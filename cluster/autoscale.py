@@ -4,10 +4,10 @@ Replicas report their stage's load through Serve's ``record_autoscaling_stats``
 (``autoscaling_metrics``): prompt tokens queued or in their prefill and the prompt tokens per
 second the replica measured it can do, first-token waits, the KV blocks of decoding sequences
 (not of prompts being computed, nor reserved for prompts on their way: those are prefill's
-load), running sequences and decoding ones waiting for room, decode step time (the TPOT of its
-sequences) and output tokens per second. Serve
-averages each over ``look_back_period_s`` per replica and hands them to the pool's policy,
-every control-loop tick (0.1 s); replicas record every ``min(metrics_interval_s, 0.2 *
+load), running sequences and decoding ones waiting for room, TPOT (a step's time over the
+tokens each decoding sequence got from it) and output tokens per second. Serve averages each
+over ``look_back_period_s`` per replica and hands them to the pool's policy, every
+control-loop tick (0.1 s); replicas record every ``min(metrics_interval_s, 0.2 *
 look_back_period_s)`` and push every ``metrics_interval_s``.
 
 ``PoolPolicy`` is a deployment-level policy, one per pool, referenced by import path (so
@@ -28,9 +28,8 @@ are counted):
   when first tokens come later than the TTFT target, unless the decode pool is short of room
   or time: then prefill is not what delays them, and it holds.
 - decode (and colocated): replicas for the decoding sequences' KV at ``kv_usage`` of each
-  replica's blocks; one more while decoding sequences wait for room or decode steps exceed the
-  TPOT target (a colocated pool:
-  also while first tokens exceed the TTFT target).
+  replica's blocks; one more while decoding sequences wait for room or their TPOT exceeds the
+  target (a colocated pool: also while first tokens exceed the TTFT target).
 - down by one only when the load fits in one replica fewer at half the targets (hysteresis),
   never within ``cooldown_s`` of the pool's last change (new replicas need time to start and to
   be measured). Serve then holds each change for its ``upscale_delay_s``/``downscale_delay_s``
@@ -61,7 +60,7 @@ logger = logging.getLogger("ray.serve")
 # What a replica reports to its pool's policy (Serve keeps float series per name).
 METRICS = (
     "prompt_tokens_pending", "prefill_tokens_per_s", "ttft_s", "num_running", "num_decode_waiting",
-    "num_decoding_blocks", "num_blocks", "decode_step_s", "output_tokens_per_s",
+    "num_decoding_blocks", "num_blocks", "tpot_s", "output_tokens_per_s",
 )
 LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fraction of each target
 DEFAULT_PROMPT_TOKENS_PER_REPLICA = 2048  # before any replica measured its prompt speed
@@ -187,10 +186,10 @@ def _decode(view: PoolView, targets: Targets) -> Decision:
     blocks_per_replica = view.mean_nonzero("num_blocks")
     used = view.total("num_decoding_blocks")
     waiting = view.total("num_decode_waiting")
-    step = view.peak("decode_step_s")
+    tpot = view.peak("tpot_s")
     ttft = view.peak("ttft_s") if view.stage == "colocated" else 0.0
     numbers = {"kv_used_blocks": used, "blocks_per_replica": blocks_per_replica, "kv_target": targets.kv_usage,
-               "waiting": waiting, "decode_step_s": step, "tpot_target_s": targets.tpot_s}
+               "waiting": waiting, "tpot_s": tpot, "tpot_target_s": targets.tpot_s}
     if view.stage == "colocated":
         numbers |= {"ttft_s": ttft, "ttft_target_s": targets.ttft_s}
     current = view.target
@@ -204,12 +203,12 @@ def _decode(view: PoolView, targets: Targets) -> Decision:
         return decision(needed, "kv_usage")
     if waiting > 0:
         return decision(current + 1, "waiting")
-    if step > targets.tpot_s:
+    if tpot > targets.tpot_s:
         return decision(current + 1, "tpot")
     if ttft > targets.ttft_s:
         return decision(current + 1, "ttft")
     fits_in_fewer = used <= LOW_LOAD * capacity * (current - 1)
-    if current > 1 and fits_in_fewer and step <= LOW_LOAD * targets.tpot_s and ttft <= LOW_LOAD * targets.ttft_s:
+    if current > 1 and fits_in_fewer and tpot <= LOW_LOAD * targets.tpot_s and ttft <= LOW_LOAD * targets.ttft_s:
         return decision(current - 1, "low_load")
     return decision(current, "steady")
 

@@ -201,13 +201,19 @@ class LLMEngine:
     def _observe_load(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
         """A decoding sequence is scheduled its next token and its drafts; the rest is prompt work."""
         drafts = scheduler_output.scheduled_spec_token_ids
-        num_decoding = num_decode_tokens = 0
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            if num_tokens == 1 + len(drafts.get(request_id, ())):
-                num_decoding += 1
-                num_decode_tokens += num_tokens
+        decoding = {
+            request_id
+            for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
+            if num_tokens == 1 + len(drafts.get(request_id, ()))
+        }
+        num_decode_tokens = sum(scheduler_output.num_scheduled_tokens[request_id] for request_id in decoding)
         num_prompt_tokens = scheduler_output.total_num_scheduled_tokens - num_decode_tokens
-        self.load.observe_step(num_prompt_tokens, num_decoding, sum(map(len, runner_output.sampled_token_ids)), seconds)
+        sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids))
+        num_decode_outputs = sum(len(sampled.get(request_id, ())) for request_id in decoding)
+        self.load.observe_step(
+            num_prompt_tokens, scheduler_output.total_num_scheduled_tokens, len(decoding), num_decode_outputs,
+            sum(map(len, runner_output.sampled_token_ids)), seconds,
+        )
 
     def _delta(self, request: Request) -> TokenDelta:
         if request.num_emitted_tokens == 0 and request.output_token_ids:
@@ -274,7 +280,9 @@ class LLMEngine:
             num_decoding_blocks=sum(len(manager.req_to_blocks.get(request.request_id, ())) for request in decoding),
             num_decode_waiting=len(prefilled) + sum(1 for request in waiting if request.output_token_ids),
             prefill_tokens_per_s=self.load.prefill_tokens_per_s,
-            decode_step_s=self.load.decode_step_s,
+            tokens_per_s=self.load.tokens_per_s,
+            tpot_s=self.load.tpot_s,
+            decode_only_tpot_s=self.load.decode_only_tpot_s,
             ttft_s=self.load.ttft_s,
             output_tokens_per_s=self.load.output_tokens_per_s,
         )

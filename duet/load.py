@@ -1,9 +1,15 @@
 """What an engine measures of its own load, for the router's stage balancing and the pools'
-autoscaling: how fast it computes prompts (a capacity: a moving average kept while idle), and,
-over the last ``WINDOW_S`` seconds, how long its decode steps took (the steps that gave
-decoding sequences their next tokens, whatever else they computed: each one's wait per step), how long its requests waited for their first token, and how many
-output tokens it produced per second. A window with nothing in it reads 0: an idle replica has
-no latency to report.
+autoscaling: how fast it computes prompts, two ways (capacities: moving averages kept while
+idle) — the prompt tokens per second of the steps that computed prompts (how soon a prompt is
+done here) and all the tokens per second of those steps (what a prompt's tokens cost here: a
+token costs about the same whether it is a prompt's or a decoding sequence's beside it) — and,
+over the last ``WINDOW_S`` seconds, its time per output token (TPOT: of the steps that gave
+decoding sequences their next tokens, whatever else they computed, each step's time over the
+tokens a decoding sequence got from it: one, or more when drafts were accepted), the same for
+the steps that computed no prompt beside them (the decode work alone: the last one seen when the
+window has none), how long its requests waited for their first token, and how many output
+tokens it produced per second. A window with nothing in it reads 0: an idle replica has no
+latency to report.
 """
 
 from __future__ import annotations
@@ -43,26 +49,37 @@ class _Window:
         return sum(self._recent()) / WINDOW_S
 
 
+def _moving_average(average: float, sample: float) -> float:
+    return sample if average == 0 else average + _WEIGHT * (sample - average)
+
+
 class LoadTracker:
     def __init__(self) -> None:
         self.prefill_tokens_per_s = 0.0
-        self._decode_steps = _Window()
+        self.tokens_per_s = 0.0
+        self._tpot = _Window()
+        self._decode_only_tpot = _Window()
+        self._last_decode_only_tpot_s = 0.0
         self._first_tokens = _Window()
         self._outputs = _Window()
 
-    def observe_step(self, num_prompt_tokens: int, num_decoding: int, num_output_tokens: int, seconds: float) -> None:
-        """One step: prompt tokens it computed (chunks of prompts, recomputed contexts), sequences
-        it gave their next token(s) (their drafts verified), tokens it sampled, its time."""
+    def observe_step(
+        self, num_prompt_tokens: int, num_tokens: int, num_decoding: int, num_decode_outputs: int, num_output_tokens: int, seconds: float
+    ) -> None:
+        """One step: prompt tokens it computed (chunks of prompts, recomputed contexts) of all the
+        tokens it computed, sequences it gave their next token(s) (their drafts verified) and the
+        tokens they got, all the tokens it sampled, its time."""
         if seconds <= 0:
             return
         if num_prompt_tokens >= _PROMPT_STEP_TOKENS:
-            # Beside whatever decoded in the same step: the speed prompts get on this replica.
-            sample = num_prompt_tokens / seconds
-            self.prefill_tokens_per_s = sample if self.prefill_tokens_per_s == 0 else self.prefill_tokens_per_s + _WEIGHT * (
-                sample - self.prefill_tokens_per_s
-            )
-        if num_decoding:
-            self._decode_steps.add(seconds)  # what each decoding sequence waited, prompt chunks included
+            self.prefill_tokens_per_s = _moving_average(self.prefill_tokens_per_s, num_prompt_tokens / seconds)
+            self.tokens_per_s = _moving_average(self.tokens_per_s, num_tokens / seconds)
+        if num_decoding and num_decode_outputs:
+            per_token = seconds * num_decoding / num_decode_outputs  # prompt chunks included: the sequences waited
+            self._tpot.add(per_token)
+            if num_prompt_tokens < _PROMPT_STEP_TOKENS:
+                self._decode_only_tpot.add(per_token)
+                self._last_decode_only_tpot_s = per_token
         self._outputs.add(num_output_tokens)
 
     def observe_first_token(self, seconds: float) -> None:
@@ -70,8 +87,12 @@ class LoadTracker:
         self._first_tokens.add(seconds)
 
     @property
-    def decode_step_s(self) -> float:
-        return self._decode_steps.mean()
+    def tpot_s(self) -> float:
+        return self._tpot.mean()
+
+    @property
+    def decode_only_tpot_s(self) -> float:
+        return self._decode_only_tpot.mean() or self._last_decode_only_tpot_s
 
     @property
     def ttft_s(self) -> float:

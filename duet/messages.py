@@ -118,7 +118,9 @@ class ReplicaStats:
     num_decoding_blocks: int = 0  # KV blocks of sequences past their prompt (not of prompts, nor reserved for transfers)
     num_decode_waiting: int = 0  # sequences past their prompt that cannot run for lack of room (preempted, or KV arrived)
     prefill_tokens_per_s: float = 0.0  # measured prompt throughput (0: not measured yet)
-    decode_step_s: float = 0.0  # recent steps that decoded: each decoding sequence's wait per step
+    tokens_per_s: float = 0.0  # all the tokens per second of the steps that measured it: what a prompt token costs
+    tpot_s: float = 0.0  # recent steps that decoded: each decoding sequence's wait per token it got
+    decode_only_tpot_s: float = 0.0  # the same, of steps that computed no prompt (0: none seen yet)
     ttft_s: float = 0.0  # recent requests' wait for their first token computed here
     output_tokens_per_s: float = 0.0
     integrity_failures: int = 0  # idle KV bookkeeping checks that failed (a leak, logged)

@@ -4,15 +4,28 @@ pool's time per output token.
 
 Replica counts move in tens of seconds; load moves within one. So the router balances the two
 stages per request, from what the replicas measured of themselves (``ReplicaStats``: prompt
-tokens per second, decode step time, KV use) and what it sent each stage that has not yet
+tokens per second, time per output token, KV use) and what it sent each stage that has not yet
 produced its first token (fresher than any report):
 
 - through the prefill pool: its backlog over its throughput, plus the fixed cost of going
   through two replicas (``PD_OVERHEAD_S``);
 - on a decode replica: its backlog of local prompts over its measured prompt throughput (the
   prefill pool's per-replica figure until it has one), allowed only while the decode pool has
-  headroom: recent decode steps within half the TPOT target, no sequence waiting, KV not
-  nearly full.
+  room for it: no sequence waiting, KV not nearly full, and the time its prompts take leaves
+  the sequences decoding there within their TPOT target.
+
+The TPOT room is a share of time. A decode replica that gives each decoding sequence a token
+every ``t`` while it computes no prompt (its ``decode_only_tpot_s``: step time over the tokens a
+sequence gets per step, more than one where drafts are accepted), and spends a share ``f`` of
+its time on local prompts, gives them a token every ``t / (1 - f)`` on average: within
+``DECODE_TPOT_SHARE`` of the target while ``f <= 1 - t / (DECODE_TPOT_SHARE * tpot)``. TPOT is a mean over a request's life (a few
+seconds), so the share is counted over the last ``LOCAL_WINDOW_S`` seconds of local prompts the
+router sent (fresher than any report: each counts the moment it is sent), priced at what a
+token costs on the decode pool (``tokens_per_s``: a prompt step there also decodes, which its
+prompt speed would count against the prompt). A single prompt step is long; the mean is what the SLO bounds. Past that
+share, the rest of the way to the TPOT target itself goes to prompts that would miss their TTFT
+target through the prefill pool and meet it locally: a first token that comes too late loses
+the request, a TPOT within its target loses nothing.
 
 Before any replica measured its prompt throughput, the static ``local_prefill_threshold`` decides
 (prompts shorter than it stay local): the rule's starting point, not the rule. With
@@ -25,12 +38,15 @@ whatever the rule: a call to the pool would wait for the new replica.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import deque
 from collections.abc import Callable
 
 from duet.messages import ReplicaStats
 
 PD_OVERHEAD_S = 0.05  # two hops and a KV transfer, over computing locally
-DECODE_STEP_HEADROOM = 0.5  # of the TPOT target a decode step may take before local prompts stop
+DECODE_TPOT_SHARE = 0.75  # of the TPOT target that decoding sequences may reach with local prompts among their steps
+LOCAL_WINDOW_S = 5.0  # local prompts counted against the decode pool's time
 MAX_LOCAL_KV_USAGE = 0.85
 
 
@@ -57,19 +73,24 @@ class StageBalancer:
         stats: Callable[[str], list[ReplicaStats] | None],
         pool_size: Callable[[str], int | None],
         local_prefill_threshold: int,
+        ttft_s: float,
         tpot_s: float,
     ) -> None:
         self.stats = stats
         self.pool_size = pool_size
         self.local_prefill_threshold = local_prefill_threshold
+        self.ttft_s = ttft_s
         self.tpot_s = tpot_s
         self._outstanding = {True: 0, False: 0}  # context tokens sent (local or not) awaiting their first token
+        self._local_sent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last LOCAL_WINDOW_S
         self.decisions = {True: 0, False: 0}
 
     def choose(self, num_tokens: int) -> Choice:
         local = self._local(num_tokens)
         self.decisions[local] += 1
         self._outstanding[local] += num_tokens
+        if local:
+            self._local_sent.append((time.monotonic(), num_tokens))
         return Choice(local, num_tokens, self)
 
     def _local(self, num_tokens: int) -> bool:
@@ -80,18 +101,34 @@ class StageBalancer:
         prefill_rates = [stats.prefill_tokens_per_s for stats in prefill if stats.prefill_tokens_per_s > 0]
         if not prefill_rates or not decode:
             return num_tokens < self.local_prefill_threshold
-        if not self._decode_has_headroom(decode):
-            return False
-        prefill_backlog = max(self._outstanding[False], sum(stats.prompt_tokens_pending for stats in prefill))
-        through_prefill = (prefill_backlog + num_tokens) / sum(prefill_rates) + PD_OVERHEAD_S
         per_replica = sum(prefill_rates) / len(prefill_rates)
         decode_rate = sum(stats.prefill_tokens_per_s or per_replica for stats in decode)
+        prefill_backlog = max(self._outstanding[False], sum(stats.prompt_tokens_pending for stats in prefill))
+        through_prefill = (prefill_backlog + num_tokens) / sum(prefill_rates) + PD_OVERHEAD_S
         decode_backlog = max(self._outstanding[True], sum(stats.prompt_tokens_pending for stats in decode))
         on_decode = (decode_backlog + num_tokens) / decode_rate
-        return on_decode < through_prefill
+        if on_decode >= through_prefill:
+            return False
+        token_cost_s = len(decode) / sum(stats.tokens_per_s or stats.prefill_tokens_per_s or per_replica for stats in decode)
+        spent_s = (self._recent_local_tokens() + num_tokens) * token_cost_s
+        if spent_s <= self._local_prompt_budget_s(decode, DECODE_TPOT_SHARE):
+            return True
+        rescues = through_prefill > self.ttft_s >= on_decode
+        return rescues and spent_s <= self._local_prompt_budget_s(decode, 1.0)
 
-    def _decode_has_headroom(self, decode: list[ReplicaStats]) -> bool:
-        return any(
-            stats.decode_step_s <= DECODE_STEP_HEADROOM * self.tpot_s and stats.num_decode_waiting == 0 and stats.kv_usage < MAX_LOCAL_KV_USAGE
-            for stats in decode
-        )
+    def _recent_local_tokens(self) -> int:
+        since = time.monotonic() - LOCAL_WINDOW_S
+        while self._local_sent and self._local_sent[0][0] < since:
+            self._local_sent.popleft()
+        return sum(tokens for _, tokens in self._local_sent)
+
+    def _local_prompt_budget_s(self, decode: list[ReplicaStats], tpot_share: float) -> float:
+        """Seconds of the last ``LOCAL_WINDOW_S`` the decode pool may spend on local prompts: each
+        replica with room gives the share its decoding sequences leave within ``tpot_share`` of
+        the TPOT target."""
+        budget = 0.0
+        for stats in decode:
+            if stats.num_decode_waiting or stats.kv_usage >= MAX_LOCAL_KV_USAGE:
+                continue
+            budget += LOCAL_WINDOW_S * max(0.0, 1.0 - stats.decode_only_tpot_s / (tpot_share * self.tpot_s))
+        return budget

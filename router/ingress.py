@@ -109,6 +109,7 @@ class RouterIngress:
         block_size: int,
         local_prefill_threshold: int,
         adaptive_local_prefill: bool,
+        ttft_s: float,
         tpot_s: float,
         on_transfer_failure: str,
         max_migrations: int,
@@ -134,7 +135,7 @@ class RouterIngress:
         if prefill is not None:
             # Without adaptivity, the static threshold decides alone: no stats to read.
             stats = pool_stats if adaptive_local_prefill else (lambda pool: None)
-            balancer = StageBalancer(stats, pool_size, local_prefill_threshold, tpot_s)
+            balancer = StageBalancer(stats, pool_size, local_prefill_threshold, ttft_s, tpot_s)
         self.orchestrator = Orchestrator(prefill, decode, block_size, balancer, on_transfer_failure, max_migrations)
         self.max_prompts_per_request = max_prompts_per_request
         self.admission = AdmissionQueue(max_running_sequences, max_queued_requests)

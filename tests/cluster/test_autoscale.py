@@ -20,10 +20,10 @@ def prefill_view(target: int, pending: list[float], ttft_s: float = 0.0, last_ch
 
 
 def decode_view(
-    target: int, used: list[float], step_s: float = 0.02, waiting: float = 0, last_change: float = 0.0, bounds=(1, 4)
+    target: int, used: list[float], tpot_s: float = 0.02, waiting: float = 0, last_change: float = 0.0, bounds=(1, 4)
 ) -> PoolView:
     replicas = [
-        {"num_decoding_blocks": blocks, "num_blocks": BLOCKS, "decode_step_s": step_s, "num_decode_waiting": waiting}
+        {"num_decoding_blocks": blocks, "num_blocks": BLOCKS, "tpot_s": tpot_s, "num_decode_waiting": waiting}
         for blocks in used
     ]
     return PoolView("decode", target, *bounds, replicas, last_change)
@@ -58,9 +58,9 @@ def test_long_outputs_grow_decode_and_leave_prefill_alone():
 
 @pytest.mark.parametrize(
     ("view", "reason"),
-    [(decode_view(1, [100], waiting=2), "waiting"), (decode_view(1, [100], step_s=0.3), "tpot")],
+    [(decode_view(1, [100], waiting=2), "waiting"), (decode_view(1, [100], tpot_s=0.3), "tpot")],
 )
-def test_decode_grows_by_one_while_sequences_wait_or_steps_miss_the_tpot_target(view, reason):
+def test_decode_grows_by_one_while_sequences_wait_or_tokens_miss_the_tpot_target(view, reason):
     decision = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
     assert (decision.target, decision.reason) == (2, reason)
 
@@ -164,7 +164,7 @@ def test_serve_ticks_each_pools_policy_and_they_decide_together_through_the_boar
     targets = {name: vars(values) for name, values in TARGETS.items()}
     prefill, decode = PoolPolicy("prefill", targets), PoolPolicy("decode", targets)
     app = "board-test"
-    full = {"num_decoding_blocks": 400.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 3.0, "decode_step_s": 0.05}
+    full = {"num_decoding_blocks": 400.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 3.0, "tpot_s": 0.05}
     slow = {"prompt_tokens_pending": 0.0, "ttft_s": 5.0, "prefill_tokens_per_s": 2000.0}
 
     decode_target, _ = decode(_context(app, "decode", {"d1": full}, 1, NOW))

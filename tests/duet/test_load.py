@@ -1,6 +1,7 @@
 """What an engine measures of its own load (``duet.load``): decode steps are the steps that gave
-decoding sequences their next token, however many sequences (or drafts) the batch held; prompt
-speed comes from the prompt tokens a step computed."""
+decoding sequences their next token, however many sequences (or drafts) the batch held; TPOT is
+a step's time over the tokens each decoding sequence got from it; prompt speed comes from the
+prompt tokens a step computed, and a token's cost from all of them."""
 
 from __future__ import annotations
 
@@ -12,21 +13,31 @@ from duet.load import LoadTracker
 
 def test_a_step_counts_as_decode_and_as_prompt_work_for_what_it_computed():
     load = LoadTracker()
-    load.observe_step(num_prompt_tokens=0, num_decoding=48, num_output_tokens=48, seconds=0.1)
-    assert load.decode_step_s == 0.1 and load.prefill_tokens_per_s == 0
-    load.observe_step(num_prompt_tokens=400, num_decoding=2, num_output_tokens=2, seconds=0.5)
-    assert load.prefill_tokens_per_s == 800
-    assert abs(load.decode_step_s - 0.3) < 1e-9  # both steps made the decoding sequences wait
-    load.observe_step(num_prompt_tokens=400, num_decoding=0, num_output_tokens=1, seconds=0.25)
-    assert abs(load.decode_step_s - 0.3) < 1e-9 and 800 < load.prefill_tokens_per_s < 1600
+    load.observe_step(num_prompt_tokens=0, num_tokens=48, num_decoding=48, num_decode_outputs=48, num_output_tokens=48, seconds=0.1)
+    assert abs(load.tpot_s - 0.1) < 1e-9 and abs(load.decode_only_tpot_s - 0.1) < 1e-9
+    assert load.prefill_tokens_per_s == load.tokens_per_s == 0
+    # 400 prompt tokens beside 2 decoding sequences: the prompt took 0.5 s, its tokens cost 1/804 s each.
+    load.observe_step(num_prompt_tokens=400, num_tokens=402, num_decoding=2, num_decode_outputs=2, num_output_tokens=2, seconds=0.5)
+    assert load.prefill_tokens_per_s == 800 and load.tokens_per_s == 804
+    assert abs(load.tpot_s - 0.3) < 1e-9  # both steps made the decoding sequences wait
+    assert abs(load.decode_only_tpot_s - 0.1) < 1e-9  # the decode work alone
+    load.observe_step(num_prompt_tokens=400, num_tokens=400, num_decoding=0, num_decode_outputs=0, num_output_tokens=1, seconds=0.25)
+    assert abs(load.tpot_s - 0.3) < 1e-9 and 800 < load.prefill_tokens_per_s < 1600
 
 
-def test_an_engine_decoding_a_large_batch_reports_its_decode_step_time(tiny_llama_dir):
+def test_accepted_drafts_shorten_the_time_per_token():
+    load = LoadTracker()
+    # 4 sequences verify 4 drafts each and get 3 tokens apiece from a 0.09 s step.
+    load.observe_step(num_prompt_tokens=0, num_tokens=20, num_decoding=4, num_decode_outputs=12, num_output_tokens=12, seconds=0.09)
+    assert abs(load.tpot_s - 0.03) < 1e-9 and abs(load.decode_only_tpot_s - 0.03) < 1e-9
+
+
+def test_an_engine_decoding_a_large_batch_reports_its_time_per_token(tiny_llama_dir):
     """48 sequences decode 48 tokens a step: still decode steps (once counted as prompt work)."""
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=1024, max_model_len=256, max_num_seqs=64)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 40000) for _ in range(8)] for _ in range(48)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24))
     stats = llm.engine.stats()
-    assert stats["decode_step_s"] > 0
-    assert stats["prefill_tokens_per_s"] > 0  # the 384 prompt tokens came in steps of their own
+    assert stats["tpot_s"] > 0 and stats["decode_only_tpot_s"] > 0
+    assert stats["prefill_tokens_per_s"] > 0 and stats["tokens_per_s"] >= stats["prefill_tokens_per_s"]  # the 384 prompt tokens came in steps of their own

@@ -1,11 +1,13 @@
 """Adaptive selective PD: where the balancer sends each context, from the replicas' measured
-speeds and loads and from what it sent that has no first token yet."""
+speeds and loads, from what it sent that has no first token yet, and from the share of the
+decode pool's time its local prompts took."""
 
 from __future__ import annotations
 
 from duet.messages import ReplicaStats
 from duet.router.balance import StageBalancer
 
+TTFT_S = 2.0
 TPOT_S = 0.2
 
 
@@ -20,7 +22,7 @@ def stats(stage: str, name: str, **fields) -> ReplicaStats:
 def balancer(prefill: list[ReplicaStats] | None, decode: list[ReplicaStats] | None, prefill_replicas: int | None = 1, threshold=64):
     pools = {"prefill": prefill, "decode": decode}
     sizes = {"prefill": prefill_replicas, "decode": len(decode or [])}
-    return StageBalancer(pools.get, sizes.get, threshold, TPOT_S)
+    return StageBalancer(pools.get, sizes.get, threshold, TTFT_S, TPOT_S)
 
 
 def test_before_any_measurement_the_static_threshold_decides():
@@ -31,40 +33,62 @@ def test_before_any_measurement_the_static_threshold_decides():
 
 
 def test_with_no_prefill_replica_running_every_context_stays_local():
-    alone = balancer([], [stats("decode", "d", decode_step_s=0.5, num_decode_waiting=3)], prefill_replicas=0)
+    alone = balancer([], [stats("decode", "d", decode_only_tpot_s=0.5, num_decode_waiting=3)], prefill_replicas=0)
     assert alone.choose(5000).local
 
 
 def test_a_long_prompt_stays_local_when_the_prefill_pool_is_the_bottleneck():
     # Prefill has 20 s of prompts queued; an idle decode replica computes 2000 tokens in 2 s.
     busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=20_000)]
-    idle_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_step_s=0.02)]
+    idle_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
     assert balancer(busy_prefill, idle_decode).choose(2000).local
 
 
 def test_a_short_prompt_goes_through_an_idle_prefill_pool_when_decode_is_busy_computing_prompts():
     idle_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
     # Local prompts queued on decode: 5 s of them.
-    loaded_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, prompt_tokens_pending=5000, decode_step_s=0.02)]
+    loaded_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, prompt_tokens_pending=5000, decode_only_tpot_s=0.02)]
     assert not balancer(idle_prefill, loaded_decode).choose(32).local
 
 
-def test_no_local_prompt_while_decode_lacks_headroom():
+def test_no_local_prompt_while_decode_lacks_room():
     busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=50_000)]
     for loaded in (
-        {"decode_step_s": TPOT_S * 0.6},  # steps past half the TPOT target
+        {"decode_only_tpot_s": TPOT_S},  # decoding alone takes the whole TPOT target
         {"num_decode_waiting": 1},  # a sequence waits for room
         {"num_free_blocks": 100},  # KV 90% used
     ):
-        decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, **({"decode_step_s": 0.02} | loaded))]
+        decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, **({"decode_only_tpot_s": 0.02} | loaded))]
         assert not balancer(busy_prefill, decode).choose(100).local, loaded
+
+
+def test_local_prompts_take_at_most_the_share_of_decode_time_that_keeps_tpot_in_target():
+    """Decoding alone at half of 75% of the target leaves half of each 5 s to prompts: 2.5 s,
+    priced at what a token costs there (a prompt step also decodes: its prompt speed is lower)."""
+    busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=20_000)]
+    decode = [stats("decode", "d", prefill_tokens_per_s=900.0, tokens_per_s=1000.0, decode_only_tpot_s=0.075)]
+    chooser = balancer(busy_prefill, decode)
+    # The third would be done sooner here (3.3 s against 21 s) but would make 3.0 s of the window,
+    # and it misses its TTFT target either way: no rescue.
+    assert [chooser.choose(1000).local for _ in range(3)] == [True, True, False]
+
+
+def test_past_the_comfortable_share_a_prompt_that_would_miss_its_ttft_goes_local_up_to_the_target():
+    decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, tokens_per_s=1000.0, decode_only_tpot_s=0.16)]
+    # Decoding alone at 80% of the TPOT target: no share is comfortable (75%), 1 s in 5 is left to the target.
+    long_queue = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=5000)]
+    rescuer = balancer(long_queue, decode)
+    assert rescuer.choose(500).local  # 5.55 s through prefill, 0.5 s here: within 1 s of decode time
+    assert not rescuer.choose(600).local  # 1.1 s of decode time: past the target
+    short_queue = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1000)]
+    assert not balancer(short_queue, decode).choose(500).local  # 1.55 s through prefill: in time
 
 
 def test_what_it_sent_without_a_first_token_yet_counts_until_done():
     """Reports lag; the balancer's own outstanding tokens are fresher. Both stages equal: the
     prompts alternate as each side's backlog grows, and a finished one frees its side."""
     prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
-    decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_step_s=0.02)]
+    decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
     chooser = balancer(prefill, decode)
     first = chooser.choose(1000)
     assert first.local  # 1.0 s either way, and going through prefill adds its overhead
