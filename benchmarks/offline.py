@@ -1,11 +1,14 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
-    python -m duet.benchmarks.offline [--dtype float32|bfloat16|auto] [--json out.json] [--plot out.png]
+    duet bench offline [--dtype float32|bfloat16|auto] [--quantization auto,dequantized]
+                       [--json out.json] [--plot out.png]
 
 Prints, for SmolLM2-135M-Instruct on this machine: batch-32 x 128-token decode throughput,
 single-stream decode, prefill of one 512-token prompt, and time-to-first-token with and
-without a prefix-cache hit on a 400-token shared system prompt. Machines differ, so the
-figures that matter are the ratios, measured here in the same run.
+without a prefix-cache hit on a 400-token shared system prompt; for each ``--quantization``
+setting (``auto``: the engine's default, from the GGUF blocks where that applies;
+``dequantized``: the float weights alone). Machines differ, so the figures that matter are the
+ratios, measured here in the same run.
 """
 
 from __future__ import annotations
@@ -97,14 +100,53 @@ def _best(fn, repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
-def run(dtype: str, repeats: int) -> list[Figure]:
-    from duet import LLM, SamplingParams
+def run(dtype: str, repeats: int, quantizations: list[str]) -> list[Figure]:
     from duet.models.loader import resolve_model_path
 
     model_dir = resolve_model_path("smollm2")
-    progress = tqdm(total=8, desc="offline benchmark", unit="stage")
+    progress = tqdm(total=4 * len(quantizations) + 4, desc="offline benchmark", unit="stage")
+    measured = {}
+    for quantization in quantizations:
+        label, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress)
+        measured[label] = duet
+        gc.collect()
 
-    llm = LLM(model="smollm2", dtype=dtype, max_model_len=2048, max_num_seqs=BATCH)
+    # The baseline stays fp32 whatever duet runs in: the targets are ratios to it.
+    hf = TransformersBaseline(model_dir, torch.float32)
+    progress.update()
+    prompts, long_prompt = batch_prompts(hf.tokenizer), filler_tokens(hf.tokenizer, PREFILL_TOKENS, seed=1)
+    hf_batch = _best(lambda: hf.generate(prompts, OUTPUT_TOKENS), 1)
+    progress.update()
+    hf_single = _best(lambda: hf.generate(prompts[:1], OUTPUT_TOKENS), repeats)
+    progress.update()
+    hf_prefill = _best(lambda: hf.prefill(long_prompt), repeats)
+    progress.update()
+    progress.close()
+
+    total = BATCH * OUTPUT_TOKENS
+    figures = []
+    for label, duet in measured.items():
+        figures += [
+            Figure(f"batch {BATCH} x {OUTPUT_TOKENS} tokens [{label}]", total / duet["batch"], total / hf_batch, "tok/s"),
+            Figure(f"single stream, {OUTPUT_TOKENS} tokens [{label}]", OUTPUT_TOKENS / duet["single"], OUTPUT_TOKENS / hf_single, "tok/s"),
+            Figure(f"prefill, {PREFILL_TOKENS}-token prompt [{label}]", PREFILL_TOKENS / duet["prefill"], PREFILL_TOKENS / hf_prefill, "tok/s"),
+            # The TTFT pair compares duet with itself: a cache hit against a cold prompt.
+            Figure(
+                f"TTFT, {SYSTEM_PROMPT_TOKENS}-token system prompt cached vs cold [{label}]",
+                duet["ttft_hit"] * 1e3, duet["ttft_cold"] * 1e3, "ms", False,
+            ),
+        ]
+    return figures
+
+
+def measure_duet(dtype: str, quantization: str | None, repeats: int, progress) -> tuple[str, dict[str, float]]:
+    """Seconds for each measure, and what the weights were read from ("gguf" blocks or floats)."""
+    from duet import LLM, SamplingParams
+    from duet.models.linear import Linear
+
+    llm = LLM(model="smollm2", dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH)
+    model = llm.engine.executor.worker.runner.model
+    label = "gguf" if any(m.gguf_blocks is not None for m in model.modules() if isinstance(m, Linear)) else "float"
     tokenizer = llm.get_tokenizer()
     prompts = batch_prompts(tokenizer)
     decode = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -117,12 +159,12 @@ def run(dtype: str, repeats: int) -> list[Figure]:
         llm.generate(batch, params)
         return time.perf_counter() - start
 
-    duet_batch = _best(lambda: duet_timed(prompts, decode), repeats)
+    seconds = {"batch": _best(lambda: duet_timed(prompts, decode), repeats)}
     progress.update()
-    duet_single = _best(lambda: duet_timed(prompts[:1], decode), repeats)
+    seconds["single"] = _best(lambda: duet_timed(prompts[:1], decode), repeats)
     progress.update()
     long_prompt = filler_tokens(tokenizer, PREFILL_TOKENS, seed=1)
-    duet_prefill = _best(lambda: duet_timed([long_prompt], one_token), repeats)
+    seconds["prefill"] = _best(lambda: duet_timed([long_prompt], one_token), repeats)
     progress.update()
     system = filler_tokens(tokenizer, SYSTEM_PROMPT_TOKENS, seed=2)
     question = tokenizer.encode(" Which chapter comes first?")
@@ -135,31 +177,10 @@ def run(dtype: str, repeats: int) -> list[Figure]:
         llm.generate([system + question], one_token)
         return time.perf_counter() - start
 
-    ttft_cold = _best(lambda: ttft(False), repeats)
-    ttft_hit = _best(lambda: ttft(True), repeats)
+    seconds["ttft_cold"] = _best(lambda: ttft(False), repeats)
+    seconds["ttft_hit"] = _best(lambda: ttft(True), repeats)
     progress.update()
-    del llm
-    gc.collect()
-
-    # The baseline stays fp32 whatever duet runs in: the targets are ratios to it.
-    hf = TransformersBaseline(model_dir, torch.float32)
-    progress.update()
-    hf_batch = _best(lambda: hf.generate(prompts, OUTPUT_TOKENS), 1)
-    progress.update()
-    hf_single = _best(lambda: hf.generate(prompts[:1], OUTPUT_TOKENS), repeats)
-    progress.update()
-    hf_prefill = _best(lambda: hf.prefill(long_prompt), repeats)
-    progress.update()
-    progress.close()
-
-    total = BATCH * OUTPUT_TOKENS
-    return [
-        Figure(f"batch {BATCH} x {OUTPUT_TOKENS} tokens", total / duet_batch, total / hf_batch, "tok/s"),
-        Figure(f"single stream, {OUTPUT_TOKENS} tokens", OUTPUT_TOKENS / duet_single, OUTPUT_TOKENS / hf_single, "tok/s"),
-        Figure(f"prefill, {PREFILL_TOKENS}-token prompt", PREFILL_TOKENS / duet_prefill, PREFILL_TOKENS / hf_prefill, "tok/s"),
-        # The TTFT pair compares duet with itself: a cache hit against a cold prompt.
-        Figure(f"TTFT, {SYSTEM_PROMPT_TOKENS}-token system prompt cached vs cold", ttft_hit * 1e3, ttft_cold * 1e3, "ms", False),
-    ]
+    return label, seconds  # the engine goes with this frame
 
 
 def print_table(figures: list[Figure], dtype: str) -> None:
@@ -176,7 +197,7 @@ def plot(figures: list[Figure], path: str, dtype: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.45 * len(figures)))
     names = [f.name for f in figures]
     ax.barh(names, [f.ratio for f in figures], color="#3b7dd8")
     ax.axvline(1.0, color="black", linewidth=0.8)
@@ -192,10 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
+    parser.add_argument(
+        "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized"
+    )
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--plot", help="also plot the ratios to this PNG file")
     args = parser.parse_args(argv)
-    figures = run(args.dtype, args.repeats)
+    figures = run(args.dtype, args.repeats, args.quantization.split(","))
     print_table(figures, args.dtype)
     if args.json:
         with open(args.json, "w") as f:

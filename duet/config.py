@@ -187,12 +187,18 @@ def import_object(import_path: str):
     return getattr(importlib.import_module(module), attribute)
 
 
+QUANTIZATIONS = (None, "gguf", "dequantized")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything ``LLM(...)`` accepts, with vLLM's names. Model-dependent limits are checked by the engine."""
 
     model: str = "smollm2"
     dtype: str = "float32"
+    # None: compute from a GGUF checkpoint's own blocks where that is exact and runs here (CPU,
+    # float32); "gguf": insist on it; "dequantized": the float weights alone.
+    quantization: str | None = None
     device: str = "cpu"
     seed: int = 0
     max_num_seqs: int = 64
@@ -219,6 +225,8 @@ class EngineArgs:
                 f"distributed_executor_backend={self.distributed_executor_backend!r}: use one of {', '.join(EXECUTOR_BACKENDS)}"
             )
         resolve_dtype(self.dtype, self.device)
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization={self.quantization!r} is not supported; use one of {QUANTIZATIONS}")
         self.cache_config()
         self.speculative()
         self.kv_transfer()

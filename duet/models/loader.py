@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
+from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
 
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+logger = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(ValueError):
@@ -50,26 +54,77 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to duet's modules, fusing q/k/v and gate/up projections."""
-    fused = {
-        "embed_tokens.weight": state["model.embed_tokens.weight"],
-        "norm.weight": state["model.norm.weight"],
+def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
+    """Each of duet's parameters and the Hugging Face tensors it is made of (rows concatenated:
+    q/k/v and gate/up projections are fused)."""
+    plan = {
+        "embed_tokens.weight": ["model.embed_tokens.weight"],
+        "norm.weight": ["model.norm.weight"],
+        "lm_head.weight": ["model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"],
     }
-    fused["lm_head.weight"] = state["model.embed_tokens.weight"] if arch.tie_word_embeddings else state["lm_head.weight"]
     for layer in range(arch.num_layers):
         prefix = f"model.layers.{layer}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         out = f"layers.{layer}."
-        fused[out + "input_layernorm.weight"] = state[prefix + "input_layernorm.weight"]
-        fused[out + "post_attention_layernorm.weight"] = state[prefix + "post_attention_layernorm.weight"]
-        fused[out + "self_attn.qkv_proj.weight"] = torch.cat(
-            [state[attn + "q_proj.weight"], state[attn + "k_proj.weight"], state[attn + "v_proj.weight"]]
-        )
-        fused[out + "self_attn.o_proj.weight"] = state[attn + "o_proj.weight"]
-        fused[out + "mlp.gate_up_proj.weight"] = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
-        fused[out + "mlp.down_proj.weight"] = state[mlp + "down_proj.weight"]
+        plan[out + "input_layernorm.weight"] = [prefix + "input_layernorm.weight"]
+        plan[out + "post_attention_layernorm.weight"] = [prefix + "post_attention_layernorm.weight"]
+        plan[out + "self_attn.qkv_proj.weight"] = [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
+        plan[out + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
+        plan[out + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        plan[out + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
+    return plan
+
+
+def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face tensors to duet's modules, fusing q/k/v and gate/up projections."""
+    return {name: torch.cat([state[part] for part in parts]) for name, parts in _fusion_plan(arch).items()}
+
+
+def _fused_gguf_blocks(path: Path, arch: LlamaArch) -> dict[str, tuple[torch.Tensor, int]]:
+    """duet's Linear modules whose every part has GGUF blocks of one type: their fused block
+    rows and that type (``gguf_blocks.safetensors``, written by ``gguf_convert``)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / GGUF_BLOCKS_FILE), "pt") as blocks_file:
+        types = {name: int(qtype) for name, qtype in json.loads(blocks_file.metadata()["types"]).items()}
+        blocks = {name: blocks_file.get_tensor(name) for name in blocks_file.keys()}
+    fused = {}
+    for name, parts in _fusion_plan(arch).items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            if all(part in blocks for part in parts) and len({types[part] for part in parts}) == 1:
+                fused[name.removesuffix(".weight")] = (torch.cat([blocks[part] for part in parts]), types[parts[0]])
     return fused
+
+
+def _gguf_ops(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
+    """The GGUF kernels when this load computes from the checkpoint's GGUF blocks, else None.
+    ``quantization=None`` takes them wherever they apply (CPU, float32, a checkpoint with blocks,
+    kernels that build); ``"gguf"`` insists; ``"dequantized"`` keeps the float weights alone."""
+    if quantization == "dequantized":
+        return None
+    from duet.kernels import cpu_ops
+
+    applies = (path / GGUF_BLOCKS_FILE).is_file() and dtype == torch.float32 and device == "cpu"
+    ops = cpu_ops.load_gguf() if applies else None
+    if quantization == "gguf" and ops is None:
+        raise ModelNotFoundError(
+            f"quantization='gguf' needs a checkpoint converted from GGUF ({path / GGUF_BLOCKS_FILE}: "
+            f"{'present' if (path / GGUF_BLOCKS_FILE).is_file() else 'missing'}), dtype float32 (not {dtype}), "
+            f"device cpu (not {device}) and the C++ kernels (DUET_CPU_OPS=0 or no compiler turns them off)"
+        )
+    return ops
+
+
+def _attach_gguf(model: LlamaForCausalLM, path: Path, ops) -> None:
+    """Give each Linear its GGUF blocks, once their exact dequantization is checked against the
+    float weight it already holds (a mismatch keeps that module on its float weight, and says so)."""
+    modules = dict(model.named_modules())
+    for name, (blocks, qtype) in _fused_gguf_blocks(path, model.arch).items():
+        linear = modules[name]
+        if torch.equal(ops.gguf_dequantize(blocks, qtype, linear.in_features), linear.weight):
+            linear.attach_gguf(blocks, qtype, ops)
+        else:
+            logger.warning("%s: its GGUF blocks do not dequantize to its float weight; it computes from the float weight", name)
 
 
 def read_arch(path: Path) -> LlamaArch:
@@ -85,8 +140,11 @@ def read_arch(path: Path) -> LlamaArch:
     return LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(path)))
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) -> LlamaForCausalLM:
-    """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``."""
+def load_model(
+    path: Path, dtype: torch.dtype, device: str, max_positions: int, quantization: str | None = None
+) -> LlamaForCausalLM:
+    """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``;
+    with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_ops``)."""
     arch = read_arch(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions)
@@ -99,6 +157,9 @@ def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) 
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack_for_cpu()
+    ops = _gguf_ops(path, dtype, device, quantization)
+    if ops is not None:
+        _attach_gguf(model, path, ops)
     return model.eval()
 
 

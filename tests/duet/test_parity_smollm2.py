@@ -2,6 +2,8 @@
 
 Each case runs the same 16 chat prompts (19 to 572 tokens, 64 new tokens each) through
 the engine under one scheduling regime and compares with transformers' greedy generate.
+SmolLM2 computes its decode steps from its GGUF blocks by default (``tests/duet/test_gguf.py``);
+one case keeps the dequantized float weights alone.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def test_one_request_at_a_time_matches_transformers(parity_prompts, parity_refer
 def test_all_requests_batched_together_match_transformers(parity_prompts, parity_references):
     outputs, _ = _run({"enable_prefix_caching": False}, parity_prompts)
     _check(outputs, parity_references, "batched")
+
+
+def test_the_dequantized_float_weights_alone_match_transformers(parity_prompts, parity_references):
+    outputs, _ = _run({"enable_prefix_caching": False, "quantization": "dequantized"}, parity_prompts)
+    _check(outputs, parity_references, "dequantized, batched")
+    outputs, _ = _run({"quantization": "dequantized"}, parity_prompts[:4], one_at_a_time=True)
+    _check(outputs, parity_references[:4], "dequantized, sequential")
 
 
 def test_chunked_prefill_with_32_token_budget_matches_transformers(parity_prompts, parity_references):

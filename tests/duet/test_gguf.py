@@ -1,0 +1,63 @@
+"""Computing from a GGUF checkpoint's own blocks: on by default where it is exact (CPU,
+float32), the same greedy tokens as transformers over the dequantized weights, and the blocks
+dequantize to the float weights bit for bit (checked as each module takes its blocks)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from duet import LLM, SamplingParams
+from duet.kernels import cpu_ops
+from duet.models.linear import GGUF_MAX_ROWS, Linear
+from duet.models.loader import ModelNotFoundError
+from tests.reference import compare_to_reference, hf_greedy
+
+pytestmark = pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
+
+
+def _linears(llm: LLM) -> dict[str, Linear]:
+    model = llm.engine.executor.worker.runner.model
+    return {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
+
+
+def test_every_projection_and_the_lm_head_compute_from_their_blocks_by_default(tiny_gguf_llama_dir):
+    linears = _linears(LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=64))
+    assert linears and all(linear.gguf_blocks is not None for linear in linears.values()), sorted(linears)
+    assert {linear.gguf_type for name, linear in linears.items() if name != "lm_head"} == {3} and linears["lm_head"].gguf_type == 8
+    floats = _linears(LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=64, quantization="dequantized"))
+    assert all(linear.gguf_blocks is None for linear in floats.values())
+
+
+def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gguf_llama_dir):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(GGUF_MAX_ROWS + 4)]
+    references = hf_greedy(tiny_gguf_llama_dir, prompts, 24)
+    llm = LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=512, max_num_seqs=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    # Decode products of one row (alone), of GGUF_MAX_ROWS + 4 (together: the float weights) and
+    # of 4 (fours); prompts of up to 40 rows take the float weights past GGUF_MAX_ROWS.
+    alone = [llm.generate([prompt], greedy)[0] for prompt in prompts]
+    together = llm.generate(prompts, greedy)
+    fours = [output for start in range(0, len(prompts), 4) for output in llm.generate(prompts[start : start + 4], greedy)]
+    for label, outputs in (("alone", alone), ("together", together), ("fours", fours)):
+        for index, (output, reference) in enumerate(zip(outputs, references)):
+            assert compare_to_reference(output.outputs[0].token_ids, reference, f"{label} {index}") is None
+    llm.engine.check_integrity()
+
+
+def test_insisting_on_gguf_without_blocks_names_what_is_missing(tiny_llama_dir):
+    with pytest.raises(ModelNotFoundError, match="gguf_blocks.safetensors: missing"):
+        LLM(model=str(tiny_llama_dir), num_kv_blocks=64, quantization="gguf")
+
+
+def test_smollm2s_blocks_dequantize_to_its_fp32_weights_bit_for_bit(smollm2_dir):
+    """The converted fp32 safetensors are gguf's dequantization; the kernels must agree with it
+    exactly, for every one of the 121 fused projections and the LM head."""
+    ops = cpu_ops.load_gguf()
+    linears = _linears(LLM(model="smollm2", num_kv_blocks=16, max_model_len=256))
+    assert len(linears) == 30 * 4 + 1 and all(linear.gguf_blocks is not None for linear in linears.values())
+    for name, linear in linears.items():
+        assert torch.equal(ops.gguf_dequantize(linear.gguf_blocks, linear.gguf_type, linear.in_features), linear.weight), name
