@@ -146,7 +146,7 @@ def measure_duet(dtype: str, quantization: str | None, repeats: int, progress) -
 
     llm = LLM(model="smollm2", dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH)
     model = llm.engine.executor.worker.runner.model
-    label = "gguf" if any(m.gguf_blocks is not None for m in model.modules() if isinstance(m, Linear)) else "float"
+    label = "gguf" if any(m.gguf is not None for m in model.modules() if isinstance(m, Linear)) else "float"
     tokenizer = llm.get_tokenizer()
     prompts = batch_prompts(tokenizer)
     decode = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)

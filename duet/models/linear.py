@@ -6,9 +6,10 @@ fp32, and 1.4-2x in bf16, than ``F.linear``; for one row in fp32 and for long pr
 chunks the plain path is as fast or faster. Both are kept, and each call picks by rows.
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
-up to ``GGUF_MAX_ROWS`` fp32 rows then read the blocks (0.625 byte a weight for Q4_1, 1.06
-for Q8_0, against 4) through ``kernels/csrc/gguf_ops.cpp``, which dequantizes them exactly to
-the float weights the other paths use; longer products, compute-bound, keep the float paths.
+up to ``GGUF_MAX_ROWS`` fp32 rows then read the quantized codes (0.75 byte a weight for Q4_1,
+1.125 for Q8_0, scales included, against 4) through ``kernels.gguf``, which dequantizes them
+exactly to the float weights the other paths use; longer products, compute-bound, keep the
+float paths.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from duet.config import cpu_has_fast_bf16
+from duet.kernels.gguf import GGUFWeight
 
 # Row-count window where the reordered oneDNN weight wins, measured per dtype on
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
 _PACK_BATCH_HINT = 32
-# Rows up to which reading GGUF blocks beats the float weights: on a Zen 4 core, SmolLM2's 121
-# products take 5.5 ms from Q4_1/Q8_0 blocks at 1 row against 20 (F.linear) and 24 (oneDNN,
-# packed); 24 against 36 (packed) at 16 rows; even at 32.
+# Rows up to which reading GGUF blocks beats the float weights: on two Zen 4 cores, SmolLM2's
+# 121 products take 6 ms from its Q4_1/Q8_0 codes at 1 row against 20 (F.linear) and 26
+# (oneDNN, packed); 26 against 37 (packed) at 16 rows; about even at 32.
 GGUF_MAX_ROWS = 16
 
 
@@ -39,9 +41,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.packed_weight: torch.Tensor | None = None
         self._packed_rows = (0, -1)
-        self.gguf_blocks: torch.Tensor | None = None
-        self.gguf_type = 0
-        self._gguf_ops = None
+        self.gguf: GGUFWeight | None = None
 
     def pack_for_cpu(self) -> None:
         """Reorder the weight for oneDNN once, if this CPU and dtype benefit."""
@@ -53,15 +53,14 @@ class Linear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
         self._packed_rows = rows
 
-    def attach_gguf(self, blocks: torch.Tensor, gguf_type: int, ops) -> None:
-        """Serve small fp32 products from ``blocks`` (uint8 ``[out_features, blocks * bytes]``,
-        GGML type ``gguf_type``) through ``ops`` (``kernels.cpu_ops.load_gguf()``); the float
-        weight stays for the rest and must be these blocks dequantized."""
-        self.gguf_blocks, self.gguf_type, self._gguf_ops = blocks, gguf_type, ops
+    def attach_gguf(self, weight: GGUFWeight) -> None:
+        """Serve small fp32 products from ``weight``; the float weight stays for the rest and
+        must be ``weight`` dequantized."""
+        self.gguf = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gguf_blocks is not None and x.shape[0] <= GGUF_MAX_ROWS and x.dtype == torch.float32:
-            return self._gguf_ops.gguf_matmul(x, self.gguf_blocks, self.gguf_type)
+        if self.gguf is not None and x.shape[0] <= GGUF_MAX_ROWS and x.dtype == torch.float32:
+            return self.gguf.matmul(x)
         low, high = self._packed_rows
         if low <= x.shape[0] <= high:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")

@@ -118,11 +118,14 @@ def _gguf_ops(path: Path, dtype: torch.dtype, device: str, quantization: str | N
 def _attach_gguf(model: LlamaForCausalLM, path: Path, ops) -> None:
     """Give each Linear its GGUF blocks, once their exact dequantization is checked against the
     float weight it already holds (a mismatch keeps that module on its float weight, and says so)."""
+    from duet.kernels.gguf import GGUFWeight
+
     modules = dict(model.named_modules())
     for name, (blocks, qtype) in _fused_gguf_blocks(path, model.arch).items():
         linear = modules[name]
-        if torch.equal(ops.gguf_dequantize(blocks, qtype, linear.in_features), linear.weight):
-            linear.attach_gguf(blocks, qtype, ops)
+        weight = GGUFWeight.from_blocks(blocks, qtype, linear.in_features, ops)
+        if torch.equal(weight.dequantize(), linear.weight):
+            linear.attach_gguf(weight)
         else:
             logger.warning("%s: its GGUF blocks do not dequantize to its float weight; it computes from the float weight", name)
 

@@ -1,10 +1,12 @@
-// Matmuls over llama.cpp's quantized weight blocks, read as the GGUF file stores them.
+// Matmuls over llama.cpp's quantized weights: the GGUF file's 4- and 8-bit codes as they are,
+// and their scales beside them (``kernels/gguf.py`` splits each block into its codes and its
+// fp16 scale and min, widened to fp32 once, exactly, so that no step converts them again).
 //
 // Each block of 32 weights is dequantized in registers and multiplied in fp32, so the weights
 // a product uses are bit for bit those of gguf's own dequantizer: d * q is exact in fp32 (an
 // fp16 scale times a 4- or 8-bit integer), and Q4_1's "+ m" rounds once, as gguf's does (an
 // fma rounds d * q + m once too, and d * q has nothing to round). Only the bytes read shrink:
-// 0.625 byte a weight for Q4_1 and 1.0625 for Q8_0, against 4 for fp32. A decode step of a few
+// 0.75 byte a weight for Q4_1 and 1.125 for Q8_0, against 4 for fp32. A decode step of a few
 // rows reads every weight once and computes little with it: its speed is the speed of reading
 // the weights, which is what this buys.
 //
@@ -14,12 +16,12 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || defined(__F16C__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -29,23 +31,16 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_1 = 3;  // GGML's type ids
 constexpr int64_t kQ8_0 = 8;
 
-int64_t block_bytes(int64_t qtype) {
-  if (qtype == kQ4_1) return 20;  // fp16 d, fp16 m, 16 bytes of nibbles
-  if (qtype == kQ8_0) return 34;  // fp16 d, 32 int8
-  TORCH_CHECK(false, "GGUF type ", qtype, " is not supported (Q4_1 = 3, Q8_0 = 8)");
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);  // one instruction; exact, as every fp16 is an fp32
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-#endif
-}
+// Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d).
+constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
+constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ4_1 ? 2 : 1; }
 
 // One ISA's vectors: a block of 32 weights is kVecs vectors of kLanes floats.
+//
+// A Q4_1 block's 32 codes are 16 bytes read as four 32-bit words D0..D3 (``kernels/gguf.py``
+// lays them out so): the code of weight 4L + k (L, k in 0..3) is bits 4L..4L+3 of Dk, that of
+// weight 16 + 4L + k bits 16+4L..16+4L+3. Broadcast to every 128-bit lane, the words then put
+// each weight's code in its own 32-bit lane by a shift, with no shuffle across lanes.
 #if defined(__AVX512F__)
 struct Isa {
   using V = __m512;
@@ -56,23 +51,20 @@ struct Isa {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
-  // Element j of a Q4_1 block is the low nibble of byte j, element j + 16 its high nibble. The
-  // 16 values a nibble can stand for, d * i + m, fill one vector; each weight is looked up in it
-  // (vpermps reads the low 4 bits of each index: the high nibble needs no mask).
-  static void q4_1(const uint8_t* block, V* w) {
-    int32_t scales;  // fp16 d and m, side by side
-    std::memcpy(&scales, block, 4);
-    const V both = _mm512_cvtph_ps(_mm256_set1_epi32(scales));
-    const V d = _mm512_shuffle_ps(both, both, 0x00), m = _mm512_shuffle_ps(both, both, 0x55);
-    const V table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d, m);
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(qs), table);
-    w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(qs, 4)), table);
+  static void q4_1(const uint8_t* codes, const float* scales, V* w) {
+    const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i low = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    // The 16 values a code stands for, d * i + m, fill one vector; vpermps looks each weight up
+    // by the low 4 bits of its lane (what lies above them needs no mask).
+    const V table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                    _mm512_set1_ps(scales[0]), _mm512_set1_ps(scales[1]));
+    w[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, low), table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, _mm512_add_epi32(low, _mm512_set1_epi32(16))), table);
   }
-  static void q8_0(const uint8_t* block, V* w) {
-    const V d = _mm512_set1_ps(half_at(block));
+  static void q8_0(const uint8_t* codes, const float* scales, V* w) {
+    const V d = _mm512_set1_ps(scales[0]);
     for (int i = 0; i < 2; ++i) {
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * i));
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), d);
     }
   }
@@ -95,20 +87,20 @@ struct Isa {
   static V widen(__m128i bytes, bool is_signed) {
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
   }
-  static void q4_1(const uint8_t* block, V* w) {
-    const V d = _mm256_set1_ps(half_at(block)), m = _mm256_set1_ps(half_at(block + 2));
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(qs, mask), high = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-    w[0] = _mm256_fmadd_ps(widen(low, false), d, m);
-    w[1] = _mm256_fmadd_ps(widen(_mm_srli_si128(low, 8), false), d, m);
-    w[2] = _mm256_fmadd_ps(widen(high, false), d, m);
-    w[3] = _mm256_fmadd_ps(widen(_mm_srli_si128(high, 8), false), d, m);
+  static void q4_1(const uint8_t* codes, const float* scales, V* w) {
+    const __m256i words = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const V d = _mm256_set1_ps(scales[0]), m = _mm256_set1_ps(scales[1]);
+    for (int i = 0; i < 4; ++i) {  // weights 8i..8i+7: L = 2 * (i % 2) + half, and 16 more for i >= 2
+      const int base = 16 * (i / 2) + 8 * (i % 2);
+      const __m256i shift = _mm256_setr_epi32(base, base, base, base, base + 4, base + 4, base + 4, base + 4);
+      w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shift), mask)), d, m);
+    }
   }
-  static void q8_0(const uint8_t* block, V* w) {
-    const V d = _mm256_set1_ps(half_at(block));
+  static void q8_0(const uint8_t* codes, const float* scales, V* w) {
+    const V d = _mm256_set1_ps(scales[0]);
     for (int i = 0; i < 4; ++i) {
-      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
+      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
       w[i] = _mm256_mul_ps(widen(qs, true), d);
     }
   }
@@ -123,46 +115,53 @@ struct Isa {
   static void store(float* p, V v) { *p = v; }
   static V fmadd(V a, V b, V c) { return a * b + c; }
   static float sum(V v) { return v; }
-  static void q4_1(const uint8_t* block, V* w) {
-    const float d = half_at(block), m = half_at(block + 2);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * static_cast<float>(block[4 + j] & 0x0F) + m;
-      w[j + 16] = d * static_cast<float>(block[4 + j] >> 4) + m;
+  static void q4_1(const uint8_t* codes, const float* scales, V* w) {
+    uint32_t words[4];
+    std::memcpy(words, codes, 16);
+    for (int j = 0; j < 32; ++j) {
+      const int shift = 16 * (j / 16) + 4 * ((j % 16) / 4);
+      w[j] = scales[0] * static_cast<float>((words[j % 4] >> shift) & 0x0F) + scales[1];
     }
   }
-  static void q8_0(const uint8_t* block, V* w) {
-    const float d = half_at(block);
-    for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(block[2 + j]));
+  static void q8_0(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = scales[0] * static_cast<float>(static_cast<int8_t>(codes[j]));
   }
 };
 #endif
 
 constexpr int kVecs = kBlock / Isa::kLanes;
 
+// The N x K weights: codes [N, K / 32 * code_bytes] and scales [N, K / 32 * num_scales].
+struct Weights {
+  const uint8_t* codes;
+  const float* scales;
+  int64_t num_blocks;  // a row's
+};
+
 template <int64_t QType>
-inline void dequant(const uint8_t* block, Isa::V* w) {
-  if constexpr (QType == kQ4_1) Isa::q4_1(block, w);
-  else Isa::q8_0(block, w);
+inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
+  const uint8_t* codes = w.codes + (n * w.num_blocks + b) * code_bytes(QType);
+  const float* scales = w.scales + (n * w.num_blocks + b) * num_scales(QType);
+  if constexpr (QType == kQ4_1) Isa::q4_1(codes, scales, out);
+  else Isa::q8_0(codes, scales, out);
 }
 
 // out[r, n] = sum_k x[r, k] * W[n, k] for R rows of x and C output features at a time, every
 // block dequantized once for all R rows. R * C * kVecs accumulators stay in registers.
 template <int64_t QType, int R, int C>
-void tile(const float* x, int64_t K, const uint8_t* weights, int64_t row_bytes, int64_t n, float* out, int64_t N) {
-  constexpr int64_t kBytes = QType == kQ4_1 ? 20 : 34;
+void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, int64_t N) {
   Isa::V acc[R][C][kVecs];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = Isa::zero();
-  const int64_t num_blocks = K / kBlock;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    Isa::V w[C][kVecs];
-    for (int c = 0; c < C; ++c) dequant<QType>(weights + (n + c) * row_bytes + b * kBytes, w[c]);
+  for (int64_t b = 0; b < w.num_blocks; ++b) {
+    Isa::V weights[C][kVecs];
+    for (int c = 0; c < C; ++c) dequant<QType>(w, n + c, b, weights[c]);
     for (int r = 0; r < R; ++r) {
       const float* xs = x + r * K + b * kBlock;
       for (int v = 0; v < kVecs; ++v) {
         const Isa::V xv = Isa::load(xs + v * Isa::kLanes);
-        for (int c = 0; c < C; ++c) acc[r][c][v] = Isa::fmadd(w[c][v], xv, acc[r][c][v]);
+        for (int c = 0; c < C; ++c) acc[r][c][v] = Isa::fmadd(weights[c][v], xv, acc[r][c][v]);
       }
     }
   }
@@ -176,34 +175,34 @@ void tile(const float* x, int64_t K, const uint8_t* weights, int64_t row_bytes, 
 
 // Up to 8 rows of x against every output feature, the features split across threads.
 template <int64_t QType, int R>
-void rows(const float* x, int64_t K, const uint8_t* weights, int64_t row_bytes, float* out, int64_t N) {
+void rows(const float* x, int64_t K, const Weights& w, float* out, int64_t N) {
   constexpr int C = R == 1 ? 4 : (R <= 4 ? 2 : 1);
-  const int64_t grain = 64;
-  at::parallel_for(0, (N + C - 1) / C, grain / C, [&](int64_t begin, int64_t end) {
+  constexpr int64_t kGrain = 64;  // output features a thread takes at least
+  at::parallel_for(0, (N + C - 1) / C, kGrain / C, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = i * C;
       if (n + C <= N) {
-        tile<QType, R, C>(x, K, weights, row_bytes, n, out, N);
+        tile<QType, R, C>(x, K, w, n, out, N);
       } else {
-        for (int64_t m = n; m < N; ++m) tile<QType, R, 1>(x, K, weights, row_bytes, m, out, N);
+        for (int64_t m = n; m < N; ++m) tile<QType, R, 1>(x, K, w, m, out, N);
       }
     }
   });
 }
 
 template <int64_t QType>
-void matmul_rows(const float* x, int64_t rows_left, int64_t K, const uint8_t* weights, int64_t row_bytes, float* out, int64_t N) {
+void matmul_rows(const float* x, int64_t rows_left, int64_t K, const Weights& w, float* out, int64_t N) {
   while (rows_left > 0) {
     const int64_t r = std::min<int64_t>(rows_left, 8);
     switch (r) {
-      case 1: rows<QType, 1>(x, K, weights, row_bytes, out, N); break;
-      case 2: rows<QType, 2>(x, K, weights, row_bytes, out, N); break;
-      case 3: rows<QType, 3>(x, K, weights, row_bytes, out, N); break;
-      case 4: rows<QType, 4>(x, K, weights, row_bytes, out, N); break;
-      case 5: rows<QType, 5>(x, K, weights, row_bytes, out, N); break;
-      case 6: rows<QType, 6>(x, K, weights, row_bytes, out, N); break;
-      case 7: rows<QType, 7>(x, K, weights, row_bytes, out, N); break;
-      default: rows<QType, 8>(x, K, weights, row_bytes, out, N); break;
+      case 1: rows<QType, 1>(x, K, w, out, N); break;
+      case 2: rows<QType, 2>(x, K, w, out, N); break;
+      case 3: rows<QType, 3>(x, K, w, out, N); break;
+      case 4: rows<QType, 4>(x, K, w, out, N); break;
+      case 5: rows<QType, 5>(x, K, w, out, N); break;
+      case 6: rows<QType, 6>(x, K, w, out, N); break;
+      case 7: rows<QType, 7>(x, K, w, out, N); break;
+      default: rows<QType, 8>(x, K, w, out, N); break;
     }
     x += r * K;
     out += r * N;
@@ -211,42 +210,45 @@ void matmul_rows(const float* x, int64_t rows_left, int64_t K, const uint8_t* we
   }
 }
 
-void check_weights(const torch::Tensor& weights, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(weights.scalar_type() == torch::kUInt8 && weights.dim() == 2 && weights.is_contiguous(),
-              "GGUF weights are a contiguous uint8 tensor [out_features, blocks * block bytes]");
+Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "GGUF type ", qtype, " is not supported (Q4_1 = 3, Q8_0 = 8)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
-  TORCH_CHECK(weights.size(1) == in_features / kBlock * block_bytes(qtype), "GGUF weights of ", weights.size(1),
-              " bytes a row do not hold ", in_features, " weights of type ", qtype);
+  const int64_t num_blocks = in_features / kBlock;
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) == num_blocks * code_bytes(qtype),
+              "GGUF codes must be contiguous uint8 [out_features, ", num_blocks * code_bytes(qtype), "]: they do not hold ",
+              in_features, " weights of type ", qtype, " a row");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 && scales.is_contiguous() &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == num_blocks * num_scales(qtype),
+              "GGUF scales must be contiguous fp32 [out_features, ", num_blocks * num_scales(qtype), "]");
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), num_blocks};
 }
 
-// x [M, K] fp32 -> [M, N] fp32 against the N x K weights stored as GGUF blocks of type qtype.
-torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor weights, int64_t qtype) {
+// x [M, K] fp32 -> [M, N] fp32 against the N x K weights of type qtype.
+torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "gguf_matmul takes fp32 rows [M, K]");
-  const int64_t K = x.size(1), N = weights.size(0);
-  check_weights(weights, qtype, K);
+  const int64_t K = x.size(1), N = codes.size(0);
+  const Weights w = checked(codes, scales, qtype, K);
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
-  const float* xs = x.data_ptr<float>();
-  const uint8_t* w = weights.data_ptr<uint8_t>();
-  if (qtype == kQ4_1) matmul_rows<kQ4_1>(xs, x.size(0), K, w, weights.size(1), out.data_ptr<float>(), N);
-  else matmul_rows<kQ8_0>(xs, x.size(0), K, w, weights.size(1), out.data_ptr<float>(), N);
+  if (qtype == kQ4_1) matmul_rows<kQ4_1>(x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N);
+  else matmul_rows<kQ8_0>(x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N);
   return out;
 }
 
-// The weights as the matmul sees them, [N, in_features] fp32: what the tests compare with gguf's dequantizer.
-torch::Tensor gguf_dequantize(torch::Tensor weights, int64_t qtype, int64_t in_features) {
-  check_weights(weights, qtype, in_features);
-  const int64_t N = weights.size(0), bytes = block_bytes(qtype), row_bytes = weights.size(1);
+// The weights as the matmul sees them, [N, in_features] fp32: what the loader and the tests
+// compare with the float weights gguf's dequantizer made.
+torch::Tensor gguf_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t in_features) {
+  const Weights w = checked(codes, scales, qtype, in_features);
+  const int64_t N = codes.size(0);
   auto out = torch::empty({N, in_features}, torch::kFloat32);
-  const uint8_t* w = weights.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     Isa::V v[kVecs];
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t b = 0; b < in_features / kBlock; ++b) {
-        const uint8_t* block = w + n * row_bytes + b * bytes;
-        if (qtype == kQ4_1) dequant<kQ4_1>(block, v);
-        else dequant<kQ8_0>(block, v);
+      for (int64_t b = 0; b < w.num_blocks; ++b) {
+        if (qtype == kQ4_1) dequant<kQ4_1>(w, n, b, v);
+        else dequant<kQ8_0>(w, n, b, v);
         for (int i = 0; i < kVecs; ++i) Isa::store(o + n * in_features + b * kBlock + i * Isa::kLanes, v[i]);
       }
   });

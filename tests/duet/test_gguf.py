@@ -25,10 +25,10 @@ def _linears(llm: LLM) -> dict[str, Linear]:
 
 def test_every_projection_and_the_lm_head_compute_from_their_blocks_by_default(tiny_gguf_llama_dir):
     linears = _linears(LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=64))
-    assert linears and all(linear.gguf_blocks is not None for linear in linears.values()), sorted(linears)
-    assert {linear.gguf_type for name, linear in linears.items() if name != "lm_head"} == {3} and linears["lm_head"].gguf_type == 8
+    assert linears and all(linear.gguf is not None for linear in linears.values()), sorted(linears)
+    assert {linear.gguf.qtype for name, linear in linears.items() if name != "lm_head"} == {3} and linears["lm_head"].gguf.qtype == 8
     floats = _linears(LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=64, quantization="dequantized"))
-    assert all(linear.gguf_blocks is None for linear in floats.values())
+    assert all(linear.gguf is None for linear in floats.values())
 
 
 def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gguf_llama_dir):
@@ -56,8 +56,7 @@ def test_insisting_on_gguf_without_blocks_names_what_is_missing(tiny_llama_dir):
 def test_smollm2s_blocks_dequantize_to_its_fp32_weights_bit_for_bit(smollm2_dir):
     """The converted fp32 safetensors are gguf's dequantization; the kernels must agree with it
     exactly, for every one of the 121 fused projections and the LM head."""
-    ops = cpu_ops.load_gguf()
     linears = _linears(LLM(model="smollm2", num_kv_blocks=16, max_model_len=256))
-    assert len(linears) == 30 * 4 + 1 and all(linear.gguf_blocks is not None for linear in linears.values())
+    assert len(linears) == 30 * 4 + 1 and all(linear.gguf is not None for linear in linears.values())
     for name, linear in linears.items():
-        assert torch.equal(ops.gguf_dequantize(linear.gguf_blocks, linear.gguf_type, linear.in_features), linear.weight), name
+        assert torch.equal(linear.gguf.dequantize(), linear.weight), name
