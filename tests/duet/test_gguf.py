@@ -49,7 +49,7 @@ def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gg
 
 
 def test_insisting_on_gguf_without_blocks_names_what_is_missing(tiny_llama_dir):
-    with pytest.raises(ModelNotFoundError, match="gguf_blocks.safetensors: missing"):
+    with pytest.raises(ModelNotFoundError, match="blocks.safetensors: missing"):
         LLM(model=str(tiny_llama_dir), num_kv_blocks=64, quantization="gguf")
 
 

@@ -1,14 +1,18 @@
 """The Triton cache-write and paged-attention kernels, run by Triton's CPU interpreter
-against a float64 reference that gathers each sequence's K/V through its block table."""
+against a float64 reference that gathers each sequence's K/V through its block table; and the
+Triton GGUF kernels against gguf's own dequantizer."""
 
 import os
 
 # The interpreter must be chosen before triton is imported anywhere.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from duet.kernels.gguf import GGUFWeight  # noqa: E402
 from duet.kernels.metadata import AttentionMetadata  # noqa: E402
 from duet.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton  # noqa: E402
 
@@ -206,3 +210,14 @@ def test_triton_agrees_with_the_cpu_implementations_on_a_mixed_batch(native):
     triton_out = paged_attention_triton(query, key_cache, value_cache, metadata, 0.125)
     cpu_out = paged_attention_torch(query, key_cache, value_cache, metadata, 0.125, native_ops=native_ops)
     torch.testing.assert_close(triton_out, cpu_out, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0])
+def test_triton_gguf_kernels_use_ggufs_weights_bit_for_bit_and_multiply_them(qtype):
+    values = np.random.default_rng(0).standard_normal((37, 96)).astype(np.float32) * 0.1
+    blocks = gguf.quants.quantize(values, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(37, 96))
+    weight = GGUFWeight.from_blocks(torch.from_numpy(np.ascontiguousarray(blocks).reshape(37, -1)), int(qtype), 96, "triton")
+    assert torch.equal(weight.dequantize(), reference)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
