@@ -30,7 +30,7 @@ SMALL_POOL = {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 
 def _moves_app(max_migrations: int) -> dict:
     """PD with two decode replicas that the test scales down to one while streams run."""
     # The pins decide: the policy holds a pinned size, and Serve's delays are short.
-    decode_scaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 2,
+    decode_scaling = {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2, "upscale_delay_s": 1, "downscale_delay_s": 1,
                       "cooldown_s": 0}
     return {
         "mode": "pd",
@@ -85,9 +85,15 @@ def _streams_scaled_down_midway(url: str, bodies: list[dict]) -> list[tuple[str,
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(_stream_text(client, url, body)) for body in bodies]
-            await asyncio.sleep(1.5)
-            running = _running(url, "decode")
-            assert len(running) == 2 and all(running.values()), f"streams on both replicas before the scale-down: {running}"
+            # Scale down as soon as both replicas report streams: a fixed wait let short streams
+            # end before Serve stopped the replica, on a fast machine.
+            deadline = time.monotonic() + 15
+            while True:
+                await asyncio.sleep(0.2)
+                running = _running(url, "decode")
+                if len(running) == 2 and all(running.values()):
+                    break
+                assert time.monotonic() < deadline, f"streams on both replicas before the scale-down: {running}"
             _scale(url, "decode", 1)
             return await asyncio.gather(*tasks)
 
