@@ -91,6 +91,7 @@ class StageBalancer:
         self._outstanding[local] += num_tokens
         if local:
             self._local_sent.append((time.monotonic(), num_tokens))
+            self._recent_local_tokens()  # trims: bounded however the choice was made
         return Choice(local, num_tokens, self)
 
     def _local(self, num_tokens: int) -> bool:
@@ -117,6 +118,7 @@ class StageBalancer:
         return rescues and spent_s <= self._local_prompt_budget_s(decode, 1.0)
 
     def _recent_local_tokens(self) -> int:
+        """Context tokens sent local in the last ``LOCAL_WINDOW_S`` (older ones are dropped)."""
         since = time.monotonic() - LOCAL_WINDOW_S
         while self._local_sent and self._local_sent[0][0] < since:
             self._local_sent.popleft()

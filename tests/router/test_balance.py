@@ -4,6 +4,8 @@ decode pool's time its local prompts took."""
 
 from __future__ import annotations
 
+import time
+
 from duet.messages import ReplicaStats
 from duet.router.balance import StageBalancer
 
@@ -32,9 +34,13 @@ def test_before_any_measurement_the_static_threshold_decides():
     assert unknown.choose(63).local and not unknown.choose(64).local
 
 
-def test_with_no_prefill_replica_running_every_context_stays_local():
+def test_with_no_prefill_replica_running_every_context_stays_local(monkeypatch):
     alone = balancer([], [stats("decode", "d", decode_only_tpot_s=0.5, num_decode_waiting=3)], prefill_replicas=0)
     assert alone.choose(5000).local
+    # What it remembers of local prompts stays within the window, whichever rule chose them.
+    later = time.monotonic() + 60
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    assert alone.choose(10).local and [tokens for _, tokens in alone._local_sent] == [10]
 
 
 def test_a_long_prompt_stays_local_when_the_prefill_pool_is_the_bottleneck():
