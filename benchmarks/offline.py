@@ -124,8 +124,8 @@ def run(dtype: str, repeats: int, quantizations: list[str], peer_python: str | N
     progress = tqdm(total=4 * len(quantizations) + 4 + (peer_python is not None), desc="offline benchmark", unit="stage")
     measured = {}
     for quantization in quantizations:
-        label, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress)
-        measured[label] = duet
+        ran_on, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress)
+        measured[f"{quantization}: {ran_on}"] = duet
         gc.collect()
 
     # The baseline stays fp32 whatever duet runs in: the targets are ratios to it.

@@ -18,6 +18,7 @@ import torch
 Q4_1 = 3  # GGML's type ids
 Q8_0 = 8
 _LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), then code bytes
+TYPES = frozenset(_LAYOUTS)  # what the kernels read
 BLOCK = 32
 
 
@@ -36,7 +37,7 @@ def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
 class GGUFWeight:
     """An ``[out_features, in_features]`` weight as codes ``[out, blocks * code bytes]`` (uint8)
     and scales ``[out, blocks * scales]`` (fp32), computed with ``ops``: ``cpu_ops.load_gguf()``
-    for CPU tensors, ``"triton"`` for GPU ones."""
+    for CPU tensors, the module ``kernels.triton_gguf`` for GPU ones (the same two functions)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -62,16 +63,8 @@ class GGUFWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for fp32 rows ``x`` ``[M, in_features]``."""
-        if self.ops == "triton":
-            from duet.kernels.triton_gguf import gguf_matmul_triton
-
-            return gguf_matmul_triton(x, self.codes, self.scales, self.qtype)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the products use, ``[out_features, in_features]``."""
-        if self.ops == "triton":
-            from duet.kernels.triton_gguf import gguf_dequantize_triton
-
-            return gguf_dequantize_triton(self.codes, self.scales, self.qtype, self.in_features)
         return self.ops.gguf_dequantize(self.codes, self.scales, self.qtype, self.in_features)

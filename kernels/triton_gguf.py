@@ -1,5 +1,6 @@
 """Triton kernels over GGUF codes (``kernels.gguf.GGUFWeight``'s layout): the GPU twin of
-``csrc/gguf_ops.cpp``. Each program dequantizes a tile of output features, block of 32 weights
+``csrc/gguf_ops.cpp``, with its functions' names and arguments (this module is a
+``GGUFWeight``'s ``ops`` on a GPU). Each program dequantizes a tile of output features, block of 32 weights
 by block, to the floats gguf's dequantizer gives (d * q exact in fp32, one rounding for + m),
 and accumulates in fp32.
 
@@ -14,15 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 32
-Q4_1 = 3
+from duet.kernels.gguf import BLOCK
 
 
 @triton.jit
 def _dequant_tile(codes_ptr, scales_ptr, rows, row_mask, block, num_blocks, QTYPE: tl.constexpr):
     """The 32 weights of ``block`` for each of ``rows``: fp32 ``[len(rows), 32]``."""
     e = tl.arange(0, 32)
-    if QTYPE == 3:
+    if QTYPE == 3:  # Q4_1
         byte = 4 * (e % 4) + 2 * (e // 16) + (e % 16) // 8
         shift = 4 * ((e % 8) // 4)
         offsets = (rows[:, None] * num_blocks + block) * 16 + byte[None, :]
@@ -60,7 +60,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, N, num_blocks, QTYPE: tl.
     tl.store(out_ptr + offsets, weights, mask=row_mask[:, None])
 
 
-def gguf_matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qtype: int, block_n: int = 32) -> torch.Tensor:
+def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qtype: int, block_n: int = 32) -> torch.Tensor:
     """``x @ W.T`` in fp32, returned in ``x``'s dtype; ``x`` is ``[M, in_features]``."""
     x = x.contiguous()
     N, num_blocks = codes.shape[0], x.shape[1] // BLOCK
@@ -71,7 +71,8 @@ def gguf_matmul_triton(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     return out.to(x.dtype)
 
 
-def gguf_dequantize_triton(codes: torch.Tensor, scales: torch.Tensor, qtype: int, in_features: int, block_n: int = 32) -> torch.Tensor:
+def gguf_dequantize(codes: torch.Tensor, scales: torch.Tensor, qtype: int, in_features: int, block_n: int = 32) -> torch.Tensor:
+    """The fp32 weight ``[out_features, in_features]`` the products use."""
     N, num_blocks = codes.shape[0], in_features // BLOCK
     out = torch.empty(N, in_features, dtype=torch.float32, device=codes.device)
     _dequantize_kernel[(triton.cdiv(N, block_n), num_blocks)](codes, scales, out, N, num_blocks, QTYPE=qtype, BLOCK_N=block_n)

@@ -18,14 +18,15 @@ The TPOT room is a share of time. A decode replica that gives each decoding sequ
 every ``t`` while it computes no prompt (its ``decode_only_tpot_s``: step time over the tokens a
 sequence gets per step, more than one where drafts are accepted), and spends a share ``f`` of
 its time on local prompts, gives them a token every ``t / (1 - f)`` on average: within
-``DECODE_TPOT_SHARE`` of the target while ``f <= 1 - t / (DECODE_TPOT_SHARE * tpot)``. TPOT is a mean over a request's life (a few
-seconds), so the share is counted over the last ``LOCAL_WINDOW_S`` seconds of local prompts the
-router sent (fresher than any report: each counts the moment it is sent), priced at what a
-token costs on the decode pool (``tokens_per_s``: a prompt step there also decodes, which its
-prompt speed would count against the prompt). A single prompt step is long; the mean is what the SLO bounds. Past that
-share, the rest of the way to the TPOT target itself goes to prompts that would miss their TTFT
-target through the prefill pool and meet it locally: a first token that comes too late loses
-the request, a TPOT within its target loses nothing.
+``DECODE_TPOT_SHARE`` of the target while ``f <= 1 - t / (DECODE_TPOT_SHARE * tpot)``. TPOT is
+a mean over a request's life (a few seconds), so the share is counted over the last
+``LOCAL_WINDOW_S`` seconds of local prompts the router sent (fresher than any report: each
+counts the moment it is sent), priced at what a token costs on the decode pool
+(``tokens_per_s``: a prompt step there also decodes, which its prompt speed would count against
+the prompt). A single prompt step is long; the mean is what the SLO bounds. Past that share,
+the rest of the way to the TPOT target itself goes to prompts that would miss their TTFT target
+through the prefill pool and meet it locally: a first token that comes too late loses the
+request, a TPOT within its target loses nothing.
 
 Before any replica measured its prompt throughput, the static ``local_prefill_threshold`` decides
 (prompts shorter than it stay local): the rule's starting point, not the rule. With

@@ -136,7 +136,9 @@ class _RoutingCollector:
             fallbacks.add_metric([self.model_name], self.orchestrator.prefill_fallbacks)
             yield fallbacks
             prefills = CounterMetricFamily(
-                "duet:prompts_computed", "Prompts (and recomputed contexts) by the stage the router chose to compute them (fallbacks aside).", labels=["model_name", "stage"]
+                "duet:prompts_computed",
+                "Prompts (and recomputed contexts) by the stage the router chose to compute them (fallbacks aside).",
+                labels=["model_name", "stage"],
             )
             prefills.add_metric([self.model_name, "decode"], balancer.decisions[True])
             prefills.add_metric([self.model_name, "prefill"], balancer.decisions[False])

@@ -71,9 +71,9 @@ def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **ove
     state = load_file(str(target / "model.safetensors"))
     blocks, types = {}, {}
     for name, weight in state.items():
-        qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
-        if weight.dim() != 2:
+        if weight.dim() != 2:  # norms stay F32, as in a GGUF file
             continue
+        qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
         quantized = gguf.quants.quantize(weight.numpy(), qtype)
         state[name] = torch.from_numpy(gguf.quants.dequantize(quantized, qtype).astype("float32").reshape(weight.shape))
         blocks[name] = torch.from_numpy(quantized.reshape(weight.shape[0], -1).copy())

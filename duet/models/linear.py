@@ -59,7 +59,7 @@ class Linear(nn.Module):
         self.gguf = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gguf is not None and x.shape[0] <= GGUF_MAX_ROWS and x.dtype == torch.float32:
+        if self.gguf is not None and x.shape[0] <= GGUF_MAX_ROWS:  # attached to float32 models only
             return self.gguf.matmul(x)
         low, high = self._packed_rows
         if low <= x.shape[0] <= high:

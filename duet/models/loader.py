@@ -80,25 +80,9 @@ def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch) -> dict[s
     return {name: torch.cat([state[part] for part in parts]) for name, parts in _fusion_plan(arch).items()}
 
 
-def _fused_gguf_blocks(path: Path, arch: LlamaArch) -> dict[str, tuple[torch.Tensor, int]]:
-    """duet's Linear modules whose every part has GGUF blocks of one type: their fused block
-    rows and that type (``gguf/blocks.safetensors``, written by ``gguf_convert``)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path / GGUF_BLOCKS_FILE), "pt") as blocks_file:
-        types = {name: int(qtype) for name, qtype in json.loads(blocks_file.metadata()["types"]).items()}
-        blocks = {name: blocks_file.get_tensor(name) for name in blocks_file.keys()}
-    fused = {}
-    for name, parts in _fusion_plan(arch).items():
-        if name.endswith("proj.weight") or name == "lm_head.weight":
-            if all(part in blocks for part in parts) and len({types[part] for part in parts}) == 1:
-                fused[name.removesuffix(".weight")] = (torch.cat([blocks[part] for part in parts]), types[parts[0]])
-    return fused
-
-
 def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
     """How this load computes from the checkpoint's GGUF blocks: the C++ kernels' module on CPU,
-    ``"triton"`` on a GPU, None when it does not. ``quantization=None`` takes them wherever they
+    ``kernels.triton_gguf`` on a GPU, None when it does not. ``quantization=None`` takes them wherever they
     apply (float32, a checkpoint with blocks, CPU kernels that build); ``"gguf"`` insists;
     ``"dequantized"`` keeps the float weights alone."""
     if quantization == "dequantized":
@@ -107,7 +91,10 @@ def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str
 
     backend = None
     if (path / GGUF_BLOCKS_FILE).is_file() and dtype == torch.float32:
-        backend = cpu_ops.load_gguf() if device == "cpu" else "triton"
+        if device == "cpu":
+            backend = cpu_ops.load_gguf()
+        else:
+            from duet.kernels import triton_gguf as backend
     if quantization == "gguf" and backend is None:
         raise ModelNotFoundError(
             f"quantization='gguf' needs a checkpoint converted from GGUF ({path / GGUF_BLOCKS_FILE}: "
@@ -118,14 +105,26 @@ def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str
 
 
 def _attach_gguf(model: LlamaForCausalLM, path: Path, backend) -> None:
-    """Give each Linear its GGUF blocks, once their exact dequantization is checked against the
-    float weight it already holds (a mismatch keeps that module on its float weight, and says so)."""
+    """Give each Linear whose every part has GGUF blocks of one type (``gguf/blocks.safetensors``,
+    written by ``gguf_convert``) those blocks, fused as its float weight is, once their exact
+    dequantization is checked against that float weight (a mismatch keeps the module on its float
+    weight, and says so)."""
+    from safetensors import safe_open
+
     from duet.kernels.gguf import GGUFWeight
 
-    modules = dict(model.named_modules())
-    for name, (blocks, qtype) in _fused_gguf_blocks(path, model.arch).items():
-        linear = modules[name]
-        weight = GGUFWeight.from_blocks(blocks.to(linear.weight.device), qtype, linear.in_features, backend)
+    with safe_open(str(path / GGUF_BLOCKS_FILE), "pt") as blocks_file:
+        types = {name: int(qtype) for name, qtype in json.loads(blocks_file.metadata()["types"]).items()}
+        blocks = {name: blocks_file.get_tensor(name) for name in blocks_file.keys()}
+    plan = _fusion_plan(model.arch)
+    for name, linear in model.named_modules():
+        if not isinstance(linear, Linear):
+            continue
+        parts = plan[f"{name}.weight"]
+        if not all(part in blocks for part in parts) or len({types[part] for part in parts}) != 1:
+            continue
+        rows = torch.cat([blocks[part] for part in parts]).to(linear.weight.device)
+        weight = GGUFWeight.from_blocks(rows, types[parts[0]], linear.in_features, backend)
         if torch.equal(weight.dequantize(), linear.weight):
             linear.attach_gguf(weight)
         else:

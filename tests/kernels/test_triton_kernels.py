@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from duet.kernels import triton_gguf  # noqa: E402
 from duet.kernels.gguf import GGUFWeight  # noqa: E402
 from duet.kernels.metadata import AttentionMetadata  # noqa: E402
 from duet.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton  # noqa: E402
@@ -217,7 +218,7 @@ def test_triton_gguf_kernels_use_ggufs_weights_bit_for_bit_and_multiply_them(qty
     values = np.random.default_rng(0).standard_normal((37, 96)).astype(np.float32) * 0.1
     blocks = gguf.quants.quantize(values, qtype)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(37, 96))
-    weight = GGUFWeight.from_blocks(torch.from_numpy(np.ascontiguousarray(blocks).reshape(37, -1)), int(qtype), 96, "triton")
+    weight = GGUFWeight.from_blocks(torch.from_numpy(np.ascontiguousarray(blocks).reshape(37, -1)), int(qtype), 96, triton_gguf)
     assert torch.equal(weight.dequantize(), reference)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
