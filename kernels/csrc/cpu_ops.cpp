@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -107,6 +109,192 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
         scalar_t* dst = out_ptr + row * o_row + (h * group + g) * o_head;
         const float inv = 1.f / denom[g];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[g * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+// The decode (and verification) path of the attention above, for head_dim 64 or 128 (DV
+// vectors) and up to kMaxGroup query heads a KV head. Written with gcc's vector extension:
+// a vector is one AVX-512 register (16 fp32 lanes) where the CPU has them, else one AVX2
+// register (8 lanes; plain code where there is none). Per work item (sequence, query row, KV
+// head) it walks the visible tokens kLanes at a time, reading each key and value row once
+// for all the query heads that share it: the kLanes dot products of a chunk are summed across
+// their lanes together (a transpose-and-add tree: kLanes - 1 adds for kLanes tokens instead of
+// one reduction each), and the softmax runs online (a running max and sum, the accumulator rescaled when the
+// max grows), so no pass goes back over the scores and nothing is allocated per item.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;  // AVX2 (16 lanes would cost cross-register shuffles there)
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int vi __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+constexpr int kMaxGroup = 8;
+
+inline vf load_lanes(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf load_lanes(const c10::BFloat16* p) {  // a bf16 is the top half of its fp32
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu bits = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline float lane_sum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Lane t of the result: the sum of the lanes of p[t], for kLanes vectors p (overwritten). Each
+// level adds the two halves of every lane group of two vectors into one: kLanes - 1 adds.
+inline vf transpose_sum(vf* p) {
+#if defined(__AVX512F__)
+  for (int i = 0; i < 8; ++i) {  // 8 lanes a vector
+    const vf a = p[2 * i], b = p[2 * i + 1];
+    p[i] = __builtin_shuffle(a, b, vi{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+           __builtin_shuffle(a, b, vi{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 lanes a vector
+    const vf a = p[2 * i], b = p[2 * i + 1];
+    p[i] = __builtin_shuffle(a, b, vi{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+           __builtin_shuffle(a, b, vi{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  }
+  for (int i = 0; i < 2; ++i) {  // 2 lanes a vector
+    const vf a = p[2 * i], b = p[2 * i + 1];
+    p[i] = __builtin_shuffle(a, b, vi{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+           __builtin_shuffle(a, b, vi{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  }
+  return __builtin_shuffle(p[0], p[1], vi{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(p[0], p[1], vi{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+#else
+  for (int i = 0; i < 4; ++i) {  // 4 lanes a vector
+    const vf a = p[2 * i], b = p[2 * i + 1];
+    p[i] = __builtin_shuffle(a, b, vi{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(a, b, vi{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  for (int i = 0; i < 2; ++i) {  // 2 lanes a vector
+    const vf a = p[2 * i], b = p[2 * i + 1];
+    p[i] = __builtin_shuffle(a, b, vi{0, 1, 4, 5, 8, 9, 12, 13}) + __builtin_shuffle(a, b, vi{2, 3, 6, 7, 10, 11, 14, 15});
+  }
+  return __builtin_shuffle(p[0], p[1], vi{0, 2, 4, 6, 8, 10, 12, 14}) + __builtin_shuffle(p[0], p[1], vi{1, 3, 5, 7, 9, 11, 13, 15});
+#endif
+}
+
+template <typename scalar_t, typename cache_t, int DV>
+void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                             const std::vector<int64_t>& seq_ids, double scale) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(0), block_size = key_cache.size(2);
+  const int group = static_cast<int>(num_heads / num_kv_heads);
+  const int* tables = block_tables.data_ptr<int>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int* lens = seq_lens.data_ptr<int>();
+  const int* starts = query_start_loc.data_ptr<int>();
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
+  const int64_t token_stride = key_cache.stride(2);
+  const float scale_f = static_cast<float>(scale);
+
+  std::vector<int64_t> item_seq, item_row;
+  for (int64_t s : seq_ids)
+    for (int64_t row = starts[s]; row < starts[s + 1]; ++row) {
+      item_seq.push_back(s);
+      item_row.push_back(row);
+    }
+  const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    vf q[kMaxGroup][DV], acc[kMaxGroup][DV], partial[kMaxGroup][kLanes];
+    float peak[kMaxGroup], denom[kMaxGroup];
+    alignas(64) float probs[kMaxGroup][kLanes];
+    const cache_t* keys[kLanes];
+    const cache_t* values[kLanes];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item_seq[item / num_kv_heads], row = item_row[item / num_kv_heads];
+      const int64_t h = item % num_kv_heads;
+      const int64_t visible = lens[s] - (starts[s + 1] - starts[s]) + (row - starts[s]) + 1;
+      for (int g = 0; g < group; ++g) {
+        const scalar_t* src = q_ptr + row * q_row + (h * group + g) * q_head;
+        for (int j = 0; j < DV; ++j) {
+          q[g][j] = load_lanes(src + j * kLanes) * scale_f;
+          acc[g][j] = vf{};
+        }
+        peak[g] = -std::numeric_limits<float>::max();
+        denom[g] = 0.f;
+      }
+      const cache_t* k_head = k_ptr + h * kv_head_stride;
+      const cache_t* v_head = v_ptr + h * kv_head_stride;
+      const int* table = tables + s * table_stride;
+      for (int64_t t0 = 0; t0 < visible; t0 += kLanes) {
+        const int n = static_cast<int>(std::min<int64_t>(kLanes, visible - t0));
+        int64_t block = t0 / block_size, slot = t0 % block_size;  // one division a chunk
+        for (int t = 0; t < n; ++t) {
+          const int64_t offset = table[block] * block_stride + slot * token_stride;
+          keys[t] = k_head + offset;
+          values[t] = v_head + offset;
+          if (++slot == block_size) {
+            slot = 0;
+            ++block;
+          }
+        }
+        for (int t = 0; t < kLanes; ++t) {
+          if (t >= n) {
+            for (int g = 0; g < group; ++g) partial[g][t] = vf{};
+            continue;
+          }
+          vf k[DV];
+          for (int j = 0; j < DV; ++j) k[j] = load_lanes(keys[t] + j * kLanes);
+          for (int g = 0; g < group; ++g) {
+            vf dot = q[g][0] * k[0];
+            for (int j = 1; j < DV; ++j) dot += q[g][j] * k[j];
+            partial[g][t] = dot;
+          }
+        }
+        for (int g = 0; g < group; ++g) {
+          vf scores = transpose_sum(partial[g]);
+          float chunk_peak = peak[g];
+          for (int t = 0; t < n; ++t) chunk_peak = std::max(chunk_peak, scores[t]);
+          const float rescale = expf(peak[g] - chunk_peak);
+          peak[g] = chunk_peak;
+          float* p = probs[g];
+#pragma omp simd
+          for (int t = 0; t < kLanes; ++t) p[t] = expf(scores[t] - chunk_peak);
+          for (int t = n; t < kLanes; ++t) p[t] = 0.f;
+          denom[g] = denom[g] * rescale + lane_sum(load_lanes(p));
+          for (int j = 0; j < DV; ++j) acc[g][j] *= rescale;
+        }
+        for (int t = 0; t < n; ++t) {
+          vf v[DV];
+          for (int j = 0; j < DV; ++j) v[j] = load_lanes(values[t] + j * kLanes);
+          for (int g = 0; g < group; ++g) {
+            const float p = probs[g][t];
+            for (int j = 0; j < DV; ++j) acc[g][j] += p * v[j];
+          }
+        }
+      }
+      for (int g = 0; g < group; ++g) {
+        scalar_t* dst = out_ptr + row * o_row + (h * group + g) * o_head;
+        const float inv = 1.f / denom[g];
+        for (int j = 0; j < DV; ++j) {
+          const vf o = acc[g][j] * inv;
+          for (int i = 0; i < kLanes; ++i) dst[j * kLanes + i] = from_float<scalar_t>(o[i]);
+        }
       }
     }
   });
@@ -238,9 +426,17 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes must match");
+  const int64_t head_dim = query.size(2), group = query.size(1) / key_cache.size(0);
   DUET_DISPATCH(query.scalar_type(), scalar_t, [&] {
-    paged_attention_kernel<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                               query_start_loc, seq_ids, scale);
+    if (group <= kMaxGroup && head_dim == 64)
+      decode_attention_kernel<scalar_t, scalar_t, 64 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                     query_start_loc, seq_ids, scale);
+    else if (group <= kMaxGroup && head_dim == 128)
+      decode_attention_kernel<scalar_t, scalar_t, 128 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                     query_start_loc, seq_ids, scale);
+    else
+      paged_attention_kernel<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                 query_start_loc, seq_ids, scale);
   });
 }
 

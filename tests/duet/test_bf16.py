@@ -3,9 +3,10 @@
 bf16 keeps 8 bits of mantissa, so two implementations that round at different points
 legitimately part ways where the top two logits are within bf16's resolution. The rule:
 tokens must match transformers' bf16 greedy output up to the first position where its
-top-2 logit gap is below ``BF16_NEAR_TIE`` (0.25, two bf16 steps at logit magnitudes
-around 20); after such a split the continuation is not compared. A split anywhere else
-fails the test. fp32 stays the exact
+top-2 logit gap is at most ``BF16_NEAR_TIE`` (0.25, two bf16 steps at logit magnitudes
+around 20: a kernel's fp32 rounding order, rounded to bf16 at each of 30 layers, moves a
+logit by that much); after such a split the continuation is not compared. A split anywhere
+else fails the test. fp32 stays the exact
 oracle (see test_parity_smollm2.py).
 """
 
@@ -27,7 +28,7 @@ def _check_bf16(got: list[int], reference) -> bool:
     for position, (ours, theirs) in enumerate(zip(got, reference.token_ids)):
         if ours != theirs:
             gap = reference.top2_gaps[position]
-            assert gap < BF16_NEAR_TIE, f"token {position}: {ours} vs transformers' {theirs}, top-2 gap {gap:.3f}"
+            assert gap <= BF16_NEAR_TIE, f"token {position}: {ours} vs transformers' {theirs}, top-2 gap {gap:.3f}"
             return False
     return True
 

@@ -85,6 +85,31 @@ def test_paged_attention_matches_reference(impl, case, heads):
     torch.testing.assert_close(got.double(), _reference_attention(query, key_cache, value_cache, md, 0.125), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("head_dim", [64, 128, 32])  # the vector kernel's two widths, and the generic one's
+@pytest.mark.parametrize("block_size", [16, 8, 32])  # chunks of 16 tokens within a block, across blocks, two a block
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (12, 1)])  # groups of 3, 8 (the vector kernel's most) and 12 (generic)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_attention_over_long_contexts(head_dim, block_size, heads, dtype):
+    """Decode rows and a verification span over contexts of many 16-token chunks (the online
+    softmax rescales as the running max grows; the last chunk is partial), against the float64
+    reference over the very values the caches hold."""
+    generator = torch.Generator().manual_seed(1)
+    query_lens, seq_lens = [1, 4, 1], [300, 129, 17]
+    num_heads, num_kv_heads = heads
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    md = _metadata(query_lens, seq_lens, block_size, num_blocks, generator)
+    # A rising ramp over positions makes later keys score higher: the max grows chunk by chunk.
+    ramp = torch.linspace(0, 4, num_blocks * block_size).view(1, num_blocks, block_size, 1)
+    key_cache = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator) + ramp).to(dtype)
+    value_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).abs().to(dtype)
+    got = paged_attention_torch(query, key_cache, value_cache, md, head_dim**-0.5, native_ops=NATIVE)
+    expected = _reference_attention(query, key_cache, value_cache, md, head_dim**-0.5)
+    tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16 output rounding
+    torch.testing.assert_close(got.double(), expected, **tolerance)
+
+
 def test_write_kv_cache_stores_each_token_at_its_slot():
     """Guards against K/V landing in the wrong block, offset or head."""
     key_cache = torch.zeros(2, 4, 4, 8)
