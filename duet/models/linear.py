@@ -8,8 +8,8 @@ chunks the plain path is as fast or faster. Both are kept, and each call picks b
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
 up to ``GGUF_MAX_ROWS`` fp32 rows then read the quantized codes (0.75 byte a weight for Q4_1,
 1.125 for Q8_0, scales included, against 4) through ``kernels.gguf``, which dequantizes them
-exactly to the float weights the other paths use; longer products, compute-bound, keep the
-float paths.
+exactly to the float weights the other paths use (in registers for a few rows, by panels
+kept in cache for a decode batch); longer products, prompt chunks, keep oneDNN's float paths.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from duet.kernels.gguf import GGUFWeight
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
 _PACK_BATCH_HINT = 32
-# Rows up to which reading GGUF blocks beats the float weights: on two Zen 4 cores, SmolLM2's
-# 121 products take 6 ms from its Q4_1/Q8_0 codes at 1 row against 20 (F.linear) and 26
-# (oneDNN, packed); 26 against 37 (packed) at 16 rows; about even at 32.
-GGUF_MAX_ROWS = 16
+# Rows up to which reading GGUF blocks beats the float weights: on two AVX-512 cores,
+# SmolLM2's 121 products take 3.4 ms from its Q4_1/Q8_0 codes at 1 row against 20 (F.linear)
+# and 26 (oneDNN, packed); 24.5 against 39.9 (packed) at 16 rows; 40.5 against 52.5 at 32
+# (by panels, ``csrc/gguf_ops.cpp``); 86 against 82 at 64.
+GGUF_MAX_ROWS = 64
 
 
 class Linear(nn.Module):

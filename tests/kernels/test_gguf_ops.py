@@ -42,6 +42,21 @@ def test_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17, 21, 40])
+def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
+    """Many rows go by panels of 16 dequantized features (17 rows and up by default; forced
+    here from 1): 96 outputs, six panels; 21 rows, tiles of rows with a remainder."""
+    weight, weights = quantized(96, 192, TYPES[name], seed=rows)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    expected = (x.double() @ weights.double().T).float()
+    torch.testing.assert_close(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight.matmul(x), expected, rtol=1e-5, atol=1e-5)  # whichever the default picks
+    if rows >= 17:  # 75 outputs are no whole number of panels: those go by tiles of rows
+        odd, odd_weights = quantized(75, 192, TYPES[name], seed=rows)
+        torch.testing.assert_close(odd.matmul(x), (x.double() @ odd_weights.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_malformed_weights_are_refused_with_a_reason():
     weight, _ = quantized(4, 64, TYPES["Q4_1"])
     with pytest.raises(RuntimeError, match="do not hold"):
