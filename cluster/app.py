@@ -74,6 +74,7 @@ def build_app(args: dict) -> serve.Application:
         autoscaled=[stage for stage, pool in pools.items() if pool.autoscaling_config is not None],
         max_running_sequences=router.max_running_sequences,
         max_queued_requests=router.max_queued_requests,
+        max_queue_wait_s=router.max_queue_wait_s,
         max_prompts_per_request=router.max_prompts_per_request,
         max_body_bytes=router.max_body_bytes,
         api_key=router.api_key or os.environ.get("DUET_API_KEY"),

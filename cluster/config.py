@@ -137,6 +137,9 @@ class RouterSettings(_Strict):
         default=64, ge=1, description="sequences (prompts x n) in the pools at once; a request with more runs alone"
     )
     max_queued_requests: int = Field(default=256, ge=0, description="requests waiting for admission; more get 429")
+    max_queue_wait_s: float | None = Field(
+        default=60.0, gt=0, description="longest a request may wait for admission; one predicted to wait longer gets 503 at once (null: no limit)"
+    )
     max_prompts_per_request: int = Field(default=64, ge=1, description="prompts in one completions request; more get 400")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>'; DUET_API_KEY also sets it")

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import math
 import time
 import uuid
 from contextlib import aclosing
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duet.cluster.autoscale import pin, published
 from duet.errors import InvalidRequestError, KVTransferFailedError, RequestFailedError
-from duet.router.admission import AdmissionQueue, Admitted, QueueFullError
+from duet.router.admission import AdmissionQueue, Admitted, QueueFullError, QueueWaitError
 from duet.router.balance import StageBalancer
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator, PoolUnavailableError
@@ -116,6 +117,7 @@ class RouterIngress:
         autoscaled: list[str],
         max_running_sequences: int,
         max_queued_requests: int,
+        max_queue_wait_s: float | None,
         max_prompts_per_request: int,
         max_body_bytes: int,
         api_key: str | None,
@@ -138,7 +140,7 @@ class RouterIngress:
             balancer = StageBalancer(stats, pool_size, local_prefill_threshold, ttft_s, tpot_s)
         self.orchestrator = Orchestrator(prefill, decode, block_size, balancer, on_transfer_failure, max_migrations)
         self.max_prompts_per_request = max_prompts_per_request
-        self.admission = AdmissionQueue(max_running_sequences, max_queued_requests)
+        self.admission = AdmissionQueue(max_running_sequences, max_queued_requests, max_queue_wait_s)
         self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission, self.orchestrator, self._autoscaler)
 
     def _pool_stats(self) -> dict:
@@ -332,6 +334,10 @@ class RouterIngress:
         except QueueFullError as error:
             self.metrics.rejected.labels(self.model_id, "429").inc()
             raise ApiError(429, f"the server is at capacity: {error}", "rate_limit_error", retry_after=1) from None
+        except QueueWaitError as error:
+            self.metrics.rejected.labels(self.model_id, "503").inc()
+            retry_after = min(60, math.ceil(error.retry_after_s))
+            raise ApiError(503, f"the server is overloaded: {error}", "service_unavailable", retry_after=retry_after) from None
         admitted = Admitted(self.admission, len(sequences))
         self.metrics.queue_time.observe(queued_s)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

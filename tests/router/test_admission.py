@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from duet.router.admission import AdmissionQueue, QueueFullError
+from duet.router.admission import MIN_HOLDS, AdmissionQueue, QueueFullError, QueueWaitError
 
 
 def test_over_running_and_queued_limits_is_refused_and_slots_pass_on_in_order():
@@ -129,6 +129,62 @@ def test_an_admission_dropped_without_ending_gives_its_sequences_back():
         once = Admitted(queue, 2)
         once.release()
         once.release()
+        assert queue.num_running == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_predicted_to_wait_past_the_limit_is_refused_at_once():
+    """Little's law over recent holds: 2 slots, requests holding them 10 s each, 2 running and
+    2 queued: a fifth would wait for 3 slots, 15 s; with a 12 s limit it is refused now (with
+    when to retry), while a limit of 20 s queues it."""
+
+    async def scenario(limit):
+        now = [0.0]
+        queue = AdmissionQueue(max_running=2, max_queued=10, max_queue_wait_s=limit, clock=lambda: now[0])
+        for _ in range(MIN_HOLDS):
+            await queue.acquire()
+            now[0] += 10.0
+            queue.release(held_s=10.0)
+        await queue.acquire(2)
+        waiting = [asyncio.create_task(queue.acquire()) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert queue.predicted_wait_s() == pytest.approx(15.0)
+        fifth = asyncio.create_task(queue.acquire())
+        await asyncio.sleep(0)
+        return fifth, waiting, queue
+
+    async def refused():
+        fifth, waiting, queue = await scenario(12.0)
+        with pytest.raises(QueueWaitError) as error:
+            await fifth
+        assert error.value.retry_after_s == pytest.approx(15.0) and queue.num_queued == 2
+        for task in waiting:
+            task.cancel()
+
+    async def queued():
+        fifth, waiting, queue = await scenario(20.0)
+        assert not fifth.done() and queue.num_queued == 3
+        for task in [fifth, *waiting]:
+            task.cancel()
+
+    asyncio.run(refused())
+    asyncio.run(queued())
+
+
+def test_without_history_nothing_is_predicted_and_a_waiter_out_of_time_is_refused_then():
+    async def scenario():
+        queue = AdmissionQueue(max_running=1, max_queued=4, max_queue_wait_s=0.05)
+        await queue.acquire()
+        assert queue.predicted_wait_s() == 0.0  # no request has ended: no refusal up front
+        late = asyncio.create_task(queue.acquire())
+        behind = asyncio.create_task(queue.acquire())
+        with pytest.raises(QueueWaitError):
+            await late
+        with pytest.raises(QueueWaitError):
+            await behind
+        assert queue.num_queued == 0 and queue.num_running == 1  # nothing leaked either way
+        queue.release()
         assert queue.num_running == 0
 
     asyncio.run(scenario())
