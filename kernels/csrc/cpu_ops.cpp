@@ -210,6 +210,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
   const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
   const int64_t token_stride = key_cache.stride(2);
   const float scale_f = static_cast<float>(scale);
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
 
   std::vector<int64_t> item_seq, item_row;
   for (int64_t s : seq_ids)
@@ -251,6 +252,15 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
           if (++slot == block_size) {
             slot = 0;
             ++block;
+          }
+        }
+        // The next chunk's rows lie in other blocks, wherever the block table put them, where
+        // the hardware prefetchers cannot guess: ask for them while this chunk computes.
+        for (int64_t t = t0 + kLanes; t < std::min<int64_t>(t0 + 2 * kLanes, visible); ++t) {
+          const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+          for (int64_t line = 0; line < row_bytes; line += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(k_head + offset) + line);
+            __builtin_prefetch(reinterpret_cast<const char*>(v_head + offset) + line);
           }
         }
         for (int t = 0; t < kLanes; ++t) {
