@@ -309,7 +309,9 @@ Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t
   return {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), num_blocks};
 }
 
-// x [M, K] fp32 -> [M, N] fp32 against the N x K weights of type qtype.
+// x [M, K] fp32 -> [M, N] fp32 against the N x K weights of type qtype; by panels from
+// panel_min_rows rows (when N is a whole number of panels), by tiles of rows below (tests
+// force either way).
 torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows = kPanelMinRows) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "gguf_matmul takes fp32 rows [M, K]");
   const int64_t K = x.size(1), N = codes.size(0);
