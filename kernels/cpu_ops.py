@@ -13,11 +13,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
+STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
 
 
 @functools.cache
@@ -41,6 +43,7 @@ def _build(name: str, source: str, cflags: list[str], ldflags: list[str]):
     try:
         from torch.utils.cpp_extension import load as load_extension
 
+        _clear_stale_lock(name)
         if not _is_built(name):
             logger.info("compiling duet's C++ CPU kernels (%s) for this machine (once, about a minute)", source)
         return load_extension(
@@ -53,6 +56,24 @@ def _build(name: str, source: str, cflags: list[str], ldflags: list[str]):
     except Exception as error:  # any build failure leaves the torch path working
         logger.warning("C++ CPU kernels %s unavailable (%s); using the slower torch implementations", source, error)
         return None
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Remove a build lock older than ``STALE_LOCK_S``. torch's extension build holds a lock
+    file while it compiles and waits, without limit, for any lock it finds: one left behind by
+    a build that was killed (a ``duet up`` interrupted on a fresh machine) would hang every later
+    load. A build takes about a minute; a lock this old has no build behind it."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing %s, left by a build that did not finish", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass  # no lock: nothing to clear
+    except Exception as error:  # noqa: BLE001 - a private helper; the build goes on as before
+        logger.debug("could not check the build lock of %s: %r", name, error)
 
 
 def _is_built(name: str) -> bool:
