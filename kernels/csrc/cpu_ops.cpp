@@ -224,8 +224,6 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
     vf q[kMaxGroup][DV], acc[kMaxGroup][DV], partial[kMaxGroup][kLanes];
     float peak[kMaxGroup], denom[kMaxGroup];
     alignas(64) float probs[kMaxGroup][kLanes];
-    const cache_t* keys[kLanes];
-    const cache_t* values[kLanes];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item / num_kv_heads], row = item_row[item / num_kv_heads];
       const int64_t h = item % num_kv_heads;
@@ -242,34 +240,39 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
       const cache_t* k_head = k_ptr + h * kv_head_stride;
       const cache_t* v_head = v_ptr + h * kv_head_stride;
       const int* table = tables + s * table_stride;
-      for (int64_t t0 = 0; t0 < visible; t0 += kLanes) {
-        const int n = static_cast<int>(std::min<int64_t>(kLanes, visible - t0));
-        int64_t block = t0 / block_size, slot = t0 % block_size;  // one division a chunk
-        for (int t = 0; t < n; ++t) {
-          const int64_t offset = table[block] * block_stride + slot * token_stride;
-          keys[t] = k_head + offset;
-          values[t] = v_head + offset;
+      // Row offsets of this chunk's tokens and of the next one's, placed once each by walking
+      // the block table. The next chunk's rows lie wherever the table put them, where the
+      // hardware prefetchers cannot guess: they are asked for while this chunk computes.
+      int64_t offsets[2][kLanes];
+      int64_t block = 0, slot = 0;  // where the next token to place lies
+      auto place = [&](int64_t* into, int64_t count) {
+        for (int64_t t = 0; t < count; ++t) {
+          into[t] = table[block] * block_stride + slot * token_stride;
           if (++slot == block_size) {
             slot = 0;
             ++block;
           }
         }
-        // The next chunk's rows lie in other blocks, wherever the block table put them, where
-        // the hardware prefetchers cannot guess: ask for them while this chunk computes.
-        for (int64_t t = t0 + kLanes; t < std::min<int64_t>(t0 + 2 * kLanes, visible); ++t) {
-          const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      };
+      place(offsets[0], std::min<int64_t>(kLanes, visible));
+      for (int64_t t0 = 0, current = 0; t0 < visible; t0 += kLanes, current ^= 1) {
+        const int n = static_cast<int>(std::min<int64_t>(kLanes, visible - t0));
+        const int64_t* rows = offsets[current];
+        int64_t* next = offsets[current ^ 1];
+        const int64_t num_next = std::clamp<int64_t>(visible - t0 - kLanes, 0, kLanes);
+        place(next, num_next);
+        for (int64_t t = 0; t < num_next; ++t)
           for (int64_t line = 0; line < row_bytes; line += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(k_head + offset) + line);
-            __builtin_prefetch(reinterpret_cast<const char*>(v_head + offset) + line);
+            __builtin_prefetch(reinterpret_cast<const char*>(k_head + next[t]) + line);
+            __builtin_prefetch(reinterpret_cast<const char*>(v_head + next[t]) + line);
           }
-        }
         for (int t = 0; t < kLanes; ++t) {
           if (t >= n) {
             for (int g = 0; g < group; ++g) partial[g][t] = vf{};
             continue;
           }
           vf k[DV];
-          for (int j = 0; j < DV; ++j) k[j] = load_lanes(keys[t] + j * kLanes);
+          for (int j = 0; j < DV; ++j) k[j] = load_lanes(k_head + rows[t] + j * kLanes);
           for (int g = 0; g < group; ++g) {
             vf dot = q[g][0] * k[0];
             for (int j = 1; j < DV; ++j) dot += q[g][j] * k[j];
@@ -291,7 +294,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
         }
         for (int t = 0; t < n; ++t) {
           vf v[DV];
-          for (int j = 0; j < DV; ++j) v[j] = load_lanes(values[t] + j * kLanes);
+          for (int j = 0; j < DV; ++j) v[j] = load_lanes(v_head + rows[t] + j * kLanes);
           for (int g = 0; g < group; ++g) {
             const float p = probs[g][t];
             for (int j = 0; j < DV; ++j) acc[g][j] += p * v[j];

@@ -295,6 +295,12 @@ void matmul_rows(const float* x, int64_t rows_left, int64_t K, const Weights& w,
   }
 }
 
+template <int64_t QType>
+void matmul(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
+  if (panels) matmul_panels<QType>(x, M, K, w, out, N);
+  else matmul_rows<QType>(x, M, K, w, out, N);
+}
+
 Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "GGUF type ", qtype, " is not supported (Q4_1 = 3, Q8_0 = 8)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
@@ -318,15 +324,9 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const Weights w = checked(codes, scales, qtype, K);
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
-  const int64_t M = x.size(0);
-  if (M >= panel_min_rows && N % kPanel == 0) {
-    if (qtype == kQ4_1) matmul_panels<kQ4_1>(x.data_ptr<float>(), M, K, w, out.data_ptr<float>(), N);
-    else matmul_panels<kQ8_0>(x.data_ptr<float>(), M, K, w, out.data_ptr<float>(), N);
-  } else if (qtype == kQ4_1) {
-    matmul_rows<kQ4_1>(x.data_ptr<float>(), M, K, w, out.data_ptr<float>(), N);
-  } else {
-    matmul_rows<kQ8_0>(x.data_ptr<float>(), M, K, w, out.data_ptr<float>(), N);
-  }
+  const bool panels = x.size(0) >= panel_min_rows && N % kPanel == 0;
+  if (qtype == kQ4_1) matmul<kQ4_1>(x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, panels);
+  else matmul<kQ8_0>(x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, panels);
   return out;
 }
 
