@@ -1,44 +1,155 @@
-"""Workers as Ray actors: the executor a replica uses for ``distributed_executor_backend="ray"``.
+"""Workers as Ray actors: the executor of an engine with several tensor-parallel ranks, or of one
+asked for ``distributed_executor_backend="ray"``.
 
-Each rank's ``duet.worker.Worker`` runs in an actor of its own, placed in the caller's
-placement group when it has one (a Serve replica with ``placement_group_bundles``), so a
-replica and its workers are scheduled, and die, together. Every step goes to every rank; the
-last rank's output is the step's. Tensor and pipeline parallel ranks are a later addition; the
-actors, their placement and the step protocol are here.
+Each rank's ``duet.worker.Worker`` runs in an actor of its own. In a Serve replica with
+``placement_group_bundles`` the actors take the group's last ``world_size`` bundles (the first
+is the replica's own), so a replica and its workers are scheduled, and die, together; outside
+one (offline ``LLM``) they are pinned to the caller's node. The ranks meet at a ``TCPStore``
+this executor hosts, on 127.0.0.1 when they all run on its node. Every step goes to every rank;
+the last rank's output is the step's, with the KV transfers every rank has finished.
+
+A rank that dies fails the step at once (its peers may be stuck in a collective until their
+timeout: they are killed with the replica), and the executor stays failed: ``check_health``
+says so, and Serve replaces the replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from duet.distributed import host_store
+from duet.errors import WorkerDiedError
 from duet.messages import KVEndpoint
-from duet.outputs import RunnerOutput, SchedulerOutput
+from duet.outputs import KVTransferResult, RunnerOutput, SchedulerOutput
 from duet.worker import Worker, WorkerConfig
+
+LOOPBACK = "127.0.0.1"
+
+
+class _WorkerActor(Worker):
+    """A rank's worker; ``ping`` answers from a thread of its own, even while a step runs."""
+
+    @ray.method(concurrency_group="probe")
+    def ping(self) -> bool:
+        return True
+
+
+HEALTH_TIMEOUT_S = 10.0
 
 
 class RayExecutor:
     def __init__(self, config: WorkerConfig) -> None:
-        group = ray.util.get_current_placement_group()
-        options = {"num_cpus": 0}
-        if group is not None:
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_capture_child_tasks=True)
-        actor = ray.remote(Worker).options(**options)
-        self.workers = [actor.remote(dataclasses.replace(config, rank=rank)) for rank in range(config.world_size)]
-        self._endpoints = tuple(ray.get([worker.kv_endpoint.remote() for worker in self.workers]))
+        if not ray.is_initialized():
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
+        import torch
+
+        world_size = config.world_size
+        hosts, strategies = _placement(world_size)
+        self._store = None
+        self._kv_reports: dict[int, list[KVTransferResult]] = {}
+        if world_size > 1:
+            store_host = LOOPBACK if set(hosts) == {LOOPBACK} else ray.util.get_node_ip_address()
+            self._store = host_store(store_host)
+            threads = max(1, torch.get_num_threads() // world_size)
+            config = dataclasses.replace(
+                config, parallel_store=(store_host, self._store.port), num_threads=config.num_threads or threads
+            )
+        actor = ray.remote(concurrency_groups={"probe": 1})(_WorkerActor)
+        resources = {"num_cpus": 0, "num_gpus": 1 if config.device.startswith("cuda") else 0}
+        self.workers = [
+            actor.options(scheduling_strategy=strategies[rank], **resources).remote(
+                dataclasses.replace(config, rank=rank, host=hosts[rank])
+            )
+            for rank in range(world_size)
+        ]
+        self.failure: str | None = None
+        self._endpoints = tuple(self._gather([worker.kv_endpoint.remote() for worker in self.workers]))
+
+    def _gather(self, refs: list, timeout_s: float | None = None) -> list:
+        """Every rank's result; the first rank to die fails the call without waiting for the rest."""
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+            if not ready:
+                raise TimeoutError(f"{len(pending)} of {len(refs)} workers did not answer within {timeout_s} s")
+            try:
+                ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
+                self.failure = f"worker rank {refs.index(ready[0])} died: {error}"
+                raise WorkerDiedError(self.failure) from error
+        return ray.get(refs)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        outputs = ray.get([worker.execute.remote(scheduler_output) for worker in self.workers])
-        return outputs[-1]
+        shared = ray.put(scheduler_output)
+        outputs = self._gather([worker.execute.remote(shared) for worker in self.workers])
+        output = outputs[-1]
+        if len(outputs) > 1:
+            output.kv_results = self._finished_transfers([each.kv_results for each in outputs])
+        return output
+
+    def _finished_transfers(self, per_rank: list[list[KVTransferResult]]) -> list[KVTransferResult]:
+        """A transfer has ended once it has on every rank (each moves its own heads), failed if it
+        failed on any; a rank's report waits here for the others'."""
+        finished = []
+        for results in per_rank:
+            for result in results:
+                reports = self._kv_reports.setdefault(result.transfer_id, [])
+                reports.append(result)
+                if len(reports) == len(per_rank):
+                    del self._kv_reports[result.transfer_id]
+                    finished.append(_combine(reports))
+        return finished
 
     def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
         return () if self._endpoints[0] is None else self._endpoints
 
     def forget(self, request_ids) -> None:
-        ray.get([worker.forget.remote(request_ids) for worker in self.workers])
+        self._gather([worker.forget.remote(request_ids) for worker in self.workers])
+
+    def check_health(self) -> None:
+        """Raise ``WorkerDiedError`` if a rank has died (found by a step, or by a ping now)."""
+        self._gather([worker.ping.remote() for worker in self.workers], timeout_s=HEALTH_TIMEOUT_S)
 
     def close(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
+
+
+def _placement(world_size: int) -> tuple[list[str], list]:
+    """Per rank: the address its collectives listen on, and where its actor is scheduled."""
+    group = ray.util.get_current_placement_group()
+    here = ray.get_runtime_context().get_node_id()
+    if group is None:
+        return [LOOPBACK] * world_size, [NodeAffinitySchedulingStrategy(here, soft=False)] * world_size
+    bundle_nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    if len(bundle_nodes) < world_size:
+        raise ValueError(f"the replica's placement group has {len(bundle_nodes)} bundles, fewer than its {world_size} workers")
+    first = len(bundle_nodes) - world_size  # the replica's own bundle, if any, comes first
+    strategies = [
+        PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first + rank) for rank in range(world_size)
+    ]
+    nodes = [bundle_nodes[first + rank] for rank in range(world_size)]
+    if all(node == here for node in nodes):
+        return [LOOPBACK] * world_size, strategies
+    addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    return [addresses[node] for node in nodes], strategies
+
+
+def _combine(reports: list[KVTransferResult]) -> KVTransferResult:
+    failed = [report for report in reports if not report.ok]
+    first_token_ids = [report.first_token_id for report in reports if report.first_token_id is not None]
+    return KVTransferResult(
+        transfer_id=reports[0].transfer_id,
+        ok=not failed,
+        first_token_id=first_token_ids[0] if first_token_ids else None,
+        error=failed[0].error if failed else None,
+        cancelled=any(report.cancelled for report in reports),
+        num_bytes=sum(report.num_bytes for report in reports),
+        seconds=max(report.seconds for report in reports),
+    )

@@ -246,9 +246,11 @@ class EngineReplica:
         await asyncio.wait_for(self.loop.call(self.engine.check_integrity), timeout=30)
 
     async def check_health(self) -> None:
-        """Serve's liveness probe: the engine thread runs and answers between two steps."""
+        """Serve's liveness probe: the engine's workers are up, and its thread runs and answers
+        between two steps."""
         if not self.loop.alive():
             raise RuntimeError("the engine thread has stopped")
+        await asyncio.to_thread(self.engine.check_health)
         await asyncio.wait_for(self.loop.call(lambda: None), timeout=30)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

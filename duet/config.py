@@ -211,7 +211,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     speculative_config: dict | None = None
     kv_transfer_config: dict | None = None
-    distributed_executor_backend: str = "uni"
+    tensor_parallel_size: int = 1
+    # None: in this process for one rank, Ray actors for several.
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -220,9 +222,16 @@ class EngineArgs:
             raise ConfigError(f"device={self.device!r} is not supported; use 'cpu' or 'cuda[:N]'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ConfigError(
                 f"distributed_executor_backend={self.distributed_executor_backend!r}: use one of {', '.join(EXECUTOR_BACKENDS)}"
+            )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} runs a worker per rank: use distributed_executor_backend='ray' "
+                "(or leave it unset)"
             )
         resolve_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATIONS:
@@ -230,6 +239,11 @@ class EngineArgs:
         self.cache_config()
         self.speculative()
         self.kv_transfer()
+
+    def executor(self) -> str:
+        """The executor's import path: the one named, else in-process for one rank, Ray actors for several."""
+        backend = self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")
+        return EXECUTOR_BACKENDS[backend]
 
     def speculative(self) -> SpeculativeConfig | None:
         return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)

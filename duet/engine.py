@@ -15,11 +15,12 @@ import secrets
 import time
 
 from duet.block_pool import BlockIntegrityError
-from duet.config import EXECUTOR_BACKENDS, ConfigError, EngineArgs, import_object, resolve_dtype
-from duet.errors import InvalidRequestError, ReplicaFullError
+from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype
+from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.load import LoadTracker
 from duet.messages import EngineRequest, KVDestination, TokenDelta
+from duet.models.tensor_parallel import shard_heads
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.request import Request
 from duet.sampling_params import SamplingParams, fit_to_context
@@ -48,8 +49,12 @@ class LLMEngine:
         cache_config = args.cache_config()
         self.block_size = cache_config.block_size
         arch = self.model_config
+        world_size = args.tensor_parallel_size
+        # Checked here, before any worker starts; a rank's KV cache holds its own KV heads.
+        shards = [shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank) for rank in range(world_size)]
+        kv_heads_per_rank = max(shard.num_kv_heads for shard in shards)
         self.num_blocks = cache_config.num_blocks(
-            kv_bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, self.block_size, self.dtype)
+            kv_bytes_per_block(arch.num_layers, kv_heads_per_rank, arch.head_dim, self.block_size, self.dtype)
         )
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()
@@ -66,8 +71,9 @@ class LLMEngine:
             speculative_config=self.speculative_config,
             draft_model_path=self._check_draft_model(model_path),
             kv_transfer=self.kv_transfer_config,
+            world_size=world_size,
         )
-        self.executor = import_object(EXECUTOR_BACKENDS[args.distributed_executor_backend])(worker_config)
+        self.executor = import_object(args.executor())(worker_config)
         self.kv_endpoints = self.executor.kv_endpoints()
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -81,8 +87,8 @@ class LLMEngine:
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self.load = LoadTracker()
         logger.info(
-            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d",
-            model_path.name, self.dtype, self.num_blocks, self.block_size, self.max_model_len,
+            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d, tensor_parallel_size=%d",
+            model_path.name, self.dtype, self.num_blocks, self.block_size, self.max_model_len, world_size,
         )
 
     def _check_draft_model(self, model_path) -> str | None:
@@ -189,6 +195,8 @@ class LLMEngine:
         try:
             # Even an empty step goes to the workers: it may carry finished ids and KV transfers.
             runner_output = self.executor.execute(scheduler_output)
+        except WorkerDiedError:
+            raise  # no request's fault, and no step can run again: the replica is replaced
         except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
             return self._recover(scheduler_output, error)
         self._observe_load(scheduler_output, runner_output, time.perf_counter() - started)
@@ -300,6 +308,10 @@ class LLMEngine:
             raise BlockIntegrityError(
                 f"{num_blocks} blocks held for requests nobody tracks ({strays[:8]}) or transfers that ended ({stray_holds[:8]})"
             )
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone (``WorkerDiedError``)."""
+        self.executor.check_health()
 
     def close(self) -> None:
         self.executor.close()

@@ -32,3 +32,7 @@ class ReplicaGoneError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed on this request, with it alone in a step; the others went on (HTTP 500)."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker of the engine (one of its ranks) is gone: no step can run until the replica is replaced."""

@@ -29,5 +29,8 @@ class UniprocExecutor:
     def forget(self, request_ids) -> None:
         self.worker.forget(request_ids)
 
+    def check_health(self) -> None:
+        """The worker lives in this process: it is up while the engine is."""
+
     def close(self) -> None:
         self.worker.close()

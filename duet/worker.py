@@ -2,7 +2,8 @@
 
 The engine's scheduler never touches tensors; an executor hands each step's ``SchedulerOutput``
 to its workers (in this process, or as Ray actors) and returns the last rank's ``RunnerOutput``.
-A worker builds its own model from the config, so a rank can later load only its shard.
+A worker builds its own model from the config; one of several tensor-parallel ranks keeps its
+shard of it (``duet.models.tensor_parallel``) and talks to the others over a process group.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class WorkerConfig:
     kv_transfer: KVTransferConfig | None = None
     rank: int = 0
     world_size: int = 1
+    # With several ranks: the store they meet at (the executor hosts it), the address this
+    # rank's collectives listen on, the bound on any wait for the others, and its threads.
+    parallel_store: tuple[str, int] | None = None
+    host: str = "127.0.0.1"
+    collective_timeout_s: float = 60.0
+    num_threads: int | None = None
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -42,15 +49,32 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=kv_dtype).element_size()
 
 
+def _tensor_parallel_group(config: WorkerConfig):
+    from duet.distributed import TensorParallelGroup, connect_store
+
+    host, port = config.parallel_store
+    store = connect_store(host, port, config.collective_timeout_s)
+    return TensorParallelGroup(
+        store, config.rank, config.world_size, config.device.startswith("cuda"), config.host, config.collective_timeout_s
+    )
+
+
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         from duet.model_runner import ModelRunner
         from duet.models.loader import load_model
+        from duet.models.tensor_parallel import apply_tensor_parallel
 
-        torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)  # the same on every rank: each samples the same tokens
         self.config = config
         dtype = resolve_dtype(config.dtype, config.device)
         model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len, config.quantization)
+        self.group = None
+        if config.world_size > 1:
+            self.group = _tensor_parallel_group(config)
+            apply_tensor_parallel(model, self.group)
         draft = None
         if config.draft_model_path is not None:
             # A draft checkpoint need not be a GGUF one: it follows the target's choice only to keep floats.

@@ -61,6 +61,23 @@ class GGUFWeight:
             codes = _q4_1_words(codes)
         return cls(codes.reshape(blocks.shape[0], -1).contiguous(), scales.reshape(blocks.shape[0], -1), qtype, in_features, ops)
 
+    def shard(self, rows: list[slice], columns: slice | None = None) -> GGUFWeight:
+        """The weight of these output features (row ranges, concatenated) and, with ``columns``,
+        only these input features: a tensor-parallel rank's part, dequantizing to the same slice
+        of the float weight. Columns must fall on block boundaries."""
+        codes = torch.cat([self.codes[part] for part in rows])
+        scales = torch.cat([self.scales[part] for part in rows])
+        in_features = self.in_features
+        if columns is not None:
+            start, stop, _ = columns.indices(self.in_features)
+            if start % BLOCK or stop % BLOCK:
+                raise ValueError(f"input features [{start}, {stop}) do not fall on {BLOCK}-weight block boundaries")
+            num_scales, code_bytes = _LAYOUTS[self.qtype]
+            codes = codes[:, start // BLOCK * code_bytes : stop // BLOCK * code_bytes]
+            scales = scales[:, start // BLOCK * num_scales : stop // BLOCK * num_scales]
+            in_features = stop - start
+        return GGUFWeight(codes.contiguous(), scales.contiguous(), self.qtype, in_features, self.ops)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for fp32 rows ``x`` ``[M, in_features]``."""
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)

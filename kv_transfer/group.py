@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 
 import torch
 import torch.distributed as dist
 
+from duet.distributed import connect_store as connect_to
+from duet.distributed import new_group
 from duet.kv_transfer.spec import KVSpec
 from duet.messages import KVEndpoint
 
@@ -27,25 +28,8 @@ class PeerUnreachableError(RuntimeError):
     """The other replica did not join the group in time."""
 
 
-def host_store(host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
-    """The receiver's store, listening on ``host`` only (a TCPStore left to itself listens on every
-    interface); port 0 picks a free one (read it back from ``store.port``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
-    listener.listen(128)
-    bound_port = listener.getsockname()[1]
-    return dist.TCPStore(
-        host, bound_port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False, master_listen_fd=listener.detach(),  # the store owns the socket now
-    )
-
-
 def connect_store(endpoint: KVEndpoint, timeout_s: float = 30.0) -> dist.TCPStore:
-    return dist.TCPStore(
-        endpoint.host, endpoint.port, None, False, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    return connect_to(endpoint.host, endpoint.port, timeout_s)
 
 
 class PairGroup:
@@ -68,18 +52,7 @@ class PairGroup:
         self.peer_spec = KVSpec.from_dict(json.loads(prefix.get(f"spec/{peer}")))
         spec.check_compatible(self.peer_spec)
         both_cuda = use_cuda and prefix.get(f"cuda/{peer}") == b"1"
-        group_store = dist.PrefixStore("group", prefix)
-        if both_cuda:
-            self.backend = "nccl"
-            self.group = dist.ProcessGroupNCCL(group_store, rank, 2, dist.ProcessGroupNCCL.Options())
-        else:
-            self.backend = "gloo"
-            options = dist.ProcessGroupGloo._Options()
-            options._timeout = self.timeout
-            # Listen on the replica's own address only (loopback on a local cluster), not on
-            # whatever the machine's hostname resolves to.
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            self.group = dist.ProcessGroupGloo(group_store, rank, 2, options)
+        self.backend, self.group = new_group(dist.PrefixStore("group", prefix), rank, 2, both_cuda, host, timeout_s)
         self.peer = peer
 
     def send(self, tensor: torch.Tensor, tag: int) -> dist.Work:

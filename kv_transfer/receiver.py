@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from duet.distributed import host_store
 from duet.kv_transfer.channel import Channel
 from duet.kv_transfer.endpoint import ACK_TAG, FIRST_LAYER_TAG, NO_TOKEN, TRAILER_TAG, TransferEndpoint
-from duet.kv_transfer.group import RECEIVER_RANK, connect_store, host_store
+from duet.kv_transfer.group import RECEIVER_RANK, connect_store
 from duet.kv_transfer.spec import KVSpec
 from duet.kv_transfer.wire import unpack_layers
 from duet.messages import KVEndpoint

@@ -65,3 +65,16 @@ def test_malformed_weights_are_refused_with_a_reason():
         OPS.gguf_matmul(torch.randn(1, 64), weight.codes, weight.scales, 2)
     with pytest.raises(ValueError, match="do not hold rows of 96"):
         GGUFWeight.from_blocks(torch.zeros(4, 40, dtype=torch.uint8), int(TYPES["Q4_1"]), 96, OPS)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_shard_of_rows_and_block_columns_is_that_slice_of_the_weight(name):
+    """Guards tensor-parallel shards of GGUF weights: q/k/v row ranges concatenated, and input
+    features cut on block boundaries, dequantize to exactly that slice of the float weight."""
+    weight, reference = quantized(75, 192, TYPES[name])
+    rows = [slice(3, 10), slice(40, 41), slice(60, 75)]
+    shard = weight.shard(rows, slice(64, 160))
+    assert torch.equal(shard.dequantize(), torch.cat([reference[part] for part in rows])[:, 64:160])
+    assert torch.equal(weight.shard([slice(None)]).dequantize(), reference)
+    with pytest.raises(ValueError, match="block boundaries"):
+        weight.shard([slice(None)], slice(0, 48))

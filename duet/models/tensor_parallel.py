@@ -1,0 +1,173 @@
+"""Tensor parallelism applied to a loaded Llama from outside its definition (as gpt-fast's
+``tp.py`` does): each rank keeps its slice of every weight, and the modules where ranks must
+meet are swapped for ones that do.
+
+- Attention: a rank computes whole KV groups (a KV head and the query heads reading it), so its
+  qkv rows, its KV cache and its attention call are those of a smaller model of the same group
+  size. With fewer KV heads than ranks, each KV head is replicated on ``world_size /
+  num_kv_heads`` ranks, which split its query heads. ``o_proj`` keeps the rank's heads' columns
+  and its partial sums are added over the ranks: one all-reduce per attention block.
+- MLP: gate and up rows, down columns, split over the intermediate features; one all-reduce.
+- Embedding and LM head split over the vocabulary: a token's row lives on one rank (the others
+  add zeros, which is exact), and the ranks' logits are gathered whole on every rank, so every
+  rank samples the same tokens from the same logits and keeps its own copy of the sequences.
+
+A sum over ranks rounds differently from one rank's sum: tokens match TP=1's wherever the
+logits are not near-ties (what the parity tests check, against transformers too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from duet.config import ConfigError
+from duet.distributed import TensorParallelGroup
+from duet.kernels.gguf import BLOCK
+from duet.models.linear import Linear
+from duet.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def split_range(size: int, parts: int, index: int, unit: int = 1) -> slice:
+    """Part ``index`` of ``parts`` near-equal contiguous parts of ``range(size)``, cut on
+    multiples of ``unit`` (which must divide ``size``)."""
+    units = size // unit
+    return slice(index * units // parts * unit, (index + 1) * units // parts * unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShard:
+    """The query heads and KV heads one rank computes (ranges of the model's heads)."""
+
+    q_heads: slice
+    kv_heads: slice
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads.stop - self.q_heads.start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads.stop - self.kv_heads.start
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> HeadShard:
+    """Rank ``rank``'s heads: whole KV groups, or part of one replicated KV head's group."""
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= world_size:
+        kv_heads = split_range(num_kv_heads, world_size, rank)
+        return HeadShard(slice(kv_heads.start * group, kv_heads.stop * group), kv_heads)
+    replicas = world_size // num_kv_heads
+    if world_size % num_kv_heads or group < replicas:
+        raise ConfigError(
+            f"tensor_parallel_size={world_size} cannot split {num_heads} attention heads over {num_kv_heads} KV heads: "
+            f"with fewer KV heads than ranks, the ranks must be a multiple of the KV heads and at most {num_heads}"
+        )
+    kv_head = rank // replicas
+    q_heads = split_range(group, replicas, rank % replicas)
+    first = kv_head * group
+    return HeadShard(slice(first + q_heads.start, first + q_heads.stop), slice(kv_head, kv_head + 1))
+
+
+def _offset(part: slice, by: int) -> slice:
+    return slice(part.start + by, part.stop + by)
+
+
+def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None) -> Linear:
+    """A Linear holding these output rows (concatenated) and, with ``columns``, these input
+    features of ``linear``; its GGUF blocks too where the columns fall on block boundaries."""
+    weight = torch.cat([linear.weight[part] for part in rows])
+    if columns is not None:
+        weight = weight[:, columns]
+    with torch.device("meta"):
+        shard = Linear(weight.shape[1], weight.shape[0])
+    shard.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    shard.pack_for_cpu()
+    if linear.gguf is not None:
+        try:
+            shard.attach_gguf(linear.gguf.shard(rows, columns))
+        except ValueError as error:
+            logger.warning("a tensor-parallel shard computes from its float weight: %s", error)
+    return shard
+
+
+class RowParallelLinear(nn.Module):
+    """A Linear over this rank's input features; the partial products are summed over the ranks."""
+
+    def __init__(self, linear: Linear, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.linear = linear
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.linear(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding; a token outside them contributes zeros."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.vocab_start = vocab_start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(hidden)
+
+
+class VocabParallelLMHead(nn.Module):
+    """This rank's rows of the LM head; every rank gets the whole logits, gathered."""
+
+    def __init__(self, linear: Linear, part_sizes: list[int], group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.linear = linear
+        self.part_sizes = part_sizes
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:  # a step of prompt chunks alone: every rank skips the gather alike
+            return x.new_empty(0, sum(self.part_sizes))
+        logits = self.linear(x)
+        widest = max(self.part_sizes)
+        if logits.shape[1] < widest:  # a gather takes equal shapes: pad, then cut the padding off
+            logits = F.pad(logits, (0, widest - logits.shape[1]))
+        parts = self.group.all_gather(logits)
+        return torch.cat([part[:, :size] for part, size in zip(parts, self.part_sizes)], dim=1)
+
+
+def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup) -> None:
+    """Keep this rank's part of ``model`` and wire its collectives; ``model.arch`` becomes the
+    rank's shape (its heads, KV heads and intermediate features: what its KV cache holds)."""
+    arch, rank, world_size = model.arch, group.rank, group.world_size
+    heads = shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank)
+    head_dim = arch.head_dim
+    q_rows = slice(heads.q_heads.start * head_dim, heads.q_heads.stop * head_dim)
+    k_rows = _offset(slice(heads.kv_heads.start * head_dim, heads.kv_heads.stop * head_dim), arch.num_heads * head_dim)
+    v_rows = _offset(k_rows, arch.num_kv_heads * head_dim)
+    unit = BLOCK if arch.intermediate_size % (BLOCK * world_size) == 0 else 1  # keeps GGUF blocks whole
+    features = split_range(arch.intermediate_size, world_size, rank, unit)
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.qkv_proj = shard_linear(attention.qkv_proj, [q_rows, k_rows, v_rows])
+        attention.o_proj = RowParallelLinear(shard_linear(attention.o_proj, [slice(None)], q_rows), group)
+        attention.num_heads, attention.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        attention.q_size, attention.kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
+        mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [features, _offset(features, arch.intermediate_size)])
+        mlp.down_proj = RowParallelLinear(shard_linear(mlp.down_proj, [slice(None)], features), group)
+    vocab = [split_range(arch.vocab_size, world_size, index) for index in range(world_size)]
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[vocab[rank]].contiguous(), vocab[rank].start, group)
+    model.lm_head = VocabParallelLMHead(shard_linear(model.lm_head, [vocab[rank]]), [part.stop - part.start for part in vocab], group)
+    model.arch = dataclasses.replace(
+        arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, intermediate_size=features.stop - features.start
+    )
