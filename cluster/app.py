@@ -14,8 +14,8 @@ from pathlib import Path
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from duet.cluster.config import PoolSettings, parse_args
-from duet.config import EngineArgs
+from duet.cluster.config import AppConfigError, PoolSettings, parse_args
+from duet.config import ConfigError, EngineArgs
 
 ROUTING_STATS_PERIOD_S = 0.5
 POLICY = "duet.cluster.autoscale:PoolPolicy"
@@ -34,6 +34,7 @@ def build_app(args: dict) -> serve.Application:
 
         cpu_ops.load()
     colocated = config.mode == "colocated"
+    _check_layouts({"decode": config.decode} | ({} if colocated else {"prefill": config.prefill}), config, Path(model_dir))
     kv_transfer = None if colocated else {"host": config.kv_transfer.host, "timeout_s": config.kv_transfer.timeout_s}
     decode_engine = config.decode.merged_engine(config.engine)
     decode_args = decode_engine.engine_args(model_dir)
@@ -42,13 +43,13 @@ def build_app(args: dict) -> serve.Application:
     decode_role = "colocated" if colocated else "decode"
     pools = {decode_role: config.decode} | ({} if colocated else {"prefill": config.prefill})
     targets = {stage: pool.policy_targets(stage, config.slo) for stage, pool in pools.items()}
-    decode = _deployment(decode_role, config.decode, "KVCapacityRouter", targets).bind(
+    decode = _deployment(decode_role, config.decode, decode_engine, "KVCapacityRouter", targets).bind(
         role=decode_role, engine_args=decode_args, num_threads=config.decode.num_threads(decode_engine), kv_transfer=kv_transfer,
     )
     prefill = None
     if not colocated:
         prefill_engine = config.prefill.merged_engine(config.engine)
-        prefill = _deployment("prefill", config.prefill, "PrefixAffinityRouter", targets).bind(
+        prefill = _deployment("prefill", config.prefill, prefill_engine, "PrefixAffinityRouter", targets).bind(
             role="prefill", engine_args=prefill_engine.engine_args(model_dir),
             num_threads=config.prefill.num_threads(prefill_engine), kv_transfer=kv_transfer,
         )
@@ -81,8 +82,36 @@ def build_app(args: dict) -> serve.Application:
     )
 
 
-def _deployment(name: str, pool: PoolSettings, router_class: str, targets: dict):
-    """A pool: fixed, or scaled by its ``PoolPolicy`` (which sees every pool's ``targets``)."""
+def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> None:
+    """Before any actor starts: each pool's tensor-parallel layout splits the model's heads, and
+    the application's bundles fit in the Ray cluster this runs in. ``pools`` are keyed by their
+    YAML section (a colocated pool is the decode section)."""
+    import ray
+
+    from duet.models.loader import read_arch
+    from duet.models.tensor_parallel import shard_heads
+
+    arch = read_arch(model_dir)
+    needed = float(config.router.ray_actor_options.get("num_cpus", 0)) * config.router.num_replicas
+    for stage, pool in pools.items():
+        engine = pool.merged_engine(config.engine)
+        try:
+            shard_heads(arch.num_heads, arch.num_kv_heads, engine.tensor_parallel_size, 0)
+        except ConfigError as error:
+            raise AppConfigError(f"{stage}.engine.tensor_parallel_size: {error}") from None
+        needed += pool.num_cpus(stage, engine)
+    if ray.is_initialized():
+        available = ray.cluster_resources().get("CPU", 0.0)
+        if needed > available + 1e-9:
+            raise AppConfigError(
+                f"the application's replicas and workers need {needed:g} CPUs and the Ray cluster has {available:g}: "
+                f"{needed - available:g} missing (lower ray_actor_options.num_cpus, worker_num_cpus or replica counts, or add nodes)"
+            )
+
+
+def _deployment(name: str, pool: PoolSettings, engine, router_class: str, targets: dict):
+    """A pool: fixed, or scaled by its ``PoolPolicy`` (which sees every pool's ``targets``);
+    a replica with several ranks and its workers share a placement group."""
     from duet.cluster.replica import GRACEFUL_SHUTDOWN_TIMEOUT_S, EngineReplica
 
     autoscaling = pool.serve_autoscaling(name)
@@ -93,6 +122,8 @@ def _deployment(name: str, pool: PoolSettings, router_class: str, targets: dict)
         autoscaling_config=autoscaling,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         ray_actor_options=pool.ray_actor_options,
+        placement_group_bundles=pool.placement_group_bundles(engine),
+        placement_group_strategy=pool.placement_group_strategy if engine.tensor_parallel_size > 1 else None,
         max_ongoing_requests=pool.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=f"duet.router.routing.{router_class}",

@@ -66,6 +66,14 @@ class PoolSettings(_Strict):
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 1})
     max_ongoing_requests: int = Field(default=256, ge=1, description="calls in flight per replica (the engine batches them)")
     engine: dict[str, Any] = Field(default_factory=dict, description="overrides of the application's engine settings")
+    worker_num_cpus: float = Field(
+        default=1.0, gt=0,
+        description="with engine.tensor_parallel_size > 1: the CPUs of each rank's worker, a bundle of its own in the "
+        "replica's placement group (the replica's actor keeps ray_actor_options, in the first bundle)",
+    )
+    placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        default="PACK", description="how a replica's bundles spread over nodes (Ray's placement group strategies)"
+    )
     autoscaling_config: dict[str, Any] | None = Field(
         default=None,
         description="Serve's autoscaling_config keys (min_replicas, max_replicas, initial_replicas, upscale_delay_s, "
@@ -118,6 +126,25 @@ class PoolSettings(_Strict):
 
     def num_threads(self, engine: EngineSettings) -> int:
         return engine.num_threads or max(1, round(float(self.ray_actor_options.get("num_cpus", 1))))
+
+    def placement_group_bundles(self, engine: EngineSettings) -> list[dict[str, float]] | None:
+        """The replica's bundle, then one per worker rank; None for a replica computing in its own process."""
+        if engine.tensor_parallel_size == 1:
+            return None
+        options = self.ray_actor_options
+        # A bundle may not be empty: a replica asking for no CPU still gets a sliver of one.
+        replica = {"CPU": max(float(options.get("num_cpus", 1)), 0.01)} | ({"GPU": options["num_gpus"]} if options.get("num_gpus") else {})
+        worker = {"CPU": self.worker_num_cpus} | ({"GPU": 1.0} if engine.device.startswith("cuda") else {})
+        return [replica] + [worker] * engine.tensor_parallel_size
+
+    def num_cpus(self, stage: str, engine: EngineSettings) -> float:
+        """Logical CPUs the pool's replicas take at their starting count."""
+        bundles = self.placement_group_bundles(engine) or [{"CPU": float(self.ray_actor_options.get("num_cpus", 1))}]
+        replicas = self.num_replicas
+        scaling = self.serve_autoscaling(stage)
+        if scaling is not None:
+            replicas = max(scaling.get("initial_replicas") or 0, scaling["min_replicas"])
+        return replicas * sum(bundle["CPU"] for bundle in bundles)
 
 
 class DecodePoolSettings(PoolSettings):
@@ -220,6 +247,8 @@ def check_pools_exchange_kv(prefill, decode) -> None:
     per application), block size, KV dtype and device kind. Fails with the setting to change."""
     pairs = {
         "block_size": (prefill.block_size, decode.block_size),
+        # Each prefill rank sends its own KV heads to the decode rank holding the same ones.
+        "tensor_parallel_size": (prefill.tensor_parallel_size, decode.tensor_parallel_size),
         "dtype": (resolve_dtype(prefill.dtype, prefill.device), resolve_dtype(decode.dtype, decode.device)),
         "device": (prefill.device.split(":")[0], decode.device.split(":")[0]),
     }

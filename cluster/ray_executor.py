@@ -48,21 +48,18 @@ class RayExecutor:
         import torch
 
         world_size = config.world_size
-        hosts, strategies = _placement(world_size)
+        hosts, strategies, threads = _placement(world_size, max(1, torch.get_num_threads() // world_size))
         self._store = None
         self._kv_reports: dict[int, list[KVTransferResult]] = {}
         if world_size > 1:
             store_host = LOOPBACK if set(hosts) == {LOOPBACK} else ray.util.get_node_ip_address()
             self._store = host_store(store_host)
-            threads = max(1, torch.get_num_threads() // world_size)
-            config = dataclasses.replace(
-                config, parallel_store=(store_host, self._store.port), num_threads=config.num_threads or threads
-            )
+            config = dataclasses.replace(config, parallel_store=(store_host, self._store.port))
         actor = ray.remote(concurrency_groups={"probe": 1})(_WorkerActor)
         resources = {"num_cpus": 0, "num_gpus": 1 if config.device.startswith("cuda") else 0}
         self.workers = [
             actor.options(scheduling_strategy=strategies[rank], **resources).remote(
-                dataclasses.replace(config, rank=rank, host=hosts[rank])
+                dataclasses.replace(config, rank=rank, host=hosts[rank], num_threads=config.num_threads or threads[rank])
             )
             for rank in range(world_size)
         ]
@@ -121,24 +118,27 @@ class RayExecutor:
             ray.kill(worker)
 
 
-def _placement(world_size: int) -> tuple[list[str], list]:
-    """Per rank: the address its collectives listen on, and where its actor is scheduled."""
+def _placement(world_size: int, threads_here: int) -> tuple[list[str], list, list[int]]:
+    """Per rank: the address its collectives listen on, where its actor is scheduled, and its
+    torch threads (its bundle's CPUs; without a placement group, a share of the caller's)."""
     group = ray.util.get_current_placement_group()
     here = ray.get_runtime_context().get_node_id()
     if group is None:
-        return [LOOPBACK] * world_size, [NodeAffinitySchedulingStrategy(here, soft=False)] * world_size
-    bundle_nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
+        return [LOOPBACK] * world_size, [NodeAffinitySchedulingStrategy(here, soft=False)] * world_size, [threads_here] * world_size
+    table = ray.util.placement_group_table(group)
+    bundle_nodes = table["bundles_to_node_id"]
     if len(bundle_nodes) < world_size:
         raise ValueError(f"the replica's placement group has {len(bundle_nodes)} bundles, fewer than its {world_size} workers")
     first = len(bundle_nodes) - world_size  # the replica's own bundle, if any, comes first
     strategies = [
         PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first + rank) for rank in range(world_size)
     ]
+    threads = [max(1, round(table["bundles"][first + rank].get("CPU", 1))) for rank in range(world_size)]
     nodes = [bundle_nodes[first + rank] for rank in range(world_size)]
     if all(node == here for node in nodes):
-        return [LOOPBACK] * world_size, strategies
+        return [LOOPBACK] * world_size, strategies, threads
     addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-    return [addresses[node] for node in nodes], strategies
+    return [addresses[node] for node in nodes], strategies, threads
 
 
 def _combine(reports: list[KVTransferResult]) -> KVTransferResult:

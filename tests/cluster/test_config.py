@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from duet.cluster.config import AppConfigError, parse_args
+from duet.cluster.config import AppConfigError, EngineSettings, PoolSettings, parse_args
 from duet.cluster.deploy import DeployError, ServeFile
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "autoscale.yaml", "cluster-example.yaml"])
+@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "autoscale.yaml", "cluster-example.yaml", "tp2-pd.yaml"])
 def test_shipped_configs_are_valid_serve_configs(name):
     serve_file = ServeFile.read(CONFIGS / name)
     assert serve_file.applications[0]["import_path"] == "duet.cluster.app:build_app"
@@ -20,7 +20,7 @@ def test_shipped_configs_are_valid_serve_configs(name):
 
 
 def test_local_configs_listen_on_loopback_only():
-    for name in ("local-pd.yaml", "colocated.yaml", "autoscale.yaml"):
+    for name in ("local-pd.yaml", "colocated.yaml", "autoscale.yaml", "tp2-pd.yaml"):
         serve_file = ServeFile.read(CONFIGS / name)
         assert (serve_file.host, serve_file.url(serve_file.applications[0])) == ("127.0.0.1", "http://127.0.0.1:8000")
 
@@ -88,7 +88,7 @@ def test_a_file_without_applications_is_refused(tmp_path):
         ServeFile.read(path)
 
 
-@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "autoscale.yaml", "cluster-example.yaml"])
+@pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "autoscale.yaml", "cluster-example.yaml", "tp2-pd.yaml"])
 def test_shipped_configs_pass_serves_own_schema(name):
     """So that `serve deploy` accepts them as they are."""
     import yaml
@@ -133,3 +133,23 @@ def test_engine_settings_are_the_engines_own_fields_and_defaults():
     engine_fields = {f.name: f.default for f in fields(EngineArgs) if f.name not in ("model", "kv_transfer_config")}
     settings = EngineSettings()
     assert {name: getattr(settings, name) for name in engine_fields} == engine_fields
+
+
+def test_a_tensor_parallel_pool_gets_a_bundle_for_its_replica_and_one_per_worker():
+    pool = PoolSettings(ray_actor_options={"num_cpus": 0}, worker_num_cpus=0.5)
+    engine = EngineSettings(tensor_parallel_size=2)
+    assert pool.placement_group_bundles(engine) == [{"CPU": 0.01}, {"CPU": 0.5}, {"CPU": 0.5}]
+    assert pool.num_cpus("decode", engine) == pytest.approx(1.01)
+    assert pool.placement_group_bundles(EngineSettings()) is None
+
+
+def test_pools_of_different_tensor_parallel_sizes_are_refused():
+    with pytest.raises(AppConfigError, match="prefill.engine.tensor_parallel_size=2 but decode.engine.tensor_parallel_size=1"):
+        parse_args({"prefill": {"engine": {"tensor_parallel_size": 2}}})
+
+
+def test_a_layout_that_cannot_split_the_heads_is_refused_before_any_actor_starts(tiny_llama_dir):
+    from duet.cluster.app import build_app
+
+    with pytest.raises(AppConfigError, match="decode.engine.tensor_parallel_size: tensor_parallel_size=3 cannot split 4"):
+        build_app({"model": str(tiny_llama_dir), "mode": "colocated", "engine": {"tensor_parallel_size": 3}})
