@@ -60,7 +60,7 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_SUITES = ("offline", "transfer", "serve", "spec", "autoscale", "migrate")
+BENCH_SUITES = ("offline", "transfer", "serve", "spec", "autoscale", "migrate", "parallel")
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,20 +50,32 @@ def new_group(store: dist.Store, rank: int, world_size: int, use_cuda: bool, hos
 
 class TensorParallelGroup:
     """A replica's tensor-parallel ranks: the collectives its sharded modules call. Every rank
-    makes the same calls in the same order (each runs the same step on the same inputs)."""
+    makes the same calls in the same order (each runs the same step on the same inputs).
+    ``seconds`` and ``calls`` count the time spent in them (waiting for slower ranks included)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float) -> None:
         self.rank = rank
         self.world_size = world_size
         self.backend, self.group = new_group(dist.PrefixStore("duet/tp", store), rank, world_size, use_cuda, host, timeout_s)
+        self.seconds = 0.0
+        self.calls = 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (contiguous) over the ranks, in place; every rank gets the same bits."""
+        started = time.perf_counter()
         self.group.allreduce([tensor]).wait()
+        self._count(started)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on each), in rank order."""
+        started = time.perf_counter()
         gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self.group.allgather([gathered], [tensor.contiguous()]).wait()
+        self._count(started)
         return gathered
+
+    def _count(self, started: float) -> None:
+        # On a GPU the wait returns once the collective is queued: time only means something on CPU.
+        self.seconds += time.perf_counter() - started
+        self.calls += 1

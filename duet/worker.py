@@ -105,6 +105,10 @@ class Worker:
         output.kv_results = connector.poll()
         return output
 
+    def collective_stats(self) -> tuple[float, int]:
+        """Seconds spent in, and number of, this rank's tensor-parallel collectives so far."""
+        return (0.0, 0) if self.group is None else (self.group.seconds, self.group.calls)
+
     def forget(self, request_ids) -> None:
         """Drop the runner's state of these requests (a failed step): they are sent whole again."""
         self.runner.forget(request_ids)
