@@ -54,7 +54,9 @@ class RayExecutor:
         if world_size > 1:
             store_host = LOOPBACK if set(hosts) == {LOOPBACK} else ray.util.get_node_ip_address()
             self._store = host_store(store_host)
-            config = dataclasses.replace(config, parallel_store=(store_host, self._store.port))
+            config = dataclasses.replace(
+                config, parallel_store=(store_host, self._store.port), ranks_share_memory=set(hosts) == {LOOPBACK}
+            )
         actor = ray.remote(_WorkerActor)
         resources = {"num_cpus": 0, "num_gpus": 1 if config.device.startswith("cuda") else 0}
         self.workers = []

@@ -2,12 +2,17 @@
 a replica's tensor-parallel ranks and the KV transfer's pairwise groups live side by side in
 one process, each under a key of its own. NCCL when every rank holds a CUDA device, gloo
 otherwise; a gloo group listens on the address its rank was given, never on whatever the
-machine's hostname resolves to.
+machine's hostname resolves to. CPU ranks on one machine exchange through shared memory
+instead (``SharedMemoryExchange``): a gloo all-reduce of one decode row costs about 0.7 ms
+on two busy cores, against microseconds.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import platform
+import secrets
 import socket
 import time
 
@@ -48,30 +53,104 @@ def new_group(store: dist.Store, rank: int, world_size: int, use_cuda: bool, hos
     return "gloo", dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
+class SharedMemoryExchange:
+    """Collectives among CPU ranks of one machine through one shared segment. A call copies the
+    rank's tensor into its slot and raises its flag to the call's number; once every flag is up,
+    each rank reads every slot (an all-reduce sums them in rank order: every rank gets the same
+    bits). Calls alternate between two sets of slots: a rank that raised its flag for call g + 1
+    has finished reading call g, so no slot is rewritten (call g + 2) before all have read it.
+    A wait spins, yielding the core, for at most the timeout. It relies on x86's ordering (a
+    flag's store is seen after the data's, loads in order): other machines use gloo."""
+
+    SLOT_BYTES = 8 << 20  # larger tensors (long prompt chunks of big models) go through gloo
+    FLAG_STRIDE = 8  # one int64 flag per 64-byte line
+
+    @staticmethod
+    def available() -> bool:
+        return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.call = 0
+        header = world_size * self.FLAG_STRIDE * 8
+        size = header + 2 * world_size * self.SLOT_BYTES
+        if rank == 0:
+            path = f"/dev/shm/duet-tp-{os.getpid()}-{secrets.token_hex(4)}"
+            with open(path, "wb") as segment:
+                segment.truncate(size)  # zeros: every flag down
+            store.set("shm/path", path)
+        path = store.get("shm/path").decode()
+        self.memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        store.set(f"shm/attached/{rank}", "1")
+        if rank == 0:  # once all have mapped it, the name goes: nothing is left behind, whatever dies
+            store.wait([f"shm/attached/{other}" for other in range(world_size)])
+            os.unlink(path)
+        self.flags = self.memory[:header].view(torch.int64)[:: self.FLAG_STRIDE].numpy()
+        self.slots = self.memory[header:].view(2, world_size, self.SLOT_BYTES)
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return tensor.nbytes <= self.SLOT_BYTES
+
+    def exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (contiguous, same shape and dtype on each), as views of the
+        segment valid until the call after next."""
+        self.call += 1
+        slots = self.slots[self.call % 2, :, : tensor.nbytes]
+        slots[self.rank].copy_(tensor.reshape(-1).view(torch.uint8))
+        self.flags[self.rank] = self.call
+        deadline = time.monotonic() + self.timeout_s
+        while self.flags.min() < self.call:
+            if time.monotonic() > deadline:
+                missing = [rank for rank, flag in enumerate(self.flags) if flag < self.call]
+                raise TimeoutError(f"tensor-parallel ranks {missing} did not join call {self.call} within {self.timeout_s} s")
+            os.sched_yield()
+        return [slot.view(tensor.dtype).view(tensor.shape) for slot in slots]
+
+
 class TensorParallelGroup:
     """A replica's tensor-parallel ranks: the collectives its sharded modules call. Every rank
     makes the same calls in the same order (each runs the same step on the same inputs).
-    ``seconds`` and ``calls`` count the time spent in them (waiting for slower ranks included)."""
+    ``seconds`` and ``calls`` count the time spent in them (waiting for slower ranks included).
+    With ``same_machine`` (CPU ranks on one node), through shared memory where it fits."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float, same_machine: bool = False
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.backend, self.group = new_group(dist.PrefixStore("duet/tp", store), rank, world_size, use_cuda, host, timeout_s)
+        prefix = dist.PrefixStore("duet/tp", store)
+        self.backend, self.group = new_group(prefix, rank, world_size, use_cuda, host, timeout_s)
+        self.shared = None
+        if same_machine and not use_cuda and SharedMemoryExchange.available():
+            self.shared = SharedMemoryExchange(prefix, rank, world_size, timeout_s)
+            self.backend = "shared memory, gloo beyond it"
         self.seconds = 0.0
         self.calls = 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (contiguous) over the ranks, in place; every rank gets the same bits."""
         started = time.perf_counter()
-        self.group.allreduce([tensor]).wait()
+        if self.shared is not None and self.shared.fits(tensor):
+            first, *others = self.shared.exchange(tensor)
+            tensor.copy_(first)
+            for other in others:
+                tensor.add_(other)
+        else:
+            self.group.allreduce([tensor]).wait()
         self._count(started)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape on each), in rank order."""
+        """Every rank's ``tensor`` (same shape on each), in rank order; read them before the
+        next collective but one (through shared memory they are views of its slots)."""
         started = time.perf_counter()
-        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self.group.allgather([gathered], [tensor.contiguous()]).wait()
+        tensor = tensor.contiguous()
+        if self.shared is not None and self.shared.fits(tensor):
+            gathered = self.shared.exchange(tensor)
+        else:
+            gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            self.group.allgather([gathered], [tensor]).wait()
         self._count(started)
         return gathered
 

@@ -39,6 +39,7 @@ class WorkerConfig:
     # With several ranks: the store they meet at (the executor hosts it), the address this
     # rank's collectives listen on, the bound on any wait for the others, and its threads.
     parallel_store: tuple[str, int] | None = None
+    ranks_share_memory: bool = False  # every rank on this machine: collectives through shared memory
     host: str = "127.0.0.1"
     collective_timeout_s: float = 60.0
     num_threads: int | None = None
@@ -55,7 +56,8 @@ def _tensor_parallel_group(config: WorkerConfig):
     host, port = config.parallel_store
     store = connect_store(host, port, config.collective_timeout_s)
     return TensorParallelGroup(
-        store, config.rank, config.world_size, config.device.startswith("cuda"), config.host, config.collective_timeout_s
+        store, config.rank, config.world_size, config.device.startswith("cuda"), config.host, config.collective_timeout_s,
+        same_machine=config.ranks_share_memory,
     )
 
 
