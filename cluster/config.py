@@ -247,8 +247,6 @@ def check_pools_exchange_kv(prefill, decode) -> None:
     per application), block size, KV dtype and device kind. Fails with the setting to change."""
     pairs = {
         "block_size": (prefill.block_size, decode.block_size),
-        # Each prefill rank sends its own KV heads to the decode rank holding the same ones.
-        "tensor_parallel_size": (prefill.tensor_parallel_size, decode.tensor_parallel_size),
         "dtype": (resolve_dtype(prefill.dtype, prefill.device), resolve_dtype(decode.dtype, decode.device)),
         "device": (prefill.device.split(":")[0], decode.device.split(":")[0]),
     }

@@ -101,7 +101,7 @@ class RayExecutor:
                 reports.append(result)
                 if len(reports) == len(per_rank):
                     del self._kv_reports[result.transfer_id]
-                    finished.append(_combine(reports))
+                    finished.append(KVTransferResult.combine(reports))
         return finished
 
     def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
@@ -140,17 +140,3 @@ def _placement(world_size: int, threads_here: int) -> tuple[list[str], list, lis
         return [LOOPBACK] * world_size, strategies, threads
     addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     return [addresses[node] for node in nodes], strategies, threads
-
-
-def _combine(reports: list[KVTransferResult]) -> KVTransferResult:
-    failed = [report for report in reports if not report.ok]
-    first_token_ids = [report.first_token_id for report in reports if report.first_token_id is not None]
-    return KVTransferResult(
-        transfer_id=reports[0].transfer_id,
-        ok=not failed,
-        first_token_id=first_token_ids[0] if first_token_ids else None,
-        error=failed[0].error if failed else None,
-        cancelled=any(report.cancelled for report in reports),
-        num_bytes=sum(report.num_bytes for report in reports),
-        seconds=max(report.seconds for report in reports),
-    )

@@ -11,10 +11,12 @@ from duet.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class KVEndpoint:
-    """Where one decode worker's KV receiver takes announcements (its TCPStore)."""
+    """Where one decode worker's KV receiver takes announcements (its TCPStore), and the range
+    of the model's KV heads it holds (None: all of them; a tensor-parallel rank holds some)."""
 
     host: str
     port: int
+    kv_heads: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,22 @@ class KVTransferResult:
     num_bytes: int = 0
     seconds: float = 0.0
 
+    @classmethod
+    def combine(cls, parts: list[KVTransferResult]) -> KVTransferResult:
+        """One transfer's result from its parts' (several ranks', or several destinations'): it
+        succeeded if every part did, and carries the first token whichever part brought it."""
+        failed = [part for part in parts if not part.ok]
+        first_token_ids = [part.first_token_id for part in parts if part.first_token_id is not None]
+        return cls(
+            transfer_id=parts[0].transfer_id,
+            ok=not failed,
+            first_token_id=first_token_ids[0] if first_token_ids else None,
+            error=failed[0].error if failed else None,
+            cancelled=any(part.cancelled for part in parts),
+            num_bytes=sum(part.num_bytes for part in parts),
+            seconds=max(part.seconds for part in parts),
+        )
+
 
 @dataclass
 class NewRequestData:

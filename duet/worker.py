@@ -73,6 +73,7 @@ class Worker:
         self.config = config
         dtype = resolve_dtype(config.dtype, config.device)
         model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len, config.quantization)
+        arch = model.arch  # the whole model's; a rank's own shape replaces it below
         self.group = None
         if config.world_size > 1:
             self.group = _tensor_parallel_group(config)
@@ -92,7 +93,7 @@ class Worker:
             cpu_ops.load()  # compile (once per machine) now, not inside the first step
         self.kv_connector = None
         if config.kv_transfer is not None:
-            self.kv_connector = import_object(config.kv_transfer.connector)(self.runner.kv_cache, model.arch, config)
+            self.kv_connector = import_object(config.kv_transfer.connector)(self.runner.kv_cache, arch, config)
 
     def kv_endpoint(self) -> KVEndpoint | None:
         return None if self.kv_connector is None else self.kv_connector.endpoint

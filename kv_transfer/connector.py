@@ -6,6 +6,12 @@ is) and to cancel; the worker calls ``start_step`` before its forward,
 ``on_layer_done`` after each layer (the sender ships runs of layers as they are written),
 ``end_step`` with what it sampled (a sent prompt's first token travels after its KV), and
 reports ``poll()`` back in its ``RunnerOutput``.
+
+With tensor parallelism each rank holds a range of the model's KV heads, on either side and in
+any layout: a sending rank sends each receiving rank the heads they share (a head replicated on
+several sending ranks goes from the first), straight from its cache, and reports a transfer
+once all its parts have ended (at once when it holds no head to send); a receiving rank takes
+parts until they cover its heads.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from duet.outputs import KVConnectorMetadata, KVTransferResult
 
 class KVConnectorWorker:
     def __init__(self, kv_cache: torch.Tensor, arch, config) -> None:
-        """``config`` is the worker's (``duet.worker.WorkerConfig``), ``arch`` its model's shape."""
+        """``config`` is the worker's (``duet.worker.WorkerConfig``), ``arch`` the whole model's
+        shape (the rank's cache holds its share of the KV heads)."""
+        from duet.models.tensor_parallel import shard_heads
+
         transfer = config.kv_transfer
         host = resolve_host(transfer.host)
         spec = KVSpec(
@@ -36,11 +45,17 @@ class KVConnectorWorker:
             block_size=config.block_size,
             kv_dtype=str(kv_cache.dtype).removeprefix("torch."),
         )
-        self.rank = config.rank
+        shards = [shard_heads(arch.num_heads, arch.num_kv_heads, config.world_size, rank).kv_heads for rank in range(config.rank + 1)]
+        own = shards[-1]
+        kv_heads = (own.start, own.stop)
+        # The heads this rank sends: its own, but those a lower rank also holds (and sends).
+        self.sent_heads = (max([own.start] + [shard.stop for shard in shards[:-1]]), own.stop)
         self.num_layers = arch.num_layers
-        self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=f"{transfer.name}.{config.rank}")
-        self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s)
+        self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=f"{transfer.name}.{config.rank}", kv_heads=kv_heads)
+        self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s, kv_heads=kv_heads)
         self._sending: dict[str, LayerProgress] = {}  # this step's sends, by request
+        self._parts: dict[int, tuple[int, list[KVTransferResult]]] = {}  # a send's parts: how many, and those ended
+        self._ended: list[KVTransferResult] = []  # sends with no part: ended as they started
         self._block_table: Callable[[str], list[int]] = lambda request_id: []
 
     @property
@@ -66,7 +81,23 @@ class KVConnectorWorker:
                 progress = LayerProgress.complete(self.num_layers, spec.block_ids, NO_TOKEN)
             else:
                 progress = self._sending[spec.request_id] = LayerProgress(self.num_layers)
-            self.sender.send(spec.transfer_id, spec.endpoints[self.rank], progress, spec.num_blocks)
+            parts = self._parts_of(spec.endpoints)
+            if not parts:
+                self._ended.append(KVTransferResult(spec.transfer_id, True))
+                continue
+            self._parts[spec.transfer_id] = (len(parts), [])
+            for endpoint, heads in parts:
+                self.sender.send(spec.transfer_id, endpoint, progress, spec.num_blocks, heads=heads)
+
+    def _parts_of(self, endpoints: tuple[KVEndpoint, ...]) -> list[tuple[KVEndpoint, tuple[int, int]]]:
+        """Each receiving worker that holds some of the heads this rank sends, and those heads."""
+        parts = []
+        for endpoint in endpoints:
+            low, high = endpoint.kv_heads or (0, self.receiver.spec.num_kv_heads)
+            low, high = max(low, self.sent_heads[0]), min(high, self.sent_heads[1])
+            if low < high:
+                parts.append((endpoint, (low, high)))
+        return parts
 
     def on_layer_done(self, layer: int) -> None:
         for request_id, progress in self._sending.items():
@@ -80,7 +111,14 @@ class KVConnectorWorker:
         self._sending = {}
 
     def poll(self) -> list[KVTransferResult]:
-        return self.receiver.poll() + self.sender.poll()
+        ended, self._ended = self._ended, []
+        for part in self.sender.poll():
+            num_parts, parts = self._parts[part.transfer_id]
+            parts.append(part)
+            if len(parts) == num_parts:
+                del self._parts[part.transfer_id]
+                ended.append(KVTransferResult.combine(parts))
+        return self.receiver.poll() + ended
 
     def close(self) -> None:
         self.sender.close()

@@ -37,9 +37,11 @@ STREAM_START_TIMEOUT_S = 600.0
 
 
 class TransferEndpoint:
-    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str, timeout_s: float) -> None:
+    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str, timeout_s: float, kv_heads: tuple[int, int] | None) -> None:
         self.kv_cache = kv_cache
         self.spec = spec
+        # The model's KV heads this cache holds (a tensor-parallel rank holds a range of them).
+        self.kv_heads = kv_heads or (0, kv_cache.shape[2])
         self.host = host
         self.timeout_s = timeout_s
         self.use_cuda = kv_cache.is_cuda
@@ -81,11 +83,16 @@ class TransferEndpoint:
         if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
             raise TimeoutError(f"{what} timed out after {self.timeout_s}s")
 
-    def buffers(self, num_blocks: int) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
-        """The layer runs of a transfer and, for each, a view of one of two buffers in turn: run
-        i+1 is on its way while run i is handled. Runs are equal but for a shorter last one."""
-        runs = layer_runs(self.kv_cache, num_blocks)
-        shape = packed_shape(self.kv_cache, *runs[0], num_blocks)
+    def local_heads(self, heads: tuple[int, int]) -> slice:
+        """Where the model's KV ``heads`` lie in this cache."""
+        return slice(heads[0] - self.kv_heads[0], heads[1] - self.kv_heads[0])
+
+    def buffers(self, num_blocks: int, num_heads: int) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+        """The layer runs of a transfer (of ``num_heads`` KV heads) and, for each, a view of one
+        of two buffers in turn: run i+1 is on its way while run i is handled. Runs are equal but
+        for a shorter last one."""
+        runs = layer_runs(self.kv_cache, num_blocks, num_heads)
+        shape = packed_shape(self.kv_cache, *runs[0], num_blocks, num_heads)
         buffers = [torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device) for _ in range(2)]
         return runs, [buffers[index % 2][: end - start] for index, (start, end) in enumerate(runs)]
 

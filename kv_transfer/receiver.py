@@ -6,7 +6,9 @@ One listener thread reads the channel in order and hands each transfer to its pa
 known in advance). Transfers are matched to expectations by id, in whatever order they come;
 an announcement may even come before its expectation (the engine tells its workers between
 two steps), and waits for it. One whose request went away (cancelled, timed out) is drained
-into scratch buffers.
+into scratch buffers. A transfer may come in parts, each a range of the model's KV heads from
+another sender (tensor-parallel ranks on the prefill side): it ends once its parts cover the
+heads this cache holds, or one failed and none is still coming in.
 """
 
 from __future__ import annotations
@@ -37,15 +39,26 @@ _CANCELLED_MEMORY_S = 3600.0
 class _Expected:
     transfer_id: int
     block_ids: list[int]
-    deadline: float
+    deadline: float  # for its (next) part to be announced
     cancelled: bool = False
+    num_heads_in: int = 0  # KV heads received so far
+    parts_active: int = 0
+    error: str | None = None
+    first_token_id: int | None = None
+    num_bytes: int = 0
+    started: float = 0.0
 
 
 class KVReceiver(TransferEndpoint):
-    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
-        super().__init__(kv_cache, spec, host, timeout_s)
+    """``kv_heads``: the range of the model's KV heads this cache holds (None: all of them)."""
+
+    def __init__(
+        self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0,
+        kv_heads: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(kv_cache, spec, host, timeout_s, kv_heads)
         self.store = host_store(host, 0, timeout_s)
-        self.endpoint = KVEndpoint(host, self.store.port)
+        self.endpoint = KVEndpoint(host, self.store.port, self.kv_heads)
         self._expected: dict[int, _Expected] = {}  # not announced yet
         self._active: dict[int, _Expected] = {}  # being received
         self._cancelled: dict[int, float] = {}  # cancelled before any announcement: when
@@ -75,17 +88,20 @@ class KVReceiver(TransferEndpoint):
             if job is None:
                 return
             job.cancelled = True
-            if transfer_id in self._active:
-                return
+            if transfer_id in self._active and not self._finished(job):
+                return  # a part is coming in: it ends once its data is in
         self.report(KVTransferResult(transfer_id, False, error="cancelled", cancelled=True))
 
     def poll(self) -> list[KVTransferResult]:
-        """Transfers finished (or failed) since the last call; announcements overdue fail here."""
+        """Transfers finished (or failed) since the last call; announcements overdue fail here
+        (a transfer's first part, or a next part of one partly in)."""
         now = time.monotonic()
         with self._lock:
             overdue = [job for job in self._expected.values() if job.deadline <= now]
+            overdue += [job for job in self._active.values() if job.parts_active == 0 and job.deadline <= now]
             for job in overdue:
-                del self._expected[job.transfer_id]
+                self._expected.pop(job.transfer_id, None)
+                self._active.pop(job.transfer_id, None)
                 self._cancelled[job.transfer_id] = now
             for transfer_id, when in list(self._cancelled.items()):
                 if now - when > _CANCELLED_MEMORY_S:
@@ -107,7 +123,7 @@ class KVReceiver(TransferEndpoint):
                 return
             kind = message[0]
             if kind == "send":
-                self._inbox(message[1]).put((int(message[2]), int(message[3])))
+                self._inbox(message[1]).put((int(message[2]), int(message[3]), (int(message[4]), int(message[5]))))
             elif kind == "cancel":
                 self._sender_gave_up(int(message[1]), aborted=message[2] == "aborted")
             elif kind == "close":
@@ -122,13 +138,20 @@ class KVReceiver(TransferEndpoint):
         return self._pairs[pair_key]
 
     def _sender_gave_up(self, transfer_id: int, aborted: bool) -> None:
+        error = "the prefill replica aborted the request" if aborted else "the prefill replica gave the transfer up"
         with self._lock:
             job = self._expected.pop(transfer_id, None)
             if job is None:
-                self._cancelled[transfer_id] = time.monotonic()
-                return
-        error = "the prefill replica aborted the request" if aborted else "the prefill replica gave the transfer up"
-        self.report(KVTransferResult(transfer_id, False, error=error, cancelled=aborted))
+                job = self._active.get(transfer_id)
+                if job is None:
+                    self._cancelled[transfer_id] = time.monotonic()
+                    return
+            job.cancelled = job.cancelled or aborted
+            job.error = job.error or error
+            self._active[transfer_id] = job
+            finished = self._finished(job)
+        if finished:
+            self.report(self._result(job))
 
     def _run_pair(self, pair_key: str, inbox: queue.SimpleQueue) -> None:
         client = connect_store(self.endpoint, self.timeout_s)
@@ -140,62 +163,96 @@ class KVReceiver(TransferEndpoint):
                 continue
             if announced is None:
                 return
-            transfer_id, num_blocks = announced
+            transfer_id, num_blocks, heads = announced
             job = self._claim(transfer_id)
             try:
                 if group is None:
                     group = self.group(client, pair_key, RECEIVER_RANK)
-                self._receive(group, transfer_id, num_blocks, job)
+                self._receive(group, transfer_id, num_blocks, heads, job)
             except Exception as error:  # the pair is broken: its transfers fail, the replica goes on
                 if not self.closed.is_set():
                     logger.warning("KV transfer pair %s broke: %s", pair_key, error)
                 self._pairs.pop(pair_key, None)
                 if job is not None:
                     with self._lock:
-                        self._active.pop(transfer_id, None)
-                    self.report(KVTransferResult(transfer_id, False, error=f"pair {pair_key} broke: {error}"))
+                        job.parts_active -= 1
+                        job.error = job.error or f"pair {pair_key} broke: {error}"
+                        finished = self._finished(job)
+                    if finished:
+                        self.report(self._result(job))
                 return
 
     def _claim(self, transfer_id: int) -> _Expected | None:
         """The expectation of an announced transfer (waiting for it a while: the engine tells its
-        workers between steps); None if its request went away, and it must be drained."""
+        workers between steps), or of one whose other parts are coming in; None if its request
+        went away, and it must be drained."""
         with self._lock:
             self._lock.wait_for(
-                lambda: transfer_id in self._expected or transfer_id in self._cancelled or self.closed.is_set(), self.timeout_s
+                lambda: transfer_id in self._expected or transfer_id in self._active or transfer_id in self._cancelled
+                or self.closed.is_set(),
+                self.timeout_s,
             )
-            self._cancelled.pop(transfer_id, None)
             job = self._expected.pop(transfer_id, None)
             if job is not None:
+                job.started = time.monotonic()
                 self._active[transfer_id] = job
+            job = self._active.get(transfer_id)
+            if job is not None:
+                job.parts_active += 1
             return job
 
-    def _receive(self, group, transfer_id: int, num_blocks: int, job: _Expected | None) -> None:
-        if not 0 < num_blocks <= self.kv_cache.shape[3]:
-            raise RuntimeError(f"transfer {transfer_id} announced with {num_blocks} blocks")
-        start = time.monotonic()
-        mismatch = job is not None and len(job.block_ids) != num_blocks
-        runs, received = self.buffers(num_blocks)
+    def _receive(self, group, transfer_id: int, num_blocks: int, heads: tuple[int, int], job: _Expected | None) -> None:
+        if not 0 < num_blocks <= self.kv_cache.shape[3] or not 0 <= heads[0] < heads[1] <= self.spec.num_kv_heads:
+            raise RuntimeError(f"transfer {transfer_id} announced with {num_blocks} blocks of KV heads {heads}")
+        mismatch = None
+        if job is not None and len(job.block_ids) != num_blocks:
+            mismatch = f"announced with {num_blocks} blocks, expected {len(job.block_ids)}"
+        elif not self.kv_heads[0] <= heads[0] < heads[1] <= self.kv_heads[1]:
+            mismatch = f"announced with KV heads {heads}, this worker holds {self.kv_heads}"
+        runs, received = self.buffers(num_blocks, heads[1] - heads[0])
         work = group.recv(received[0], FIRST_LAYER_TAG)
         for index, (start_layer, end) in enumerate(runs):
             self.wait(work, f"layers {start_layer}-{end - 1} of transfer {transfer_id}")
             if index + 1 < len(runs):
                 work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
-            if job is not None and not mismatch:
-                unpack_layers(self.kv_cache, start_layer, end, job.block_ids, received[index])
+            if job is not None and mismatch is None:
+                unpack_layers(self.kv_cache, start_layer, end, job.block_ids, received[index], self.local_heads(heads))
         trailer = torch.zeros(3, dtype=torch.int64)
         self.wait(group.recv(trailer, TRAILER_TAG), f"trailer of transfer {transfer_id}")
-        with self._lock:  # from here a cancel no longer reaches this transfer: it ends now
-            self._active.pop(transfer_id, None)
-            accepted = job is not None and not mismatch and not job.cancelled and bool(trailer[1])
+        with self._lock:  # from here a cancel no longer reaches this part: it ends now
+            accepted = job is not None and mismatch is None and not job.cancelled and job.error is None and bool(trailer[1])
+            if job is not None:
+                job.parts_active -= 1
+                if accepted:
+                    job.num_heads_in += heads[1] - heads[0]
+                    job.num_bytes += sum(buffer.numel() * buffer.element_size() for buffer in received)
+                    if int(trailer[2]) != NO_TOKEN:
+                        job.first_token_id = int(trailer[2])
+                elif not job.cancelled and job.error is None:
+                    if mismatch is not None:
+                        job.error = mismatch
+                    else:
+                        job.error, job.cancelled = "the prefill replica aborted the request mid-transfer", True
+                finished = self._finished(job)
         self.wait(group.send(torch.tensor([transfer_id, int(accepted)]), ACK_TAG), f"ack of transfer {transfer_id}")
-        if job is None:
-            return  # drained: its request went away, and was told so then
-        if accepted:
-            num_bytes = sum(buffer.numel() * buffer.element_size() for buffer in received)
-            first_token_id = None if int(trailer[2]) == NO_TOKEN else int(trailer[2])
-            self.report(KVTransferResult(transfer_id, True, first_token_id, num_bytes=num_bytes, seconds=time.monotonic() - start))
-        elif mismatch:
-            self.report(KVTransferResult(transfer_id, False, error=f"announced with {num_blocks} blocks, expected {len(job.block_ids)}"))
-        else:
-            error = "cancelled" if job.cancelled else "the prefill replica aborted the request mid-transfer"
-            self.report(KVTransferResult(transfer_id, False, error=error, cancelled=True))
+        if job is not None and finished:  # a drained one's request went away, and was told so then
+            self.report(self._result(job))
+
+    def _finished(self, job: _Expected) -> bool:
+        """Under the lock: whether ``job`` has ended (every head in, or a part failed or the
+        request went away, with no part still coming in); if so it leaves the active ones, and
+        later parts of a failed one are drained. Otherwise its next part has a deadline."""
+        complete = job.num_heads_in == self.kv_heads[1] - self.kv_heads[0]
+        if job.parts_active or not (complete or job.cancelled or job.error):
+            job.deadline = time.monotonic() + self.timeout_s
+            return False
+        self._active.pop(job.transfer_id, None)
+        if not complete:
+            self._cancelled[job.transfer_id] = time.monotonic()
+        return True
+
+    def _result(self, job: _Expected) -> KVTransferResult:
+        if job.error is None and not job.cancelled:
+            seconds = time.monotonic() - job.started
+            return KVTransferResult(job.transfer_id, True, job.first_token_id, num_bytes=job.num_bytes, seconds=seconds)
+        return KVTransferResult(job.transfer_id, False, error=job.error or "cancelled", cancelled=job.cancelled)

@@ -2,7 +2,9 @@
 
 One pair per receiver endpoint, with a thread that picks whichever of its transfers has its
 first run of layers computed (a long prompt queued first does not hold up a short one), then
-announces it on the receiver's channel and sends it whole. A pair that broke fails the
+announces it on the receiver's channel, with the range of the model's KV heads it carries, and
+sends it whole. A transfer may go in parts, a range of heads to each of several receivers
+(tensor-parallel ranks): each part is reported on its own. A pair that broke fails the
 transfer under way; the others move, once, to a new pair (a new key, a new group).
 """
 
@@ -32,26 +34,38 @@ class _Send:
     num_blocks: int
     progress: LayerProgress
     deadline: float  # to have the first run of layers computed
+    heads: tuple[int, int]  # the model's KV heads it carries
+    endpoint: KVEndpoint | None = None
     moved: bool = False  # already moved off a pair that broke
 
 
 class KVSender(TransferEndpoint):
-    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0, name: str = "prefill"):
-        super().__init__(kv_cache, spec, host, timeout_s)
+    """``kv_heads``: the range of the model's KV heads this cache holds (None: all of them)."""
+
+    def __init__(
+        self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0, name: str = "prefill",
+        kv_heads: tuple[int, int] | None = None,
+    ):
+        super().__init__(kv_cache, spec, host, timeout_s, kv_heads)
         self.name = name
         self._pairs: dict[KVEndpoint, _SenderPair] = {}
         self._generation: dict[KVEndpoint, int] = {}
-        self._jobs: dict[int, _Send] = {}
+        self._jobs: dict[tuple[int, KVEndpoint], _Send] = {}
 
-    def send(self, transfer_id: int, endpoint: KVEndpoint, progress: LayerProgress, num_blocks: int, timeout_s: float | None = None) -> None:
-        """Ship ``num_blocks`` blocks of a request, each run of layers once ``progress`` has it
-        computed, and its first token after them. Gives up (and tells the receiver) if the
-        first run is not computed within ``timeout_s`` (default: the endpoint's)."""
+    def send(
+        self, transfer_id: int, endpoint: KVEndpoint, progress: LayerProgress, num_blocks: int, timeout_s: float | None = None,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
+        """Ship ``num_blocks`` blocks of a request (of the model's KV ``heads``, default all this
+        cache holds), each run of layers once ``progress`` has it computed, and its first token
+        after them. Gives up (and tells the receiver) if the first run is not computed within
+        ``timeout_s`` (default: the endpoint's)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         progress.on_change = self._wake_pairs
-        self._queue(_Send(transfer_id, num_blocks, progress, deadline), endpoint)
+        self._queue(_Send(transfer_id, num_blocks, progress, deadline, heads or self.kv_heads), endpoint)
 
     def _queue(self, job: _Send, endpoint: KVEndpoint) -> None:
+        job.endpoint = endpoint
         with self._lock:
             pair = self._pairs.get(endpoint)
             if pair is None:
@@ -60,19 +74,19 @@ class KVSender(TransferEndpoint):
                 pair = self._pairs[endpoint] = _SenderPair(self, endpoint, f"{self.name}->{endpoint.host}:{endpoint.port}/{generation}")
                 self.start_thread(pair.run, f"kv-{pair.pair_key}")
             pair.jobs.append(job)
-            self._jobs[job.transfer_id] = job
+            self._jobs[(job.transfer_id, endpoint)] = job
             self._lock.notify_all()
 
     def cancel(self, transfer_id: int) -> None:
         """The request was aborted: its transfer is given up, or sent on as invalid if under way."""
         with self._lock:
-            job = self._jobs.get(transfer_id)
-        if job is not None:
+            jobs = [job for (job_id, _), job in self._jobs.items() if job_id == transfer_id]
+        for job in jobs:
             job.progress.cancel()
 
     def done(self, job: _Send, result: KVTransferResult) -> None:
         with self._lock:
-            self._jobs.pop(job.transfer_id, None)
+            self._jobs.pop((job.transfer_id, job.endpoint), None)
         self.report(result)
 
     def _wake_pairs(self) -> None:
@@ -108,7 +122,7 @@ class _SenderPair:
                     owner.done(job, KVTransferResult(job.transfer_id, False, error=give_up, cancelled=aborted))
                     continue
                 self.active = job
-                channel.post("send", self.pair_key, job.transfer_id, job.num_blocks)
+                channel.post("send", self.pair_key, job.transfer_id, job.num_blocks, *job.heads)
                 if group is None:
                     group = owner.group(client, self.pair_key, SENDER_RANK)
                 self._send(group, job)
@@ -143,7 +157,8 @@ class _SenderPair:
     def _send(self, group, job: _Send) -> None:
         owner = self.owner
         start = time.monotonic()
-        runs = layer_runs(owner.kv_cache, job.num_blocks)
+        heads = owner.local_heads(job.heads)
+        runs = layer_runs(owner.kv_cache, job.num_blocks, heads.stop - heads.start)
         valid, reason = True, None
         block_ids = job.progress.wait_for(runs[0][1], owner.timeout_s)
         num_bytes = 0
@@ -154,7 +169,7 @@ class _SenderPair:
                     block_ids = job.progress.wait_for(end, owner.timeout_s)
                 except (TransferCancelled, TimeoutError) as error:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
-            packed = pack_layers(owner.kv_cache, start_layer, end, block_ids)
+            packed = pack_layers(owner.kv_cache, start_layer, end, block_ids, heads)
             work = group.send(packed, FIRST_LAYER_TAG + index)
             if in_flight is not None:
                 owner.wait(in_flight[0], f"layers before {start_layer} of transfer {job.transfer_id}")
@@ -196,4 +211,4 @@ class _SenderPair:
                 owner._queue(job, self.endpoint)
 
 
-_RETIRE = _Send(-1, 0, LayerProgress(0), 0.0)  # what ``_next_job`` returns to end an idle pair's thread
+_RETIRE = _Send(-1, 0, LayerProgress(0), 0.0, (0, 0))  # what ``_next_job`` returns to end an idle pair's thread

@@ -1,9 +1,10 @@
 """Wire layout of one request's KV: for a run of layers, K then V of its blocks, contiguous.
 
 The cache is ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``. The
-sender gathers the request's blocks of layers ``start:end`` into ``[end - start, 2,
-num_kv_heads, n, block_size, head_dim]`` and the receiver scatters that into its own
-(different) block ids. A partial last block travels whole: positions past the request's
+sender gathers the request's blocks of layers ``start:end`` and of a range of its KV heads
+into ``[end - start, 2, heads, n, block_size, head_dim]`` and the receiver scatters that into
+its own (different) block ids and its own place of those heads (tensor-parallel ranks hold
+different heads on each side). A partial last block travels whole: positions past the request's
 length are never read. Layers travel in runs of about ``TARGET_MESSAGE_BYTES``: one
 message per layer costs gloo ~1 ms each, which dominated small prompts.
 """
@@ -15,26 +16,28 @@ import torch
 TARGET_MESSAGE_BYTES = 8 << 20
 
 
-def layer_runs(kv_cache: torch.Tensor, num_blocks: int) -> list[tuple[int, int]]:
+def layer_runs(kv_cache: torch.Tensor, num_blocks: int, num_heads: int | None = None) -> list[tuple[int, int]]:
     """``(start, end)`` layer ranges, one per message; both sides compute the same ones."""
     num_layers = kv_cache.shape[0]
-    layer_bytes = 2 * kv_cache.shape[2] * num_blocks * kv_cache.shape[4] * kv_cache.shape[5] * kv_cache.element_size()
+    layer_bytes = 2 * (num_heads or kv_cache.shape[2]) * num_blocks * kv_cache.shape[4] * kv_cache.shape[5] * kv_cache.element_size()
     per_message = max(1, min(num_layers, TARGET_MESSAGE_BYTES // max(layer_bytes, 1)))
     return [(start, min(start + per_message, num_layers)) for start in range(0, num_layers, per_message)]
 
 
-def packed_shape(kv_cache: torch.Tensor, start: int, end: int, num_blocks: int) -> tuple[int, ...]:
+def packed_shape(kv_cache: torch.Tensor, start: int, end: int, num_blocks: int, num_heads: int | None = None) -> tuple[int, ...]:
     _, two, num_kv_heads, _, block_size, head_dim = kv_cache.shape
-    return (end - start, two, num_kv_heads, num_blocks, block_size, head_dim)
+    return (end - start, two, num_heads or num_kv_heads, num_blocks, block_size, head_dim)
 
 
-def pack_layers(kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int]) -> torch.Tensor:
-    """Gather ``block_ids`` of layers ``start:end`` into one contiguous tensor."""
+def pack_layers(kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], heads: slice = slice(None)) -> torch.Tensor:
+    """Gather ``block_ids`` of layers ``start:end`` (of the cache's ``heads``) into one contiguous tensor."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    return kv_cache[start:end].index_select(3, index)
+    return kv_cache[start:end, :, heads].index_select(3, index)
 
 
-def unpack_layers(kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], packed: torch.Tensor) -> None:
-    """Scatter packed layers ``start:end`` into this replica's ``block_ids``."""
+def unpack_layers(
+    kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], packed: torch.Tensor, heads: slice = slice(None)
+) -> None:
+    """Scatter packed layers ``start:end`` into this replica's ``block_ids`` (of its ``heads``)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache[start:end].index_copy_(3, index, packed.to(kv_cache.dtype))
+    kv_cache[start:end, :, heads].index_copy_(3, index, packed.to(kv_cache.dtype))

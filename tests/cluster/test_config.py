@@ -143,11 +143,6 @@ def test_a_tensor_parallel_pool_gets_a_bundle_for_its_replica_and_one_per_worker
     assert pool.placement_group_bundles(EngineSettings()) is None
 
 
-def test_pools_of_different_tensor_parallel_sizes_are_refused():
-    with pytest.raises(AppConfigError, match="prefill.engine.tensor_parallel_size=2 but decode.engine.tensor_parallel_size=1"):
-        parse_args({"prefill": {"engine": {"tensor_parallel_size": 2}}})
-
-
 def test_a_layout_that_cannot_split_the_heads_is_refused_before_any_actor_starts(tiny_llama_dir):
     from duet.cluster.app import build_app
 

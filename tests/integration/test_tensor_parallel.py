@@ -1,5 +1,6 @@
 """Tensor-parallel pools over HTTP: each replica and its TP=2 workers in one placement group,
-prompt KV sent rank to rank (each rank its own KV heads), tokens as one process gives them."""
+prompt KV sent from the ranks that hold each KV head to those that need it, whatever the two
+pools' layouts; tokens as one process gives them."""
 
 from __future__ import annotations
 
@@ -14,47 +15,79 @@ from tests.integration.client import complete, greedy_body, random_prompt, settl
 
 pytestmark = pytest.mark.slow
 
+TP1 = {"ray_actor_options": {"num_cpus": 0.05}, "engine": {"num_threads": 1}}
 TP2 = {"ray_actor_options": {"num_cpus": 0.01}, "worker_num_cpus": 0.05, "engine": {"tensor_parallel_size": 2, "num_threads": 1}}
+LAYOUTS = {"tp2-to-tp2": (TP2, TP2), "tp2-to-tp1": (TP2, TP1), "tp1-to-tp2": (TP1, TP2)}
 
 
-def _tp2_app() -> dict:
+def _app(prefill: dict, decode: dict) -> dict:
     return {
         "mode": "pd",
         "engine": {"max_model_len": 1024, "num_kv_blocks": 2048, "max_num_seqs": 16},
-        "prefill": TP2,
+        "prefill": prefill,
         # Every prompt goes through the prefill pool and its KV over the transfer.
-        "decode": TP2 | {"adaptive_local_prefill": False},
+        "decode": decode | {"adaptive_local_prefill": False},
         "router": {"ray_actor_options": {"num_cpus": 0}},
     }
 
 
-def test_pd_at_tp2_gives_the_single_process_tokens(cluster, tiny_offline, deploy, ray_driver):
-    url = deploy("tp2", _tp2_app())
-    rng = random.Random(5)
-    prompts = [random_prompt(rng, length) for length in (20, 70, 150, 33)]
-
+def _complete_all(url: str, prompts: list[list[int]], model: str = "tiny") -> list[tuple[int, list[int], list[dict]]]:
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(
-                *(complete(client, url, greedy_body(prompt, stream=index % 2 == 1)) for index, prompt in enumerate(prompts))
+                *(complete(client, url, greedy_body(prompt, stream=index % 2 == 1, model=model)) for index, prompt in enumerate(prompts))
             )
 
-    results = asyncio.run(run())
-    assert [status for status, _, _ in results] == [200] * len(prompts)
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(cluster, tiny_offline, deploy, ray_driver, layout):
+    """Guards the KV heads' way across the transfer: each of the tiny model's 2 KV heads on its
+    own rank, sent rank to rank, gathered from two ranks into one, or split from one into two."""
+    prefill, decode = LAYOUTS[layout]
+    url = deploy(layout, _app(prefill, decode))
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, length) for length in (20, 70, 150, 33)]
+    results = _complete_all(url, prompts)
+    assert [status for status, _, _ in results] == [200] * len(prompts), results
     assert [tokens for _, tokens, _ in results] == tiny_offline(prompts)
-    # Each replica's placement group: its own bundle, then one per worker rank.
+    # Each tensor-parallel replica's placement group: its own bundle, then one per worker rank.
     groups = [
         group for group in ray_driver.util.placement_group_table().values()
         if group["state"] == "CREATED" and [bundle.get("CPU") for bundle in group["bundles"].values()] == [0.01, 0.05, 0.05]
     ]
-    assert len(groups) == 2, groups
+    assert len(groups) == (prefill is TP2) + (decode is TP2), groups
     assert settled(cluster, url)["ok"]
+
+
+def test_smollm2_prefilled_at_tp2_and_decoded_at_tp1_matches_one_process(cluster, ray_driver, parity_prompts):
+    """The real model's 3 KV heads, split 1 + 2 over the prefill ranks, land in one decode worker."""
+    from ray import serve
+
+    from duet import LLM, SamplingParams
+    from duet.cluster.app import build_app
+
+    prompts = parity_prompts[:4]
+    expected = [
+        output.outputs[0].token_ids
+        for output in LLM(model="smollm2", max_model_len=1024).generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
+    ]
+    app = _app(TP2, TP1) | {"model_id": "smollm2", "model": "smollm2"}
+    app["engine"] = {"max_model_len": 1024, "kv_cache_memory_gib": 0.1, "max_num_seqs": 8}
+    serve.run(build_app(app), name="smollm2-tp", route_prefix="/smollm2-tp")
+    try:
+        results = _complete_all(f"{cluster.url}/smollm2-tp", prompts, model="smollm2")
+        assert [tokens for _, tokens, _ in results] == expected
+        assert settled(cluster, f"{cluster.url}/smollm2-tp")["ok"]
+    finally:
+        serve.delete("smollm2-tp")
 
 
 def test_an_application_the_cluster_cannot_hold_is_refused_before_any_actor_starts(cluster, ray_driver):
     from duet.cluster.app import build_app
 
-    app = _tp2_app() | {"model_id": "tiny", "model": cluster.tiny_model_dir}
+    app = _app(TP2, TP2) | {"model_id": "tiny", "model": cluster.tiny_model_dir}
     app["decode"] = app["decode"] | {"worker_num_cpus": 8}
     with pytest.raises(AppConfigError, match="need 16.12 CPUs and the Ray cluster has 2: 14.12 missing"):
         build_app(app)
