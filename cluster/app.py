@@ -89,14 +89,14 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
     import ray
 
     from duet.models.loader import read_arch
-    from duet.models.tensor_parallel import shard_heads
+    from duet.models.tensor_parallel import check_layout
 
     arch = read_arch(model_dir)
     needed = float(config.router.ray_actor_options.get("num_cpus", 0)) * config.router.num_replicas
     for stage, pool in pools.items():
         engine = pool.merged_engine(config.engine)
         try:
-            shard_heads(arch.num_heads, arch.num_kv_heads, engine.tensor_parallel_size, 0)
+            check_layout(arch, engine.tensor_parallel_size, engine.enable_expert_parallel)
         except ConfigError as error:
             raise AppConfigError(f"{stage}.engine.tensor_parallel_size: {error}") from None
         needed += pool.num_cpus(stage, engine)

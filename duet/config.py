@@ -212,6 +212,7 @@ class EngineArgs:
     speculative_config: dict | None = None
     kv_transfer_config: dict | None = None
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # a mixture of experts' ranks hold whole experts
     # None: in this process for one rank, Ray actors for several.
     distributed_executor_backend: str | None = None
 

@@ -20,7 +20,7 @@ from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.load import LoadTracker
 from duet.messages import EngineRequest, KVDestination, TokenDelta
-from duet.models.tensor_parallel import shard_heads
+from duet.models.tensor_parallel import check_layout
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.request import Request
 from duet.sampling_params import SamplingParams, fit_to_context
@@ -51,8 +51,7 @@ class LLMEngine:
         arch = self.model_config
         world_size = args.tensor_parallel_size
         # Checked here, before any worker starts; a rank's KV cache holds its own KV heads.
-        shards = [shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank) for rank in range(world_size)]
-        kv_heads_per_rank = max(shard.num_kv_heads for shard in shards)
+        kv_heads_per_rank = check_layout(arch, world_size, args.enable_expert_parallel)
         self.num_blocks = cache_config.num_blocks(
             kv_bytes_per_block(arch.num_layers, kv_heads_per_rank, arch.head_dim, self.block_size, self.dtype)
         )

@@ -53,6 +53,25 @@ def make_tiny_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **override
     return target
 
 
+def make_tiny_mixtral(target: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight Mixtral (4 experts, 2 per token) with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    settings = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**settings)).float()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # no near-ties among greedy choices
+    model.save_pretrained(str(target))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(target))
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)

@@ -11,9 +11,11 @@ import torch
 from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
+from duet.models.mixtral import MixtralArch, MixtralForCausalLM
 
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = {"LlamaForCausalLM": (LlamaArch, LlamaForCausalLM), "MixtralForCausalLM": (MixtralArch, MixtralForCausalLM)}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,12 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         plan[out + "post_attention_layernorm.weight"] = [prefix + "post_attention_layernorm.weight"]
         plan[out + "self_attn.qkv_proj.weight"] = [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
         plan[out + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
+        if isinstance(arch, MixtralArch):
+            experts = [f"{prefix}block_sparse_moe.experts.{expert}." for expert in range(arch.num_experts)]
+            plan[out + "mlp.gate.weight"] = [prefix + "block_sparse_moe.gate.weight"]
+            plan[out + "mlp.w13"] = [expert + name for expert in experts for name in ("w1.weight", "w3.weight")]
+            plan[out + "mlp.w2"] = [expert + "w2.weight" for expert in experts]
+            continue
         plan[out + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
         plan[out + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
     return plan
@@ -136,12 +144,15 @@ def read_arch(path: Path) -> LlamaArch:
     from transformers import AutoConfig
 
     raw_config = json.loads((path / "config.json").read_text())
-    architectures = raw_config.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        raise ModelNotFoundError(f"{path}: architecture {architectures} is not supported; duet runs {SUPPORTED_ARCHITECTURES}")
+    architectures = [a for a in raw_config.get("architectures") or [] if a in ARCHITECTURES]
+    if not architectures:
+        raise ModelNotFoundError(
+            f"{path}: architecture {raw_config.get('architectures')} is not supported; duet runs {SUPPORTED_ARCHITECTURES}"
+        )
     if raw_config.get("attention_bias") or raw_config.get("mlp_bias"):
         raise ModelNotFoundError(f"{path}: Llama variants with projection biases are not supported yet")
-    return LlamaArch.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    arch_class, _ = ARCHITECTURES[architectures[0]]
+    return arch_class.from_hf_config(AutoConfig.from_pretrained(str(path)))
 
 
 def load_model(
@@ -150,8 +161,9 @@ def load_model(
     """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``;
     with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_backend``)."""
     arch = read_arch(path)
+    model_class = MixtralForCausalLM if isinstance(arch, MixtralArch) else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions)
+        model = model_class(arch, max_positions)
     model = model.to_empty(device=device)
     state = _fused_state_dict(_read_state_dict(path), arch)
     for name, param in model.named_parameters():

@@ -8,6 +8,11 @@ meet are swapped for ones that do.
   num_kv_heads`` ranks, which split its query heads. ``o_proj`` keeps the rank's heads' columns
   and its partial sums are added over the ranks: one all-reduce per attention block.
 - MLP: gate and up rows, down columns, split over the intermediate features; one all-reduce.
+- Experts (a Mixtral, with expert parallelism): each rank holds a contiguous range of whole
+  experts; every rank routes every token (the router is replicated, its choices identical),
+  computes its own experts' weighted outputs, and the ranks add them (one all-reduce per MoE
+  block). The tokens need no dispatch: after the attention's all-reduce every rank holds them
+  all, so "all-to-all" reduces to each rank picking its experts' tokens.
 - Embedding and LM head split over the vocabulary: a token's row lives on one rank (the others
   add zeros, which is exact), and the ranks' logits are gathered whole on every rank, so every
   rank samples the same tokens from the same logits and keeps its own copy of the sequences.
@@ -29,7 +34,8 @@ from duet.config import ConfigError
 from duet.distributed import TensorParallelGroup
 from duet.kernels.gguf import BLOCK
 from duet.models.linear import Linear
-from duet.models.llama import LlamaForCausalLM
+from duet.models.llama import LlamaArch, LlamaForCausalLM
+from duet.models.mixtral import MixtralArch, MixtralMoE
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,23 @@ def shard_heads(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -
     return HeadShard(slice(first + q_heads.start, first + q_heads.stop), slice(kv_head, kv_head + 1))
 
 
+def check_layout(arch: LlamaArch, world_size: int, expert_parallel: bool) -> int:
+    """Raise ``ConfigError`` unless ``world_size`` ranks can split ``arch``; return the most KV
+    heads a rank holds (what sizes its KV cache)."""
+    is_moe = isinstance(arch, MixtralArch)
+    if expert_parallel and not is_moe:
+        raise ConfigError("enable_expert_parallel needs a mixture-of-experts model (Mixtral); this one has no experts")
+    if is_moe and world_size > 1:
+        if not expert_parallel:
+            raise ConfigError(
+                f"tensor_parallel_size={world_size} on a mixture-of-experts model shards its experts whole: set "
+                "enable_expert_parallel=True (splitting each expert's features is not built)"
+            )
+        if arch.num_experts < world_size:
+            raise ConfigError(f"{arch.num_experts} experts cannot spread over {world_size} ranks")
+    return max(shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank).num_kv_heads for rank in range(world_size))
+
+
 def _offset(part: slice, by: int) -> slice:
     return slice(part.start + by, part.stop + by)
 
@@ -97,16 +120,17 @@ def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None
     return shard
 
 
-class RowParallelLinear(nn.Module):
-    """A Linear over this rank's input features; the partial products are summed over the ranks."""
+class SummedOverRanks(nn.Module):
+    """A module computing this rank's part of a sum (a Linear over its input features, its
+    experts); the parts are added over the ranks."""
 
-    def __init__(self, linear: Linear, group: TensorParallelGroup) -> None:
+    def __init__(self, module: nn.Module, group: TensorParallelGroup) -> None:
         super().__init__()
-        self.linear = linear
+        self.module = module
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.linear(x))
+        return self.group.all_reduce(self.module(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -147,8 +171,9 @@ class VocabParallelLMHead(nn.Module):
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup) -> None:
-    """Keep this rank's part of ``model`` and wire its collectives; ``model.arch`` becomes the
-    rank's shape (its heads, KV heads and intermediate features: what its KV cache holds)."""
+    """Keep this rank's part of ``model`` (its experts, for a Mixtral: the layout is checked by
+    ``check_layout`` first) and wire its collectives; ``model.arch`` becomes the rank's shape
+    (its heads, KV heads and MLP features: what its KV cache holds)."""
     arch, rank, world_size = model.arch, group.rank, group.world_size
     heads = shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank)
     head_dim = arch.head_dim
@@ -160,14 +185,18 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup) -
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         attention.qkv_proj = shard_linear(attention.qkv_proj, [q_rows, k_rows, v_rows])
-        attention.o_proj = RowParallelLinear(shard_linear(attention.o_proj, [slice(None)], q_rows), group)
+        attention.o_proj = SummedOverRanks(shard_linear(attention.o_proj, [slice(None)], q_rows), group)
         attention.num_heads, attention.num_kv_heads = heads.num_heads, heads.num_kv_heads
         attention.q_size, attention.kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
+        if isinstance(mlp, MixtralMoE):
+            experts = split_range(arch.num_experts, world_size, rank)
+            mlp.keep_experts(range(experts.start, experts.stop))
+            layer.mlp = SummedOverRanks(mlp, group)
+            continue
         mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [features, _offset(features, arch.intermediate_size)])
-        mlp.down_proj = RowParallelLinear(shard_linear(mlp.down_proj, [slice(None)], features), group)
+        mlp.down_proj = SummedOverRanks(shard_linear(mlp.down_proj, [slice(None)], features), group)
     vocab = [split_range(arch.vocab_size, world_size, index) for index in range(world_size)]
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[vocab[rank]].contiguous(), vocab[rank].start, group)
     model.lm_head = VocabParallelLMHead(shard_linear(model.lm_head, [vocab[rank]]), [part.stop - part.start for part in vocab], group)
-    model.arch = dataclasses.replace(
-        arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, intermediate_size=features.stop - features.start
-    )
+    intermediate_size = arch.intermediate_size if isinstance(arch, MixtralArch) else features.stop - features.start
+    model.arch = dataclasses.replace(arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, intermediate_size=intermediate_size)

@@ -1,0 +1,82 @@
+"""Mixtral-style mixture of experts: a Llama whose MLP is a router over ``num_experts`` SwiGLU
+experts, of which each token takes its ``num_experts_per_tok`` best, weighted.
+
+The routing is transformers' (``MixtralTopKRouter``): softmax of the router's logits in fp32,
+top-k, the k weights renormalised to sum to one; and so is the sum: a token's weighted expert
+outputs are added into zeros in the experts' index order. With expert parallelism each rank
+holds a contiguous range of experts (``local_experts``) and returns the sum of its own, which
+the ranks then add (``duet.models.tensor_parallel``): a token's two experts on two ranks sum
+to what one process gives, to the bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from duet.kernels.fused import silu_and_mul
+from duet.models.linear import Linear
+from duet.models.llama import LlamaArch, LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class MixtralArch(LlamaArch):
+    """A Llama's shape plus its experts (``intermediate_size`` is one expert's)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> MixtralArch:
+        llama = LlamaArch.from_hf_config(config)
+        return cls(**vars(llama), num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok)
+
+
+class MixtralMoE(nn.Module):
+    """The router and the experts ``local_experts`` (all of them unless expert-parallel)."""
+
+    def __init__(self, arch: MixtralArch) -> None:
+        super().__init__()
+        self.top_k = arch.num_experts_per_tok
+        self.hidden_size = arch.hidden_size
+        self.intermediate_size = arch.intermediate_size
+        self.local_experts = range(arch.num_experts)
+        self.gate = Linear(arch.hidden_size, arch.num_experts)
+        # Experts stacked as the checkpoint's rows concatenate: w1 then w3 (gate, up) per expert, and w2.
+        self.w13 = nn.Parameter(torch.empty(arch.num_experts * 2 * arch.intermediate_size, arch.hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(arch.num_experts * arch.hidden_size, arch.intermediate_size), requires_grad=False)
+
+    def keep_experts(self, experts: range) -> None:
+        """Keep only these experts' weights (an expert-parallel rank's share)."""
+        gate_up, hidden = 2 * self.intermediate_size, self.hidden_size
+        first = experts.start - self.local_experts.start
+        self.w13 = nn.Parameter(self.w13[first * gate_up : (first + len(experts)) * gate_up].contiguous(), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2[first * hidden : (first + len(experts)) * hidden].contiguous(), requires_grad=False)
+        self.local_experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        w13 = self.w13.view(len(self.local_experts), 2 * self.intermediate_size, self.hidden_size)
+        w2 = self.w2.view(len(self.local_experts), self.hidden_size, self.intermediate_size)
+        for index, expert in enumerate(self.local_experts):
+            tokens, slots = torch.where(chosen == expert)
+            if tokens.numel() == 0:
+                continue
+            hidden = F.linear(silu_and_mul(F.linear(x[tokens], w13[index])), w2[index])
+            out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
+        return out
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """The Llama decoder with each layer's MLP a ``MixtralMoE``."""
+
+    def __init__(self, arch: MixtralArch, max_positions: int) -> None:
+        super().__init__(arch, max_positions)
+        for layer in self.layers:
+            layer.mlp = MixtralMoE(arch)

@@ -1,0 +1,75 @@
+"""The Mixtral-style mixture of experts against transformers' Mixtral with the same weights:
+in one process, and with its experts spread over two ranks (expert parallelism)."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet import LLM, SamplingParams
+from duet.config import ConfigError
+from tests.conftest import make_tiny_mixtral
+from tests.reference import compare_to_reference, hf_greedy
+
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017))]
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory, smollm2_dir):
+    return make_tiny_mixtral(tmp_path_factory.mktemp("tiny-mixtral"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def references(mixtral_dir):
+    return hf_greedy(mixtral_dir, PROMPTS, 10)
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+
+
+def _check(outputs, references) -> list[list[int]]:
+    tokens = [output.outputs[0].token_ids for output in outputs]
+    for index, (got, reference) in enumerate(zip(tokens, references)):
+        assert compare_to_reference(got, reference, f"prompt {index}") is None
+    return tokens
+
+
+def test_mixtral_routes_and_sums_experts_as_transformers_does(mixtral_dir, references):
+    """Guards the router (fp32 softmax, top-2, renormalised), the experts' fused w1/w3 rows, and
+    the sum in expert order, batched with chunked prompts."""
+    llm = LLM(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    _check(llm.generate(PROMPTS, _greedy()), references)
+    llm.engine.check_integrity()
+
+
+def test_a_moe_model_spreads_whole_experts_or_says_what_to_set(mixtral_dir, tiny_llama_dir):
+    with pytest.raises(ConfigError, match="set enable_expert_parallel=True"):
+        LLM(model=str(mixtral_dir), num_kv_blocks=16, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="4 experts cannot spread over 8 ranks"):
+        LLM(model=str(mixtral_dir), num_kv_blocks=16, tensor_parallel_size=8, enable_expert_parallel=True)
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        LLM(model=str(tiny_llama_dir), num_kv_blocks=16, enable_expert_parallel=True)
+
+
+@pytest.mark.slow
+def test_ep2_matches_transformers_and_one_process(mixtral_dir, references):
+    """Two experts a rank; a token's two experts on two ranks add up as in one process."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        settings = dict(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+        ep2 = LLM(**settings, tensor_parallel_size=2, enable_expert_parallel=True)
+        try:
+            tokens = _check(ep2.generate(PROMPTS, _greedy()), references)
+            ep2.engine.check_integrity()
+            held = [
+                ray.get(worker.__ray_call__.remote(lambda worker: list(worker.runner.model.layers[0].mlp.module.local_experts)))
+                for worker in ep2.engine.executor.workers
+            ]
+            assert held == [[0, 1], [2, 3]]
+        finally:
+            ep2.engine.close()
+    finally:
+        ray.shutdown()
+    assert tokens == [output.outputs[0].token_ids for output in LLM(**settings).generate(PROMPTS, _greedy())]
