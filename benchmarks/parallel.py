@@ -1,13 +1,15 @@
-"""Tensor parallelism on this machine: SmolLM2's decode step at TP=1 and TP=2, and where it goes.
+"""Parallel layouts on this machine: SmolLM2's decode step at TP=1, TP=2 and PP=2, and where it goes.
 
     duet bench parallel [--batches 1,32] [--steps 32] [--json out.json] [--plot out.png]
 
 Layouts, each on all of the machine's cores: ``tp1``, one worker in the engine's process with
 every thread; ``tp1-ray``, that worker in a Ray actor (what the executor's round trip costs a
-step); ``tp2``, two workers as Ray actors with half the threads each, meeting over gloo (NCCL on
-a GPU). For each batch, the median decode step (every sequence past its first token) and the
-share of it the ranks spend in their collectives: an all-reduce after each attention and MLP
-block, one after the embedding, the LM head's gather; waiting for the slower rank included.
+step); ``tp2``, two workers as Ray actors with half the threads each, meeting through shared
+memory (gloo across machines, NCCL on a GPU); ``pp2``, two stages of 15 layers, one worker
+each. For each batch, the median decode step (every sequence past its first token) and, for
+tp2, the share of it the ranks spend in their collectives: an all-reduce after each attention
+and MLP block, one after the embedding, the LM head's gather; waiting for the slower rank
+included.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-LAYOUTS = ("tp1", "tp1-ray", "tp2")
+LAYOUTS = ("tp1", "tp1-ray", "tp2", "pp2")
 
 
 @dataclass
@@ -46,6 +48,8 @@ def _engine(layout: str, max_batch: int):
         settings["distributed_executor_backend"] = "ray"
     elif layout == "tp2":
         settings["tensor_parallel_size"] = 2
+    elif layout == "pp2":
+        settings["pipeline_parallel_size"] = 2
     return LLM(**settings).engine
 
 
@@ -118,6 +122,7 @@ def plot(rows: list[Row], path: str) -> None:
         compute = [row.step_ms - row.collective_ms for row in chosen]
         axis.bar(names, compute, label="compute and the rest")
         axis.bar(names, [row.collective_ms for row in chosen], bottom=compute, label="collectives")
+        axis.set_ylim(0, 1.25 * max(row.step_ms for row in chosen))
         axis.set_title(f"SmolLM2 decode step, batch {batch}")
         axis.set_ylabel("ms")
         axis.legend()

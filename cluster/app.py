@@ -89,6 +89,7 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
     import ray
 
     from duet.models.loader import read_arch
+    from duet.models.pipeline_parallel import stage_layers
     from duet.models.tensor_parallel import check_layout
 
     arch = read_arch(model_dir)
@@ -97,8 +98,11 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
         engine = pool.merged_engine(config.engine)
         try:
             check_layout(arch, engine.tensor_parallel_size, engine.enable_expert_parallel)
+            stage_layers(arch.num_layers, engine.pipeline_parallel_size, 0)
         except ConfigError as error:
-            raise AppConfigError(f"{stage}.engine.tensor_parallel_size: {error}") from None
+            raise AppConfigError(f"{stage}.engine: {error}") from None
+        if engine.pipeline_parallel_size > 1 and config.mode == "pd":
+            raise AppConfigError(f"{stage}.engine.pipeline_parallel_size: a pipeline-parallel pool sends or receives no KV yet; use mode: colocated")
         needed += pool.num_cpus(stage, engine)
     if ray.is_initialized():
         available = ray.cluster_resources().get("CPU", 0.0)
@@ -123,7 +127,7 @@ def _deployment(name: str, pool: PoolSettings, engine, router_class: str, target
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
         ray_actor_options=pool.ray_actor_options,
         placement_group_bundles=pool.placement_group_bundles(engine),
-        placement_group_strategy=pool.placement_group_strategy if engine.tensor_parallel_size > 1 else None,
+        placement_group_strategy=pool.placement_group_strategy if pool.placement_group_bundles(engine) else None,
         max_ongoing_requests=pool.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=f"duet.router.routing.{router_class}",

@@ -68,7 +68,7 @@ class PoolSettings(_Strict):
     engine: dict[str, Any] = Field(default_factory=dict, description="overrides of the application's engine settings")
     worker_num_cpus: float = Field(
         default=1.0, gt=0,
-        description="with engine.tensor_parallel_size > 1: the CPUs of each rank's worker, a bundle of its own in the "
+        description="with several ranks (engine.tensor_parallel_size x pipeline_parallel_size): the CPUs of each rank's worker, a bundle of its own in the "
         "replica's placement group (the replica's actor keeps ray_actor_options, in the first bundle)",
     )
     placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
@@ -129,13 +129,14 @@ class PoolSettings(_Strict):
 
     def placement_group_bundles(self, engine: EngineSettings) -> list[dict[str, float]] | None:
         """The replica's bundle, then one per worker rank; None for a replica computing in its own process."""
-        if engine.tensor_parallel_size == 1:
+        num_workers = engine.tensor_parallel_size * engine.pipeline_parallel_size
+        if num_workers == 1:
             return None
         options = self.ray_actor_options
         # A bundle may not be empty: a replica asking for no CPU still gets a sliver of one.
         replica = {"CPU": max(float(options.get("num_cpus", 1)), 0.01)} | ({"GPU": options["num_gpus"]} if options.get("num_gpus") else {})
         worker = {"CPU": self.worker_num_cpus} | ({"GPU": 1.0} if engine.device.startswith("cuda") else {})
-        return [replica] + [worker] * engine.tensor_parallel_size
+        return [replica] + [worker] * num_workers
 
     def num_cpus(self, stage: str, engine: EngineSettings) -> float:
         """Logical CPUs the pool's replicas take at their starting count."""

@@ -212,6 +212,7 @@ class EngineArgs:
     speculative_config: dict | None = None
     kv_transfer_config: dict | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False  # a mixture of experts' ranks hold whole experts
     # None: in this process for one rank, Ray actors for several.
     distributed_executor_backend: str | None = None
@@ -229,11 +230,21 @@ class EngineArgs:
             )
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ConfigError(f"pipeline_parallel_size must be a positive integer, got {self.pipeline_parallel_size!r}")
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
             raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size} runs a worker per rank: use distributed_executor_backend='ray' "
-                "(or leave it unset)"
+                f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size={self.pipeline_parallel_size} runs "
+                "a worker per rank: use distributed_executor_backend='ray' (or leave it unset)"
             )
+        if self.pipeline_parallel_size > 1:
+            unbuilt = [name for name, value in (
+                ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                ("speculative_config", self.speculative_config is not None),
+                ("kv_transfer_config", self.kv_transfer_config is not None),
+            ) if value]
+            if unbuilt:
+                raise ConfigError(f"pipeline parallelism with {', '.join(unbuilt)} is not built yet")
         resolve_dtype(self.dtype, self.device)
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r} is not supported; use one of {QUANTIZATIONS}")
@@ -241,9 +252,13 @@ class EngineArgs:
         self.speculative()
         self.kv_transfer()
 
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def executor(self) -> str:
         """The executor's import path: the one named, else in-process for one rank, Ray actors for several."""
-        backend = self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")
+        backend = self.distributed_executor_backend or ("uni" if self.world_size == 1 else "ray")
         return EXECUTOR_BACKENDS[backend]
 
     def speculative(self) -> SpeculativeConfig | None:

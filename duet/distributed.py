@@ -158,3 +158,33 @@ class TensorParallelGroup:
         # On a GPU the wait returns once the collective is queued: time only means something on CPU.
         self.seconds += time.perf_counter() - started
         self.calls += 1
+
+
+class PipelineGroup:
+    """A replica's pipeline stages, one rank each: a stage's hidden states go to the next, and
+    the tokens the last stage samples go to every stage (each keeps its own copy of the
+    sequences). Every wait is bounded by the timeout."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.backend, self.group = new_group(dist.PrefixStore("duet/pp", store), rank, world_size, use_cuda, host, timeout_s)
+
+    def send(self, tensor: torch.Tensor, to_rank: int, tag: int):
+        """Start sending ``tensor`` (contiguous); wait on the returned work before reusing it."""
+        return self.group.send([tensor], to_rank, tag)
+
+    def recv(self, tensor: torch.Tensor, from_rank: int, tag: int) -> torch.Tensor:
+        self.wait(self.group.recv([tensor], from_rank, tag))
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        self.wait(self.group.broadcast([tensor], options))
+        return tensor
+
+    def wait(self, work) -> None:
+        if not work.wait(self.timeout):
+            raise TimeoutError(f"a pipeline stage did not answer within {self.timeout.total_seconds():g} s")

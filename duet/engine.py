@@ -20,6 +20,7 @@ from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.load import LoadTracker
 from duet.messages import EngineRequest, KVDestination, TokenDelta
+from duet.models.pipeline_parallel import stage_layers
 from duet.models.tensor_parallel import check_layout
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.request import Request
@@ -49,11 +50,13 @@ class LLMEngine:
         cache_config = args.cache_config()
         self.block_size = cache_config.block_size
         arch = self.model_config
-        world_size = args.tensor_parallel_size
-        # Checked here, before any worker starts; a rank's KV cache holds its own KV heads.
-        kv_heads_per_rank = check_layout(arch, world_size, args.enable_expert_parallel)
+        world_size = args.world_size
+        # Checked here, before any worker starts; a rank's KV cache holds its own KV heads of its stage's layers.
+        kv_heads_per_rank = check_layout(arch, args.tensor_parallel_size, args.enable_expert_parallel)
+        layers_per_rank = max(len(stage_layers(arch.num_layers, args.pipeline_parallel_size, stage))
+                              for stage in range(args.pipeline_parallel_size))
         self.num_blocks = cache_config.num_blocks(
-            kv_bytes_per_block(arch.num_layers, kv_heads_per_rank, arch.head_dim, self.block_size, self.dtype)
+            kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, self.dtype)
         )
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()
@@ -71,6 +74,7 @@ class LLMEngine:
             draft_model_path=self._check_draft_model(model_path),
             kv_transfer=self.kv_transfer_config,
             world_size=world_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
         )
         self.executor = import_object(args.executor())(worker_config)
         self.kv_endpoints = self.executor.kv_endpoints()
@@ -86,8 +90,9 @@ class LLMEngine:
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self.load = LoadTracker()
         logger.info(
-            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d, tensor_parallel_size=%d",
-            model_path.name, self.dtype, self.num_blocks, self.block_size, self.max_model_len, world_size,
+            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d, tensor_parallel_size=%d, pipeline_parallel_size=%d",
+            model_path.name, self.dtype, self.num_blocks, self.block_size, self.max_model_len, args.tensor_parallel_size,
+            args.pipeline_parallel_size,
         )
 
     def _check_draft_model(self, model_path) -> str | None:

@@ -84,12 +84,17 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor, list[str]]:
-        """The flat batch, the rows to compute logits for, and the requests those rows belong to
-        (one row each, or one per draft token plus one for a request verifying drafts)."""
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput, request_ids: list[str] | None = None
+    ) -> tuple[BatchInputs, torch.Tensor, list[str]]:
+        """The flat batch (of ``request_ids``, default the step's), the rows to compute logits for,
+        and the requests those rows belong to (one row each, or one per draft token plus one for a
+        request verifying drafts)."""
         spans, logits_rows, row_owners = [], [], []
         offset = 0
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id in scheduled if request_ids is None else request_ids:
+            num_tokens = scheduled[request_id]
             state = self.requests[request_id]
             drafts = scheduler_output.scheduled_spec_token_ids.get(request_id, [])
             start = state.num_computed_tokens

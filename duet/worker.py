@@ -35,7 +35,8 @@ class WorkerConfig:
     draft_model_path: str | None = None
     kv_transfer: KVTransferConfig | None = None
     rank: int = 0
-    world_size: int = 1
+    world_size: int = 1  # tensor_parallel_size x pipeline_parallel_size
+    pipeline_parallel_size: int = 1
     # With several ranks: the store they meet at (the executor hosts it), the address this
     # rank's collectives listen on, the bound on any wait for the others, and its threads.
     parallel_store: tuple[str, int] | None = None
@@ -61,11 +62,21 @@ def _tensor_parallel_group(config: WorkerConfig):
     )
 
 
+def _pipeline_group(config: WorkerConfig):
+    from duet.distributed import PipelineGroup, connect_store
+
+    host, port = config.parallel_store
+    store = connect_store(host, port, config.collective_timeout_s)
+    return PipelineGroup(store, config.rank, config.world_size, config.device.startswith("cuda"), config.host, config.collective_timeout_s)
+
+
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         from duet.model_runner import ModelRunner
         from duet.models.loader import load_model
+        from duet.models.pipeline_parallel import PipelineStage
         from duet.models.tensor_parallel import apply_tensor_parallel
+        from duet.pipeline_runner import PipelineRunner
 
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -74,8 +85,11 @@ class Worker:
         dtype = resolve_dtype(config.dtype, config.device)
         model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len, config.quantization)
         arch = model.arch  # the whole model's; a rank's own shape replaces it below
-        self.group = None
-        if config.world_size > 1:
+        self.group = pipeline = None
+        if config.pipeline_parallel_size > 1:  # one rank a stage (with tensor parallelism inside a stage: not built)
+            pipeline = _pipeline_group(config)
+            model = PipelineStage(model, config.rank, config.pipeline_parallel_size)
+        elif config.world_size > 1:
             self.group = _tensor_parallel_group(config)
             apply_tensor_parallel(model, self.group)
         draft = None
@@ -83,10 +97,11 @@ class Worker:
             # A draft checkpoint need not be a GGUF one: it follows the target's choice only to keep floats.
             draft_quantization = config.quantization if config.quantization == "dequantized" else None
             draft = load_model(Path(config.draft_model_path), dtype, config.device, config.max_model_len, draft_quantization)
-        self.runner = ModelRunner(
-            model, config.num_blocks, config.block_size, dtype, config.device, config.eos_token_id,
+        runner_args = (
+            config.num_blocks, config.block_size, dtype, config.device, config.eos_token_id,
             config.max_model_len, config.speculative_config, draft,
         )
+        self.runner = ModelRunner(model, *runner_args) if pipeline is None else PipelineRunner(model, pipeline, *runner_args)
         if config.device == "cpu":
             from duet.kernels import cpu_ops
 

@@ -146,5 +146,5 @@ def test_a_tensor_parallel_pool_gets_a_bundle_for_its_replica_and_one_per_worker
 def test_a_layout_that_cannot_split_the_heads_is_refused_before_any_actor_starts(tiny_llama_dir):
     from duet.cluster.app import build_app
 
-    with pytest.raises(AppConfigError, match="decode.engine.tensor_parallel_size: tensor_parallel_size=3 cannot split 4"):
+    with pytest.raises(AppConfigError, match="decode.engine: tensor_parallel_size=3 cannot split 4"):
         build_app({"model": str(tiny_llama_dir), "mode": "colocated", "engine": {"tensor_parallel_size": 3}})

@@ -1,0 +1,77 @@
+"""Pipeline parallelism: layers split into stages (Ray actors, hidden states passed over gloo,
+micro-batches in flight), against transformers and one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from duet import LLM, SamplingParams
+from duet.config import ConfigError, EngineArgs
+from duet.models.pipeline_parallel import stage_layers
+from tests.conftest import make_tiny_llama
+from tests.reference import compare_to_reference, hf_greedy
+
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017)), [42]]
+
+
+def test_stages_take_near_equal_runs_of_layers():
+    assert [stage_layers(30, 2, stage) for stage in range(2)] == [range(0, 15), range(15, 30)]
+    assert [stage_layers(3, 2, stage) for stage in range(2)] == [range(0, 1), range(1, 3)]
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=4 needs at least as many layers; the model has 3"):
+        stage_layers(3, 4, 0)
+
+
+def test_what_pipeline_parallelism_does_not_combine_with_yet_is_refused():
+    with pytest.raises(ConfigError, match="pipeline parallelism with tensor_parallel_size > 1, speculative_config is not built yet"):
+        EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def _greedy(max_tokens: int = 10) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+
+
+@pytest.mark.slow
+def test_pp2_greedy_matches_transformers_and_one_process(ray_cluster, tmp_path, smollm2_dir):
+    """Guards the cut between stages (the MLP output and the residual stream, before the next
+    layer's fused add-and-norm), the micro-batches' logits in order, and the sampled tokens
+    shared back to the first stage: 3 layers split 1 + 2, chunked prompts, batched."""
+    model_dir = make_tiny_llama(tmp_path, smollm2_dir, num_hidden_layers=3)
+    references = hf_greedy(model_dir, PROMPTS, 10)
+    settings = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    pp2 = LLM(**settings, pipeline_parallel_size=2)
+    try:
+        outputs = [output.outputs[0].token_ids for output in pp2.generate(PROMPTS, _greedy())]
+        for index, (tokens, reference) in enumerate(zip(outputs, references)):
+            assert compare_to_reference(tokens, reference, f"prompt {index}") is None
+        seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=2)
+        sampled = pp2.generate(PROMPTS[:2], seeded)[1].outputs[0]
+        assert len(sampled.token_ids) == len(sampled.logprobs) == 8
+        pp2.engine.check_integrity()
+    finally:
+        pp2.engine.close()
+    local = LLM(**settings)
+    assert outputs == [output.outputs[0].token_ids for output in local.generate(PROMPTS, _greedy())]
+    assert local.generate(PROMPTS[:2], seeded)[1].outputs[0].token_ids == sampled.token_ids
+
+
+@pytest.mark.slow
+def test_smollm2_at_pp2_matches_transformers(ray_cluster, smollm2_dir, parity_prompts, parity_references):
+    from tests.prompts import PARITY_NEW_TOKENS
+
+    llm = LLM(model=str(smollm2_dir), num_kv_blocks=256, max_model_len=1024, pipeline_parallel_size=2)
+    try:
+        outputs = llm.generate(parity_prompts, _greedy(PARITY_NEW_TOKENS))
+        for index, (output, reference) in enumerate(zip(outputs, parity_references)):
+            assert compare_to_reference(output.outputs[0].token_ids, reference, f"prompt {index}") is None
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
