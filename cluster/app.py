@@ -83,8 +83,8 @@ def build_app(args: dict) -> serve.Application:
 
 
 def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> None:
-    """Before any actor starts: each pool's tensor-parallel layout splits the model's heads, and
-    the application's bundles fit in the Ray cluster this runs in. ``pools`` are keyed by their
+    """Before any actor starts: each pool's parallel layout splits the model (heads, experts,
+    layers), and the application's bundles (CPUs and GPUs) fit in the Ray cluster this runs in. ``pools`` are keyed by their
     YAML section (a colocated pool is the decode section)."""
     import ray
 
@@ -93,7 +93,8 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
     from duet.models.tensor_parallel import check_layout
 
     arch = read_arch(model_dir)
-    needed = float(config.router.ray_actor_options.get("num_cpus", 0)) * config.router.num_replicas
+    router = config.router.ray_actor_options
+    needed = {kind: float(router.get(key, 0)) * config.router.num_replicas for kind, key in (("CPU", "num_cpus"), ("GPU", "num_gpus"))}
     for stage, pool in pools.items():
         engine = pool.merged_engine(config.engine)
         try:
@@ -103,14 +104,16 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
             raise AppConfigError(f"{stage}.engine: {error}") from None
         if engine.pipeline_parallel_size > 1 and config.mode == "pd":
             raise AppConfigError(f"{stage}.engine.pipeline_parallel_size: a pipeline-parallel pool sends or receives no KV yet; use mode: colocated")
-        needed += pool.num_cpus(stage, engine)
+        for kind, amount in pool.resources(stage, engine).items():
+            needed[kind] += amount
     if ray.is_initialized():
-        available = ray.cluster_resources().get("CPU", 0.0)
-        if needed > available + 1e-9:
-            raise AppConfigError(
-                f"the application's replicas and workers need {needed:g} CPUs and the Ray cluster has {available:g}: "
-                f"{needed - available:g} missing (lower ray_actor_options.num_cpus, worker_num_cpus or replica counts, or add nodes)"
-            )
+        for kind, amount in needed.items():
+            available = ray.cluster_resources().get(kind, 0.0)
+            if amount > available + 1e-9:
+                raise AppConfigError(
+                    f"the application's replicas and workers need {amount:g} {kind}s and the Ray cluster has {available:g}: "
+                    f"{amount - available:g} missing (lower ray_actor_options, worker_num_cpus or replica counts, or add nodes)"
+                )
 
 
 def _deployment(name: str, pool: PoolSettings, engine, router_class: str, targets: dict):

@@ -138,14 +138,17 @@ class PoolSettings(_Strict):
         worker = {"CPU": self.worker_num_cpus} | ({"GPU": 1.0} if engine.device.startswith("cuda") else {})
         return [replica] + [worker] * num_workers
 
-    def num_cpus(self, stage: str, engine: EngineSettings) -> float:
-        """Logical CPUs the pool's replicas take at their starting count."""
-        bundles = self.placement_group_bundles(engine) or [{"CPU": float(self.ray_actor_options.get("num_cpus", 1))}]
+    def resources(self, stage: str, engine: EngineSettings) -> dict[str, float]:
+        """Logical CPUs and GPUs the pool's replicas (and their workers) take at their starting count."""
+        options = self.ray_actor_options
+        bundles = self.placement_group_bundles(engine) or [
+            {"CPU": float(options.get("num_cpus", 1)), "GPU": float(options.get("num_gpus", 0))}
+        ]
         replicas = self.num_replicas
         scaling = self.serve_autoscaling(stage)
         if scaling is not None:
             replicas = max(scaling.get("initial_replicas") or 0, scaling["min_replicas"])
-        return replicas * sum(bundle["CPU"] for bundle in bundles)
+        return {kind: replicas * sum(bundle.get(kind, 0.0) for bundle in bundles) for kind in ("CPU", "GPU")}
 
 
 class DecodePoolSettings(PoolSettings):

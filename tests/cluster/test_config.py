@@ -139,7 +139,7 @@ def test_a_tensor_parallel_pool_gets_a_bundle_for_its_replica_and_one_per_worker
     pool = PoolSettings(ray_actor_options={"num_cpus": 0}, worker_num_cpus=0.5)
     engine = EngineSettings(tensor_parallel_size=2)
     assert pool.placement_group_bundles(engine) == [{"CPU": 0.01}, {"CPU": 0.5}, {"CPU": 0.5}]
-    assert pool.num_cpus("decode", engine) == pytest.approx(1.01)
+    assert pool.resources("decode", engine) == pytest.approx({"CPU": 1.01, "GPU": 0.0})
     assert pool.placement_group_bundles(EngineSettings()) is None
 
 

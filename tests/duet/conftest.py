@@ -31,3 +31,13 @@ def make_scheduler():
         scheduler.kv_cache_manager.check_integrity()
         if not scheduler.has_unfinished_requests():
             scheduler.kv_cache_manager.block_pool.check_integrity(expect_all_free=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray of two CPUs for the tests that start workers as actors; shut down after the module."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()

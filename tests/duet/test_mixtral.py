@@ -52,24 +52,20 @@ def test_a_moe_model_spreads_whole_experts_or_says_what_to_set(mixtral_dir, tiny
 
 
 @pytest.mark.slow
-def test_ep2_matches_transformers_and_one_process(mixtral_dir, references):
+def test_ep2_matches_transformers_and_one_process(ray_cluster, mixtral_dir, references):
     """Two experts a rank; a token's two experts on two ranks add up as in one process."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    settings = dict(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    ep2 = LLM(**settings, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
-        settings = dict(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
-        ep2 = LLM(**settings, tensor_parallel_size=2, enable_expert_parallel=True)
-        try:
-            tokens = _check(ep2.generate(PROMPTS, _greedy()), references)
-            ep2.engine.check_integrity()
-            held = [
-                ray.get(worker.__ray_call__.remote(lambda worker: list(worker.runner.model.layers[0].mlp.module.local_experts)))
-                for worker in ep2.engine.executor.workers
-            ]
-            assert held == [[0, 1], [2, 3]]
-        finally:
-            ep2.engine.close()
+        tokens = _check(ep2.generate(PROMPTS, _greedy()), references)
+        ep2.engine.check_integrity()
+        held = [
+            ray.get(worker.__ray_call__.remote(lambda worker: list(worker.runner.model.layers[0].mlp.module.local_experts)))
+            for worker in ep2.engine.executor.workers
+        ]
+        assert held == [[0, 1], [2, 3]]
     finally:
-        ray.shutdown()
+        ep2.engine.close()
     assert tokens == [output.outputs[0].token_ids for output in LLM(**settings).generate(PROMPTS, _greedy())]

@@ -26,15 +26,6 @@ def test_what_pipeline_parallelism_does_not_combine_with_yet_is_refused():
         EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def _greedy(max_tokens: int = 10) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
 

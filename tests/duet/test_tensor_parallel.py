@@ -61,15 +61,6 @@ def test_an_engine_refuses_a_layout_before_any_worker_starts(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), num_kv_blocks=16, tensor_parallel_size=2, distributed_executor_backend="uni")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def _greedy(max_tokens: int = 10) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
 
