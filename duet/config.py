@@ -239,7 +239,6 @@ class EngineArgs:
             )
         if self.pipeline_parallel_size > 1:
             unbuilt = [name for name, value in (
-                ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
                 ("speculative_config", self.speculative_config is not None),
                 ("kv_transfer_config", self.kv_transfer_config is not None),
             ) if value]

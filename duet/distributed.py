@@ -112,14 +112,16 @@ class TensorParallelGroup:
     """A replica's tensor-parallel ranks: the collectives its sharded modules call. Every rank
     makes the same calls in the same order (each runs the same step on the same inputs).
     ``seconds`` and ``calls`` count the time spent in them (waiting for slower ranks included).
-    With ``same_machine`` (CPU ranks on one node), through shared memory where it fits."""
+    With ``same_machine`` (CPU ranks on one node), through shared memory where it fits.
+    ``name`` tells apart the groups of one replica's pipeline stages."""
 
     def __init__(
-        self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float, same_machine: bool = False
+        self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float, same_machine: bool = False,
+        name: str = "tp",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
-        prefix = dist.PrefixStore("duet/tp", store)
+        prefix = dist.PrefixStore(f"duet/{name}", store)
         self.backend, self.group = new_group(prefix, rank, world_size, use_cuda, host, timeout_s)
         self.shared = None
         if same_machine and not use_cuda and SharedMemoryExchange.available():
@@ -161,27 +163,32 @@ class TensorParallelGroup:
 
 
 class PipelineGroup:
-    """A replica's pipeline stages, one rank each: a stage's hidden states go to the next, and
-    the tokens the last stage samples go to every stage (each keeps its own copy of the
-    sequences). Every wait is bounded by the timeout."""
+    """A replica's pipeline stages, of ``tensor_parallel_size`` ranks each (rank = stage x
+    tensor_parallel_size + its rank in the stage): a stage's hidden states go to the rank of the
+    same place in the next stage, and the tokens the last rank samples go to every rank (each
+    keeps its own copy of the sequences). Every wait is bounded by the timeout."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, tensor_parallel_size: int, use_cuda: bool, host: str, timeout_s: float
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.stride = tensor_parallel_size
+        self.stage, self.num_stages = rank // tensor_parallel_size, world_size // tensor_parallel_size
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.backend, self.group = new_group(dist.PrefixStore("duet/pp", store), rank, world_size, use_cuda, host, timeout_s)
 
-    def send(self, tensor: torch.Tensor, to_rank: int, tag: int):
-        """Start sending ``tensor`` (contiguous); wait on the returned work before reusing it."""
-        return self.group.send([tensor], to_rank, tag)
+    def send_next(self, tensor: torch.Tensor, tag: int):
+        """Start sending ``tensor`` (contiguous) to the next stage; wait on the returned work before reusing it."""
+        return self.group.send([tensor], self.rank + self.stride, tag)
 
-    def recv(self, tensor: torch.Tensor, from_rank: int, tag: int) -> torch.Tensor:
-        self.wait(self.group.recv([tensor], from_rank, tag))
+    def recv_previous(self, tensor: torch.Tensor, tag: int) -> torch.Tensor:
+        self.wait(self.group.recv([tensor], self.rank - self.stride, tag))
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+    def broadcast_from_last(self, tensor: torch.Tensor) -> torch.Tensor:
         options = dist.BroadcastOptions()
-        options.rootRank = root
+        options.rootRank = self.world_size - 1
         self.wait(self.group.broadcast([tensor], options))
         return tensor
 

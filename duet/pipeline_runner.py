@@ -1,6 +1,7 @@
-"""A pipeline stage's runner: the step's requests go through the stages in micro-batches, so
-that while stage s computes micro-batch m, stage s - 1 computes m + 1; the last stage samples
-and every stage learns the tokens. Each stage keeps the same per-request state as a whole
+"""A pipeline stage's runner (one rank of it, with tensor parallelism inside the stage): the
+step's requests go through the stages in micro-batches, so that while stage s computes
+micro-batch m, stage s - 1 computes m + 1; the last stage samples and every rank learns the
+tokens. Each stage keeps the same per-request state as a whole
 runner (its own copy, updated from the same ``SchedulerOutput``s and the shared tokens)."""
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ class PipelineRunner(ModelRunner):
         request_ids = list(scheduler_output.num_scheduled_tokens)
         if not request_ids:
             return RunnerOutput([], [])
-        num_stages, stage = self.group.world_size, self.group.rank
-        num_parts = min(num_stages, len(request_ids))
+        num_parts = min(self.group.num_stages, len(request_ids))
         parts = [request_ids[index * len(request_ids) // num_parts : (index + 1) * len(request_ids) // num_parts] for index in range(num_parts)]
         logits, row_owners, sends = [], [], []
         for index, part in enumerate(parts):
@@ -35,12 +35,12 @@ class PipelineRunner(ModelRunner):
             received = None
             if not self.stage.first:
                 shape = (2, batch.input_ids.shape[0], self.stage.arch.hidden_size)
-                received = self.group.recv(torch.empty(shape, dtype=self.kv_cache.dtype, device=self.device), stage - 1, index)
+                received = self.group.recv_previous(torch.empty(shape, dtype=self.kv_cache.dtype, device=self.device), index)
             out = self.stage(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, received)
             if self.stage.last:
                 logits.append(out)
             else:
-                sends.append((self.group.send(out, stage + 1, index), out))
+                sends.append((self.group.send_next(out, index), out))
         for work, _ in sends:
             self.group.wait(work)
         token_ids = torch.empty(len(row_owners), dtype=torch.long)
@@ -49,7 +49,7 @@ class PipelineRunner(ModelRunner):
             sampled, logprobs = self._sample(torch.cat(logits), row_owners, {})
             token_ids = torch.tensor([sampled[owner][0] for owner in row_owners], dtype=torch.long)
         if row_owners:
-            self.group.broadcast(token_ids, num_stages - 1)
+            self.group.broadcast_from_last(token_ids)
         if not self.stage.last:
             sampled = {owner: [token] for owner, token in zip(row_owners, token_ids.tolist())}
             for request_id, tokens in sampled.items():

@@ -51,23 +51,24 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=kv_dtype).element_size()
 
 
-def _tensor_parallel_group(config: WorkerConfig):
-    from duet.distributed import TensorParallelGroup, connect_store
+def _parallel_groups(config: WorkerConfig):
+    """This rank's tensor-parallel group (the ranks of its pipeline stage; None alone) and its
+    pipeline group (None without stages)."""
+    from duet.distributed import PipelineGroup, TensorParallelGroup, connect_store
 
     host, port = config.parallel_store
     store = connect_store(host, port, config.collective_timeout_s)
-    return TensorParallelGroup(
-        store, config.rank, config.world_size, config.device.startswith("cuda"), config.host, config.collective_timeout_s,
-        same_machine=config.ranks_share_memory,
-    )
-
-
-def _pipeline_group(config: WorkerConfig):
-    from duet.distributed import PipelineGroup, connect_store
-
-    host, port = config.parallel_store
-    store = connect_store(host, port, config.collective_timeout_s)
-    return PipelineGroup(store, config.rank, config.world_size, config.device.startswith("cuda"), config.host, config.collective_timeout_s)
+    use_cuda, timeout_s = config.device.startswith("cuda"), config.collective_timeout_s
+    tensor_parallel_size = config.world_size // config.pipeline_parallel_size
+    stage, rank_in_stage = divmod(config.rank, tensor_parallel_size)
+    tensor_group = pipeline = None
+    if tensor_parallel_size > 1:
+        tensor_group = TensorParallelGroup(
+            store, rank_in_stage, tensor_parallel_size, use_cuda, config.host, timeout_s, config.ranks_share_memory, name=f"tp/{stage}"
+        )
+    if config.pipeline_parallel_size > 1:
+        pipeline = PipelineGroup(store, config.rank, config.world_size, tensor_parallel_size, use_cuda, config.host, timeout_s)
+    return tensor_group, pipeline
 
 
 class Worker:
@@ -86,12 +87,12 @@ class Worker:
         model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len, config.quantization)
         arch = model.arch  # the whole model's; a rank's own shape replaces it below
         self.group = pipeline = None
-        if config.pipeline_parallel_size > 1:  # one rank a stage (with tensor parallelism inside a stage: not built)
-            pipeline = _pipeline_group(config)
-            model = PipelineStage(model, config.rank, config.pipeline_parallel_size)
-        elif config.world_size > 1:
-            self.group = _tensor_parallel_group(config)
+        if config.world_size > 1:
+            self.group, pipeline = _parallel_groups(config)
+        if self.group is not None:
             apply_tensor_parallel(model, self.group)
+        if pipeline is not None:
+            model = PipelineStage(model, pipeline.stage, pipeline.num_stages)
         draft = None
         if config.draft_model_path is not None:
             # A draft checkpoint need not be a GGUF one: it follows the target's choice only to keep floats.

@@ -22,8 +22,8 @@ def test_stages_take_near_equal_runs_of_layers():
 
 
 def test_what_pipeline_parallelism_does_not_combine_with_yet_is_refused():
-    with pytest.raises(ConfigError, match="pipeline parallelism with tensor_parallel_size > 1, speculative_config is not built yet"):
-        EngineArgs(pipeline_parallel_size=2, tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="pipeline parallelism with speculative_config, kv_transfer_config is not built yet"):
+        EngineArgs(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, kv_transfer_config={})
 
 
 def _greedy(max_tokens: int = 10) -> SamplingParams:
@@ -52,6 +52,27 @@ def test_pp2_greedy_matches_transformers_and_one_process(ray_cluster, tmp_path, 
     local = LLM(**settings)
     assert outputs == [output.outputs[0].token_ids for output in local.generate(PROMPTS, _greedy())]
     assert local.generate(PROMPTS[:2], seeded)[1].outputs[0].token_ids == sampled.token_ids
+
+
+@pytest.mark.slow
+def test_tp2_inside_each_of_two_stages_matches_transformers_and_tp2(ray_cluster, tmp_path, smollm2_dir):
+    """Four ranks: two stages (1 + 2 layers), each split over two ranks (6 heads over 3 KV heads,
+    3 + 6); hidden states go from a stage's rank to the same place in the next."""
+    model_dir = make_tiny_llama(tmp_path, smollm2_dir, num_hidden_layers=3, hidden_size=192, num_attention_heads=6,
+                                num_key_value_heads=3, intermediate_size=256)
+    references = hf_greedy(model_dir, PROMPTS, 10)
+    settings = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
+    outputs = {}
+    for stages in (2, 1):
+        llm = LLM(**settings, pipeline_parallel_size=stages)
+        try:
+            outputs[stages] = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
+            llm.engine.check_integrity()
+        finally:
+            llm.engine.close()
+    for index, (tokens, reference) in enumerate(zip(outputs[2], references)):
+        assert compare_to_reference(tokens, reference, f"prompt {index}") is None
+    assert outputs[2] == outputs[1]  # the stages add nothing to tensor parallelism's arithmetic
 
 
 @pytest.mark.slow
