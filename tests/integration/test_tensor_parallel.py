@@ -91,3 +91,15 @@ def test_an_application_the_cluster_cannot_hold_is_refused_before_any_actor_star
     app["decode"] = app["decode"] | {"worker_num_cpus": 8}
     with pytest.raises(AppConfigError, match="need 16.12 CPUs and the Ray cluster has 2: 14.12 missing"):
         build_app(app)
+
+
+def test_a_colocated_pool_of_two_pipeline_stages_gives_the_single_process_tokens(cluster, tiny_offline, deploy, ray_driver):
+    pool = {"ray_actor_options": {"num_cpus": 0.01}, "worker_num_cpus": 0.05, "engine": {"pipeline_parallel_size": 2, "num_threads": 1}}
+    url = deploy("pp2", {"mode": "colocated", "engine": {"max_model_len": 1024, "num_kv_blocks": 2048, "max_num_seqs": 16},
+                         "decode": pool, "router": {"ray_actor_options": {"num_cpus": 0}}})
+    rng = random.Random(9)
+    prompts = [random_prompt(rng, length) for length in (20, 70, 150, 33)]
+    results = _complete_all(url, prompts)
+    assert [status for status, _, _ in results] == [200] * len(prompts), results
+    assert [tokens for _, tokens, _ in results] == tiny_offline(prompts)
+    assert settled(cluster, url)["ok"]
