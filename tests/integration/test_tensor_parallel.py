@@ -61,8 +61,10 @@ def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(clust
     assert settled(cluster, url)["ok"]
 
 
-def test_smollm2_prefilled_at_tp2_and_decoded_at_tp1_matches_one_process(cluster, ray_driver, parity_prompts):
-    """The real model's 3 KV heads, split 1 + 2 over the prefill ranks, land in one decode worker."""
+@pytest.mark.parametrize("layout", ["tp2-to-tp1", "tp1-to-tp2"])
+def test_smollm2_across_tensor_parallel_layouts_matches_one_process(cluster, ray_driver, parity_prompts, layout):
+    """The real model's 3 KV heads, split 1 + 2 over two ranks, gathered into one worker's cache
+    on the other side, or split from one into two."""
     from ray import serve
 
     from duet import LLM, SamplingParams
@@ -73,7 +75,7 @@ def test_smollm2_prefilled_at_tp2_and_decoded_at_tp1_matches_one_process(cluster
         output.outputs[0].token_ids
         for output in LLM(model="smollm2", max_model_len=1024).generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
     ]
-    app = _app(TP2, TP1) | {"model_id": "smollm2", "model": "smollm2"}
+    app = _app(*LAYOUTS[layout]) | {"model_id": "smollm2", "model": "smollm2"}
     app["engine"] = {"max_model_len": 1024, "kv_cache_memory_gib": 0.1, "max_num_seqs": 8}
     serve.run(build_app(app), name="smollm2-tp", route_prefix="/smollm2-tp")
     try:
