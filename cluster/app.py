@@ -84,8 +84,8 @@ def build_app(args: dict) -> serve.Application:
 
 def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> None:
     """Before any actor starts: each pool's parallel layout splits the model (heads, experts,
-    layers), and the application's bundles (CPUs and GPUs) fit in the Ray cluster this runs in. ``pools`` are keyed by their
-    YAML section (a colocated pool is the decode section)."""
+    layers), and the application's bundles (CPUs and GPUs) fit in the Ray cluster this runs in.
+    ``pools`` are keyed by their YAML section (a colocated pool is the decode section)."""
     import ray
 
     from duet.models.loader import read_arch

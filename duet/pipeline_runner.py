@@ -1,8 +1,8 @@
 """A pipeline stage's runner (one rank of it, with tensor parallelism inside the stage): the
 step's requests go through the stages in micro-batches, so that while stage s computes
 micro-batch m, stage s - 1 computes m + 1; the last stage samples and every rank learns the
-tokens. Each stage keeps the same per-request state as a whole
-runner (its own copy, updated from the same ``SchedulerOutput``s and the shared tokens)."""
+tokens. Each rank keeps the same per-request state as a whole runner (its own copy, updated
+from the same ``SchedulerOutput``s and the shared tokens)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class PipelineRunner(ModelRunner):
         request_ids = list(scheduler_output.num_scheduled_tokens)
         if not request_ids:
             return RunnerOutput([], [])
-        num_parts = min(self.group.num_stages, len(request_ids))
-        parts = [request_ids[index * len(request_ids) // num_parts : (index + 1) * len(request_ids) // num_parts] for index in range(num_parts)]
+        num_parts, num_requests = min(self.group.num_stages, len(request_ids)), len(request_ids)
+        parts = [request_ids[index * num_requests // num_parts : (index + 1) * num_requests // num_parts] for index in range(num_parts)]
         logits, row_owners, sends = [], [], []
         for index, part in enumerate(parts):
             batch, logits_rows, owners = self._prepare_inputs(scheduler_output, part)
