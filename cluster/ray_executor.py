@@ -71,17 +71,17 @@ class RayExecutor:
         """Every rank's result; the first rank to die fails the call without waiting for the rest."""
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
-        pending = list(refs)
+        pending, results = list(refs), {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
             if not ready:
                 raise TimeoutError(f"{len(pending)} of {len(refs)} workers did not answer within {timeout_s} s")
             try:
-                ray.get(ready[0])
+                results[ready[0]] = ray.get(ready[0])
             except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
                 self.failure = f"worker rank {refs.index(ready[0])} died: {error}"
                 raise WorkerDiedError(self.failure) from error
-        return ray.get(refs)
+        return [results[ref] for ref in refs]
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         shared = ray.put(scheduler_output)

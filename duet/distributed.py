@@ -3,8 +3,8 @@ a replica's tensor-parallel ranks and the KV transfer's pairwise groups live sid
 one process, each under a key of its own. NCCL when every rank holds a CUDA device, gloo
 otherwise; a gloo group listens on the address its rank was given, never on whatever the
 machine's hostname resolves to. CPU ranks on one machine exchange through shared memory
-instead (``SharedMemoryExchange``): a gloo all-reduce of one decode row costs about 0.7 ms
-on two busy cores, against microseconds.
+instead (``SharedMemoryExchange``): over gloo, SmolLM2's TP=2 decode step on two cores spent
+0.7 ms a collective (60 ms a step at batch 1; 13 ms through shared memory).
 """
 
 from __future__ import annotations

@@ -77,14 +77,14 @@ class KVConnectorWorker:
         self._sending = {}
         self._block_table = block_table
         for spec in metadata.sends:
+            parts = self._parts_of(spec.endpoints)
+            if not parts:  # every head this rank holds goes from a lower rank
+                self._ended.append(KVTransferResult(spec.transfer_id, True))
+                continue
             if spec.block_ids is not None:  # a sequence's KV, computed before: it goes as it is
                 progress = LayerProgress.complete(self.num_layers, spec.block_ids, NO_TOKEN)
             else:
                 progress = self._sending[spec.request_id] = LayerProgress(self.num_layers)
-            parts = self._parts_of(spec.endpoints)
-            if not parts:
-                self._ended.append(KVTransferResult(spec.transfer_id, True))
-                continue
             self._parts[spec.transfer_id] = (len(parts), [])
             for endpoint, heads in parts:
                 self.sender.send(spec.transfer_id, endpoint, progress, spec.num_blocks, heads=heads)

@@ -83,8 +83,7 @@ class AdmissionQueue:
             # ``_admit_waiters`` counts the request in before waking it
             await asyncio.wait([entry[0]], timeout=limit)
             if not entry[0].done():
-                self._waiters.remove(entry)
-                self._admit_waiters()  # it may have held back smaller requests behind it
+                self._withdraw(entry)
                 raise QueueWaitError(
                     f"it waited router.max_queue_wait_s={limit:g} s without being admitted; retry later",
                     max(1.0, self.predicted_wait_s(num_sequences)),
@@ -93,10 +92,14 @@ class AdmissionQueue:
             if entry[0].done() and not entry[0].cancelled():
                 self.release(num_sequences)
             elif entry in self._waiters:
-                self._waiters.remove(entry)
-                self._admit_waiters()  # it may have held back smaller requests behind it
+                self._withdraw(entry)
             raise
         return self.clock() - arrival
+
+    def _withdraw(self, entry: tuple[asyncio.Future, int]) -> None:
+        """Take a waiting request out of the line."""
+        self._waiters.remove(entry)
+        self._admit_waiters()  # it may have held back smaller requests behind it
 
     def release(self, num_sequences: int = 1, held_s: float | None = None) -> None:
         """Give back a request's slots; ``held_s``: how long it held them (for the prediction)."""

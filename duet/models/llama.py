@@ -157,13 +157,20 @@ class LlamaForCausalLM(nn.Module):
         Given fewer ``kv_caches`` than layers, only that many first layers run, followed by the
         final norm and LM head: the layer-skip draft.
         """
-        num_layers = len(kv_caches)
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
+        mlp_out = self.run_layers(x, residual, positions, kv_caches, metadata, on_layer_done)
+        return self.lm_head(self.norm(mlp_out, residual)[logits_indices]).float()
+
+    def run_layers(self, x, residual, positions, kv_caches, metadata, on_layer_done=None) -> torch.Tensor:
+        """The first ``len(kv_caches)`` layers, from the first one's normalised input ``x`` and
+        the residual stream (added into in place): the last layer's MLP output, for the next
+        norm (or the next pipeline stage) to add in."""
+        mlp_out = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if mlp_out is not None:
+                x = layer.input_layernorm(mlp_out, residual)
             mlp_out = layer(x, residual, positions, self.rotary, kv_cache, metadata)
-            next_norm = self.layers[index + 1].input_layernorm if index + 1 < num_layers else self.norm
-            x = next_norm(mlp_out, residual)
             if on_layer_done is not None:
                 on_layer_done(index)
-        return self.lm_head(x[logits_indices]).float()
+        return mlp_out

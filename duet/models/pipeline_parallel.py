@@ -58,19 +58,13 @@ class PipelineStage(nn.Module):
         the last layer's MLP output and the residual stream, for the next stage (whose input is
         ``received``: the same, from the stage before)."""
         model = self.model
-        layers = model.layers
         if self.first:
             residual = model.embed_tokens(input_ids)
-            x = layers[0].input_layernorm(residual)
+            x = model.layers[0].input_layernorm(residual)
         else:
             mlp_out, residual = received[0], received[1].clone()
-            x = layers[0].input_layernorm(mlp_out, residual)
-        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
-            mlp_out = layer(x, residual, positions, model.rotary, kv_cache, metadata)
-            if index + 1 < len(layers):
-                x = layers[index + 1].input_layernorm(mlp_out, residual)
-            if on_layer_done is not None:
-                on_layer_done(index)
+            x = model.layers[0].input_layernorm(mlp_out, residual)
+        mlp_out = model.run_layers(x, residual, positions, kv_caches, metadata, on_layer_done)
         if not self.last:
             return torch.stack([mlp_out, residual])
         return model.lm_head(model.norm(mlp_out, residual)[logits_indices]).float()
