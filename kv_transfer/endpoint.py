@@ -2,9 +2,10 @@
 returns, counters, the wire's waits and buffers, and their pairs' threads.
 
 One transfer on a pair, after its announcement (``channel.py``): each run of layers' packed K/V
-(``wire.py``), then a trailer ``[transfer id, valid, first token]`` (a request aborted mid-way
-still sends its remaining runs, from blocks its engine holds until the transfer ends, marked
-invalid, so the pair stays in step), then an acknowledgement ``[transfer id, accepted]``. Only
+(``wire.py``), then a trailer ``[transfer id, valid, first token, checksum of each run]`` (a
+request aborted mid-way still sends its remaining runs, from blocks its engine holds until the
+transfer ends, marked invalid, so the pair stays in step; a run whose bytes do not sum to its
+checksum fails the transfer: ``faults.py``), then an acknowledgement ``[transfer id, accepted | refused | corrupted]``. Only
 data that does not come in time (the peer died or hung) breaks a pair: its group is dropped and
 its thread ends; the sender opens a new pair, under a new key, for what it still has to send.
 """
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 TRAILER_TAG = 0
 ACK_TAG = 1
+# What an acknowledgement says of a transfer (or of a receiver's part of it).
+ACK_ACCEPTED, ACK_REFUSED, ACK_CORRUPTED = 1, 0, -1
 FIRST_LAYER_TAG = 2
 NO_TOKEN = -1
 # A pair with nothing to do for this long ends its threads; the next transfer opens a new one.

@@ -22,7 +22,17 @@ import torch
 
 from duet.distributed import host_store
 from duet.kv_transfer.channel import Channel
-from duet.kv_transfer.endpoint import ACK_TAG, FIRST_LAYER_TAG, NO_TOKEN, TRAILER_TAG, TransferEndpoint
+from duet.kv_transfer.endpoint import (
+    ACK_ACCEPTED,
+    ACK_CORRUPTED,
+    ACK_REFUSED,
+    ACK_TAG,
+    FIRST_LAYER_TAG,
+    NO_TOKEN,
+    TRAILER_TAG,
+    TransferEndpoint,
+)
+from duet.kv_transfer.faults import checksum
 from duet.kv_transfer.group import RECEIVER_RANK, connect_store
 from duet.kv_transfer.spec import KVSpec
 from duet.kv_transfer.wire import unpack_layers
@@ -210,15 +220,19 @@ class KVReceiver(TransferEndpoint):
         elif not self.kv_heads[0] <= heads[0] < heads[1] <= self.kv_heads[1]:
             mismatch = f"announced with KV heads {heads}, this worker holds {self.kv_heads}"
         runs, received = self.buffers(num_blocks, heads[1] - heads[0])
+        checksums = []
         work = group.recv(received[0], FIRST_LAYER_TAG)
         for index, (start_layer, end) in enumerate(runs):
             self.wait(work, f"layers {start_layer}-{end - 1} of transfer {transfer_id}")
+            checksums.append(checksum(received[index]))
             if index + 1 < len(runs):
                 work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
             if job is not None and mismatch is None:
                 unpack_layers(self.kv_cache, start_layer, end, job.block_ids, received[index], self.local_heads(heads))
-        trailer = torch.zeros(3, dtype=torch.int64)
+        trailer = torch.zeros(3 + len(runs), dtype=torch.int64)
         self.wait(group.recv(trailer, TRAILER_TAG), f"trailer of transfer {transfer_id}")
+        corruption = _corrupted(runs, checksums, trailer[3:].tolist())
+        mismatch = mismatch or corruption
         with self._lock:  # from here a cancel no longer reaches this part: it ends now
             accepted = job is not None and mismatch is None and not job.cancelled and job.error is None and bool(trailer[1])
             if job is not None:
@@ -234,7 +248,8 @@ class KVReceiver(TransferEndpoint):
                     else:
                         job.error, job.cancelled = "the prefill replica aborted the request mid-transfer", True
                 finished = self._finished(job)
-        self.wait(group.send(torch.tensor([transfer_id, int(accepted)]), ACK_TAG), f"ack of transfer {transfer_id}")
+        answer = ACK_ACCEPTED if accepted else ACK_CORRUPTED if corruption else ACK_REFUSED
+        self.wait(group.send(torch.tensor([transfer_id, answer]), ACK_TAG), f"ack of transfer {transfer_id}")
         if job is not None and finished:  # a drained one's request went away, and was told so then
             self.report(self._result(job))
 
@@ -256,3 +271,12 @@ class KVReceiver(TransferEndpoint):
             seconds = time.monotonic() - job.started
             return KVTransferResult(job.transfer_id, True, job.first_token_id, num_bytes=job.num_bytes, seconds=seconds)
         return KVTransferResult(job.transfer_id, False, error=job.error or "cancelled", cancelled=job.cancelled)
+
+
+def _corrupted(runs: list[tuple[int, int]], received: list[int], sent: list[int]) -> str | None:
+    """Why the KV cannot be used if a run's bytes differ from what the sender summed (the
+    blocks it was written to are then freed unused: the request is recomputed or fails)."""
+    for (start_layer, end), got, expected in zip(runs, received, sent):
+        if got != expected:
+            return f"the KV of layers {start_layer}-{end - 1} arrived corrupted (checksum {got}, sent {expected})"
+    return None

@@ -17,7 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from duet.kv_transfer.channel import Channel
-from duet.kv_transfer.endpoint import ACK_TAG, FIRST_LAYER_TAG, NO_TOKEN, PAIR_IDLE_S, TRAILER_TAG, TransferEndpoint
+from duet.kv_transfer.endpoint import (
+    ACK_ACCEPTED,
+    ACK_CORRUPTED,
+    ACK_TAG,
+    FIRST_LAYER_TAG,
+    NO_TOKEN,
+    PAIR_IDLE_S,
+    TRAILER_TAG,
+    TransferEndpoint,
+)
+from duet.kv_transfer.faults import TransferFaults, checksum
 from duet.kv_transfer.group import SENDER_RANK, connect_store
 from duet.kv_transfer.progress import LayerProgress, TransferCancelled
 from duet.kv_transfer.spec import KVSpec
@@ -51,6 +61,7 @@ class KVSender(TransferEndpoint):
         self._pairs: dict[KVEndpoint, _SenderPair] = {}
         self._generation: dict[KVEndpoint, int] = {}
         self._jobs: dict[tuple[int, KVEndpoint], _Send] = {}
+        self.faults = TransferFaults.from_env()
 
     def send(
         self, transfer_id: int, endpoint: KVEndpoint, progress: LayerProgress, num_blocks: int, timeout_s: float | None = None,
@@ -162,6 +173,8 @@ class _SenderPair:
         valid, reason = True, None
         block_ids = job.progress.wait_for(runs[0][1], owner.timeout_s)
         num_bytes = 0
+        checksums = []
+        faults = owner.faults
         in_flight = None  # (work, buffer): one run on the wire while the next is packed
         for index, (start_layer, end) in enumerate(runs):
             if valid:
@@ -170,11 +183,16 @@ class _SenderPair:
                 except (TransferCancelled, TimeoutError) as error:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
             packed = pack_layers(owner.kv_cache, start_layer, end, block_ids, heads)
+            checksums.append(checksum(packed))
+            if faults is not None and index == 0:
+                faults.corrupt(packed)
             work = group.send(packed, FIRST_LAYER_TAG + index)
             if in_flight is not None:
                 owner.wait(in_flight[0], f"layers before {start_layer} of transfer {job.transfer_id}")
             in_flight = (work, packed)
             num_bytes += packed.numel() * packed.element_size()
+            if faults is not None and index == 0:
+                faults.drop(job.transfer_id)
         owner.wait(in_flight[0], f"last layers of transfer {job.transfer_id}")
         first_token_id = NO_TOKEN
         if valid:
@@ -182,13 +200,18 @@ class _SenderPair:
                 first_token_id = job.progress.wait_first_token(owner.timeout_s)
             except (TransferCancelled, TimeoutError) as error:
                 valid, reason = False, str(error)
-        owner.wait(group.send(torch.tensor([job.transfer_id, int(valid), first_token_id]), TRAILER_TAG), "trailer")
+        if faults is not None:
+            faults.stall()
+        trailer = torch.tensor([job.transfer_id, int(valid), first_token_id, *checksums])
+        owner.wait(group.send(trailer, TRAILER_TAG), "trailer")
         ack = torch.zeros(2, dtype=torch.int64)
         owner.wait(group.recv(ack, ACK_TAG), f"ack of transfer {job.transfer_id}")
         if int(ack[0]) != job.transfer_id:
             raise RuntimeError(f"transfer {job.transfer_id} acknowledged as {int(ack[0])}")
-        if valid and bool(ack[1]):
+        if valid and int(ack[1]) == ACK_ACCEPTED:
             owner.done(job, KVTransferResult(job.transfer_id, True, num_bytes=num_bytes, seconds=time.monotonic() - start))
+        elif int(ack[1]) == ACK_CORRUPTED:
+            owner.done(job, KVTransferResult(job.transfer_id, False, error="the decode replica received it corrupted"))
         elif valid:
             owner.done(job, KVTransferResult(job.transfer_id, False, error="the decode replica had cancelled it", cancelled=True))
         else:

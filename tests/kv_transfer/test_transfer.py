@@ -34,12 +34,18 @@ def _crash_mid_transfer(pair, group, job) -> None:
     os._exit(1)
 
 
-def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | None) -> None:
+def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None) -> None:
     """A KVSender driven by commands from the test:
     ("send", id, blocks, endpoint) ships ready blocks (first token: the id); ("stream", id,
     num_blocks, endpoint) queues a transfer whose layers come later with ("mark", id, layers, blocks);
     ("cancel", id); ("await_start", id) answers once that transfer is under way; ("results",
-    count) answers with the first ``count`` results."""
+    count) answers with the first ``count`` results. ``faults``: its ``DUET_KV_FAULTS``."""
+    if faults is not None:
+        import os
+
+        from duet.kv_transfer.faults import FAULTS_ENV
+
+        os.environ[FAULTS_ENV] = faults
     if crash:
         from duet.kv_transfer.sender import _SenderPair
 
@@ -85,9 +91,11 @@ def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | No
 def start_sender():
     processes = []
 
-    def start(spec: KVSpec = SPEC, shape=SHAPE, crash: bool = False, message_bytes: int | None = None):
+    def start(
+        spec: KVSpec = SPEC, shape=SHAPE, crash: bool = False, message_bytes: int | None = None, faults: str | None = None,
+    ):
         parent, child = mp.get_context("spawn").Pipe()
-        args = (child, spec.to_dict(), shape, crash, message_bytes)
+        args = (child, spec.to_dict(), shape, crash, message_bytes, faults)
         process = mp.get_context("spawn").Process(target=_sender_process, args=args)
         process.start()
         processes.append(process)
@@ -324,6 +332,66 @@ def test_sender_killed_mid_transfer_fails_its_transfers_and_ends_the_pair(start_
     assert {tid: ok for tid, (ok, _) in results.items()} == {5: False, 6: False}
     assert "broke" in results[5][1] and results[6][1] == "its KV was not announced in time"
 
+
+
+def test_a_run_corrupted_on_the_wire_is_refused_and_the_pair_goes_on(start_sender):
+    """Guards against serving another request's (or garbage) KV with a 200, as vLLM's NIXL path
+    has: a bit flipped after the sender summed the run fails that transfer on both sides (it is
+    then recomputed), and the next transfer on the same pair arrives intact."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender(faults="corrupt=1")
+    try:
+        receiver.expect(1, [0, 1])
+        receiver.expect(2, [4])
+        conn.send(("send", 1, [2, 3], receiver.endpoint))
+        results = _wait_results(receiver, 1)
+        conn.send(("send", 2, [8], receiver.endpoint))
+        results |= _wait_results(receiver, 1)
+        conn.send(("results", 2))
+        sender_results = {r[0]: (r[1], r[2]) for r in conn.recv()}
+    finally:
+        receiver.close()
+    assert not results[1][0] and results[1][1].startswith("the KV of layers 0-2 arrived corrupted (checksum ")
+    assert results[2] == (True, None)
+    assert sender_results == {1: (False, "the decode replica received it corrupted"), 2: (True, None)}
+    _assert_arrived(receiver, [8], [4])
+
+
+@pytest.mark.parametrize("fault", ["stall=1:6", "drop=1"])
+def test_a_transfer_that_stalls_or_drops_mid_way_fails_alone_and_the_rest_go_over_a_new_pair(start_sender, fault):
+    """Guards against a hung or lost peer hanging the decode side or taking other transfers with
+    it: after its first run, transfer 1 stalls past the receiver's timeout (or its pair drops);
+    it fails on both sides within the timeouts. Transfer 2, sent next to the same receiver,
+    goes over a new pair (a new key, a new group); transfer 3, to another receiver, arrives
+    intact; the broken pair's thread does not stay behind."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=2)
+    other = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender(faults=fault)
+    try:
+        receiver.expect(1, [0, 1])
+        receiver.expect(2, [4], timeout_s=30)  # announced once the stalled pair gives up
+        other.expect(3, [5])
+        conn.send(("send", 1, [2, 3], receiver.endpoint))
+        results = _wait_results(receiver, 1)
+        conn.send(("send", 2, [8], receiver.endpoint))
+        conn.send(("send", 3, [9], other.endpoint))
+        other_results = _wait_results(other, 1)
+        results |= _wait_results(receiver, 1, timeout_s=30)
+        conn.send(("results", 3))
+        sender_results = {r[0]: r[1] for r in conn.recv()}
+        deadline = time.monotonic() + 5
+        while receiver.num_threads > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.num_threads == 2  # the listener and the new pair's; the broken pair's ended
+    finally:
+        receiver.close()
+        other.close()
+    assert other_results == {3: (True, None)}
+    assert not results[1][0] and results[1][1].startswith("pair prefill->127.0.0.1:")
+    assert results[2] == (True, None)
+    assert sender_results == {1: False, 2: True, 3: True}
+    _assert_arrived(receiver, [8], [4])
+    _assert_arrived(other, [9], [5])
 
 
 def test_endpoint_is_small_and_picklable():
