@@ -14,9 +14,10 @@ from duet.sampling_params import SamplingParams
 
 # How many of the likeliest tokens top-p sorts before falling back to the whole vocabulary.
 _TOP_P_CANDIDATES = 1024
-# Logits and temperatures stay below this, so dividing one by the other never overflows float32:
-# an overflow to inf turns the probabilities into NaN.
+# Temperatures and repetition penalties stay within [1 / this, this], so in float32 they are
+# never 0 or inf: -inf x 0, 0 x inf and -inf / inf are all NaN.
 _MAX_MAGNITUDE = 1e30
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -160,7 +161,9 @@ def _add_penalty_tensors(
     def as_tensor(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)
 
-    metadata.repetition_penalties = as_tensor([p.repetition_penalty for p in params])
+    metadata.repetition_penalties = as_tensor(
+        [min(max(p.repetition_penalty, 1 / _MAX_MAGNITUDE), _MAX_MAGNITUDE) for p in params]
+    )
     metadata.frequency_penalties = as_tensor([p.frequency_penalty for p in params])
     metadata.presence_penalties = as_tensor([p.presence_penalty for p in params])
     # Only the repetition penalty looks at the prompt; skip copying long prompts when none uses it.
@@ -215,8 +218,10 @@ class Sampler:
         if metadata.forbidden_token_ids is not None:
             logits = logits.index_put(metadata.forbidden_token_ids, logits.new_tensor(float("-inf")))
         if not metadata.no_penalties:
-            # A penalty near 0 divides positive logits towards +inf; past float32 that is NaN later.
-            logits = apply_penalties(logits, metadata).clamp_(max=_MAX_MAGNITUDE)
+            # An extreme penalty pushes logits past float32: saturate them, so that none is +inf
+            # (inf - inf is NaN later) and no possible token becomes -inf; impossible ones stay -inf.
+            penalized = apply_penalties(logits, metadata).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
+            logits = torch.where(logits == float("-inf"), logits, penalized)
         sampled = logits.argmax(dim=-1)
         if not metadata.all_greedy:
             sampled = torch.where(metadata.temperature == 0, sampled, _sample_random(logits, metadata))
@@ -242,11 +247,14 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 def _filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     temperature = metadata.temperature
-    logits = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+    # Measured from the row's largest logit, a logit divided by a small temperature can only fall
+    # (to -inf at worst), never overflow to +inf, which would make the probabilities NaN.
+    logits = logits - logits.amax(dim=-1, keepdim=True)
+    logits /= torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
     if not metadata.no_min_p:
-        probs = logits.softmax(dim=-1)
-        threshold = metadata.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        logits.masked_fill_(probs < threshold, float("-inf"))
+        # p / p_max is now exp(logit), so p < min_p x p_max is logit < log(min_p): exact even where
+        # a huge temperature rounds the probabilities to ties.
+        logits.masked_fill_(logits < metadata.min_p.log().unsqueeze(1), float("-inf"))
     if not metadata.no_top_k:
         logits = _apply_top_k(logits, metadata.top_k)
     if not metadata.no_top_p:
@@ -269,27 +277,30 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches top_p.
 
     Runs after top-k, so the mass is measured among its survivors, renormalized. Tokens tied
-    with the last kept one are kept too. A full-vocabulary sort costs ~10x a top-k on CPU, so
-    only the likeliest candidates are sorted, and only rows they do not cover get a full sort.
+    with the last kept one are kept too; the cut compares logits, which stay apart where a huge
+    temperature rounds probabilities to ties. A full-vocabulary sort costs ~10x a top-k on CPU,
+    so only the likeliest candidates are sorted, and only rows they do not cover get a full sort.
     """
     probs = logits.softmax(dim=-1)
-    candidates = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values
-    threshold = _top_p_threshold(candidates, top_p)
-    uncovered = (top_p < 1.0) & (candidates.sum(dim=-1) < top_p)
+    candidates, candidate_ids = logits.topk(min(_TOP_P_CANDIDATES, logits.shape[1]), dim=-1)
+    candidate_probs = probs.gather(1, candidate_ids)
+    threshold = _top_p_threshold(candidates, candidate_probs, top_p)
+    uncovered = (top_p < 1.0) & (candidate_probs.sum(dim=-1) < top_p)
     if uncovered.any():
-        full_sort = probs[uncovered].sort(dim=-1, descending=True).values
-        threshold[uncovered] = _top_p_threshold(full_sort, top_p[uncovered])
+        full_sort, full_sort_ids = logits[uncovered].sort(dim=-1, descending=True)
+        full_sort_probs = probs[uncovered].gather(1, full_sort_ids)
+        threshold[uncovered] = _top_p_threshold(full_sort, full_sort_probs, top_p[uncovered])
     # Rows with top_p=1 keep everything, whatever rounding did to their cumulative sum.
-    threshold.masked_fill_((top_p == 1.0).unsqueeze(1), 0.0)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    threshold.masked_fill_((top_p == 1.0).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _top_p_threshold(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[rows, 1] probability of the token whose cumulative mass (descending) first reaches top_p."""
+def _top_p_threshold(sorted_logits: torch.Tensor, sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] logit of the token whose cumulative probability (descending) first reaches top_p."""
     cumulative = sorted_probs.cumsum(dim=-1)
     # Tokens before the one that reaches top_p, plus that one.
     num_kept = ((cumulative < top_p.unsqueeze(1)).sum(dim=-1) + 1).clamp(max=sorted_probs.shape[1])
-    return sorted_probs.gather(1, (num_kept - 1).unsqueeze(1))
+    return sorted_logits.gather(1, (num_kept - 1).unsqueeze(1))
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
