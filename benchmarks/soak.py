@@ -308,11 +308,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"bringing up {args.config} ...", flush=True)
         url = up(args.config).urls[0]
-    if args.kill_every_s:
-        import ray
-
-        ray.init(address="auto", logging_level="ERROR")
     try:
+        if args.kill_every_s:
+            import ray
+
+            if not ray.is_initialized():  # `duet up` in this process connected it already
+                ray.init(address="auto", logging_level="ERROR")
         with tqdm(desc="requests ended", unit="req") as progress:
             ledger = asyncio.run(run(url, args.model, args, progress))
     finally:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 
 import httpx
+
+from duet.benchmarks.soak import metric_values
 
 NEW_TOKENS = 12
 
@@ -55,12 +56,7 @@ async def complete_text(client: httpx.AsyncClient, url: str, body: dict) -> tupl
 
 def metric(url: str, name: str) -> dict[str, float]:
     """A metric's samples on ``/metrics``, by their label string."""
-    values = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-        if match:
-            values[match.group(1)] = float(match.group(2))
-    return values
+    return metric_values(httpx.get(f"{url}/metrics", timeout=10).text, name)
 
 
 def settled(cluster, url: str, timeout_s: float = 30) -> dict:

@@ -9,18 +9,14 @@ import time
 import httpx
 import pytest
 
+from tests.integration.client import metric
+
 pytestmark = pytest.mark.slow
 
 
 def _metric_values(cluster, name: str) -> dict[str, float]:
     """``{labels: value}`` for one metric of the PD application's /metrics."""
-    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
-        if match:
-            values[match.group(1)] = float(match.group(2))
-    return values
+    return metric(cluster.url, name)
 
 
 def _wait_for(condition, timeout_s: float, interval_s: float = 0.25):
