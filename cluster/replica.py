@@ -99,7 +99,12 @@ class EngineReplica:
         self.role.admit(request, self.engine.block_size)
         stream, destination = await self._add(request)
         if self.role.stage != "prefill":
-            yield Placement(self.replica_id, destination)
+            try:
+                yield Placement(self.replica_id, destination)
+            except BaseException:  # closed before following it: a router cancelled before reading where it runs
+                self.loop.unsubscribe(request.request_id)
+                self.loop.call_soon(self.engine.abort_request, request.request_id)
+                raise
         async with aclosing(self._follow(stream)) as items:
             async for item in items:
                 yield item
@@ -119,8 +124,12 @@ class EngineReplica:
         stream = _Stream(request, self.loop.subscribe(request.request_id))
         try:
             return stream, await self.loop.call(self.engine.add_request, request)
-        except BaseException:
+        except Exception:  # refused: it never joined the engine
             self.loop.unsubscribe(request.request_id)
+            raise
+        except BaseException:  # cancelled: the engine adds it all the same, then this aborts it
+            self.loop.unsubscribe(request.request_id)
+            self.loop.call_soon(self.engine.abort_request, request.request_id)
             raise
 
     async def attach(self, request_id: str, replica_id: str) -> AsyncIterator[TokenDelta | Moved]:
