@@ -198,7 +198,8 @@ class Ledger:
             for at, _ in self.kills:
                 axis.axvline(at, color="tab:red", linestyle="--", linewidth=0.8)
         bottom.set_xlabel("seconds (dashed: a replica killed)")
-        figure.legend(loc="lower right", fontsize=8)
+        lines = bottom.get_lines()[:1] + usage_axis.get_lines()[:1]
+        bottom.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
         figure.tight_layout()
         figure.savefig(path, dpi=110)
         plt.close(figure)
