@@ -229,7 +229,7 @@ class KVReceiver(TransferEndpoint):
                 work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
             if job is not None and mismatch is None:
                 unpack_layers(self.kv_cache, start_layer, end, job.block_ids, received[index], self.local_heads(heads))
-        trailer = torch.zeros(3 + len(runs), dtype=torch.int64)
+        trailer = torch.zeros(3 + len(runs), dtype=torch.int64, device=self.kv_cache.device)  # NCCL moves GPU tensors only
         self.wait(group.recv(trailer, TRAILER_TAG), f"trailer of transfer {transfer_id}")
         corruption = _corrupted(runs, checksums, trailer[3:].tolist())
         mismatch = mismatch or corruption
@@ -249,7 +249,8 @@ class KVReceiver(TransferEndpoint):
                         job.error, job.cancelled = "the prefill replica aborted the request mid-transfer", True
                 finished = self._finished(job)
         answer = ACK_ACCEPTED if accepted else ACK_CORRUPTED if corruption else ACK_REFUSED
-        self.wait(group.send(torch.tensor([transfer_id, answer]), ACK_TAG), f"ack of transfer {transfer_id}")
+        ack = torch.tensor([transfer_id, answer], device=self.kv_cache.device)
+        self.wait(group.send(ack, ACK_TAG), f"ack of transfer {transfer_id}")
         if job is not None and finished:  # a drained one's request went away, and was told so then
             self.report(self._result(job))
 

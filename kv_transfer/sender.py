@@ -202,9 +202,11 @@ class _SenderPair:
                 valid, reason = False, str(error)
         if faults is not None:
             faults.stall()
-        trailer = torch.tensor([job.transfer_id, int(valid), first_token_id, *checksums])
+        # Control tensors live where the KV does: an NCCL pair moves only GPU tensors.
+        device = owner.kv_cache.device
+        trailer = torch.tensor([job.transfer_id, int(valid), first_token_id, *checksums], device=device)
         owner.wait(group.send(trailer, TRAILER_TAG), "trailer")
-        ack = torch.zeros(2, dtype=torch.int64)
+        ack = torch.zeros(2, dtype=torch.int64, device=device)
         owner.wait(group.recv(ack, ACK_TAG), f"ack of transfer {job.transfer_id}")
         if int(ack[0]) != job.transfer_id:
             raise RuntimeError(f"transfer {job.transfer_id} acknowledged as {int(ack[0])}")
