@@ -224,15 +224,17 @@ class Sampler:
             logits = torch.where(logits == float("-inf"), logits, penalized)
         sampled = logits.argmax(dim=-1)
         if not metadata.all_greedy:
-            sampled = torch.where(metadata.temperature == 0, sampled, _sample_random(logits, metadata))
+            # The greedy choice's logit is each row's largest: the random rows measure from it.
+            row_max = logits.gather(1, sampled.unsqueeze(1))
+            sampled = torch.where(metadata.temperature == 0, sampled, _sample_random(logits, metadata, row_max))
         sampled_token_ids = sampled.tolist()
         logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled_token_ids, metadata)
         return SamplerOutput(sampled_token_ids=sampled_token_ids, logprobs=logprobs)
 
 
-def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata, row_max: torch.Tensor) -> torch.Tensor:
     """Temperature, min_p, top-k, top-p, then an exponential race; greedy rows get a throwaway sample."""
-    return exponential_race(_filtered_probs(logits, metadata), metadata.generators)
+    return exponential_race(_filtered_probs(logits, metadata, row_max), metadata.generators)
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -245,11 +247,12 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return _filtered_probs(logits.float(), metadata)
 
 
-def _filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata, row_max: torch.Tensor | None = None) -> torch.Tensor:
+    """``row_max``: [rows, 1] each row's largest logit, when the caller has it already."""
     temperature = metadata.temperature
     # Measured from the row's largest logit, a logit divided by a small temperature can only fall
     # (to -inf at worst), never overflow to +inf, which would make the probabilities NaN.
-    logits = logits - logits.amax(dim=-1, keepdim=True)
+    logits = logits - (logits.amax(dim=-1, keepdim=True) if row_max is None else row_max)
     logits /= torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
     if not metadata.no_min_p:
         # p / p_max is now exp(logit), so p < min_p x p_max is logit < log(min_p): exact even where
