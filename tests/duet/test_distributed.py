@@ -4,6 +4,7 @@ they give the same sums (the same bits on every rank) and the same gathers."""
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ def _rank_main(rank: int, port: int, same_machine: bool, results) -> None:
     large = torch.full((SharedMemoryExchange.SLOT_BYTES // 4 + 1,), float(rank + 1))  # past a slot: gloo
     out["large"] = group.all_reduce(large)[:3]
     out["gathered"] = [part.clone() for part in group.all_gather(torch.arange(5.0) + 10 * rank)]
-    results.put((rank, out))
+    # Pickled here, by value: a tensor put on the queue as it is travels as a shared-memory
+    # handle, which the parent cannot open once this process has exited.
+    results.put((rank, pickle.dumps(out)))
 
 
 def _run(same_machine: bool) -> dict[int, dict]:
@@ -35,7 +38,7 @@ def _run(same_machine: bool) -> dict[int, dict]:
     processes = [context.Process(target=_rank_main, args=(rank, store.port, same_machine, results)) for rank in range(WORLD_SIZE)]
     for process in processes:
         process.start()
-    gathered = dict(results.get(timeout=120) for _ in processes)
+    gathered = {rank: pickle.loads(out) for rank, out in (results.get(timeout=120) for _ in processes)}
     for process in processes:
         process.join(timeout=30)
         assert process.exitcode == 0
