@@ -2,7 +2,7 @@
 
 CUDA tensors go to the Triton kernels; CPU tensors to the C++ kernels of ``cpu_ops`` for
 decode-sized queries and to torch for the rest (and for everything when the C++ kernels
-are unavailable).
+are unavailable). Quantized caches (``kv_quant``) are written by torch on every device.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from duet.kernels import cpu_ops
+from duet.kernels.kv_quant import is_quantized
 from duet.kernels.metadata import AttentionMetadata
 from duet.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 
@@ -23,7 +24,7 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    if key.is_cuda:
+    if key.is_cuda and not is_quantized(key_cache):
         from duet.kernels.triton_attention import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)

@@ -2,13 +2,15 @@
 
 Cache layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``. Heads come
 first so that gathering a batch's blocks yields ``[num_kv_heads, num_seqs, tokens,
-head_dim]`` at once, ready for batched matmuls without a transpose.
+head_dim]`` at once, ready for batched matmuls without a transpose. A quantized cache
+(``kv_quant``) has rows of ``head_dim + 1``; gathered blocks are dequantized to the query's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from duet.kernels.kv_quant import cache_bytes_view, dequantize_rows, head_dim_of, is_quantized, quantize_rows
 from duet.kernels.metadata import AttentionMetadata
 
 # Sequences with at most this many query tokens (decode steps, speculative verification)
@@ -24,11 +26,11 @@ def write_kv_cache_torch(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store each new token's K and V (``[num_tokens, num_kv_heads, head_dim]``) at its slot."""
-    num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
-    flat_keys = key_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-    flat_values = value_cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-    flat_keys.index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
-    flat_values.index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        rows = quantize_rows(new, cache.dtype) if is_quantized(cache) else new.to(cache.dtype)
+        num_kv_heads, num_blocks, block_size, width = cache.shape
+        flat = cache_bytes_view(cache).view(num_kv_heads, num_blocks * block_size, width)
+        flat.index_copy_(1, slot_mapping, cache_bytes_view(rows).transpose(0, 1))
 
 
 def paged_attention_torch(
@@ -63,16 +65,24 @@ def paged_attention_torch(
     return output
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``[kv_heads, seqs, num_blocks * block_size, head_dim]`` for the given block table rows."""
-    num_kv_heads, _, block_size, head_dim = cache.shape
+def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[kv_heads, seqs, num_blocks * block_size, head_dim]`` for the given block table rows, in
+    the cache's dtype, or in ``dtype`` when the cache is quantized."""
+    num_kv_heads, _, block_size, width = cache.shape
     gathered = cache[:, block_tables[:, :num_blocks]]
-    return gathered.view(num_kv_heads, block_tables.shape[0], num_blocks * block_size, head_dim)
+    gathered = gathered.view(num_kv_heads, block_tables.shape[0], num_blocks * block_size, width)
+    return dequantize_rows(gathered, dtype) if is_quantized(cache) else gathered
+
+
+def _compute_dtype(cache: torch.Tensor, query: torch.Tensor) -> torch.dtype:
+    return query.dtype if is_quantized(cache) else cache.dtype
 
 
 def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, output) -> None:
     """All short-query sequences at once: one gather, two batched matmuls, one softmax."""
-    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    head_dim = head_dim_of(key_cache)
+    dtype = _compute_dtype(key_cache, query)
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     query_lens = [metadata.query_lens[i] for i in seqs]
@@ -93,12 +103,12 @@ def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, 
         q = query[rows.view(-1)]
     num_seqs = len(seqs)
     tables = metadata.block_tables if all_seqs else metadata.block_tables[torch.tensor(seqs, dtype=torch.long)]
-    keys = _gather_blocks(key_cache, tables, num_blocks)
-    values = _gather_blocks(value_cache, tables, num_blocks)
+    keys = _gather_blocks(key_cache, tables, num_blocks, dtype)
+    values = _gather_blocks(value_cache, tables, num_blocks, dtype)
 
     # [seqs * max_q, heads, d] -> [kv_heads, seqs, max_q * group, d]
     q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
-    q = q.reshape(num_kv_heads, num_seqs, max_q * group, head_dim).to(key_cache.dtype)
+    q = q.reshape(num_kv_heads, num_seqs, max_q * group, head_dim).to(dtype)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
 
     key_pos = torch.arange(num_blocks * block_size)
@@ -124,14 +134,15 @@ def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, 
 
 def _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, start, output) -> None:
     """A prompt chunk: SDPA over its cached context plus itself, causal from its offset."""
-    num_kv_heads, _, block_size, head_dim = key_cache.shape
+    block_size = key_cache.shape[2]
+    dtype = _compute_dtype(key_cache, query)
     q_len = metadata.query_lens[seq]
     seq_len = metadata.seq_lens_list[seq]
     num_blocks = -(-seq_len // block_size)
     table = metadata.block_tables[seq : seq + 1]
-    keys = _gather_blocks(key_cache, table, num_blocks)[:, 0, :seq_len]
-    values = _gather_blocks(value_cache, table, num_blocks)[:, 0, :seq_len]
-    q = query[start : start + q_len].transpose(0, 1).to(key_cache.dtype)  # [heads, q_len, d]
+    keys = _gather_blocks(key_cache, table, num_blocks, dtype)[:, 0, :seq_len]
+    values = _gather_blocks(value_cache, table, num_blocks, dtype)[:, 0, :seq_len]
+    q = query[start : start + q_len].transpose(0, 1).to(dtype)  # [heads, q_len, d]
     context = seq_len - q_len
     if context == 0:
         out = torch.nn.functional.scaled_dot_product_attention(

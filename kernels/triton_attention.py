@@ -2,7 +2,9 @@
 
 The cache of one layer is ``key_cache`` / ``value_cache``, each
 ``[num_kv_heads, num_blocks, block_size, head_dim]``; flat slot ``s`` is block
-``s // block_size``, offset ``s % block_size``.
+``s // block_size``, offset ``s % block_size``. Attention also reads quantized caches (int8 or
+fp8 e4m3 codes with a power-of-two scale per row, ``kv_quant``), decoding the codes from their
+bits; those caches are written by ``kv_quant``'s torch code, on any device.
 """
 
 from __future__ import annotations
@@ -11,9 +13,26 @@ import torch
 import triton
 import triton.language as tl
 
+from duet.kernels.kv_quant import head_dim_of
 from duet.kernels.metadata import AttentionMetadata
 
 _LOG2_E = 1.4426950408889634
+_KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}  # 0: the cache holds floats
+
+
+@triton.jit
+def _dequantize(codes, exponents, KV_CODES: tl.constexpr):
+    """Codes (the int8 bits of an int8 or e4m3 cache) times 2**exponent, exactly, in fp32."""
+    if KV_CODES == 1:
+        values = codes.to(tl.float32)
+    else:
+        bits = codes.to(tl.int32) & 0xFF
+        exponent = (bits >> 3) & 0xF
+        mantissa = bits & 0x7
+        normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
+        values = tl.where(bits >= 128, -magnitude, magnitude)
+    return values * ((exponents.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -158,6 +177,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDEN_DOT_OPERANDS: tl.constexpr,  # only for the CPU interpreter, see paged_attention_triton
+    KV_CODES: tl.constexpr,  # 0: float cache; 1: int8, 2: fp8 e4m3 codes, the scale exponent after them
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -206,16 +226,15 @@ def _paged_attention_kernel(
         k_pos = logical_block * BLOCK_SIZE + offs_n
         # Slots past kv_len were never written and may hold NaN; 0 * NaN would poison acc.
         k_valid = k_pos < kv_len
-        k = tl.load(
-            k_head_ptr + block_id * stride_kcb + offs_n[None, :] * stride_kcs + offs_d[:, None] * stride_kcd,
-            mask=k_valid[None, :] & d_valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_head_ptr + block_id * stride_vcb + offs_n[:, None] * stride_vcs + offs_d[None, :] * stride_vcd,
-            mask=k_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
+        k_rows = k_head_ptr + block_id * stride_kcb + offs_n * stride_kcs
+        v_rows = v_head_ptr + block_id * stride_vcb + offs_n * stride_vcs
+        k = tl.load(k_rows[None, :] + offs_d[:, None] * stride_kcd, mask=k_valid[None, :] & d_valid[:, None], other=0)
+        v = tl.load(v_rows[:, None] + offs_d[None, :] * stride_vcd, mask=k_valid[:, None] & d_valid[None, :], other=0)
+        if KV_CODES != 0:
+            k_exponents = tl.load(k_rows + head_dim * stride_kcd, mask=k_valid, other=0)
+            v_exponents = tl.load(v_rows + head_dim * stride_vcd, mask=k_valid, other=0)
+            k = _dequantize(k, k_exponents[None, :], KV_CODES).to(q.dtype)
+            v = _dequantize(v, v_exponents[:, None], KV_CODES).to(query_ptr.dtype.element_ty)
         if WIDEN_DOT_OPERANDS:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -230,7 +249,10 @@ def _paged_attention_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         # Probabilities are rounded to the cache dtype as the tensor-core dot consumes them.
-        p = p.to(value_cache_ptr.dtype.element_ty).to(v.dtype)
+        if KV_CODES == 0:
+            p = p.to(value_cache_ptr.dtype.element_ty).to(v.dtype)
+        else:
+            p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -258,7 +280,8 @@ def paged_attention_triton(
     must already hold this step's K/V (see ``write_kv_cache_triton``).
     """
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads, _, block_size, cache_head_dim = key_cache.shape
+    num_kv_heads, _, block_size, _ = key_cache.shape
+    cache_head_dim = head_dim_of(key_cache)
     if value_cache.shape != key_cache.shape:
         raise ValueError(
             f"value_cache {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}"
@@ -285,6 +308,9 @@ def paged_attention_triton(
     block_m = max(16, triton.next_power_of_2(group), min(64, rows_needed))
     block_q = block_m // group
     grid = (num_seqs, triton.cdiv(metadata.max_query_len, block_q), num_kv_heads)
+    kv_codes = _KV_CODES.get(key_cache.dtype, 0)
+    if kv_codes:  # the bits, decoded in the kernel: fp8 pointers are not everywhere Triton runs
+        key_cache, value_cache = key_cache.view(torch.int8), value_cache.view(torch.int8)
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -312,6 +338,7 @@ def paged_attention_triton(
         # tensors only run under the interpreter, so there the operands go in as fp32, where
         # bf16 products are exact; GPUs keep the native bf16 dot.
         WIDEN_DOT_OPERANDS=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+        KV_CODES=kv_codes,
     )
     return out
 

@@ -1,11 +1,13 @@
 // CPU kernels for the decode hot path: each replaces a chain of small torch ops whose
 // per-call overhead (~3-25 us each on small tensors) dominated a decode step.
 // Built at first use with -O3 -march=native, so the compiler vectorises the inner loops
-// for whatever this CPU has (AVX2, AVX-512). fp32 and bf16 tensors; maths in fp32.
+// for whatever this CPU has (AVX2, AVX-512). fp32 and bf16 tensors; maths in fp32. KV caches
+// may also hold one-byte codes (int8, fp8 e4m3) with a power-of-two scale per row (kv_quant.py).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +28,7 @@ inline T from_float(float value) { return static_cast<T>(value); }
 // block_size, head_dim] contiguous; block_tables [seqs, max_blocks], seq_lens [seqs],
 // query_start_loc [seqs + 1], all int32. Row j of sequence s sits at position
 // seq_lens[s] - query_len + j and sees positions 0..that position.
-template <typename scalar_t, typename cache_t>
+template <typename scalar_t, typename Rows>
 void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
@@ -40,8 +42,9 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
   const int* starts = query_start_loc.data_ptr<int>();
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
-  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
+  using cache_t = typename Rows::cache_t;
+  const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
+  const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
@@ -76,12 +79,13 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
       const int* table = tables + s * table_stride;
       for (int64_t t = 0; t < visible; ++t) {
         const cache_t* k = k_head + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        const float k_scale = Rows::scale(k, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
-          scores[g * visible + t] = dot;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * Rows::value(k, d);
+          scores[g * visible + t] = dot * k_scale;
         }
       }
       std::vector<float> denom(group);
@@ -98,11 +102,12 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < visible; ++t) {
         const cache_t* v = v_head + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        const float v_scale = Rows::scale(v, head_dim);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * visible + t];
+          const float p = scores[g * visible + t] * v_scale;
           float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(v[d]);
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * Rows::value(v, d);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -149,6 +154,92 @@ inline vf load_lanes(const c10::BFloat16* p) {  // a bf16 is the top half of its
   return v;
 }
 
+// The rows of a KV cache, as the kernels read and write them: floats as they are, or one-byte
+// codes followed by the exponent e of their scale 2^e (kv_quant.py), chosen from the row's
+// largest magnitude by its float bits, the same integer rule as the torch implementation.
+inline float power_of_two(int exponent) {
+  const uint32_t bits = static_cast<uint32_t>(exponent + 127) << 23;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+inline int row_exponent(float amax, int headroom) {
+  uint32_t bits;
+  std::memcpy(&bits, &amax, sizeof bits);
+  return std::clamp(static_cast<int>((bits >> 23) & 0xFF) - 126 - headroom, -126, 126);
+}
+
+template <typename T>
+struct FloatRows {
+  using cache_t = T;
+  static constexpr bool kScaled = false;
+  static float scale(const T*, int64_t) { return 1.f; }
+  static float value(const T* row, int64_t d) { return to_float(row[d]); }
+  static vf lanes(const T* p) { return load_lanes(p); }
+  template <typename S>
+  static void store(T* row, const S* src, int64_t head_dim) {
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<T>(to_float(src[d]));
+  }
+};
+
+// Codes and the exponent byte: Codec gives cache_t, kHeadroom, decode (a code's value) and encode.
+template <typename Codec>
+struct ScaledRows {
+  using cache_t = typename Codec::cache_t;
+  static constexpr bool kScaled = true;
+  static float scale(const cache_t* row, int64_t head_dim) {
+    return power_of_two(static_cast<int8_t>(row[head_dim]));
+  }
+  static float value(const cache_t* row, int64_t d) { return Codec::decode(row[d]); }
+  static vf lanes(const cache_t* p) { return Codec::lanes(p); }
+  template <typename S>
+  static void store(cache_t* row, const S* src, int64_t head_dim) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(to_float(src[d])));
+    const int exponent = row_exponent(amax, Codec::kHeadroom);
+    const float inverse = power_of_two(-exponent);
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = Codec::encode(to_float(src[d]) * inverse);
+    row[head_dim] = static_cast<cache_t>(static_cast<int8_t>(exponent));
+  }
+};
+
+typedef int8_t vb __attribute__((vector_size(kLanes)));
+
+struct Int8Codec {
+  using cache_t = int8_t;
+  static constexpr int kHeadroom = 7;  // |x| * 2^-e in [64, 128)
+  static float decode(int8_t code) { return code; }
+  static vf lanes(const int8_t* p) {
+    vb codes;
+    std::memcpy(&codes, p, sizeof codes);
+    return __builtin_convertvector(codes, vf);
+  }
+  static int8_t encode(float x) { return static_cast<int8_t>(std::clamp(std::nearbyint(x), -127.f, 127.f)); }
+};
+
+struct Fp8Codec {
+  using cache_t = uint8_t;  // the bits of torch.float8_e4m3fn
+  static constexpr int kHeadroom = 8;  // |x| * 2^-e in [128, 256), under e4m3's 448
+  static const float* table() {
+    static const std::vector<float> values = [] {
+      std::vector<float> all(256);
+      for (int bits = 0; bits < 256; ++bits)
+        all[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+      return all;
+    }();
+    return values.data();
+  }
+  static float decode(uint8_t code) { return table()[code]; }
+  static vf lanes(const uint8_t* p) {
+    const float* values = table();
+    vf v;
+    for (int i = 0; i < kLanes; ++i) v[i] = values[p[i]];
+    return v;
+  }
+  static uint8_t encode(float x) { return c10::Float8_e4m3fn(x).x; }
+};
+
 inline float lane_sum(vf v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
@@ -189,7 +280,7 @@ inline vf transpose_sum(vf* p) {
 #endif
 }
 
-template <typename scalar_t, typename cache_t, int DV>
+template <typename scalar_t, typename Rows, int DV>
 void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                              const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                              const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
@@ -203,14 +294,15 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
   const int* starts = query_start_loc.data_ptr<int>();
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const cache_t* k_ptr = key_cache.data_ptr<cache_t>();
-  const cache_t* v_ptr = value_cache.data_ptr<cache_t>();
+  using cache_t = typename Rows::cache_t;
+  const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
+  const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
   const int64_t token_stride = key_cache.stride(2);
   const float scale_f = static_cast<float>(scale);
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(cache_t));
 
   std::vector<int64_t> item_seq, item_row;
   for (int64_t s : seq_ids)
@@ -272,15 +364,19 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
             continue;
           }
           vf k[DV];
-          for (int j = 0; j < DV; ++j) k[j] = load_lanes(k_head + rows[t] + j * kLanes);
+          for (int j = 0; j < DV; ++j) k[j] = Rows::lanes(k_head + rows[t] + j * kLanes);
           for (int g = 0; g < group; ++g) {
             vf dot = q[g][0] * k[0];
             for (int j = 1; j < DV; ++j) dot += q[g][j] * k[j];
             partial[g][t] = dot;
           }
         }
+        vf k_scales;  // each token's key scale, applied to its scores (lanes past n: scores are 0)
+        if constexpr (Rows::kScaled)
+          for (int t = 0; t < kLanes; ++t) k_scales[t] = t < n ? Rows::scale(k_head + rows[t], head_dim) : 1.f;
         for (int g = 0; g < group; ++g) {
           vf scores = transpose_sum(partial[g]);
+          if constexpr (Rows::kScaled) scores *= k_scales;
           float chunk_peak = peak[g];
           for (int t = 0; t < n; ++t) chunk_peak = std::max(chunk_peak, scores[t]);
           const float rescale = expf(peak[g] - chunk_peak);
@@ -294,9 +390,10 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
         }
         for (int t = 0; t < n; ++t) {
           vf v[DV];
-          for (int j = 0; j < DV; ++j) v[j] = load_lanes(v_head + rows[t] + j * kLanes);
+          for (int j = 0; j < DV; ++j) v[j] = Rows::lanes(v_head + rows[t] + j * kLanes);
+          const float v_scale = Rows::scale(v_head + rows[t], head_dim);
           for (int g = 0; g < group; ++g) {
-            const float p = probs[g][t];
+            const float p = probs[g][t] * v_scale;
             for (int j = 0; j < DV; ++j) acc[g][j] += p * v[j];
           }
         }
@@ -350,7 +447,7 @@ void rms_norm_kernel(torch::Tensor& x, torch::Tensor& residual, const torch::Ten
 }
 
 // Rotate-half RoPE on q and k in place (fp32 maths), then store k and v at their slots.
-template <typename scalar_t, typename cache_t>
+template <typename scalar_t, typename Rows>
 void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions,
                            const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& key_cache,
                            torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
@@ -364,8 +461,9 @@ void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tens
   scalar_t* q_ptr = q.data_ptr<scalar_t>();
   scalar_t* k_ptr = k.data_ptr<scalar_t>();
   const scalar_t* v_ptr = v.data_ptr<scalar_t>();
-  cache_t* kc = key_cache.data_ptr<cache_t>();
-  cache_t* vc = value_cache.data_ptr<cache_t>();
+  using cache_t = typename Rows::cache_t;
+  cache_t* kc = static_cast<cache_t*>(key_cache.data_ptr());
+  cache_t* vc = static_cast<cache_t*>(value_cache.data_ptr());
   const int64_t q_row = q.stride(0), q_head = q.stride(1), k_row = k.stride(0), k_head = k.stride(1);
   const int64_t v_row = v.stride(0), v_head = v.stride(1);
   const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
@@ -392,10 +490,8 @@ void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tens
         const scalar_t* vh = v_ptr + t * v_row + h * v_head;
         cache_t* kd = kc + h * kv_head_stride + block * block_stride + offset * token_stride;
         cache_t* vd = vc + h * kv_head_stride + block * block_stride + offset * token_stride;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          kd[d] = static_cast<cache_t>(to_float(kh[d]));
-          vd[d] = static_cast<cache_t>(to_float(vh[d]));
-        }
+        Rows::store(kd, kh, head_dim);
+        Rows::store(vd, vh, head_dim);
       }
     }
   });
@@ -433,23 +529,41 @@ void silu_and_mul_kernel(torch::Tensor& out, const torch::Tensor& x) {
     TORCH_CHECK(false, "duet cpu_ops supports float32 and bfloat16, got ", DTYPE);               \
   }
 
+// Calls body(Rows{}) with the rows a cache of this dtype holds for scalar_t queries: the same
+// floats, or int8 / fp8 codes with their scales.
+template <typename scalar_t, typename Body>
+void dispatch_rows(const torch::Tensor& cache, Body&& body) {
+  if (cache.scalar_type() == torch::kChar)
+    body(ScaledRows<Int8Codec>{});
+  else if (cache.scalar_type() == torch::kFloat8_e4m3fn)
+    body(ScaledRows<Fp8Codec>{});
+  else {
+    TORCH_CHECK(cache.scalar_type() == c10::CppTypeToScalarType<scalar_t>::value,
+                "a float KV cache must have the model's dtype, got ", cache.scalar_type());
+    body(FloatRows<scalar_t>{});
+  }
+}
+
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                      std::vector<int64_t> seq_ids, double scale) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes must match");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");
   const int64_t head_dim = query.size(2), group = query.size(1) / key_cache.size(0);
   DUET_DISPATCH(query.scalar_type(), scalar_t, [&] {
-    if (group <= kMaxGroup && head_dim == 64)
-      decode_attention_kernel<scalar_t, scalar_t, 64 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                     query_start_loc, seq_ids, scale);
-    else if (group <= kMaxGroup && head_dim == 128)
-      decode_attention_kernel<scalar_t, scalar_t, 128 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                     query_start_loc, seq_ids, scale);
-    else
-      paged_attention_kernel<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                 query_start_loc, seq_ids, scale);
+    dispatch_rows<scalar_t>(key_cache, [&](auto rows) {
+      using Rows = decltype(rows);
+      if (group <= kMaxGroup && head_dim == 64)
+        decode_attention_kernel<scalar_t, Rows, 64 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                             query_start_loc, seq_ids, scale);
+      else if (group <= kMaxGroup && head_dim == 128)
+        decode_attention_kernel<scalar_t, Rows, 128 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                              query_start_loc, seq_ids, scale);
+      else
+        paged_attention_kernel<scalar_t, Rows>(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                               query_start_loc, seq_ids, scale);
+    });
   });
 }
 
@@ -461,9 +575,12 @@ void rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, dou
 void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions, torch::Tensor cos,
                     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need a contiguous last dim");
-  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type(), "q and cache dtypes must match");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   DUET_DISPATCH(q.scalar_type(), scalar_t, [&] {
-    rope_and_cache_kernel<scalar_t, scalar_t>(q, k, v, positions, cos, sin, key_cache, value_cache, slot_mapping);
+    dispatch_rows<scalar_t>(key_cache, [&](auto rows) {
+      using Rows = decltype(rows);
+      rope_and_cache_kernel<scalar_t, Rows>(q, k, v, positions, cos, sin, key_cache, value_cache, slot_mapping);
+    });
   });
 }
 

@@ -213,6 +213,26 @@ def test_triton_agrees_with_the_cpu_implementations_on_a_mixed_batch(native):
     torch.testing.assert_close(triton_out, cpu_out, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_reads_quantized_caches_as_the_cpu_paths_do(cache_dtype, dtype):
+    """Int8 and e4m3 codes decoded from their bits in the kernel, times each row's scale: the
+    same attention as the torch path over the same quantized cache (every e4m3 code, subnormals
+    and negatives included, is in these caches)."""
+    from duet.kernels.kv_quant import quantize_rows
+    from duet.kernels.torch_attention import paged_attention_torch
+
+    query, key_cache, value_cache, metadata = _build_batch([(0, 1), (20, 1), (0, 23), (17, 9), (40, 4)], 9, 3, 64, 16, torch.float32)
+    key_cache = quantize_rows(torch.nan_to_num(key_cache, nan=0.5) * torch.logspace(-3, 1, 64), cache_dtype)
+    value_cache = quantize_rows(torch.nan_to_num(value_cache, nan=-0.5), cache_dtype)
+    if cache_dtype == torch.float8_e4m3fn:
+        assert len(torch.unique(key_cache[..., :-1].view(torch.uint8))) > 200
+    query = query.to(dtype)
+    triton_out = paged_attention_triton(query, key_cache, value_cache, metadata, 0.01)
+    cpu_out = paged_attention_torch(query, key_cache, value_cache, metadata, 0.01)
+    torch.testing.assert_close(triton_out.float(), cpu_out.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0])
 def test_triton_gguf_kernels_use_ggufs_weights_bit_for_bit_and_multiply_them(qtype):
     values = np.random.default_rng(0).standard_normal((37, 96)).astype(np.float32) * 0.1
