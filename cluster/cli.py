@@ -60,6 +60,7 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+EVAL_CHECKS = ("ppl",)
 BENCH_SUITES = ("offline", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak")
 
 
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int | None:
 
     bench = commands.add_parser("bench", help="benchmarks; `duet bench offline --help` for options")
     bench.add_argument("suite", choices=BENCH_SUITES)
+    evaluate = commands.add_parser("eval", help="quality checks; `duet eval ppl --help` for options")
+    evaluate.add_argument("check", choices=EVAL_CHECKS)
 
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> int | None:
         _chat(args)
     elif args.command == "bench":
         return _bench(args, rest)
+    elif args.command == "eval":
+        from duet.benchmarks import perplexity
+
+        return perplexity.main(rest)
     else:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from duet.config import ConfigError, EngineArgs, resolve_dtype
+from duet.config import ConfigError, EngineArgs, resolve_dtype, resolve_kv_cache_dtype
 
 
 class _Strict(BaseModel):
@@ -248,10 +248,11 @@ def parse_args(args: dict) -> AppArgs:
 
 def check_pools_exchange_kv(prefill, decode) -> None:
     """The prefill pool's KV blocks must land in the decode pool's as they are: same model (one
-    per application), block size, KV dtype and device kind. Fails with the setting to change."""
+    per application), block size, dtype, KV cache dtype and device kind. Fails with the setting to change."""
     pairs = {
         "block_size": (prefill.block_size, decode.block_size),
         "dtype": (resolve_dtype(prefill.dtype, prefill.device), resolve_dtype(decode.dtype, decode.device)),
+        "kv_cache_dtype": tuple(resolve_kv_cache_dtype(pool.kv_cache_dtype, resolve_dtype(pool.dtype, pool.device)) for pool in (prefill, decode)),
         "device": (prefill.device.split(":")[0], decode.device.split(":")[0]),
     }
     for name, (theirs, ours) in pairs.items():

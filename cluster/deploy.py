@@ -272,7 +272,10 @@ def format_status(report: dict) -> str:
     from duet.messages import REPLICA_SILENT_S
 
     lines = [f"duet at {report['url']}, model {report['model']}"]
-    header = f"{'pool':<10} {'replica':<10} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} {'transfers':>9} {'preempted':>9}"
+    header = (
+        f"{'pool':<10} {'replica':<10} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} {'kv dtype':>8} "
+        f"{'transfers':>9} {'preempted':>9}"
+    )
     lines.append(header)
     for pool, info in report["pools"].items():
         if not info["stats"]:
@@ -281,7 +284,7 @@ def format_status(report: dict) -> str:
             lines.append(
                 f"{pool:<10} {stats['replica_id']:<10} {stats['num_running']:>7} {stats['num_waiting']:>7} "
                 f"{stats['kv_usage']:>8.1%} {str(stats['num_free_blocks']) + '/' + str(stats['num_blocks']):>12} "
-                f"{stats['transfers']:>9} {stats['num_preemptions']:>9}"
+                f"{stats.get('kv_cache_dtype', 'auto'):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9}"
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
                 + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )

@@ -43,6 +43,19 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# vLLM's names; "fp8" is e4m3, as there. Quantized caches are laid out by ``kernels.kv_quant``.
+_KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype: the model's for ``auto``, else one-byte codes with a scale per row."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of auto, {', '.join(_KV_CACHE_DTYPES)}")
+    return _KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: blocks of ``block_size`` tokens, ``num_kv_blocks`` of them or as many as fit ``kv_cache_memory_gib``."""
@@ -50,6 +63,7 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8_e4m3 (fp8)
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -99,7 +113,9 @@ class SpeculativeConfig:
 
     ``ngram`` copies what followed an earlier occurrence of the context's last tokens;
     ``draft_model`` runs a smaller model sharing the tokenizer (``model``); ``layer_skip`` runs
-    the target's first ``num_draft_layers`` layers with its final norm and LM head.
+    the target's first ``num_draft_layers`` layers with its final norm and LM head. The draft
+    model's weights follow ``quantization`` (as the engine's; default: the target's int8/int4
+    or float choice).
     With ``adaptive`` each request drafts, each step, the number of tokens (0 to
     ``num_speculative_tokens``) that maximises expected tokens per second, from the measured
     cost of a step and its own acceptance so far (see ``duet.spec_decode.policy``); without it
@@ -115,8 +131,14 @@ class SpeculativeConfig:
     num_draft_layers: int | None = None
     disable_by_batch_size: int | None = None
     adaptive: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and (self.method != "draft_model" or self.quantization not in QUANTIZATIONS):
+            raise ConfigError(
+                f"speculative_config.quantization={self.quantization!r}: a draft_model's weights take one of "
+                f"{', '.join(str(q) for q in QUANTIZATIONS[1:])}"
+            )
         if self.method not in SPECULATIVE_METHODS:
             raise ConfigError(f"speculative_config.method={self.method!r}: use one of {', '.join(SPECULATIVE_METHODS)}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
@@ -187,7 +209,7 @@ def import_object(import_path: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-QUANTIZATIONS = (None, "gguf", "dequantized")
+QUANTIZATIONS = (None, "gguf", "dequantized", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -197,7 +219,8 @@ class EngineArgs:
     model: str = "smollm2"
     dtype: str = "float32"
     # None: compute from a GGUF checkpoint's own blocks where that is exact and runs here (CPU,
-    # float32); "gguf": insist on it; "dequantized": the float weights alone.
+    # float32); "gguf": insist on it; "dequantized": the float weights alone; "int8" / "int4":
+    # linear weights quantized at load time, any model (duet.models.quantize).
     quantization: str | None = None
     device: str = "cpu"
     seed: int = 0
@@ -208,6 +231,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8_e4m3 (fp8)
     enable_prefix_caching: bool = True
     speculative_config: dict | None = None
     kv_transfer_config: dict | None = None
@@ -244,7 +268,7 @@ class EngineArgs:
             ) if value]
             if unbuilt:
                 raise ConfigError(f"pipeline parallelism with {', '.join(unbuilt)} is not built yet")
-        resolve_dtype(self.dtype, self.device)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, resolve_dtype(self.dtype, self.device))
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r} is not supported; use one of {QUANTIZATIONS}")
         self.cache_config()

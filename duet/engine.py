@@ -15,7 +15,7 @@ import secrets
 import time
 
 from duet.block_pool import BlockIntegrityError
-from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype
+from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype, resolve_kv_cache_dtype
 from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.load import LoadTracker
@@ -55,9 +55,9 @@ class LLMEngine:
         kv_heads_per_rank = check_layout(arch, args.tensor_parallel_size, args.enable_expert_parallel)
         layers_per_rank = max(len(stage_layers(arch.num_layers, args.pipeline_parallel_size, stage))
                               for stage in range(args.pipeline_parallel_size))
-        self.num_blocks = cache_config.num_blocks(
-            kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, self.dtype)
-        )
+        self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
+        self.kv_bytes_per_block = kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, self.kv_dtype)
+        self.num_blocks = cache_config.num_blocks(self.kv_bytes_per_block)
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()
         worker_config = WorkerConfig(
@@ -70,6 +70,7 @@ class LLMEngine:
             block_size=self.block_size,
             eos_token_id=self.eos_token_id,
             seed=args.seed,
+            kv_cache_dtype=args.kv_cache_dtype,
             speculative_config=self.speculative_config,
             draft_model_path=self._check_draft_model(model_path),
             kv_transfer=self.kv_transfer_config,
@@ -90,8 +91,10 @@ class LLMEngine:
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self.load = LoadTracker()
         logger.info(
-            "engine ready: %s, %s, %d KV blocks of %d tokens, max_model_len=%d, tensor_parallel_size=%d, pipeline_parallel_size=%d",
-            model_path.name, self.dtype, self.num_blocks, self.block_size, self.max_model_len, args.tensor_parallel_size,
+            "engine ready: %s, %s, %d KV blocks of %d tokens in %s (%d bytes a block), max_model_len=%d, "
+            "tensor_parallel_size=%d, pipeline_parallel_size=%d",
+            model_path.name, self.dtype, self.num_blocks, self.block_size, str(self.kv_dtype).removeprefix("torch."),
+            self.kv_bytes_per_block, self.max_model_len, args.tensor_parallel_size,
             args.pipeline_parallel_size,
         )
 
@@ -274,6 +277,8 @@ class LLMEngine:
             num_free_blocks=manager.num_free_blocks,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            kv_cache_dtype=self.args.kv_cache_dtype,
+            kv_bytes_per_block=self.kv_bytes_per_block,
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=manager.prefix_cache_queries,
             prefix_cache_hits=manager.prefix_cache_hits,

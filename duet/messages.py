@@ -106,6 +106,8 @@ class ReplicaStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_block: int = 0  # across this replica's layers, K and V
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

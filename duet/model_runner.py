@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from duet.config import SpeculativeConfig
+from duet.kernels.kv_quant import row_width
 from duet.model_inputs import BatchInputs, Span, build_batch
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.runner_state import CachedRequestState
@@ -41,7 +42,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_id = eos_token_id
         self.vocab_size = arch.vocab_size
-        self.kv_cache, self.kv_caches = _allocate_kv_cache(arch, num_blocks, block_size, kv_dtype, device)
+        self.kv_cache, self.kv_caches = allocate_kv_cache(arch, num_blocks, block_size, kv_dtype, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.spec = None
@@ -191,9 +192,10 @@ class ModelRunner:
         return sampled, logprobs
 
 
-def _allocate_kv_cache(arch, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):
-    """One [layers, 2, kv_heads, blocks, block_size, head_dim] tensor, and per layer its (key, value) views."""
-    shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
+def allocate_kv_cache(arch, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):
+    """One [layers, 2, kv_heads, blocks, block_size, head_dim] tensor, and per layer its (key, value)
+    views; a quantized cache's rows are ``head_dim + 1`` wide (``kernels.kv_quant``)."""
+    shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks, block_size, row_width(arch.head_dim, kv_dtype))
     kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     return kv_cache, [(kv_cache[layer, 0], kv_cache[layer, 1]) for layer in range(arch.num_layers)]
 
@@ -204,5 +206,5 @@ def _make_proposer(config: SpeculativeConfig, runner: ModelRunner, draft_model, 
     if config.method == "layer_skip":
         caches = runner.kv_caches[: config.num_draft_layers]
         return ModelProposer(runner.model, caches, runner.block_size, runner.device, shares_target_cache=True)
-    _, caches = _allocate_kv_cache(draft_model.arch, num_blocks, runner.block_size, kv_dtype, runner.device)
+    _, caches = allocate_kv_cache(draft_model.arch, num_blocks, runner.block_size, kv_dtype, runner.device)
     return ModelProposer(draft_model, caches, runner.block_size, runner.device, shares_target_cache=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from duet.config import KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype
+from duet.config import KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype, resolve_kv_cache_dtype
 from duet.messages import KVEndpoint
 from duet.outputs import RunnerOutput, SchedulerOutput
 
@@ -31,6 +31,7 @@ class WorkerConfig:
     block_size: int
     eos_token_id: int | None
     seed: int = 0
+    kv_cache_dtype: str = "auto"
     speculative_config: SpeculativeConfig | None = None
     draft_model_path: str | None = None
     kv_transfer: KVTransferConfig | None = None
@@ -47,8 +48,10 @@ class WorkerConfig:
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
-    """What one block costs across all layers, K and V."""
-    return num_layers * 2 * num_kv_heads * block_size * head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    """What one block costs across all layers, K and V (a quantized row carries its scale)."""
+    from duet.kernels.kv_quant import row_width
+
+    return num_layers * 2 * num_kv_heads * block_size * row_width(head_dim, kv_dtype) * kv_dtype.itemsize
 
 
 def _parallel_groups(config: WorkerConfig):
@@ -95,11 +98,14 @@ class Worker:
             model = PipelineStage(model, pipeline.stage, pipeline.num_stages)
         draft = None
         if config.draft_model_path is not None:
-            # A draft checkpoint need not be a GGUF one: it follows the target's choice only to keep floats.
-            draft_quantization = config.quantization if config.quantization == "dequantized" else None
+            # A draft checkpoint need not be a GGUF one: by default it follows the target's choice
+            # only where that applies to any model (floats kept, or quantized at load time).
+            draft_quantization = config.speculative_config.quantization
+            if draft_quantization is None and config.quantization in ("dequantized", "int8", "int4"):
+                draft_quantization = config.quantization
             draft = load_model(Path(config.draft_model_path), dtype, config.device, config.max_model_len, draft_quantization)
         runner_args = (
-            config.num_blocks, config.block_size, dtype, config.device, config.eos_token_id,
+            config.num_blocks, config.block_size, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype), config.device, config.eos_token_id,
             config.max_model_len, config.speculative_config, draft,
         )
         self.runner = ModelRunner(model, *runner_args) if pipeline is None else PipelineRunner(model, pipeline, *runner_args)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from duet.kernels.kv_quant import cache_bytes_view
 from duet.kv_transfer.endpoint import NO_TOKEN, STREAM_START_TIMEOUT_S
 from duet.kv_transfer.progress import LayerProgress
 from duet.kv_transfer.receiver import KVReceiver
@@ -51,6 +52,7 @@ class KVConnectorWorker:
         # The heads this rank sends: its own, but those a lower rank also holds (and sends).
         self.sent_heads = (max([own.start] + [shard.stop for shard in shards[:-1]]), own.stop)
         self.num_layers = arch.num_layers
+        kv_cache = cache_bytes_view(kv_cache)  # the bytes travel as they are, whatever their dtype
         self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=f"{transfer.name}.{config.rank}", kv_heads=kv_heads)
         self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s, kv_heads=kv_heads)
         self._sending: dict[str, LayerProgress] = {}  # this step's sends, by request

@@ -69,6 +69,11 @@ class _PoolCollector:
             "vllm:num_requests_waiting": ("Sequences waiting on the replica.", lambda s: s.num_waiting),
             "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", lambda s: s.kv_usage),
             "duet:kv_transfers_pending": ("Transfers reserved or accepted, not yet arrived.", lambda s: s.pending_transfers),
+            "duet:kv_cache_blocks": ("KV blocks the replica's cache holds.", lambda s: s.num_blocks),
+            "duet:kv_cache_bytes_per_token": (
+                "KV cache bytes a token takes on the replica: K and V of its layers (quantized rows with their scales).",
+                lambda s: s.kv_bytes_per_block / s.block_size if s.block_size else 0,
+            ),
             "duet:spec_decode_mean_accepted_length": (
                 "Tokens emitted per verified draft since start (accepted drafts plus one); 0 before any.",
                 lambda s: s.spec_mean_accepted_length,
@@ -91,6 +96,10 @@ class _PoolCollector:
         families = {name: GaugeMetricFamily(name, doc, labels=labels) for name, (doc, _) in gauges.items()}
         families |= {name: CounterMetricFamily(name, doc, labels=labels) for name, (doc, _) in counters.items()}
         replicas = GaugeMetricFamily("duet:pool_replicas", "Replicas reporting stats, per pool.", labels=["model_name", "stage"])
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info", "The replica's KV cache settings, as labels (value 1).",
+            labels=[*labels, "cache_dtype", "block_size", "num_gpu_blocks"],
+        )
         per_position = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this position was accepted (and every earlier one).",
@@ -100,11 +109,13 @@ class _PoolCollector:
             replicas.add_metric([self.model_name, pool], len(stats_list))
             for stats in stats_list:
                 values = [self.model_name, pool, stats.replica_id]
+                cache_info.add_metric([*values, stats.kv_cache_dtype, str(stats.block_size), str(stats.num_blocks)], 1)
                 for name, (_, read) in (gauges | counters).items():
                     families[name].add_metric(values, read(stats))
                 for position, count in enumerate(stats.spec_accepted_per_position):
                     per_position.add_metric([*values, str(position)], count)
         yield replicas
+        yield cache_info
         yield per_position
         yield from families.values()
 

@@ -10,6 +10,11 @@ up to ``GGUF_MAX_ROWS`` fp32 rows then read the quantized codes (0.75 byte a wei
 1.125 for Q8_0, scales included, against 4) through ``kernels.gguf``, which dequantizes them
 exactly to the float weights the other paths use (in registers for a few rows, by panels
 kept in cache for a decode batch); longer products, prompt chunks, keep oneDNN's float paths.
+
+A weight quantized at load time (``quantization: int8 | int4``, ``duet.models.quantize``) keeps
+its blocks alone (``weight`` is None): longer products dequantize it for the call, which
+measures faster than the block kernels from about 128 rows (prompt chunks) and costs a
+fraction of the product there. Rows of another dtype (bf16) go through the kernels in fp32.
 """
 
 from __future__ import annotations
@@ -59,7 +64,17 @@ class Linear(nn.Module):
         must be ``weight`` dequantized."""
         self.gguf = weight
 
+    def keep_blocks_only(self) -> None:
+        """Drop the float weight (and its packed copy): the attached blocks are the weight."""
+        self.weight = None
+        self.packed_weight = None
+        self._packed_rows = (0, -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:  # quantized at load time
+            if x.shape[0] > GGUF_MAX_ROWS:
+                return F.linear(x, self.gguf.dequantize().to(x.dtype))
+            return self.gguf.matmul(x.float()).to(x.dtype)
         if self.gguf is not None and x.shape[0] <= GGUF_MAX_ROWS:  # attached to float32 models only
             return self.gguf.matmul(x)
         low, high = self._packed_rows

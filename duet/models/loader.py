@@ -12,6 +12,7 @@ from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
 from duet.models.mixtral import MixtralArch, MixtralForCausalLM
+from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
 ARCHITECTURES = {"LlamaForCausalLM": (LlamaArch, LlamaForCausalLM), "MixtralForCausalLM": (MixtralArch, MixtralForCausalLM)}
@@ -159,7 +160,8 @@ def load_model(
     path: Path, dtype: torch.dtype, device: str, max_positions: int, quantization: str | None = None
 ) -> LlamaForCausalLM:
     """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``;
-    with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_backend``)."""
+    with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_backend``),
+    or with its linear weights quantized to blocks (``int8``, ``int4``: ``duet.models.quantize``)."""
     arch = read_arch(path)
     model_class = MixtralForCausalLM if isinstance(arch, MixtralArch) else LlamaForCausalLM
     with torch.device("meta"):
@@ -170,6 +172,9 @@ def load_model(
         param.data = state.pop(name).to(device=device, dtype=dtype).contiguous()
     # Buffers built under the meta device hold no values: build the RoPE table for real.
     model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(device)
+    if quantization in LOAD_TIME_QUANTIZATIONS:
+        quantize_linears(model, quantization, _block_kernels(device, quantization))
+        return model.eval()
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack_for_cpu()
@@ -177,6 +182,22 @@ def load_model(
     if backend is not None:
         _attach_gguf(model, path, backend)
     return model.eval()
+
+
+def _block_kernels(device: str, quantization: str):
+    """The kernels that multiply by GGUF blocks on ``device``: C++ on CPU, Triton on a GPU."""
+    if device != "cpu":
+        from duet.kernels import triton_gguf
+
+        return triton_gguf
+    from duet.kernels import cpu_ops
+
+    backend = cpu_ops.load_gguf()
+    if backend is None:
+        raise QuantizationError(
+            f"quantization={quantization!r} runs on duet's C++ kernels, which are off (DUET_CPU_OPS=0) or did not build here"
+        )
+    return backend
 
 
 def save_first_layers(source: Path, target: Path, num_layers: int) -> Path:

@@ -104,7 +104,15 @@ def _offset(part: slice, by: int) -> slice:
 
 def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None) -> Linear:
     """A Linear holding these output rows (concatenated) and, with ``columns``, these input
-    features of ``linear``; its GGUF blocks too where the columns fall on block boundaries."""
+    features of ``linear``; its GGUF blocks too where the columns fall on block boundaries (a
+    weight kept as blocks alone must have them there)."""
+    if linear.weight is None:
+        blocks = linear.gguf.shard(rows, columns)
+        with torch.device("meta"):
+            shard = Linear(blocks.in_features, blocks.codes.shape[0])
+        shard.attach_gguf(blocks)
+        shard.keep_blocks_only()
+        return shard
     weight = torch.cat([linear.weight[part] for part in rows])
     if columns is not None:
         weight = weight[:, columns]

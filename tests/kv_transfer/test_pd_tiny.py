@@ -183,3 +183,27 @@ def test_a_decoding_sequence_migrates_by_kv_and_goes_on_as_if_it_had_not_moved(t
     finally:
         source.stop()  # checks the source's integrity too: the sent blocks came back
         target.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_travels_as_it_is_and_decodes_as_colocated(tiny_llama_dir, kv_cache_dtype):
+    """Both pools with a one-byte KV cache: the codes and their scales cross unchanged, so the
+    PD tokens are the colocated engine's with the same cache dtype, for a quarter of fp32's bytes
+    (the tiny model's 16-wide heads: 17 bytes a row against 64)."""
+    prefill = EngineProcess(_engine_kwargs(tiny_llama_dir, f"prefill-{kv_cache_dtype}", kv_cache_dtype=kv_cache_dtype))
+    try:
+        decode = _decode(tiny_llama_dir, f"decode-{kv_cache_dtype}", kv_cache_dtype=kv_cache_dtype)
+        run = run_disaggregated(prefill, decode, PROMPTS, GREEDY)
+        colocated = LLM(model=str(tiny_llama_dir), max_model_len=512, kv_cache_dtype=kv_cache_dtype).generate(PROMPTS, GREEDY)
+        assert run.tokens == [output.outputs[0].token_ids for output in colocated]
+        assert run.lost == []
+        fp32_bytes = sum(_prompt_kv_bytes(decode, len(prompt)) for prompt in PROMPTS)
+        assert decode.stats()["transfer_bytes"] * 64 == fp32_bytes * 17
+        decode.check_integrity()
+        decode.close()
+        refusing = _decode(tiny_llama_dir, f"decode-{kv_cache_dtype}-float")
+        refused = run_disaggregated(prefill, refusing, PROMPTS[:1], GREEDY, recompute=False)
+        assert refused.tokens == [None] and "kv_dtype: here 'float32'" in refused.lost[0]
+        refusing.close()
+    finally:
+        prefill.stop()

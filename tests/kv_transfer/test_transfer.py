@@ -23,8 +23,9 @@ SPEC = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv
 BLOCK_BYTES = 3 * 2 * 2 * 4 * 8 * 4
 
 
-def _sender_cache(shape=SHAPE) -> torch.Tensor:
-    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
+def _sender_cache(shape=SHAPE, dtype: str = "float32") -> torch.Tensor:
+    values = torch.arange(torch.Size(shape).numel()).view(shape)
+    return values.float() if dtype == "float32" else (values % 251 - 125).to(getattr(torch, dtype))
 
 
 def _crash_mid_transfer(pair, group, job) -> None:
@@ -34,7 +35,7 @@ def _crash_mid_transfer(pair, group, job) -> None:
     os._exit(1)
 
 
-def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None) -> None:
+def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None, dtype: str) -> None:
     """A KVSender driven by commands from the test:
     ("send", id, blocks, endpoint) ships ready blocks (first token: the id); ("stream", id,
     num_blocks, endpoint) queues a transfer whose layers come later with ("mark", id, layers, blocks);
@@ -54,7 +55,7 @@ def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | No
         import duet.kv_transfer.wire as wire
 
         wire.TARGET_MESSAGE_BYTES = message_bytes
-    sender = KVSender(_sender_cache(shape), KVSpec.from_dict(spec_dict), timeout_s=5)
+    sender = KVSender(_sender_cache(shape, dtype), KVSpec.from_dict(spec_dict), timeout_s=5)
     progress: dict[int, LayerProgress] = {}
     while True:
         command, *args = conn.recv()
@@ -93,9 +94,10 @@ def start_sender():
 
     def start(
         spec: KVSpec = SPEC, shape=SHAPE, crash: bool = False, message_bytes: int | None = None, faults: str | None = None,
+        dtype: str = "float32",
     ):
         parent, child = mp.get_context("spawn").Pipe()
-        args = (child, spec.to_dict(), shape, crash, message_bytes, faults)
+        args = (child, spec.to_dict(), shape, crash, message_bytes, faults, dtype)
         process = mp.get_context("spawn").Process(target=_sender_process, args=args)
         process.start()
         processes.append(process)
@@ -122,8 +124,8 @@ def _wait_results(receiver: KVReceiver, count: int, timeout_s: float = 30, count
     return results
 
 
-def _assert_arrived(receiver: KVReceiver, src_blocks: list[int], dst_blocks: list[int]) -> None:
-    source = _sender_cache()
+def _assert_arrived(receiver: KVReceiver, src_blocks: list[int], dst_blocks: list[int], dtype: str = "float32") -> None:
+    source = _sender_cache(dtype=dtype)
     for src, dst in zip(src_blocks, dst_blocks):
         assert torch.equal(receiver.kv_cache[:, :, :, dst], source[:, :, :, src])
 
@@ -291,6 +293,32 @@ def test_a_burst_of_transfers_with_cancellations_never_breaks_the_pair(start_sen
     assert all(error == "cancelled" for ok, error in results.values() if not ok)
     assert counters.transfers == len(jobs) - len(cancelled)
     assert (counters.cancelled, counters.failures) == (len(cancelled), 0)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])  # an int8 cache; an fp8 one travels as its bytes (uint8)
+def test_one_byte_kv_caches_travel_as_they_are(start_sender, dtype):
+    """Quantized KV (codes and their scale bytes) crosses as stored: a quarter of fp32's bytes
+    for the same blocks, none of them changed."""
+    receiver = KVReceiver(torch.zeros(SHAPE, dtype=getattr(torch, dtype)), SPEC, timeout_s=20)
+    conn = start_sender(dtype=dtype)
+    try:
+        receiver.expect(1, [4, 0, 9])
+        conn.send(("send", 1, [2, 5, 11], receiver.endpoint))
+        counters = TransferCounters()
+        results = _wait_results(receiver, 1, counters=counters)
+        conn.send(("results", 1))
+        conn.recv()
+    finally:
+        receiver.close()
+    assert results == {1: (True, None)}
+    _assert_arrived(receiver, [2, 5, 11], [4, 0, 9], dtype)
+    assert counters.bytes == 3 * BLOCK_BYTES // 4
+
+
+def test_kv_cache_dtypes_that_differ_are_named_in_the_refusal():
+    int8 = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="int8")
+    with pytest.raises(KVSpecMismatchError, match="kv_dtype: here 'int8', peer 'float8_e4m3fn'"):
+        int8.check_compatible(KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="float8_e4m3fn"))
 
 
 def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):

@@ -1,0 +1,56 @@
+"""Weights quantized at load time (``quantization: int8 | int4``) for any model loaded from floats.
+
+Each ``Linear`` (attention and MLP projections, the LM head) becomes rows of 32-weight blocks in
+GGUF's own layouts, computed by the same kernels as a GGUF checkpoint's blocks
+(``kernels.gguf``: C++ on CPU, Triton on a GPU), and its float weight is dropped:
+
+- ``int8``: Q8_0, symmetric, one fp16 scale per 32 weights (1.0625 bytes a weight). Finer than a
+  scale per output channel for 0.0625 byte more, and the decode kernels already read it.
+- ``int4``: Q4_1, a scale and a minimum (fp16) per 32 weights (0.75 byte a weight).
+
+Blocks are made by ``gguf.quants`` (llama.cpp's reference quantizers). The token embedding
+stays in floats (a step reads one row of it per token), as do a mixture of experts' experts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight
+from duet.models.linear import Linear
+
+LOAD_TIME_QUANTIZATIONS = {"int8": Q8_0, "int4": Q4_1}
+
+logger = logging.getLogger(__name__)
+
+
+class QuantizationError(ValueError):
+    """The model or machine cannot run this quantization; the message says what to change."""
+
+
+def quantize_blocks(weight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """An ``[out, in]`` float weight as GGUF rows of blocks (uint8 ``[out, in / 32 * block bytes]``)."""
+    import gguf
+
+    rows = weight.detach().float().cpu().numpy()
+    return torch.from_numpy(gguf.quants.quantize(rows, gguf.GGMLQuantizationType(qtype)))
+
+
+def quantize_linears(model: torch.nn.Module, quantization: str, backend) -> int:
+    """Replace every Linear's float weight by its ``quantization`` blocks, computed with ``backend``
+    (``cpu_ops.load_gguf()`` or ``kernels.triton_gguf``); the number of weights quantized."""
+    qtype = LOAD_TIME_QUANTIZATIONS[quantization]
+    count = 0
+    for name, linear in model.named_modules():
+        if not isinstance(linear, Linear):
+            continue
+        if linear.in_features % BLOCK:
+            raise QuantizationError(f"quantization={quantization!r}: {name} has {linear.in_features} input features, not a multiple of {BLOCK}")
+        blocks = quantize_blocks(linear.weight, qtype).to(linear.weight.device)
+        linear.attach_gguf(GGUFWeight.from_blocks(blocks, qtype, linear.in_features, backend))
+        linear.keep_blocks_only()
+        count += linear.out_features * linear.in_features
+    logger.info("quantized %d weights to %s (GGUF type %d) at load time", count, quantization, qtype)
+    return count
