@@ -93,6 +93,22 @@ def test_tp2_greedy_matches_transformers_and_tp1(ray_cluster, tmp_path, smollm2_
 
 
 @pytest.mark.slow
+def test_tp2_with_int8_weights_and_kv_matches_tp1(ray_cluster, tmp_path, smollm2_dir):
+    """Quantization and tensor parallelism together: each rank keeps its rows (and, past the
+    o/down split, its block columns) of the load-time Q8_0 blocks, no float weight, and an int8
+    KV cache of its heads; the tokens are TP=1's with the same settings."""
+    model_dir = make_tiny_llama(tmp_path, smollm2_dir, hidden_size=192, num_attention_heads=6, num_key_value_heads=2, intermediate_size=256)
+    settings = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, quantization="int8", kv_cache_dtype="int8")
+    tp2 = LLM(**settings, tensor_parallel_size=2)
+    try:
+        outputs = [output.outputs[0].token_ids for output in tp2.generate(PROMPTS, _greedy())]
+        tp2.engine.check_integrity()
+    finally:
+        tp2.engine.close()
+    assert outputs == [output.outputs[0].token_ids for output in LLM(**settings).generate(PROMPTS, _greedy())]
+
+
+@pytest.mark.slow
 def test_smollm2_at_tp2_matches_transformers(ray_cluster, smollm2_dir, parity_prompts, parity_references):
     """The real model's 9 heads over 3 KV heads, its Q4_1/Q8_0 blocks sharded, batched."""
     llm = LLM(model=str(smollm2_dir), num_kv_blocks=256, max_model_len=1024, tensor_parallel_size=2)
