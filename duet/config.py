@@ -63,7 +63,6 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8_e4m3 (fp8)
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

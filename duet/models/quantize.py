@@ -4,9 +4,10 @@ Each ``Linear`` (attention and MLP projections, the LM head) becomes rows of 32-
 GGUF's own layouts, computed by the same kernels as a GGUF checkpoint's blocks
 (``kernels.gguf``: C++ on CPU, Triton on a GPU), and its float weight is dropped:
 
-- ``int8``: Q8_0, symmetric, one fp16 scale per 32 weights (1.0625 bytes a weight). Finer than a
-  scale per output channel for 0.0625 byte more, and the decode kernels already read it.
-- ``int4``: Q4_1, a scale and a minimum (fp16) per 32 weights (0.75 byte a weight).
+- ``int8``: Q8_0, symmetric, one fp16 scale per 32 weights: 1.125 bytes a weight resident (the
+  scales widened to fp32 once, ``kernels.gguf``). Finer than a scale per output channel for an
+  eighth of a byte more, and the decode kernels already read it.
+- ``int4``: Q4_1, a scale and a minimum (fp16) per 32 weights: 0.75 byte a weight resident.
 
 Blocks are made by ``gguf.quants`` (llama.cpp's reference quantizers). The token embedding
 stays in floats (a step reads one row of it per token), as do a mixture of experts' experts.

@@ -59,6 +59,17 @@ def metric(url: str, name: str) -> dict[str, float]:
     return metric_values(httpx.get(f"{url}/metrics", timeout=10).text, name)
 
 
+def stage_total(url: str, name: str, stage: str, expected: float, timeout_s: float = 15) -> float:
+    """The sum of a metric's samples from one pool, once it reaches ``expected`` (replicas' stats
+    are pulled every second or so) or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = sum(value for labels, value in metric(url, name).items() if f'stage="{stage}"' in labels)
+        if total >= expected or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)
+
+
 def settled(cluster, url: str, timeout_s: float = 30) -> dict:
     """The integrity report once no replica of the application holds a block."""
     deadline = time.monotonic() + timeout_s

@@ -7,13 +7,12 @@ the cache's dtype and blocks."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from duet import LLM, SamplingParams
-from tests.integration.client import NEW_TOKENS, complete, greedy_body, metric, settled
+from tests.integration.client import NEW_TOKENS, complete, greedy_body, metric, settled, stage_total
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +27,6 @@ def _int8_app() -> dict:
         "decode": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}, "adaptive_local_prefill": False},
         "router": {"ray_actor_options": {"num_cpus": 0}},
     }
-
-
-def _decode_transfer_bytes(url: str, expected: int) -> float:
-    """Bytes the decode pool reports received, once they reach ``expected`` or after 15 s."""
-    deadline = time.monotonic() + 15
-    while True:
-        samples = metric(url, "duet:kv_transfer_bytes_total")
-        received = sum(value for labels, value in samples.items() if 'stage="decode"' in labels)
-        if received >= expected or time.monotonic() > deadline:
-            return received
-        time.sleep(0.5)
 
 
 def test_int8_kv_pd_over_http_gives_the_offline_tokens_for_a_quarter_of_the_bytes(cluster, deploy, tiny_llama_dir):
@@ -58,7 +46,7 @@ def test_int8_kv_pd_over_http_gives_the_offline_tokens_for_a_quarter_of_the_byte
     blocks = sum(-(-len(prompt) // block_size) for prompt in PROMPTS)
     row_bytes = {"int8": arch.head_dim + 1, "float32": arch.head_dim * 4}
     expected = {dtype: arch.num_layers * 2 * arch.num_kv_heads * blocks * block_size * row for dtype, row in row_bytes.items()}
-    assert _decode_transfer_bytes(url, expected["int8"]) == expected["int8"]
+    assert stage_total(url, "duet:kv_transfer_bytes_total", "decode", expected["int8"]) == expected["int8"]
     assert expected["int8"] / expected["float32"] == pytest.approx(17 / 64)
     info = metric(url, "vllm:cache_config_info")
     assert info and all('cache_dtype="int8"' in labels and 'num_gpu_blocks="1024"' in labels for labels in info)

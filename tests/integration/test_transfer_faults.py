@@ -8,13 +8,12 @@ goes over a new pair. Each test ends with no block held anywhere."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from duet.kv_transfer.faults import FAULTS_ENV
-from tests.integration.client import complete, greedy_body, metric, settled
+from tests.integration.client import complete, greedy_body, settled, stage_total
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +44,6 @@ def _one_by_one(url: str, prompts: list[list[int]]) -> list[tuple[int, list[int]
     return asyncio.run(run())
 
 
-def _decode_failures(url: str, expected: int) -> float:
-    """Failed transfers the decode pool reports, once they reach ``expected`` (stats are pulled
-    from the replicas every second or so) or after 15 s."""
-    deadline = time.monotonic() + 15
-    while True:
-        failures = metric(url, "duet:kv_transfer_failures_total")
-        count = sum(value for labels, value in failures.items() if 'stage="decode"' in labels)
-        if count >= expected or time.monotonic() > deadline:
-            return count
-        time.sleep(0.5)
-
-
 def test_kv_corrupted_on_the_wire_is_refused_and_recomputed_never_served(cluster, tiny_offline, deploy):
     """Guards against answering with KV that changed on the way (vLLM's NIXL path has returned
     another request's answer with a 200): the first two transfers arrive with a flipped bit;
@@ -65,7 +52,7 @@ def test_kv_corrupted_on_the_wire_is_refused_and_recomputed_never_served(cluster
     answers = _one_by_one(url, PROMPTS)
     assert [(status, errors) for status, _, errors in answers] == [(200, [])] * len(PROMPTS)
     assert [tokens for _, tokens, _ in answers] == tiny_offline(PROMPTS)
-    assert _decode_failures(url, 2) == 2
+    assert stage_total(url, "duet:kv_transfer_failures_total", "decode", 2) == 2
     assert settled(cluster, url)["ok"]
 
 
@@ -81,5 +68,5 @@ def test_a_stalled_transfer_times_out_and_fails_only_its_request_under_the_fail_
     assert error["type"] == "service_unavailable" and "KV did not arrive" in error["message"]
     answers = _one_by_one(url, PROMPTS[1:])
     assert [tokens for _, tokens, _ in answers] == tiny_offline(PROMPTS[1:])
-    assert _decode_failures(url, 1) == 1
+    assert stage_total(url, "duet:kv_transfer_failures_total", "decode", 1) == 1
     assert settled(cluster, url)["ok"]
