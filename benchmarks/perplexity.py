@@ -83,10 +83,9 @@ def text_logits(model, token_ids: list[int], kv_dtype: torch.dtype) -> torch.Ten
     return torch.cat(logits)
 
 
-def greedy_tokens(model_path: str, quantization, kv_cache_dtype: str, prompts: list[str]) -> list[list[int]]:
-    from duet import LLM, SamplingParams
+def greedy_tokens(llm, prompts: list[str]) -> list[list[int]]:
+    from duet import SamplingParams
 
-    llm = LLM(model=model_path, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=0.25)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
     return [output.outputs[0].token_ids for output in outputs]
 
@@ -100,39 +99,34 @@ def prefix_share(reference: list[list[int]], candidate: list[list[int]]) -> floa
 
 
 def run(model: str, settings: list[str]) -> list[Result]:
-    from transformers import AutoTokenizer
-
+    from duet import LLM
     from duet.benchmarks.eval_text import PARAGRAPHS, TEXT
-    from duet.config import resolve_kv_cache_dtype
-    from duet.models.loader import load_model, max_positions, resolve_model_path
-    from duet.worker import kv_bytes_per_block
 
-    path = resolve_model_path(model)
-    token_ids = AutoTokenizer.from_pretrained(str(path)).encode(TEXT)
+    token_ids = None
     prompts = [paragraph.split(". ")[0] + "." for paragraph in PARAGRAPHS]
     ordered = ["fp32"] + [name for name in settings if name != "fp32"]
     results, reference_top1, reference_greedy = [], None, None
     for name in tqdm(ordered, desc="settings", unit="setting"):
         quantization, kv_cache_dtype = SETTINGS[name]
         started = time.perf_counter()
-        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
-        network = load_model(path, torch.float32, "cpu", max_positions(path), quantization)
+        llm = LLM(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=0.25)
+        token_ids = token_ids or llm.get_tokenizer().encode(TEXT)
+        network, kv_dtype = llm.engine.executor.worker.runner.model, llm.engine.kv_dtype
         logits = text_logits(network, token_ids, kv_dtype)
         targets = torch.tensor(token_ids[1:])
         perplexity = math.exp(torch.nn.functional.cross_entropy(logits, targets).item())
         top1 = logits.argmax(-1)
-        greedy = greedy_tokens(str(path), quantization, kv_cache_dtype, prompts)
+        greedy = greedy_tokens(llm, prompts)
         if reference_top1 is None:
             reference_top1, reference_greedy, base = top1, greedy, perplexity
-        arch = network.arch
         results.append(Result(
             setting=name, quantization=quantization, kv_cache_dtype=kv_cache_dtype, perplexity=perplexity,
             change=perplexity / base - 1, top1_agreement=float((top1 == reference_top1).float().mean()),
             greedy_agreement=prefix_share(reference_greedy, greedy), weight_bytes=resident_weight_bytes(network),
-            kv_bytes_per_token=kv_bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, 1, kv_dtype),
+            kv_bytes_per_token=llm.engine.kv_bytes_per_block // llm.engine.block_size,
             seconds=time.perf_counter() - started,
         ))
-        del network
+        del llm, network
     return results
 
 

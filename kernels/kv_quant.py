@@ -42,7 +42,7 @@ def head_dim_of(cache: torch.Tensor) -> int:
     return cache.shape[-1] - 1 if is_quantized(cache) else cache.shape[-1]
 
 
-def row_exponents(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+def _row_exponents(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """Each row's scale exponent, ``[..., 1]`` int32: from the largest magnitude's float bits."""
     amax = rows.float().abs().amax(dim=-1, keepdim=True)
     biased = (amax.view(torch.int32) >> 23) & 0xFF  # zero and subnormals give the floor below
@@ -51,7 +51,7 @@ def row_exponents(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 
 def quantize_rows(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """``[..., head_dim]`` floats as ``[..., head_dim + 1]`` of ``cache_dtype``: codes, then the exponent."""
-    exponents = row_exponents(rows, cache_dtype)
+    exponents = _row_exponents(rows, cache_dtype)
     scaled = rows.float() * power_of_two(-exponents)  # exact
     if cache_dtype == torch.int8:
         codes = scaled.round_().clamp_(-127, 127).to(torch.int8)  # round half to even

@@ -233,7 +233,7 @@ def _paged_attention_kernel(
         if KV_CODES != 0:
             k_exponents = tl.load(k_rows + head_dim * stride_kcd, mask=k_valid, other=0)
             v_exponents = tl.load(v_rows + head_dim * stride_vcd, mask=k_valid, other=0)
-            k = _dequantize(k, k_exponents[None, :], KV_CODES).to(q.dtype)
+            k = _dequantize(k, k_exponents[None, :], KV_CODES).to(query_ptr.dtype.element_ty)
             v = _dequantize(v, v_exponents[:, None], KV_CODES).to(query_ptr.dtype.element_ty)
         if WIDEN_DOT_OPERANDS:
             k = k.to(tl.float32)
@@ -248,11 +248,9 @@ def _paged_attention_kernel(
         p = tl.math.exp2(scores - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # Probabilities are rounded to the cache dtype as the tensor-core dot consumes them.
-        if KV_CODES == 0:
-            p = p.to(value_cache_ptr.dtype.element_ty).to(v.dtype)
-        else:
-            p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
+        # Probabilities are rounded to the model dtype (a float cache's, a quantized one's values)
+        # as the tensor-core dot consumes them.
+        p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 

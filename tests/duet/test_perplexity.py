@@ -20,7 +20,7 @@ def test_quantized_settings_stay_within_their_perplexity_budgets(smollm2_dir):
     assert fp32.change == 0 and fp32.top1_agreement == 1 and fp32.greedy_agreement == 1
     for setting, budget in BUDGETS.items():
         assert results[setting].change <= budget, (setting, results[setting])
-        assert results[setting].top1_agreement >= 0.8, (setting, results[setting])
+        assert results[setting].top1_agreement >= 0.75, (setting, results[setting])
     assert results["kv-int8"].top1_agreement >= 0.9
     assert fp32.kv_bytes_per_token / results["kv-int8"].kv_bytes_per_token == pytest.approx(256 / 65)
     assert results["w-int8"].weight_bytes < fp32.weight_bytes / 3 and results["w-int4"].weight_bytes < results["w-int8"].weight_bytes
