@@ -2,8 +2,9 @@
 
 from duet.outputs import CompletionOutput, RequestOutput
 from duet.sampling_params import SamplingParams
+from duet.structured_output import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from duet.config import SpeculativeConfig
+from duet.grammar_masks import GrammarMasks, MaskJob
 from duet.kernels.kv_quant import row_width
 from duet.model_inputs import BatchInputs, Span, build_batch
 from duet.outputs import RunnerOutput, SchedulerOutput
@@ -22,7 +23,9 @@ from duet.spec_decode.proposers import ModelProposer, NgramProposer
 
 
 class ModelRunner:
-    """Owns the model, the paged KV cache, the sampler and, when configured, the speculative decoder."""
+    """Owns the model, the paged KV cache, the sampler, the matchers of constrained requests
+    (``tokenizer_path``: where their grammars find the model's tokenizer) and, when configured,
+    the speculative decoder."""
 
     def __init__(
         self,
@@ -35,6 +38,7 @@ class ModelRunner:
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
         draft_model: torch.nn.Module | None = None,
+        tokenizer_path: str | None = None,
     ) -> None:
         arch = model.arch
         self.model = model
@@ -45,6 +49,9 @@ class ModelRunner:
         self.kv_cache, self.kv_caches = allocate_kv_cache(arch, num_blocks, block_size, kv_dtype, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.grammar = None
+        if tokenizer_path is not None:
+            self.grammar = GrammarMasks(tokenizer_path, self.vocab_size, eos_token_id, overlap=device != "cpu")
         self.spec = None
         if speculative_config is not None:
             proposer = _make_proposer(speculative_config, self, draft_model, num_blocks, kv_dtype)
@@ -54,6 +61,8 @@ class ModelRunner:
         """Drop what the runner holds of these requests; one it meets again is sent whole."""
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+            if self.grammar is not None:
+                self.grammar.forget(request_id)
             if self.spec is not None:
                 self.spec.forget(request_id)
 
@@ -114,7 +123,10 @@ class ModelRunner:
         forbidden = []
         for state in states:
             params = state.sampling_params
-            if len(state.output_token_ids) < params.min_tokens:
+            # A complete constraint allows EOS alone: min_tokens cannot hold the output open.
+            if len(state.output_token_ids) < params.min_tokens and not (
+                self.grammar is not None and self.grammar.only_eos_left(state)
+            ):
                 stop_ids = tuple(params.stop_token_ids)
                 forbidden.append(stop_ids + (() if self.eos_token_id is None else (self.eos_token_id,)))
             else:
@@ -139,10 +151,12 @@ class ModelRunner:
             return RunnerOutput([], [])
         started = time.perf_counter()
         batch, logits_rows, row_owners = self._prepare_inputs(scheduler_output)
+        spec_token_ids = scheduler_output.scheduled_spec_token_ids
+        masks = self._start_masks(row_owners, spec_token_ids)
         logits = self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done,
         )
-        sampled, logprobs = self._sample(logits, row_owners, scheduler_output.scheduled_spec_token_ids)
+        sampled, logprobs = self._sample(logits, row_owners, spec_token_ids, masks)
         if self.spec is not None:
             # Sampling returned host lists, so the device work is done and the time is real.
             self.spec.step_cost.observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
@@ -157,6 +171,8 @@ class ModelRunner:
         if self.spec is not None and sampled:
             states = [self.requests[request_id] for request_id in sampled]
             draft_token_ids = self.spec.propose(states, len(request_ids))
+            if self.grammar is not None:
+                draft_token_ids = self._allowed_drafts(draft_token_ids)
         return RunnerOutput(
             request_ids=request_ids,
             sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
@@ -164,14 +180,38 @@ class ModelRunner:
             draft_token_ids=draft_token_ids,
         )
 
+    def _start_masks(self, row_owners: list[str], spec_token_ids: dict[str, list[int]]) -> MaskJob | None:
+        """Start filling the constrained rows' token masks (beside a GPU's forward pass; in line on a CPU)."""
+        if self.grammar is None or not row_owners:
+            return None
+        owners = dict.fromkeys(row_owners)
+        return self.grammar.start([(self.requests[owner], spec_token_ids.get(owner, [])) for owner in owners])
+
+    def _allowed_drafts(self, draft_token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts cut before the first token their request's constraint refuses: verifying it
+        could only reject it."""
+        allowed = {}
+        for request_id, drafts in draft_token_ids.items():
+            drafts = self.grammar.clip_drafts(self.requests[request_id], drafts)
+            if drafts:
+                allowed[request_id] = drafts
+        return allowed
+
     def _sample(
-        self, logits: torch.Tensor, row_owners: list[str], spec_token_ids: dict[str, list[int]]
+        self,
+        logits: torch.Tensor,
+        row_owners: list[str],
+        spec_token_ids: dict[str, list[int]],
+        masks: MaskJob | None,
     ) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
-        """Tokens per request that reached its last token: sampled, or verified drafts plus one."""
+        """Tokens per request that reached its last token: sampled, or verified drafts plus one.
+        ``masks``: the constrained rows' token masks (``_start_masks``)."""
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]]] = {}
         if not row_owners:
             return sampled, logprobs
+        if masks is not None:
+            self.grammar.apply(logits, masks)
         plain_rows = [row for row, owner in enumerate(row_owners) if owner not in spec_token_ids]
         if plain_rows:
             plain_ids = [row_owners[row] for row in plain_rows]
@@ -188,7 +228,10 @@ class ModelRunner:
             verified = self.spec.verify(logits[spec_rows], states, [spec_token_ids[i] for i in spec_ids])
             sampled.update(zip(spec_ids, verified))
         for request_id, token_ids in sampled.items():
-            self.requests[request_id].output_token_ids.extend(token_ids)
+            state = self.requests[request_id]
+            state.output_token_ids.extend(token_ids)
+            if self.grammar is not None:
+                self.grammar.accept(state, token_ids)
         return sampled, logprobs
 
 

@@ -46,7 +46,7 @@ class PipelineRunner(ModelRunner):
         token_ids = torch.empty(len(row_owners), dtype=torch.long)
         sampled, logprobs = {}, {}
         if self.stage.last and row_owners:
-            sampled, logprobs = self._sample(torch.cat(logits), row_owners, {})
+            sampled, logprobs = self._sample(torch.cat(logits), row_owners, {}, self._start_masks(row_owners, {}))
             token_ids = torch.tensor([sampled[owner][0] for owner in row_owners], dtype=torch.long)
         if row_owners:
             self.group.broadcast_from_last(token_ids)

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from duet.errors import InvalidRequestError
+from duet.structured_output import StructuredOutputs
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this temperature sampling is greedy: its limit as the temperature goes to 0 (dividing
@@ -52,6 +53,9 @@ class SamplingParams:
     are fanned out before the engine (``choice``), and share the prompt's KV through the prefix
     cache. ``stop`` strings and the text options act where text is made (the router, ``LLM``);
     the engine stops on token ids (EOS, ``stop_token_ids``, ``max_tokens``).
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar:
+    each token is sampled among those the constraint allows, and once it is complete only EOS
+    is (so a constrained output ends at EOS, or at ``max_tokens`` with ``finish_reason="length"``).
     """
 
     n: int = 1
@@ -71,6 +75,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +117,16 @@ class SamplingParams:
                 "stop_token_ids",
                 all(0 <= token_id <= INT64_MAX for token_id in self.stop_token_ids),
                 f"stop_token_ids must be token ids, integers in [0, {INT64_MAX}]",
+            ),
+            (
+                "ignore_eos",
+                not (self.ignore_eos and self.structured_outputs is not None),
+                "ignore_eos cannot be combined with structured_outputs: a complete constrained output ends at EOS",
+            ),
+            (
+                "structured_outputs",
+                self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+                "structured_outputs must be a StructuredOutputs(json=..., regex=..., choice=..., grammar=...)",
             ),
         ]
         for param, ok, message in checks:

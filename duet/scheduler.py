@@ -309,6 +309,10 @@ class Scheduler:
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
         last = request.output_token_ids[-1]
+        # A constrained request samples EOS before min_tokens only once its constraint is
+        # complete and allows nothing else (the runner forbids it otherwise): it ends there.
+        if last == request.eos_token_id and params.structured_outputs is not None:
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last == request.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED

@@ -108,7 +108,11 @@ class Worker:
             config.num_blocks, config.block_size, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype), config.device, config.eos_token_id,
             config.max_model_len, config.speculative_config, draft,
         )
-        self.runner = ModelRunner(model, *runner_args) if pipeline is None else PipelineRunner(model, pipeline, *runner_args)
+        runner_kwargs = {"tokenizer_path": config.model_path}
+        if pipeline is None:
+            self.runner = ModelRunner(model, *runner_args, **runner_kwargs)
+        else:
+            self.runner = PipelineRunner(model, pipeline, *runner_args, **runner_kwargs)
         if config.device == "cpu":
             from duet.kernels import cpu_ops
 
@@ -139,5 +143,7 @@ class Worker:
         self.runner.forget(request_ids)
 
     def close(self) -> None:
+        if self.runner.grammar is not None:
+            self.runner.grammar.close()
         if self.kv_connector is not None:
             self.kv_connector.close()

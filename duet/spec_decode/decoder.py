@@ -30,7 +30,8 @@ class _Track:
 class SpeculativeDecoder:
     """Proposes draft tokens after a request's step and verifies them at its next one.
 
-    A request drafts when its sampling allows exact verification (no penalties or logprobs),
+    A request drafts when its sampling allows exact verification (no penalties or logprobs, and
+    under a constraint no min_tokens still to come),
     at most as many tokens as it may still emit minus one; with ``adaptive`` the policy in
     ``duet.spec_decode.policy`` picks how many, from the measured step cost and the request's
     acceptance. Nobody drafts while ``disable_by_batch_size`` or more requests run.
@@ -63,6 +64,10 @@ class SpeculativeDecoder:
         params = state.sampling_params
         num_output = len(state.output_token_ids)
         if params.logprobs is not None or params.has_penalties:
+            return 0
+        # Under a constraint, min_tokens gives way to EOS once EOS is all the constraint allows;
+        # the runner's plain sampling path knows that, verification does not.
+        if params.structured_outputs is not None and num_output < params.min_tokens:
             return 0
         room = min(params.max_tokens - num_output, self.max_model_len - state.num_tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, room))

@@ -1,0 +1,126 @@
+"""What a request's output must match (vLLM's ``structured_outputs``), as llguidance grammars.
+
+One of: a JSON schema, any JSON object, a regular expression, a choice of strings, or a grammar
+(Lark, or GBNF/EBNF as llama.cpp and vLLM write it). Importable without torch: the router
+refuses a bad constraint with a 400 before it admits the request, by the same check the
+engine's offline API runs. The engine's side (a matcher per request, the batch's token masks)
+is ``duet.grammar_masks``.
+
+Why llguidance rather than xgrammar (``duet bench grammar`` measures both; both took every
+schema of its set): its grammars are checked without torch (xgrammar imports torch, which the
+router must not), and a request waits 0.3-1 ms for its first mask against xgrammar's 4-30 ms of
+eager compilation. Its masks cost about twice xgrammar's per row (0.19 against 0.10 ms a step
+for 32 rows), which the engine hides by filling them on another thread while the forward runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+from duet.errors import InvalidRequestError
+
+# Compact JSON as Python's json.dumps writes it: a model may not pad its output with whitespace
+# until max_tokens runs out. A schema may ask for other separators with llguidance's own
+# "x-guidance" key.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputsError(InvalidRequestError):
+    """The constraint cannot be used; the message names the problem (HTTP 400)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "structured_outputs")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one constraint, validated when built.
+
+    ``json``: a JSON schema (a dict, or its text; kept as compact text, the key its compiled
+    grammar is cached under). ``json_object``: any JSON object. ``regex``: the whole output matches it
+    (Rust regex syntax: no look-around, no backreferences). ``choice``: the output is one of
+    these strings. ``grammar``: Lark, or GBNF/EBNF with ``root ::= ...``.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputsError(
+                f"structured_outputs takes exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as error:
+                    raise StructuredOutputsError(f"the JSON schema is not JSON: {error}") from None
+            if not isinstance(schema, dict):
+                raise StructuredOutputsError(f"a JSON schema is an object, got {type(schema).__name__}")
+            # Keys keep their order: a schema's properties are generated in the order it lists them.
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choice or not all(isinstance(item, str) and item for item in choice):
+                raise StructuredOutputsError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StructuredOutputsError(f"{kind} must be a non-empty string")
+        compiled_grammar(self.kind, self.text)  # raises when llguidance refuses it
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string: the key its compiled grammar is cached under."""
+        if self.json_object:
+            return ""
+        if self.choice is not None:
+            return json.dumps(list(self.choice))
+        return getattr(self, self.kind)
+
+    def grammar_text(self) -> str:
+        """llguidance's grammar for this constraint (cached by its text)."""
+        return compiled_grammar(self.kind, self.text)
+
+
+@functools.lru_cache(maxsize=256)
+def compiled_grammar(kind: str, text: str) -> str:
+    """The checked llguidance grammar of one constraint; raises ``StructuredOutputsError``
+    naming what llguidance refused (an unsupported schema keyword, an invalid regex, ...)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher
+    try:
+        if kind == "json":
+            grammar = matcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        elif kind == "json_object":
+            grammar = matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        elif kind == "regex":
+            grammar = matcher.grammar_from_regex(text)
+        elif kind == "choice":
+            grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(item) for item in json.loads(text)))
+        elif "::=" in text:
+            grammar = llguidance.grammar_from("gbnf", text)
+        else:
+            grammar = matcher.grammar_from_lark(text)
+    except ValueError as error:
+        raise StructuredOutputsError(f"invalid {kind}: {error}") from None
+    problem = matcher.validate_grammar(grammar)
+    if problem:
+        what = {"json": "JSON schema", "json_object": "JSON object grammar"}.get(kind, kind)
+        raise StructuredOutputsError(f"unsupported or invalid {what}: {problem.strip()}")
+    return grammar

@@ -1,0 +1,118 @@
+"""Structured outputs: constraints refused with the problem named, and the runner's matchers
+(masks, drafts, the end of a constraint) on SmolLM2's tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from duet.grammar_masks import GrammarError, GrammarMasks
+from duet.runner_state import CachedRequestState
+from duet.sampling_params import SamplingParams, SamplingParamsError
+from duet.structured_output import StructuredOutputs, StructuredOutputsError
+
+VOCAB = 49152
+EOS = 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"regex": "(abc"}, "unclosed group"),
+        ({"regex": "(?=a)b"}, "look-around"),
+        ({"json": {"not": {"type": "string"}}}, "not"),
+        ({"json": {"type": "foo"}}, "foo"),
+        ({"json": "{"}, "not JSON"),
+        ({"json": [1, 2]}, "is an object"),
+        ({"grammar": "root ::= (("}, "GBNF"),
+        ({"grammar": "start: foo"}, "foo"),
+        ({"choice": []}, "non-empty list"),
+        ({"choice": ["a", ""]}, "non-empty"),
+        ({}, "got none"),
+        ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+    ],
+)
+def test_a_bad_constraint_is_refused_naming_the_problem(kwargs, named):
+    with pytest.raises(StructuredOutputsError, match=named) as error:
+        StructuredOutputs(**kwargs)
+    assert error.value.param == "structured_outputs"
+
+
+def test_ignore_eos_cannot_hold_a_constrained_output_open():
+    with pytest.raises(SamplingParamsError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputs(regex="a+"))
+
+
+def test_a_schema_keeps_its_property_order_and_equal_schemas_share_a_grammar():
+    schema = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
+    first, second = StructuredOutputs(json=schema), StructuredOutputs(json=json.dumps(schema, indent=2))
+    assert first == second and first.json == '{"type":"object","properties":{"b":{"type":"string"},"a":{"type":"integer"}}}'
+    assert first.grammar_text() is second.grammar_text()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+@pytest.fixture
+def masks(smollm2_dir):
+    grammar = GrammarMasks(str(smollm2_dir), VOCAB, EOS, overlap=True)
+    yield grammar
+    grammar.close()
+
+
+def _state(request_id: str, constraint: StructuredOutputs | None, output_token_ids=()) -> CachedRequestState:
+    params = SamplingParams(temperature=0, structured_outputs=constraint)
+    return CachedRequestState(request_id, [1, 2, 3], list(output_token_ids), params, [], 0, None)
+
+
+def _allowed(masks: GrammarMasks, rows) -> list[set[int]]:
+    logits = torch.zeros(sum(len(drafts) + 1 for _, drafts in rows), VOCAB)
+    masks.apply(logits, masks.start(rows))
+    return [set(torch.nonzero(row > float("-inf")).flatten().tolist()) for row in logits]
+
+
+def test_masks_allow_the_constraint_s_tokens_and_leave_other_rows_alone(masks, tokenizer):
+    choice = _state("a", StructuredOutputs(choice=["yes", "no"]))
+    free = _state("b", None)
+    first, unconstrained = _allowed(masks, [(choice, []), (free, [])])
+    assert len(unconstrained) == VOCAB
+    assert tokenizer.encode("yes")[0] in first and tokenizer.encode("no")[0] in first
+    assert all(("yes".startswith(text) or "no".startswith(text)) and text for text in map(tokenizer.decode, first))
+
+
+def test_no_constrained_request_means_no_mask_job(masks):
+    assert masks.start([(_state("b", None), [])]) is None
+
+
+def test_draft_rows_follow_the_drafts_and_bad_drafts_are_cut(masks, tokenizer):
+    digits = _state("a", StructuredOutputs(regex="[0-9]{3}"))
+    tokens = [tokenizer.convert_tokens_to_ids(digit) for digit in "123"]
+    assert masks.clip_drafts(digits, tokens + [tokens[0]]) == tokens  # a fourth digit is refused
+    assert masks.clip_drafts(digits, [tokenizer.convert_tokens_to_ids("x")]) == []
+    rows = _allowed(masks, [(digits, tokens)])
+    assert tokens[0] in rows[0] and tokens[1] in rows[1] and tokens[2] in rows[2]
+    assert rows[3] == {EOS}  # three digits complete the constraint: EOS alone is left
+
+
+def test_a_resumed_request_goes_on_from_its_output_and_ends_at_eos(masks, tokenizer):
+    ids = [tokenizer.convert_tokens_to_ids(digit) for digit in "12"]
+    resumed = _state("a", StructuredOutputs(regex="[0-9]{3}"), output_token_ids=ids)
+    assert not masks.only_eos_left(resumed)
+    (row,) = _allowed(masks, [(resumed, [])])
+    assert EOS not in row and all(tokenizer.decode([token]).isdigit() for token in row)
+    masks.accept(resumed, [tokenizer.convert_tokens_to_ids("3")])
+    assert masks.only_eos_left(resumed)
+    masks.accept(resumed, [EOS])
+
+
+def test_a_token_the_constraint_refuses_fails_the_request(masks, tokenizer):
+    state = _state("a", StructuredOutputs(regex="[0-9]{3}"))
+    masks.matcher(state)
+    with pytest.raises(GrammarError, match="do not follow"):
+        masks.accept(state, [tokenizer.convert_tokens_to_ids("x")])
+    done = _state("b", StructuredOutputs(choice=["1"]), output_token_ids=[tokenizer.convert_tokens_to_ids("1")])
+    masks.matcher(done)
+    with pytest.raises(GrammarError, match="past the end"):
+        masks.accept(done, [tokenizer.convert_tokens_to_ids("1")])

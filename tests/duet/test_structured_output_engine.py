@@ -1,0 +1,172 @@
+"""Structured outputs through the offline engine: every constrained output is valid, whatever the
+batching, speculation or preemption, and a constraint that allows everything changes nothing."""
+
+import gc
+import json
+import logging
+import re
+
+import jsonschema
+import pytest
+
+from duet import LLM, SamplingParams, StructuredOutputs
+from tests.duet.schemas import SCHEMAS
+from tests.prompts import encode_conversations
+from tests.reference import compare_to_reference
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "adaptive": False}
+MAX_TOKENS = 160
+EOS_ID = 2  # SmolLM2's <|im_end|>, which the tiny models share
+
+
+def _chat(tokenizer, question: str) -> list[int]:
+    return encode_conversations(tokenizer, [[{"role": "user", "content": question}]])[0]
+
+
+def _schema_requests(tokenizer, temperature: float):
+    prompts, params = [], []
+    for index, (question, schema) in enumerate(SCHEMAS.values()):
+        prompts.append(_chat(tokenizer, question))
+        params.append(
+            SamplingParams(
+                temperature=temperature, seed=index, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs(json=schema)
+            )
+        )
+    return prompts, params
+
+
+def _check_valid(outputs) -> list[list[int]]:
+    for output, (name, (_, schema)) in zip(outputs, SCHEMAS.items()):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (name, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_tokenizer):
+    llm = LLM(model="smollm2", max_model_len=1024)
+    yield llm
+    del llm
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_every_schema_output_validates_with_and_without_ngram_speculation(plain, smollm2_tokenizer, caplog):
+    """Guards the masks on every path that samples: plain rows, and drafts cut to what the
+    schema allows then verified against masked rows (greedy output equal token for token), with
+    no step failing on the way."""
+    greedy_prompts, greedy = _schema_requests(smollm2_tokenizer, 0.0)
+    random_prompts, random = _schema_requests(smollm2_tokenizer, 0.8)
+    speculating = LLM(model="smollm2", max_model_len=1024, speculative_config=NGRAM)
+    with caplog.at_level(logging.ERROR, logger="duet"):
+        expected = _check_valid(plain.generate(greedy_prompts, greedy))
+        _check_valid(plain.generate(random_prompts, random))
+        assert _check_valid(speculating.generate(greedy_prompts, greedy)) == expected
+        _check_valid(speculating.generate(random_prompts, random))
+    assert not caplog.records, [record.getMessage()[:200] for record in caplog.records]
+    stats = speculating.engine.stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    speculating.engine.check_integrity()
+    del speculating
+    gc.collect()
+
+
+@pytest.mark.slow
+def test_regex_choice_and_grammar_outputs_match(plain, smollm2_tokenizer):
+    cases = [
+        ("What is today's date?", StructuredOutputs(regex=r"\d{4}-\d{2}-\d{2}"), lambda text: re.fullmatch(r"\d{4}-\d{2}-\d{2}", text)),
+        ("Is the sky green?", StructuredOutputs(choice=["yes", "no", "maybe"]), lambda text: text in ("yes", "no", "maybe")),
+        (
+            "Add two small numbers.",
+            StructuredOutputs(grammar='root ::= number " + " number " = " number\nnumber ::= [1-9] [0-9]?'),
+            lambda text: re.fullmatch(r"[1-9][0-9]? \+ [1-9][0-9]? = [1-9][0-9]?", text),
+        ),
+        (
+            "Name a fruit.",
+            StructuredOutputs(grammar='start: "A " FRUIT "."\nFRUIT: "apple" | "pear" | "plum"'),
+            lambda text: text in ("A apple.", "A pear.", "A plum."),
+        ),
+    ]
+    prompts = [_chat(smollm2_tokenizer, question) for question, _, _ in cases]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint) for _, constraint, _ in cases]
+    for output, (_, _, matches) in zip(plain.generate(prompts, params), cases):
+        assert output.outputs[0].finish_reason == "stop" and matches(output.outputs[0].text), output.outputs[0].text
+
+
+@pytest.mark.slow
+def test_a_grammar_that_allows_everything_leaves_greedy_output_unchanged(plain, parity_prompts, parity_references):
+    """The mask is exact: where every text is allowed, greedy output is transformers' token for token."""
+    prompts, references = parity_prompts[:6], parity_references[:6]
+    num_tokens = len(references[0].token_ids)  # transformers' references hold EOS off as min_tokens does
+    everything = SamplingParams(
+        temperature=0, max_tokens=num_tokens, min_tokens=num_tokens, structured_outputs=StructuredOutputs(regex=r"(?s:.*)")
+    )
+    outputs = plain.generate(prompts, everything)
+    failures = [compare_to_reference(o.outputs[0].token_ids, ref, f"prompt {i}") for i, (o, ref) in enumerate(zip(outputs, references))]
+    assert not any(failures), failures
+
+
+@pytest.mark.slow
+def test_a_preempted_constrained_request_resumes_from_its_output(smollm2_tokenizer, plain):
+    """Guards the matcher's rebuild: a request recomputed after preemption goes on from the
+    state after its last token, not from the start of its schema."""
+    prompts, params = _schema_requests(smollm2_tokenizer, 0.0)
+    expected = [output.outputs[0].token_ids for output in plain.generate(prompts, params)]
+    cramped = LLM(model="smollm2", max_model_len=1024, num_kv_blocks=14)
+    assert _check_valid(cramped.generate(prompts, params)) == expected
+    assert cramped.engine.scheduler.num_preemptions > 0
+    cramped.engine.check_integrity()
+
+
+@pytest.mark.slow
+def test_a_constraint_cut_by_max_tokens_finishes_with_length(plain, smollm2_tokenizer):
+    _, schema = SCHEMAS["nested"]
+    params = SamplingParams(temperature=0, max_tokens=5, structured_outputs=StructuredOutputs(json=schema))
+    completion = plain.generate([_chat(smollm2_tokenizer, "Describe a person.")], params)[0].outputs[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 5
+
+
+def test_a_random_model_writes_valid_json_under_a_schema(tiny_llama_dir):
+    """A random-weight model never writes JSON by itself: only the masks make these valid."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            "kind": {"enum": ["a", "b"]},
+            "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+        },
+        "required": ["ok", "count", "kind", "tags"],
+        "additionalProperties": False,
+    }
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
+    params = [
+        SamplingParams(temperature=temperature, seed=seed, max_tokens=60, structured_outputs=StructuredOutputs(json=schema))
+        for temperature in (0.0, 1.0)
+        for seed in range(3)
+    ]
+    outputs = llm.generate([[1, 2, 3, 4 + index] for index in range(len(params))], params)
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "ngram"])
+def test_min_tokens_gives_way_when_the_constraint_allows_only_eos(tiny_llama_dir, smollm2_tokenizer, speculative_config, caplog):
+    """Guards a hostile mix: min_tokens forbids EOS, a complete constraint allows EOS alone. The
+    request ends there (EOS wins) instead of sampling from a row where nothing is allowed, also
+    when the prompt makes n-gram speculation propose the constraint's end and EOS: no step fails
+    (a failed step is rerun request by request, which would hide it in the tokens)."""
+    answer = smollm2_tokenizer.encode("yes please")
+    prompt = (answer + [EOS_ID]) * 4
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=speculative_config)
+    constraint = StructuredOutputs(choice=["yes please"])
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured_outputs=constraint)
+    with caplog.at_level(logging.ERROR, logger="duet"):
+        completion = llm.generate([prompt], params)[0].outputs[0]
+    assert not caplog.records, [record.getMessage()[:200] for record in caplog.records]
+    assert (completion.text, completion.finish_reason) == ("yes please", "stop")
+    assert completion.token_ids == answer + [EOS_ID]
+    llm.engine.check_integrity()
