@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from duet.sampling_params import SamplingParams
+from duet.structured_output import StructuredOutputs, StructuredOutputsError
 
 # A JSON string escape that may decode to half of a UTF-16 surrogate pair.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -49,6 +50,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``, as OpenAI's clients send it (``strict`` is always honoured)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``json_object``,
+    ``regex``, ``choice`` or ``grammar`` (Lark, or GBNF/EBNF)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict | str | None = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields both endpoints share: the engine's sampling settings with OpenAI's and vLLM's names."""
 
@@ -74,6 +103,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -95,6 +126,28 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.constraint(),
+        )
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The output's constraint, from ``response_format`` or ``structured_outputs`` (not both)."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "text":
+            response_format = None
+        if response_format is not None and self.structured_outputs is not None:
+            raise StructuredOutputsError("give response_format or structured_outputs, not both")
+        if response_format is not None:
+            if response_format.type == "json_object":
+                return StructuredOutputs(json_object=True)
+            if response_format.json_schema is None:
+                raise StructuredOutputsError("response_format of type json_schema needs its json_schema: {name, schema}")
+            return StructuredOutputs(json=response_format.json_schema.json_schema)
+        fields = self.structured_outputs
+        if fields is None:
+            return None
+        return StructuredOutputs(
+            json=fields.json_schema, json_object=fields.json_object, regex=fields.regex,
+            choice=None if fields.choice is None else tuple(fields.choice), grammar=fields.grammar,
         )
 
     @field_validator("n")

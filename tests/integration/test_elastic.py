@@ -3,7 +3,8 @@ cluster: applications of the tiny model deployed beside the session's, driven ov
 
 - A decode replica stopped by a scale-down (an operator's pin through ``/duet/scale``, acted on
   by the pool's autoscaling policy and Serve) moves its live streams to the other replica by
-  KV: greedy, seeded and stop-string streams read on as if nothing had happened.
+  KV: greedy, seeded, stop-string and schema-constrained streams read on as if nothing had
+  happened.
 - Past ``router.max_migrations`` a stream ends with an error event, and nothing leaks.
 - Prompt-heavy load grows the prefill pool while decode stays; long outputs grow the decode
   pool while prefill does not grow; idle shrinks both to their minimum; every request
@@ -13,6 +14,7 @@ cluster: applications of the tiny model deployed beside the session's, driven ov
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -25,6 +27,7 @@ from tests.integration.client import complete, complete_text, greedy_body, metri
 pytestmark = pytest.mark.slow
 
 SMALL_POOL = {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}}
+LONG_ARRAY = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 150, "maxItems": 150}
 
 
 def _moves_app(max_migrations: int) -> dict:
@@ -105,7 +108,7 @@ def _migrations(url: str) -> dict[str, float]:
 
 
 def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluster, tiny_offline, deploy):
-    from duet import SamplingParams
+    from duet import SamplingParams, StructuredOutputs
 
     url = deploy("moves", _moves_app(max_migrations=3))
     for wrong, field in (({"pool": "prefill", "replicas": 2}, "pool"), ({"pool": "decode", "replicas": 0}, "replicas")):
@@ -132,12 +135,24 @@ def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluste
         | ({"stop": [stop]} if stop else {})
         for prompt, sampling, stop in cases
     ]
+    # Two streams under a schema whose state is the count of items so far: a matcher restarted
+    # from the schema's root after the move would refuse the next token.
+    for index, sampling in enumerate(({"temperature": 0.0}, {"temperature": 0.8, "seed": 7})):
+        prompt = random_prompt(rng, 40 + index)
+        params = SamplingParams(max_tokens=850, structured_outputs=StructuredOutputs(json=LONG_ARRAY), **sampling)
+        expected.append(tiny_offline.llm.generate([prompt], params)[0].outputs[0])
+        bodies.append(
+            {"model": "tiny", "prompt": prompt, "max_tokens": 850, "return_token_ids": True, "stream": True, **sampling,
+             "structured_outputs": {"json": LONG_ARRAY}}
+        )
 
     results = _streams_scaled_down_midway(url, bodies)
 
     for (text, tokens, errors), want in zip(results, expected):
         assert errors == []
         assert (text, tokens) == (want.text, want.token_ids)
+    for text, _, _ in results[len(cases) :]:
+        assert len(json.loads(text)) == LONG_ARRAY["minItems"]
     migrations = _migrations(url)
     assert migrations["kv"] >= 1 and migrations["recompute"] == 0, migrations
     assert len(_running(url, "decode")) == 1
