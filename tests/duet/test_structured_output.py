@@ -116,3 +116,15 @@ def test_a_token_the_constraint_refuses_fails_the_request(masks, tokenizer):
     masks.matcher(done)
     with pytest.raises(GrammarError, match="past the end"):
         masks.accept(done, [tokenizer.convert_tokens_to_ids("1")])
+
+
+def test_requests_of_one_grammar_start_from_copies_of_one_compiled_matcher(masks, tokenizer):
+    """A request must not advance the compiled matcher the next one starts from."""
+    one = tokenizer.convert_tokens_to_ids("1")
+    constraint = StructuredOutputs(regex="[0-9]{2}")
+    first, second = _state("a", constraint), _state("b", constraint)
+    masks.matcher(first)
+    masks.accept(first, [one])
+    masks.matcher(second)
+    assert len(masks._pristine) == 1
+    assert masks.clip_drafts(second, [one] * 3) == [one] * 2 and masks.clip_drafts(first, [one] * 2) == [one]
