@@ -1,4 +1,19 @@
-"""JSON schemas the structured-output tests ask for (offline and over HTTP), with a prompt each."""
+"""JSON schemas the structured-output tests ask for (offline and over HTTP), with a prompt each,
+and a small one that random-weight models complete in a few dozen tokens."""
+
+from duet import SamplingParams, StructuredOutputs
+
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "kind": {"enum": ["a", "b"]},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+    },
+    "required": ["ok", "count", "kind", "tags"],
+    "additionalProperties": False,
+}
 
 ADDRESS = {
     "type": "object",
@@ -80,3 +95,7 @@ SCHEMAS = {
         },
     ),
 }
+
+
+def small_schema_greedy(max_tokens: int = 60) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=StructuredOutputs(json=SMALL_SCHEMA))

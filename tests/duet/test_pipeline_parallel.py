@@ -3,12 +3,16 @@ micro-batches in flight), against transformers and one process."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from duet import LLM, SamplingParams
 from duet.config import ConfigError, EngineArgs
 from duet.models.pipeline_parallel import stage_layers
 from tests.conftest import make_tiny_llama
+from tests.duet.schemas import SMALL_SCHEMA, small_schema_greedy
 from tests.reference import compare_to_reference, hf_greedy
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017)), [42]]
@@ -46,11 +50,16 @@ def test_pp2_greedy_matches_transformers_and_one_process(ray_cluster, tmp_path, 
         seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8, logprobs=2)
         sampled = pp2.generate(PROMPTS[:2], seeded)[1].outputs[0]
         assert len(sampled.token_ids) == len(sampled.logprobs) == 8
+        constrained = [output.outputs[0] for output in pp2.generate(PROMPTS, small_schema_greedy())]
         pp2.engine.check_integrity()
     finally:
         pp2.engine.close()
     local = LLM(**settings)
     assert outputs == [output.outputs[0].token_ids for output in local.generate(PROMPTS, _greedy())]
+    # The last stage samples under the schema; the others take its tokens.
+    assert [c.token_ids for c in constrained] == [output.outputs[0].token_ids for output in local.generate(PROMPTS, small_schema_greedy())]
+    for completion in constrained:
+        jsonschema.validate(json.loads(completion.text), SMALL_SCHEMA)
     assert local.generate(PROMPTS[:2], seeded)[1].outputs[0].token_ids == sampled.token_ids
 
 

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from duet import LLM, SamplingParams, StructuredOutputs
-from tests.duet.schemas import SCHEMAS
+from tests.duet.schemas import SCHEMAS, SMALL_SCHEMA
 from tests.prompts import encode_conversations
 from tests.reference import compare_to_reference
 
@@ -129,17 +129,7 @@ def test_a_constraint_cut_by_max_tokens_finishes_with_length(plain, smollm2_toke
 
 def test_a_random_model_writes_valid_json_under_a_schema(tiny_llama_dir):
     """A random-weight model never writes JSON by itself: only the masks make these valid."""
-    schema = {
-        "type": "object",
-        "properties": {
-            "ok": {"type": "boolean"},
-            "count": {"type": "integer", "minimum": 0, "maximum": 99},
-            "kind": {"enum": ["a", "b"]},
-            "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
-        },
-        "required": ["ok", "count", "kind", "tags"],
-        "additionalProperties": False,
-    }
+    schema = SMALL_SCHEMA
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
     params = [
         SamplingParams(temperature=temperature, seed=seed, max_tokens=60, structured_outputs=StructuredOutputs(json=schema))

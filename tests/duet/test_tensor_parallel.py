@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 
+import jsonschema
 import pytest
 
 from duet import LLM, SamplingParams
@@ -13,6 +15,7 @@ from duet.errors import WorkerDiedError
 from duet.messages import EngineRequest
 from duet.models.tensor_parallel import HeadShard, shard_heads, split_range
 from tests.conftest import make_tiny_gguf_llama, make_tiny_llama
+from tests.duet.schemas import SMALL_SCHEMA, small_schema_greedy
 from tests.reference import compare_to_reference, hf_greedy
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017))]
@@ -86,10 +89,16 @@ def test_tp2_greedy_matches_transformers_and_tp1(ray_cluster, tmp_path, smollm2_
             assert compare_to_reference(tokens, reference, f"prompt {index}") is None
         seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8)
         assert len(tp2.generate(PROMPTS[:2], seeded)[1].outputs[0].token_ids) == 8
+        constrained = [output.outputs[0] for output in tp2.generate(PROMPTS, small_schema_greedy())]
         tp2.engine.check_integrity()
     finally:
         tp2.engine.close()
-    assert outputs == [output.outputs[0].token_ids for output in LLM(**settings).generate(PROMPTS, _greedy())]
+    tp1 = LLM(**settings)
+    assert outputs == [output.outputs[0].token_ids for output in tp1.generate(PROMPTS, _greedy())]
+    # Every rank samples under the schema, each with its own matchers, and they agree.
+    assert [c.token_ids for c in constrained] == [output.outputs[0].token_ids for output in tp1.generate(PROMPTS, small_schema_greedy())]
+    for completion in constrained:
+        jsonschema.validate(json.loads(completion.text), SMALL_SCHEMA)
 
 
 @pytest.mark.slow
