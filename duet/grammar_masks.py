@@ -185,7 +185,8 @@ class GrammarMasks:
                     raise GrammarError(f"request {request_id} went on past the end of its constraint")
                 return
             if not matcher.consume_token(token_id):
-                raise GrammarError(f"request {request_id}'s tokens do not follow its constraint: {matcher.get_error()}")
+                reason = matcher.get_error().strip().splitlines()[0] if matcher.get_error().strip() else "refused"
+                raise GrammarError(f"request {request_id}'s constraint cannot go on: {reason}")
 
     def close(self) -> None:
         if self._thread is not None:

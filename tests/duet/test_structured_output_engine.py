@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from duet import LLM, SamplingParams, StructuredOutputs
-from tests.duet.schemas import SCHEMAS, SMALL_SCHEMA
+from tests.duet.schemas import SCHEMAS, SMALL_SCHEMA, small_schema_greedy
 from tests.prompts import encode_conversations
 from tests.reference import compare_to_reference
 
@@ -160,3 +160,32 @@ def test_min_tokens_gives_way_when_the_constraint_allows_only_eos(tiny_llama_dir
     assert (completion.text, completion.finish_reason) == ("yes please", "stop")
     assert completion.token_ids == answer + [EOS_ID]
     llm.engine.check_integrity()
+
+
+def test_a_constraint_the_grammar_engine_gives_up_on_fails_its_request_alone(tiny_llama_dir):
+    """Hostile grammars that pass the check but cannot be followed: one with no end (its parser
+    hits llguidance's item limit) and one whose only text is EOS's own (a special token the
+    matcher then refuses). Each fails alone; the others in its steps finish as if alone."""
+    from duet.messages import EngineRequest
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
+    prompts = [[1, 2, 3], [5, 6, 7, 8], [9, 10]]
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    undisturbed = [output.outputs[0].token_ids for output in llm.generate(prompts, [plain, small_schema_greedy(), plain])]
+    engine = llm.engine
+    for index, (prompt, params) in enumerate(zip(prompts, [plain, small_schema_greedy(), plain])):
+        engine.add_request(EngineRequest(f"good-{index}", prompt, params))
+    for index, grammar in enumerate(['root ::= "a" root', 'start: "<|im_end|>"']):
+        engine.add_request(EngineRequest(f"bad-{index}", [4, 4], SamplingParams(max_tokens=200, structured_outputs=StructuredOutputs(grammar=grammar))))
+    tokens, errors = {}, {}
+    for _ in range(2000):
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            if delta.finished:
+                errors[delta.request_id] = delta.error
+        if not engine.has_unfinished_requests():
+            break
+    assert "constraint cannot go on" in errors.pop("bad-0") and "constraint cannot go on" in errors.pop("bad-1")
+    assert set(errors.values()) == {None}
+    assert [tokens[f"good-{index}"] for index in range(len(prompts))] == undisturbed
+    engine.check_integrity()
