@@ -119,7 +119,7 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
 def _deployment(name: str, pool: PoolSettings, engine, router_class: str, targets: dict):
     """A pool: fixed, or scaled by its ``PoolPolicy`` (which sees every pool's ``targets``);
     a replica with several ranks and its workers share a placement group."""
-    from duet.cluster.replica import GRACEFUL_SHUTDOWN_TIMEOUT_S, EngineReplica
+    from duet.cluster.replica import GRACEFUL_SHUTDOWN_TIMEOUT_S, HEALTH_CHECK_PERIOD_S, EngineReplica
 
     autoscaling = pool.serve_autoscaling(name)
     if autoscaling is not None:
@@ -128,6 +128,7 @@ def _deployment(name: str, pool: PoolSettings, engine, router_class: str, target
         num_replicas=pool.num_replicas if autoscaling is None else None,
         autoscaling_config=autoscaling,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         ray_actor_options=pool.ray_actor_options,
         placement_group_bundles=pool.placement_group_bundles(engine),
         placement_group_strategy=pool.placement_group_strategy if pool.placement_group_bundles(engine) else None,

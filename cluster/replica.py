@@ -48,6 +48,9 @@ ROLES = ("prefill", "decode", "colocated")
 # Serve waits this long for a stopped replica's calls to end before killing it (its default, 20
 # s, cuts long streams; here they move away, so it is rarely reached).
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 60.0
+# Serve probes each replica this often (its default is 10 s): one whose worker died is found,
+# and replaced, within seconds.
+HEALTH_CHECK_PERIOD_S = 2.0
 DRAIN_TIMEOUT_S = 45.0  # a leaving replica's moves and transfers, within the above
 ATTACH_TIMEOUT_S = 30.0  # a sequence moved here that no router reads by then is dropped
 MOVE_CALL_TIMEOUT_S = 10.0
@@ -95,7 +98,7 @@ class EngineReplica:
     ) -> AsyncIterator[Placement | TokenDelta | Moved]:
         """Stream one sequence; it is aborted in the engine however the stream ends early.
         ``prefix_hashes`` and ``num_prompt_blocks`` are hints for the pools' request routers."""
-        self._refuse_when_draining()
+        self._refuse_new_sequences()
         self.role.admit(request, self.engine.block_size)
         stream, destination = await self._add(request)
         if self.role.stage != "prefill":
@@ -112,7 +115,7 @@ class EngineReplica:
     async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0) -> Placement:
         """Take a sequence moving here by KV from a leaving replica: reserve blocks for its
         tokens so far and answer where to send them. Its outputs wait for ``attach``."""
-        self._refuse_when_draining()
+        self._refuse_new_sequences()
         stream, destination = await self._add(request)
         self._adopted[request.request_id] = stream
         self._spawn(self._drop_unless_attached(request.request_id))
@@ -171,9 +174,11 @@ class EngineReplica:
             self.loop.unsubscribe(request_id)
         await self.loop.call(self.engine.abort_request, request_id)
 
-    def _refuse_when_draining(self) -> None:
+    def _refuse_new_sequences(self) -> None:
         if self.draining:
             raise ReplicaFullError(f"replica {self.replica_id} is leaving its pool")
+        if self.engine.worker_failure is not None:  # its health check fails: Serve replaces it
+            raise ReplicaFullError(f"replica {self.replica_id} lost a worker ({self.engine.worker_failure})")
 
     # -- leaving the pool
 
@@ -270,7 +275,11 @@ class EngineReplica:
         """Serve stops the replica once its calls ended (or its patience did): let the KV still
         on its way out (moves, prefills' last layers) reach the other side, then close."""
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while self.loop.alive() and self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        # With a dead worker nothing drains: no step runs, no transfer ends.
+        while (
+            self.loop.alive() and self.engine.worker_failure is None
+            and self.engine.has_unfinished_requests() and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         for task in self._tasks:
             task.cancel()

@@ -42,6 +42,7 @@ class LLMEngine:
         self.args = args
         model_path = resolve_model_path(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self._llguidance_tokenizer = None
         self.eos_token_id = self.tokenizer.eos_token_id
         self.model_config = read_arch(model_path)
         self.dtype = resolve_dtype(args.dtype, args.device)
@@ -136,6 +137,8 @@ class LLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         max_tokens = fit_to_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        if params.structured_outputs is not None:
+            params.structured_outputs.check_tokens(self._grammar_tokenizer())
         # A request may also hold slots for the draft tokens it writes past its last one.
         lookahead = self.scheduler.num_lookahead_tokens
         blocks_needed = -(-(len(prompt_token_ids) + max_tokens + lookahead) // self.block_size)
@@ -145,6 +148,16 @@ class LLMEngine:
                 "lower max_tokens or give the engine more KV memory", "max_tokens",
             )
         return max_tokens
+
+    def _grammar_tokenizer(self):
+        """llguidance's view of the model's tokenizer, built at the first constrained request."""
+        if self._llguidance_tokenizer is None:
+            import llguidance.hf
+
+            self._llguidance_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.model_config.vocab_size, eos_token=self.eos_token_id
+            )
+        return self._llguidance_tokenizer
 
     def add_request(self, request: EngineRequest) -> KVDestination | None:
         """Queue a sequence. With ``kv_receive`` its prompt's blocks are reserved now and the
@@ -303,6 +316,7 @@ class LLMEngine:
             decode_only_tpot_s=self.load.decode_only_tpot_s,
             ttft_s=self.load.ttft_s,
             output_tokens_per_s=self.load.output_tokens_per_s,
+            worker_failure=self.worker_failure,
         )
 
     def check_integrity(self) -> None:
@@ -321,6 +335,11 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raise if a worker is gone (``WorkerDiedError``)."""
         self.executor.check_health()
+
+    @property
+    def worker_failure(self) -> str | None:
+        """Why the engine cannot step any more (a worker died), once a step or a check found it."""
+        return self.executor.failure
 
     def close(self) -> None:
         self.executor.close()

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from duet.errors import WorkerDiedError
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,6 +51,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._dead_worker: WorkerDiedError | None = None  # once a worker died, no step can run
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -88,7 +91,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped:
             self._run_calls()
-            if self._has_work():
+            if self._has_work() and self._dead_worker is None:
                 self._busy = True
                 self._run_step()
                 continue
@@ -126,6 +129,14 @@ class EngineLoop:
     def _run_step(self) -> None:
         try:
             outputs = self._step()
+        except WorkerDiedError as error:
+            # The sequences are lost with the replica and may go on elsewhere; no step can run
+            # again here (calls still do: aborts, stats), and Serve replaces the replica.
+            logger.error("a worker died; failing the %d requests in flight and stepping no more: %s", len(self._subscribers), error)
+            self._dead_worker = error
+            for request_id in list(self._subscribers):
+                self._deliver(request_id, WorkerDiedError(str(error)))
+            return
         except Exception as error:  # noqa: BLE001 - a bug must not kill the replica
             logger.exception("engine step failed; failing the %d requests in flight", len(self._subscribers))
             for request_id in list(self._subscribers):

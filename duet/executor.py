@@ -13,6 +13,8 @@ from duet.worker import Worker, WorkerConfig
 
 
 class UniprocExecutor:
+    failure: str | None = None  # the worker lives in this process: it cannot die alone
+
     def __init__(self, config: WorkerConfig) -> None:
         if config.world_size != 1:
             raise ValueError(f"the in-process executor runs one worker, not {config.world_size}")

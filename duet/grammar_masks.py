@@ -32,7 +32,8 @@ COMPILED_GRAMMARS = 64
 
 
 class GrammarError(RuntimeError):
-    """A constrained request's tokens left its grammar (the step fails it alone)."""
+    """A constrained request cannot go on under its grammar (llguidance refused a token or hit
+    one of its limits): the runner reports it, and the engine fails that request alone."""
 
 
 @dataclass
@@ -53,8 +54,9 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._tokenizer = None  # llguidance's view of the model's tokenizer, built when first needed (~0.3 s)
-        self._executor = None
+        self._mask_executor = None  # llguidance's own threads, filling a batch's rows in parallel
         self._matchers: dict[str, object] = {}
+        self._failures: dict[str, str] = {}  # request id -> why its constraint cannot go on
         self._pristine: dict[str, object] = {}  # grammar text -> its matcher at the start, least recently used first
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks") if overlap else None
         # Where the masks' time goes (``duet bench structured``): filling them on the thread, the
@@ -69,19 +71,23 @@ class GrammarMasks:
 
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
             self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
-            self._executor = llguidance.LLExecutor()
+            self._mask_executor = llguidance.LLExecutor()
         return self._tokenizer
 
     def matcher(self, state: CachedRequestState):
-        """The request's matcher (None without a constraint), built and fed its output so far
-        the first time it is asked for."""
+        """The request's matcher, built and fed its output so far the first time it is asked for;
+        None without a constraint, or once the constraint failed (``take_failures``)."""
         spec = state.sampling_params.structured_outputs
-        if spec is None:
+        if spec is None or state.request_id in self._failures:
             return None
         matcher = self._matchers.get(state.request_id)
         if matcher is None:
-            matcher = self._compiled(spec.grammar_text()).deep_copy()
-            self._consume(matcher, state.output_token_ids, state.request_id)
+            try:
+                matcher = self._compiled(spec.grammar_text()).deep_copy()
+                self._consume(matcher, state.output_token_ids, state.request_id)
+            except GrammarError as error:
+                self._failures[state.request_id] = str(error)
+                return None
             self._matchers[state.request_id] = matcher
         return matcher
 
@@ -95,6 +101,8 @@ class GrammarMasks:
 
             pristine = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
             pristine.compute_bitmask()
+            if pristine.is_error():  # the engine checks constraints on arrival: only a limit gets here
+                raise GrammarError(f"the constraint does not compile: {_first_line(pristine.get_error())}")
             if len(self._pristine) >= COMPILED_GRAMMARS:
                 self._pristine.pop(next(iter(self._pristine)))  # the least recently used
         self._pristine[grammar] = pristine
@@ -102,11 +110,17 @@ class GrammarMasks:
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._failures.pop(request_id, None)
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests whose constraint could not go on since the last call, and why."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def only_eos_left(self, state: CachedRequestState) -> bool:
         """Whether the constraint is complete, so that EOS is the one token it allows."""
         matcher = self._matchers.get(state.request_id)
-        return matcher is not None and matcher.is_stopped()
+        return matcher is not None and matcher.is_stopped() and not matcher.is_error()
 
     def start(self, rows: list[tuple[CachedRequestState, list[int]]]) -> MaskJob | None:
         """Begin filling the masks of one step's logits rows: per request that samples, in row
@@ -137,10 +151,10 @@ class GrammarMasks:
         bitmask = llguidance.numpy.allocate_token_bitmask(num_rows, self.vocab_size)
         plain = [(matcher, row) for matcher, row, drafts in entries if not drafts]
         if plain:
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par(self._mask_executor, plain, bitmask)
         if len(plain) < len(entries):
             with_drafts = [entry for entry in entries if entry[2]]
-            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._mask_executor, with_drafts, bitmask)
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
         forbidden = torch.from_numpy(allowed) == 0
         self.fill_seconds += time.perf_counter() - started
@@ -174,20 +188,34 @@ class GrammarMasks:
         matcher = self._matchers.get(state.request_id)
         if matcher is not None:
             started = time.perf_counter()
-            self._consume(matcher, token_ids, state.request_id)
+            try:
+                self._consume(matcher, token_ids, state.request_id)
+            except GrammarError as error:
+                self._failures[state.request_id] = str(error)
+                del self._matchers[state.request_id]
             self.apply_seconds += time.perf_counter() - started
 
     def _consume(self, matcher, token_ids: list[int], request_id: str) -> None:
-        """Feed tokens to a matcher; a complete constraint takes EOS alone, which ends the output."""
+        """Feed tokens to a matcher; a complete constraint takes EOS alone, which ends the output.
+        A matcher in error also reads as stopped (its mask allows EOS alone): that must not pass
+        for a complete output."""
         for index, token_id in enumerate(token_ids):
+            if matcher.is_error():
+                break
             if matcher.is_stopped():
                 if token_ids[index:] != [self.eos_token_id]:
                     raise GrammarError(f"request {request_id} went on past the end of its constraint")
                 return
             if not matcher.consume_token(token_id):
-                reason = matcher.get_error().strip().splitlines()[0] if matcher.get_error().strip() else "refused"
-                raise GrammarError(f"request {request_id}'s constraint cannot go on: {reason}")
+                break
+        if matcher.is_error():
+            raise GrammarError(f"request {request_id}'s constraint cannot go on: {_first_line(matcher.get_error())}")
 
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it dumps after the first line."""
+    return error.strip().splitlines()[0] if error.strip() else "refused"

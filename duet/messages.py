@@ -128,6 +128,7 @@ class ReplicaStats:
     ttft_s: float = 0.0  # recent requests' wait for their first token computed here
     output_tokens_per_s: float = 0.0
     integrity_failures: int = 0  # idle KV bookkeeping checks that failed (a leak, logged)
+    worker_failure: str | None = None  # a worker died: the replica refuses work until Serve replaces it
     prefix_hashes: list[int] = field(default_factory=list)
     reported_at: float = 0.0  # time.time() on the replica; a replica that stops reporting is gone
 

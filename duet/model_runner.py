@@ -173,11 +173,13 @@ class ModelRunner:
             draft_token_ids = self.spec.propose(states, len(request_ids))
             if self.grammar is not None:
                 draft_token_ids = self._allowed_drafts(draft_token_ids)
+        errors = self.grammar.take_failures() if self.grammar is not None else {}
         return RunnerOutput(
             request_ids=request_ids,
             sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
             logprobs=[logprobs.get(request_id, []) for request_id in request_ids] if logprobs else None,
-            draft_token_ids=draft_token_ids,
+            draft_token_ids={request_id: drafts for request_id, drafts in draft_token_ids.items() if request_id not in errors},
+            errors=errors,
         )
 
     def _start_masks(self, row_owners: list[str], spec_token_ids: dict[str, list[int]]) -> MaskJob | None:
@@ -188,11 +190,18 @@ class ModelRunner:
         return self.grammar.start([(self.requests[owner], spec_token_ids.get(owner, [])) for owner in owners])
 
     def _allowed_drafts(self, draft_token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Drafts cut before the first token their request's constraint refuses: verifying it
-        could only reject it."""
+        """Drafts cut before the first token their request's constraint refuses (verifying it
+        could only reject it) where the cut leaves the output's distribution as it is: greedy
+        requests, and n-gram drafts (a proposal drawn from no distribution). A random draft of a
+        draft model stays whole, and the mask makes its verification reject the refused token:
+        a cut there would sample that position from the target instead of from the residual
+        that exact rejection sampling needs."""
         allowed = {}
+        deterministic = self.spec.config.method == "ngram"
         for request_id, drafts in draft_token_ids.items():
-            drafts = self.grammar.clip_drafts(self.requests[request_id], drafts)
+            state = self.requests[request_id]
+            if deterministic or state.sampling_params.greedy:
+                drafts = self.grammar.clip_drafts(state, drafts)
             if drafts:
                 allowed[request_id] = drafts
         return allowed

@@ -122,7 +122,8 @@ class RunnerOutput:
     """Tokens sampled this step, per request in batch order (empty for a mid-prompt chunk).
 
     With speculation a request gets its accepted draft tokens plus one; ``draft_token_ids``
-    holds the proposals for the next step.
+    holds the proposals for the next step. A request in ``errors`` ends with that error, and
+    whatever it sampled this step is dropped.
     """
 
     request_ids: list[str]
@@ -130,6 +131,8 @@ class RunnerOutput:
     logprobs: list[list[dict[int, float]]] | None = None
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     kv_results: list[KVTransferResult] = field(default_factory=list)
+    # Requests that cannot go on (their constraint failed), and why: they fail alone.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

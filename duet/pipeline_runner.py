@@ -60,4 +60,5 @@ class PipelineRunner(ModelRunner):
             request_ids=request_ids,
             sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
             logprobs=[logprobs.get(request_id, []) for request_id in request_ids] if logprobs else None,
+            errors=self.grammar.take_failures() if self.grammar is not None else {},
         )

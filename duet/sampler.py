@@ -59,7 +59,8 @@ class SamplerOutput:
 
     ``logprobs`` is None when no row asked; otherwise it has one entry per row: None for a row
     that did not ask, else a dict of its top-``logprobs`` tokens (highest first) plus the sampled
-    token (last, if it is not already among them) mapped to log_softmax of the raw model logits.
+    token (last, if it is not already among them) mapped to log_softmax of the model's logits
+    (before penalties and filters; after a structured-output mask, as in vLLM: -inf where it forbids).
     """
 
     sampled_token_ids: list[int]
@@ -208,7 +209,8 @@ class Sampler:
 
     Order: forbidden tokens to -inf, penalties (greedy rows too), then argmax for greedy rows;
     random rows go through temperature, min_p, top-k, top-p and an exponential race that draws
-    from the row's own generator when its request has a seed. Logprobs come from the raw logits.
+    from the row's own generator when its request has a seed. Logprobs come from the logits as
+    given (a constrained row's arrive masked).
     """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:

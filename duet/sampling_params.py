@@ -55,7 +55,8 @@ class SamplingParams:
     the engine stops on token ids (EOS, ``stop_token_ids``, ``max_tokens``).
     ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar:
     each token is sampled among those the constraint allows, and once it is complete only EOS
-    is (so a constrained output ends at EOS, or at ``max_tokens`` with ``finish_reason="length"``).
+    is: a complete output ends at EOS; ``max_tokens`` cuts an incomplete one (``"length"``), and
+    a ``stop`` string or stop token the client chose may end it early.
     """
 
     n: int = 1

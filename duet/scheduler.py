@@ -255,6 +255,13 @@ class Scheduler:
             if request is not None and not request.is_finished:
                 request.num_computed_tokens += num_tokens
         changed = []
+        for request_id, error in runner_output.errors.items():
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                logger.warning("request %s failed alone: %s", request_id, error)
+                request.error = error
+                self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+                changed.append(request)
         for request_id, token_ids in zip(runner_output.request_ids, runner_output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or request.is_finished or not token_ids:

@@ -10,13 +10,15 @@ Why llguidance rather than xgrammar (``duet bench grammar`` measures both; both 
 schema of its set): its grammars are checked without torch (xgrammar imports torch, which the
 router must not), and a request waits 0.3-1 ms for its first mask against xgrammar's 4-30 ms of
 eager compilation. Its masks cost about twice xgrammar's per row (0.19 against 0.10 ms a step
-for 32 rows), which the engine hides by filling them on another thread while the forward runs.
+for 32 rows): with the forward pass on a GPU the engine fills them on another thread meanwhile;
+on a CPU, in line, they add 0.3 ms a step at batch 1 and 2 ms (4%) at batch 32.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 
 from duet.errors import InvalidRequestError
@@ -26,13 +28,15 @@ from duet.errors import InvalidRequestError
 # "x-guidance" key.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# A GBNF/EBNF rule (``root ::= ...``) at the start of a line; Lark writes ``start: ...``.
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
 
 
 class StructuredOutputsError(InvalidRequestError):
     """The constraint cannot be used; the message names the problem (HTTP 400)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "structured_outputs")
+    def __init__(self, message: str, param: str = "structured_outputs") -> None:
+        super().__init__(message, param)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,16 @@ class StructuredOutputs:
         """llguidance's grammar for this constraint (cached by its text)."""
         return compiled_grammar(self.kind, self.text)
 
+    def check_tokens(self, tokenizer) -> None:
+        """Raise ``StructuredOutputsError`` if the constraint names tokens the model's tokenizer
+        (an ``llguidance.LLTokenizer``) lacks, such as an unknown special token or token id in a
+        grammar: what the check made when the constraint was built cannot see."""
+        import llguidance
+
+        problem = llguidance.LLMatcher.validate_grammar(self.grammar_text(), tokenizer)
+        if problem:
+            raise StructuredOutputsError(f"the {self.kind} constraint does not fit this model's tokenizer: {problem.strip().splitlines()[0]}")
+
 
 @functools.lru_cache(maxsize=256)
 def compiled_grammar(kind: str, text: str) -> str:
@@ -113,7 +127,7 @@ def compiled_grammar(kind: str, text: str) -> str:
             grammar = matcher.grammar_from_regex(text)
         elif kind == "choice":
             grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(item) for item in json.loads(text)))
-        elif "::=" in text:
+        elif _GBNF_RULE.search(text):
             grammar = llguidance.grammar_from("gbnf", text)
         else:
             grammar = matcher.grammar_from_lark(text)

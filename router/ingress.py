@@ -312,6 +312,8 @@ class RouterIngress:
             try:
                 budget = fit_to_context(len(prompt_token_ids), max_tokens, self.max_model_len)
                 params = body.sampling_params(budget, logprobs)
+                if params.structured_outputs is not None:
+                    params.structured_outputs.check_tokens(self.tokenizer.grammar_tokenizer())
             except InvalidRequestError as error:
                 raise bad_request(str(error), error.param) from None
             for index in range(body.n):
@@ -326,7 +328,11 @@ class RouterIngress:
                 raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 
     async def _generate(self, body, encoded, max_tokens, logprobs, chat: bool) -> Response:
-        sequences = self._sequences(body, encoded, max_tokens, logprobs)
+        if body.response_format is not None or body.structured_outputs is not None:
+            # Checking a new constraint takes milliseconds: off the loop that streams every response.
+            sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs)
+        else:
+            sequences = self._sequences(body, encoded, max_tokens, logprobs)
         self._check_pools()
         arrival = time.monotonic()
         try:

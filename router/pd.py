@@ -10,8 +10,9 @@ sequence: see ``duet.router.balance``).
 
 A sequence outlives its decode replica. One leaving its pool alive (Serve stopping it:
 scale-down, redeploy) moves the sequence to another replica by KV and ends the stream with
-``Moved``: the router attaches to the new replica and reads on. When the replica died (or the
-sequence's KV was lost, or it could not move by KV) the sequence is recomputed: its prompt and
+``Moved``: the router attaches to the new replica and reads on. When the replica died (or one
+of its workers did, or the sequence's KV was lost, or it could not move by KV) the sequence is
+recomputed: its prompt and
 the tokens already out go to another decode replica, their KV computed by the prefill pool or
 there (the balancer's choice again), and the stream goes on. The client's stream sees neither:
 no token twice, none missing, and what shapes the next tokens (the seed's stream, penalties,
@@ -34,7 +35,14 @@ from contextlib import aclosing
 from ray.exceptions import RayActorError
 
 from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
-from duet.errors import InvalidRequestError, KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
+from duet.errors import (
+    InvalidRequestError,
+    KVTransferFailedError,
+    ReplicaFullError,
+    ReplicaGoneError,
+    RequestFailedError,
+    WorkerDiedError,
+)
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
 from duet.router.balance import Choice, StageBalancer
 from duet.router.routing import own_serve_request, replica_running
@@ -136,7 +144,7 @@ class Orchestrator:
                         return
                 else:
                     raise PoolUnavailableError(f"decode replica {stream.replica_id} ended {sequence.request.request_id} early")
-            except (RayActorError, ReplicaGoneError, KVTransferFailedError) as error:
+            except (RayActorError, ReplicaGoneError, WorkerDiedError, KVTransferFailedError) as error:
                 if isinstance(error, KVTransferFailedError) and self.on_transfer_failure == "fail":
                     raise
                 where = stream.replica_id if stream is not None else "(placing it)"

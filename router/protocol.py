@@ -72,7 +72,7 @@ class StructuredOutputsFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_schema: dict | str | None = Field(default=None, alias="json")
-    json_object: bool = False
+    json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -135,18 +135,21 @@ class _SamplingFields(BaseModel):
         if response_format is not None and response_format.type == "text":
             response_format = None
         if response_format is not None and self.structured_outputs is not None:
-            raise StructuredOutputsError("give response_format or structured_outputs, not both")
+            raise StructuredOutputsError("give response_format or structured_outputs, not both", "response_format")
         if response_format is not None:
             if response_format.type == "json_object":
                 return StructuredOutputs(json_object=True)
             if response_format.json_schema is None:
-                raise StructuredOutputsError("response_format of type json_schema needs its json_schema: {name, schema}")
-            return StructuredOutputs(json=response_format.json_schema.json_schema)
+                raise StructuredOutputsError("response_format of type json_schema needs its json_schema: {name, schema}", "response_format")
+            try:
+                return StructuredOutputs(json=response_format.json_schema.json_schema)
+            except StructuredOutputsError as error:
+                raise StructuredOutputsError(str(error), "response_format") from None
         fields = self.structured_outputs
         if fields is None:
             return None
         return StructuredOutputs(
-            json=fields.json_schema, json_object=fields.json_object, regex=fields.regex,
+            json=fields.json_schema, json_object=bool(fields.json_object), regex=fields.regex,
             choice=None if fields.choice is None else tuple(fields.choice), grammar=fields.grammar,
         )
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from duet.detokenizer import TextDelta
 
+MIN_LOGPROB = -9999.0
+
 
 def error_body(message: str, error_type: str, param: str | None = None, code: int | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
@@ -113,6 +115,8 @@ class ResponseBuilder:
         }
 
     def _logprobs(self, entries: list[tuple[int, dict[int, float]]], text_offset: int) -> dict:
+        # A token a constraint forbids has logprob -inf, which JSON cannot carry: -9999.0, as vLLM sends.
+        entries = [(token_id, {other: max(logprob, MIN_LOGPROB) for other, logprob in top.items()}) for token_id, top in entries]
         if self.chat:
             return {"content": [self._chat_logprob(token_id, top) for token_id, top in entries]}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []

@@ -145,7 +145,9 @@ class _PoolRouter(RequestRouter):
         if pinned is not None:
             chosen = [replica for replica in candidate_replicas if replica.replica_id.unique_id == pinned]
             return [chosen or candidate_replicas]
-        return self.rank(candidate_replicas, kwargs)
+        # A replica that lost a worker refuses new sequences until Serve replaces it: pass it by.
+        working = [replica for replica in candidate_replicas if (stats := _stats(replica)) is None or stats.worker_failure is None]
+        return self.rank(working or candidate_replicas, kwargs)
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
         raise NotImplementedError

@@ -26,7 +26,9 @@ class RouterTokenizer:
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tokenizer_json = model_dir / "tokenizer.json"
+        self._tokenizer = Tokenizer.from_file(str(self._tokenizer_json))
+        self._grammar_tokenizer = None
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
         template_file = model_dir / "chat_template.jinja"
@@ -59,6 +61,17 @@ class RouterTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def grammar_tokenizer(self):
+        """llguidance's view of the same tokenizer, to check constraints against its tokens
+        (built at the first constrained request: about 0.2 s)."""
+        if self._grammar_tokenizer is None:
+            import llguidance
+
+            eos = self._special["eos_token"]
+            eos_id = None if eos is None else self._tokenizer.token_to_id(eos)
+            self._grammar_tokenizer = llguidance.LLTokenizer(self._tokenizer_json.read_text(), eos_token=eos_id)
+        return self._grammar_tokenizer
 
 
 def _token_text(token) -> str | None:

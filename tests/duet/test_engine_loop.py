@@ -76,3 +76,34 @@ def test_a_failing_step_reports_to_every_subscriber_and_the_loop_goes_on():
         asyncio.run(scenario())
     finally:
         loop.stop()
+
+
+def test_a_dead_worker_is_passed_on_to_each_request_and_no_step_runs_again():
+    """Guards the replica's view of a lost worker: each subscriber gets a WorkerDiedError of its
+    own (the router recomputes those sequences elsewhere), and the loop stops stepping, though
+    work remains, instead of failing the same way as fast as it can; calls still run."""
+    from duet.errors import WorkerDiedError
+
+    steps = []
+
+    def step():
+        steps.append(1)
+        raise WorkerDiedError("worker rank 1 died")
+
+    subscribed = threading.Event()
+    loop = EngineLoop(step, lambda output: output.request_id, subscribed.is_set, idle_wait_s=0.01, name="test-loop")
+
+    async def scenario():
+        first, second = loop.subscribe("a"), loop.subscribe("b")
+        subscribed.set()
+        failures = [await first.get(), await second.get()]
+        assert all(isinstance(failure, WorkerDiedError) and str(failure) == "worker rank 1 died" for failure in failures)
+        assert failures[0] is not failures[1]
+        await asyncio.sleep(0.2)
+        assert await loop.call(lambda: "still answers") == "still answers"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop()
+    assert len(steps) == 1

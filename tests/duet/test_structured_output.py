@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from duet.grammar_masks import GrammarError, GrammarMasks
+from duet.grammar_masks import GrammarMasks
 from duet.runner_state import CachedRequestState
 from duet.sampling_params import SamplingParams, SamplingParamsError
 from duet.structured_output import StructuredOutputs, StructuredOutputsError
@@ -36,6 +36,26 @@ def test_a_bad_constraint_is_refused_naming_the_problem(kwargs, named):
     with pytest.raises(StructuredOutputsError, match=named) as error:
         StructuredOutputs(**kwargs)
     assert error.value.param == "structured_outputs"
+
+
+@pytest.mark.parametrize(
+    "grammar, named", [('start: <|nope|> "a"', "unknown special token"), ("start: <[99999]>", "too large")]
+)
+def test_a_grammar_naming_tokens_the_model_lacks_is_refused_by_the_tokenizer_check(smollm2_dir, grammar, named):
+    """Guards what the check without a tokenizer cannot see: such a matcher starts in error,
+    allows EOS alone and read as a complete, empty output."""
+    import llguidance
+
+    constraint = StructuredOutputs(grammar=grammar)  # passes: it parses
+    tokenizer = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text(), eos_token=EOS)
+    with pytest.raises(StructuredOutputsError, match=named):
+        constraint.check_tokens(tokenizer)
+    StructuredOutputs(grammar='start: <|im_end|> | "a"').check_tokens(tokenizer)
+
+
+def test_a_lark_grammar_with_gbnf_s_operator_in_a_string_stays_lark():
+    assert StructuredOutputs(grammar='start: "x ::= y"').kind == "grammar"
+    StructuredOutputs(grammar='root ::= "yes" | "no"\n')
 
 
 def test_ignore_eos_cannot_hold_a_constrained_output_open():
@@ -107,15 +127,16 @@ def test_a_resumed_request_goes_on_from_its_output_and_ends_at_eos(masks, tokeni
     masks.accept(resumed, [EOS])
 
 
-def test_a_token_the_constraint_refuses_fails_the_request(masks, tokenizer):
+def test_a_token_the_constraint_refuses_fails_that_request_alone(masks, tokenizer):
     state = _state("a", StructuredOutputs(regex="[0-9]{3}"))
     masks.matcher(state)
-    with pytest.raises(GrammarError, match="cannot go on"):
-        masks.accept(state, [tokenizer.convert_tokens_to_ids("x")])
+    masks.accept(state, [tokenizer.convert_tokens_to_ids("x")])
     done = _state("b", StructuredOutputs(choice=["1"]), output_token_ids=[tokenizer.convert_tokens_to_ids("1")])
     masks.matcher(done)
-    with pytest.raises(GrammarError, match="past the end"):
-        masks.accept(done, [tokenizer.convert_tokens_to_ids("1")])
+    masks.accept(done, [tokenizer.convert_tokens_to_ids("1")])
+    failures = masks.take_failures()
+    assert set(failures) == {"a", "b"} and "cannot go on" in failures["a"] and "past the end" in failures["b"]
+    assert masks.take_failures() == {}
 
 
 def test_requests_of_one_grammar_start_from_copies_of_one_compiled_matcher(masks, tokenizer):

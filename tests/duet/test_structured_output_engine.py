@@ -127,6 +127,25 @@ def test_a_constraint_cut_by_max_tokens_finishes_with_length(plain, smollm2_toke
     assert completion.finish_reason == "length" and len(completion.token_ids) == 5
 
 
+def test_the_engine_refuses_a_grammar_naming_a_token_the_model_lacks(tiny_llama_dir):
+    from duet.structured_output import StructuredOutputsError
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(grammar='start: <|nope|> "a"'))
+    with pytest.raises(StructuredOutputsError, match="unknown special token"):
+        llm.generate([[1, 2, 3]], params)
+    llm.engine.check_integrity()
+
+
+def test_logprobs_under_a_constraint_are_the_masked_distribution_s(tiny_llama_dir):
+    """As vLLM's: the sampled token's logprob is finite, a forbidden token's -inf."""
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, structured_outputs=StructuredOutputs(choice=["x"]))
+    completion = llm.generate([[1, 2, 3]], params)[0].outputs[0]
+    first = completion.logprobs[0]
+    assert first[completion.token_ids[0]] > float("-inf") and float("-inf") in first.values()
+
+
 def test_a_random_model_writes_valid_json_under_a_schema(tiny_llama_dir):
     """A random-weight model never writes JSON by itself: only the masks make these valid."""
     schema = SMALL_SCHEMA
@@ -162,10 +181,11 @@ def test_min_tokens_gives_way_when_the_constraint_allows_only_eos(tiny_llama_dir
     llm.engine.check_integrity()
 
 
-def test_a_constraint_the_grammar_engine_gives_up_on_fails_its_request_alone(tiny_llama_dir):
+def test_a_constraint_the_grammar_engine_gives_up_on_fails_its_request_alone(tiny_llama_dir, caplog):
     """Hostile grammars that pass the check but cannot be followed: one with no end (its parser
     hits llguidance's item limit) and one whose only text is EOS's own (a special token the
-    matcher then refuses). Each fails alone; the others in its steps finish as if alone."""
+    matcher then refuses). Each fails alone, reported by the runner: no step fails, so the others
+    are not rerun one by one, and they finish as if alone."""
     from duet.messages import EngineRequest
 
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256)
@@ -178,13 +198,15 @@ def test_a_constraint_the_grammar_engine_gives_up_on_fails_its_request_alone(tin
     for index, grammar in enumerate(['root ::= "a" root', 'start: "<|im_end|>"']):
         engine.add_request(EngineRequest(f"bad-{index}", [4, 4], SamplingParams(max_tokens=200, structured_outputs=StructuredOutputs(grammar=grammar))))
     tokens, errors = {}, {}
-    for _ in range(2000):
-        for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-            if delta.finished:
-                errors[delta.request_id] = delta.error
-        if not engine.has_unfinished_requests():
-            break
+    with caplog.at_level(logging.ERROR, logger="duet"):
+        for _ in range(2000):
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+                if delta.finished:
+                    errors[delta.request_id] = delta.error
+            if not engine.has_unfinished_requests():
+                break
+    assert not caplog.records, [record.getMessage()[:200] for record in caplog.records]
     assert "constraint cannot go on" in errors.pop("bad-0") and "constraint cannot go on" in errors.pop("bad-1")
     assert set(errors.values()) == {None}
     assert [tokens[f"good-{index}"] for index in range(len(prompts))] == undisturbed

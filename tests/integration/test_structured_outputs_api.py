@@ -84,6 +84,7 @@ def test_json_object_regex_choice_and_grammar(cluster, colocated):
         ({"structured_outputs": {"json": {"not": {"type": "string"}}}}, "not"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
         ({"response_format": {"type": "json_schema"}}, "needs its json_schema"),
+        ({"structured_outputs": {"grammar": 'start: <|nope|> "a"'}}, "unknown special token"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
     ],
 )
@@ -94,6 +95,16 @@ def test_a_bad_constraint_gets_a_400_naming_the_problem(cluster, extra, named, s
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and named in error["message"], error
+
+
+def test_logprobs_under_a_constraint_are_finite_json(cluster):
+    """A token the constraint forbids has logprob -inf, which JSON cannot carry: -9999.0."""
+    choice = _chat(
+        cluster.client(True), "Is water wet?", max_tokens=4, logprobs=True, top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["x"]}},
+    ).choices[0]
+    top = [entry.logprob for entry in choice.logprobs.content[0].top_logprobs]
+    assert len(top) == 5 and -9999.0 in top and choice.logprobs.content[0].logprob > -9999.0
 
 
 def test_a_schema_cut_by_max_tokens_finishes_with_length(cluster):

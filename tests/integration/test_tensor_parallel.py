@@ -5,7 +5,10 @@ pools' layouts; tokens as one process gives them."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
+import time
 
 import httpx
 import pytest
@@ -104,4 +107,55 @@ def test_a_colocated_pool_of_two_pipeline_stages_gives_the_single_process_tokens
     results = _complete_all(url, prompts)
     assert [status for status, _, _ in results] == [200] * len(prompts), results
     assert [tokens for _, tokens, _ in results] == tiny_offline(prompts)
+    assert settled(cluster, url)["ok"]
+
+
+def _decode_running(url: str) -> dict[str, int]:
+    stats = httpx.get(f"{url}/duet/status", timeout=10).json()["pools"]["decode"]["stats"]
+    return {replica["replica_id"]: replica["num_running"] for replica in stats}
+
+
+def _worker_pids(ray, app: str, pool: str, replica_id: str) -> list[int]:
+    """The processes of one replica's worker actors: the live actors it created. (Ray's state
+    API needs the dashboard, which `duet up` leaves off; its actor table does not.)"""
+    actors = [actor for actor in ray._private.state.actors().values() if actor["State"] == "ALIVE"]
+    (replica,) = [actor for actor in actors if actor["Name"] == f"SERVE_REPLICA::{app}#{pool}#{replica_id}"]
+    return [
+        actor["Pid"] for actor in actors if actor["ActorClassName"] == "_WorkerActor" and actor["OwnerAddress"] == replica["Address"]
+    ]
+
+
+def test_a_dead_worker_fails_its_replica_at_once_and_its_streams_go_on_on_another(cluster, tiny_offline, deploy, ray_driver):
+    """One worker process of a TP=2 decode replica is killed mid-stream: the replica's next step
+    fails at once (no wait in a collective for the dead rank), its streams are recomputed on the
+    other decode replica and read on with the single-process tokens, it refuses new sequences,
+    and Serve's health check (every 2 s) replaces it."""
+    url = deploy("deadworker", _app(TP1, TP2 | {"num_replicas": 2}))
+    rng = random.Random(21)
+    prompts = [random_prompt(rng, 30) for _ in range(4)]
+
+    async def streams_then_kill():
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [asyncio.create_task(complete(client, url, greedy_body(prompt, 600, stream=True))) for prompt in prompts]
+            deadline = time.monotonic() + 30
+            while not any(_decode_running(url).values()):
+                assert time.monotonic() < deadline, "no stream reached a decode replica"
+                await asyncio.sleep(0.2)
+            running = _decode_running(url)
+            victim = max(running, key=running.get)
+            pids = _worker_pids(ray_driver, "deadworker", "decode", victim)
+            assert len(pids) == 2, pids
+            os.kill(pids[-1], signal.SIGKILL)
+            killed_at = time.monotonic()
+            return await asyncio.gather(*tasks), victim, killed_at
+
+    results, victim, killed_at = asyncio.run(streams_then_kill())
+    for (status, tokens, errors), want in zip(results, tiny_offline(prompts, 600)):
+        assert (status, errors) == (200, [])
+        assert tokens == want
+    replica_name = f"SERVE_REPLICA::deadworker#decode#{victim}"
+    while any(actor["name"] == replica_name for actor in ray_driver.util.list_named_actors(all_namespaces=True)):
+        assert time.monotonic() - killed_at < 60, "Serve did not replace the replica that lost a worker"
+        time.sleep(0.5)
+    print(f"replica with a dead worker gone {time.monotonic() - killed_at:.1f} s after the kill")
     assert settled(cluster, url)["ok"]
