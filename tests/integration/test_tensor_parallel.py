@@ -5,6 +5,7 @@ pools' layouts; tokens as one process gives them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from duet.cluster.config import AppConfigError
-from tests.integration.client import complete, greedy_body, random_prompt, settled
+from tests.integration.client import complete, complete_text, greedy_body, metric, random_prompt, settled
 
 pytestmark = pytest.mark.slow
 
@@ -129,14 +130,24 @@ def test_a_dead_worker_fails_its_replica_at_once_and_its_streams_go_on_on_anothe
     """One worker process of a TP=2 decode replica is killed mid-stream: the replica's next step
     fails at once (no wait in a collective for the dead rank), its streams are recomputed on the
     other decode replica and read on with the single-process tokens, it refuses new sequences,
-    and Serve's health check (every 2 s) replaces it."""
+    and Serve's health check (every 2 s) replaces it. The streams are under a schema whose state
+    is the count of items so far: the recomputed ones go on from it, not from the root."""
+    from duet import SamplingParams, StructuredOutputs
+
     url = deploy("deadworker", _app(TP1, TP2 | {"num_replicas": 2}))
     rng = random.Random(21)
     prompts = [random_prompt(rng, 30) for _ in range(4)]
+    array = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 150, "maxItems": 150}
+    body = {"max_tokens": 700, "structured_outputs": {"json": array}}
+    params = SamplingParams(temperature=0, max_tokens=700, structured_outputs=StructuredOutputs(json=array))
+    expected = [output.outputs[0] for output in tiny_offline.llm.generate(prompts, params)]
 
     async def streams_then_kill():
         async with httpx.AsyncClient(timeout=180) as client:
-            tasks = [asyncio.create_task(complete(client, url, greedy_body(prompt, 600, stream=True))) for prompt in prompts]
+            tasks = [
+                asyncio.create_task(complete_text(client, url, greedy_body(prompt, stream=True) | body | {"min_tokens": 0}))
+                for prompt in prompts
+            ]
             deadline = time.monotonic() + 30
             while not any(_decode_running(url).values()):
                 assert time.monotonic() < deadline, "no stream reached a decode replica"
@@ -150,9 +161,12 @@ def test_a_dead_worker_fails_its_replica_at_once_and_its_streams_go_on_on_anothe
             return await asyncio.gather(*tasks), victim, killed_at
 
     results, victim, killed_at = asyncio.run(streams_then_kill())
-    for (status, tokens, errors), want in zip(results, tiny_offline(prompts, 600)):
+    for (status, text, tokens, errors), want in zip(results, expected):
         assert (status, errors) == (200, [])
-        assert tokens == want
+        assert (text, tokens) == (want.text, want.token_ids)
+        assert len(json.loads(text)) == 150
+    recomputed = sum(value for labels, value in metric(url, "duet:migrations_total").items() if 'how="recompute"' in labels)
+    assert recomputed >= 1
     replica_name = f"SERVE_REPLICA::deadworker#decode#{victim}"
     while any(actor["name"] == replica_name for actor in ray_driver.util.list_named_actors(all_namespaces=True)):
         assert time.monotonic() - killed_at < 60, "Serve did not replace the replica that lost a worker"
