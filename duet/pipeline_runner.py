@@ -28,10 +28,12 @@ class PipelineRunner(ModelRunner):
             return RunnerOutput([], [])
         num_parts, num_requests = min(self.group.num_stages, len(request_ids)), len(request_ids)
         parts = [request_ids[index * num_requests // num_parts : (index + 1) * num_requests // num_parts] for index in range(num_parts)]
-        logits, row_owners, sends = [], [], []
-        for index, part in enumerate(parts):
-            batch, logits_rows, owners = self._prepare_inputs(scheduler_output, part)
-            row_owners += owners
+        prepared = [self._prepare_inputs(scheduler_output, part) for part in parts]
+        row_owners = [owner for _, _, owners in prepared for owner in owners]
+        # The last stage samples: its masks fill beside its forward passes (on a GPU).
+        masks = self._start_masks(row_owners, {}) if self.stage.last else None
+        logits, sends = [], []
+        for index, (batch, logits_rows, _) in enumerate(prepared):
             received = None
             if not self.stage.first:
                 shape = (2, batch.input_ids.shape[0], self.stage.arch.hidden_size)
@@ -46,7 +48,7 @@ class PipelineRunner(ModelRunner):
         token_ids = torch.empty(len(row_owners), dtype=torch.long)
         sampled, logprobs = {}, {}
         if self.stage.last and row_owners:
-            sampled, logprobs = self._sample(torch.cat(logits), row_owners, {}, self._start_masks(row_owners, {}))
+            sampled, logprobs = self._sample(torch.cat(logits), row_owners, {}, masks)
             token_ids = torch.tensor([sampled[owner][0] for owner in row_owners], dtype=torch.long)
         if row_owners:
             self.group.broadcast_from_last(token_ids)
