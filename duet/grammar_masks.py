@@ -14,14 +14,14 @@ there they are filled in line. Requests without a constraint cost nothing: no ma
 
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
+
+from duet.kernels.token_bitmask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from duet.runner_state import CachedRequestState
@@ -48,8 +48,6 @@ class GrammarMasks:
     """Matchers of the runner's constrained requests, keyed by request id."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_id: int | None, overlap: bool) -> None:
-        if sys.byteorder != "little":
-            raise RuntimeError("grammar masks are unpacked as little-endian 32-bit words")
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -143,8 +141,9 @@ class GrammarMasks:
         return MaskJob(covered, filled)
 
     def _fill(self, entries, num_rows: int) -> torch.Tensor:
-        """[num_rows, vocab_size] True where a token is forbidden. Rows past a draft the grammar
-        refuses stay unconstrained: verification rejects that draft, so they are never used."""
+        """[num_rows, words] the rows' token bitmasks (``duet.kernels.token_bitmask``). Rows past a
+        draft the grammar refuses stay unconstrained: verification rejects that draft, so they
+        are never used."""
         import llguidance.numpy
 
         started = time.perf_counter()
@@ -155,24 +154,18 @@ class GrammarMasks:
         if len(plain) < len(entries):
             with_drafts = [entry for entry in entries if entry[2]]
             llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._mask_executor, with_drafts, bitmask)
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
-        forbidden = torch.from_numpy(allowed) == 0
         self.fill_seconds += time.perf_counter() - started
-        return forbidden
+        return torch.from_numpy(bitmask)
 
     def apply(self, logits: torch.Tensor, job: MaskJob | None) -> None:
         """Forbidden tokens of the job's rows to -inf, in place, once the masks are filled."""
         if job is None:
             return
         started = time.perf_counter()
-        forbidden = job.future.result()
+        bitmask = job.future.result()
         filled = time.perf_counter()
-        forbidden = forbidden.to(logits.device, non_blocking=True)
-        if len(job.rows) == logits.shape[0]:
-            logits.masked_fill_(forbidden, float("-inf"))
-        else:
-            rows = torch.tensor(job.rows, device=logits.device)
-            logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
+        rows = torch.tensor(job.rows, device=logits.device)
+        apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
         self.wait_seconds += filled - started
         self.apply_seconds += time.perf_counter() - filled
 

@@ -11,7 +11,7 @@ schema of its set): its grammars are checked without torch (xgrammar imports tor
 router must not), and a request waits 0.3-1 ms for its first mask against xgrammar's 4-30 ms of
 eager compilation. Its masks cost about twice xgrammar's per row (0.19 against 0.10 ms a step
 for 32 rows): with the forward pass on a GPU the engine fills them on another thread meanwhile;
-on a CPU, in line, they take 0.15 ms a step at batch 1 and 1.7 ms (3%) at batch 32.
+on a CPU, in line, they take 0.1 ms a step at batch 1 and 0.8 ms (1.5%) at batch 32.
 """
 
 from __future__ import annotations

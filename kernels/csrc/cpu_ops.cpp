@@ -584,6 +584,54 @@ void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
   });
 }
 
+// -inf from its bits: under -ffast-math the compiler may assume no float is infinite, so the
+// value is stored, never computed or compared.
+template <typename scalar_t>
+scalar_t negative_infinity();
+template <>
+float negative_infinity<float>() {
+  const uint32_t bits = 0xFF800000u;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+template <>
+c10::BFloat16 negative_infinity<c10::BFloat16>() {
+  return c10::BFloat16(0xFF80, c10::BFloat16::from_bits());
+}
+
+// logits[rows[i], t] = -inf wherever bit t of bitmask[i] is 0 (32 tokens a word, lowest bit
+// first, as llguidance and xgrammar write them); a word with every bit set is skipped whole.
+template <typename scalar_t>
+void apply_token_bitmask_kernel(torch::Tensor& logits, const torch::Tensor& bitmask, const torch::Tensor& rows) {
+  const int64_t num_rows = rows.size(0), vocab = logits.size(1), words = bitmask.size(1), stride = logits.stride(0);
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
+  const uint32_t* mask_ptr = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  scalar_t* logits_ptr = logits.data_ptr<scalar_t>();
+  const scalar_t forbidden = negative_infinity<scalar_t>();
+  at::parallel_for(0, num_rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      scalar_t* dst = logits_ptr + row_ptr[i] * stride;
+      const uint32_t* mask = mask_ptr + i * words;
+      for (int64_t word = 0; word < words && word * 32 < vocab; ++word) {
+        const uint32_t bits = mask[word];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t count = std::min<int64_t>(32, vocab - word * 32);
+        for (int64_t bit = 0; bit < count; ++bit) {
+          if (!((bits >> bit) & 1u)) dst[word * 32 + bit] = forbidden;
+        }
+      }
+    }
+  });
+}
+
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "apply_token_bitmask needs [rows, vocab] logits, contiguous rows");
+  TORCH_CHECK(bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous(), "the bitmask is contiguous int32 words");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.size(0) == bitmask.size(0), "one int64 row index per bitmask row");
+  DUET_DISPATCH(logits.scalar_type(), scalar_t, [&] { apply_token_bitmask_kernel<scalar_t>(logits, bitmask, rows); });
+}
+
 void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "silu_and_mul needs contiguous tensors");
   DUET_DISPATCH(x.scalar_type(), scalar_t, [&] { silu_and_mul_kernel<scalar_t>(out, x); });
@@ -596,4 +644,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rope_and_cache", &rope_and_cache);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("apply_token_bitmask", &apply_token_bitmask);
 }
