@@ -236,7 +236,7 @@ class EngineArgs:
     kv_transfer_config: dict | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False  # a mixture of experts' ranks hold whole experts
+    enable_expert_parallel: bool = False  # a mixture of experts' ranks hold whole experts (else a share of each)
     # None: in this process for one rank, Ray actors for several.
     distributed_executor_backend: str | None = None
 

@@ -77,6 +77,7 @@ class LLMEngine:
             kv_transfer=self.kv_transfer_config,
             world_size=world_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
         )
         self.executor = import_object(args.executor())(worker_config)
         self.kv_endpoints = self.executor.kv_endpoints()

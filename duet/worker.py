@@ -38,6 +38,7 @@ class WorkerConfig:
     rank: int = 0
     world_size: int = 1  # tensor_parallel_size x pipeline_parallel_size
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # a mixture of experts' ranks hold whole experts (else a share of each)
     # With several ranks: the store they meet at (the executor hosts it), the address this
     # rank's collectives listen on, the bound on any wait for the others, and its threads.
     parallel_store: tuple[str, int] | None = None
@@ -93,7 +94,7 @@ class Worker:
         if config.world_size > 1:
             self.group, pipeline = _parallel_groups(config)
         if self.group is not None:
-            apply_tensor_parallel(model, self.group)
+            apply_tensor_parallel(model, self.group, config.enable_expert_parallel)
         if pipeline is not None:
             model = PipelineStage(model, pipeline.stage, pipeline.num_stages)
         draft = None

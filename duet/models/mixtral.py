@@ -6,7 +6,9 @@ top-k, the k weights renormalised to sum to one; and so is the sum: a token's we
 outputs are added into zeros in the experts' index order. With expert parallelism each rank
 holds a contiguous range of experts (``local_experts``) and returns the sum of its own, which
 the ranks then add (``duet.models.tensor_parallel``): a token's two experts on two ranks sum
-to what one process gives, to the bit.
+to what one process gives, to the bit. Tensor parallelism without it splits every expert's
+features instead (``keep_features``), as a dense MLP's: each rank adds its part of each down
+projection, and the ranks' parts are added (the sum's order differs from one process's).
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class MixtralMoE(nn.Module):
         self.w13 = nn.Parameter(self.w13[first * gate_up : (first + len(experts)) * gate_up].contiguous(), requires_grad=False)
         self.w2 = nn.Parameter(self.w2[first * hidden : (first + len(experts)) * hidden].contiguous(), requires_grad=False)
         self.local_experts = experts
+
+    def keep_features(self, features: range) -> None:
+        """Keep only these intermediate features of every expert (a tensor-parallel rank's share
+        without expert parallelism): its rows of w1 and w3, its columns of w2. The rank's output
+        is then its part of each expert's down projection, which the ranks add."""
+        experts, hidden, width = len(self.local_experts), self.hidden_size, self.intermediate_size
+        w13 = self.w13.view(experts, 2, width, hidden)[:, :, features.start : features.stop]
+        w2 = self.w2.view(experts, hidden, width)[:, :, features.start : features.stop]
+        self.w13 = nn.Parameter(w13.reshape(-1, hidden).contiguous(), requires_grad=False)
+        self.w2 = nn.Parameter(w2.reshape(-1, len(features)).contiguous(), requires_grad=False)
+        self.intermediate_size = len(features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)

@@ -12,7 +12,8 @@ meet are swapped for ones that do.
   experts; every rank routes every token (the router is replicated, its choices identical),
   computes its own experts' weighted outputs, and the ranks add them (one all-reduce per MoE
   block). The tokens need no dispatch: after the attention's all-reduce every rank holds them
-  all, so "all-to-all" reduces to each rank picking its experts' tokens.
+  all, so "all-to-all" reduces to each rank picking its experts' tokens. Without expert
+  parallelism every rank holds all experts, each split over its features like the MLP above.
 - Embedding and LM head split over the vocabulary: a token's row lives on one rank (the others
   add zeros, which is exact), and the ranks' logits are gathered whole on every rank, so every
   rank samples the same tokens from the same logits and keeps its own copy of the sequences.
@@ -88,13 +89,13 @@ def check_layout(arch: LlamaArch, world_size: int, expert_parallel: bool) -> int
     if expert_parallel and not is_moe:
         raise ConfigError("enable_expert_parallel needs a mixture-of-experts model (Mixtral); this one has no experts")
     if is_moe and world_size > 1:
-        if not expert_parallel:
+        if expert_parallel and arch.num_experts < world_size:
             raise ConfigError(
-                f"tensor_parallel_size={world_size} on a mixture-of-experts model shards its experts whole: set "
-                "enable_expert_parallel=True (splitting each expert's features is not built)"
+                f"{arch.num_experts} experts cannot spread over {world_size} ranks; without enable_expert_parallel "
+                "each rank takes a share of every expert's features instead"
             )
-        if arch.num_experts < world_size:
-            raise ConfigError(f"{arch.num_experts} experts cannot spread over {world_size} ranks")
+        if not expert_parallel and arch.intermediate_size < world_size:
+            raise ConfigError(f"an expert's {arch.intermediate_size} features cannot split over {world_size} ranks")
     return max(shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank).num_kv_heads for rank in range(world_size))
 
 
@@ -178,10 +179,11 @@ class VocabParallelLMHead(nn.Module):
         return torch.cat([part[:, :size] for part, size in zip(parts, self.part_sizes)], dim=1)
 
 
-def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup) -> None:
-    """Keep this rank's part of ``model`` (its experts, for a Mixtral: the layout is checked by
-    ``check_layout`` first) and wire its collectives; ``model.arch`` becomes the rank's shape
-    (its heads, KV heads and MLP features: what its KV cache holds)."""
+def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, expert_parallel: bool = False) -> None:
+    """Keep this rank's part of ``model`` (for a Mixtral, its experts with ``expert_parallel``,
+    else its share of every expert's features: the layout is checked by ``check_layout`` first)
+    and wire its collectives; ``model.arch`` becomes the rank's shape (its heads, KV heads and
+    MLP features: what its KV cache holds)."""
     arch, rank, world_size = model.arch, group.rank, group.world_size
     heads = shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank)
     head_dim = arch.head_dim
@@ -197,8 +199,11 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup) -
         attention.num_heads, attention.num_kv_heads = heads.num_heads, heads.num_kv_heads
         attention.q_size, attention.kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
         if isinstance(mlp, MixtralMoE):
-            experts = split_range(arch.num_experts, world_size, rank)
-            mlp.keep_experts(range(experts.start, experts.stop))
+            if expert_parallel:
+                experts = split_range(arch.num_experts, world_size, rank)
+                mlp.keep_experts(range(experts.start, experts.stop))
+            else:
+                mlp.keep_features(range(features.start, features.stop))
             layer.mlp = SummedOverRanks(mlp, group)
             continue
         mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [features, _offset(features, arch.intermediate_size)])
@@ -206,5 +211,6 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup) -
     vocab = [split_range(arch.vocab_size, world_size, index) for index in range(world_size)]
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[vocab[rank]].contiguous(), vocab[rank].start, group)
     model.lm_head = VocabParallelLMHead(shard_linear(model.lm_head, [vocab[rank]]), [part.stop - part.start for part in vocab], group)
-    intermediate_size = arch.intermediate_size if isinstance(arch, MixtralArch) else features.stop - features.start
+    whole_experts = isinstance(arch, MixtralArch) and expert_parallel
+    intermediate_size = arch.intermediate_size if whole_experts else features.stop - features.start
     model.arch = dataclasses.replace(arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, intermediate_size=intermediate_size)

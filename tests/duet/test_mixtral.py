@@ -1,5 +1,6 @@
 """The Mixtral-style mixture of experts against transformers' Mixtral with the same weights:
-in one process, and with its experts spread over two ranks (expert parallelism)."""
+in one process, with its experts spread over two ranks (expert parallelism), and with every
+expert's features split over two ranks (tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,7 @@ def test_mixtral_routes_and_sums_experts_as_transformers_does(mixtral_dir, refer
     llm.engine.check_integrity()
 
 
-def test_a_moe_model_spreads_whole_experts_or_says_what_to_set(mixtral_dir, tiny_llama_dir):
-    with pytest.raises(ConfigError, match="set enable_expert_parallel=True"):
-        LLM(model=str(mixtral_dir), num_kv_blocks=16, tensor_parallel_size=2)
+def test_a_moe_layout_that_cannot_split_says_why(mixtral_dir, tiny_llama_dir):
     with pytest.raises(ConfigError, match="4 experts cannot spread over 8 ranks"):
         LLM(model=str(mixtral_dir), num_kv_blocks=16, tensor_parallel_size=8, enable_expert_parallel=True)
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
@@ -69,3 +68,25 @@ def test_ep2_matches_transformers_and_one_process(ray_cluster, mixtral_dir, refe
     finally:
         ep2.engine.close()
     assert tokens == [output.outputs[0].token_ids for output in LLM(**settings).generate(PROMPTS, _greedy())]
+
+
+@pytest.mark.slow
+def test_tp2_without_expert_parallelism_splits_every_expert_and_matches_transformers(ray_cluster, mixtral_dir, references):
+    """Every rank holds all four experts, each with half its features (w1/w3 rows, w2 columns):
+    the ranks' parts of each expert's down projection add up to transformers' tokens."""
+    import ray
+
+    settings = dict(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    tp2 = LLM(**settings, tensor_parallel_size=2)
+    try:
+        _check(tp2.generate(PROMPTS, _greedy()), references)
+        tp2.engine.check_integrity()
+        held = [
+            ray.get(worker.__ray_call__.remote(lambda worker: (
+                list(worker.runner.model.layers[0].mlp.module.local_experts), worker.runner.model.layers[0].mlp.module.intermediate_size,
+            )))
+            for worker in tp2.engine.executor.workers
+        ]
+    finally:
+        tp2.engine.close()
+    assert held == [([0, 1, 2, 3], 48)] * 2  # the tiny Mixtral's experts have 96 features each
