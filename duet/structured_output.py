@@ -62,16 +62,7 @@ class StructuredOutputs:
                 f"structured_outputs takes exactly one of {', '.join(KINDS)}; got {', '.join(given) or 'none'}"
             )
         if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as error:
-                    raise StructuredOutputsError(f"the JSON schema is not JSON: {error}") from None
-            if not isinstance(schema, dict):
-                raise StructuredOutputsError(f"a JSON schema is an object, got {type(schema).__name__}")
-            # Keys keep their order: a schema's properties are generated in the order it lists them.
-            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+            object.__setattr__(self, "json", _compact_schema(self.json))
         if self.choice is not None:
             choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
             if not choice or not all(isinstance(item, str) and item for item in choice):
@@ -109,6 +100,21 @@ class StructuredOutputs:
         problem = llguidance.LLMatcher.validate_grammar(self.grammar_text(), tokenizer)
         if problem:
             raise StructuredOutputsError(f"the {self.kind} constraint does not fit this model's tokenizer: {problem.strip().splitlines()[0]}")
+
+
+def _compact_schema(schema: str | dict) -> str:
+    """The schema as compact JSON text. Keys keep their order: a schema's properties are
+    generated in the order it lists them."""
+    try:
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if not isinstance(schema, dict):
+            raise StructuredOutputsError(f"a JSON schema is an object, got {type(schema).__name__}")
+        return json.dumps(schema, separators=(",", ":"))
+    except json.JSONDecodeError as error:
+        raise StructuredOutputsError(f"the JSON schema is not JSON: {error}") from None
+    except RecursionError:  # a hostile schema nested about a thousand levels deep
+        raise StructuredOutputsError("the JSON schema is nested too deeply") from None
 
 
 @functools.lru_cache(maxsize=256)

@@ -15,6 +15,13 @@ VOCAB = 49152
 EOS = 2
 
 
+def _nested(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 @pytest.mark.parametrize(
     "kwargs, named",
     [
@@ -24,6 +31,9 @@ EOS = 2
         ({"json": {"type": "foo"}}, "foo"),
         ({"json": "{"}, "not JSON"),
         ({"json": [1, 2]}, "is an object"),
+        ({"json": "[" * 100_000 + "]" * 100_000}, "nested too deeply"),
+        ({"json": _nested(1000)}, "nested too deeply"),
+        ({"json": {"type": "array", "items": {"type": "array", "items": {"type": "array"}}} | {"$defs": {"x": _nested(400)}}}, "recursion"),
         ({"grammar": "root ::= (("}, "GBNF"),
         ({"grammar": "start: foo"}, "foo"),
         ({"choice": []}, "non-empty list"),
