@@ -26,6 +26,7 @@ from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.request import Request
 from duet.sampling_params import SamplingParams, fit_to_context
 from duet.scheduler import Scheduler
+from duet.structured_output import grammar_tokenizer
 from duet.worker import WorkerConfig, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class LLMEngine:
         self.args = args
         model_path = resolve_model_path(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        self._llguidance_tokenizer = None
+        self._tokenizer_path = str(model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.model_config = read_arch(model_path)
         self.dtype = resolve_dtype(args.dtype, args.device)
@@ -139,7 +140,8 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         max_tokens = fit_to_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
         if params.structured_outputs is not None:
-            params.structured_outputs.check_tokens(self._grammar_tokenizer())
+            tokenizer = grammar_tokenizer(self._tokenizer_path, self.model_config.vocab_size, self.eos_token_id)
+            params.structured_outputs.check_tokens(tokenizer)
         # A request may also hold slots for the draft tokens it writes past its last one.
         lookahead = self.scheduler.num_lookahead_tokens
         blocks_needed = -(-(len(prompt_token_ids) + max_tokens + lookahead) // self.block_size)
@@ -149,16 +151,6 @@ class LLMEngine:
                 "lower max_tokens or give the engine more KV memory", "max_tokens",
             )
         return max_tokens
-
-    def _grammar_tokenizer(self):
-        """llguidance's view of the model's tokenizer, built at the first constrained request."""
-        if self._llguidance_tokenizer is None:
-            import llguidance.hf
-
-            self._llguidance_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.model_config.vocab_size, eos_token=self.eos_token_id
-            )
-        return self._llguidance_tokenizer
 
     def add_request(self, request: EngineRequest) -> KVDestination | None:
         """Queue a sequence. With ``kv_receive`` its prompt's blocks are reserved now and the

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from duet.kernels.token_bitmask import apply_token_bitmask
+from duet.structured_output import grammar_tokenizer
 
 if TYPE_CHECKING:
     from duet.runner_state import CachedRequestState
@@ -51,7 +52,6 @@ class GrammarMasks:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._tokenizer = None  # llguidance's view of the model's tokenizer, built when first needed (~0.3 s)
         self._mask_executor = None  # llguidance's own threads, filling a batch's rows in parallel
         self._matchers: dict[str, object] = {}
         self._failures: dict[str, str] = {}  # request id -> why its constraint cannot go on
@@ -60,17 +60,6 @@ class GrammarMasks:
         # Where the masks' time goes (``duet bench structured``): filling them on the thread, the
         # step waiting for them after its forward, and applying them and advancing the matchers.
         self.fill_seconds = self.wait_seconds = self.apply_seconds = 0.0
-
-    def _llguidance_tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance
-            import llguidance.hf
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
-            self._mask_executor = llguidance.LLExecutor()
-        return self._tokenizer
 
     def matcher(self, state: CachedRequestState):
         """The request's matcher, built and fed its output so far the first time it is asked for;
@@ -97,7 +86,10 @@ class GrammarMasks:
         if pristine is None:
             import llguidance
 
-            pristine = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+            if self._mask_executor is None:
+                self._mask_executor = llguidance.LLExecutor()
+            tokenizer = grammar_tokenizer(self.tokenizer_path, self.vocab_size, self.eos_token_id)
+            pristine = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             pristine.compute_bitmask()
             if pristine.is_error():  # the engine checks constraints on arrival: only a limit gets here
                 raise GrammarError(f"the constraint does not compile: {_first_line(pristine.get_error())}")

@@ -117,6 +117,18 @@ def _compact_schema(schema: str | dict) -> str:
         raise StructuredOutputsError("the JSON schema is nested too deeply") from None
 
 
+@functools.lru_cache(maxsize=4)
+def grammar_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_id: int | None):
+    """llguidance's view of a model's Hugging Face tokenizer: one per process and model (about
+    0.3 s to build), shared by the engine's checks and its runner's matchers. (The router builds
+    its own from ``tokenizer.json``: it loads no transformers.)"""
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+
+
 @functools.lru_cache(maxsize=256)
 def compiled_grammar(kind: str, text: str) -> str:
     """The checked llguidance grammar of one constraint; raises ``StructuredOutputsError``
