@@ -102,8 +102,6 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
             stage_layers(arch.num_layers, engine.pipeline_parallel_size, 0)
         except ConfigError as error:
             raise AppConfigError(f"{stage}.engine: {error}") from None
-        if engine.pipeline_parallel_size > 1 and config.mode == "pd":
-            raise AppConfigError(f"{stage}.engine.pipeline_parallel_size: a pipeline-parallel pool sends or receives no KV yet; use mode: colocated")
         for kind, amount in pool.resources(stage, engine).items():
             needed[kind] += amount
     if ray.is_initialized():

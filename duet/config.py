@@ -261,12 +261,8 @@ class EngineArgs:
                 "a worker per rank: use distributed_executor_backend='ray' (or leave it unset)"
             )
         if self.pipeline_parallel_size > 1:
-            unbuilt = [name for name, value in (
-                ("speculative_config", self.speculative_config is not None),
-                ("kv_transfer_config", self.kv_transfer_config is not None),
-            ) if value]
-            if unbuilt:
-                raise ConfigError(f"pipeline parallelism with {', '.join(unbuilt)} is not built yet")
+            if self.speculative_config is not None:
+                raise ConfigError("pipeline parallelism with speculative_config is not built yet")
         resolve_kv_cache_dtype(self.kv_cache_dtype, resolve_dtype(self.dtype, self.device))
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r} is not supported; use one of {QUANTIZATIONS}")

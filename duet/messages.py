@@ -11,12 +11,14 @@ from duet.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class KVEndpoint:
-    """Where one decode worker's KV receiver takes announcements (its TCPStore), and the range
-    of the model's KV heads it holds (None: all of them; a tensor-parallel rank holds some)."""
+    """Where one decode worker's KV receiver takes announcements (its TCPStore), and the ranges
+    of the model's KV heads and layers it holds (None: all of them; a tensor-parallel rank holds
+    some of the heads, a pipeline stage some of the layers)."""
 
     host: str
     port: int
     kv_heads: tuple[int, int] | None = None
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

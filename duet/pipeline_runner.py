@@ -2,7 +2,8 @@
 step's requests go through the stages in micro-batches, so that while stage s computes
 micro-batch m, stage s - 1 computes m + 1; the last stage samples and every rank learns the
 tokens. Each rank keeps the same per-request state as a whole runner (its own copy, updated
-from the same ``SchedulerOutput``s and the shared tokens)."""
+from the same ``SchedulerOutput``s and the shared tokens). A prompt's KV leaves each stage (for
+another replica) once the stage has run all its micro-batches."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ class PipelineRunner(ModelRunner):
                 logits.append(out)
             else:
                 sends.append((self.group.send_next(out, index), out))
+        if on_layer_done is not None:  # a stage's layers are done once all its micro-batches are through them
+            for layer in range(self.stage.arch.num_layers):
+                on_layer_done(layer)
         for work, _ in sends:
             self.group.wait(work)
         token_ids = torch.empty(len(row_owners), dtype=torch.long)

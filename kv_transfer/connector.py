@@ -7,11 +7,12 @@ is) and to cancel; the worker calls ``start_step`` before its forward,
 ``end_step`` with what it sampled (a sent prompt's first token travels after its KV), and
 reports ``poll()`` back in its ``RunnerOutput``.
 
-With tensor parallelism each rank holds a range of the model's KV heads, on either side and in
-any layout: a sending rank sends each receiving rank the heads they share (a head replicated on
-several sending ranks goes from the first), straight from its cache, and reports a transfer
-once all its parts have ended (at once when it holds no head to send); a receiving rank takes
-parts until they cover its heads.
+With tensor parallelism each rank holds a range of the model's KV heads, with pipeline
+parallelism each stage a range of its layers, on either side and in any layout: a sending rank
+sends each receiving rank the heads of the layers they share (a head replicated on several
+ranks of a stage goes from the first), straight from its cache, and reports a transfer once all
+its parts have ended (at once when it holds no head to send); a receiving rank takes parts until
+they cover its heads of its layers.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from duet.outputs import KVConnectorMetadata, KVTransferResult
 class KVConnectorWorker:
     def __init__(self, kv_cache: torch.Tensor, arch, config) -> None:
         """``config`` is the worker's (``duet.worker.WorkerConfig``), ``arch`` the whole model's
-        shape (the rank's cache holds its share of the KV heads)."""
+        shape (the rank's cache holds its share of the KV heads, of its stage's layers)."""
+        from duet.models.pipeline_parallel import stage_layers
         from duet.models.tensor_parallel import shard_heads
 
         transfer = config.kv_transfer
@@ -46,15 +48,20 @@ class KVConnectorWorker:
             block_size=config.block_size,
             kv_dtype=str(kv_cache.dtype).removeprefix("torch."),
         )
-        shards = [shard_heads(arch.num_heads, arch.num_kv_heads, config.world_size, rank).kv_heads for rank in range(config.rank + 1)]
+        tensor_parallel_size = config.world_size // config.pipeline_parallel_size
+        stage, rank_in_stage = divmod(config.rank, tensor_parallel_size)
+        shards = [shard_heads(arch.num_heads, arch.num_kv_heads, tensor_parallel_size, rank).kv_heads for rank in range(rank_in_stage + 1)]
         own = shards[-1]
         kv_heads = (own.start, own.stop)
-        # The heads this rank sends: its own, but those a lower rank also holds (and sends).
+        # The heads this rank sends: its own, but those a lower rank of its stage also holds (and sends).
         self.sent_heads = (max([own.start] + [shard.stop for shard in shards[:-1]]), own.stop)
-        self.num_layers = arch.num_layers
+        held = stage_layers(arch.num_layers, config.pipeline_parallel_size, stage)
+        self.layers = (held.start, held.stop)
+        self.num_layers = len(held)  # what this cache holds, and the forward reports
         kv_cache = cache_bytes_view(kv_cache)  # the bytes travel as they are, whatever their dtype
-        self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=f"{transfer.name}.{config.rank}", kv_heads=kv_heads)
-        self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s, kv_heads=kv_heads)
+        name = f"{transfer.name}.{config.rank}"
+        self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=name, kv_heads=kv_heads, layers=self.layers)
+        self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s, kv_heads=kv_heads, layers=self.layers)
         self._sending: dict[str, LayerProgress] = {}  # this step's sends, by request
         self._parts: dict[int, tuple[int, list[KVTransferResult]]] = {}  # a send's parts: how many, and those ended
         self._ended: list[KVTransferResult] = []  # sends with no part: ended as they started
@@ -80,7 +87,7 @@ class KVConnectorWorker:
         self._block_table = block_table
         for spec in metadata.sends:
             parts = self._parts_of(spec.endpoints)
-            if not parts:  # every head this rank holds goes from a lower rank
+            if not parts:  # every head this rank holds goes from a lower rank (or no receiver holds its layers)
                 self._ended.append(KVTransferResult(spec.transfer_id, True))
                 continue
             if spec.block_ids is not None:  # a sequence's KV, computed before: it goes as it is
@@ -88,17 +95,18 @@ class KVConnectorWorker:
             else:
                 progress = self._sending[spec.request_id] = LayerProgress(self.num_layers)
             self._parts[spec.transfer_id] = (len(parts), [])
-            for endpoint, heads in parts:
-                self.sender.send(spec.transfer_id, endpoint, progress, spec.num_blocks, heads=heads)
+            for endpoint, heads, layers in parts:
+                self.sender.send(spec.transfer_id, endpoint, progress, spec.num_blocks, heads=heads, layers=layers)
 
-    def _parts_of(self, endpoints: tuple[KVEndpoint, ...]) -> list[tuple[KVEndpoint, tuple[int, int]]]:
-        """Each receiving worker that holds some of the heads this rank sends, and those heads."""
-        parts = []
+    def _parts_of(self, endpoints: tuple[KVEndpoint, ...]) -> list[tuple[KVEndpoint, tuple[int, int], tuple[int, int]]]:
+        """Each receiving worker that holds some of the heads this rank sends, of some of its
+        layers, with those heads and layers."""
+        spec, parts = self.receiver.spec, []
         for endpoint in endpoints:
-            low, high = endpoint.kv_heads or (0, self.receiver.spec.num_kv_heads)
-            low, high = max(low, self.sent_heads[0]), min(high, self.sent_heads[1])
-            if low < high:
-                parts.append((endpoint, (low, high)))
+            heads = _overlap(endpoint.kv_heads or (0, spec.num_kv_heads), self.sent_heads)
+            layers = _overlap(endpoint.layers or (0, spec.num_layers), self.layers)
+            if heads is not None and layers is not None:
+                parts.append((endpoint, heads, layers))
         return parts
 
     def on_layer_done(self, layer: int) -> None:
@@ -125,6 +133,11 @@ class KVConnectorWorker:
     def close(self) -> None:
         self.sender.close()
         self.receiver.close()
+
+
+def _overlap(one: tuple[int, int], other: tuple[int, int]) -> tuple[int, int] | None:
+    low, high = max(one[0], other[0]), min(one[1], other[1])
+    return (low, high) if low < high else None
 
 
 def resolve_host(host: str) -> str:

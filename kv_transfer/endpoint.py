@@ -40,11 +40,16 @@ STREAM_START_TIMEOUT_S = 600.0
 
 
 class TransferEndpoint:
-    def __init__(self, kv_cache: torch.Tensor, spec: KVSpec, host: str, timeout_s: float, kv_heads: tuple[int, int] | None) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, spec: KVSpec, host: str, timeout_s: float, kv_heads: tuple[int, int] | None,
+        layers: tuple[int, int] | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.spec = spec
-        # The model's KV heads this cache holds (a tensor-parallel rank holds a range of them).
+        # The model's KV heads and layers this cache holds (a tensor-parallel rank holds a range
+        # of the heads, a pipeline stage a range of the layers).
         self.kv_heads = kv_heads or (0, kv_cache.shape[2])
+        self.layers = layers or (0, kv_cache.shape[0])
         self.host = host
         self.timeout_s = timeout_s
         self.use_cuda = kv_cache.is_cuda
@@ -90,14 +95,22 @@ class TransferEndpoint:
         """Where the model's KV ``heads`` lie in this cache."""
         return slice(heads[0] - self.kv_heads[0], heads[1] - self.kv_heads[0])
 
-    def buffers(self, num_blocks: int, num_heads: int) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
-        """The layer runs of a transfer (of ``num_heads`` KV heads) and, for each, a view of one
-        of two buffers in turn: run i+1 is on its way while run i is handled. Runs are equal but
-        for a shorter last one."""
-        runs = layer_runs(self.kv_cache, num_blocks, num_heads)
+    def runs(self, num_blocks: int, heads: tuple[int, int], layers: tuple[int, int]) -> tuple[list[tuple[int, int]], int]:
+        """The layer runs of a transfer of the model's ``layers`` (of its KV ``heads``), counted
+        from its first layer, and where that layer lies in this cache."""
+        return layer_runs(self.kv_cache, num_blocks, heads[1] - heads[0], layers[1] - layers[0]), layers[0] - self.layers[0]
+
+    def held(self, heads: tuple[int, int], layers: tuple[int, int]) -> bool:
+        """Whether this cache holds all of those heads of those layers."""
+        return self.kv_heads[0] <= heads[0] < heads[1] <= self.kv_heads[1] and self.layers[0] <= layers[0] < layers[1] <= self.layers[1]
+
+    def buffers(self, runs: list[tuple[int, int]], num_blocks: int, num_heads: int) -> list[torch.Tensor]:
+        """For each of a transfer's layer ``runs`` (of ``num_heads`` KV heads), a view of one of
+        two buffers in turn: run i+1 is on its way while run i is handled. Runs are equal but for
+        a shorter last one."""
         shape = packed_shape(self.kv_cache, *runs[0], num_blocks, num_heads)
         buffers = [torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device) for _ in range(2)]
-        return runs, [buffers[index % 2][: end - start] for index, (start, end) in enumerate(runs)]
+        return [buffers[index % 2][: end - start] for index, (start, end) in enumerate(runs)]
 
     def close(self) -> None:
         """Stop the threads (each notices at once unless it is mid-transfer)."""

@@ -6,9 +6,10 @@ One listener thread reads the channel in order and hands each transfer to its pa
 known in advance). Transfers are matched to expectations by id, in whatever order they come;
 an announcement may even come before its expectation (the engine tells its workers between
 two steps), and waits for it. One whose request went away (cancelled, timed out) is drained
-into scratch buffers. A transfer may come in parts, each a range of the model's KV heads from
-another sender (tensor-parallel ranks on the prefill side): it ends once its parts cover the
-heads this cache holds, or one failed and none is still coming in.
+into scratch buffers. A transfer may come in parts, each a range of the model's KV heads and
+layers from another sender (tensor-parallel ranks, pipeline stages on the prefill side): it ends
+once its parts cover the heads and layers this cache holds, or one failed and none is still
+coming in.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class _Expected:
     block_ids: list[int]
     deadline: float  # for its (next) part to be announced
     cancelled: bool = False
-    num_heads_in: int = 0  # KV heads received so far
+    num_cells_in: int = 0  # (KV head, layer) pairs received so far
     parts_active: int = 0
     error: str | None = None
     first_token_id: int | None = None
@@ -60,15 +61,16 @@ class _Expected:
 
 
 class KVReceiver(TransferEndpoint):
-    """``kv_heads``: the range of the model's KV heads this cache holds (None: all of them)."""
+    """``kv_heads``, ``layers``: the ranges of the model's KV heads and layers this cache holds
+    (None: all of them)."""
 
     def __init__(
         self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0,
-        kv_heads: tuple[int, int] | None = None,
+        kv_heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(kv_cache, spec, host, timeout_s, kv_heads)
+        super().__init__(kv_cache, spec, host, timeout_s, kv_heads, layers)
         self.store = host_store(host, 0, timeout_s)
-        self.endpoint = KVEndpoint(host, self.store.port, self.kv_heads)
+        self.endpoint = KVEndpoint(host, self.store.port, self.kv_heads, self.layers)
         self._expected: dict[int, _Expected] = {}  # not announced yet
         self._active: dict[int, _Expected] = {}  # being received
         self._cancelled: dict[int, float] = {}  # cancelled before any announcement: when
@@ -133,7 +135,8 @@ class KVReceiver(TransferEndpoint):
                 return
             kind = message[0]
             if kind == "send":
-                self._inbox(message[1]).put((int(message[2]), int(message[3]), (int(message[4]), int(message[5]))))
+                heads, layers = (int(message[4]), int(message[5])), (int(message[6]), int(message[7]))
+                self._inbox(message[1]).put((int(message[2]), int(message[3]), heads, layers))
             elif kind == "cancel":
                 self._sender_gave_up(int(message[1]), aborted=message[2] == "aborted")
             elif kind == "close":
@@ -173,12 +176,12 @@ class KVReceiver(TransferEndpoint):
                 continue
             if announced is None:
                 return
-            transfer_id, num_blocks, heads = announced
+            transfer_id, num_blocks, heads, layers = announced
             job = self._claim(transfer_id)
             try:
                 if group is None:
                     group = self.group(client, pair_key, RECEIVER_RANK)
-                self._receive(group, transfer_id, num_blocks, heads, job)
+                self._receive(group, transfer_id, num_blocks, heads, layers, job)
             except Exception as error:  # the pair is broken: its transfers fail, the replica goes on
                 if not self.closed.is_set():
                     logger.warning("KV transfer pair %s broke: %s", pair_key, error)
@@ -211,34 +214,41 @@ class KVReceiver(TransferEndpoint):
                 job.parts_active += 1
             return job
 
-    def _receive(self, group, transfer_id: int, num_blocks: int, heads: tuple[int, int], job: _Expected | None) -> None:
-        if not 0 < num_blocks <= self.kv_cache.shape[3] or not 0 <= heads[0] < heads[1] <= self.spec.num_kv_heads:
-            raise RuntimeError(f"transfer {transfer_id} announced with {num_blocks} blocks of KV heads {heads}")
+    def _receive(
+        self, group, transfer_id: int, num_blocks: int, heads: tuple[int, int], layers: tuple[int, int], job: _Expected | None
+    ) -> None:
+        spec = self.spec
+        if (
+            not 0 < num_blocks <= self.kv_cache.shape[3] or not 0 <= heads[0] < heads[1] <= spec.num_kv_heads
+            or not 0 <= layers[0] < layers[1] <= spec.num_layers
+        ):
+            raise RuntimeError(f"transfer {transfer_id} announced with {num_blocks} blocks of KV heads {heads} of layers {layers}")
         mismatch = None
         if job is not None and len(job.block_ids) != num_blocks:
             mismatch = f"announced with {num_blocks} blocks, expected {len(job.block_ids)}"
-        elif not self.kv_heads[0] <= heads[0] < heads[1] <= self.kv_heads[1]:
-            mismatch = f"announced with KV heads {heads}, this worker holds {self.kv_heads}"
-        runs, received = self.buffers(num_blocks, heads[1] - heads[0])
+        elif not self.held(heads, layers):
+            mismatch = f"announced with KV heads {heads} of layers {layers}, this worker holds {self.kv_heads} of {self.layers}"
+        runs, here = self.runs(num_blocks, heads, layers)
+        received = self.buffers(runs, num_blocks, heads[1] - heads[0])
         checksums = []
         work = group.recv(received[0], FIRST_LAYER_TAG)
-        for index, (start_layer, end) in enumerate(runs):
-            self.wait(work, f"layers {start_layer}-{end - 1} of transfer {transfer_id}")
+        for index, (start, end) in enumerate(runs):
+            self.wait(work, f"layers {layers[0] + start}-{layers[0] + end - 1} of transfer {transfer_id}")
             checksums.append(checksum(received[index]))
             if index + 1 < len(runs):
                 work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
             if job is not None and mismatch is None:
-                unpack_layers(self.kv_cache, start_layer, end, job.block_ids, received[index], self.local_heads(heads))
+                unpack_layers(self.kv_cache, here + start, here + end, job.block_ids, received[index], self.local_heads(heads))
         trailer = torch.zeros(3 + len(runs), dtype=torch.int64, device=self.kv_cache.device)  # NCCL moves GPU tensors only
         self.wait(group.recv(trailer, TRAILER_TAG), f"trailer of transfer {transfer_id}")
-        corruption = _corrupted(runs, checksums, trailer[3:].tolist())
+        corruption = _corrupted(layers[0], runs, checksums, trailer[3:].tolist())
         mismatch = mismatch or corruption
         with self._lock:  # from here a cancel no longer reaches this part: it ends now
             accepted = job is not None and mismatch is None and not job.cancelled and job.error is None and bool(trailer[1])
             if job is not None:
                 job.parts_active -= 1
                 if accepted:
-                    job.num_heads_in += heads[1] - heads[0]
+                    job.num_cells_in += (heads[1] - heads[0]) * (layers[1] - layers[0])
                     job.num_bytes += sum(buffer.numel() * buffer.element_size() for buffer in received)
                     if int(trailer[2]) != NO_TOKEN:
                         job.first_token_id = int(trailer[2])
@@ -255,10 +265,11 @@ class KVReceiver(TransferEndpoint):
             self.report(self._result(job))
 
     def _finished(self, job: _Expected) -> bool:
-        """Under the lock: whether ``job`` has ended (every head in, or a part failed or the
-        request went away, with no part still coming in); if so it leaves the active ones, and
-        later parts of a failed one are drained. Otherwise its next part has a deadline."""
-        complete = job.num_heads_in == self.kv_heads[1] - self.kv_heads[0]
+        """Under the lock: whether ``job`` has ended (every head of every layer in, or a part
+        failed or the request went away, with no part still coming in); if so it leaves the
+        active ones, and later parts of a failed one are drained. Otherwise its next part has a
+        deadline."""
+        complete = job.num_cells_in == (self.kv_heads[1] - self.kv_heads[0]) * (self.layers[1] - self.layers[0])
         if job.parts_active or not (complete or job.cancelled or job.error):
             job.deadline = time.monotonic() + self.timeout_s
             return False
@@ -274,10 +285,10 @@ class KVReceiver(TransferEndpoint):
         return KVTransferResult(job.transfer_id, False, error=job.error or "cancelled", cancelled=job.cancelled)
 
 
-def _corrupted(runs: list[tuple[int, int]], received: list[int], sent: list[int]) -> str | None:
+def _corrupted(first_layer: int, runs: list[tuple[int, int]], received: list[int], sent: list[int]) -> str | None:
     """Why the KV cannot be used if a run's bytes differ from what the sender summed (the
     blocks it was written to are then freed unused: the request is recomputed or fails)."""
-    for (start_layer, end), got, expected in zip(runs, received, sent):
+    for (start, end), got, expected in zip(runs, received, sent):
         if got != expected:
-            return f"the KV of layers {start_layer}-{end - 1} arrived corrupted (checksum {got}, sent {expected})"
+            return f"the KV of layers {first_layer + start}-{first_layer + end - 1} arrived corrupted (checksum {got}, sent {expected})"
     return None

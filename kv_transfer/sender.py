@@ -2,9 +2,9 @@
 
 One pair per receiver endpoint, with a thread that picks whichever of its transfers has its
 first run of layers computed (a long prompt queued first does not hold up a short one), then
-announces it on the receiver's channel, with the range of the model's KV heads it carries, and
-sends it whole. A transfer may go in parts, a range of heads to each of several receivers
-(tensor-parallel ranks): each part is reported on its own. A pair that broke fails the
+announces it on the receiver's channel, with the ranges of the model's KV heads and layers it
+carries, and sends it whole. A transfer may go in parts, a range of heads and layers to each of
+several receivers (tensor-parallel ranks, pipeline stages): each part is reported on its own. A pair that broke fails the
 transfer under way; the others move, once, to a new pair (a new key, a new group).
 """
 
@@ -31,7 +31,7 @@ from duet.kv_transfer.faults import TransferFaults, checksum
 from duet.kv_transfer.group import SENDER_RANK, connect_store
 from duet.kv_transfer.progress import LayerProgress, TransferCancelled
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import layer_runs, pack_layers
+from duet.kv_transfer.wire import pack_layers
 from duet.messages import KVEndpoint
 from duet.outputs import KVTransferResult
 
@@ -45,18 +45,21 @@ class _Send:
     progress: LayerProgress
     deadline: float  # to have the first run of layers computed
     heads: tuple[int, int]  # the model's KV heads it carries
+    layers: tuple[int, int]  # and the model's layers
+    ready_at: int = 1  # how many of this cache's layers must be computed before it can start
     endpoint: KVEndpoint | None = None
     moved: bool = False  # already moved off a pair that broke
 
 
 class KVSender(TransferEndpoint):
-    """``kv_heads``: the range of the model's KV heads this cache holds (None: all of them)."""
+    """``kv_heads``, ``layers``: the ranges of the model's KV heads and layers this cache holds
+    (None: all of them)."""
 
     def __init__(
         self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0, name: str = "prefill",
-        kv_heads: tuple[int, int] | None = None,
+        kv_heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None,
     ):
-        super().__init__(kv_cache, spec, host, timeout_s, kv_heads)
+        super().__init__(kv_cache, spec, host, timeout_s, kv_heads, layers)
         self.name = name
         self._pairs: dict[KVEndpoint, _SenderPair] = {}
         self._generation: dict[KVEndpoint, int] = {}
@@ -65,15 +68,18 @@ class KVSender(TransferEndpoint):
 
     def send(
         self, transfer_id: int, endpoint: KVEndpoint, progress: LayerProgress, num_blocks: int, timeout_s: float | None = None,
-        heads: tuple[int, int] | None = None,
+        heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None,
     ) -> None:
-        """Ship ``num_blocks`` blocks of a request (of the model's KV ``heads``, default all this
-        cache holds), each run of layers once ``progress`` has it computed, and its first token
-        after them. Gives up (and tells the receiver) if the first run is not computed within
-        ``timeout_s`` (default: the endpoint's)."""
+        """Ship ``num_blocks`` blocks of a request (of the model's KV ``heads`` and ``layers``,
+        default all this cache holds), each run of layers once ``progress`` (which counts this
+        cache's layers) has it computed, and its first token after them. Gives up (and tells
+        the receiver) if the first run is not computed within ``timeout_s`` (default: the
+        endpoint's)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         progress.on_change = self._wake_pairs
-        self._queue(_Send(transfer_id, num_blocks, progress, deadline, heads or self.kv_heads), endpoint)
+        layers = layers or self.layers
+        job = _Send(transfer_id, num_blocks, progress, deadline, heads or self.kv_heads, layers, layers[0] - self.layers[0] + 1)
+        self._queue(job, endpoint)
 
     def _queue(self, job: _Send, endpoint: KVEndpoint) -> None:
         job.endpoint = endpoint
@@ -133,7 +139,7 @@ class _SenderPair:
                     owner.done(job, KVTransferResult(job.transfer_id, False, error=give_up, cancelled=aborted))
                     continue
                 self.active = job
-                channel.post("send", self.pair_key, job.transfer_id, job.num_blocks, *job.heads)
+                channel.post("send", self.pair_key, job.transfer_id, job.num_blocks, *job.heads, *job.layers)
                 if group is None:
                     group = owner.group(client, self.pair_key, SENDER_RANK)
                 self._send(group, job)
@@ -152,9 +158,9 @@ class _SenderPair:
                 give_up = None
                 if job.progress.cancelled:
                     give_up = "cancelled"
-                elif job.deadline <= now and not job.progress.ready(1):
+                elif job.deadline <= now and not job.progress.ready(job.ready_at):
                     give_up = "its first layers were not computed in time"
-                if give_up is not None or job.progress.ready(1):
+                if give_up is not None or job.progress.ready(job.ready_at):
                     self.jobs.remove(job)
                     self.idle_since = now
                     return job, give_up
@@ -167,28 +173,28 @@ class _SenderPair:
 
     def _send(self, group, job: _Send) -> None:
         owner = self.owner
-        start = time.monotonic()
+        began = time.monotonic()
         heads = owner.local_heads(job.heads)
-        runs = layer_runs(owner.kv_cache, job.num_blocks, heads.stop - heads.start)
+        runs, here = owner.runs(job.num_blocks, job.heads, job.layers)
         valid, reason = True, None
-        block_ids = job.progress.wait_for(runs[0][1], owner.timeout_s)
+        block_ids = job.progress.wait_for(here + runs[0][1], owner.timeout_s)
         num_bytes = 0
         checksums = []
         faults = owner.faults
         in_flight = None  # (work, buffer): one run on the wire while the next is packed
-        for index, (start_layer, end) in enumerate(runs):
+        for index, (start, end) in enumerate(runs):
             if valid:
                 try:
-                    block_ids = job.progress.wait_for(end, owner.timeout_s)
+                    block_ids = job.progress.wait_for(here + end, owner.timeout_s)
                 except (TransferCancelled, TimeoutError) as error:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
-            packed = pack_layers(owner.kv_cache, start_layer, end, block_ids, heads)
+            packed = pack_layers(owner.kv_cache, here + start, here + end, block_ids, heads)
             checksums.append(checksum(packed))
             if faults is not None and index == 0:
                 faults.corrupt(packed)
             work = group.send(packed, FIRST_LAYER_TAG + index)
             if in_flight is not None:
-                owner.wait(in_flight[0], f"layers before {start_layer} of transfer {job.transfer_id}")
+                owner.wait(in_flight[0], f"layers before {job.layers[0] + start} of transfer {job.transfer_id}")
             in_flight = (work, packed)
             num_bytes += packed.numel() * packed.element_size()
             if faults is not None and index == 0:
@@ -211,7 +217,7 @@ class _SenderPair:
         if int(ack[0]) != job.transfer_id:
             raise RuntimeError(f"transfer {job.transfer_id} acknowledged as {int(ack[0])}")
         if valid and int(ack[1]) == ACK_ACCEPTED:
-            owner.done(job, KVTransferResult(job.transfer_id, True, num_bytes=num_bytes, seconds=time.monotonic() - start))
+            owner.done(job, KVTransferResult(job.transfer_id, True, num_bytes=num_bytes, seconds=time.monotonic() - began))
         elif int(ack[1]) == ACK_CORRUPTED:
             owner.done(job, KVTransferResult(job.transfer_id, False, error="the decode replica received it corrupted"))
         elif valid:
@@ -236,4 +242,4 @@ class _SenderPair:
                 owner._queue(job, self.endpoint)
 
 
-_RETIRE = _Send(-1, 0, LayerProgress(0), 0.0, (0, 0))  # what ``_next_job`` returns to end an idle pair's thread
+_RETIRE = _Send(-1, 0, LayerProgress(0), 0.0, (0, 0), (0, 0))  # what ``_next_job`` returns to end an idle pair's thread

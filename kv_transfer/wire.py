@@ -3,10 +3,11 @@
 The cache is ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``. The
 sender gathers the request's blocks of layers ``start:end`` and of a range of its KV heads
 into ``[end - start, 2, heads, n, block_size, head_dim]`` and the receiver scatters that into
-its own (different) block ids and its own place of those heads (tensor-parallel ranks hold
-different heads on each side). A partial last block travels whole: positions past the request's
-length are never read. Layers travel in runs of about ``TARGET_MESSAGE_BYTES``: one
-message per layer costs gloo ~1 ms each, which dominated small prompts.
+its own (different) block ids and its own place of those layers and heads (tensor-parallel
+ranks hold different heads, pipeline stages different layers, on each side). A partial last
+block travels whole: positions past the request's length are never read. Layers travel in runs
+of about ``TARGET_MESSAGE_BYTES``: one message per layer costs gloo ~1 ms each, which dominated
+small prompts.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import torch
 TARGET_MESSAGE_BYTES = 8 << 20
 
 
-def layer_runs(kv_cache: torch.Tensor, num_blocks: int, num_heads: int | None = None) -> list[tuple[int, int]]:
-    """``(start, end)`` layer ranges, one per message; both sides compute the same ones."""
-    num_layers = kv_cache.shape[0]
+def layer_runs(
+    kv_cache: torch.Tensor, num_blocks: int, num_heads: int | None = None, num_layers: int | None = None
+) -> list[tuple[int, int]]:
+    """``(start, end)`` ranges of a transfer's ``num_layers`` layers (default: the cache's),
+    counted from its first, one per message; both sides compute the same ones."""
+    num_layers = num_layers or kv_cache.shape[0]
     layer_bytes = 2 * (num_heads or kv_cache.shape[2]) * num_blocks * kv_cache.shape[4] * kv_cache.shape[5] * kv_cache.element_size()
     per_message = max(1, min(num_layers, TARGET_MESSAGE_BYTES // max(layer_bytes, 1)))
     return [(start, min(start + per_message, num_layers)) for start in range(0, num_layers, per_message)]

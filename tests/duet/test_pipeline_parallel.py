@@ -4,12 +4,15 @@ micro-batches in flight), against transformers and one process."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
 
 from duet import LLM, SamplingParams
 from duet.config import ConfigError, EngineArgs
+from duet.engine import LLMEngine
+from duet.messages import EngineRequest
 from duet.models.pipeline_parallel import stage_layers
 from tests.conftest import make_tiny_llama
 from tests.duet.schemas import SMALL_SCHEMA, small_schema_greedy
@@ -26,7 +29,7 @@ def test_stages_take_near_equal_runs_of_layers():
 
 
 def test_what_pipeline_parallelism_does_not_combine_with_yet_is_refused():
-    with pytest.raises(ConfigError, match="pipeline parallelism with speculative_config, kv_transfer_config is not built yet"):
+    with pytest.raises(ConfigError, match="pipeline parallelism with speculative_config is not built yet"):
         EngineArgs(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, kv_transfer_config={})
 
 
@@ -96,3 +99,44 @@ def test_smollm2_at_pp2_matches_transformers(ray_cluster, smollm2_dir, parity_pr
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
+
+
+def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params, timeout_s: float = 300) -> list[list[int]]:
+    """Each prompt prefilled by ``prefill`` and decoded by ``decode``, both stepped here in turn
+    (their workers move the KV on threads of their own), as the router drives two replicas."""
+    ids = [f"r{index}" for index in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        destination = decode.add_request(EngineRequest(request_id, prompt, params, kv_receive=True))
+        prefill.add_request(EngineRequest(request_id, prompt, params, kv_send=destination))
+    first, rest = {request_id: [] for request_id in ids}, {request_id: [] for request_id in ids}
+    deadline = time.monotonic() + timeout_s
+    while (prefill.has_unfinished_requests() or decode.has_unfinished_requests()) and time.monotonic() < deadline:
+        for engine, tokens in ((prefill, first), (decode, rest)):
+            for delta in engine.step():
+                assert delta.error is None and not delta.kv_lost, delta
+                tokens[delta.request_id] += delta.token_ids
+    assert not (prefill.has_unfinished_requests() or decode.has_unfinished_requests()), "unfinished after the deadline"
+    for engine in (prefill, decode):
+        engine.check_integrity()
+    return [first[request_id] + rest[request_id] for request_id in ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
+def test_pd_between_pipeline_stages_and_one_worker_gives_the_single_process_tokens(ray_cluster, tmp_path, smollm2_dir, layout):
+    """A prompt's KV leaves each prefill stage with its own layers (3 layers split 1 + 2) for a
+    decode worker that holds them all, or one decode worker's KV splits over the stages that
+    hold each layer; the first token travels with it. Tokens as one process gives them."""
+    model_dir = make_tiny_llama(tmp_path, smollm2_dir, num_hidden_layers=3)
+    settings = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    expected = [output.outputs[0].token_ids for output in LLM(**settings).generate(PROMPTS, _greedy())]
+    engines = [
+        LLMEngine(EngineArgs(**settings, pipeline_parallel_size=size, kv_transfer_config={"name": name, "timeout_s": 30.0}))
+        for size, name in zip(layout, ("prefill", "decode"))
+    ]
+    try:
+        assert _disaggregated(*engines, PROMPTS, _greedy()) == expected
+        assert engines[0].scheduler.kv_connector.counters.transfers == len(PROMPTS)
+    finally:
+        for engine in engines:
+            engine.close()

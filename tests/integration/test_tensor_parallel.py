@@ -1,6 +1,6 @@
-"""Tensor-parallel pools over HTTP: each replica and its TP=2 workers in one placement group,
-prompt KV sent from the ranks that hold each KV head to those that need it, whatever the two
-pools' layouts; tokens as one process gives them."""
+"""Tensor- and pipeline-parallel pools over HTTP: each replica and its two workers in one
+placement group, prompt KV sent from the ranks that hold each KV head of each layer to those
+that need it, whatever the two pools' layouts; tokens as one process gives them."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 TP1 = {"ray_actor_options": {"num_cpus": 0.05}, "engine": {"num_threads": 1}}
 TP2 = {"ray_actor_options": {"num_cpus": 0.01}, "worker_num_cpus": 0.05, "engine": {"tensor_parallel_size": 2, "num_threads": 1}}
-LAYOUTS = {"tp2-to-tp2": (TP2, TP2), "tp2-to-tp1": (TP2, TP1), "tp1-to-tp2": (TP1, TP2)}
+PP2 = {"ray_actor_options": {"num_cpus": 0.01}, "worker_num_cpus": 0.05, "engine": {"pipeline_parallel_size": 2, "num_threads": 1}}
+LAYOUTS = {"tp2-to-tp2": (TP2, TP2), "tp2-to-tp1": (TP2, TP1), "tp1-to-tp2": (TP1, TP2), "pp2-to-tp2": (PP2, TP2)}
 
 
 def _app(prefill: dict, decode: dict) -> dict:
@@ -48,7 +49,8 @@ def _complete_all(url: str, prompts: list[list[int]], model: str = "tiny") -> li
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(cluster, tiny_offline, deploy, ray_driver, layout):
     """Guards the KV heads' way across the transfer: each of the tiny model's 2 KV heads on its
-    own rank, sent rank to rank, gathered from two ranks into one, or split from one into two."""
+    own rank, sent rank to rank, gathered from two ranks into one, or split from one into two;
+    and from two pipeline stages, each with its layers, to the two ranks of each head."""
     prefill, decode = LAYOUTS[layout]
     url = deploy(layout, _app(prefill, decode))
     rng = random.Random(5)
@@ -61,7 +63,7 @@ def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(clust
         group for group in ray_driver.util.placement_group_table().values()
         if group["state"] == "CREATED" and [bundle.get("CPU") for bundle in group["bundles"].values()] == [0.01, 0.05, 0.05]
     ]
-    assert len(groups) == (prefill is TP2) + (decode is TP2), groups
+    assert len(groups) == (prefill is not TP1) + (decode is not TP1), groups
     assert settled(cluster, url)["ok"]
 
 

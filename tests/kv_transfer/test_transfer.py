@@ -35,9 +35,12 @@ def _crash_mid_transfer(pair, group, job) -> None:
     os._exit(1)
 
 
-def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None, dtype: str) -> None:
-    """A KVSender driven by commands from the test:
-    ("send", id, blocks, endpoint) ships ready blocks (first token: the id); ("stream", id,
+def _sender_process(
+    conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None, dtype: str, layers: tuple[int, int] | None
+) -> None:
+    """A KVSender driven by commands from the test (holding ``layers`` of the model, if given:
+    those of the whole cache ``shape``):
+    ("send", id, blocks, endpoint[, layers]) ships ready blocks (first token: the id); ("stream", id,
     num_blocks, endpoint) queues a transfer whose layers come later with ("mark", id, layers, blocks);
     ("cancel", id); ("await_start", id) answers once that transfer is under way; ("results",
     count) answers with the first ``count`` results. ``faults``: its ``DUET_KV_FAULTS``."""
@@ -55,13 +58,18 @@ def _sender_process(conn, spec_dict, shape, crash: bool, message_bytes: int | No
         import duet.kv_transfer.wire as wire
 
         wire.TARGET_MESSAGE_BYTES = message_bytes
-    sender = KVSender(_sender_cache(shape, dtype), KVSpec.from_dict(spec_dict), timeout_s=5)
+    cache = _sender_cache(shape, dtype)
+    if layers is not None:
+        cache = cache[layers[0] : layers[1]].clone()
+    name = "prefill" if layers is None else f"prefill.stage{layers[0]}"  # a pair's key names its sender
+    sender = KVSender(cache, KVSpec.from_dict(spec_dict), timeout_s=5, name=name, layers=layers)
     progress: dict[int, LayerProgress] = {}
     while True:
         command, *args = conn.recv()
         if command == "send":
-            transfer_id, block_ids, endpoint = args
-            sender.send(transfer_id, endpoint, LayerProgress.complete(shape[0], block_ids, transfer_id), len(block_ids))
+            transfer_id, block_ids, endpoint, *part = args
+            complete = LayerProgress.complete(cache.shape[0], block_ids, transfer_id)
+            sender.send(transfer_id, endpoint, complete, len(block_ids), layers=part[0] if part else None)
         elif command == "stream":
             transfer_id, num_blocks, endpoint = args
             progress[transfer_id] = LayerProgress(shape[0])
@@ -94,10 +102,10 @@ def start_sender():
 
     def start(
         spec: KVSpec = SPEC, shape=SHAPE, crash: bool = False, message_bytes: int | None = None, faults: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "float32", layers: tuple[int, int] | None = None,
     ):
         parent, child = mp.get_context("spawn").Pipe()
-        args = (child, spec.to_dict(), shape, crash, message_bytes, faults, dtype)
+        args = (child, spec.to_dict(), shape, crash, message_bytes, faults, dtype, layers)
         process = mp.get_context("spawn").Process(target=_sender_process, args=args)
         process.start()
         processes.append(process)
@@ -420,6 +428,42 @@ def test_a_transfer_that_stalls_or_drops_mid_way_fails_alone_and_the_rest_go_ove
     assert sender_results == {1: False, 2: True, 3: True}
     _assert_arrived(receiver, [8], [4])
     _assert_arrived(other, [9], [5])
+
+
+def test_pipeline_stages_cut_differently_on_each_side_send_each_layer_where_it_is_held(start_sender):
+    """A prefill of two stages (layer 0; layers 1-2) into a decode of two (layers 0-1; layer 2):
+    each part goes straight from the stage that has the layers to the one that holds them, the
+    receiver of layers 0-1 completes once both its parts are in, and each part lands at its
+    place in the stage's own (smaller) cache."""
+    source = _sender_cache()
+    caches = [torch.zeros((2, *SHAPE[1:])), torch.zeros((1, *SHAPE[1:]))]
+    receivers = [KVReceiver(caches[0], SPEC, timeout_s=5, layers=(0, 2)), KVReceiver(caches[1], SPEC, timeout_s=5, layers=(2, 3))]
+    assert [receiver.endpoint.layers for receiver in receivers] == [(0, 2), (2, 3)]
+    try:
+        first, second = start_sender(layers=(0, 1)), start_sender(layers=(1, 3))
+        for receiver in receivers:
+            receiver.expect(7, [4, 9])
+        first.send(("send", 7, [3, 5], receivers[0].endpoint))  # layer 0
+        second.send(("send", 7, [3, 5], receivers[0].endpoint, (1, 2)))
+        second.send(("send", 7, [3, 5], receivers[1].endpoint, (2, 3)))
+        assert [_wait_results(receiver, 1) for receiver in receivers] == [{7: (True, None)}] * 2
+        first.send(("results", 1))
+        second.send(("results", 2))
+        assert first.recv() == [(7, True, None)] and second.recv() == [(7, True, None)] * 2
+    finally:
+        for receiver in receivers:
+            receiver.close()
+    for src, dst in ((3, 4), (5, 9)):
+        assert torch.equal(caches[0][:, :, :, dst], source[0:2, :, :, src])
+        assert torch.equal(caches[1][:, :, :, dst], source[2:3, :, :, src])
+
+
+def test_a_part_of_layers_the_receiver_does_not_hold_is_refused():
+    receiver = KVReceiver(torch.zeros((1, *SHAPE[1:])), SPEC, timeout_s=5, layers=(2, 3))
+    try:
+        assert receiver.held((0, 2), (2, 3)) and not receiver.held((0, 2), (1, 3)) and not receiver.held((0, 3), (2, 3))
+    finally:
+        receiver.close()
 
 
 def test_endpoint_is_small_and_picklable():
