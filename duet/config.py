@@ -261,8 +261,12 @@ class EngineArgs:
                 "a worker per rank: use distributed_executor_backend='ray' (or leave it unset)"
             )
         if self.pipeline_parallel_size > 1:
-            if self.speculative_config is not None:
-                raise ConfigError("pipeline parallelism with speculative_config is not built yet")
+            speculative = self.speculative()
+            if speculative is not None and speculative.method != "ngram":
+                raise ConfigError(
+                    f"pipeline parallelism with speculative_config.method={speculative.method!r} is not built yet (its draft "
+                    "would run beside the stages); use method 'ngram'"
+                )
         resolve_kv_cache_dtype(self.kv_cache_dtype, resolve_dtype(self.dtype, self.device))
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r} is not supported; use one of {QUANTIZATIONS}")

@@ -157,22 +157,37 @@ class ModelRunner:
             batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done,
         )
         sampled, logprobs = self._sample(logits, row_owners, spec_token_ids, masks)
-        if self.spec is not None:
-            # Sampling returned host lists, so the device work is done and the time is real.
-            self.spec.step_cost.observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
+        self._advance(scheduler_output, sampled)
+        return self._output(request_ids, sampled, logprobs, self._propose(scheduler_output, sampled, started))
+
+    def _advance(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Count the step's tokens as computed, but for the drafts verification rejected."""
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[request_id]
             num_rejected = 0
             drafts = scheduler_output.scheduled_spec_token_ids.get(request_id)
             if drafts:
-                num_rejected = len(drafts) + 1 - len(sampled[request_id])
+                num_rejected = len(drafts) + 1 - len(sampled.get(request_id, []))
             state.num_computed_tokens += num_tokens - num_rejected
-        draft_token_ids = {}
-        if self.spec is not None and sampled:
-            states = [self.requests[request_id] for request_id in sampled]
-            draft_token_ids = self.spec.propose(states, len(request_ids))
-            if self.grammar is not None:
-                draft_token_ids = self._allowed_drafts(draft_token_ids)
+
+    def _propose(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]], started: float) -> dict[str, list[int]]:
+        """The drafts for the next step (none without speculation), and the step's cost for the
+        policy that sizes them (the step began at ``started``)."""
+        if self.spec is None:
+            return {}
+        # Sampling returned host lists, so the device work is done and the time is real.
+        self.spec.step_cost.observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started)
+        if not sampled:
+            return {}
+        states = [self.requests[request_id] for request_id in sampled]
+        draft_token_ids = self.spec.propose(states, len(scheduler_output.num_scheduled_tokens))
+        if self.grammar is not None:
+            draft_token_ids = self._allowed_drafts(draft_token_ids)
+        return draft_token_ids
+
+    def _output(
+        self, request_ids: list[str], sampled: dict[str, list[int]], logprobs: dict, draft_token_ids: dict[str, list[int]]
+    ) -> RunnerOutput:
         errors = self.grammar.take_failures() if self.grammar is not None else {}
         return RunnerOutput(
             request_ids=request_ids,

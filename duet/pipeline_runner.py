@@ -1,11 +1,14 @@
 """A pipeline stage's runner (one rank of it, with tensor parallelism inside the stage): the
 step's requests go through the stages in micro-batches, so that while stage s computes
-micro-batch m, stage s - 1 computes m + 1; the last stage samples and every rank learns the
-tokens. Each rank keeps the same per-request state as a whole runner (its own copy, updated
-from the same ``SchedulerOutput``s and the shared tokens). A prompt's KV leaves each stage (for
-another replica) once the stage has run all its micro-batches."""
+micro-batch m, stage s - 1 computes m + 1; the last stage samples (verifying drafts, with
+n-gram speculation) and every rank learns the tokens. Each rank keeps the same per-request
+state as a whole runner (its own copy, updated from the same ``SchedulerOutput``s and the
+shared tokens); the last stage proposes the next step's drafts. A prompt's KV leaves each
+stage (for another replica) once the stage has run all its micro-batches."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -27,12 +30,14 @@ class PipelineRunner(ModelRunner):
         request_ids = list(scheduler_output.num_scheduled_tokens)
         if not request_ids:
             return RunnerOutput([], [])
+        started = time.perf_counter()
         num_parts, num_requests = min(self.group.num_stages, len(request_ids)), len(request_ids)
         parts = [request_ids[index * num_requests // num_parts : (index + 1) * num_requests // num_parts] for index in range(num_parts)]
         prepared = [self._prepare_inputs(scheduler_output, part) for part in parts]
         row_owners = [owner for _, _, owners in prepared for owner in owners]
+        spec_token_ids = scheduler_output.scheduled_spec_token_ids
         # The last stage samples: its masks fill beside its forward passes (on a GPU).
-        masks = self._start_masks(row_owners, {}) if self.stage.last else None
+        masks = self._start_masks(row_owners, spec_token_ids) if self.stage.last else None
         logits, sends = [], []
         for index, (batch, logits_rows, _) in enumerate(prepared):
             received = None
@@ -49,22 +54,31 @@ class PipelineRunner(ModelRunner):
                 on_layer_done(layer)
         for work, _ in sends:
             self.group.wait(work)
-        token_ids = torch.empty(len(row_owners), dtype=torch.long)
         sampled, logprobs = {}, {}
         if self.stage.last and row_owners:
-            sampled, logprobs = self._sample(torch.cat(logits), row_owners, {}, masks)
-            token_ids = torch.tensor([sampled[owner][0] for owner in row_owners], dtype=torch.long)
+            sampled, logprobs = self._sample(torch.cat(logits), row_owners, spec_token_ids, masks)
         if row_owners:
-            self.group.broadcast_from_last(token_ids)
-        if not self.stage.last:
-            sampled = {owner: [token] for owner, token in zip(row_owners, token_ids.tolist())}
-            for request_id, tokens in sampled.items():
-                self.requests[request_id].output_token_ids.extend(tokens)
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
-        return RunnerOutput(
-            request_ids=request_ids,
-            sampled_token_ids=[sampled.get(request_id, []) for request_id in request_ids],
-            logprobs=[logprobs.get(request_id, []) for request_id in request_ids] if logprobs else None,
-            errors=self.grammar.take_failures() if self.grammar is not None else {},
-        )
+            sampled = self._share(sampled, list(dict.fromkeys(row_owners)), len(row_owners))
+        self._advance(scheduler_output, sampled)
+        drafts = self._propose(scheduler_output, sampled, started) if self.stage.last else {}
+        return self._output(request_ids, sampled, logprobs, drafts)
+
+    def _share(self, sampled: dict[str, list[int]], owners: list[str], num_rows: int) -> dict[str, list[int]]:
+        """The last stage's tokens on every rank (at most one per logits row of each of
+        ``owners``): how many each request took, then the tokens, in one broadcast."""
+        shared = torch.zeros(len(owners) + num_rows, dtype=torch.long, device=self.device)  # NCCL moves device tensors
+        if self.stage.last:
+            tokens = [token for owner in owners for token in sampled.get(owner, [])]
+            shared[: len(owners)] = torch.tensor([len(sampled.get(owner, [])) for owner in owners])
+            shared[len(owners) : len(owners) + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.group.broadcast_from_last(shared)
+        if self.stage.last:
+            return sampled
+        counts, tokens = shared[: len(owners)].tolist(), shared[len(owners) :].tolist()
+        sampled, start = {}, 0
+        for owner, count in zip(owners, counts):
+            if count:
+                sampled[owner] = tokens[start : start + count]
+                self.requests[owner].output_token_ids.extend(sampled[owner])
+            start += count
+        return sampled

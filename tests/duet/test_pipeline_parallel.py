@@ -29,8 +29,10 @@ def test_stages_take_near_equal_runs_of_layers():
 
 
 def test_what_pipeline_parallelism_does_not_combine_with_yet_is_refused():
-    with pytest.raises(ConfigError, match="pipeline parallelism with speculative_config is not built yet"):
-        EngineArgs(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, kv_transfer_config={})
+    draft = {"method": "layer_skip", "num_speculative_tokens": 2, "num_draft_layers": 1}
+    with pytest.raises(ConfigError, match="pipeline parallelism with speculative_config.method='layer_skip' is not built yet"):
+        EngineArgs(pipeline_parallel_size=2, speculative_config=draft)
+    EngineArgs(pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, kv_transfer_config={})
 
 
 def _greedy(max_tokens: int = 10) -> SamplingParams:
@@ -101,6 +103,28 @@ def test_smollm2_at_pp2_matches_transformers(ray_cluster, smollm2_dir, parity_pr
         llm.engine.close()
 
 
+@pytest.mark.slow
+def test_pp2_with_ngram_speculation_matches_one_process(ray_cluster, tmp_path, smollm2_dir):
+    """The last stage verifies the drafts and proposes the next ones; every stage takes the same
+    accepted tokens (a variable number per request) and rolls back the same rejected ones."""
+    model_dir = make_tiny_llama(tmp_path, smollm2_dir, num_hidden_layers=3)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+    settings = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    prompts = [list(range(40, 52)) * 3, [7, 8, 9] * 9, PROMPTS[1], PROMPTS[4]]
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=24)
+    pp2 = LLM(**settings, pipeline_parallel_size=2, speculative_config=ngram)
+    try:
+        greedy = [output.outputs[0].token_ids for output in pp2.generate(prompts, _greedy(24))]
+        sampled = [output.outputs[0].token_ids for output in pp2.generate(prompts, seeded)]
+        stats = pp2.engine.stats()
+        pp2.engine.check_integrity()
+    finally:
+        pp2.engine.close()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert greedy == [output.outputs[0].token_ids for output in LLM(**settings).generate(prompts, _greedy(24))]
+    assert sampled == [output.outputs[0].token_ids for output in LLM(**settings, speculative_config=ngram).generate(prompts, seeded)]
+
+
 def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params, timeout_s: float = 300) -> list[list[int]]:
     """Each prompt prefilled by ``prefill`` and decoded by ``decode``, both stepped here in turn
     (their workers move the KV on threads of their own), as the router drives two replicas."""
@@ -126,17 +150,23 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params, timeo
 def test_pd_between_pipeline_stages_and_one_worker_gives_the_single_process_tokens(ray_cluster, tmp_path, smollm2_dir, layout):
     """A prompt's KV leaves each prefill stage with its own layers (3 layers split 1 + 2) for a
     decode worker that holds them all, or one decode worker's KV splits over the stages that
-    hold each layer; the first token travels with it. Tokens as one process gives them."""
+    hold each layer; the first token travels with it, and decode speculates (n-gram). Tokens as
+    one process gives them."""
     model_dir = make_tiny_llama(tmp_path, smollm2_dir, num_hidden_layers=3)
     settings = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     expected = [output.outputs[0].token_ids for output in LLM(**settings).generate(PROMPTS, _greedy())]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
     engines = [
-        LLMEngine(EngineArgs(**settings, pipeline_parallel_size=size, kv_transfer_config={"name": name, "timeout_s": 30.0}))
+        LLMEngine(EngineArgs(
+            **settings, pipeline_parallel_size=size, kv_transfer_config={"name": name, "timeout_s": 30.0},
+            speculative_config=ngram if name == "decode" else None,
+        ))
         for size, name in zip(layout, ("prefill", "decode"))
     ]
     try:
         assert _disaggregated(*engines, PROMPTS, _greedy()) == expected
         assert engines[0].scheduler.kv_connector.counters.transfers == len(PROMPTS)
+        assert engines[1].stats()["spec_num_draft_tokens"] > 0
     finally:
         for engine in engines:
             engine.close()
