@@ -6,10 +6,13 @@ Layouts, each on all of the machine's cores: ``tp1``, one worker in the engine's
 every thread; ``tp1-ray``, that worker in a Ray actor (what the executor's round trip costs a
 step); ``tp2``, two workers as Ray actors with half the threads each, meeting through shared
 memory (gloo across machines, NCCL on a GPU); ``pp2``, two stages of 15 layers, one worker
-each. For each batch, the median decode step (every sequence past its first token) and, for
-tp2, the share of it the ranks spend in their collectives: an all-reduce after each attention
-and MLP block, one after the embedding, the LM head's gather; waiting for the slower rank
-included.
+each. For each batch, the median decode step (every sequence past its first token) and the
+share of it the ranks spend communicating (mean over the ranks). For tp2: their collectives,
+an all-reduce after each attention and MLP block, one after the embedding, the LM head's
+gather, waiting for the slower rank included. For pp2: the hidden states from the stage before
+(waiting for it to compute them), the sends to the next, and the sampled tokens from the last
+(the first stage waits there for the last stage's compute: with one micro-batch, at batch 1,
+the stages take turns).
 """
 
 from __future__ import annotations
@@ -100,11 +103,11 @@ def measure(layout: str, prompts: list[list[int]], batches: list[int], steps: in
 
 def print_table(rows: list[Row]) -> None:
     baseline = {row.batch: row.step_ms for row in rows if row.layout == "tp1"}
-    print(f"\n{'layout':<9} {'batch':>5} {'step ms':>9} {'vs tp1':>7} {'collectives ms':>15} {'share':>6} {'calls':>6}")
+    print(f"\n{'layout':<9} {'batch':>5} {'step ms':>9} {'vs tp1':>7} {'communication ms':>17} {'share':>6} {'calls':>6}")
     for row in rows:
         print(
             f"{row.layout:<9} {row.batch:>5} {row.step_ms:>9.2f} {baseline[row.batch] / row.step_ms:>6.2f}x "
-            f"{row.collective_ms:>15.2f} {100 * row.collective_share:>5.0f}% {row.collectives_per_step:>6.0f}"
+            f"{row.collective_ms:>17.2f} {100 * row.collective_share:>5.0f}% {row.collectives_per_step:>6.0f}"
         )
 
 
@@ -121,7 +124,7 @@ def plot(rows: list[Row], path: str) -> None:
         names = [row.layout for row in chosen]
         compute = [row.step_ms - row.collective_ms for row in chosen]
         axis.bar(names, compute, label="compute and the rest")
-        axis.bar(names, [row.collective_ms for row in chosen], bottom=compute, label="collectives")
+        axis.bar(names, [row.collective_ms for row in chosen], bottom=compute, label="communication and stage waits")
         axis.set_ylim(0, 1.25 * max(row.step_ms for row in chosen))
         axis.set_title(f"SmolLM2 decode step, batch {batch}")
         axis.set_ylabel("ms")

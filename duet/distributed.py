@@ -166,7 +166,8 @@ class PipelineGroup:
     """A replica's pipeline stages, of ``tensor_parallel_size`` ranks each (rank = stage x
     tensor_parallel_size + its rank in the stage): a stage's hidden states go to the rank of the
     same place in the next stage, and the tokens the last rank samples go to every rank (each
-    keeps its own copy of the sequences). Every wait is bounded by the timeout."""
+    keeps its own copy of the sequences). Every wait is bounded by the timeout, and timed
+    (``seconds``, ``calls``: the transfers and the other stages' compute they wait for)."""
 
     def __init__(
         self, store: dist.Store, rank: int, world_size: int, tensor_parallel_size: int, use_cuda: bool, host: str, timeout_s: float
@@ -177,6 +178,7 @@ class PipelineGroup:
         self.stage, self.num_stages = rank // tensor_parallel_size, world_size // tensor_parallel_size
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.backend, self.group = new_group(dist.PrefixStore("duet/pp", store), rank, world_size, use_cuda, host, timeout_s)
+        self.seconds, self.calls = 0.0, 0
 
     def send_next(self, tensor: torch.Tensor, tag: int):
         """Start sending ``tensor`` (contiguous) to the next stage; wait on the returned work before reusing it."""
@@ -193,5 +195,8 @@ class PipelineGroup:
         return tensor
 
     def wait(self, work) -> None:
+        started = time.perf_counter()
         if not work.wait(self.timeout):
             raise TimeoutError(f"a pipeline stage did not answer within {self.timeout.total_seconds():g} s")
+        self.seconds += time.perf_counter() - started
+        self.calls += 1

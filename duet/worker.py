@@ -136,8 +136,10 @@ class Worker:
         return output
 
     def collective_stats(self) -> tuple[float, int]:
-        """Seconds spent in, and number of, this rank's tensor-parallel collectives so far."""
-        return (0.0, 0) if self.group is None else (self.group.seconds, self.group.calls)
+        """Seconds spent in, and number of, this rank's tensor-parallel collectives and pipeline
+        waits (for the stage before's hidden states, the sends to the next, the sampled tokens) so far."""
+        groups = [group for group in (self.group, getattr(self.runner, "group", None)) if group is not None]
+        return sum(group.seconds for group in groups), sum(group.calls for group in groups)
 
     def forget(self, request_ids) -> None:
         """Drop the runner's state of these requests (a failed step): they are sent whole again."""

@@ -8,6 +8,7 @@ import time
 
 import jsonschema
 import pytest
+import ray
 
 from duet import LLM, SamplingParams
 from duet.config import ConfigError, EngineArgs
@@ -118,6 +119,9 @@ def test_pp2_with_ngram_speculation_matches_one_process(ray_cluster, tmp_path, s
         sampled = [output.outputs[0].token_ids for output in pp2.generate(prompts, seeded)]
         stats = pp2.engine.stats()
         pp2.engine.check_integrity()
+        # What `duet bench parallel` reports: each stage's time waiting on the other, and how often.
+        waits = ray.get([worker.collective_stats.remote() for worker in pp2.engine.executor.workers])
+        assert all(seconds > 0 and calls > 0 for seconds, calls in waits), waits
     finally:
         pp2.engine.close()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
