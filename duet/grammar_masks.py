@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from duet.kernels.token_bitmask import apply_token_bitmask
-from duet.structured_output import grammar_tokenizer
+from duet.structured_output import first_line, grammar_tokenizer
 
 if TYPE_CHECKING:
     from duet.runner_state import CachedRequestState
@@ -92,7 +92,7 @@ class GrammarMasks:
             pristine = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             pristine.compute_bitmask()
             if pristine.is_error():  # the engine checks constraints on arrival: only a limit gets here
-                raise GrammarError(f"the constraint does not compile: {_first_line(pristine.get_error())}")
+                raise GrammarError(f"the constraint does not compile: {first_line(pristine.get_error())}")
             if len(self._pristine) >= COMPILED_GRAMMARS:
                 self._pristine.pop(next(iter(self._pristine)))  # the least recently used
         self._pristine[grammar] = pristine
@@ -194,13 +194,8 @@ class GrammarMasks:
             if not matcher.consume_token(token_id):
                 break
         if matcher.is_error():
-            raise GrammarError(f"request {request_id}'s constraint cannot go on: {_first_line(matcher.get_error())}")
+            raise GrammarError(f"request {request_id}'s constraint cannot go on: {first_line(matcher.get_error())}")
 
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
-
-
-def _first_line(error: str) -> str:
-    """llguidance's error without the parser state it dumps after the first line."""
-    return error.strip().splitlines()[0] if error.strip() else "refused"

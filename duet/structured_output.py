@@ -99,7 +99,12 @@ class StructuredOutputs:
 
         problem = llguidance.LLMatcher.validate_grammar(self.grammar_text(), tokenizer)
         if problem:
-            raise StructuredOutputsError(f"the {self.kind} constraint does not fit this model's tokenizer: {problem.strip().splitlines()[0]}")
+            raise StructuredOutputsError(f"the {self.kind} constraint does not fit this model's tokenizer: {first_line(problem)}")
+
+
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state it dumps after the first line."""
+    return error.strip().splitlines()[0] if error.strip() else "refused"
 
 
 def _compact_schema(schema: str | dict) -> str:

@@ -47,6 +47,15 @@ class WorkerConfig:
     collective_timeout_s: float = 60.0
     num_threads: int | None = None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def stage_and_rank(self) -> tuple[int, int]:
+        """This rank's pipeline stage, and its rank among the stage's tensor-parallel ranks."""
+        return divmod(self.rank, self.tensor_parallel_size)
+
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, kv_dtype: torch.dtype) -> int:
     """What one block costs across all layers, K and V (a quantized row carries its scale)."""
@@ -63,8 +72,8 @@ def _parallel_groups(config: WorkerConfig):
     host, port = config.parallel_store
     store = connect_store(host, port, config.collective_timeout_s)
     use_cuda, timeout_s = config.device.startswith("cuda"), config.collective_timeout_s
-    tensor_parallel_size = config.world_size // config.pipeline_parallel_size
-    stage, rank_in_stage = divmod(config.rank, tensor_parallel_size)
+    tensor_parallel_size = config.tensor_parallel_size
+    stage, rank_in_stage = config.stage_and_rank
     tensor_group = pipeline = None
     if tensor_parallel_size > 1:
         tensor_group = TensorParallelGroup(
@@ -90,13 +99,13 @@ class Worker:
         dtype = resolve_dtype(config.dtype, config.device)
         model = load_model(Path(config.model_path), dtype, config.device, config.max_model_len, config.quantization)
         arch = model.arch  # the whole model's; a rank's own shape replaces it below
-        self.group = pipeline = None
+        self.group = self.pipeline = None  # this rank's tensor-parallel and pipeline groups
         if config.world_size > 1:
-            self.group, pipeline = _parallel_groups(config)
+            self.group, self.pipeline = _parallel_groups(config)
         if self.group is not None:
             apply_tensor_parallel(model, self.group, config.enable_expert_parallel)
-        if pipeline is not None:
-            model = PipelineStage(model, pipeline.stage, pipeline.num_stages)
+        if self.pipeline is not None:
+            model = PipelineStage(model, self.pipeline.stage, self.pipeline.num_stages)
         draft = None
         if config.draft_model_path is not None:
             # A draft checkpoint need not be a GGUF one: by default it follows the target's choice
@@ -109,11 +118,10 @@ class Worker:
             config.num_blocks, config.block_size, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype), config.device, config.eos_token_id,
             config.max_model_len, config.speculative_config, draft,
         )
-        runner_kwargs = {"tokenizer_path": config.model_path}
-        if pipeline is None:
-            self.runner = ModelRunner(model, *runner_args, **runner_kwargs)
+        if self.pipeline is None:
+            self.runner = ModelRunner(model, *runner_args, tokenizer_path=config.model_path)
         else:
-            self.runner = PipelineRunner(model, pipeline, *runner_args, **runner_kwargs)
+            self.runner = PipelineRunner(model, self.pipeline, *runner_args, tokenizer_path=config.model_path)
         if config.device == "cpu":
             from duet.kernels import cpu_ops
 
@@ -138,7 +146,7 @@ class Worker:
     def collective_stats(self) -> tuple[float, int]:
         """Seconds spent in, and number of, this rank's tensor-parallel collectives and pipeline
         waits (for the stage before's hidden states, the sends to the next, the sampled tokens) so far."""
-        groups = [group for group in (self.group, getattr(self.runner, "group", None)) if group is not None]
+        groups = [group for group in (self.group, self.pipeline) if group is not None]
         return sum(group.seconds for group in groups), sum(group.calls for group in groups)
 
     def forget(self, request_ids) -> None:

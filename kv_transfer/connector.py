@@ -48,9 +48,10 @@ class KVConnectorWorker:
             block_size=config.block_size,
             kv_dtype=str(kv_cache.dtype).removeprefix("torch."),
         )
-        tensor_parallel_size = config.world_size // config.pipeline_parallel_size
-        stage, rank_in_stage = divmod(config.rank, tensor_parallel_size)
-        shards = [shard_heads(arch.num_heads, arch.num_kv_heads, tensor_parallel_size, rank).kv_heads for rank in range(rank_in_stage + 1)]
+        stage, rank_in_stage = config.stage_and_rank
+        shards = [
+            shard_heads(arch.num_heads, arch.num_kv_heads, config.tensor_parallel_size, rank).kv_heads for rank in range(rank_in_stage + 1)
+        ]
         own = shards[-1]
         kv_heads = (own.start, own.stop)
         # The heads this rank sends: its own, but those a lower rank of its stage also holds (and sends).

@@ -53,6 +53,20 @@ def make_tiny_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **override
     return target
 
 
+def drain(engine, max_steps: int) -> tuple[dict[str, list[int]], dict[str, str | None]]:
+    """Step ``engine`` until it has nothing left (at most ``max_steps`` steps): each request's
+    tokens, and each finished request's error (None when it ended well)."""
+    tokens, errors = {}, {}
+    for _ in range(max_steps):
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            if delta.finished:
+                errors[delta.request_id] = delta.error
+        if not engine.has_unfinished_requests():
+            break
+    return tokens, errors
+
+
 def make_tiny_mixtral(target: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """A random-weight Mixtral (4 experts, 2 per token) with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM

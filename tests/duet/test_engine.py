@@ -9,6 +9,7 @@ from duet.config import ConfigError
 from duet.errors import InvalidRequestError, RequestFailedError
 from duet.messages import EngineRequest
 from duet.sampling_params import SamplingParamsError
+from tests.conftest import drain
 from tests.reference import compare_to_reference, hf_greedy
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017)), [42]]
@@ -201,14 +202,7 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
     for index, prompt in enumerate(PROMPTS):
         engine.add_request(EngineRequest(f"good-{index}", prompt, _greedy()))
     engine.add_request(EngineRequest("bad", PROMPTS[3], _greedy()))
-    tokens, errors = {}, {}
-    for _ in range(200):
-        for delta in engine.step():
-            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-            if delta.finished:
-                errors[delta.request_id] = delta.error
-        if not engine.has_unfinished_requests():
-            break
+    tokens, errors = drain(engine, 200)
     assert errors.pop("bad") == "the engine failed on this request (ValueError: Overflow when unpacking long long)"
     assert [tokens[f"good-{index}"] for index in range(len(PROMPTS))] == undisturbed
     assert set(errors.values()) == {None}

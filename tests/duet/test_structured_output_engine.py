@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from duet import LLM, SamplingParams, StructuredOutputs
+from tests.conftest import drain
 from tests.duet.schemas import SCHEMAS, SMALL_SCHEMA, small_schema_greedy
 from tests.prompts import encode_conversations
 from tests.reference import compare_to_reference
@@ -197,15 +198,8 @@ def test_a_constraint_the_grammar_engine_gives_up_on_fails_its_request_alone(tin
         engine.add_request(EngineRequest(f"good-{index}", prompt, params))
     for index, grammar in enumerate(['root ::= "a" root', 'start: "<|im_end|>"']):
         engine.add_request(EngineRequest(f"bad-{index}", [4, 4], SamplingParams(max_tokens=200, structured_outputs=StructuredOutputs(grammar=grammar))))
-    tokens, errors = {}, {}
     with caplog.at_level(logging.ERROR, logger="duet"):
-        for _ in range(2000):
-            for delta in engine.step():
-                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-                if delta.finished:
-                    errors[delta.request_id] = delta.error
-            if not engine.has_unfinished_requests():
-                break
+        tokens, errors = drain(engine, 2000)
     assert not caplog.records, [record.getMessage()[:200] for record in caplog.records]
     assert "constraint cannot go on" in errors.pop("bad-0") and "constraint cannot go on" in errors.pop("bad-1")
     assert set(errors.values()) == {None}
