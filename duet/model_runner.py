@@ -118,25 +118,35 @@ class ModelRunner:
         batch = build_batch(spans, self.block_size, self.device)
         return batch, torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owners
 
+    def _forbidden_token_ids(self, state: CachedRequestState) -> tuple[int, ...]:
+        """Tokens the request may not take next: EOS and its stop token ids before ``min_tokens``."""
+        params = state.sampling_params
+        # A complete constraint allows EOS alone: min_tokens cannot hold the output open.
+        if len(state.output_token_ids) >= params.min_tokens or (self.grammar is not None and self.grammar.only_eos_left(state)):
+            return ()
+        return tuple(params.stop_token_ids) + (() if self.eos_token_id is None else (self.eos_token_id,))
+
+    def _greedy_exclusions(self, row_owners: list[str], spec_token_ids: dict[str, list[int]], masks: MaskJob | None):
+        """``[rows, E]`` token ids each row may not take (-1 pads), when the step needs no more of
+        its logits than each row's greedy token — every row greedy, without penalties, logprobs,
+        a grammar's mask or drafts to verify — so that the LM head need not write them; else None."""
+        if not row_owners or spec_token_ids or masks is not None:
+            return None
+        states = [self.requests[request_id] for request_id in row_owners]
+        if any(not p.greedy or p.has_penalties or p.logprobs is not None for p in (state.sampling_params for state in states)):
+            return None
+        forbidden = [[t for t in self._forbidden_token_ids(state) if t < self.vocab_size] for state in states]
+        width = max(map(len, forbidden))
+        return torch.tensor([ids + [-1] * (width - len(ids)) for ids in forbidden], dtype=torch.long, device=self.device)
+
     def _sampling_metadata(self, request_ids: list[str]):
         states = [self.requests[request_id] for request_id in request_ids]
-        forbidden = []
-        for state in states:
-            params = state.sampling_params
-            # A complete constraint allows EOS alone: min_tokens cannot hold the output open.
-            if len(state.output_token_ids) < params.min_tokens and not (
-                self.grammar is not None and self.grammar.only_eos_left(state)
-            ):
-                stop_ids = tuple(params.stop_token_ids)
-                forbidden.append(stop_ids + (() if self.eos_token_id is None else (self.eos_token_id,)))
-            else:
-                forbidden.append(())
         return build_sampling_metadata(
             params=[state.sampling_params for state in states],
             prompt_token_ids=[state.prompt_token_ids for state in states],
             output_token_ids=[state.output_token_ids for state in states],
             generators=[state.generator for state in states],
-            forbidden_token_ids=forbidden,
+            forbidden_token_ids=[self._forbidden_token_ids(state) for state in states],
             vocab_size=self.vocab_size,
             device=self.device,
         )
@@ -153,10 +163,15 @@ class ModelRunner:
         batch, logits_rows, row_owners = self._prepare_inputs(scheduler_output)
         spec_token_ids = scheduler_output.scheduled_spec_token_ids
         masks = self._start_masks(row_owners, spec_token_ids)
-        logits = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done,
+        excluded = self._greedy_exclusions(row_owners, spec_token_ids, masks)
+        out = self.model(
+            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done, excluded,
         )
-        sampled, logprobs = self._sample(logits, row_owners, spec_token_ids, masks)
+        if excluded is not None:  # out: each row's greedy token
+            sampled, logprobs = {request_id: [token_id] for request_id, token_id in zip(row_owners, out.tolist())}, {}
+            self._record(sampled)
+        else:
+            sampled, logprobs = self._sample(out, row_owners, spec_token_ids, masks)
         self._advance(scheduler_output, sampled)
         return self._output(request_ids, sampled, logprobs, self._propose(scheduler_output, sampled, started))
 
@@ -251,12 +266,16 @@ class ModelRunner:
             states = [self.requests[request_id] for request_id in spec_ids]
             verified = self.spec.verify(logits[spec_rows], states, [spec_token_ids[i] for i in spec_ids])
             sampled.update(zip(spec_ids, verified))
+        self._record(sampled)
+        return sampled, logprobs
+
+    def _record(self, sampled: dict[str, list[int]]) -> None:
+        """The step's tokens join their requests' outputs (and advance their grammars)."""
         for request_id, token_ids in sampled.items():
             state = self.requests[request_id]
             state.output_token_ids.extend(token_ids)
             if self.grammar is not None:
                 self.grammar.accept(state, token_ids)
-        return sampled, logprobs
 
 
 def allocate_kv_cache(arch, num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: str):

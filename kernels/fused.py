@@ -37,6 +37,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return x
 
 
+def greedy_argmax(logits: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax once its ``excluded_token_ids`` (``[rows, E]``, -1 for none) are -inf:
+    the token greedy sampling takes (the first of equal logits, as ``torch.argmax``)."""
+    rows, columns = (excluded_token_ids >= 0).nonzero(as_tuple=True)
+    if rows.numel():
+        logits = logits.index_put((rows, excluded_token_ids[rows, columns]), logits.new_tensor(float("-inf")))
+    return logits.argmax(dim=-1)
+
+
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -82,6 +82,11 @@ class GGUFWeight:
         """``x @ W.T`` for fp32 rows ``x`` ``[M, in_features]``."""
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
+    def matmul_argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
+        """``greedy_argmax(x @ W.T, excluded_token_ids)`` (``kernels.fused``), without the
+        ``[M, out_features]`` products where the kernels fuse the two (on CPU)."""
+        return self.ops.gguf_matmul_argmax(x, self.codes, self.scales, self.qtype, excluded_token_ids)
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight the products use, ``[out_features, in_features]``."""
         return self.ops.gguf_dequantize(self.codes, self.scales, self.qtype, self.in_features)

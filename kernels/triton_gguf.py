@@ -1,6 +1,6 @@
 """Triton kernels over GGUF codes (``kernels.gguf.GGUFWeight``'s layout): the GPU twin of
 ``csrc/gguf_ops.cpp``, with its functions' names and arguments (this module is a
-``GGUFWeight``'s ``ops`` on a GPU). Each program dequantizes a tile of output features, block of 32 weights
+``GGUFWeight``'s ``ops`` on a GPU; its argmax is not fused: it reads the full products). Each program dequantizes a tile of output features, block of 32 weights
 by block, to the floats gguf's dequantizer gives (d * q exact in fp32, one rounding for + m),
 and accumulates in fp32.
 
@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import BLOCK
 
 
@@ -69,6 +70,11 @@ def gguf_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qtyp
         x, codes, scales, out, N, num_blocks, x.stride(0), out.stride(0), QTYPE=qtype, BLOCK_N=block_n
     )
     return out.to(x.dtype)
+
+
+def gguf_matmul_argmax(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qtype: int, excluded: torch.Tensor) -> torch.Tensor:
+    """The products' greedy tokens (``kernels.fused.greedy_argmax``), from the full products."""
+    return greedy_argmax(gguf_matmul(x, codes, scales, qtype).float(), excluded)
 
 
 def gguf_dequantize(codes: torch.Tensor, scales: torch.Tensor, qtype: int, in_features: int, block_n: int = 32) -> torch.Tensor:

@@ -150,9 +150,12 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
         on_layer_done: Callable[[int], None] | None = None,
+        excluded_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits for the rows in ``logits_indices``; ``on_layer_done(i)`` is called once layer
-        ``i``'s KV is in the cache (a prefill node starts shipping it while the rest computes).
+        """Logits for the rows in ``logits_indices``, or with ``excluded_token_ids`` (``[rows, E]``,
+        -1 for none) only each row's greedy token among the others (``Linear.argmax``: no
+        logits written); ``on_layer_done(i)`` is called once layer ``i``'s KV is in the cache (a
+        prefill node starts shipping it while the rest computes).
 
         Given fewer ``kv_caches`` than layers, only that many first layers run, followed by the
         final norm and LM head: the layer-skip draft.
@@ -160,7 +163,10 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         x = self.layers[0].input_layernorm(residual)
         mlp_out = self.run_layers(x, residual, positions, kv_caches, metadata, on_layer_done)
-        return self.lm_head(self.norm(mlp_out, residual)[logits_indices]).float()
+        hidden = self.norm(mlp_out, residual)[logits_indices]
+        if excluded_token_ids is not None:
+            return self.lm_head.argmax(hidden, excluded_token_ids)
+        return self.lm_head(hidden).float()
 
     def run_layers(self, x, residual, positions, kv_caches, metadata, on_layer_done=None) -> torch.Tensor:
         """The first ``len(kv_caches)`` layers, from the first one's normalised input ``x`` and

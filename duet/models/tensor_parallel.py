@@ -33,6 +33,7 @@ from torch import nn
 
 from duet.config import ConfigError
 from duet.distributed import TensorParallelGroup
+from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import BLOCK
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
@@ -177,6 +178,10 @@ class VocabParallelLMHead(nn.Module):
             logits = F.pad(logits, (0, widest - logits.shape[1]))
         parts = self.group.all_gather(logits)
         return torch.cat([part[:, :size] for part, size in zip(parts, self.part_sizes)], dim=1)
+
+    def argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
+        """The greedy tokens of the whole logits (``Linear.argmax``'s contract)."""
+        return greedy_argmax(self(x).float(), excluded_token_ids)
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, expert_parallel: bool = False) -> None:

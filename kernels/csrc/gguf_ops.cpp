@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,9 @@ struct Isa {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
+  static bool any_nan(V v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
   static void q4_1(const uint8_t* codes, const float* scales, V* w) {
     const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     const __m512i low = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
@@ -87,6 +91,14 @@ struct Isa {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float max_of(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static bool any_nan(V v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
   static V widen(__m128i bytes, bool is_signed) {
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
   }
@@ -119,6 +131,9 @@ struct Isa {
   static void store(float* p, V v) { *p = v; }
   static V fmadd(V a, V b, V c) { return a * b + c; }
   static float sum(V v) { return v; }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static float max_of(V v) { return v; }
+  static bool any_nan(V v) { return v != v; }
   static void q4_1(const uint8_t* codes, const float* scales, V* w) {
     uint32_t words[4];
     std::memcpy(words, codes, 16);
@@ -330,6 +345,87 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   return out;
 }
 
+// Features of the weight a thread multiplies into a buffer of its own at a time, for the argmax
+// (a whole number of panels: the same products, panels or not, as gguf_matmul's).
+constexpr int64_t kArgmaxGroup = 64 * kPanel;
+
+// The first index of the row's largest value, as torch.argmax finds it: a NaN above any number.
+int64_t row_argmax(const float* row, int64_t n) {
+  Isa::V best = Isa::set1(-std::numeric_limits<float>::infinity());
+  bool nan = false;
+  int64_t i = 0;
+  for (; i + Isa::kLanes <= n; i += Isa::kLanes) {
+    const Isa::V v = Isa::load(row + i);
+    nan = nan || Isa::any_nan(v);
+    best = Isa::max(best, v);
+  }
+  float largest = Isa::max_of(best);
+  for (; i < n; ++i) {
+    nan = nan || row[i] != row[i];
+    largest = std::max(largest, row[i]);
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (nan ? row[j] != row[j] : row[j] == largest) return j;
+  return 0;  // an empty row
+}
+
+// Whether a group's best beats the best of the groups before it (torch.argmax's order again).
+inline bool beats(float value, float best) {
+  return value > best || (value != value && best == best);
+}
+
+// Each row's greedy token: the index of its largest product, as torch.argmax of gguf_matmul's
+// output would find it once the row's ``excluded`` ids ([M, E] int64, -1 for none) are set to
+// -inf, without writing the [M, N] products: a thread computes a group of features into its
+// buffer (gguf_matmul's very products: each output's sum runs in the same order whatever the
+// group) and keeps the group's best per row; the groups' bests are then taken in order.
+torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, torch::Tensor excluded,
+                                 int64_t panel_min_rows = kPanelMinRows) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "gguf_matmul_argmax takes fp32 rows [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const Weights w = checked(codes, scales, qtype, K);
+  TORCH_CHECK(excluded.scalar_type() == torch::kInt64 && excluded.dim() == 2 && excluded.size(0) == M,
+              "excluded ids must be int64 [", M, ", E]");
+  x = x.contiguous();
+  excluded = excluded.contiguous();
+  const float* xs = x.data_ptr<float>();
+  const int64_t* ids = excluded.data_ptr<int64_t>();
+  const int64_t num_excluded = excluded.size(1);
+  const bool panels = M >= panel_min_rows && N % kPanel == 0;
+  const int64_t num_groups = (N + kArgmaxGroup - 1) / kArgmaxGroup;
+  std::vector<float> group_best(num_groups * M);
+  std::vector<int64_t> group_index(num_groups * M);
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> products(M * kArgmaxGroup);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kArgmaxGroup, width = std::min(kArgmaxGroup, N - n0);
+      const Weights part{w.codes + n0 * w.num_blocks * code_bytes(qtype), w.scales + n0 * w.num_blocks * num_scales(qtype),
+                         w.num_blocks};
+      if (qtype == kQ4_1) matmul<kQ4_1>(xs, M, K, part, products.data(), width, panels);
+      else matmul<kQ8_0>(xs, M, K, part, products.data(), width, panels);
+      for (int64_t r = 0; r < M; ++r) {
+        float* row = products.data() + r * width;
+        for (int64_t e = 0; e < num_excluded; ++e) {
+          const int64_t id = ids[r * num_excluded + e];
+          if (id >= n0 && id < n0 + width) row[id - n0] = -std::numeric_limits<float>::infinity();
+        }
+        const int64_t best = row_argmax(row, width);
+        group_best[g * M + r] = row[best];
+        group_index[g * M + r] = n0 + best;
+      }
+    }
+  });
+  auto out = torch::empty({M}, torch::kInt64);
+  int64_t* tokens = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    int64_t best = 0;
+    for (int64_t g = 1; g < num_groups; ++g)
+      if (beats(group_best[g * M + r], group_best[best * M + r])) best = g;
+    tokens[r] = group_index[best * M + r];
+  }
+  return out;
+}
+
 // The weights as the matmul sees them, [N, in_features] fp32: what the loader and the tests
 // compare with the float weights gguf's dequantizer made.
 torch::Tensor gguf_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t in_features) {
@@ -356,6 +452,8 @@ std::string isa() { return Isa::kName; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_matmul", &gguf_matmul, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),
         py::arg("panel_min_rows") = kPanelMinRows);
+  m.def("gguf_matmul_argmax", &gguf_matmul_argmax, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),
+        py::arg("excluded"), py::arg("panel_min_rows") = kPanelMinRows);
   m.def("gguf_dequantize", &gguf_dequantize);
   m.def("isa", &isa);
 }

@@ -190,14 +190,14 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
     undisturbed = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
     llm.engine.kv_cache_manager.block_pool.reset_prefix_cache()
     runner = llm.engine.executor.worker.runner
-    build = runner._sampling_metadata
+    forbidden = runner._forbidden_token_ids  # read for every row sampled, whichever way
 
-    def poisoned(request_ids):
-        if "bad" in request_ids:
+    def poisoned(state):
+        if state.request_id == "bad":
             raise ValueError("Overflow when unpacking long long")
-        return build(request_ids)
+        return forbidden(state)
 
-    runner._sampling_metadata = poisoned
+    runner._forbidden_token_ids = poisoned
     engine = llm.engine
     for index, prompt in enumerate(PROMPTS):
         engine.add_request(EngineRequest(f"good-{index}", prompt, _greedy()))
@@ -207,7 +207,7 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
     assert [tokens[f"good-{index}"] for index in range(len(PROMPTS))] == undisturbed
     assert set(errors.values()) == {None}
     engine.check_integrity()
-    runner._sampling_metadata = build
+    runner._forbidden_token_ids = forbidden
     again = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
     assert again == undisturbed  # prefix hits on what the failed steps left behind are exact
 
@@ -215,11 +215,11 @@ def test_a_failing_step_fails_only_the_request_that_causes_it(tiny_llama_dir):
 def test_offline_generate_raises_for_a_request_the_engine_failed(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512)
     runner = llm.engine.executor.worker.runner
-    build = runner._sampling_metadata
-    runner._sampling_metadata = lambda request_ids: (_ for _ in ()).throw(RuntimeError("broken"))
+    forbidden = runner._forbidden_token_ids
+    runner._forbidden_token_ids = lambda state: (_ for _ in ()).throw(RuntimeError("broken"))
     with pytest.raises(RequestFailedError, match="RuntimeError: broken"):
         llm.generate([PROMPTS[0]], _greedy())
-    runner._sampling_metadata = build
+    runner._forbidden_token_ids = forbidden
     assert llm.generate([PROMPTS[0]], _greedy(max_tokens=2))[0].outputs[0].finish_reason == "length"
     llm.engine.check_integrity()
 

@@ -48,6 +48,26 @@ def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gg
     llm.engine.check_integrity()
 
 
+def test_greedy_rows_take_their_tokens_from_the_lm_heads_argmax_without_logits(tiny_gguf_llama_dir):
+    """A step whose rows are all greedy (min_tokens' EOS exclusion included) never builds its
+    logits: the sampler is not called, and the tokens equal those of steps that do build them
+    (a request asking for logprobs in the batch)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(24)]
+    llm = LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=512, max_num_seqs=32)
+    runner = llm.engine.executor.worker.runner
+    calls = []
+    sampler = runner.sampler
+    runner.sampler = lambda logits, metadata: calls.append(logits.shape[0]) or sampler(logits, metadata)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=8)
+    fused = [output.outputs[0].token_ids for output in llm.generate(prompts, greedy)]
+    assert calls == []
+    with_logits = llm.generate(prompts + [prompts[0]], [greedy] * len(prompts) + [SamplingParams(temperature=0.0, max_tokens=16, logprobs=1)])
+    assert [output.outputs[0].token_ids for output in with_logits[:-1]] == fused
+    assert calls and max(calls) == len(prompts) + 1
+    llm.engine.check_integrity()
+
+
 def test_insisting_on_gguf_without_blocks_names_what_is_missing(tiny_llama_dir):
     with pytest.raises(ModelNotFoundError, match="blocks.safetensors: missing"):
         LLM(model=str(tiny_llama_dir), num_kv_blocks=64, quantization="gguf")

@@ -78,3 +78,41 @@ def test_a_shard_of_rows_and_block_columns_is_that_slice_of_the_weight(name):
     assert torch.equal(weight.shard([slice(None)]).dequantize(), reference)
     with pytest.raises(ValueError, match="block boundaries"):
         weight.shard([slice(None)], slice(0, 48))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 17, 40])
+@pytest.mark.parametrize("outputs", [2080, 1099])
+def test_fused_greedy_tokens_are_the_argmax_of_the_products(name, rows, outputs):
+    """The LM head's fused argmax is torch.argmax of gguf_matmul's own products (the unfused
+    sampler's greedy tokens) with each row's excluded ids at -inf: 2080 outputs are three
+    groups of 1,024 by panels (from 17 rows), 1099 no whole number of panels (tiles of rows).
+    Each row's best feature is copied into another group: of two equal bests the first must
+    win, and with the first excluded, its copy."""
+    weight, _ = quantized(outputs, 192, TYPES[name], seed=rows)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    best = weight.matmul(x).argmax(dim=-1)
+    codes, scales = weight.codes.clone(), weight.scales.clone()
+    copies = (best + 1024) % outputs
+    codes[copies], scales[copies] = codes[best], scales[best]
+    weight = GGUFWeight(codes, scales, weight.qtype, 192, OPS)
+    products = weight.matmul(x)
+    tied = products.gather(1, copies[:, None]) == products.gather(1, best[:, None])
+    assert tied.sum() >= (rows + 1) // 2  # all but rows whose best another row's copy overwrote
+    none = torch.empty(rows, 0, dtype=torch.long)
+    assert torch.equal(weight.matmul_argmax(x, none), products.argmax(dim=-1))
+    excluded = torch.full((rows, 2), -1, dtype=torch.long)
+    excluded[:, 0] = products.argmax(dim=-1)
+    excluded[0, 1] = outputs - 1
+    masked = products.index_put((torch.arange(rows), excluded[:, 0]), torch.tensor(float("-inf")))
+    masked[0, outputs - 1] = float("-inf")
+    assert torch.equal(weight.matmul_argmax(x, excluded), masked.argmax(dim=-1))
+
+
+def test_fused_greedy_tokens_rank_nan_first_as_torch_does():
+    weight, _ = quantized(1100, 64, TYPES["Q8_0"])
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")  # row 1's products are all NaN: the first of them wins
+    none = torch.empty(3, 0, dtype=torch.long)
+    assert torch.equal(weight.matmul_argmax(x, none), weight.matmul(x).argmax(dim=-1))
+    assert weight.matmul_argmax(x, none)[1] == 0

@@ -242,3 +242,6 @@ def test_triton_gguf_kernels_use_ggufs_weights_bit_for_bit_and_multiply_them(qty
     assert torch.equal(weight.dequantize(), reference)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
+    excluded = weight.matmul(x).argmax(dim=-1, keepdim=True)  # each row's best excluded: its runner-up wins
+    products = weight.matmul(x).scatter(1, excluded, float("-inf"))
+    assert torch.equal(weight.matmul_argmax(x, excluded), products.argmax(dim=-1))
