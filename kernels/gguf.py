@@ -7,6 +7,16 @@ unpack them by shifts alone) and the scales widened to fp32 (exact: every fp16 i
 beside them rather than between them, so that a step never converts a scale. The kernels —
 C++ on CPU (``csrc/gguf_ops.cpp``), Triton on a GPU (``triton_gguf.py``) — dequantize each
 block in registers, to the very floats gguf's own dequantizer gives, and multiply in fp32.
+
+K-quants come in super-blocks of 256 weights whose 32- or 16-weight sub-blocks have integer
+scales of a super-block scale; ``from_blocks`` rewrites them into the kernels' 32-weight
+blocks, exactly: a Q4_K sub-block's ``d * sc`` and ``dmin * m`` are fp16 times 6-bit integers,
+exact in fp32, so it becomes a Q4_1 block (codes, scale ``d * sc``, min ``-dmin * m``: gguf's
+``d * sc * q - dmin * m`` rounds once, as the kernels' fma does); a Q6_K block of 32 keeps its
+codes less 32 as int8 and the fp32 scales ``d * sc`` of its two halves (``Q6_K``'s layout in
+the kernels: fp16 times int8 times a 6-bit code is exact in fp32). The codes stay 4- and
+6-bit values; only their container widens (Q4_K: 0.75 byte a weight against 0.5625 in the
+file; Q6_K: 1.25 against 0.82).
 """
 
 from __future__ import annotations
@@ -17,9 +27,13 @@ import torch
 
 Q4_1 = 3  # GGML's type ids
 Q8_0 = 8
+Q4_K = 12
+Q6_K = 14
 _LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), then code bytes
-TYPES = frozenset(_LAYOUTS)  # what the kernels read
+_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q6_K: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
+TYPES = frozenset({Q4_1, Q8_0, Q4_K, Q6_K})  # what the kernels read (K-quants rewritten at load)
 BLOCK = 32
+SUPER_BLOCK = 256  # weights of a K-quant super-block
 
 
 def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
@@ -31,6 +45,41 @@ def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
     shifts = (4 * torch.arange(4, dtype=torch.int32, device=codes.device)).view(4, 1)
     words = ((low << shifts) | (high << (shifts + 16))).sum(dim=-2, dtype=torch.int32)  # disjoint bits: sum = or
     return words.view(torch.uint8)
+
+
+_K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
+
+
+def _from_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks ``[out, n, 144]`` (fp16 d and dmin, 12 bytes of 6-bit scales and mins,
+    128 of nibbles) as Q4_1 codes and fp32 scales (``d * sc``, ``-dmin * m``) of 8n blocks."""
+    out, n = rows.shape[:2]
+    d = rows[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = rows[..., 2:4].contiguous().view(torch.float16).float()
+    packed = rows[..., 4:16].reshape(out, n, 3, 4).to(torch.int32)  # gguf's get_scale_min
+    low, high, extra = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = torch.cat([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], dim=-1).float()
+    mins = torch.cat([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], dim=-1).float()
+    scales = torch.stack([d * sc, -(dmin * mins)], dim=-1)  # [out, n, 8, 2], both exact
+    nibbles = rows[..., 16:].reshape(out, n, 4, 1, 32)
+    codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(out, n * 8, 32)  # sub-block 2i low, 2i + 1 high
+    q4_1_bytes = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1's own byte order: weight j low, 16 + j high
+    return _q4_1_words(q4_1_bytes).reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
+
+
+def _from_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks ``[out, n, 210]`` (128 bytes of low nibbles, 64 of high 2-bit pairs, 16
+    int8 scales, fp16 d) as 8n blocks of 32 int8 codes (less 32) and the fp32 scales
+    ``d * sc`` of their two halves."""
+    out, n = rows.shape[:2]
+    shifts_low = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+    shifts_high = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    low = (rows[..., :128].reshape(out, n, 2, 1, 64) >> shifts_low) & 0x0F
+    high = (rows[..., 128:192].reshape(out, n, 2, 1, 32) >> shifts_high) & 0x03
+    codes = (low.reshape(out, n, 8, 32) | (high.reshape(out, n, 8, 32) << 4)).to(torch.int8) - 32
+    d = rows[..., 208:210].contiguous().view(torch.float16).float()
+    scales = d * rows[..., 192:208].contiguous().view(torch.int8).float()  # [out, n, 16]: exact
+    return codes.view(torch.uint8).reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
 
 
 @dataclasses.dataclass
@@ -48,13 +97,17 @@ class GGUFWeight:
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, qtype: int, in_features: int, ops) -> GGUFWeight:
         """From the file's rows of blocks (uint8 ``[out_features, blocks * block bytes]``)."""
-        if qtype not in _LAYOUTS:
-            raise ValueError(f"GGUF type {qtype} is not supported (Q4_1 = {Q4_1}, Q8_0 = {Q8_0})")
-        num_scales, code_bytes = _LAYOUTS[qtype]
-        per_block = 2 * num_scales + code_bytes
-        if in_features % BLOCK or blocks.dim() != 2 or blocks.shape[1] != in_features // BLOCK * per_block:
+        if qtype not in TYPES:
+            raise ValueError(f"GGUF type {qtype} is not supported (Q4_1 = {Q4_1}, Q8_0 = {Q8_0}, Q4_K = {Q4_K}, Q6_K = {Q6_K})")
+        block, per_block = _K_LAYOUTS[qtype] if qtype in _K_LAYOUTS else (BLOCK, 2 * _LAYOUTS[qtype][0] + _LAYOUTS[qtype][1])
+        if in_features % block or blocks.dim() != 2 or blocks.shape[1] != in_features // block * per_block:
             raise ValueError(f"GGUF blocks of shape {tuple(blocks.shape)} do not hold rows of {in_features} weights of type {qtype}")
-        rows = blocks.reshape(blocks.shape[0], in_features // BLOCK, per_block)
+        rows = blocks.reshape(blocks.shape[0], in_features // block, per_block)
+        if qtype == Q4_K:
+            return cls(*_from_q4_k(rows), Q4_1, in_features, ops)
+        if qtype == Q6_K:
+            return cls(*_from_q6_k(rows), Q6_K, in_features, ops)
+        num_scales = _LAYOUTS[qtype][0]
         scales = rows[..., : 2 * num_scales].contiguous().view(torch.float16).float()
         codes = rows[..., 2 * num_scales :]
         if qtype == Q4_1:
@@ -72,7 +125,7 @@ class GGUFWeight:
             start, stop, _ = columns.indices(self.in_features)
             if start % BLOCK or stop % BLOCK:
                 raise ValueError(f"input features [{start}, {stop}) do not fall on {BLOCK}-weight block boundaries")
-            num_scales, code_bytes = _LAYOUTS[self.qtype]
+            num_scales, code_bytes = _KERNEL_LAYOUTS[self.qtype]
             codes = codes[:, start // BLOCK * code_bytes : stop // BLOCK * code_bytes]
             scales = scales[:, start // BLOCK * num_scales : stop // BLOCK * num_scales]
             in_features = stop - start

@@ -91,10 +91,29 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
-def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int = 0):
+    """Random Q4_K or Q6_K super-blocks (gguf's quantizer makes none): random codes and integer
+    scales under fp16 super-block scales up to ``magnitude``; ``[rows, cols / 256 * bytes]`` uint8."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q4_k = qtype == gguf.GGMLQuantizationType.Q4_K
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144 if q4_k else 210), dtype=np.uint8)
+    scales = (rng.random((rows, cols // 256, 2)) * magnitude).astype(np.float16).view(np.uint8)
+    if q4_k:
+        blocks[..., 0:4] = scales  # d, dmin
+    else:
+        blocks[..., 208:210] = scales[..., :2]  # d
+    return blocks.reshape(rows, -1)
+
+
+def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, k_quants: bool = False, **overrides) -> Path:
     """A tiny random Llama as a GGUF conversion leaves it (see ``duet.models.gguf_convert``): its
     projections quantized to Q4_1 and its embedding and LM head to Q8_0 by gguf's own quantizer,
-    the float weights replaced by their dequantization, and the blocks kept beside them."""
+    the float weights replaced by their dequantization, and the blocks kept beside them. With
+    ``k_quants`` (sizes multiples of 256), as a Q4_K_M file has them instead: q, k, v, gate and
+    up Q4_K, o, down and the LM head Q6_K (random super-blocks: gguf quantizes to neither)."""
     import gguf
     from safetensors.torch import load_file, save_file
 
@@ -106,8 +125,13 @@ def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **ove
     for name, weight in state.items():
         if weight.dim() != 2:  # norms stay F32, as in a GGUF file
             continue
-        qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
-        quantized = gguf.quants.quantize(weight.numpy(), qtype)
+        if k_quants and "embed" not in name:
+            q4_k = any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+            qtype = gguf.GGMLQuantizationType.Q4_K if q4_k else gguf.GGMLQuantizationType.Q6_K
+            quantized = k_quant_blocks(*weight.shape, int(qtype), magnitude=0.0004 if q4_k else 0.00005, seed=len(blocks))
+        else:
+            qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
+            quantized = gguf.quants.quantize(weight.numpy(), qtype)
         state[name] = torch.from_numpy(gguf.quants.dequantize(quantized, qtype).astype("float32").reshape(weight.shape))
         blocks[name] = torch.from_numpy(quantized.reshape(weight.shape[0], -1).copy())
         types[name] = int(qtype)

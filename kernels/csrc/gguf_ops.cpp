@@ -6,7 +6,8 @@
 // a product uses are bit for bit those of gguf's own dequantizer: d * q is exact in fp32 (an
 // fp16 scale times a 4- or 8-bit integer), and Q4_1's "+ m" rounds once, as gguf's does (an
 // fma rounds d * q + m once too, and d * q has nothing to round). Only the bytes read shrink:
-// 0.75 byte a weight for Q4_1 and 1.125 for Q8_0, against 4 for fp32. A decode step of a few
+// 0.75 byte a weight for Q4_1 and 1.125 for Q8_0, against 4 for fp32. (K-quants arrive rewritten
+// into these blocks: Q4_K as Q4_1, Q6_K as int8 codes with a scale per 16.) A decode step of a few
 // rows reads every weight once and computes little with it: its speed is the speed of reading
 // the weights, which is what this buys.
 //
@@ -32,10 +33,12 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_1 = 3;  // GGML's type ids
 constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kQ6_K = 14;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes less 32
 
-// Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d).
+// Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
+// Q6_K: 32 int8, the scales of weights 0-15 and 16-31).
 constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
-constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ4_1 ? 2 : 1; }
+constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 ? 1 : 2; }
 
 // One ISA's vectors: a block of 32 weights is kVecs vectors of kLanes floats.
 //
@@ -72,6 +75,12 @@ struct Isa {
     for (int i = 0; i < 2; ++i) {
       const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), d);
+    }
+  }
+  static void q6_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int i = 0; i < 2; ++i) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+      w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), _mm512_set1_ps(scales[i]));
     }
   }
 };
@@ -119,6 +128,12 @@ struct Isa {
       w[i] = _mm256_mul_ps(widen(qs, true), d);
     }
   }
+  static void q6_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
+      w[i] = _mm256_mul_ps(widen(qs, true), _mm256_set1_ps(scales[i / 2]));
+    }
+  }
 };
 #else
 struct Isa {
@@ -145,6 +160,9 @@ struct Isa {
   static void q8_0(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = scales[0] * static_cast<float>(static_cast<int8_t>(codes[j]));
   }
+  static void q6_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = scales[j / 16] * static_cast<float>(static_cast<int8_t>(codes[j]));
+  }
 };
 #endif
 
@@ -163,6 +181,7 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   const uint8_t* codes = w.codes + (n * w.num_blocks + b) * code_bytes(QType);
   const float* scales = w.scales + (n * w.num_blocks + b) * num_scales(QType);
   if constexpr (QType == kQ4_1) Isa::q4_1(codes, scales, out);
+  else if constexpr (QType == kQ6_K) Isa::q6_k(codes, scales, out);
   else Isa::q8_0(codes, scales, out);
 }
 
@@ -316,8 +335,15 @@ void matmul(const float* x, int64_t M, int64_t K, const Weights& w, float* out, 
   else matmul_rows<QType>(x, M, K, w, out, N);
 }
 
+void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
+  if (qtype == kQ4_1) matmul<kQ4_1>(x, M, K, w, out, N, panels);
+  else if (qtype == kQ6_K) matmul<kQ6_K>(x, M, K, w, out, N, panels);
+  else matmul<kQ8_0>(x, M, K, w, out, N, panels);
+}
+
 Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0, "GGUF type ", qtype, " is not supported (Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ6_K, "GGUF type ", qtype,
+              " is not supported (Q4_1 = 3, Q8_0 = 8, Q6_K = 14)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
   const int64_t num_blocks = in_features / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&
@@ -340,8 +366,7 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
   const bool panels = x.size(0) >= panel_min_rows && N % kPanel == 0;
-  if (qtype == kQ4_1) matmul<kQ4_1>(x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, panels);
-  else matmul<kQ8_0>(x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, panels);
+  matmul(qtype, x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, panels);
   return out;
 }
 
@@ -401,8 +426,7 @@ torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Te
       const int64_t n0 = g * kArgmaxGroup, width = std::min(kArgmaxGroup, N - n0);
       const Weights part{w.codes + n0 * w.num_blocks * code_bytes(qtype), w.scales + n0 * w.num_blocks * num_scales(qtype),
                          w.num_blocks};
-      if (qtype == kQ4_1) matmul<kQ4_1>(xs, M, K, part, products.data(), width, panels);
-      else matmul<kQ8_0>(xs, M, K, part, products.data(), width, panels);
+      matmul(qtype, xs, M, K, part, products.data(), width, panels);
       for (int64_t r = 0; r < M; ++r) {
         float* row = products.data() + r * width;
         for (int64_t e = 0; e < num_excluded; ++e) {
@@ -438,6 +462,7 @@ torch::Tensor gguf_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t
     for (int64_t n = begin; n < end; ++n)
       for (int64_t b = 0; b < w.num_blocks; ++b) {
         if (qtype == kQ4_1) dequant<kQ4_1>(w, n, b, v);
+        else if (qtype == kQ6_K) dequant<kQ6_K>(w, n, b, v);
         else dequant<kQ8_0>(w, n, b, v);
         for (int i = 0; i < kVecs; ++i) Isa::store(o + n * in_features + b * kBlock + i * Isa::kLanes, v[i]);
       }

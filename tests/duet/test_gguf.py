@@ -68,6 +68,28 @@ def test_greedy_rows_take_their_tokens_from_the_lm_heads_argmax_without_logits(t
     llm.engine.check_integrity()
 
 
+def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_path, smollm2_dir):
+    """Q4_K and Q6_K weights (a Q4_K_M file's) are kept as blocks, rewritten for the kernels,
+    dequantize to the float weights bit for bit (the loader checks), and give transformers'
+    greedy tokens over those weights, alone and in a batch."""
+    from tests.conftest import make_tiny_gguf_llama
+
+    model_dir = make_tiny_gguf_llama(
+        tmp_path, smollm2_dir, k_quants=True, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+    )
+    llm = LLM(model=str(model_dir), num_kv_blocks=256)
+    kinds = {name.rsplit(".", 1)[-1]: linear.gguf.qtype for name, linear in _linears(llm).items()}
+    assert kinds == {"qkv_proj": 3, "o_proj": 14, "gate_up_proj": 3, "down_proj": 14, "lm_head": 14}
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+    references = hf_greedy(model_dir, prompts, 16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    for label, outputs in (("alone", [llm.generate([p], greedy)[0] for p in prompts]), ("together", llm.generate(prompts, greedy))):
+        for index, (output, reference) in enumerate(zip(outputs, references)):
+            assert compare_to_reference(output.outputs[0].token_ids, reference, f"{label} {index}") is None
+    llm.engine.check_integrity()
+
+
 def test_insisting_on_gguf_without_blocks_names_what_is_missing(tiny_llama_dir):
     with pytest.raises(ModelNotFoundError, match="blocks.safetensors: missing"):
         LLM(model=str(tiny_llama_dir), num_kv_blocks=64, quantization="gguf")

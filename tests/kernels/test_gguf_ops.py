@@ -10,6 +10,7 @@ import torch
 
 from duet.kernels import cpu_ops
 from duet.kernels.gguf import GGUFWeight
+from tests.conftest import k_quant_blocks
 
 OPS = cpu_ops.load_gguf()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ toolchain")
@@ -55,6 +56,25 @@ def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, r
     if rows >= 17:  # 75 outputs are no whole number of panels: those go by tiles of rows
         odd, odd_weights = quantized(75, 192, TYPES[name], seed=rows)
         torch.testing.assert_close(odd.matmul(x), (x.double() @ odd_weights.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(name):
+    """Q4_K becomes Q4_1 blocks (scale d * sc, min -dmin * m), Q6_K int8 blocks with a scale per
+    16: both dequantize to gguf's own floats exactly, and multiply as float matmuls over them."""
+    qtype = getattr(gguf.GGMLQuantizationType, name)
+    blocks = k_quant_blocks(48, 512, int(qtype), magnitude=0.01 if name == "Q4_K" else 0.0005)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(48, 512))
+    weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 512, OPS)
+    assert weight.qtype == {"Q4_K": 3, "Q6_K": 14}[name]
+    assert torch.equal(weight.dequantize(), reference)
+    for rows in (1, 3, 20):  # tiles of rows, and panels
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
+    shard = weight.shard([slice(5, 20)], slice(256, 512))
+    assert torch.equal(shard.dequantize(), reference[5:20, 256:])
+    with pytest.raises(ValueError, match="do not hold rows of 500"):
+        GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 500, OPS)
 
 
 def test_malformed_weights_are_refused_with_a_reason():

@@ -245,3 +245,15 @@ def test_triton_gguf_kernels_use_ggufs_weights_bit_for_bit_and_multiply_them(qty
     excluded = weight.matmul(x).argmax(dim=-1, keepdim=True)  # each row's best excluded: its runner-up wins
     products = weight.matmul(x).scatter(1, excluded, float("-inf"))
     assert torch.equal(weight.matmul_argmax(x, excluded), products.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K])
+def test_triton_gguf_kernels_read_k_quants_as_rewritten_bit_for_bit(qtype):
+    from tests.conftest import k_quant_blocks
+
+    blocks = k_quant_blocks(37, 256, int(qtype), magnitude=0.001)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(37, 256))
+    weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 256, triton_gguf)
+    assert torch.equal(weight.dequantize(), reference)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
