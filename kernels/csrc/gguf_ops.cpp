@@ -270,6 +270,25 @@ void dequant_panel(const Weights& w, int64_t n0, int64_t K, float* panel) {
     }
 }
 
+#if defined(__AVX512F__)
+static_assert(kTileRows * kTileColumns == 16, "a tile's accumulators fill one vector of sums");
+
+// Lane i of the result: the sum of a[i]'s 16 lanes, for all 16 at once (45 shuffles and adds
+// against 16 separate reductions' 128): pairs within 128-bit lanes, then quads, then across them.
+inline __m512 sums16(const __m512* a) {
+  __m512 pairs[8], quads[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2k], y = a[2k+1]
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of a[4k..4k+3]
+    const __m512d lo = _mm512_castps_pd(pairs[2 * k]), hi = _mm512_castps_pd(pairs[2 * k + 1]);
+    quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  const __m512 half01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 half23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half01, half23, 0x88), _mm512_shuffle_f32x4(half01, half23, 0xDD));
+}
+#endif
+
 template <int R>
 void panel_tile(const float* x, int64_t K, const float* weights, float* out, int64_t N) {
   Isa::V acc[R][kTileColumns];
@@ -283,8 +302,20 @@ void panel_tile(const float* x, int64_t K, const float* weights, float* out, int
       for (int c = 0; c < kTileColumns; ++c) acc[r][c] = Isa::fmadd(xv, wv[c], acc[r][c]);
     }
   }
+#if defined(__AVX512F__)
+  // The 16 accumulators' lane sums at once, into one vector (zeros stand in for missing rows:
+  // each output's own lanes are added in the same order whatever the tile's rows).
+  __m512 flat[16];
+  for (int i = 0; i < 16; ++i) flat[i] = i / kTileColumns < R ? acc[i / kTileColumns][i % kTileColumns] : Isa::zero();
+  const __m512 totals = sums16(flat);
+  _mm_storeu_ps(out, _mm512_extractf32x4_ps(totals, 0));
+  if constexpr (R > 1) _mm_storeu_ps(out + N, _mm512_extractf32x4_ps(totals, 1));
+  if constexpr (R > 2) _mm_storeu_ps(out + 2 * N, _mm512_extractf32x4_ps(totals, 2));
+  if constexpr (R > 3) _mm_storeu_ps(out + 3 * N, _mm512_extractf32x4_ps(totals, 3));
+#else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < kTileColumns; ++c) out[r * N + c] = Isa::sum(acc[r][c]);
+#endif
 }
 
 template <int R>
