@@ -6,7 +6,7 @@ fp32, and 1.4-2x in bf16, than ``F.linear``; for one row in fp32 and for long pr
 chunks the plain path is as fast or faster. Both are kept, and each call picks by rows.
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
-up to ``GGUF_MAX_ROWS`` fp32 rows then read the quantized codes (0.75 byte a weight for Q4_1,
+up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows then read the quantized codes (0.75 byte a weight for Q4_1,
 1.125 for Q8_0, scales included, against 4) through ``kernels.gguf``, which dequantizes them
 exactly to the float weights the other paths use (in registers for a few rows, by panels
 kept in cache for a decode batch); longer products, prompt chunks, keep oneDNN's float paths.
@@ -34,10 +34,13 @@ from duet.kernels.gguf import GGUFWeight
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
 _PACK_BATCH_HINT = 32
-# Rows up to which reading GGUF blocks beats the float weights: on two AVX-512 cores,
-# SmolLM2's 121 products take 3.4 ms from its Q4_1/Q8_0 codes at 1 row against 20 (F.linear)
-# and 26 (oneDNN, packed); 24.5 against 39.9 (packed) at 16 rows; 40.5 against 52.5 at 32
-# (by panels, ``csrc/gguf_ops.cpp``); 86 against 82 at 64.
+# Rows up to which reading GGUF blocks beats the float weights: on two AVX-512 cores (a Xeon),
+# SmolLM2's 121 products take 2.7 ms from its Q4_1/Q8_0 codes at 1 row against 8.1 (F.linear);
+# 21.7 against 39.9 (oneDNN, packed) at 16 rows; 30.7 against 38 at 32 (by panels,
+# ``csrc/gguf_ops.cpp``); 44 against 48 at 48; 55 against 50 at 56; 69 against 54 at 64.
+GGUF_FLOAT_MAX_ROWS = 48
+# Weights kept as blocks alone (quantized at load) have no packed float weight to fall back
+# on: past this many rows they dequantize for the call.
 GGUF_MAX_ROWS = 64
 
 
@@ -74,12 +77,19 @@ class Linear(nn.Module):
         self.packed_weight = None
         self._packed_rows = (0, -1)
 
+    def _reads_blocks(self, rows: int) -> bool:
+        """Whether a product of ``rows`` rows reads the GGUF blocks (fp32 rows, or rows passed
+        through them in fp32 where the blocks are the only weight)."""
+        if self.gguf is None:
+            return False
+        return rows <= (GGUF_MAX_ROWS if self.weight is None else GGUF_FLOAT_MAX_ROWS)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # quantized at load time
-            if x.shape[0] > GGUF_MAX_ROWS:
+            if not self._reads_blocks(x.shape[0]):
                 return F.linear(x, self.gguf.dequantize().to(x.dtype))
             return self.gguf.matmul(x.float()).to(x.dtype)
-        if self.gguf is not None and x.shape[0] <= GGUF_MAX_ROWS:  # attached to float32 models only
+        if self._reads_blocks(x.shape[0]):  # attached to float32 models only
             return self.gguf.matmul(x)
         low, high = self._packed_rows
         if low <= x.shape[0] <= high:
@@ -90,6 +100,6 @@ class Linear(nn.Module):
         """``greedy_argmax(self(x).float(), excluded_token_ids)``: an LM head's greedy tokens.
         fp32 rows the GGUF blocks serve never write their products out (the kernel keeps each
         row's best as it goes: the same products, so the same tokens)."""
-        if self.gguf is not None and x.dtype == torch.float32 and x.shape[0] <= GGUF_MAX_ROWS:
+        if x.dtype == torch.float32 and self._reads_blocks(x.shape[0]):
             return self.gguf.matmul_argmax(x, excluded_token_ids)
         return greedy_argmax(self(x).float(), excluded_token_ids)

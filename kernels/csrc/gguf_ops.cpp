@@ -251,9 +251,9 @@ constexpr int kTileRows = 4, kTileColumns = 4;  // 16 accumulators of 32 registe
 constexpr int kTileRows = 2, kTileColumns = 4;  // 8 of 16 (AVX2)
 #endif
 // Rows from which panels beat dequantizing per tile of rows: SmolLM2's 121 products on two
-// AVX-512 cores take 24.5 ms by tiles and 27.3 by panels at 16 rows, 31.6 and 27.2 at 20,
-// 47.8 and 40.5 at 32 (oneDNN on the float weights: 39.9, 42.6, 52.5); built for AVX2, 25.3
-// and 23.5 at 8 rows, 51.0 and 37.9 at 16.
+// AVX-512 cores (a Xeon, panels summing by sums16) take 21.7 ms by tiles and 23.2 by panels at
+// 16 rows, 27.4 and 25.4 at 20, 30.7 by panels at 32 (oneDNN on the float weights: 38); built
+// for AVX2 (measured before sums16, on a Zen 4), 25.3 and 23.5 at 8 rows, 51.0 and 37.9 at 16.
 #if defined(__AVX512F__)
 constexpr int64_t kPanelMinRows = 17;
 #else
