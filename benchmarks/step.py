@@ -1,0 +1,151 @@
+"""Where a decode step's milliseconds go: SmolLM2's engine step, op by op, at each batch size.
+
+    duet bench step [--batches 1,32] [--steps 64] [--dtype float32] [--quantization auto] [--json out.json]
+
+For each batch size, the engine decodes that many greedy sequences (the offline benchmark's
+prompts) and times, over ``--steps`` steps past the prompts, the engine's step and what it
+spends inside: the products (``Linear``: GGUF block kernels, oneDNN or MKL, whichever its rows
+take; the LM head's fused greedy argmax apart), attention over the paged cache, the KV write
+with RoPE, the norms, the activation, sampling (steps that need logits), the model's forward as
+a whole, and the runner's input preparation. What the step spends outside all of these is the
+per-step overhead: Python, module calls, views, the scheduler, the runner's bookkeeping.
+
+Each timed function gets a ``perf_counter`` pair around it (about a microsecond a call, a few
+hundred calls a step: counted in the kernels' own times, not in the overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+PROMPT_BATCH = 32
+
+
+@dataclass
+class StepProfile:
+    batch: int
+    step_ms: float
+    parts_ms: dict[str, float]  # per step, by part
+    overhead_ms: float  # step less every kernel-level part
+
+
+def _timed_parts():
+    """(label, owner, attribute) of what a step is split into; ``forward`` contains the rest but
+    ``sampler`` and ``prepare``."""
+    from duet import engine, model_runner
+    from duet.models import linear, llama
+
+    return [
+        ("products", linear.Linear, "forward"),
+        ("LM head argmax", linear.Linear, "argmax"),
+        ("attention", llama, "paged_attention"),
+        ("RoPE + KV write", llama, "rope_and_write_kv"),
+        ("norms", llama, "add_rms_norm"),
+        ("norms", llama, "rms_norm"),
+        ("activation", llama, "silu_and_mul"),
+        ("sampler", model_runner.ModelRunner, "_sample"),
+        ("prepare inputs", model_runner.ModelRunner, "_prepare_inputs"),
+        ("forward", llama.LlamaForCausalLM, "forward"),
+        ("step", engine.LLMEngine, "step"),
+    ]
+
+
+KERNEL_PARTS = ("products", "LM head argmax", "attention", "RoPE + KV write", "norms", "activation", "sampler", "prepare inputs")
+
+
+@contextmanager
+def timing(totals: dict[str, float]):
+    """Wrap every part of ``_timed_parts`` so that its seconds add up in ``totals``. A kernel-level
+    part inside another (the products of the LM head's unfused argmax) counts in the outer one
+    alone, so that the parts never overlap; ``forward`` and ``step`` contain them."""
+    originals, depth = [], collections.Counter()
+
+    def wrap(label, function):
+        key = "kernel" if label in KERNEL_PARTS else label
+
+        def timed(*args, **kwargs):
+            depth[key] += 1
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[key] -= 1
+                if depth[key] == 0:
+                    totals[label] += time.perf_counter() - started
+        return timed
+
+    for label, owner, attribute in _timed_parts():
+        original = getattr(owner, attribute)
+        originals.append((owner, attribute, original))
+        setattr(owner, attribute, wrap(label, original))
+    try:
+        yield
+    finally:
+        for owner, attribute, original in reversed(originals):
+            setattr(owner, attribute, original)
+
+
+def profile(llm, prompts: list[list[int]], batch: int, steps: int) -> StepProfile:
+    from duet import SamplingParams
+    from duet.messages import EngineRequest
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, min_tokens=steps + 8)
+    for index in range(batch):
+        engine.add_request(EngineRequest(f"profile-{batch}-{index}", prompts[index % len(prompts)], params))
+    for _ in range(4):  # the prompts, and a few steps to settle
+        engine.step()
+    totals = collections.defaultdict(float)
+    with timing(totals):
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    parts = {label: seconds / steps * 1e3 for label, seconds in totals.items()}
+    step_ms = parts.pop("step")
+    parts.pop("forward", None)
+    overhead = step_ms - sum(parts.get(label, 0.0) for label in KERNEL_PARTS)
+    return StepProfile(batch=batch, step_ms=step_ms, parts_ms=parts, overhead_ms=overhead)
+
+
+def report(profiles: list[StepProfile]) -> str:
+    labels = [label for label in KERNEL_PARTS if any(label in p.parts_ms for p in profiles)]
+    lines = [f"{'part (ms a step)':<20}" + "".join(f"{f'batch {p.batch}':>12}" for p in profiles)]
+    for label in labels:
+        lines.append(f"{label:<20}" + "".join(f"{p.parts_ms.get(label, 0.0):>12.2f}" for p in profiles))
+    lines.append(f"{'outside kernels':<20}" + "".join(f"{p.overhead_ms:>12.2f}" for p in profiles))
+    lines.append(f"{'step':<20}" + "".join(f"{p.step_ms:>12.2f}" for p in profiles))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duet bench step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="auto", help="auto (the engine's default), dequantized, int8, int4")
+    parser.add_argument("--json", help="also write the profiles here")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from duet import LLM
+    from duet.benchmarks.offline import batch_prompts
+    from duet.models.loader import resolve_model_path
+
+    batches = [int(batch) for batch in args.batches.split(",")]
+    quantization = None if args.quantization == "auto" else args.quantization
+    llm = LLM(model="smollm2", dtype=args.dtype, quantization=quantization, max_num_seqs=max(batches), kv_cache_memory_gib=1.0)
+    prompts = batch_prompts(AutoTokenizer.from_pretrained(str(resolve_model_path("smollm2"))))
+    profiles = [profile(llm, prompts, batch, args.steps) for batch in batches]
+    print(f"SmolLM2 decode step, {args.dtype}, quantization {args.quantization}, mean of {args.steps} steps")
+    print(report(profiles))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([asdict(p) for p in profiles], out, indent=2)
+    return 0

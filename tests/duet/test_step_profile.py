@@ -1,0 +1,29 @@
+"""``duet bench step``: a decode step split into parts that never overlap and add up to less
+than the step, and the engine left as it was (every timed function restored)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from duet import LLM, SamplingParams
+from duet.benchmarks.step import KERNEL_PARTS, _timed_parts, profile, report
+
+
+def test_a_steps_parts_add_up_within_the_step_and_the_wrappers_come_off(tiny_gguf_llama_dir):
+    originals = [getattr(owner, attribute) for _, owner, attribute in _timed_parts()]
+    llm = LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=256, max_num_seqs=8)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 40000) for _ in range(12)] for _ in range(3)]
+    before = [output.outputs[0].token_ids for output in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+    profiles = [profile(llm, prompts, batch, steps=6) for batch in (1, 5)]
+    for step in profiles:
+        assert step.parts_ms["products"] > 0 and step.parts_ms["attention"] > 0 and step.parts_ms["LM head argmax"] > 0
+        assert sum(step.parts_ms.get(label, 0.0) for label in KERNEL_PARTS) + step.overhead_ms == pytest.approx(step.step_ms)
+        assert 0 < step.overhead_ms < step.step_ms
+    assert "outside kernels" in report(profiles)
+    assert [getattr(owner, attribute) for _, owner, attribute in _timed_parts()] == originals
+    after = [output.outputs[0].token_ids for output in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+    assert after == before
+    llm.engine.check_integrity()
