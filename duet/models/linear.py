@@ -29,6 +29,7 @@ from torch import nn
 from duet.config import cpu_has_fast_bf16
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import GGUFWeight
+from duet.models.module import Module
 
 # Row-count window where the reordered oneDNN weight wins, measured per dtype on
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
@@ -44,7 +45,7 @@ GGUF_FLOAT_MAX_ROWS = 48
 GGUF_MAX_ROWS = 64
 
 
-class Linear(nn.Module):
+class Linear(Module):
     """``y = x @ W.T``; ``W`` is ``[out_features, in_features]`` as in Hugging Face checkpoints."""
 
     def __init__(self, in_features: int, out_features: int) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from duet.kernels import AttentionMetadata, paged_attention
 from duet.kernels.fused import add_rms_norm, rms_norm, rope_and_write_kv, silu_and_mul
 from duet.models.linear import Linear
+from duet.models.module import Module
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class LlamaArch:
         )
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
@@ -80,7 +81,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin().contiguous(), persistent=False)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
@@ -104,7 +105,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
@@ -114,7 +115,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Module):
     """Pre-norm block. It takes the normalised input and the residual stream, and returns
     the MLP output for the next norm to add in (norm and residual add are fused)."""
 

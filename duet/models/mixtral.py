@@ -22,6 +22,7 @@ from torch import nn
 from duet.kernels.fused import silu_and_mul
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
+from duet.models.module import Module
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class MixtralArch(LlamaArch):
         return cls(**vars(llama), num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok)
 
 
-class MixtralMoE(nn.Module):
+class MixtralMoE(Module):
     """The router and the experts ``local_experts`` (all of them unless expert-parallel)."""
 
     def __init__(self, arch: MixtralArch) -> None:

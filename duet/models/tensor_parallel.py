@@ -38,6 +38,7 @@ from duet.kernels.gguf import BLOCK
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
 from duet.models.mixtral import MixtralArch, MixtralMoE
+from duet.models.module import Module
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None
     return shard
 
 
-class SummedOverRanks(nn.Module):
+class SummedOverRanks(Module):
     """A module computing this rank's part of a sum (a Linear over its input features, its
     experts); the parts are added over the ranks."""
 
