@@ -167,6 +167,24 @@ struct Isa {
 #endif
 
 constexpr int kVecs = kBlock / Isa::kLanes;
+
+#if defined(__AVX512F__)
+
+// Lane i of the result: the sum of a[i]'s 16 lanes, for all 16 at once (45 shuffles and adds
+// against 16 separate reductions' 128): pairs within 128-bit lanes, then quads, then across them.
+inline __m512 sums16(const __m512* a) {
+  __m512 pairs[8], quads[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2k], y = a[2k+1]
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of a[4k..4k+3]
+    const __m512d lo = _mm512_castps_pd(pairs[2 * k]), hi = _mm512_castps_pd(pairs[2 * k + 1]);
+    quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  const __m512 half01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 half23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half01, half23, 0x88), _mm512_shuffle_f32x4(half01, half23, 0xDD));
+}
+#endif
 constexpr int64_t kAheadRows = 16;  // rows a tile prefetches ahead (measured: 8 to 32 do as well)
 
 // The N x K weights: codes [N, K / 32 * code_bytes] and scales [N, K / 32 * num_scales].
@@ -214,12 +232,27 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
       }
     }
   }
+#if defined(__AVX512F__)
+  static_assert(R * C <= 16, "a tile's outputs fit one vector of sums");
+  __m512 totals[16];
+  for (int i = 0; i < 16; ++i) totals[i] = Isa::zero();
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      totals[r * C + c] = acc[r][c][0];
+      for (int v = 1; v < kVecs; ++v) totals[r * C + c] = totals[r * C + c] + acc[r][c][v];
+    }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, sums16(totals));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * N + n + c] = sums[r * C + c];
+#else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       Isa::V total = acc[r][c][0];
       for (int v = 1; v < kVecs; ++v) total = total + acc[r][c][v];
       out[r * N + n + c] = Isa::sum(total);
     }
+#endif
 }
 
 // Up to 8 rows of x against every output feature, the features split across threads.
@@ -251,11 +284,12 @@ constexpr int kTileRows = 4, kTileColumns = 4;  // 16 accumulators of 32 registe
 constexpr int kTileRows = 2, kTileColumns = 4;  // 8 of 16 (AVX2)
 #endif
 // Rows from which panels beat dequantizing per tile of rows: SmolLM2's 121 products on two
-// AVX-512 cores (a Xeon, panels summing by sums16) take 21.7 ms by tiles and 23.2 by panels at
-// 16 rows, 27.4 and 25.4 at 20, 30.7 by panels at 32 (oneDNN on the float weights: 38); built
-// for AVX2 (measured before sums16, on a Zen 4), 25.3 and 23.5 at 8 rows, 51.0 and 37.9 at 16.
+// AVX-512 cores (a Xeon, both summing by sums16) take 14.2 ms by tiles and 14.5 by panels at
+// 10 rows, 15.8 and 16.1 at 12, 21.0 and 19.7 at 16, 30.7 by panels at 32 (oneDNN on the float
+// weights: 38); built for AVX2 (measured on a Zen 4), 25.3 and 23.5 at 8 rows, 51.0 and 37.9
+// at 16.
 #if defined(__AVX512F__)
-constexpr int64_t kPanelMinRows = 17;
+constexpr int64_t kPanelMinRows = 13;
 #else
 constexpr int64_t kPanelMinRows = 8;
 #endif
@@ -270,23 +304,9 @@ void dequant_panel(const Weights& w, int64_t n0, int64_t K, float* panel) {
     }
 }
 
+
 #if defined(__AVX512F__)
 static_assert(kTileRows * kTileColumns == 16, "a tile's accumulators fill one vector of sums");
-
-// Lane i of the result: the sum of a[i]'s 16 lanes, for all 16 at once (45 shuffles and adds
-// against 16 separate reductions' 128): pairs within 128-bit lanes, then quads, then across them.
-inline __m512 sums16(const __m512* a) {
-  __m512 pairs[8], quads[4];
-  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2k], y = a[2k+1]
-    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of a[4k..4k+3]
-    const __m512d lo = _mm512_castps_pd(pairs[2 * k]), hi = _mm512_castps_pd(pairs[2 * k + 1]);
-    quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
-  }
-  const __m512 half01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 half23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(half01, half23, 0x88), _mm512_shuffle_f32x4(half01, half23, 0xDD));
-}
 #endif
 
 template <int R>

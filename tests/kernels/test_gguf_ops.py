@@ -46,7 +46,7 @@ def test_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 17, 21, 40])
 def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
-    """Many rows go by panels of 16 dequantized features (17 rows and up by default; forced
+    """Many rows go by panels of 16 dequantized features (from 13 rows with AVX-512, 8 with AVX2; forced
     here from 1): 96 outputs, six panels; 21 rows, tiles of rows with a remainder."""
     weight, weights = quantized(96, 192, TYPES[name], seed=rows)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
@@ -106,7 +106,7 @@ def test_a_shard_of_rows_and_block_columns_is_that_slice_of_the_weight(name):
 def test_fused_greedy_tokens_are_the_argmax_of_the_products(name, rows, outputs):
     """The LM head's fused argmax is torch.argmax of gguf_matmul's own products (the unfused
     sampler's greedy tokens) with each row's excluded ids at -inf: 2080 outputs are three
-    groups of 1,024 by panels (from 17 rows), 1099 no whole number of panels (tiles of rows).
+    groups of 1,024 by panels (from 17 rows on any CPU), 1099 no whole number of panels (tiles of rows).
     Each row's best feature is copied into another group: of two equal bests the first must
     win, and with the first excluded, its copy."""
     weight, _ = quantized(outputs, 192, TYPES[name], seed=rows)
