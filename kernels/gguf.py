@@ -34,6 +34,7 @@ _KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q6_K: (2, 32)}  # per block in 
 TYPES = frozenset({Q4_1, Q8_0, Q4_K, Q6_K})  # what the kernels read (K-quants rewritten at load)
 BLOCK = 32
 SUPER_BLOCK = 256  # weights of a K-quant super-block
+_K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
 
 
 def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
@@ -45,9 +46,6 @@ def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
     shifts = (4 * torch.arange(4, dtype=torch.int32, device=codes.device)).view(4, 1)
     words = ((low << shifts) | (high << (shifts + 16))).sum(dim=-2, dtype=torch.int32)  # disjoint bits: sum = or
     return words.view(torch.uint8)
-
-
-_K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
 
 
 def _from_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
