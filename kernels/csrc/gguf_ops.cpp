@@ -56,7 +56,20 @@ struct Isa {
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  // Lane i: the sum of a[i]'s 16 lanes, for 16 vectors at once (45 shuffles and adds against 16
+  // separate reductions' 128): pairs within 128-bit lanes, then quads, then across them.
+  static V sums(const V* a) {
+    V pairs[8], quads[4];
+    for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2k], y = a[2k+1]
+      pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of a[4k..4k+3]
+      const __m512d lo = _mm512_castps_pd(pairs[2 * k]), hi = _mm512_castps_pd(pairs[2 * k + 1]);
+      quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    const V half01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    const V half23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(half01, half23, 0x88), _mm512_shuffle_f32x4(half01, half23, 0xDD));
+  }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static float max_of(V v) { return _mm512_reduce_max_ps(v); }
   static bool any_nan(V v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
@@ -94,11 +107,17 @@ struct Isa {
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+  // Lane i: the sum of a[i]'s 8 lanes, for 8 vectors at once: pairs within 128-bit lanes, then
+  // quads, then the two halves.
+  static V sums(const V* a) {
+    V pairs[4], quads[2];
+    for (int k = 0; k < 4; ++k)
+      pairs[k] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 2; ++k) {
+      const __m256d lo = _mm256_castps_pd(pairs[2 * k]), hi = _mm256_castps_pd(pairs[2 * k + 1]);
+      quads[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(lo, hi)), _mm256_castpd_ps(_mm256_unpackhi_pd(lo, hi)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
   }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static float max_of(V v) {
@@ -145,7 +164,7 @@ struct Isa {
   static V load(const float* p) { return *p; }
   static void store(float* p, V v) { *p = v; }
   static V fmadd(V a, V b, V c) { return a * b + c; }
-  static float sum(V v) { return v; }
+  static V sums(const V* a) { return a[0]; }  // one lane: a vector is its own sum
   static V max(V a, V b) { return a > b ? a : b; }
   static float max_of(V v) { return v; }
   static bool any_nan(V v) { return v != v; }
@@ -168,23 +187,19 @@ struct Isa {
 
 constexpr int kVecs = kBlock / Isa::kLanes;
 
-#if defined(__AVX512F__)
-
-// Lane i of the result: the sum of a[i]'s 16 lanes, for all 16 at once (45 shuffles and adds
-// against 16 separate reductions' 128): pairs within 128-bit lanes, then quads, then across them.
-inline __m512 sums16(const __m512* a) {
-  __m512 pairs[8], quads[4];
-  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2k], y = a[2k+1]
-    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of a[4k..4k+3]
-    const __m512d lo = _mm512_castps_pd(pairs[2 * k]), hi = _mm512_castps_pd(pairs[2 * k + 1]);
-    quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+// store(i, sum of v[i]'s lanes) for i < Count, Isa::kLanes sums at a time (Isa::sums; missing
+// vectors are zeros). Each sum adds its own lanes in one fixed order, wherever it sits.
+template <int Count, typename Store>
+inline void lane_sums(const Isa::V* v, Store store) {
+  for (int base = 0; base < Count; base += Isa::kLanes) {
+    Isa::V group[Isa::kLanes];
+    for (int i = 0; i < Isa::kLanes; ++i) group[i] = base + i < Count ? v[base + i] : Isa::zero();
+    alignas(64) float sums[Isa::kLanes];
+    Isa::store(sums, Isa::sums(group));
+    for (int i = 0; i < Isa::kLanes && base + i < Count; ++i) store(base + i, sums[i]);
   }
-  const __m512 half01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 half23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(half01, half23, 0x88), _mm512_shuffle_f32x4(half01, half23, 0xDD));
 }
-#endif
+
 constexpr int64_t kAheadRows = 16;  // rows a tile prefetches ahead (measured: 8 to 32 do as well)
 
 // The N x K weights: codes [N, K / 32 * code_bytes] and scales [N, K / 32 * num_scales].
@@ -232,27 +247,13 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
       }
     }
   }
-#if defined(__AVX512F__)
-  static_assert(R * C <= 16, "a tile's outputs fit one vector of sums");
-  __m512 totals[16];
-  for (int i = 0; i < 16; ++i) totals[i] = Isa::zero();
+  Isa::V totals[R * C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       totals[r * C + c] = acc[r][c][0];
       for (int v = 1; v < kVecs; ++v) totals[r * C + c] = totals[r * C + c] + acc[r][c][v];
     }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, sums16(totals));
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * N + n + c] = sums[r * C + c];
-#else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      Isa::V total = acc[r][c][0];
-      for (int v = 1; v < kVecs; ++v) total = total + acc[r][c][v];
-      out[r * N + n + c] = Isa::sum(total);
-    }
-#endif
+  lane_sums<R * C>(totals, [&](int i, float sum) { out[(i / C) * N + n + i % C] = sum; });
 }
 
 // Up to 8 rows of x against every output feature, the features split across threads.
@@ -284,7 +285,7 @@ constexpr int kTileRows = 4, kTileColumns = 4;  // 16 accumulators of 32 registe
 constexpr int kTileRows = 2, kTileColumns = 4;  // 8 of 16 (AVX2)
 #endif
 // Rows from which panels beat dequantizing per tile of rows: SmolLM2's 121 products on two
-// AVX-512 cores (a Xeon, both summing by sums16) take 14.2 ms by tiles and 14.5 by panels at
+// AVX-512 cores (a Xeon, both summing by Isa::sums) take 14.2 ms by tiles and 14.5 by panels at
 // 10 rows, 15.8 and 16.1 at 12, 21.0 and 19.7 at 16, 30.7 by panels at 32 (oneDNN on the float
 // weights: 38); built for AVX2 (measured on a Zen 4), 25.3 and 23.5 at 8 rows, 51.0 and 37.9
 // at 16.
@@ -304,11 +305,6 @@ void dequant_panel(const Weights& w, int64_t n0, int64_t K, float* panel) {
     }
 }
 
-
-#if defined(__AVX512F__)
-static_assert(kTileRows * kTileColumns == 16, "a tile's accumulators fill one vector of sums");
-#endif
-
 template <int R>
 void panel_tile(const float* x, int64_t K, const float* weights, float* out, int64_t N) {
   Isa::V acc[R][kTileColumns];
@@ -322,20 +318,7 @@ void panel_tile(const float* x, int64_t K, const float* weights, float* out, int
       for (int c = 0; c < kTileColumns; ++c) acc[r][c] = Isa::fmadd(xv, wv[c], acc[r][c]);
     }
   }
-#if defined(__AVX512F__)
-  // The 16 accumulators' lane sums at once, into one vector (zeros stand in for missing rows:
-  // each output's own lanes are added in the same order whatever the tile's rows).
-  __m512 flat[16];
-  for (int i = 0; i < 16; ++i) flat[i] = i / kTileColumns < R ? acc[i / kTileColumns][i % kTileColumns] : Isa::zero();
-  const __m512 totals = sums16(flat);
-  _mm_storeu_ps(out, _mm512_extractf32x4_ps(totals, 0));
-  if constexpr (R > 1) _mm_storeu_ps(out + N, _mm512_extractf32x4_ps(totals, 1));
-  if constexpr (R > 2) _mm_storeu_ps(out + 2 * N, _mm512_extractf32x4_ps(totals, 2));
-  if constexpr (R > 3) _mm_storeu_ps(out + 3 * N, _mm512_extractf32x4_ps(totals, 3));
-#else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kTileColumns; ++c) out[r * N + c] = Isa::sum(acc[r][c]);
-#endif
+  lane_sums<R * kTileColumns>(&acc[0][0], [&](int i, float sum) { out[(i / kTileColumns) * N + i % kTileColumns] = sum; });
 }
 
 template <int R>
