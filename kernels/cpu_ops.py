@@ -11,6 +11,7 @@ None and callers use the torch implementations (and the dequantized float weight
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -28,16 +29,17 @@ def load():
     # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
     # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
     # never produce or consume infinities (softmax subtracts the max of visible scores).
-    return _build("duet_cpu_ops", "cpu_ops.cpp", ["-ffast-math"], ["-lmvec"])
+    return _build("duet_cpu_ops", ["cpu_ops.cpp"], ["-ffast-math"], ["-lmvec"])
 
 
 @functools.cache
 def load_gguf():
-    """The GGUF block matmuls, or None when they cannot be built or are switched off."""
-    return _build("duet_gguf_ops", "gguf_ops.cpp", [], [])
+    """The GGUF block matmuls (fp32, and bf16 where the CPU has AVX512_BF16: ``has_bf16()``), or
+    None when they cannot be built or are switched off."""
+    return _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp"], [], [])
 
 
-def _build(name: str, source: str, cflags: list[str], ldflags: list[str]):
+def _build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]):
     if os.environ.get("DUET_CPU_OPS", "1") == "0":
         return None
     try:
@@ -45,17 +47,26 @@ def _build(name: str, source: str, cflags: list[str], ldflags: list[str]):
 
         _clear_stale_lock(name)
         if not _is_built(name):
-            logger.info("compiling duet's C++ CPU kernels (%s) for this machine (once, about a minute)", source)
+            logger.info("compiling duet's C++ CPU kernels (%s) for this machine (once, about a minute)", ", ".join(sources))
         return load_extension(
             name=name,
-            sources=[str(_SOURCES / source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags],
+            sources=[str(_SOURCES / source) for source in sources],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags, f"-DDUET_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp", *ldflags],
             verbose=False,
         )
     except Exception as error:  # any build failure leaves the torch path working
-        logger.warning("C++ CPU kernels %s unavailable (%s); using the slower torch implementations", source, error)
+        logger.warning("C++ CPU kernels %s unavailable (%s); using the slower torch implementations", ", ".join(sources), error)
         return None
+
+
+def _headers_digest() -> str:
+    """A digest of ``csrc``'s headers, passed as a define: torch rebuilds an extension when its
+    sources or flags change, and knows nothing of the headers they include."""
+    digest = hashlib.sha256()
+    for header in sorted(_SOURCES.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _clear_stale_lock(name: str) -> None:

@@ -130,7 +130,11 @@ class GGUFWeight:
         return GGUFWeight(codes.contiguous(), scales.contiguous(), self.qtype, in_features, self.ops)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` for fp32 rows ``x`` ``[M, in_features]``."""
+        """``x @ W.T`` for rows ``x`` ``[M, in_features]``: fp32, or bf16 (on CPUs whose kernels
+        have ``has_bf16()``) against the weights rounded to bf16, as a bf16 model holds them,
+        accumulated in fp32 and rounded to bf16 once."""
+        if x.dtype == torch.bfloat16:
+            return self.ops.gguf_matmul_bf16(x, self.codes, self.scales, self.qtype).to(torch.bfloat16)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
     def matmul_argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,9 @@ _PACK_BATCH_HINT = 32
 # 21.7 against 39.9 (oneDNN, packed) at 16 rows; 30.7 against 38 at 32 (by panels,
 # ``csrc/gguf_ops.cpp``); 44 against 48 at 48; 55 against 50 at 56; 69 against 54 at 64.
 GGUF_FLOAT_MAX_ROWS = 48
+# The same for a bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on
+# CPUs with AVX512_BF16), against oneDNN's packed bf16 weights.
+GGUF_BF16_MAX_ROWS = 6
 # Weights kept as blocks alone (quantized at load) have no packed float weight to fall back
 # on: past this many rows they dequantize for the call.
 GGUF_MAX_ROWS = 64
@@ -68,8 +71,8 @@ class Linear(Module):
         self._packed_rows = rows
 
     def attach_gguf(self, weight: GGUFWeight) -> None:
-        """Serve small fp32 products from ``weight``; the float weight stays for the rest and
-        must be ``weight`` dequantized."""
+        """Serve small products from ``weight``; the float weight stays for the rest and must be
+        ``weight`` dequantized (and rounded to bf16, for a bf16 model)."""
         self.gguf = weight
 
     def keep_blocks_only(self) -> None:
@@ -79,18 +82,20 @@ class Linear(Module):
         self._packed_rows = (0, -1)
 
     def _reads_blocks(self, rows: int) -> bool:
-        """Whether a product of ``rows`` rows reads the GGUF blocks (fp32 rows, or rows passed
-        through them in fp32 where the blocks are the only weight)."""
+        """Whether a product of ``rows`` rows reads the GGUF blocks (rows of the float weight's
+        dtype, or rows passed through them in fp32 where the blocks are the only weight)."""
         if self.gguf is None:
             return False
-        return rows <= (GGUF_MAX_ROWS if self.weight is None else GGUF_FLOAT_MAX_ROWS)
+        if self.weight is None:
+            return rows <= GGUF_MAX_ROWS
+        return rows <= (GGUF_FLOAT_MAX_ROWS if self.weight.dtype == torch.float32 else GGUF_BF16_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # quantized at load time
             if not self._reads_blocks(x.shape[0]):
                 return F.linear(x, self.gguf.dequantize().to(x.dtype))
             return self.gguf.matmul(x.float()).to(x.dtype)
-        if self._reads_blocks(x.shape[0]):  # attached to float32 models only
+        if self._reads_blocks(x.shape[0]):  # attached to float32 and bfloat16 models
             return self.gguf.matmul(x)
         low, high = self._packed_rows
         if low <= x.shape[0] <= high:

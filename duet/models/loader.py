@@ -92,23 +92,26 @@ def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch) -> dict[s
 def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
     """How this load computes from the checkpoint's GGUF blocks: the C++ kernels' module on CPU,
     ``kernels.triton_gguf`` on a GPU, None when it does not. ``quantization=None`` takes them wherever they
-    apply (float32, a checkpoint with blocks, CPU kernels that build); ``"gguf"`` insists;
+    apply (float32, or bfloat16 on a CPU with AVX512_BF16; a checkpoint with blocks, CPU kernels
+    that build); ``"gguf"`` insists;
     ``"dequantized"`` keeps the float weights alone."""
     if quantization == "dequantized":
         return None
     from duet.kernels import cpu_ops
 
     backend = None
-    if (path / GGUF_BLOCKS_FILE).is_file() and dtype == torch.float32:
+    if (path / GGUF_BLOCKS_FILE).is_file() and dtype in (torch.float32, torch.bfloat16):
         if device == "cpu":
             backend = cpu_ops.load_gguf()
-        else:
+            if backend is not None and dtype == torch.bfloat16 and not backend.has_bf16():
+                backend = None
+        elif dtype == torch.float32:
             from duet.kernels import triton_gguf as backend
     if quantization == "gguf" and backend is None:
         raise ModelNotFoundError(
             f"quantization='gguf' needs a checkpoint converted from GGUF ({path / GGUF_BLOCKS_FILE}: "
-            f"{'present' if (path / GGUF_BLOCKS_FILE).is_file() else 'missing'}), dtype float32 (not {dtype}) "
-            "and, on CPU, the C++ kernels (DUET_CPU_OPS=0 or no compiler turns them off)"
+            f"{'present' if (path / GGUF_BLOCKS_FILE).is_file() else 'missing'}), dtype float32 (not {dtype}; "
+            "bfloat16 on a CPU with AVX512_BF16) and, on CPU, the C++ kernels (DUET_CPU_OPS=0 or no compiler turns them off)"
         )
     return backend
 
@@ -116,8 +119,8 @@ def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str
 def _attach_gguf(model: LlamaForCausalLM, path: Path, backend) -> None:
     """Give each Linear whose every part has GGUF blocks of one type (``gguf/blocks.safetensors``,
     written by ``gguf_convert``) those blocks, fused as its float weight is, once their exact
-    dequantization is checked against that float weight (a mismatch keeps the module on its float
-    weight, and says so)."""
+    dequantization (rounded to bf16 for a bf16 model) is checked against that float weight (a
+    mismatch keeps the module on its float weight, and says so)."""
     from safetensors import safe_open
 
     from duet.kernels.gguf import GGUFWeight
@@ -134,7 +137,7 @@ def _attach_gguf(model: LlamaForCausalLM, path: Path, backend) -> None:
             continue
         rows = torch.cat([blocks[part] for part in parts]).to(linear.weight.device)
         weight = GGUFWeight.from_blocks(rows, types[parts[0]], linear.in_features, backend)
-        if torch.equal(weight.dequantize(), linear.weight):
+        if torch.equal(weight.dequantize().to(linear.weight.dtype), linear.weight):
             linear.attach_gguf(weight)
         else:
             logger.warning("%s: its GGUF blocks do not dequantize to its float weight; it computes from the float weight", name)

@@ -90,6 +90,25 @@ def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_pa
     llm.engine.check_integrity()
 
 
+@pytest.mark.skipif(not cpu_ops.load_gguf().has_bf16(), reason="no AVX512_BF16")
+def test_a_bf16_model_decodes_few_rows_from_its_blocks_rounded_to_bf16(tiny_gguf_llama_dir):
+    """In bf16 the blocks serve products of up to GGUF_BF16_MAX_ROWS rows, their weights rounded
+    to bf16 as the model's are (the loader checks it), and greedy output follows transformers
+    in bf16 under the bf16 rule (``test_bf16``), a sequence alone (the blocks) or in a batch."""
+    from tests.duet.test_bf16 import PROMPTS, _check_bf16
+
+    llm = LLM(model=str(tiny_gguf_llama_dir), dtype="bfloat16", num_kv_blocks=128, max_model_len=512)
+    assert all(linear.gguf is not None for linear in _linears(llm).values())
+    references = hf_greedy(tiny_gguf_llama_dir, PROMPTS, 16, dtype=torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
+    alone = [llm.generate([prompt], greedy)[0] for prompt in PROMPTS]
+    together = llm.generate(PROMPTS, greedy)
+    for outputs in (alone, together):
+        identical = [_check_bf16(output.outputs[0].token_ids, reference) for output, reference in zip(outputs, references)]
+        assert sum(identical) >= len(PROMPTS) // 2
+    llm.engine.check_integrity()
+
+
 def test_insisting_on_gguf_without_blocks_names_what_is_missing(tiny_llama_dir):
     with pytest.raises(ModelNotFoundError, match="blocks.safetensors: missing"):
         LLM(model=str(tiny_llama_dir), num_kv_blocks=64, quantization="gguf")

@@ -63,7 +63,7 @@ def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(nam
     """Q4_K becomes Q4_1 blocks (scale d * sc, min -dmin * m), Q6_K int8 blocks with a scale per
     16: both dequantize to gguf's own floats exactly, and multiply as float matmuls over them."""
     qtype = getattr(gguf.GGMLQuantizationType, name)
-    blocks = k_quant_blocks(48, 512, int(qtype), magnitude=0.01 if name == "Q4_K" else 0.0005)
+    blocks = k_quant_blocks(48, 512, int(qtype), magnitude=0.002 if name == "Q4_K" else 0.0001)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(48, 512))
     weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 512, OPS)
     assert weight.qtype == {"Q4_K": 3, "Q6_K": 14}[name]
@@ -136,3 +136,25 @@ def test_fused_greedy_tokens_rank_nan_first_as_torch_does():
     none = torch.empty(3, 0, dtype=torch.long)
     assert torch.equal(weight.matmul_argmax(x, none), weight.matmul(x).argmax(dim=-1))
     assert weight.matmul_argmax(x, none)[1] == 0
+
+
+@pytest.mark.skipif(OPS is None or not OPS.has_bf16(), reason="no AVX512_BF16")
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 21])
+def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name, rows):
+    """bf16 rows (a bf16 model's) multiply the blocks' weights rounded to bf16 exactly as
+    ``.to(torch.bfloat16)`` rounds the fp32 weights: one-hot rows read single weights back bit
+    for bit; random rows equal a float product over those bf16 weights. Tiles of rows below 8
+    rows, panels from 8 (96 outputs: six panels)."""
+    weight, weights = quantized(96, 192, TYPES[name], seed=rows)
+    rounded = weights.to(torch.bfloat16)
+    columns = torch.arange(rows) * 7 % 192
+    one_hot = torch.zeros(rows, 192, dtype=torch.bfloat16)
+    one_hot[torch.arange(rows), columns] = 1.0
+    assert torch.equal(OPS.gguf_matmul_bf16(one_hot, weight.codes, weight.scales, weight.qtype), rounded.float()[:, columns].T)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    got = weight.matmul(x)
+    assert got.dtype == torch.bfloat16
+    expected = (x.double() @ rounded.double().T).float()
+    torch.testing.assert_close(OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype).to(torch.bfloat16))

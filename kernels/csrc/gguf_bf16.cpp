@@ -1,0 +1,145 @@
+// bf16 products from GGUF blocks, for bf16 models on CPUs with AVX512_BF16. Each block of 32
+// weights is dequantized exactly (as for fp32) and rounded to bf16 by vcvtne2ps2bf16, to nearest
+// even, as torch rounds the fp32 weights into a bf16 model: the very weights the model holds
+// (dequantized GGUF weights are never fp32 denormals, which the instruction would flush). Rows
+// of bf16 activations meet them in vdpbf16ps, pairs of exact products added into fp32 lanes. A
+// decode step then reads the codes (0.75 byte a weight for Q4_1) instead of the bf16 weights (2).
+//
+// As in fp32: a few rows dequantize each block in registers, once per tile of rows; more rows
+// dequantize a panel of 16 output features once, into bf16 rows kept in cache.
+
+#include "gguf_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+
+namespace duet_gguf {
+namespace {
+
+constexpr int kBf16Panel = 16;
+constexpr int kBf16TileRows = 4, kBf16TileColumns = 4;  // 16 accumulators
+constexpr int64_t kBf16PanelMinRows = 8;  // rows from which panels win (SmolLM2 on a Xeon: see the README)
+
+inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// One block of 32 weights as 32 bf16: the dequantized floats rounded as torch rounds them.
+template <int64_t QType>
+inline __m512bh bf16_block(const Weights& w, int64_t n, int64_t b) {
+  Isa::V v[kVecs];
+  dequant<QType>(w, n, b, v);
+  return _mm512_cvtne2ps_pbh(v[1], v[0]);  // weights 0-15 from v[0], 16-31 from v[1]
+}
+
+template <int64_t QType, int R, int C>
+void tile(const uint16_t* x, int64_t K, const Weights& w, int64_t n, float* out, int64_t N) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.num_blocks; ++b) {
+    __m512bh weights[C];
+    for (int c = 0; c < C; ++c) weights[c] = bf16_block<QType>(w, n + c, b);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_bf16(x + r * K + b * kBlock);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], weights[c], xv);
+    }
+  }
+  lane_sums<R * C>(&acc[0][0], [&](int i, float sum) { out[(i / C) * N + n + i % C] = sum; });
+}
+
+template <int64_t QType, int R>
+void rows(const uint16_t* x, int64_t K, const Weights& w, float* out, int64_t N) {
+  constexpr int C = R == 1 ? 4 : (R <= 4 ? 2 : 1);
+  at::parallel_for(0, (N + C - 1) / C, 64 / C, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n = i * C;
+      if (n + C <= N) {
+        tile<QType, R, C>(x, K, w, n, out, N);
+      } else {
+        for (int64_t m = n; m < N; ++m) tile<QType, R, 1>(x, K, w, m, out, N);
+      }
+    }
+  });
+}
+
+template <int R>
+void panel_tile(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* weights, float* out, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_tile<R - 1>(x, rows, K, weights, out, N);
+  }
+  __m512 acc[R][kBf16TileColumns];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kBf16TileColumns; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kBlock) {
+    __m512bh wv[kBf16TileColumns];
+    for (int c = 0; c < kBf16TileColumns; ++c) wv[c] = load_bf16(weights + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_bf16(x + r * K + k);
+      for (int c = 0; c < kBf16TileColumns; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+    }
+  }
+  lane_sums<R * kBf16TileColumns>(&acc[0][0], [&](int i, float sum) { out[(i / kBf16TileColumns) * N + i % kBf16TileColumns] = sum; });
+}
+
+template <int64_t QType>
+void matmul(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
+  if (M >= kBf16PanelMinRows && N % kBf16Panel == 0) {
+    at::parallel_for(0, N / kBf16Panel, 1, [&](int64_t begin, int64_t end) {
+      std::vector<uint16_t> panel(kBf16Panel * K);
+      for (int64_t p = begin; p < end; ++p) {
+        for (int c = 0; c < kBf16Panel; ++c)
+          for (int64_t b = 0; b < w.num_blocks; ++b)
+            _mm512_storeu_si512(panel.data() + c * K + b * kBlock, (__m512i)bf16_block<QType>(w, p * kBf16Panel + c, b));
+        for (int64_t r = 0; r < M; r += kBf16TileRows)
+          for (int c = 0; c < kBf16Panel; c += kBf16TileColumns)
+            panel_tile<kBf16TileRows>(x + r * K, std::min<int64_t>(kBf16TileRows, M - r), K, panel.data() + c * K,
+                                      out + r * N + p * kBf16Panel + c, N);
+      }
+    });
+    return;
+  }
+  for (int64_t done = 0; done < M;) {
+    const int64_t r = std::min<int64_t>(M - done, 8);
+    const uint16_t* xs = x + done * K;
+    float* o = out + done * N;
+    switch (r) {
+      case 1: rows<QType, 1>(xs, K, w, o, N); break;
+      case 2: rows<QType, 2>(xs, K, w, o, N); break;
+      case 3: rows<QType, 3>(xs, K, w, o, N); break;
+      case 4: rows<QType, 4>(xs, K, w, o, N); break;
+      case 5: rows<QType, 5>(xs, K, w, o, N); break;
+      case 6: rows<QType, 6>(xs, K, w, o, N); break;
+      case 7: rows<QType, 7>(xs, K, w, o, N); break;
+      default: rows<QType, 8>(xs, K, w, o, N); break;
+    }
+    done += r;
+  }
+}
+
+}  // namespace
+}  // namespace duet_gguf
+
+// x [M, K] bf16 -> [M, N] fp32 (the caller rounds it to bf16, as a bf16 matmul's output is).
+torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype) {
+  using namespace duet_gguf;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "gguf_matmul_bf16 takes bf16 rows [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const Weights w = checked(codes, scales, qtype, K);
+  x = x.contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  if (qtype == kQ4_1) matmul<kQ4_1>(xs, M, K, w, out.data_ptr<float>(), N);
+  else if (qtype == kQ6_K) matmul<kQ6_K>(xs, M, K, w, out.data_ptr<float>(), N);
+  else matmul<kQ8_0>(xs, M, K, w, out.data_ptr<float>(), N);
+  return out;
+}
+
+bool has_bf16() { return true; }
+
+#else
+
+torch::Tensor gguf_matmul_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "gguf_matmul_bf16 needs a CPU with AVX512_BF16 (has_bf16() is false here)");
+}
+
+bool has_bf16() { return false; }
+
+#endif

@@ -1,0 +1,227 @@
+// GGUF blocks as the kernels read them (``kernels/gguf.py`` lays them out): their types and
+// layouts, one ISA's vectors (AVX-512, else AVX2 with FMA, else plain C++, chosen at build time)
+// and the dequantization of a block into them, shared by the fp32 kernels (gguf_ops.cpp) and the
+// bf16 ones (gguf_bf16.cpp).
+
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace duet_gguf {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1 = 3;  // GGML's type ids
+constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kQ6_K = 14;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes less 32
+
+// Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
+// Q6_K: 32 int8, the scales of weights 0-15 and 16-31).
+constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
+constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 ? 1 : 2; }
+
+// One ISA's vectors: a block of 32 weights is kVecs vectors of kLanes floats.
+//
+// A Q4_1 block's 32 codes are 16 bytes read as four 32-bit words D0..D3 (``kernels/gguf.py``
+// lays them out so): the code of weight 4L + k (L, k in 0..3) is bits 4L..4L+3 of Dk, that of
+// weight 16 + 4L + k bits 16+4L..16+4L+3. Broadcast to every 128-bit lane, the words then put
+// each weight's code in its own 32-bit lane by a shift, with no shuffle across lanes.
+#if defined(__AVX512F__)
+struct Isa {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr const char* kName = "avx512";
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float f) { return _mm512_set1_ps(f); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // Lane i: the sum of a[i]'s 16 lanes, for 16 vectors at once (45 shuffles and adds against 16
+  // separate reductions' 128): pairs within 128-bit lanes, then quads, then across them.
+  static V sums(const V* a) {
+    V pairs[8], quads[4];
+    for (int k = 0; k < 8; ++k)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2k], y = a[2k+1]
+      pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {  // per 128-bit lane: that lane's sums of a[4k..4k+3]
+      const __m512d lo = _mm512_castps_pd(pairs[2 * k]), hi = _mm512_castps_pd(pairs[2 * k + 1]);
+      quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    const V half01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    const V half23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(half01, half23, 0x88), _mm512_shuffle_f32x4(half01, half23, 0xDD));
+  }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float max_of(V v) { return _mm512_reduce_max_ps(v); }
+  static bool any_nan(V v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+  static void q4_1(const uint8_t* codes, const float* scales, V* w) {
+    const __m512i words = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i low = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12);
+    // The 16 values a code stands for, d * i + m, fill one vector; vpermps looks each weight up
+    // by the low 4 bits of its lane (what lies above them needs no mask).
+    const V table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                    _mm512_set1_ps(scales[0]), _mm512_set1_ps(scales[1]));
+    w[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, low), table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(words, _mm512_add_epi32(low, _mm512_set1_epi32(16))), table);
+  }
+  static void q8_0(const uint8_t* codes, const float* scales, V* w) {
+    const V d = _mm512_set1_ps(scales[0]);
+    for (int i = 0; i < 2; ++i) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+      w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), d);
+    }
+  }
+  static void q6_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int i = 0; i < 2; ++i) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+      w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), _mm512_set1_ps(scales[i]));
+    }
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Isa {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static constexpr const char* kName = "avx2";
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float f) { return _mm256_set1_ps(f); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  // Lane i: the sum of a[i]'s 8 lanes, for 8 vectors at once: pairs within 128-bit lanes, then
+  // quads, then the two halves.
+  static V sums(const V* a) {
+    V pairs[4], quads[2];
+    for (int k = 0; k < 4; ++k)
+      pairs[k] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 2; ++k) {
+      const __m256d lo = _mm256_castps_pd(pairs[2 * k]), hi = _mm256_castps_pd(pairs[2 * k + 1]);
+      quads[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(lo, hi)), _mm256_castpd_ps(_mm256_unpackhi_pd(lo, hi)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+  }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float max_of(V v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static bool any_nan(V v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+  static V widen(__m128i bytes, bool is_signed) {
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+  }
+  static void q4_1(const uint8_t* codes, const float* scales, V* w) {
+    const __m256i words = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const V d = _mm256_set1_ps(scales[0]), m = _mm256_set1_ps(scales[1]);
+    for (int i = 0; i < 4; ++i) {  // weights 8i..8i+7: L = 2 * (i % 2) + half, and 16 more for i >= 2
+      const int base = 16 * (i / 2) + 8 * (i % 2);
+      const __m256i shift = _mm256_setr_epi32(base, base, base, base, base + 4, base + 4, base + 4, base + 4);
+      w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shift), mask)), d, m);
+    }
+  }
+  static void q8_0(const uint8_t* codes, const float* scales, V* w) {
+    const V d = _mm256_set1_ps(scales[0]);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
+      w[i] = _mm256_mul_ps(widen(qs, true), d);
+    }
+  }
+  static void q6_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
+      w[i] = _mm256_mul_ps(widen(qs, true), _mm256_set1_ps(scales[i / 2]));
+    }
+  }
+};
+#else
+struct Isa {
+  using V = float;
+  static constexpr int kLanes = 1;
+  static constexpr const char* kName = "scalar";
+  static V zero() { return 0.0f; }
+  static V set1(float f) { return f; }
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V fmadd(V a, V b, V c) { return a * b + c; }
+  static V sums(const V* a) { return a[0]; }  // one lane: a vector is its own sum
+  static V max(V a, V b) { return a > b ? a : b; }
+  static float max_of(V v) { return v; }
+  static bool any_nan(V v) { return v != v; }
+  static void q4_1(const uint8_t* codes, const float* scales, V* w) {
+    uint32_t words[4];
+    std::memcpy(words, codes, 16);
+    for (int j = 0; j < 32; ++j) {
+      const int shift = 16 * (j / 16) + 4 * ((j % 16) / 4);
+      w[j] = scales[0] * static_cast<float>((words[j % 4] >> shift) & 0x0F) + scales[1];
+    }
+  }
+  static void q8_0(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = scales[0] * static_cast<float>(static_cast<int8_t>(codes[j]));
+  }
+  static void q6_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = scales[j / 16] * static_cast<float>(static_cast<int8_t>(codes[j]));
+  }
+};
+#endif
+
+constexpr int kVecs = kBlock / Isa::kLanes;
+
+// store(i, sum of v[i]'s lanes) for i < Count, Isa::kLanes sums at a time (Isa::sums; missing
+// vectors are zeros). Each sum adds its own lanes in one fixed order, wherever it sits.
+template <int Count, typename Store>
+inline void lane_sums(const Isa::V* v, Store store) {
+  for (int base = 0; base < Count; base += Isa::kLanes) {
+    Isa::V group[Isa::kLanes];
+    for (int i = 0; i < Isa::kLanes; ++i) group[i] = base + i < Count ? v[base + i] : Isa::zero();
+    alignas(64) float sums[Isa::kLanes];
+    Isa::store(sums, Isa::sums(group));
+    for (int i = 0; i < Isa::kLanes && base + i < Count; ++i) store(base + i, sums[i]);
+  }
+}
+
+constexpr int64_t kAheadRows = 16;  // rows a tile prefetches ahead (measured: 8 to 32 do as well)
+
+// The N x K weights: codes [N, K / 32 * code_bytes] and scales [N, K / 32 * num_scales].
+struct Weights {
+  const uint8_t* codes;
+  const float* scales;
+  int64_t num_blocks;  // a row's
+};
+
+template <int64_t QType>
+inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
+  const uint8_t* codes = w.codes + (n * w.num_blocks + b) * code_bytes(QType);
+  const float* scales = w.scales + (n * w.num_blocks + b) * num_scales(QType);
+  if constexpr (QType == kQ4_1) Isa::q4_1(codes, scales, out);
+  else if constexpr (QType == kQ6_K) Isa::q6_k(codes, scales, out);
+  else Isa::q8_0(codes, scales, out);
+}
+
+
+inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ6_K, "GGUF type ", qtype,
+              " is not supported (Q4_1 = 3, Q8_0 = 8, Q6_K = 14)");
+  TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
+  const int64_t num_blocks = in_features / kBlock;
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) == num_blocks * code_bytes(qtype),
+              "GGUF codes must be contiguous uint8 [out_features, ", num_blocks * code_bytes(qtype), "]: they do not hold ",
+              in_features, " weights of type ", qtype, " a row");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 && scales.is_contiguous() &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == num_blocks * num_scales(qtype),
+              "GGUF scales must be contiguous fp32 [out_features, ", num_blocks * num_scales(qtype), "]");
+  return {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), num_blocks};
+}
+
+}  // namespace duet_gguf
