@@ -45,21 +45,6 @@ void tile(const uint16_t* x, int64_t K, const Weights& w, int64_t n, float* out,
   lane_sums<R * C>(&acc[0][0], [&](int i, float sum) { out[(i / C) * N + n + i % C] = sum; });
 }
 
-template <int64_t QType, int R>
-void rows(const uint16_t* x, int64_t K, const Weights& w, float* out, int64_t N) {
-  constexpr int C = R == 1 ? 4 : (R <= 4 ? 2 : 1);
-  at::parallel_for(0, (N + C - 1) / C, 64 / C, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = i * C;
-      if (n + C <= N) {
-        tile<QType, R, C>(x, K, w, n, out, N);
-      } else {
-        for (int64_t m = n; m < N; ++m) tile<QType, R, 1>(x, K, w, m, out, N);
-      }
-    }
-  });
-}
-
 template <int R>
 void panel_tile(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* weights, float* out, int64_t N) {
   if constexpr (R > 1) {
@@ -96,22 +81,9 @@ void matmul(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* ou
     });
     return;
   }
-  for (int64_t done = 0; done < M;) {
-    const int64_t r = std::min<int64_t>(M - done, 8);
-    const uint16_t* xs = x + done * K;
-    float* o = out + done * N;
-    switch (r) {
-      case 1: rows<QType, 1>(xs, K, w, o, N); break;
-      case 2: rows<QType, 2>(xs, K, w, o, N); break;
-      case 3: rows<QType, 3>(xs, K, w, o, N); break;
-      case 4: rows<QType, 4>(xs, K, w, o, N); break;
-      case 5: rows<QType, 5>(xs, K, w, o, N); break;
-      case 6: rows<QType, 6>(xs, K, w, o, N); break;
-      case 7: rows<QType, 7>(xs, K, w, o, N); break;
-      default: rows<QType, 8>(xs, K, w, o, N); break;
-    }
-    done += r;
-  }
+  by_row_tiles(M, N, [&](auto rows, auto columns, int64_t first_row, int64_t n) {
+    tile<QType, decltype(rows)::value, decltype(columns)::value>(x + first_row * K, K, w, n, out + first_row * N, N);
+  });
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -187,6 +188,42 @@ inline void lane_sums(const Isa::V* v, Store store) {
     alignas(64) float sums[Isa::kLanes];
     Isa::store(sums, Isa::sums(group));
     for (int i = 0; i < Isa::kLanes && base + i < Count; ++i) store(base + i, sums[i]);
+  }
+}
+
+// Products of a few rows go by tiles of up to 8 rows, each tile's output features split across
+// threads C at a time (4, 2 or 1 as the tile has 1, up to 4, or more rows: what the registers
+// hold), the last few one at a time: tile(R, C, first_row, n) with R and C as
+// std::integral_constant, for the tile of rows from first_row and the features from n.
+template <typename Tile>
+inline void by_row_tiles(int64_t M, int64_t N, Tile&& tile) {
+  for (int64_t first_row = 0; first_row < M;) {
+    const int64_t num_rows = std::min<int64_t>(M - first_row, 8);
+    auto run = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      constexpr int C = R == 1 ? 4 : (R <= 4 ? 2 : 1);
+      at::parallel_for(0, (N + C - 1) / C, 64 / C, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t n = i * C;
+          if (n + C <= N) {
+            tile(rows, std::integral_constant<int, C>{}, first_row, n);
+          } else {
+            for (int64_t m = n; m < N; ++m) tile(rows, std::integral_constant<int, 1>{}, first_row, m);
+          }
+        }
+      });
+    };
+    switch (num_rows) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      case 6: run(std::integral_constant<int, 6>{}); break;
+      case 7: run(std::integral_constant<int, 7>{}); break;
+      default: run(std::integral_constant<int, 8>{}); break;
+    }
+    first_row += num_rows;
   }
 }
 

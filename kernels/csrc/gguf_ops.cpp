@@ -57,23 +57,6 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
   lane_sums<R * C>(totals, [&](int i, float sum) { out[(i / C) * N + n + i % C] = sum; });
 }
 
-// Up to 8 rows of x against every output feature, the features split across threads.
-template <int64_t QType, int R>
-void rows(const float* x, int64_t K, const Weights& w, float* out, int64_t N) {
-  constexpr int C = R == 1 ? 4 : (R <= 4 ? 2 : 1);
-  constexpr int64_t kGrain = 64;  // output features a thread takes at least
-  at::parallel_for(0, (N + C - 1) / C, kGrain / C, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t n = i * C;
-      if (n + C <= N) {
-        tile<QType, R, C>(x, K, w, n, out, N);
-      } else {
-        for (int64_t m = n; m < N; ++m) tile<QType, R, 1>(x, K, w, m, out, N);
-      }
-    }
-  });
-}
-
 // Many rows (a large decode batch): dequantizing each block once per 8 rows, as above, costs
 // more than the arithmetic it feeds. So a thread dequantizes a panel of kPanel output features
 // once, into a buffer of fp32 rows that stays in cache, and multiplies every row of x with it
@@ -145,29 +128,11 @@ void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float
 }
 
 template <int64_t QType>
-void matmul_rows(const float* x, int64_t rows_left, int64_t K, const Weights& w, float* out, int64_t N) {
-  while (rows_left > 0) {
-    const int64_t r = std::min<int64_t>(rows_left, 8);
-    switch (r) {
-      case 1: rows<QType, 1>(x, K, w, out, N); break;
-      case 2: rows<QType, 2>(x, K, w, out, N); break;
-      case 3: rows<QType, 3>(x, K, w, out, N); break;
-      case 4: rows<QType, 4>(x, K, w, out, N); break;
-      case 5: rows<QType, 5>(x, K, w, out, N); break;
-      case 6: rows<QType, 6>(x, K, w, out, N); break;
-      case 7: rows<QType, 7>(x, K, w, out, N); break;
-      default: rows<QType, 8>(x, K, w, out, N); break;
-    }
-    x += r * K;
-    out += r * N;
-    rows_left -= r;
-  }
-}
-
-template <int64_t QType>
 void matmul(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
   if (panels) matmul_panels<QType>(x, M, K, w, out, N);
-  else matmul_rows<QType>(x, M, K, w, out, N);
+  else by_row_tiles(M, N, [&](auto rows, auto columns, int64_t first_row, int64_t n) {
+    tile<QType, decltype(rows)::value, decltype(columns)::value>(x + first_row * K, K, w, n, out + first_row * N, N);
+  });
 }
 
 void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
