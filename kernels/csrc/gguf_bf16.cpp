@@ -5,8 +5,10 @@
 // of bf16 activations meet them in vdpbf16ps, pairs of exact products added into fp32 lanes. A
 // decode step then reads the codes (0.75 byte a weight for Q4_1) instead of the bf16 weights (2).
 //
-// As in fp32: a few rows dequantize each block in registers, once per tile of rows; more rows
-// dequantize a panel of 16 output features once, into bf16 rows kept in cache.
+// Rows go by tiles of up to 8, each block dequantized in registers once per tile: a bf16 model
+// sends few rows here (``GGUF_BF16_MAX_ROWS`` in ``duet/models/linear.py``), since from about 7
+// rows oneDNN's packed bf16 weights (AMX) are faster, and vdpbf16ps runs at half the rate of
+// the FMA ports on this Xeon.
 
 #include "gguf_blocks.h"
 
@@ -14,10 +16,6 @@
 
 namespace duet_gguf {
 namespace {
-
-constexpr int kBf16Panel = 16;
-constexpr int kBf16TileRows = 4, kBf16TileColumns = 4;  // 16 accumulators
-constexpr int64_t kBf16PanelMinRows = 8;  // rows from which panels win (SmolLM2 on a Xeon: see the README)
 
 inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
@@ -45,42 +43,8 @@ void tile(const uint16_t* x, int64_t K, const Weights& w, int64_t n, float* out,
   lane_sums<R * C>(&acc[0][0], [&](int i, float sum) { out[(i / C) * N + n + i % C] = sum; });
 }
 
-template <int R>
-void panel_tile(const uint16_t* x, int64_t rows, int64_t K, const uint16_t* weights, float* out, int64_t N) {
-  if constexpr (R > 1) {
-    if (rows < R) return panel_tile<R - 1>(x, rows, K, weights, out, N);
-  }
-  __m512 acc[R][kBf16TileColumns];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kBf16TileColumns; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += kBlock) {
-    __m512bh wv[kBf16TileColumns];
-    for (int c = 0; c < kBf16TileColumns; ++c) wv[c] = load_bf16(weights + c * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = load_bf16(x + r * K + k);
-      for (int c = 0; c < kBf16TileColumns; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
-    }
-  }
-  lane_sums<R * kBf16TileColumns>(&acc[0][0], [&](int i, float sum) { out[(i / kBf16TileColumns) * N + i % kBf16TileColumns] = sum; });
-}
-
 template <int64_t QType>
 void matmul(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  if (M >= kBf16PanelMinRows && N % kBf16Panel == 0) {
-    at::parallel_for(0, N / kBf16Panel, 1, [&](int64_t begin, int64_t end) {
-      std::vector<uint16_t> panel(kBf16Panel * K);
-      for (int64_t p = begin; p < end; ++p) {
-        for (int c = 0; c < kBf16Panel; ++c)
-          for (int64_t b = 0; b < w.num_blocks; ++b)
-            _mm512_storeu_si512(panel.data() + c * K + b * kBlock, (__m512i)bf16_block<QType>(w, p * kBf16Panel + c, b));
-        for (int64_t r = 0; r < M; r += kBf16TileRows)
-          for (int c = 0; c < kBf16Panel; c += kBf16TileColumns)
-            panel_tile<kBf16TileRows>(x + r * K, std::min<int64_t>(kBf16TileRows, M - r), K, panel.data() + c * K,
-                                      out + r * N + p * kBf16Panel + c, N);
-      }
-    });
-    return;
-  }
   by_row_tiles(M, N, [&](auto rows, auto columns, int64_t first_row, int64_t n) {
     tile<QType, decltype(rows)::value, decltype(columns)::value>(x + first_row * K, K, w, n, out + first_row * N, N);
   });

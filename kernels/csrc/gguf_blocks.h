@@ -245,7 +245,6 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   else Isa::q8_0(codes, scales, out);
 }
 
-
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ6_K, "GGUF type ", qtype,
               " is not supported (Q4_1 = 3, Q8_0 = 8, Q6_K = 14)");

@@ -144,8 +144,8 @@ def test_fused_greedy_tokens_rank_nan_first_as_torch_does():
 def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name, rows):
     """bf16 rows (a bf16 model's) multiply the blocks' weights rounded to bf16 exactly as
     ``.to(torch.bfloat16)`` rounds the fp32 weights: one-hot rows read single weights back bit
-    for bit; random rows equal a float product over those bf16 weights. Tiles of rows below 8
-    rows, panels from 8 (96 outputs: six panels)."""
+    for bit; random rows equal a float product over those bf16 weights (21 rows: tiles of 8 and
+    a remainder)."""
     weight, weights = quantized(96, 192, TYPES[name], seed=rows)
     rounded = weights.to(torch.bfloat16)
     columns = torch.arange(rows) * 7 % 192
