@@ -6,8 +6,8 @@ For each batch size, the engine decodes that many greedy sequences (the offline 
 prompts) and times, over ``--steps`` steps past the prompts, the engine's step and what it
 spends inside: the products (``Linear``: GGUF block kernels, oneDNN or MKL, whichever its rows
 take; the LM head's fused greedy argmax apart), attention over the paged cache, the KV write
-with RoPE, the norms, the activation, sampling (steps that need logits), the model's forward as
-a whole, and the runner's input preparation. What the step spends outside all of these is the
+with RoPE, the norms, the activation, sampling (steps that need logits) and the runner's input
+preparation. What the step spends outside all of these is the
 per-step overhead: Python, module calls, views, the scheduler, the runner's bookkeeping.
 
 Each timed function gets a ``perf_counter`` pair around it (about a microsecond a call, a few
@@ -35,8 +35,7 @@ class StepProfile:
 
 
 def _timed_parts():
-    """(label, owner, attribute) of what a step is split into; ``forward`` contains the rest but
-    ``sampler`` and ``prepare``."""
+    """(label, owner, attribute) of what a step is split into, and the step itself."""
     from duet import engine, model_runner
     from duet.models import linear, llama
 
@@ -50,7 +49,6 @@ def _timed_parts():
         ("activation", llama, "silu_and_mul"),
         ("sampler", model_runner.ModelRunner, "_sample"),
         ("prepare inputs", model_runner.ModelRunner, "_prepare_inputs"),
-        ("forward", llama.LlamaForCausalLM, "forward"),
         ("step", engine.LLMEngine, "step"),
     ]
 
@@ -62,7 +60,7 @@ KERNEL_PARTS = ("products", "LM head argmax", "attention", "RoPE + KV write", "n
 def timing(totals: dict[str, float]):
     """Wrap every part of ``_timed_parts`` so that its seconds add up in ``totals``. A kernel-level
     part inside another (the products of the LM head's unfused argmax) counts in the outer one
-    alone, so that the parts never overlap; ``forward`` and ``step`` contain them."""
+    alone, so that the parts never overlap; ``step`` contains them."""
     originals, depth = [], collections.Counter()
 
     def wrap(label, function):
@@ -108,7 +106,6 @@ def profile(llm, prompts: list[list[int]], batch: int, steps: int) -> StepProfil
         engine.step()
     parts = {label: seconds / steps * 1e3 for label, seconds in totals.items()}
     step_ms = parts.pop("step")
-    parts.pop("forward", None)
     overhead = step_ms - sum(parts.get(label, 0.0) for label in KERNEL_PARTS)
     return StepProfile(batch=batch, step_ms=step_ms, parts_ms=parts, overhead_ms=overhead)
 

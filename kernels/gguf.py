@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import gguf
 import torch
 
 Q4_1 = 3  # GGML's type ids
@@ -54,10 +55,10 @@ def _from_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out, n = rows.shape[:2]
     d = rows[..., 0:2].contiguous().view(torch.float16).float()
     dmin = rows[..., 2:4].contiguous().view(torch.float16).float()
-    packed = rows[..., 4:16].reshape(out, n, 3, 4).to(torch.int32)  # gguf's get_scale_min
-    low, high, extra = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
-    sc = torch.cat([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], dim=-1).float()
-    mins = torch.cat([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], dim=-1).float()
+    sc, mins = (  # the 6-bit scales and mins, unpacked by gguf itself
+        torch.from_numpy(part).to(rows.device).view(out, n, 8).float()
+        for part in gguf.quants.Q4_K.get_scale_min(rows[..., 4:16].reshape(-1, 12).cpu().numpy())
+    )
     scales = torch.stack([d * sc, -(dmin * mins)], dim=-1)  # [out, n, 8, 2], both exact
     nibbles = rows[..., 16:].reshape(out, n, 4, 1, 32)
     codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(out, n * 8, 32)  # sub-block 2i low, 2i + 1 high
