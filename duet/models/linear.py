@@ -6,7 +6,7 @@ fp32, and 1.4-2x in bf16, than ``F.linear``; for one row in fp32 and for long pr
 chunks the plain path is as fast or faster. Both are kept, and each call picks by rows.
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
-up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows then read the quantized codes (0.75 byte a weight for Q4_1,
+up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows (by instruction set) then read the quantized codes (0.75 byte a weight for Q4_1,
 1.125 for Q8_0, scales included, against 4) through ``kernels.gguf``, which dequantizes them
 exactly to the float weights the other paths use (in registers for a few rows, by panels
 kept in cache for a decode batch); longer products, prompt chunks, keep oneDNN's float paths.
@@ -35,11 +35,16 @@ from duet.models.module import Module
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
 _PACK_BATCH_HINT = 32
-# Rows up to which reading GGUF blocks beats the float weights: on two AVX-512 cores (a Xeon),
-# SmolLM2's 121 products take 2.7 ms from its Q4_1/Q8_0 codes at 1 row against 8.1 (F.linear);
-# 21.7 against 39.9 (oneDNN, packed) at 16 rows; 30.7 against 38 at 32 (by panels,
-# ``csrc/gguf_ops.cpp``); 44 against 48 at 48; 55 against 50 at 56; 69 against 54 at 64.
-GGUF_FLOAT_MAX_ROWS = 48
+# Rows up to which reading GGUF blocks beats the float weights, by the instruction set the
+# kernels were built for (``isa()``; "gpu" for the Triton kernels, not measured there). On two
+# AVX-512 cores (a Xeon), SmolLM2's 121 products take 2.7 ms from its Q4_1/Q8_0 codes at 1 row
+# against 8.1 (F.linear); 21.7 against 39.9 (oneDNN, packed) at 16 rows; 30.7 against 38 at 32
+# (by panels, ``csrc/gguf_ops.cpp``); 44 against 48 at 48; 55 against 50 at 56; 69 against 54 at
+# 64. On an AVX2-only EPYC, one core (a replica's): 20 against 34 (packed) at 1 row, 45 against
+# 63 at 8, even at 16 (95), 129 against 118 at 24, 236 against 170 at 40; on its two cores 46
+# against 55 at 16, 115 against 88 at 32. Without AVX2 (not measured) only single rows, where a
+# product is bound by the bytes it reads.
+GGUF_FLOAT_MAX_ROWS = {"avx512": 48, "avx2": 16, "scalar": 1, "gpu": 48}
 # The same for a bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on
 # CPUs with AVX512_BF16), against oneDNN's packed bf16 weights: a SmolLM2 step's products take
 # 6.0 ms from the blocks against 11.6 at 1 row, 8.6 against 12.3 at 4, 15.7 against 11.1 at 8.
@@ -76,7 +81,8 @@ class Linear(Module):
         """Serve small products from ``weight``; the float weight stays for the rest and must be
         ``weight`` dequantized (and rounded to bf16, for a bf16 model)."""
         self.gguf = weight
-        self._block_rows = GGUF_FLOAT_MAX_ROWS if self.weight.dtype == torch.float32 else GGUF_BF16_MAX_ROWS
+        isa = weight.ops.isa() if hasattr(weight.ops, "isa") else "gpu"
+        self._block_rows = GGUF_FLOAT_MAX_ROWS[isa] if self.weight.dtype == torch.float32 else GGUF_BF16_MAX_ROWS
 
     def keep_blocks_only(self) -> None:
         """Drop the float weight (and its packed copy): the attached blocks are the weight."""

@@ -33,12 +33,12 @@ def test_every_projection_and_the_lm_head_compute_from_their_blocks_by_default(t
 
 def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gguf_llama_dir):
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(GGUF_FLOAT_MAX_ROWS + 4)]
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(max(GGUF_FLOAT_MAX_ROWS.values()) + 4)]
     references = hf_greedy(tiny_gguf_llama_dir, prompts, 24)
     llm = LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=512, max_num_seqs=len(prompts))
     greedy = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    # Decode products of one row (alone), of GGUF_FLOAT_MAX_ROWS + 4 (together: the float weights)
-    # and of 4 (fours); prompts of up to 60 rows take the float weights past GGUF_FLOAT_MAX_ROWS.
+    # Decode products of one row (alone), of 4 more than any CPU's GGUF_FLOAT_MAX_ROWS (together:
+    # the float weights) and of 4 (fours); prompts of up to 60 rows take the float weights too.
     alone = [llm.generate([prompt], greedy)[0] for prompt in prompts]
     together = llm.generate(prompts, greedy)
     fours = [output for start in range(0, len(prompts), 4) for output in llm.generate(prompts[start : start + 4], greedy)]
