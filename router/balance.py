@@ -7,12 +7,21 @@ stages per request, from what the replicas measured of themselves (``ReplicaStat
 tokens per second, time per output token, KV use) and what it sent each stage that has not yet
 produced its first token (fresher than any report):
 
-- through the prefill pool: its backlog over its throughput, plus the fixed cost of going
-  through two replicas (``PD_OVERHEAD_S``);
-- on a decode replica: its backlog of local prompts over its measured prompt throughput (the
+- through the prefill pool: the time it needs for what it has (``_wait_s``) and for the
+  context, at its measured throughput, plus the fixed cost of going through two replicas
+  (``PD_OVERHEAD_S``);
+- on a decode replica: the same for the local prompts, at its measured prompt throughput (the
   prefill pool's per-replica figure until it has one), allowed only while the decode pool has
   room for it: no sequence waiting, KV not nearly full, and the time its prompts take leaves
   the sequences decoding there within their TPOT target.
+
+The prefill pool comes first: its time has no other use, while a decode replica's time is its
+sequences' next tokens, and a prompt computed there stalls every one of them for as long as it
+takes. So a context goes through the prefill pool while that pool has nothing queued, or gives
+its first token within ``PREFILL_FIRST_TTFT_SHARE`` of the TTFT target; only past that does the
+sooner of the two ways decide. (Choosing the sooner way for every prompt kept the decode
+replica computing half the prompts at 1 req/s on two cores, its decoding sequences near their
+TPOT target, while the prefill core idled 40% of the time.)
 
 The TPOT room is a share of time. A decode replica that gives each decoding sequence a token
 every ``t`` while it computes no prompt (its ``decode_only_tpot_s``: step time over the tokens a
@@ -46,22 +55,24 @@ from collections.abc import Callable
 from duet.messages import ReplicaStats
 
 PD_OVERHEAD_S = 0.05  # two hops and a KV transfer, over computing locally
+PREFILL_FIRST_TTFT_SHARE = 0.75  # of the TTFT target within which a prompt goes through the prefill pool
 DECODE_TPOT_SHARE = 0.75  # of the TPOT target that decoding sequences may reach with local prompts among their steps
 LOCAL_WINDOW_S = 5.0  # local prompts counted against the decode pool's time
 MAX_LOCAL_KV_USAGE = 0.85
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Choice:
     """Where one context goes; ``done()`` once its first token (or failure) is in."""
 
     local: bool
     num_tokens: int
     balancer: StageBalancer | None = None
+    sent_at: float = 0.0
 
     def done(self) -> None:
         if self.balancer is not None:
-            self.balancer._outstanding[self.local] -= self.num_tokens
+            self.balancer._done(self)
             self.balancer = None
 
 
@@ -83,6 +94,8 @@ class StageBalancer:
         self.ttft_s = ttft_s
         self.tpot_s = tpot_s
         self._outstanding = {True: 0, False: 0}  # context tokens sent (local or not) awaiting their first token
+        self._in_flight: dict[bool, list[Choice]] = {True: [], False: []}  # the same choices, in the order sent
+        self._last_done = {True: 0.0, False: 0.0}  # when a side last gave a first token
         self._local_sent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last LOCAL_WINDOW_S
         self.decisions = {True: 0, False: 0}
 
@@ -90,10 +103,28 @@ class StageBalancer:
         local = self._local(num_tokens)
         self.decisions[local] += 1
         self._outstanding[local] += num_tokens
+        choice = Choice(local, num_tokens, self, time.monotonic())
+        self._in_flight[local].append(choice)
         if local:
-            self._local_sent.append((time.monotonic(), num_tokens))
+            self._local_sent.append((choice.sent_at, num_tokens))
             self._recent_local_tokens()  # trims: bounded however the choice was made
-        return Choice(local, num_tokens, self)
+        return choice
+
+    def _done(self, choice: Choice) -> None:
+        self._outstanding[choice.local] -= choice.num_tokens
+        self._in_flight[choice.local].remove(choice)
+        self._last_done[choice.local] = time.monotonic()
+
+    def _wait_s(self, local: bool, tokens_per_s: float, reported_pending: int) -> float:
+        """How long a side would take to get through what it has before a new context: what this
+        router sent it, in order at ``tokens_per_s`` from when each could start (sent, or the one
+        before it done: one half done counts for half), and what its replicas report beyond that
+        (other routers')."""
+        free_at = self._last_done[local]
+        for choice in self._in_flight[local]:
+            free_at = max(free_at, choice.sent_at) + choice.num_tokens / tokens_per_s
+        others = max(0, reported_pending - self._outstanding[local])
+        return max(0.0, free_at - time.monotonic()) + others / tokens_per_s
 
     def _local(self, num_tokens: int) -> bool:
         if self.pool_size("prefill") == 0:
@@ -103,12 +134,14 @@ class StageBalancer:
         prefill_rates = [stats.prefill_tokens_per_s for stats in prefill if stats.prefill_tokens_per_s > 0]
         if not prefill_rates or not decode:
             return num_tokens < self.local_prefill_threshold
-        per_replica = sum(prefill_rates) / len(prefill_rates)
+        prefill_rate = sum(prefill_rates)
+        per_replica = prefill_rate / len(prefill_rates)
         decode_rate = sum(stats.prefill_tokens_per_s or per_replica for stats in decode)
-        prefill_backlog = max(self._outstanding[False], sum(stats.prompt_tokens_pending for stats in prefill))
-        through_prefill = (prefill_backlog + num_tokens) / sum(prefill_rates) + PD_OVERHEAD_S
-        decode_backlog = max(self._outstanding[True], sum(stats.prompt_tokens_pending for stats in decode))
-        on_decode = (decode_backlog + num_tokens) / decode_rate
+        prefill_wait = self._wait_s(False, prefill_rate, sum(stats.prompt_tokens_pending for stats in prefill))
+        through_prefill = prefill_wait + num_tokens / prefill_rate + PD_OVERHEAD_S
+        if prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s:
+            return False
+        on_decode = self._wait_s(True, decode_rate, sum(stats.prompt_tokens_pending for stats in decode)) + num_tokens / decode_rate
         if on_decode >= through_prefill:
             return False
         token_cost_s = len(decode) / sum(stats.tokens_per_s or stats.prefill_tokens_per_s or per_replica for stats in decode)
