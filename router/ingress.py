@@ -322,10 +322,13 @@ class RouterIngress:
         return sequences
 
     def _check_pools(self) -> None:
-        for name in self.pools:
-            if live_replicas(name) == 0:
-                self.metrics.rejected.labels(self.model_id, "503").inc()
-                raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
+        """Every sequence needs the decoding pool. A silent prefill pool refuses nothing: its
+        contexts are computed on decode when a call to it fails, and all of them there once Serve
+        lists none of its replicas (a live one's reports can lag seconds on a loaded machine)."""
+        name = self.orchestrator.decode_pool
+        if live_replicas(name) == 0:
+            self.metrics.rejected.labels(self.model_id, "503").inc()
+            raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 
     async def _generate(self, body, encoded, max_tokens, logprobs, chat: bool) -> Response:
         if body.response_format is not None or body.structured_outputs is not None:
