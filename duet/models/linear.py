@@ -6,10 +6,11 @@ fp32, and 1.4-2x in bf16, than ``F.linear``; for one row in fp32 and for long pr
 chunks the plain path is as fast or faster. Both are kept, and each call picks by rows.
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
-up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows (by instruction set) then read the quantized codes (0.75 byte a weight for Q4_1,
-1.125 for Q8_0, scales included, against 4) through ``kernels.gguf``, which dequantizes them
-exactly to the float weights the other paths use (in registers for a few rows, by panels
-kept in cache for a decode batch); longer products, prompt chunks, keep oneDNN's float paths.
+up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows (per instruction set) then read the quantized codes
+(0.75 byte a weight for Q4_1, 1.125 for Q8_0, scales included, against 4) through
+``kernels.gguf``, which dequantizes them exactly to the float weights the other paths use (in
+registers for a few rows, by panels kept in cache for a decode batch); longer products, prompt
+chunks, keep oneDNN's float paths.
 
 A weight quantized at load time (``quantization: int8 | int4``, ``duet.models.quantize``) keeps
 its blocks alone (``weight`` is None): longer products dequantize it for the call, which
