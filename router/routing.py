@@ -27,6 +27,11 @@ from duet.messages import REPLICA_SILENT_S, ReplicaStats
 
 logger = logging.getLogger(__name__)
 
+# A pool whose every replica has been silent this long is down (the ingress refuses with 503).
+# Far above ``REPLICA_SILENT_S``: stats come through Serve's controller, which a loaded machine
+# holds up for seconds, and Serve replaces a stopped replica after its health check's 30 s.
+POOL_DOWN_S = 30.0
+
 # Pool name ("prefill", "decode", "colocated") -> the request router of that pool in this process.
 _ROUTERS: dict[str, RequestRouter] = {}
 # Replica id -> events to set (each on its own event loop) when the replica leaves its pool's set.
@@ -85,17 +90,17 @@ def pool_size(pool: str) -> int | None:
     return None if router is None else len(router.curr_replicas)
 
 
-def live_replicas(pool: str) -> int | None:
+def live_replicas(pool: str, silent_s: float = REPLICA_SILENT_S) -> int | None:
     """Running replicas of a pool that have not gone silent: reported stats in the last
-    ``REPLICA_SILENT_S`` seconds (their clocks and ours agree to well within that), or have
-    not reported yet (just started); None while this process's router of the pool lists none
+    ``silent_s`` seconds (their clocks and ours agree to well within that), or have not
+    reported yet (just started); None while this process's router of the pool lists none
     (before its first call, or between Serve's updates: calls then wait in Serve's queue)."""
     router = _registry().get(pool)
     if router is None or not router.curr_replicas:
         return None
     now = time.time()
     stats = [_stats(replica) for replica in router.curr_replicas.values()]
-    return sum(1 for replica in stats if replica is None or now - replica.reported_at < REPLICA_SILENT_S)
+    return sum(1 for replica in stats if replica is None or now - replica.reported_at < silent_s)
 
 
 def replica_ids(pool: str) -> list[str]:
