@@ -215,19 +215,20 @@ def plot(summaries: list[Summary], path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{s.config}\n{s.workload}" for s in summaries]
-    figure, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    # Wider with more bars; labels slanted so that neighbours' never overlap.
+    figure, axes = plt.subplots(1, 4, figsize=(max(18, 2 * len(summaries)), 5))
     for axis, metric, title in zip(axes[:3], ("ttft_ms", "tpot_ms", "e2e_ms"), ("TTFT (ms)", "TPOT (ms)", "end-to-end (ms)")):
         width = 0.27
         for offset, quantile in enumerate(("p50", "p90", "p99")):
             xs = [i + (offset - 1) * width for i in range(len(summaries))]
             axis.bar(xs, [s.percentiles[metric][quantile] for s in summaries], width, label=quantile)
-        axis.set_xticks(range(len(summaries)), labels, fontsize=7)
+        axis.set_xticks(range(len(summaries)), labels, fontsize=7, rotation=45, ha="right")
         axis.set_title(title)
         axis.legend(fontsize=7)
     xs = range(len(summaries))
     axes[3].bar([x - 0.2 for x in xs], [s.request_throughput for s in summaries], 0.4, label="throughput (req/s)")
     axes[3].bar([x + 0.2 for x in xs], [s.goodput for s in summaries], 0.4, label="goodput (req/s)")
-    axes[3].set_xticks(list(xs), labels, fontsize=7)
+    axes[3].set_xticks(list(xs), labels, fontsize=7, rotation=45, ha="right")
     axes[3].set_title("throughput and goodput")
     axes[3].legend(fontsize=7)
     figure.tight_layout()
