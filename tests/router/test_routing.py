@@ -85,10 +85,10 @@ def test_a_replica_refuses_a_call_pinned_to_another():
 
 
 def test_a_pool_is_down_only_once_every_replica_has_been_silent_for_pool_down_s(monkeypatch):
-    """Guards the 503s a loaded CI machine gave streams of a healthy pool: replicas' reports
-    reach the ingress through Serve's controller, which held them up past ``REPLICA_SILENT_S``
-    (3 s), and the ingress took the decode pool for dead. Silent for 10 s is stale (``duet
-    status`` says so), not down."""
+    """Guards against refusing a healthy pool: replicas' reports reach the ingress through
+    Serve's controller, which a loaded CI machine can hold up past ``REPLICA_SILENT_S`` (3 s);
+    the ingress then took the decode pool for dead (the likely cause of a CI run's failed
+    dead-worker stream). Silent for 10 s is stale (``duet status`` says so), not down."""
     from duet.router import routing
 
     now = time.time()
