@@ -31,7 +31,7 @@ from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator, PoolUnavailableError
 from duet.router.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from duet.router.responses import ResponseBuilder, error_body, sse
-from duet.router.routing import POOL_DOWN_S, live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
+from duet.router.routing import live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import fit_to_context
@@ -329,7 +329,7 @@ class RouterIngress:
         silent prefill pool refuses nothing: its contexts are computed on decode when a call to
         it fails, and all of them there once Serve lists none of its replicas."""
         name = self.orchestrator.decode_pool
-        if live_replicas(name, POOL_DOWN_S) == 0:
+        if live_replicas(name) == 0:
             self.metrics.rejected.labels(self.model_id, "503").inc()
             raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 

@@ -23,12 +23,12 @@ import uuid
 from ray.serve import context as serve_context
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from duet.messages import REPLICA_SILENT_S, ReplicaStats
+from duet.messages import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
 # A pool whose every replica has been silent this long is down (the ingress refuses with 503).
-# Far above ``REPLICA_SILENT_S``: stats come through Serve's controller, which a loaded machine
+# Far above the 3 s after which ``duet status`` calls a report stale: stats come through Serve's controller, which a loaded machine
 # holds up for seconds, and Serve replaces a stopped replica after its health check's 30 s.
 POOL_DOWN_S = 30.0
 
@@ -90,17 +90,17 @@ def pool_size(pool: str) -> int | None:
     return None if router is None else len(router.curr_replicas)
 
 
-def live_replicas(pool: str, silent_s: float = REPLICA_SILENT_S) -> int | None:
-    """Running replicas of a pool that have not gone silent: reported stats in the last
-    ``silent_s`` seconds (their clocks and ours agree to well within that), or have not
-    reported yet (just started); None while this process's router of the pool lists none
-    (before its first call, or between Serve's updates: calls then wait in Serve's queue)."""
+def live_replicas(pool: str) -> int | None:
+    """Running replicas of a pool that are not down: reported stats in the last ``POOL_DOWN_S``
+    seconds (their clocks and ours agree to well within that), or have not reported yet (just
+    started); None while this process's router of the pool lists none (before its first call,
+    or between Serve's updates: calls then wait in Serve's queue)."""
     router = _registry().get(pool)
     if router is None or not router.curr_replicas:
         return None
     now = time.time()
     stats = [_stats(replica) for replica in router.curr_replicas.values()]
-    return sum(1 for replica in stats if replica is None or now - replica.reported_at < silent_s)
+    return sum(1 for replica in stats if replica is None or now - replica.reported_at < POOL_DOWN_S)
 
 
 def replica_ids(pool: str) -> list[str]:

@@ -96,9 +96,8 @@ def test_a_pool_is_down_only_once_every_replica_has_been_silent_for_pool_down_s(
     monkeypatch.setitem(routing._ROUTERS, "decode", router)
     assert routing.live_replicas("decode") is None  # none listed: calls wait in Serve's queue
     router.curr_replicas = {"a": _replica("a", reported_at=now - 10), "b": _replica("b", reported_at=now - 12)}
-    assert routing.live_replicas("decode") == 0
-    assert routing.live_replicas("decode", routing.POOL_DOWN_S) == 2
+    assert routing.live_replicas("decode") == 2
     router.curr_replicas["a"] = _replica("a", reported_at=now - routing.POOL_DOWN_S - 1)
-    assert routing.live_replicas("decode", routing.POOL_DOWN_S) == 1
+    assert routing.live_replicas("decode") == 1
     router.curr_replicas["b"] = _replica("b", reported_at=now - routing.POOL_DOWN_S - 5)
-    assert routing.live_replicas("decode", routing.POOL_DOWN_S) == 0
+    assert routing.live_replicas("decode") == 0
