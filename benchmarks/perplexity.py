@@ -6,8 +6,10 @@ On the project's own English text (``eval_text.py``), each setting runs duet's m
 whole text in chunks of ``CHUNK`` tokens through a paged KV cache of its ``kv_cache_dtype``, so
 every chunk after the first attends to cached (quantized) keys and values, exactly as a served
 prompt does; perplexity is over every token after the first. Printed per setting: perplexity
-and its change against fp32; top-1 agreement with fp32 (the share of positions whose most
-likely next token is fp32's, every setting reading the same text); greedy agreement (from each
+and its change against fp32; the mean KL divergence of its next-token distributions from
+fp32's (the finest of these measures: it sees every change, not only those that move a token);
+top-1 agreement with fp32 (the share of positions whose most likely next token is fp32's,
+every setting reading the same text); greedy agreement (from each
 paragraph's first sentence, 64 greedy tokens through the engine, the share equal to fp32's up
 to the first difference); resident weight bytes and KV bytes per token.
 """
@@ -46,6 +48,7 @@ class Result:
     kv_cache_dtype: str
     perplexity: float
     change: float  # relative to fp32's perplexity
+    kl_divergence: float  # mean over the text's positions of KL(fp32 || setting), in nats
     top1_agreement: float
     greedy_agreement: float
     weight_bytes: int
@@ -105,23 +108,24 @@ def run(model: str, settings: list[str]) -> list[Result]:
     token_ids = None
     prompts = [paragraph.split(". ")[0] + "." for paragraph in PARAGRAPHS]
     ordered = ["fp32"] + [name for name in settings if name != "fp32"]
-    results, reference_top1, reference_greedy = [], None, None
+    results, reference_log_probs, reference_greedy = [], None, None
     for name in tqdm(ordered, desc="settings", unit="setting"):
         quantization, kv_cache_dtype = SETTINGS[name]
         started = time.perf_counter()
         llm = LLM(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=0.25)
         token_ids = token_ids or llm.get_tokenizer().encode(TEXT)
         network, kv_dtype = llm.engine.executor.worker.runner.model, llm.engine.kv_dtype
-        logits = text_logits(network, token_ids, kv_dtype)
+        log_probs = text_logits(network, token_ids, kv_dtype).log_softmax(-1)
         targets = torch.tensor(token_ids[1:])
-        perplexity = math.exp(torch.nn.functional.cross_entropy(logits, targets).item())
-        top1 = logits.argmax(-1)
+        perplexity = math.exp(torch.nn.functional.nll_loss(log_probs, targets).item())
         greedy = greedy_tokens(llm, prompts)
-        if reference_top1 is None:
-            reference_top1, reference_greedy, base = top1, greedy, perplexity
+        if reference_log_probs is None:
+            reference_log_probs, reference_greedy, base = log_probs, greedy, perplexity
+        kl = torch.nn.functional.kl_div(log_probs, reference_log_probs, log_target=True, reduction="batchmean")
+        top1_agreement = (log_probs.argmax(-1) == reference_log_probs.argmax(-1)).float().mean()
         results.append(Result(
             setting=name, quantization=quantization, kv_cache_dtype=kv_cache_dtype, perplexity=perplexity,
-            change=perplexity / base - 1, top1_agreement=float((top1 == reference_top1).float().mean()),
+            change=perplexity / base - 1, kl_divergence=float(kl), top1_agreement=float(top1_agreement),
             greedy_agreement=prefix_share(reference_greedy, greedy), weight_bytes=resident_weight_bytes(network),
             kv_bytes_per_token=llm.engine.kv_bytes_per_block // llm.engine.block_size,
             seconds=time.perf_counter() - started,
@@ -131,10 +135,10 @@ def run(model: str, settings: list[str]) -> list[Result]:
 
 
 def report(results: list[Result]) -> str:
-    lines = [f"{'setting':<16} {'perplexity':>10} {'change':>8} {'top-1 agree':>11} {'greedy agree':>12} {'weights MB':>10} {'KV B/token':>10}"]
+    lines = [f"{'setting':<16} {'perplexity':>10} {'change':>8} {'KL':>8} {'top-1 agree':>11} {'greedy agree':>12} {'weights MB':>10} {'KV B/token':>10}"]
     for r in results:
         lines.append(
-            f"{r.setting:<16} {r.perplexity:>10.4f} {r.change:>+8.2%} {r.top1_agreement:>11.1%} {r.greedy_agreement:>12.1%} "
+            f"{r.setting:<16} {r.perplexity:>10.4f} {r.change:>+8.2%} {r.kl_divergence:>8.1e} {r.top1_agreement:>11.1%} {r.greedy_agreement:>12.1%} "
             f"{r.weight_bytes / 1e6:>10.1f} {r.kv_bytes_per_token:>10}"
         )
     return "\n".join(lines)

@@ -2,7 +2,9 @@
 
 CUDA tensors go to the Triton kernels; CPU tensors to the C++ kernels of ``cpu_ops`` for
 decode-sized queries and to torch for the rest (and for everything when the C++ kernels
-are unavailable). Quantized caches (``kv_quant``) are written by torch on every device.
+are unavailable). Quantized caches (``kv_quant``) are written by torch on every device, and
+attention over them runs in their Hadamard basis: the query enters it and the output leaves it
+here, so callers see the model's basis alone.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from duet.kernels import cpu_ops
-from duet.kernels.kv_quant import is_quantized
+from duet.kernels.kv_quant import is_quantized, rotate
 from duet.kernels.metadata import AttentionMetadata
 from duet.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 
@@ -39,6 +41,12 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    if is_quantized(key_cache):
+        return rotate(_attend(rotate(query), key_cache, value_cache, metadata, scale))
+    return _attend(query, key_cache, value_cache, metadata, scale)
+
+
+def _attend(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     if query.is_cuda:
         from duet.kernels.triton_attention import paged_attention_triton
 

@@ -183,7 +183,27 @@ struct FloatRows {
   }
 };
 
-// Codes and the exponent byte: Codec gives cache_t, kHeadroom, decode (a code's value) and encode.
+// Rows quantized, at most this wide (rope_and_cache checks it): the transform's buffer.
+constexpr int64_t kMaxQuantizedHeadDim = 512;
+
+// x @ H in place, H the Sylvester Hadamard matrix in blocks of head_dim's largest power-of-two
+// divisor: butterflies (a + c, a - c) of elements h apart, h = 1, 2, 4, ... in the order of
+// kv_quant.hadamard_rows, so both round alike.
+inline void hadamard_rows(float* x, int64_t head_dim) {
+  const int64_t block = head_dim & -head_dim;
+  for (int64_t half = 1; half < block; half *= 2) {
+    for (int64_t group = 0; group < head_dim; group += 2 * half) {
+      for (int64_t i = group; i < group + half; ++i) {
+        const float a = x[i], c = x[i + half];
+        x[i] = a + c;
+        x[i + half] = a - c;
+      }
+    }
+  }
+}
+
+// Codes of the row's Hadamard transform and the exponent byte (kv_quant.py says why):
+// Codec gives cache_t, kHeadroom, decode (a code's value) and encode.
 template <typename Codec>
 struct ScaledRows {
   using cache_t = typename Codec::cache_t;
@@ -195,11 +215,14 @@ struct ScaledRows {
   static vf lanes(const cache_t* p) { return Codec::lanes(p); }
   template <typename S>
   static void store(cache_t* row, const S* src, int64_t head_dim) {
+    float x[kMaxQuantizedHeadDim];
+    for (int64_t d = 0; d < head_dim; ++d) x[d] = to_float(src[d]);
+    hadamard_rows(x, head_dim);
     float amax = 0.f;
-    for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(to_float(src[d])));
+    for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
     const int exponent = row_exponent(amax, Codec::kHeadroom);
     const float inverse = power_of_two(-exponent);
-    for (int64_t d = 0; d < head_dim; ++d) row[d] = Codec::encode(to_float(src[d]) * inverse);
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = Codec::encode(x[d] * inverse);
     row[head_dim] = static_cast<cache_t>(static_cast<int8_t>(exponent));
   }
 };
@@ -576,6 +599,8 @@ void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
                     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v need a contiguous last dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
+  TORCH_CHECK(key_cache.size(-1) == q.size(2) || q.size(2) <= kMaxQuantizedHeadDim,
+              "quantized KV rows are at most ", kMaxQuantizedHeadDim, " wide, got head_dim ", q.size(2));
   DUET_DISPATCH(q.scalar_type(), scalar_t, [&] {
     dispatch_rows<scalar_t>(key_cache, [&](auto rows) {
       using Rows = decltype(rows);

@@ -17,7 +17,7 @@ def test_quantized_settings_stay_within_their_perplexity_budgets(smollm2_dir):
     results = {result.setting: result for result in run("smollm2", ["fp32", *BUDGETS])}
     print(report(list(results.values())))
     fp32 = results["fp32"]
-    assert fp32.change == 0 and fp32.top1_agreement == 1 and fp32.greedy_agreement == 1
+    assert fp32.change == 0 and fp32.kl_divergence == 0 and fp32.top1_agreement == 1 and fp32.greedy_agreement == 1
     for setting, budget in BUDGETS.items():
         assert results[setting].change <= budget, (setting, results[setting])
         assert results[setting].top1_agreement >= 0.75, (setting, results[setting])

@@ -219,12 +219,13 @@ def test_triton_reads_quantized_caches_as_the_cpu_paths_do(cache_dtype, dtype):
     """Int8 and e4m3 codes decoded from their bits in the kernel, times each row's scale: the
     same attention as the torch path over the same quantized cache (every e4m3 code, subnormals
     and negatives included, is in these caches)."""
-    from duet.kernels.kv_quant import quantize_rows
+    from duet.kernels.kv_quant import quantize_rows, rotate
     from duet.kernels.torch_attention import paged_attention_torch
 
     query, key_cache, value_cache, metadata = _build_batch([(0, 1), (20, 1), (0, 23), (17, 9), (40, 4)], 9, 3, 64, 16, torch.float32)
-    key_cache = quantize_rows(torch.nan_to_num(key_cache, nan=0.5) * torch.logspace(-3, 1, 64), cache_dtype)
-    value_cache = quantize_rows(torch.nan_to_num(value_cache, nan=-0.5), cache_dtype)
+    # Rows rotated first: the cache's Hadamard transform gives them back, so it holds codes of these very values.
+    key_cache = quantize_rows(rotate(torch.nan_to_num(key_cache, nan=0.5) * torch.logspace(-3, 1, 64)), cache_dtype)
+    value_cache = quantize_rows(rotate(torch.nan_to_num(value_cache, nan=-0.5)), cache_dtype)
     if cache_dtype == torch.float8_e4m3fn:
         assert len(torch.unique(key_cache[..., :-1].view(torch.uint8))) > 200
     query = query.to(dtype)
