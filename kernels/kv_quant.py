@@ -1,8 +1,8 @@
-"""KV cache rows of one byte a value — int8 or fp8 (e4m3) codes — with a power-of-two scale per
+"""KV cache rows of one byte a value — int8 or fp8 (e4m3) codes — with a one-byte scale per
 token and head, stored in a Hadamard basis.
 
-A quantized cache holds, for each token and KV head, ``head_dim`` codes followed by one byte:
-the exponent ``e`` (int8) of the row's scale, the row being ``codes * 2**e``. The cache tensor's
+A quantized cache holds, for each token and KV head, ``head_dim`` codes followed by one byte,
+the row's scale (``decode_scales``), the row being ``codes * scale``. The cache tensor's
 dtype says which codes it holds (``torch.int8`` or ``torch.float8_e4m3fn``) and its last
 dimension is ``head_dim + 1``.
 
@@ -12,19 +12,22 @@ stored as ``x @ H``, ``H`` the Sylvester Hadamard matrix of ±1 (block-diagonal 
 ``head_dim``'s largest power-of-two divisor), which spreads an outlier over every channel; a
 query enters this basis and an attention output leaves it by the same product ``x @ H / b``
 (``rotate``; ``H @ H = b * I``, so scores and outputs are the model's). On SmolLM2's own text
-the int8 cache's KL divergence from fp32 falls from 1.3e-3 to 3.8e-4. The transform is a
+the int8 cache's KL divergence from fp32 falls from 1.3e-3 to 3.7e-4. The transform is a
 butterfly of adds and subtractions in fp32, in the same order in every implementation, so the
 C++ write and the torch write store the same bytes; the attention kernels never see it.
 
 Why a scale per token and head: a row is written once, when its token is computed, so its scale
 is known then and never revisited. A scale per block would have to be fixed before the block's
 later tokens exist (a calibrated constant, as vLLM's ``k_scale``) or its rows requantized as
-they arrive. Why a power of two in one byte: the row costs ``head_dim + 1`` bytes (65 against
-256 in fp32 for SmolLM2's 64: 3.94x the blocks; an fp32 scale would give 68 bytes, 3.76x), and
-multiplying by ``2**e`` is exact in every float format, so the C++, torch and Triton kernels
-dequantize to the very same values. The exponent is the row's largest magnitude's, less the
-code's headroom (``_HEADROOM``): integer arithmetic on the float's bits, the same in every
-implementation, no division.
+they arrive. Why one byte: the row costs ``head_dim + 1`` bytes (65 against 256 in fp32 for
+SmolLM2's 64: 3.94x the blocks; an fp32 scale would give 68 bytes, 3.76x). The byte holds 6
+bits of exponent and 2 of mantissa: the row's largest magnitude over ``MAX_CODE`` (127 for
+int8, e4m3's 448), rounded up on the float's bits, so the largest code lands within 20% of the
+limit (a power of two left it anywhere in the top half: on SmolLM2's text the int8 cache's KL
+divergence from fp32 falls from 3.7e-4 to 2.3e-4 by it). Every step is integer arithmetic on
+float bits, one product by a constant, or one IEEE reciprocal, so the C++ and torch writes
+store the same bytes; codes times scale are exact in fp32, so the C++, torch and Triton readers
+see the same values (a bf16 reader then rounds them as any bf16).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ from __future__ import annotations
 import torch
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
-# Bits below the largest magnitude's exponent: int8 rows land in [64, 128) (127 at most after
-# rounding), fp8 rows in [128, 256), under e4m3's 448 with its full precision.
-_HEADROOM = {torch.int8: 7, torch.float8_e4m3fn: 8}
-MIN_EXPONENT, MAX_EXPONENT = -126, 126  # 2**e and 2**-e stay normal fp32 numbers
+# The code a row's largest magnitude maps to (at most: the scale is rounded up).
+MAX_CODE = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_PER_CODE = {dtype: torch.tensor(1.0 / code) for dtype, code in MAX_CODE.items()}  # fp32, as the C++ write's constants
+# The scale byte: 6 bits of exponent (2**-32 to 2**31) and 2 of mantissa.
+MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -32, 31
+_MANTISSA_DROPPED = 21  # of fp32's 23 mantissa bits
 
 
 def is_quantized(cache: torch.Tensor) -> bool:
@@ -84,37 +89,45 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, _ROTATIONS[key])
 
 
-def _row_exponents(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Each row's scale exponent, ``[..., 1]`` int32: from the largest magnitude's float bits."""
-    amax = rows.float().abs().amax(dim=-1, keepdim=True)
-    biased = (amax.view(torch.int32) >> 23) & 0xFF  # zero and subnormals give the floor below
-    return (biased - 126 - _HEADROOM[cache_dtype]).clamp_(MIN_EXPONENT, MAX_EXPONENT)
+def row_scales(rows: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's scale (``[..., 1]`` fp32) and its byte (int8): the largest magnitude over
+    ``MAX_CODE``, rounded up to 3 significant bits on the float's bits."""
+    target = rows.abs().amax(dim=-1, keepdim=True) * _PER_CODE[cache_dtype].to(rows.device)  # a product: no division to differ
+    low = (1 << _MANTISSA_DROPPED) - 1
+    bits = (target.view(torch.int32) + low) & ~low  # round up (a carry moves to the exponent)
+    exponents = ((bits >> 23) & 0xFF) - 127
+    mantissas = (bits >> _MANTISSA_DROPPED) & 3
+    mantissas = torch.where(exponents < MIN_SCALE_EXPONENT, 0, torch.where(exponents > MAX_SCALE_EXPONENT, 3, mantissas))
+    exponents = exponents.clamp(MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT)
+    scale_bytes = ((exponents - MIN_SCALE_EXPONENT) << 2) | mantissas
+    return decode_scales(scale_bytes), scale_bytes.to(torch.uint8).view(torch.int8)
+
+
+def decode_scales(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """Scale bytes (any integer dtype) as fp32: ``2**E * (1 + m / 4)``, built from its bits."""
+    byte = scale_bytes.to(torch.int32) & 0xFF
+    return ((((byte >> 2) + MIN_SCALE_EXPONENT + 127) << 23) | ((byte & 3) << _MANTISSA_DROPPED)).view(torch.float32)
 
 
 def quantize_rows(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """``[..., head_dim]`` floats as ``[..., head_dim + 1]`` of ``cache_dtype``: the codes of
-    ``rows @ H``, then the exponent."""
+    ``rows @ H``, then the scale's byte."""
     rows = hadamard_rows(rows)
-    exponents = _row_exponents(rows, cache_dtype)
-    scaled = rows * power_of_two(-exponents)  # exact
+    scales, scale_bytes = row_scales(rows, cache_dtype)
+    limit = MAX_CODE[cache_dtype]
+    scaled = (rows * scales.reciprocal()).clamp_(-limit, limit)  # as the C++ write: by the rounded reciprocal
     if cache_dtype == torch.int8:
-        codes = scaled.round_().clamp_(-127, 127).to(torch.int8)  # round half to even
+        codes = scaled.round_().to(torch.int8)  # round half to even
     else:
         codes = scaled.to(torch.float8_e4m3fn).view(torch.int8)
-    return torch.cat([codes, exponents.to(torch.int8)], dim=-1).view(cache_dtype)
+    return torch.cat([codes, scale_bytes], dim=-1).view(cache_dtype)
 
 
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[..., head_dim + 1]`` quantized rows as ``[..., head_dim]`` of ``dtype``: exactly their
-    values, in the cache's basis (``rotate`` takes them back to the model's)."""
-    codes = rows[..., :-1].float()  # int8 and e4m3 values are exact in fp32 (and in bf16)
-    exponents = rows[..., -1:].view(torch.int8).to(torch.int32)
-    return (codes * power_of_two(exponents)).to(dtype)
-
-
-def power_of_two(exponents: torch.Tensor) -> torch.Tensor:
-    """``2.0 ** exponents`` in fp32, built from its bits (exact; ``torch.pow`` need not be)."""
-    return ((exponents.to(torch.int32) + 127) << 23).view(torch.float32)
+    """``[..., head_dim + 1]`` quantized rows as ``[..., head_dim]`` of ``dtype``: their values
+    (exact in fp32), in the cache's basis (``rotate`` takes them back to the model's)."""
+    codes = rows[..., :-1].float()  # int8 and e4m3 values are exact in fp32
+    return (codes * decode_scales(rows[..., -1:].view(torch.int8))).to(dtype)
 
 
 def cache_bytes_view(cache: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 The cache of one layer is ``key_cache`` / ``value_cache``, each
 ``[num_kv_heads, num_blocks, block_size, head_dim]``; flat slot ``s`` is block
 ``s // block_size``, offset ``s % block_size``. Attention also reads quantized caches (int8 or
-fp8 e4m3 codes with a power-of-two scale per row, ``kv_quant``), decoding the codes from their
+fp8 e4m3 codes with a one-byte scale per row, ``kv_quant``), decoding the codes from their
 bits; those caches are written by ``kv_quant``'s torch code, on any device.
 """
 
@@ -21,8 +21,9 @@ _KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}  # 0: the cache holds floats
 
 
 @triton.jit
-def _dequantize(codes, exponents, KV_CODES: tl.constexpr):
-    """Codes (the int8 bits of an int8 or e4m3 cache) times 2**exponent, exactly, in fp32."""
+def _dequantize(codes, scale_bytes, KV_CODES: tl.constexpr):
+    """Codes (the int8 bits of an int8 or e4m3 cache) times their row's scale, exactly, in fp32
+    (the scale byte: 6 bits of exponent from -32, 2 of mantissa; ``kv_quant.decode_scales``)."""
     if KV_CODES == 1:
         values = codes.to(tl.float32)
     else:
@@ -32,7 +33,8 @@ def _dequantize(codes, exponents, KV_CODES: tl.constexpr):
         normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
         magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2**-9
         values = tl.where(bits >= 128, -magnitude, magnitude)
-    return values * ((exponents.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    byte = scale_bytes.to(tl.int32) & 0xFF
+    return values * ((((byte >> 2) + 95) << 23) | ((byte & 3) << 21)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -177,7 +179,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WIDEN_DOT_OPERANDS: tl.constexpr,  # only for the CPU interpreter, see paged_attention_triton
-    KV_CODES: tl.constexpr,  # 0: float cache; 1: int8, 2: fp8 e4m3 codes, the scale exponent after them
+    KV_CODES: tl.constexpr,  # 0: float cache; 1: int8, 2: fp8 e4m3 codes, the scale's byte after them
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -231,10 +233,10 @@ def _paged_attention_kernel(
         k = tl.load(k_rows[None, :] + offs_d[:, None] * stride_kcd, mask=k_valid[None, :] & d_valid[:, None], other=0)
         v = tl.load(v_rows[:, None] + offs_d[None, :] * stride_vcd, mask=k_valid[:, None] & d_valid[None, :], other=0)
         if KV_CODES != 0:
-            k_exponents = tl.load(k_rows + head_dim * stride_kcd, mask=k_valid, other=0)
-            v_exponents = tl.load(v_rows + head_dim * stride_vcd, mask=k_valid, other=0)
-            k = _dequantize(k, k_exponents[None, :], KV_CODES).to(query_ptr.dtype.element_ty)
-            v = _dequantize(v, v_exponents[:, None], KV_CODES).to(query_ptr.dtype.element_ty)
+            k_scale_bytes = tl.load(k_rows + head_dim * stride_kcd, mask=k_valid, other=0)
+            v_scale_bytes = tl.load(v_rows + head_dim * stride_vcd, mask=k_valid, other=0)
+            k = _dequantize(k, k_scale_bytes[None, :], KV_CODES).to(query_ptr.dtype.element_ty)
+            v = _dequantize(v, v_scale_bytes[:, None], KV_CODES).to(query_ptr.dtype.element_ty)
         if WIDEN_DOT_OPERANDS:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

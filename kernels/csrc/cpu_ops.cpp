@@ -155,19 +155,30 @@ inline vf load_lanes(const c10::BFloat16* p) {  // a bf16 is the top half of its
 }
 
 // The rows of a KV cache, as the kernels read and write them: floats as they are, or one-byte
-// codes followed by the exponent e of their scale 2^e (kv_quant.py), chosen from the row's
-// largest magnitude by its float bits, the same integer rule as the torch implementation.
-inline float power_of_two(int exponent) {
-  const uint32_t bits = static_cast<uint32_t>(exponent + 127) << 23;
+// codes followed by their scale's byte (kv_quant.py): 6 bits of exponent E in [-32, 31] and 2
+// of mantissa m, the scale 2^E (1 + m/4), chosen from the row's largest magnitude by the same
+// integer rule on its float bits as the torch implementation.
+constexpr int kMinScaleExponent = -32, kMaxScaleExponent = 31, kMantissaDropped = 21;
+
+inline float decode_scale(uint8_t byte) {
+  const uint32_t bits = (static_cast<uint32_t>((byte >> 2) + kMinScaleExponent + 127) << 23) |
+                        (static_cast<uint32_t>(byte & 3) << kMantissaDropped);
   float value;
   std::memcpy(&value, &bits, sizeof value);
   return value;
 }
 
-inline int row_exponent(float amax, int headroom) {
+// The byte of target (the largest magnitude over the largest code), rounded up to 3 significant bits.
+inline uint8_t encode_scale(float target) {
   uint32_t bits;
-  std::memcpy(&bits, &amax, sizeof bits);
-  return std::clamp(static_cast<int>((bits >> 23) & 0xFF) - 126 - headroom, -126, 126);
+  std::memcpy(&bits, &target, sizeof bits);
+  constexpr uint32_t low = (1u << kMantissaDropped) - 1;
+  bits = (bits + low) & ~low;
+  int exponent = static_cast<int>((bits >> 23) & 0xFF) - 127;
+  int mantissa = static_cast<int>((bits >> kMantissaDropped) & 3);
+  if (exponent < kMinScaleExponent) exponent = kMinScaleExponent, mantissa = 0;
+  if (exponent > kMaxScaleExponent) exponent = kMaxScaleExponent, mantissa = 3;
+  return static_cast<uint8_t>(((exponent - kMinScaleExponent) << 2) | mantissa);
 }
 
 template <typename T>
@@ -203,14 +214,12 @@ inline void hadamard_rows(float* x, int64_t head_dim) {
 }
 
 // Codes of the row's Hadamard transform and the exponent byte (kv_quant.py says why):
-// Codec gives cache_t, kHeadroom, decode (a code's value) and encode.
+// Codec gives cache_t, kMaxCode and kPerCode (its reciprocal), decode (a code's value) and encode.
 template <typename Codec>
 struct ScaledRows {
   using cache_t = typename Codec::cache_t;
   static constexpr bool kScaled = true;
-  static float scale(const cache_t* row, int64_t head_dim) {
-    return power_of_two(static_cast<int8_t>(row[head_dim]));
-  }
+  static float scale(const cache_t* row, int64_t head_dim) { return decode_scale(static_cast<uint8_t>(row[head_dim])); }
   static float value(const cache_t* row, int64_t d) { return Codec::decode(row[d]); }
   static vf lanes(const cache_t* p) { return Codec::lanes(p); }
   template <typename S>
@@ -220,10 +229,10 @@ struct ScaledRows {
     hadamard_rows(x, head_dim);
     float amax = 0.f;
     for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const int exponent = row_exponent(amax, Codec::kHeadroom);
-    const float inverse = power_of_two(-exponent);
-    for (int64_t d = 0; d < head_dim; ++d) row[d] = Codec::encode(x[d] * inverse);
-    row[head_dim] = static_cast<cache_t>(static_cast<int8_t>(exponent));
+    const uint8_t scale_byte = encode_scale(amax * Codec::kPerCode);
+    const float inverse = 1.f / decode_scale(scale_byte);
+    for (int64_t d = 0; d < head_dim; ++d) row[d] = Codec::encode(std::clamp(x[d] * inverse, -Codec::kMaxCode, Codec::kMaxCode));
+    row[head_dim] = static_cast<cache_t>(scale_byte);
   }
 };
 
@@ -231,19 +240,19 @@ typedef int8_t vb __attribute__((vector_size(kLanes)));
 
 struct Int8Codec {
   using cache_t = int8_t;
-  static constexpr int kHeadroom = 7;  // |x| * 2^-e in [64, 128)
+  static constexpr float kMaxCode = 127.f, kPerCode = 1.f / 127.f;
   static float decode(int8_t code) { return code; }
   static vf lanes(const int8_t* p) {
     vb codes;
     std::memcpy(&codes, p, sizeof codes);
     return __builtin_convertvector(codes, vf);
   }
-  static int8_t encode(float x) { return static_cast<int8_t>(std::clamp(std::nearbyint(x), -127.f, 127.f)); }
+  static int8_t encode(float x) { return static_cast<int8_t>(std::nearbyint(x)); }
 };
 
 struct Fp8Codec {
   using cache_t = uint8_t;  // the bits of torch.float8_e4m3fn
-  static constexpr int kHeadroom = 8;  // |x| * 2^-e in [128, 256), under e4m3's 448
+  static constexpr float kMaxCode = 448.f, kPerCode = 1.f / 448.f;  // e4m3's largest
   static const float* table() {
     static const std::vector<float> values = [] {
       std::vector<float> all(256);

@@ -93,7 +93,7 @@ def test_quantized_kv_outputs_do_not_depend_on_batching_chunking_or_prefix_hits(
 
 
 def test_quantized_kv_fits_four_times_the_blocks_of_fp32(tiny_llama_dir):
-    """Rows of head_dim codes and one exponent byte: (4 * 16) / (16 + 1) the blocks of fp32 for
+    """Rows of head_dim codes and one scale byte: (4 * 16) / (16 + 1) the blocks of fp32 for
     this model's 16-wide heads (3.94x for SmolLM2's 64)."""
     blocks = {
         kv: LLM(model=str(tiny_llama_dir), kv_cache_dtype=kv, kv_cache_memory_gib=0.01).engine.num_blocks

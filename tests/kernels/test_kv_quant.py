@@ -8,7 +8,15 @@ import torch
 
 from duet.kernels import cpu_ops
 from duet.kernels.fused import rotate_half
-from duet.kernels.kv_quant import QUANTIZED_DTYPES, dequantize_rows, hadamard_rows, quantize_rows, rotate
+from duet.kernels.kv_quant import (
+    QUANTIZED_DTYPES,
+    decode_scales,
+    dequantize_rows,
+    hadamard_rows,
+    quantize_rows,
+    rotate,
+    row_scales,
+)
 from duet.kernels.torch_attention import paged_attention_torch, write_kv_cache_torch
 from tests.kernels.test_cpu_kernels import _metadata, _reference_attention
 
@@ -32,11 +40,22 @@ def test_quantized_rows_keep_every_magnitude_to_the_codes_precision(cache_dtype)
     transformed = rows.double() @ _sylvester(64)
     amax = transformed.abs().amax(-1, keepdim=True)
     if cache_dtype == torch.int8:
-        bound = amax / 64 * 0.51  # step 2^e with amax >= 64 * 2^e
+        bound = amax / 127 * 1.25 * 0.51  # the scale: amax / 127 rounded up to 3 significant bits
     else:
         bound = transformed.abs() / 16 + amax / 2**14  # 3 mantissa bits; subnormals
     assert ((back - transformed).abs() <= bound).all()
     assert ((rotate(back).double() - rows).abs() <= bound.amax(-1, keepdim=True) + amax * 1e-6).all()
+
+
+def test_scale_bytes_round_up_to_three_significant_bits_and_clamp_their_exponent():
+    """A row's scale is its largest magnitude over the largest code, rounded up (codes never
+    overflow) to 2**E * (1 + m/4), E in [-32, 31]: the byte's fields, exactly."""
+    amax = torch.tensor([127.0, 127.0 * 1.26, 127.0 * 2**-40, 0.0, 127.0 * 2**40]).view(-1, 1)
+    rows = torch.cat([amax, torch.zeros(5, 3)], dim=-1)
+    scales, scale_bytes = row_scales(rows, torch.int8)
+    assert scales.flatten().tolist() == [1.0, 1.5, 2.0**-32, 2.0**-32, 2.0**31 * 1.75]
+    assert (scale_bytes.flatten().to(torch.int32) & 0xFF).tolist() == [32 << 2, (32 << 2) | 2, 0, 0, 255]
+    assert torch.equal(decode_scales(scale_bytes), scales)
 
 
 def _sylvester(width: int) -> torch.Tensor:
@@ -59,14 +78,14 @@ def test_hadamard_rows_is_the_sylvester_matrix_in_blocks_and_rotate_undoes_it(he
 
 def test_a_key_with_an_outlier_channel_keeps_its_other_channels():
     """Why the Hadamard basis: a row whose one channel is 100 times the rest (as RoPE's slow
-    pairs make keys) would round every other channel to a step of about 1/64 of the outlier;
-    spread over the transform, the error per channel falls about eightfold (by sqrt(64))."""
+    pairs make keys) would round every other channel to a step of 1/127 of the outlier; spread
+    over the transform, the error per channel falls about eightfold (by sqrt(64))."""
     generator = torch.Generator().manual_seed(3)
     rows = torch.randn(256, 64, generator=generator)
     rows[:, 5] = 100.0
     error = rotate(dequantize_rows(quantize_rows(rows, torch.int8), torch.float32)) - rows
-    step = 2.0 ** torch.floor(torch.log2(rows.abs().amax(-1))) / 64  # the untransformed row's code step
-    assert float(error.abs().mean()) < float(step.mean()) / 4 / 4  # a quarter of a step is plain rounding's mean error
+    step = 100.0 / 127  # the untransformed row's code step
+    assert float(error.abs().mean()) < step / 4 / 4  # a quarter of a step is plain rounding's mean error
 
 
 @needs_native
