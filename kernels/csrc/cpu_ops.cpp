@@ -213,7 +213,7 @@ inline void hadamard_rows(float* x, int64_t head_dim) {
   }
 }
 
-// Codes of the row's Hadamard transform and the exponent byte (kv_quant.py says why):
+// Codes of the row's Hadamard transform and the scale's byte (kv_quant.py says why):
 // Codec gives cache_t, kMaxCode and kPerCode (its reciprocal), decode (a code's value) and encode.
 template <typename Codec>
 struct ScaledRows {
