@@ -3,8 +3,8 @@
 CUDA tensors go to the Triton kernels; CPU tensors to the C++ kernels of ``cpu_ops`` for
 decode-sized queries and to torch for the rest (and for everything when the C++ kernels
 are unavailable). Quantized caches (``kv_quant``) are written by torch on every device, and
-attention over them runs in their Hadamard basis: the query enters it and the output leaves it
-here, so callers see the model's basis alone.
+attention over them runs in their Hadamard basis: ``rope_and_write_kv`` leaves the query there
+(for free, in the C++ pass over it) and the output leaves it here.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    if is_quantized(key_cache):
-        return rotate(_attend(rotate(query), key_cache, value_cache, metadata, scale))
+    if is_quantized(key_cache):  # the query is in the cache's basis already (rope_and_write_kv)
+        return rotate(_attend(query, key_cache, value_cache, metadata, scale))
     return _attend(query, key_cache, value_cache, metadata, scale)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from duet.kernels import cpu_ops
+from duet.kernels.kv_quant import is_quantized, rotate
 
 
 def _native(x: torch.Tensor):
@@ -52,7 +53,9 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def rope_and_write_kv(q, k, v, positions, cos_table, sin_table, key_cache, value_cache, slot_mapping):
-    """Apply RoPE to ``q`` and ``k`` in place and store ``k``, ``v`` at their cache slots."""
+    """Apply RoPE to ``q`` and ``k`` in place and store ``k``, ``v`` at their cache slots; with a
+    quantized cache, ``q`` leaves in the cache's Hadamard basis (``kv_quant.rotate``), where
+    ``paged_attention`` reads it."""
     ops = _native(q)
     if ops is not None:
         ops.rope_and_cache(q, k, v, positions, cos_table, sin_table, key_cache, value_cache, slot_mapping)
@@ -64,6 +67,8 @@ def rope_and_write_kv(q, k, v, positions, cos_table, sin_table, key_cache, value
     q.copy_(rotate_half(q, cos, sin))
     k.copy_(rotate_half(k, cos, sin))
     write_kv_cache(k, v, key_cache, value_cache, slot_mapping)
+    if is_quantized(key_cache):
+        q.copy_(rotate(q))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # The code a row's largest magnitude maps to (at most: the scale is rounded up).
 MAX_CODE = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-_PER_CODE = {dtype: torch.tensor(1.0 / code) for dtype, code in MAX_CODE.items()}  # fp32, as the C++ write's constants
+_PER_CODE = {dtype: 1.0 / code for dtype, code in MAX_CODE.items()}  # taken as fp32 by an fp32 product, as in C++
 # The scale byte: 6 bits of exponent (2**-32 to 2**31) and 2 of mantissa.
 MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -32, 31
 _MANTISSA_DROPPED = 21  # of fp32's 23 mantissa bits
@@ -83,16 +83,17 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H / b`` over the last dimension: a query into the cache's basis, or an attention
     output computed there back into the model's (``H`` is symmetric and ``H @ H = b * I``)."""
     key = (x.shape[-1], x.dtype, x.device)
-    if key not in _ROTATIONS:
+    matrix = _ROTATIONS.get(key)
+    if matrix is None:
         eye = torch.eye(x.shape[-1])
-        _ROTATIONS[key] = (hadamard_rows(eye) / hadamard_block(x.shape[-1])).to(x.dtype).to(x.device)  # ±2**-k: exact
-    return torch.matmul(x, _ROTATIONS[key])
+        matrix = _ROTATIONS[key] = (hadamard_rows(eye) / hadamard_block(x.shape[-1])).to(x.dtype).to(x.device)  # ±2**-k: exact
+    return torch.matmul(x, matrix)
 
 
 def row_scales(rows: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's scale (``[..., 1]`` fp32) and its byte (int8): the largest magnitude over
     ``MAX_CODE``, rounded up to 3 significant bits on the float's bits."""
-    target = rows.abs().amax(dim=-1, keepdim=True) * _PER_CODE[cache_dtype].to(rows.device)  # a product: no division to differ
+    target = rows.abs().amax(dim=-1, keepdim=True) * _PER_CODE[cache_dtype]  # an fp32 product: no division to differ
     low = (1 << _MANTISSA_DROPPED) - 1
     bits = (target.view(torch.int32) + low) & ~low  # round up (a carry moves to the exponent)
     exponents = ((bits >> 23) & 0xFF) - 127

@@ -28,8 +28,9 @@ from duet.messages import ReplicaStats
 logger = logging.getLogger(__name__)
 
 # A pool whose every replica has been silent this long is down (the ingress refuses with 503).
-# Far above the 3 s after which ``duet status`` calls a report stale: stats come through Serve's controller, which a loaded machine
-# holds up for seconds, and Serve replaces a stopped replica after its health check's 30 s.
+# Far above the 3 s after which ``duet status`` calls a report stale: stats come through Serve's
+# controller, which a loaded machine holds up for seconds, and Serve replaces a stopped replica
+# after its health check's 30 s.
 POOL_DOWN_S = 30.0
 
 # Pool name ("prefill", "decode", "colocated") -> the request router of that pool in this process.

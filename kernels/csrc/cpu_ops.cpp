@@ -213,6 +213,16 @@ inline void hadamard_rows(float* x, int64_t head_dim) {
   }
 }
 
+// A query row as x @ H / b, b the transform's block (a power of two: the division is exact).
+template <typename scalar_t>
+void to_cache_basis(scalar_t* row, int64_t head_dim) {
+  float x[kMaxQuantizedHeadDim];
+  for (int64_t d = 0; d < head_dim; ++d) x[d] = to_float(row[d]);
+  hadamard_rows(x, head_dim);
+  const float inverse_block = 1.f / static_cast<float>(head_dim & -head_dim);
+  for (int64_t d = 0; d < head_dim; ++d) row[d] = from_float<scalar_t>(x[d] * inverse_block);
+}
+
 // Codes of the row's Hadamard transform and the scale's byte (kv_quant.py says why):
 // Codec gives cache_t, kMaxCode and kPerCode (its reciprocal), decode (a code's value) and encode.
 template <typename Codec>
@@ -478,7 +488,8 @@ void rms_norm_kernel(torch::Tensor& x, torch::Tensor& residual, const torch::Ten
   });
 }
 
-// Rotate-half RoPE on q and k in place (fp32 maths), then store k and v at their slots.
+// Rotate-half RoPE on q and k in place (fp32 maths), then store k and v at their slots. With a
+// quantized cache, q then moves into the cache's Hadamard basis: q @ H / b (kv_quant.rotate).
 template <typename scalar_t, typename Rows>
 void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions,
                            const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& key_cache,
@@ -513,7 +524,11 @@ void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tens
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos_ptr + pos[t] * table_width;
       const float* s = sin_ptr + pos[t] * table_width;
-      for (int64_t h = 0; h < num_heads; ++h) rotate(q_ptr + t * q_row + h * q_head, c, s);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        scalar_t* qh = q_ptr + t * q_row + h * q_head;
+        rotate(qh, c, s);
+        if constexpr (Rows::kScaled) to_cache_basis(qh, head_dim);
+      }
       const int64_t slot = slots[t];
       const int64_t block = slot / block_size, offset = slot % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {

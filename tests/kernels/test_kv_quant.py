@@ -93,7 +93,8 @@ def test_a_key_with_an_outlier_channel_keeps_its_other_channels():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpp_and_torch_write_the_same_bytes(cache_dtype, dtype):
     """The fused C++ RoPE-and-write and the torch path quantize alike, byte for byte: a cache
-    written by either reads the same everywhere (and PD pairs may mix them)."""
+    written by either reads the same everywhere (and PD pairs may mix them); both leave the
+    query in the cache's basis."""
     generator = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, head_dim, positions = 5, 6, 2, 64, torch.tensor([0, 3, 7, 40, 41])
     q = torch.randn(tokens, heads, head_dim, generator=generator).to(dtype)
@@ -102,7 +103,7 @@ def test_cpp_and_torch_write_the_same_bytes(cache_dtype, dtype):
     angles = torch.arange(64).float()[:, None] * torch.rand(1, head_dim // 2, generator=generator)
     cos, sin = angles.cos(), angles.sin()
     slots = torch.tensor([5, 0, 17, 9, 30])
-    caches = []
+    caches, queries = [], []
     for native in (True, False):
         key_cache = torch.zeros(kv_heads, 2, 16, head_dim + 1, dtype=cache_dtype)
         value_cache = torch.zeros_like(key_cache)
@@ -110,10 +111,13 @@ def test_cpp_and_torch_write_the_same_bytes(cache_dtype, dtype):
         if native:
             NATIVE.rope_and_cache(q_copy, k_copy, v, positions, cos, sin, key_cache, value_cache, slots)
         else:
+            q_copy.copy_(rotate(rotate_half(q_copy, cos[positions][:, None], sin[positions][:, None]).float()))
             k_copy.copy_(rotate_half(k_copy, cos[positions][:, None], sin[positions][:, None]))
             write_kv_cache_torch(k_copy, v, key_cache, value_cache, slots)
         caches.append((key_cache.view(torch.uint8), value_cache.view(torch.uint8)))
+        queries.append(q_copy.float())
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    torch.testing.assert_close(queries[0], queries[1], **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
     assert int((caches[0][0] != 0).any(-1).sum()) == tokens * kv_heads
 
 
