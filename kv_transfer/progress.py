@@ -58,6 +58,10 @@ class LayerProgress:
     def cancelled(self) -> bool:
         return self._cancelled
 
+    @property
+    def block_ids(self) -> list[int] | None:
+        return self._block_ids
+
     def ready(self, num_layers: int) -> bool:
         with self._condition:
             return self._num_ready >= num_layers and self._block_ids is not None

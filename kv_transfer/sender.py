@@ -177,7 +177,9 @@ class _SenderPair:
         heads = owner.local_heads(job.heads)
         runs, here = owner.runs(job.num_blocks, job.heads, job.layers)
         valid, reason = True, None
-        block_ids = job.progress.wait_for(here + runs[0][1], owner.timeout_s)
+        # Set: the job was picked with its first layer ready. A request aborted since still sends
+        # every run, from these blocks, as filler.
+        block_ids = job.progress.block_ids
         num_bytes = 0
         checksums = []
         faults = owner.faults

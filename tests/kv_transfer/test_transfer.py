@@ -35,15 +35,27 @@ def _crash_mid_transfer(pair, group, job) -> None:
     os._exit(1)
 
 
+def _cancel_as_it_starts(send):
+    """A request aborted in the instant between its transfer being picked and its first run."""
+
+    def cancelled_first(pair, group, job) -> None:
+        job.progress.cancel()
+        send(pair, group, job)
+
+    return cancelled_first
+
+
 def _sender_process(
-    conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None, dtype: str, layers: tuple[int, int] | None
+    conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None, dtype: str, layers: tuple[int, int] | None,
+    cancel_at_start: bool,
 ) -> None:
     """A KVSender driven by commands from the test (holding ``layers`` of the model, if given:
     those of the whole cache ``shape``):
     ("send", id, blocks, endpoint[, layers]) ships ready blocks (first token: the id); ("stream", id,
     num_blocks, endpoint) queues a transfer whose layers come later with ("mark", id, layers, blocks);
     ("cancel", id); ("await_start", id) answers once that transfer is under way; ("results",
-    count) answers with the first ``count`` results. ``faults``: its ``DUET_KV_FAULTS``."""
+    count) answers with the first ``count`` results. ``faults``: its ``DUET_KV_FAULTS``;
+    ``cancel_at_start``: every transfer's request is aborted as its first run is about to go."""
     if faults is not None:
         import os
 
@@ -54,6 +66,10 @@ def _sender_process(
         from duet.kv_transfer.sender import _SenderPair
 
         _SenderPair._send = _crash_mid_transfer
+    if cancel_at_start:
+        from duet.kv_transfer.sender import _SenderPair
+
+        _SenderPair._send = _cancel_as_it_starts(_SenderPair._send)
     if message_bytes is not None:
         import duet.kv_transfer.wire as wire
 
@@ -102,10 +118,10 @@ def start_sender():
 
     def start(
         spec: KVSpec = SPEC, shape=SHAPE, crash: bool = False, message_bytes: int | None = None, faults: str | None = None,
-        dtype: str = "float32", layers: tuple[int, int] | None = None,
+        dtype: str = "float32", layers: tuple[int, int] | None = None, cancel_at_start: bool = False,
     ):
         parent, child = mp.get_context("spawn").Pipe()
-        args = (child, spec.to_dict(), shape, crash, message_bytes, faults, dtype, layers)
+        args = (child, spec.to_dict(), shape, crash, message_bytes, faults, dtype, layers, cancel_at_start)
         process = mp.get_context("spawn").Process(target=_sender_process, args=args)
         process.start()
         processes.append(process)
@@ -252,6 +268,24 @@ def test_a_sender_that_gives_up_mid_stream_fails_only_that_transfer(start_sender
     assert results[2] == (True, None)
     assert sender_results == {1: False, 2: True}
     _assert_arrived(receiver, [8], [4])
+
+
+def test_a_request_aborted_as_its_transfer_starts_fails_only_that_transfer(start_sender):
+    """Guards against a cancel landing between a transfer being picked and its first run going
+    out: that raised out of the pair's thread, broke the pair (the receiver read "Connection closed
+    by peer") and failed every transfer under way on it."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    conn = start_sender(cancel_at_start=True)
+    try:
+        receiver.expect(1, [0, 1])
+        conn.send(("send", 1, [2, 3], receiver.endpoint))
+        results = _wait_results(receiver, 1)
+        conn.send(("results", 1))
+        sender_results = dict((r[0], r[1:]) for r in conn.recv())
+    finally:
+        receiver.close()
+    assert results[1] == (False, "the prefill replica aborted the request mid-transfer")
+    assert sender_results == {1: (False, "the request was aborted")}
 
 
 def test_an_expected_transfer_never_announced_times_out_alone(start_sender):
