@@ -28,6 +28,11 @@ from duet.errors import InvalidRequestError
 # "x-guidance" key.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# The longest constraint a request may bring, as text (a choice's strings as one JSON list): its
+# grammar is compiled, checked against the tokenizer and built into a matcher on the engine's
+# thread, between everyone's steps, in time that grows faster than its size (60,000 choices in
+# 530 KB took 13 s). Tool and response schemas are a few KB.
+MAX_CONSTRAINT_CHARS = 64 * 1024
 # A GBNF/EBNF rule (``root ::= ...``) at the start of a line; Lark writes ``start: ...``.
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
 
@@ -72,6 +77,10 @@ class StructuredOutputs:
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
                 raise StructuredOutputsError(f"{kind} must be a non-empty string")
+        if len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise StructuredOutputsError(
+                f"the {self.kind} constraint has {len(self.text)} characters; at most {MAX_CONSTRAINT_CHARS} are taken"
+            )
         compiled_grammar(self.kind, self.text)  # raises when llguidance refuses it
 
     @property
@@ -95,9 +104,7 @@ class StructuredOutputs:
         """Raise ``StructuredOutputsError`` if the constraint names tokens the model's tokenizer
         (an ``llguidance.LLTokenizer``) lacks, such as an unknown special token or token id in a
         grammar: what the check made when the constraint was built cannot see."""
-        import llguidance
-
-        problem = llguidance.LLMatcher.validate_grammar(self.grammar_text(), tokenizer)
+        problem = _tokenizer_problem(self.grammar_text(), tokenizer)
         if problem:
             raise StructuredOutputsError(f"the {self.kind} constraint does not fit this model's tokenizer: {first_line(problem)}")
 
@@ -132,6 +139,15 @@ def grammar_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_id: int | 
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+
+
+@functools.lru_cache(maxsize=256)
+def _tokenizer_problem(grammar: str, tokenizer) -> str:
+    """What llguidance finds wrong with a grammar against a tokenizer ("" if nothing): once per
+    constraint, not once per sequence of an ``n`` fan-out."""
+    import llguidance
+
+    return llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
 
 
 @functools.lru_cache(maxsize=256)

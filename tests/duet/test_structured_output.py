@@ -40,6 +40,8 @@ def _nested(depth: int) -> dict:
         ({"choice": ["a", ""]}, "non-empty"),
         ({}, "got none"),
         ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+        ({"choice": [f"o{i}" for i in range(12_000)]}, "at most 65536 are taken"),
+        ({"regex": "a" * 70_000}, "the regex constraint has 70000 characters"),
     ],
 )
 def test_a_bad_constraint_is_refused_naming_the_problem(kwargs, named):
@@ -61,6 +63,22 @@ def test_a_grammar_naming_tokens_the_model_lacks_is_refused_by_the_tokenizer_che
     with pytest.raises(StructuredOutputsError, match=named):
         constraint.check_tokens(tokenizer)
     StructuredOutputs(grammar='start: <|im_end|> | "a"').check_tokens(tokenizer)
+
+
+def test_the_tokenizer_check_runs_once_per_constraint_not_once_per_sequence(smollm2_dir):
+    """Guards against an ``n`` fan-out of a large constraint repeating llguidance's check against
+    the tokenizer for every sequence, on the engine's thread between everyone's steps."""
+    import llguidance
+
+    from duet.structured_output import _tokenizer_problem
+
+    tokenizer = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text(), eos_token=EOS)
+    constraint = StructuredOutputs(choice=[f"tool_{i}" for i in range(500)])
+    before = _tokenizer_problem.cache_info()
+    for _ in range(16):
+        constraint.check_tokens(tokenizer)
+    after = _tokenizer_problem.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 15)
 
 
 def test_a_lark_grammar_with_gbnf_s_operator_in_a_string_stays_lark():

@@ -50,6 +50,26 @@ def test_out_of_range_values_are_refused_by_sampling_params():
         body.sampling_params(max_tokens=4, logprobs=None)
 
 
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("stop", [f"s{i}" for i in range(65)], "stop takes at most 64 strings, got 65"),
+        ("stop", ["x" * 1025], "at most 1024 characters"),
+        ("stop_token_ids", [0] * 1025, "stop_token_ids takes at most 1024 ids, got 1025"),
+    ],
+)
+def test_stop_lists_that_would_slow_every_client_are_refused(field, value, named):
+    """Guards the hostile-load review: 85,000 stop strings held the router's event loop 0.4 s a
+    step (every client's stream waits on it); 500,000 stop token ids with min_tokens made each
+    step of a shared batch take seconds. Both fit in a 1 MiB body."""
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value})
+    with pytest.raises(SamplingParamsError, match=named) as error:
+        body.sampling_params(max_tokens=4, logprobs=None)
+    assert error.value.param == field
+    limit = {"stop": [f"s{i}" for i in range(64)], "stop_token_ids": [0] * 1024}[field]
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", field: limit}).sampling_params(max_tokens=4, logprobs=None)
+
+
 def test_chat_messages_flatten_text_parts_and_logprob_settings():
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
