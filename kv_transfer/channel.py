@@ -1,7 +1,9 @@
 """The control channel of a KV receiver: numbered messages in its TCPStore.
 
 Any sender (and the receiver itself) appends a message by claiming the next free slot
-``m/<n>`` with an atomic compare-and-set, so slots fill in order with no gaps, whoever writes;
+``m/<n>`` with an atomic compare-and-set, so slots fill in order with no gaps, whoever writes
+(each message is stamped with a word of its own, so that a writer never mistakes another's
+identical message for its own write);
 the receiver reads them in order, one blocking wait at a time. Control travels here and never
 over gloo: a gloo wait that times out tears its whole group down, so gloo only carries data
 that an announcement has promised.
@@ -10,6 +12,7 @@ that an announcement has promised.
 from __future__ import annotations
 
 import datetime
+import uuid
 
 import torch.distributed as dist
 
@@ -29,7 +32,10 @@ class Channel:
 
     def post(self, *words: object) -> None:
         """Append a message of space-separated words."""
-        message = " ".join(str(word) for word in words).encode()
+        # compare_set answers with the slot's value: without the stamp, two prefill ranks posting
+        # the same "cancel <id> timeout" at once both read the slot as theirs, and the slot after
+        # it stayed empty for good (the listener waits on it forever).
+        message = " ".join([uuid.uuid4().hex, *(str(word) for word in words)]).encode()
         index = self.store.add("count", 0) + 1  # a hint: never past the first free slot
         while self.store.compare_set(f"m/{index}", "", message) != message:
             index += 1
@@ -45,7 +51,7 @@ class Channel:
             except dist.DistStoreError:
                 if stopped():
                     return None
-        message = self.store.get(key).decode().split()
+        _stamp, *words = self.store.get(key).decode().split()
         if index > _KEEP:
             self.store.delete_key(f"m/{index - _KEEP}")
-        return message
+        return words
