@@ -44,6 +44,15 @@ logger = logging.getLogger(__name__)
 
 # A cancellation is remembered this long, to drain a late announcement of the same transfer.
 _CANCELLED_MEMORY_S = 3600.0
+# Of the pair's timeout, how long an announced transfer waits for its expectation before it is
+# drained: less than all of it, or the sender's send (with the same timeout) gives up first and
+# the pair breaks where a drain would have kept it.
+_CLAIM_WAIT_SHARE = 0.5
+
+
+class _SettledPartError(Exception):
+    """The pair broke after a part's verdict was recorded (its acknowledgement did not go out):
+    the part has nothing left to settle."""
 
 
 @dataclass
@@ -186,7 +195,7 @@ class KVReceiver(TransferEndpoint):
                 if not self.closed.is_set():
                     logger.warning("KV transfer pair %s broke: %s", pair_key, error)
                 self._pairs.pop(pair_key, None)
-                if job is not None:
+                if job is not None and not isinstance(error, _SettledPartError):
                     with self._lock:
                         job.parts_active -= 1
                         job.error = job.error or f"pair {pair_key} broke: {error}"
@@ -203,7 +212,7 @@ class KVReceiver(TransferEndpoint):
             self._lock.wait_for(
                 lambda: transfer_id in self._expected or transfer_id in self._active or transfer_id in self._cancelled
                 or self.closed.is_set(),
-                self.timeout_s,
+                self.timeout_s * _CLAIM_WAIT_SHARE,
             )
             job = self._expected.pop(transfer_id, None)
             if job is not None:
@@ -260,9 +269,13 @@ class KVReceiver(TransferEndpoint):
                 finished = self._finished(job)
         answer = ACK_ACCEPTED if accepted else ACK_CORRUPTED if corruption else ACK_REFUSED
         ack = torch.tensor([transfer_id, answer], device=self.kv_cache.device)
-        self.wait(group.send(ack, ACK_TAG), f"ack of transfer {transfer_id}")
-        if job is not None and finished:  # a drained one's request went away, and was told so then
-            self.report(self._result(job))
+        try:
+            self.wait(group.send(ack, ACK_TAG), f"ack of transfer {transfer_id}")
+        except Exception as error:
+            raise _SettledPartError(str(error)) from error
+        finally:
+            if job is not None and finished:  # a drained one's request went away, and was told so then
+                self.report(self._result(job))
 
     def _finished(self, job: _Expected) -> bool:
         """Under the lock: whether ``job`` has ended (every head of every layer in, or a part

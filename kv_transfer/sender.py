@@ -133,10 +133,10 @@ class _SenderPair:
                     return
                 if job is None:
                     continue
-                if give_up is not None:
+                if give_up is not None:  # reported first: a post that fails (the receiver went away) must not lose it
                     aborted = job.progress.cancelled
-                    channel.post("cancel", job.transfer_id, "aborted" if aborted else "timeout")
                     owner.done(job, KVTransferResult(job.transfer_id, False, error=give_up, cancelled=aborted))
+                    channel.post("cancel", job.transfer_id, "aborted" if aborted else "timeout")
                     continue
                 self.active = job
                 channel.post("send", self.pair_key, job.transfer_id, job.num_blocks, *job.heads, *job.layers)

@@ -1,0 +1,95 @@
+"""Races at a pair's edges, with the sender and the receiver in one process: a failure that
+comes after a transfer's verdict, or while a sender gives one up, is still reported once, and a
+transfer nobody expects is drained before its sender's wait runs out."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from duet.kv_transfer import channel
+from duet.kv_transfer.progress import LayerProgress
+from duet.kv_transfer.receiver import KVReceiver
+from duet.kv_transfer.sender import KVSender
+from duet.kv_transfer.spec import KVSpec
+
+SHAPE = (3, 2, 2, 12, 4, 8)  # layers, K/V, kv heads, blocks, block size, head dim
+SPEC = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="float32")
+TIMEOUT_S = 2.0
+
+
+@pytest.fixture
+def pair():
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=TIMEOUT_S)
+    sender = KVSender(torch.arange(torch.Size(SHAPE).numel()).view(SHAPE).float(), SPEC, timeout_s=TIMEOUT_S)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def _results(endpoint, count: int, within_s: float = 15.0) -> list[tuple[int, bool, str | None]]:
+    """What ``endpoint`` reports within ``within_s`` (waiting on a little past ``count``
+    results, so that a second report of one transfer shows)."""
+    results, deadline = [], time.monotonic() + within_s
+    while time.monotonic() < deadline and len(results) < count:
+        results += endpoint.poll()
+        time.sleep(0.01)
+    time.sleep(0.2)
+    results += endpoint.poll()
+    return [(result.transfer_id, result.ok, result.error) for result in results]
+
+
+def test_an_acknowledgement_that_cannot_go_out_still_reports_the_transfer_once(pair):
+    """Guards against the pair's failure handler settling a part a second time: its count of
+    parts coming in went to -1, the transfer was never reported, and the decode request waited
+    for its KV, holding its blocks, for good."""
+    sender, receiver = pair
+    wait = receiver.wait
+
+    def ack_lost(work, what: str) -> None:
+        if what.startswith("ack"):
+            raise TimeoutError(f"{what} timed out (the sender died after its trailer)")
+        wait(work, what)
+
+    receiver.wait = ack_lost
+    receiver.expect(1, [0])
+    sender.send(1, receiver.endpoint, LayerProgress.complete(3, [5], 7), 1)
+    assert _results(receiver, 1) == [(1, True, None)]  # every byte arrived and summed right
+    assert receiver._active == {} and receiver._expected == {}
+    assert torch.equal(receiver.kv_cache[:, :, :, 0], sender.kv_cache[:, :, :, 5])
+
+
+def test_a_give_up_whose_announcement_fails_is_still_reported(pair, monkeypatch):
+    """Guards against a sender losing a transfer it gave up on when the receiver's store went
+    away as it said so: the prefill replica held its blocks for good."""
+    sender, receiver = pair
+    post = channel.Channel.post
+
+    def store_gone(self, *words) -> None:
+        if words[0] == "cancel":
+            raise ConnectionError("the decode replica's store went away")
+        post(self, *words)
+
+    monkeypatch.setattr(channel.Channel, "post", store_gone)
+    progress = LayerProgress(3)
+    sender.send(1, receiver.endpoint, progress, 1)
+    progress.cancel()
+    assert _results(sender, 1) == [(1, False, "cancelled")]
+    assert sender._jobs == {}
+
+
+def test_a_transfer_nobody_expects_is_drained_and_the_pair_goes_on(pair):
+    """Guards against the receiver waiting as long for an expectation as the sender waits for
+    its data to be taken: the sender gave up first and the pair broke where a drain keeps it."""
+    sender, receiver = pair
+    receiver.expect(1, [1])
+    sender.send(1, receiver.endpoint, LayerProgress.complete(3, [5], 7), 1)
+    assert _results(receiver, 1) == [(1, True, None)] and _results(sender, 1) == [(1, True, None)]
+    sender.send(2, receiver.endpoint, LayerProgress.complete(3, [6], 8), 1)  # never expected
+    assert _results(sender, 1) == [(2, False, "the decode replica had cancelled it")]
+    receiver.expect(3, [2])
+    sender.send(3, receiver.endpoint, LayerProgress.complete(3, [7], 9), 1)
+    assert _results(receiver, 1) == [(3, True, None)] and _results(sender, 1) == [(3, True, None)]
+    assert receiver.num_threads == 2  # the listener and the one pair's thread: it never broke
