@@ -5,8 +5,8 @@ One listener thread reads the channel in order and hands each transfer to its pa
 (one per sender and pair key, started on the pair's first announcement: no sender needs to be
 known in advance). Transfers are matched to expectations by id, in whatever order they come;
 an announcement may even come before its expectation (the engine tells its workers between
-two steps), and waits for it. One whose request went away (cancelled, timed out) is drained
-into scratch buffers. A transfer may come in parts, each a range of the model's KV heads and
+two steps), and waits for it, up to half the pair's timeout. One whose request went away
+(cancelled, timed out), or whose expectation did not come, is drained into scratch buffers. A transfer may come in parts, each a range of the model's KV heads and
 layers from another sender (tensor-parallel ranks, pipeline stages on the prefill side): it ends
 once its parts cover the heads and layers this cache holds, or one failed and none is still
 coming in.
