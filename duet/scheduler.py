@@ -66,7 +66,9 @@ class Scheduler:
     def add_remote_request(self, request: Request, transfer_id: int) -> bool:
         """A request whose prompt KV another replica computes and sends as ``transfer_id``: its
         blocks are reserved now (False: no room). It joins the batch once the KV is in."""
-        if not self.kv_connector.reserve(request, transfer_id):
+        first_step = 1 + self.num_lookahead_tokens  # its next token, and the drafts proposed after it
+        num_next_slots = max(0, min(first_step, self.max_model_len - request.num_transfer_tokens))
+        if not self.kv_connector.reserve(request, transfer_id, num_next_slots):
             return False
         self.requests[request.request_id] = request
         return True
@@ -94,7 +96,10 @@ class Scheduler:
                 blocks = self.kv_cache_manager.allocate_slots(request, num_new + self._lookahead(request, num_new))
                 if blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = self._victim(request)
+                if self.running.index(victim) < index:
+                    index -= 1
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
@@ -134,9 +139,14 @@ class Scheduler:
                 num_new = budget
             lookahead = self._lookahead(request, num_new, num_hit_tokens)
             blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead, computed_blocks)
+            while blocks is None and self.suspects and self.running:  # the others are held still: they free nothing
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new + lookahead, computed_blocks)
             if blocks is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -154,6 +164,16 @@ class Scheduler:
         if request.kv_send is not None and request.num_computed_tokens + num_new >= request.num_prompt_tokens:
             if not self.kv_connector.sending(request):
                 self.kv_connector.start_send(request)
+
+    def _victim(self, request: Request) -> Request:
+        """Who gives way when ``request`` finds no free block: the newest running request; while
+        a failed step's suspect reruns, the newest of the others (held still, they would never
+        free a block for it)."""
+        if self.suspects and request.request_id == self.suspects[0]:
+            others = [running for running in self.running if running is not request]
+            if others:
+                return others[-1]
+        return self.running[-1]
 
     def _may_run(self, request: Request) -> bool:
         """While a failed step's requests are being rerun, only the first of them runs."""
@@ -233,6 +253,7 @@ class Scheduler:
         self._runner_known -= set(scheduler_output.num_scheduled_tokens)
         if self.suspects and request_ids == self.suspects[:1]:
             request = self.requests[request_ids[0]]
+            self.kv_cache_manager.uncache_uncomputed(request)  # or a later prompt reads never-computed KV as a hit
             self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
             return [request]
         restarted = [self.requests[request_id] for request_id in request_ids]
@@ -359,7 +380,10 @@ class Scheduler:
         output tokens. None when it is not between two decode steps (waiting, preempted, in
         its prompt): it can move only by recompute."""
         request = self.requests.get(request_id)
-        if request is None or request.status != RequestStatus.RUNNING or request.num_computed_tokens != request.num_tokens - 1:
+        if (
+            request is None or request.status != RequestStatus.RUNNING or not request.output_token_ids
+            or request.num_computed_tokens != request.num_tokens - 1
+        ):  # a prompt chunk that ended one token short passes the last test alone
             return None
         self.running.remove(request)
         request.status = RequestStatus.MIGRATING

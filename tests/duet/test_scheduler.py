@@ -540,6 +540,60 @@ def test_a_step_that_fails_with_one_suspect_alone_fails_that_request_only(make_s
     assert good.output_token_ids == [TOKEN, TOKEN]
 
 
+def test_a_request_failed_alone_withdraws_the_blocks_it_never_computed(make_scheduler):
+    """Guards against stale KV read as a prefix hit: a suspect's step publishes its full blocks
+    as it allocates them; when that step failed before computing them, the request was failed
+    with its hashes left in the cache, and the same prompt sent again hit them."""
+    scheduler = make_scheduler()
+    good, bad = _request("good", 5, max_tokens=2), _request("bad", 13, max_tokens=2)
+    scheduler.add_request(good)
+    scheduler.add_request(bad)
+    assert scheduler.reset_step(scheduler.schedule()) == []
+    _step(scheduler)  # good passes alone
+    alone = scheduler.schedule()
+    assert alone.num_scheduled_tokens == {"bad": 13}
+    assert scheduler.kv_cache_manager.block_pool.is_cached(_hash_of(bad.prompt_token_ids, 3))
+    assert scheduler.reset_step(alone) == [bad]
+    assert not scheduler.kv_cache_manager.block_pool.is_cached(_hash_of(bad.prompt_token_ids, 1))
+    again = _request("again", bad.prompt_token_ids, max_tokens=2)
+    scheduler.add_request(again)
+    _run_until_done(scheduler)
+    assert again.num_cached_tokens == 0 and again.output_token_ids == [TOKEN, TOKEN]
+
+
+def test_a_suspect_that_needs_the_blocks_of_the_others_held_still_gets_them(make_scheduler):
+    """Guards against a replica that stopped after a failed step: while its suspects rerun one
+    by one, the other running requests are held still; a suspect that needed their blocks gave
+    way to itself, again and again, and nothing ever freed one. The others give way now."""
+    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=8)
+    decoding = _request("c", 16, max_tokens=8)
+    scheduler.add_request(decoding)
+    _step(scheduler)
+    _step(scheduler)  # c decodes, holding 5 of the 8 blocks
+    prompt = _request("a", 20, max_tokens=4)  # 5 blocks
+    scheduler.add_request(prompt)
+    assert scheduler.reset_step(scheduler.schedule()) == []
+    assert scheduler.suspects == ["c", "a"]
+    _run_until_done(scheduler, max_steps=40)
+    assert (decoding.output_token_ids, prompt.output_token_ids) == ([TOKEN] * 8, [TOKEN] * 4)
+
+
+def test_a_prompt_one_token_short_of_its_end_is_not_frozen_for_a_move(make_scheduler):
+    """Guards a live migration by KV of a request still in its prompt: a chunk that ended one
+    token short looked like a sequence between two decode steps; its move shipped KV never
+    computed, and the destination appended no token as its first (the request then failed)."""
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    request = _request("m", 9, max_tokens=2)
+    scheduler.add_request(request)
+    _step(scheduler)
+    assert request.num_computed_tokens == 8 and scheduler.freeze("m") is None
+    _step(scheduler)
+    assert scheduler.freeze("m") == [TOKEN]
+    scheduler.unfreeze("m")
+    _run_until_done(scheduler)
+    assert request.output_token_ids == [TOKEN, TOKEN]
+
+
 def _hash_of(token_ids: list[int], num_blocks: int) -> int:
     from duet.block_pool import leading_block_hashes
 
