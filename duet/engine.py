@@ -165,13 +165,13 @@ class LLMEngine:
             request.request_id, request.prompt_token_ids, params, self.eos_token_id,
             output_token_ids=request.output_token_ids, kv_send=request.kv_send,
         )
+        if request.kv_receive and self.kv_transfer_config is None:
+            raise InvalidRequestError("this engine has no KV connector: it cannot receive prompt KV")
         if params.logprobs is not None:
             self._logprobs[request.request_id] = []
         if not request.kv_receive:
             self.scheduler.add_request(queued)
             return None
-        if self.kv_transfer_config is None:
-            raise InvalidRequestError("this engine has no KV connector: it cannot receive prompt KV")
         transfer_id = secrets.randbits(62)
         if not self.scheduler.add_remote_request(queued, transfer_id):
             self._logprobs.pop(request.request_id, None)

@@ -63,15 +63,21 @@ class KVConnectorScheduler:
     def num_in_flight(self) -> int:
         return len(self._receiving) + len(self._sending) + len(self.held)
 
-    def reserve(self, request: Request, transfer_id: int) -> bool:
-        """Take blocks for the KV a transfer brings (a prompt's, or a migrating sequence's); False
-        if there is no room."""
-        if self.kv_cache_manager.allocate_for_transfer(request, request.num_transfer_tokens) is None:
+    def reserve(self, request: Request, transfer_id: int, num_next_slots: int = 0) -> bool:
+        """Take blocks for the KV a transfer brings (a prompt's, or a migrating sequence's), and for
+        ``num_next_slots`` more: the slots of its first step here; False if there is no room.
+
+        Those slots are taken now because a request waiting for its KV, or with its KV in and
+        not running yet, cannot be preempted: with reservations holding every block and nothing
+        running, the first step's slots never came free, and the replica stopped for good."""
+        num_tokens = request.num_transfer_tokens
+        if self.kv_cache_manager.allocate_for_transfer(request, num_tokens + num_next_slots) is None:
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.kv_receive_id = transfer_id
         self._receiving[transfer_id] = request
-        block_ids = self.kv_cache_manager.block_ids(request.request_id)
+        num_blocks = -(-num_tokens // self.kv_cache_manager.block_size)  # what the transfer fills
+        block_ids = self.kv_cache_manager.block_ids(request.request_id)[:num_blocks]
         self._metadata.receives.append(KVReceiveSpec(request.request_id, transfer_id, block_ids))
         return True
 

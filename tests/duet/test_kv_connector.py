@@ -136,3 +136,21 @@ def test_a_failed_step_cancels_its_send_and_reruns_the_prompt_without_one(make_s
     assert request.status == RequestStatus.FINISHED_REMOTE and request.output_token_ids == [TOKEN]
     _report(scheduler, KVTransferResult(77, False, error="cancelled", cancelled=True))
     assert scheduler.kv_cache_manager.held == {} and scheduler.kv_cache_manager.num_free_blocks == 32
+
+
+def test_reservations_that_fill_the_pool_leave_each_the_slots_of_its_first_step(make_scheduler):
+    """Guards against a decode replica that stopped for good: reservations took every block,
+    each prompt filling its blocks exactly, and once their KV was in, none could get the block of
+    its first token; requests waiting for their KV or not yet running are never preempted, so
+    nothing ever freed one. Now the first step's slot is reserved with the prompt's, and the
+    workers are told only of the blocks the transfer fills."""
+    scheduler = make_scheduler(num_blocks=8)
+    first, second = _request("a", 16, max_tokens=2), _request("b", 16, max_tokens=2)
+    assert scheduler.add_remote_request(first, 5)
+    assert scheduler.kv_cache_manager.block_ids("a") == [0, 1, 2, 3, 4]
+    assert not scheduler.add_remote_request(second, 6)  # 3 blocks left: the router tries another replica
+    announced, _ = _report(scheduler)
+    assert [(s.transfer_id, s.block_ids) for s in announced.kv_connector.receives] == [(5, [0, 1, 2, 3])]
+    _report(scheduler, KVTransferResult(5, True, first_token_id=42))
+    assert _step(scheduler).num_scheduled_tokens == {"a": 1}
+    assert first.output_token_ids == [42, TOKEN] and first.finish_reason == "length"
