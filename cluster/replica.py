@@ -62,6 +62,7 @@ class _Stream:
 
     request: EngineRequest
     outputs: asyncio.Queue
+    moved_to: str | None = None  # the replica its KV went to, once it has
 
 
 class EngineReplica:
@@ -167,6 +168,8 @@ class EngineReplica:
             self.loop.unsubscribe(request_id)
             if not finished:
                 self.loop.call_soon(self.engine.abort_request, request_id)
+                if stream.moved_to is not None:  # closed before its reader heard of the move
+                    self._abort_moved(request_id, stream.moved_to)
 
     async def abort(self, request_id: str, replica_id: str) -> None:
         ReplicaGoneError.check(replica_id, self.replica_id)
@@ -187,7 +190,8 @@ class EngineReplica:
         self.draining = True
         logger.info("%s replica %s left its pool: moving its %d sequences", self.role.stage, self.replica_id, len(self._streams))
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while self._streams and time.monotonic() < deadline:
+        # Sequences moved here and not attached yet count too: a router attaches them, then they move on.
+        while (self._streams or self._adopted) and time.monotonic() < deadline:
             for request_id in list(self._streams):
                 await self._move(request_id, by_kv=self.engine.kv_transfer_config is not None and bool(replica_ids(self.role.stage)))
             await asyncio.sleep(0.02)  # the ones between no two steps yet: after the next
@@ -203,7 +207,16 @@ class EngineReplica:
             moved_to = await self._move_by_kv(stream.request, held)
         if moved_to is None:
             await self.loop.call(self.engine.abort_request, request_id)
+        elif request_id not in self._streams:  # its reader left while it moved: no router will attach to it
+            self._abort_moved(request_id, moved_to)
+        stream.moved_to = moved_to
         stream.outputs.put_nowait(Moved(moved_to, held))
+
+    def _abort_moved(self, request_id: str, replica_id: str) -> None:
+        """Free a sequence moved to ``replica_id`` that nobody will read there (else it decodes
+        on, its blocks taken, until its attach times out)."""
+        own_serve_request()
+        self._pool.abort.remote(request_id, replica_id=replica_id)
 
     async def _move_by_kv(self, request: EngineRequest, held: list[int]) -> str | None:
         """Ship a frozen sequence's KV to another replica; the replica it went to (None: it did not)."""
@@ -219,8 +232,7 @@ class EngineReplica:
         if await self.loop.call(self.engine.migrate, request_id, placement.destination):
             logger.info("moved %s to replica %s by KV (%d tokens)", request_id, placement.replica_id, len(request.prompt_token_ids) + len(held))
             return placement.replica_id
-        own_serve_request()
-        self._pool.abort.remote(request_id, replica_id=placement.replica_id)  # gone here meanwhile: free the blocks there
+        self._abort_moved(request_id, placement.replica_id)  # gone here meanwhile: free the blocks there
         return None
 
     async def _drop_unless_attached(self, request_id: str) -> None:

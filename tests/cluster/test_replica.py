@@ -10,6 +10,7 @@ import pytest
 
 from duet.cluster.replica import EngineReplica, _request_id
 from duet.config import EngineArgs
+from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
 from duet.engine_loop import EngineLoop
 from duet.messages import EngineRequest
@@ -49,3 +50,101 @@ def test_a_placement_cancelled_while_the_engine_is_busy_frees_its_reserved_block
     requests, free_blocks = asyncio.run(run())
     assert (requests, free_blocks) == ({}, engine.num_blocks)
     engine.check_integrity()
+
+
+class _Pool:
+    """What a replica calls on its pool through Serve's handle (``reserve``, ``abort``), delivered
+    straight to one other replica in this process."""
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.reserve = _Remote(replica.reserve)
+        self.abort = _Remote(lambda request_id, replica_id: asyncio.ensure_future(replica.abort(request_id, replica_id)))
+
+
+class _Remote:
+    def __init__(self, call) -> None:
+        self.remote = call
+
+
+@pytest.fixture
+def decode_pair(tiny_llama_dir):
+    """Two decode replicas that can move sequences to one another by KV, over a real pair."""
+    made = []
+
+    def make(name: str) -> EngineReplica:
+        engine = LLMEngine(
+            EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, kv_transfer_config={"name": name, "timeout_s": 20.0})
+        )
+        replica = object.__new__(EngineReplica)
+        replica.replica_id, replica.role, replica.engine = name, DecodeRole(), engine
+        replica.integrity_failures, replica.draining = 0, False
+        replica._streams, replica._adopted, replica._tasks = {}, {}, set()
+        replica.loop = EngineLoop(engine.step, _request_id, engine.has_unfinished_requests, name=f"{name}-loop")
+        made.append(replica)
+        return replica
+
+    leaving, staying = make("leaving"), make("staying")
+    leaving._pool, staying._pool = _Pool(staying), _Pool(leaving)
+    yield leaving, staying
+    for replica in made:
+        for task in replica._tasks:
+            task.cancel()
+        replica.loop.stop()
+        replica.engine.close()
+
+
+async def _settled(replica: EngineReplica, within_s: float = 20.0) -> tuple[dict, int]:
+    """The replica's sequences and free blocks once it holds none (or as they are at the deadline)."""
+    engine = replica.engine
+    deadline = time.monotonic() + within_s
+    while True:
+        state = await replica.loop.call(lambda: (dict(engine.scheduler.requests), engine.kv_cache_manager.num_free_blocks))
+        if state == ({}, engine.num_blocks) or time.monotonic() > deadline:
+            return state
+        await asyncio.sleep(0.05)
+
+
+def test_a_stream_closed_while_its_sequence_moves_by_kv_frees_it_on_the_new_replica(decode_pair):
+    """Guards the leak a review found: a sequence moved by KV off a leaving replica, its client
+    gone before the router read where it went; the abort reached the old replica alone, and the
+    new one decoded it on, into a queue nobody read, its blocks taken until the attach timed out."""
+    leaving, staying = decode_pair
+    params = SamplingParams(temperature=0.0, max_tokens=400, min_tokens=400)
+
+    async def run():
+        stream = leaving.generate(EngineRequest("moving", list(range(100, 140)), params))
+        await anext(stream)  # where it runs
+        while leaving.engine.scheduler.requests["moving"].num_output_tokens < 5:
+            await anext(stream)
+        leaving.draining = True
+        await leaving._move("moving", by_kv=True)
+        assert "moving" in staying._adopted
+        await stream.aclose()  # the client left before reading the move
+        return await _settled(staying), await _settled(leaving), dict(staying._adopted)
+
+    staying_state, leaving_state, adopted = asyncio.run(run())
+    assert staying_state == ({}, staying.engine.num_blocks) and adopted == {}
+    assert leaving_state == ({}, leaving.engine.num_blocks)
+    staying.engine.check_integrity()
+
+
+def test_a_leaving_replica_waits_for_the_sequences_moved_to_it_before_it_is_done(decode_pair):
+    """Guards a sequence lost to a replica already gone: two replicas left together, one had
+    reserved a sequence the other moved to it, and its drain, counting only attached streams,
+    ended at once; the router then attached the sequence to it, and nothing moved it again."""
+    leaving, staying = decode_pair
+    request = EngineRequest("adopted", list(range(100, 140)), SamplingParams(temperature=0.0, max_tokens=8), output_token_ids=[7],
+                            kv_receive=True)
+
+    async def run():
+        await staying.reserve(request)
+        departed = asyncio.Event()
+        departed.set()
+        drain = asyncio.create_task(staying._leave_when_departed(departed))
+        await asyncio.sleep(0.3)
+        waited = not drain.done()
+        await staying.abort("adopted", "staying")  # its mover gave it up: nothing left to wait for
+        await asyncio.wait_for(drain, 5)
+        return waited
+
+    assert asyncio.run(run())
