@@ -6,10 +6,10 @@ One listener thread reads the channel in order and hands each transfer to its pa
 known in advance). Transfers are matched to expectations by id, in whatever order they come;
 an announcement may even come before its expectation (the engine tells its workers between
 two steps), and waits for it, up to half the pair's timeout. One whose request went away
-(cancelled, timed out), or whose expectation did not come, is drained into scratch buffers. A transfer may come in parts, each a range of the model's KV heads and
-layers from another sender (tensor-parallel ranks, pipeline stages on the prefill side): it ends
-once its parts cover the heads and layers this cache holds, or one failed and none is still
-coming in.
+(cancelled, timed out), or whose expectation did not come, is drained into scratch buffers. A
+transfer may come in parts, each a range of the model's KV heads and layers from another sender
+(tensor-parallel ranks, pipeline stages on the prefill side): it ends once its parts cover the
+heads and layers this cache holds, or one failed and none is still coming in.
 """
 
 from __future__ import annotations
