@@ -101,3 +101,26 @@ class Request:
         if not self.status.finished or self.status in (RequestStatus.FINISHED_REMOTE, RequestStatus.FINISHED_MIGRATED):
             return None
         return self.status.value
+
+    def stop_status(self, max_model_len: int) -> RequestStatus | None:
+        """How the request ends with its last output token (None: it goes on); a stop token
+        sets ``stop_reason``."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        # A constrained request samples EOS before min_tokens only once its constraint is
+        # complete and allows nothing else (the runner forbids it otherwise): it ends there.
+        if last == self.eos_token_id and params.structured_outputs is not None:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == self.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if self.remote_decode:
+            return RequestStatus.FINISHED_REMOTE
+        return None

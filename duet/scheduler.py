@@ -295,7 +295,7 @@ class Scheduler:
                 self.spec_stats.observe(len(drafts), num_accepted)
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
-                status = self._check_stop(request)
+                status = request.stop_status(self.max_model_len)
                 if status is not None:
                     self.finish_request(request_id, status)
                     break
@@ -320,7 +320,7 @@ class Scheduler:
             if not request.output_token_ids:  # a prompt's: its first token came with it
                 request.append_output_token_ids([first_token_id])
                 request.num_emitted_tokens += 1  # the prefill replica sent it out
-            status = self._check_stop(request)
+            status = request.stop_status(self.max_model_len)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 ended.append(request)
@@ -333,27 +333,6 @@ class Scheduler:
             self.finish_request(request.request_id, RequestStatus.FINISHED_KV_LOST)
             ended.append(request)
         return ended
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        last = request.output_token_ids[-1]
-        # A constrained request samples EOS before min_tokens only once its constraint is
-        # complete and allows nothing else (the runner forbids it otherwise): it ends there.
-        if last == request.eos_token_id and params.structured_outputs is not None:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
-                request.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if request.remote_decode:
-            return RequestStatus.FINISHED_REMOTE
-        return None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Stop a request (done, failed or aborted) and give back its blocks (held first, while a
