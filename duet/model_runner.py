@@ -73,10 +73,9 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = make_generator(params.seed, self.device)
-                # A request resumed (after preemption, or on a decode replica) continues its
-                # random stream where it stopped: one draw per token already sampled. Speculation
-                # draws differently (k acceptance uniforms, then one race), so a seeded request
-                # preempted while speculating goes on with another, equally distributed, stream.
+                # A request resumed (after preemption, or on another replica) continues its random
+                # stream where it stopped: one race per token already sampled, with speculation or
+                # without (see duet.spec_decode.rejection).
                 if not params.greedy:
                     advance_generator(generator, self.vocab_size, len(new.output_token_ids))
             self.requests[new.request_id] = CachedRequestState(

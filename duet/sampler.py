@@ -74,6 +74,13 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+def copy_generator(generator: torch.Generator) -> torch.Generator:
+    """A second stream that draws what ``generator`` would draw next, leaving it where it is."""
+    twin = torch.Generator(device=generator.device)
+    twin.set_state(generator.get_state())
+    return twin
+
+
 def advance_generator(generator: torch.Generator, vocab_size: int, num_samples: int) -> None:
     """Skip the random draws of ``num_samples`` earlier samples (see ``exponential_race``)."""
     for _ in range(num_samples):
@@ -312,8 +319,11 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     """argmax(probs / q) with q ~ Exponential(1) per token picks token i with probability probs[i].
 
     q = -log(u), u ~ Uniform: on CPU uniform_ plus log is ~2x faster than exponential_.
+    ``generators`` maps rows to their own streams; the other rows draw from the global one.
     """
-    uniform = torch.empty_like(probs).uniform_()
+    uniform = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        uniform.uniform_()
     for row, generator in generators.items():
         uniform[row].uniform_(generator=generator)
     # u = 0 would make q infinite; if a row's only candidate drew it, argmax would return token 0.

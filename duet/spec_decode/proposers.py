@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from duet.model_inputs import Span, build_batch
-from duet.sampler import exponential_race, sampling_probs
+from duet.sampler import copy_generator, exponential_race, sampling_probs
 from duet.spec_decode.ngram import propose_ngram_tokens
 
 if TYPE_CHECKING:
@@ -49,6 +49,9 @@ class ModelProposer:
     ``layer_skip``: the target's first layers and their KV cache; the target's own forward
     already wrote that KV for every verified token, so only the newest token is fed.
     Draft tokens write KV past the verified ones, into the slots the scheduler reserved ahead.
+    A seeded random request's drafts are drawn with the races its own generator will draw for
+    those positions (from a copy of it, left untouched): verification samples each position with
+    those same races, so a draft as likely under the draft as under the target agrees with it.
     """
 
     def __init__(
@@ -77,20 +80,27 @@ class ModelProposer:
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """Per request, ``num_drafts`` tokens and (for random requests) the [k, vocab] distribution
         each was sampled from."""
+        # Each seeded random request's next races, one per draft position, in order.
+        generators = {
+            index: copy_generator(state.generator)
+            for index, state in enumerate(states)
+            if state.generator is not None and not state.sampling_params.greedy
+        }
         spans = []
         for state in states:
             start = self._first_unseen(state)
             spans.append(Span(state.token_slice(start, state.num_tokens), start, state.block_ids))
             if not self.shares_target_cache:
                 self.num_computed[state.request_id] = state.num_tokens
-        tokens, probs = self._draft_step(spans, states)
+        tokens, probs = self._draft_step(spans, states, generators)
         drafts = [[token] for token in tokens]
         draft_probs: list[list[torch.Tensor]] = [[row] if row is not None else [] for row in probs]
         active = list(range(len(states)))
         for step in range(1, max(num_drafts)):
             active = [i for i in active if num_drafts[i] > step]
             spans = [Span([drafts[i][-1]], states[i].num_tokens + step - 1, states[i].block_ids) for i in active]
-            tokens, probs = self._draft_step(spans, [states[i] for i in active])
+            step_generators = {row: generators[i] for row, i in enumerate(active) if i in generators}
+            tokens, probs = self._draft_step(spans, [states[i] for i in active], step_generators)
             for i, token, row in zip(active, tokens, probs):
                 drafts[i].append(token)
                 if row is not None:
@@ -103,9 +113,10 @@ class ModelProposer:
         return min(self.num_computed.get(state.request_id, 0), state.num_tokens - 1)
 
     def _draft_step(
-        self, spans: list[Span], states: list[CachedRequestState]
+        self, spans: list[Span], states: list[CachedRequestState], generators: dict[int, torch.Generator]
     ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """One forward over the spans; the next token of each, sampled as its request samples."""
+        """One forward over the spans; the next token of each, sampled as its request samples
+        (``generators``: the streams of the seeded ones, by index in ``states``)."""
         started = time.perf_counter()
         batch = build_batch(spans, self.block_size, self.device)
         last_rows = torch.tensor([end - 1 for end in batch.span_ends], device=self.device)
@@ -115,11 +126,9 @@ class ModelProposer:
         random_rows = [row for row, state in enumerate(states) if not state.sampling_params.greedy]
         if random_rows:
             row_probs = sampling_probs(logits[random_rows], [states[row].sampling_params for row in random_rows])
-            generators = {
-                index: states[row].generator for index, row in enumerate(random_rows) if states[row].generator is not None
-            }
+            row_generators = {index: generators[row] for index, row in enumerate(random_rows) if row in generators}
             # The race divides its input in place: keep the distribution for verification.
-            sampled = exponential_race(row_probs.clone(), generators)
+            sampled = exponential_race(row_probs.clone(), row_generators)
             tokens[random_rows] = sampled
             for index, row in enumerate(random_rows):
                 probs[row] = row_probs[index]

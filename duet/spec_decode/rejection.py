@@ -7,6 +7,15 @@ p_k. The emitted tokens are then distributed exactly as tokens sampled from p on
 Greedy requests keep drafts equal to argmax p_i and end with the argmax of the first row that
 differs, so their output is the non-speculative greedy output token for token.
 
+A seeded random request does the same with its own samples: position by position it samples p_i
+by one vocabulary-sized race from its generator, exactly as it would without speculation, keeps
+the draft while it equals that sample, and ends with the first sample that differs (or the
+bonus). Its tokens are then the ones it samples unspeculated, whatever the drafts, and its
+generator has made one race per emitted token: a request resumed elsewhere (after preemption or a
+move between replicas) continues its stream by advancing a fresh generator one race per token it
+has. A one-hot draft is then kept with probability p_i(x), as the rule above keeps it; a sampled
+draft agrees often when it was drawn with the same races (``ModelProposer`` does so).
+
 Rows are flattened across the batch, in batch order, as the runner produces them: request r owns
 k_r draft rows and k_r + 1 target rows (the last one for the bonus token).
 """
@@ -37,7 +46,6 @@ class _Batch:
     num_drafts: list[int]
     draft_start: list[int]
     greedy: list[bool]
-    generators: list[torch.Generator | None]
     num_drafts_tensor: torch.Tensor  # [batch]
     draft_start_rows: torch.Tensor  # [batch] first draft row of each request
     target_start_rows: torch.Tensor  # [batch] first target row of each request
@@ -70,22 +78,40 @@ def rejection_sample(
     Greedy requests use only the argmax of their target rows (so the caller may pass raw logits
     there, avoiding ties that softmax rounding creates) and ignore their draft rows; when every
     request is greedy ``draft_probs`` may be None.
-    ``generators[r]`` is request r's own stream (None: the global one); a random request draws k_r
-    uniforms and then one vocabulary-sized race from it per call, whatever else shares the batch.
+    ``generators[r]`` is request r's own stream (None: the global one); a random request with one
+    draws a vocabulary-sized race from it per emitted token, whatever else shares the batch.
     """
     _check_shapes(draft_token_ids, draft_probs, target_probs, greedy, generators)
     device = target_probs.device
-    batch = _batch(draft_token_ids, greedy, generators, device)
+    seeded = [generator is not None and not is_greedy for generator, is_greedy in zip(generators, greedy)]
+    # The seeded requests' rows go through the batched rule on the global stream too; their result
+    # is replaced below, and their own generators are left to _own_samples.
+    batch = _batch(draft_token_ids, greedy, device)
     drafts = torch.tensor([t for ids in draft_token_ids for t in ids], dtype=torch.int64, device=device)
     target_argmax = target_probs.argmax(dim=-1) if any(greedy) else None
     accepted = _accept(drafts, draft_probs, target_probs, target_argmax, batch)
     num_accepted = _count_leading(accepted, batch)
     final = _final_tokens(num_accepted, draft_probs, target_probs, target_argmax, batch)
-    num_accepted_tokens = num_accepted.tolist()
-    sampled = [
-        ids[:count] + [token_id] for ids, count, token_id in zip(draft_token_ids, num_accepted_tokens, final.tolist())
-    ]
+    num_accepted_tokens, final_ids = num_accepted.tolist(), final.tolist()
+    for request in (r for r, own in enumerate(seeded) if own):
+        start = batch.draft_start[request] + request
+        rows = target_probs[start : start + batch.num_drafts[request] + 1]
+        num_accepted_tokens[request], final_ids[request] = _own_samples(
+            draft_token_ids[request], rows, generators[request]
+        )
+    sampled = [ids[:count] + [token_id] for ids, count, token_id in zip(draft_token_ids, num_accepted_tokens, final_ids)]
     return RejectionOutput(sampled_token_ids=sampled, num_accepted_tokens=num_accepted_tokens)
+
+
+def _own_samples(drafts: list[int], target_rows: torch.Tensor, generator: torch.Generator) -> tuple[int, int]:
+    """(drafts kept, the token after them) for a seeded request: its drafts checked against the
+    samples it draws from its target rows in order, one race each, stopping at the first that
+    differs, so that it draws exactly one race per emitted token."""
+    for position in range(len(drafts) + 1):
+        token_id = int(exponential_race(target_rows[position : position + 1].clone(), {0: generator}))
+        if position == len(drafts) or token_id != drafts[position]:
+            return position, token_id
+    raise AssertionError("unreachable: the last position always returns")
 
 
 def _check_shapes(
@@ -117,12 +143,7 @@ def _check_shapes(
         )
 
 
-def _batch(
-    draft_token_ids: list[list[int]],
-    greedy: list[bool],
-    generators: list[torch.Generator | None],
-    device: torch.device,
-) -> _Batch:
+def _batch(draft_token_ids: list[list[int]], greedy: list[bool], device: torch.device) -> _Batch:
     num_drafts = [len(ids) for ids in draft_token_ids]
     draft_start = [0, *accumulate(num_drafts)][:-1]
     num_drafts_tensor = torch.tensor(num_drafts, dtype=torch.int64, device=device)
@@ -132,7 +153,6 @@ def _batch(
         num_drafts=num_drafts,
         draft_start=draft_start,
         greedy=greedy,
-        generators=generators,
         num_drafts_tensor=num_drafts_tensor,
         draft_start_rows=draft_start_rows,
         target_start_rows=draft_start_rows + request_index,
@@ -153,21 +173,13 @@ def _accept(
     target_rows = draft_rows + batch.request_of_draft
     accepted = torch.zeros_like(drafts, dtype=torch.bool)
     if not all(batch.greedy):
-        uniform = _acceptance_uniforms(drafts.numel(), batch, drafts.device)
+        uniform = torch.rand(drafts.numel(), device=drafts.device)
         # u < p/q without dividing: q(x) = 0 then means "keep iff p(x) > 0", as min(1, p/q) would.
         accepted = uniform * draft_probs[draft_rows, drafts] < target_probs[target_rows, drafts]
     if target_argmax is not None:
         greedy_rows = batch.is_greedy[batch.request_of_draft]
         accepted = torch.where(greedy_rows, target_argmax[target_rows] == drafts, accepted)
     return accepted
-
-
-def _acceptance_uniforms(num_rows: int, batch: _Batch, device: torch.device) -> torch.Tensor:
-    uniform = torch.rand(num_rows, device=device)
-    for generator, greedy, start, count in zip(batch.generators, batch.greedy, batch.draft_start, batch.num_drafts):
-        if generator is not None and not greedy and count:
-            uniform[start : start + count].uniform_(generator=generator)
-    return uniform
 
 
 def _count_leading(accepted: torch.Tensor, batch: _Batch) -> torch.Tensor:
@@ -195,12 +207,7 @@ def _final_tokens(
     random_requests = (~batch.is_greedy).nonzero().squeeze(1)
     if random_requests.numel():
         probs = _final_probs(random_requests, num_accepted, draft_probs, target_probs, batch)
-        race_generators = {
-            row: batch.generators[request]
-            for row, request in enumerate(random_requests.tolist())
-            if batch.generators[request] is not None
-        }
-        final[random_requests] = exponential_race(probs, race_generators)
+        final[random_requests] = exponential_race(probs, {})
     return final
 
 

@@ -9,6 +9,7 @@ rejection rule (keeping every draft token) makes the same test fail.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -49,12 +50,14 @@ def exact_second_and_third(tiny_vocab_models) -> torch.Tensor:
     return (first[:, None, None] * second[:, :, None] * third).sum(0)
 
 
-def _sample_second_and_third(target, speculative_config) -> tuple[torch.Tensor, dict]:
+def _sample_second_and_third(target, speculative_config, seeded=False) -> tuple[torch.Tensor, dict]:
     llm = LLM(
         model=str(target), speculative_config=speculative_config, max_num_seqs=512, max_num_batched_tokens=4096,
         enable_prefix_caching=False,
     )
     params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    if seeded:
+        params = [dataclasses.replace(params, seed=seed) for seed in range(NUM_SAMPLES)]
     outputs = llm.generate([PROMPT] * NUM_SAMPLES, params)
     stats = llm.engine.stats()
     llm.engine.check_integrity()
@@ -82,10 +85,12 @@ def _configs(draft_dir):
     }
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_sampling_follows_the_target_distribution(method, tiny_vocab_models, exact_second_and_third):
+@pytest.mark.parametrize("method, seeded", [("ngram", False), ("draft_model", False), ("draft_model", True)])
+def test_speculative_sampling_follows_the_target_distribution(method, seeded, tiny_vocab_models, exact_second_and_third):
+    """Seeded: each request its own seed, its drafts drawn with its own next races (a draft that
+    peeked the wrong way, or verification that kept a draft it did not sample, would show)."""
     target, draft = tiny_vocab_models
-    cells, stats = _sample_second_and_third(target, _configs(draft)[method])
+    cells, stats = _sample_second_and_third(target, _configs(draft)[method], seeded)
     assert stats["spec_num_drafts"] > NUM_SAMPLES // 2
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
     p_value = _p_value(cells, exact_second_and_third)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from duet.sampler import make_generator
+from duet.sampler import advance_generator, exponential_race, make_generator
 from duet.spec_decode.rejection import one_hot_draft_probs, rejection_sample
 
 VOCAB = 6
@@ -96,6 +96,30 @@ def test_seeded_request_gets_same_tokens_whatever_its_batch_and_row():
     companions = [(2, False, 99), (0, True, None), (3, False, None), (1, False, 7)]
     assert run(companions, row=2, global_seed=1) == alone
     assert run(companions[1:], row=0, global_seed=2) == alone
+
+
+def test_a_seeded_request_emits_its_unspeculated_samples_whatever_its_drafts():
+    """Guards seeded sampling under speculation: the tokens are those the request samples one at a
+    time, and its generator ends one race per emitted token further, as a resumed request assumes."""
+    fixed = torch.Generator().manual_seed(2)
+    target_probs = torch.randn(K + 1, VOCAB, generator=fixed).mul(2).softmax(dim=-1)
+    alone = make_generator(11, "cpu")
+    unspeculated = [int(exponential_race(row.unsqueeze(0).clone(), {0: alone})) for row in target_probs]
+    wrong = [(token_id + 1) % VOCAB for token_id in unspeculated]
+    cases = [unspeculated[:K], [unspeculated[0], wrong[1], unspeculated[2]], wrong[:K], unspeculated[:2]]
+    for drafts in cases:
+        rows = target_probs[: len(drafts) + 1]
+        generator = make_generator(11, "cpu")
+        draft_probs = one_hot_draft_probs([drafts], VOCAB, "cpu")
+        output = rejection_sample([drafts], draft_probs, rows, [False], [generator])
+        emitted = output.sampled_token_ids[0]
+        assert emitted == unspeculated[: len(emitted)], drafts
+        assert output.num_accepted_tokens == [len(emitted) - 1]
+        resumed = make_generator(11, "cpu")
+        advance_generator(resumed, VOCAB, len(emitted))
+        assert torch.equal(generator.get_state(), resumed.get_state()), drafts
+    assert [len(rejection_sample([d], one_hot_draft_probs([d], VOCAB, "cpu"), target_probs[: len(d) + 1], [False],
+                                 [make_generator(11, "cpu")]).sampled_token_ids[0]) for d in cases] == [K + 1, 2, 1, 3]
 
 
 def _tables() -> tuple[torch.Tensor, torch.Tensor]:
