@@ -13,7 +13,7 @@ from duet.config import EngineArgs
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
 from duet.engine_loop import EngineLoop
-from duet.messages import EngineRequest
+from duet.messages import EngineRequest, Moved, Placement
 from duet.sampling_params import SamplingParams
 
 
@@ -66,14 +66,16 @@ class _Remote:
         self.remote = call
 
 
-@pytest.fixture
-def decode_pair(tiny_llama_dir):
+def _decode_pair(tiny_llama_dir, **engine_kwargs):
     """Two decode replicas that can move sequences to one another by KV, over a real pair."""
     made = []
 
     def make(name: str) -> EngineReplica:
         engine = LLMEngine(
-            EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, kv_transfer_config={"name": name, "timeout_s": 20.0})
+            EngineArgs(
+                model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, kv_transfer_config={"name": name, "timeout_s": 20.0},
+                **engine_kwargs,
+            )
         )
         replica = object.__new__(EngineReplica)
         replica.replica_id, replica.role, replica.engine = name, DecodeRole(), engine
@@ -91,6 +93,18 @@ def decode_pair(tiny_llama_dir):
             task.cancel()
         replica.loop.stop()
         replica.engine.close()
+
+
+@pytest.fixture
+def decode_pair(tiny_llama_dir):
+    yield from _decode_pair(tiny_llama_dir)
+
+
+@pytest.fixture
+def speculating_pair(tiny_llama_dir):
+    """The pair, drafting with a draft model (the tiny Llama itself: its drafts are mostly kept)."""
+    config = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+    yield from _decode_pair(tiny_llama_dir, speculative_config=config)
 
 
 async def _settled(replica: EngineReplica, within_s: float = 20.0) -> tuple[dict, int]:
@@ -148,3 +162,41 @@ def test_a_leaving_replica_waits_for_the_sequences_moved_to_it_before_it_is_done
         return waited
 
     assert asyncio.run(run())
+
+
+async def _read(stream) -> tuple[list[int], Moved | None]:
+    """A replica's stream read to its end: the tokens it streamed, and the move that ended it, if one did."""
+    token_ids = []
+    async for item in stream:
+        if isinstance(item, Moved):
+            return token_ids, item
+        if not isinstance(item, Placement):
+            token_ids += item.token_ids
+    return token_ids, None
+
+
+def test_a_seeded_sequence_moved_by_kv_while_speculating_goes_on_as_if_it_had_stayed(speculating_pair):
+    """Guards a seeded stream across a move (#12): speculation drew its random numbers per step,
+    not per token, so the new replica, advancing a fresh generator one draw per token so far,
+    went on with another stream than the one it would have had."""
+    leaving, staying = speculating_pair
+    prompt, params = list(range(100, 140)), SamplingParams(temperature=0.8, max_tokens=48, min_tokens=48, seed=5)
+
+    async def run():
+        undisturbed, _ = await _read(staying.generate(EngineRequest("undisturbed", prompt, params)))
+        stream = leaving.generate(EngineRequest("moving", prompt, params))
+        await anext(stream)  # where it runs
+        while leaving.engine.scheduler.requests["moving"].num_output_tokens < 9:
+            await anext(stream)
+        leaving.draining = True
+        await leaving._move("moving", by_kv=True)
+        before, moved = await _read(stream)
+        after, _ = await _read(staying.attach("moving", "staying"))
+        return undisturbed, moved, after
+
+    undisturbed, moved, after = asyncio.run(run())
+    assert moved is not None and moved.replica_id == "staying" and len(moved.token_ids) >= 9
+    assert moved.token_ids + after == undisturbed
+    stats = staying.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 0, stats
+    staying.engine.check_integrity()
