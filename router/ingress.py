@@ -9,7 +9,6 @@ the orchestrator's clean-up frees the request's blocks in both pools.
 import asyncio
 import dataclasses
 import hmac
-import logging
 import math
 import time
 import uuid
@@ -20,41 +19,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duet.cluster.autoscale import pin, published
-from duet.errors import InvalidRequestError, KVTransferFailedError, RequestFailedError
+from duet.errors import InvalidRequestError
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError, QueueWaitError
 from duet.router.balance import StageBalancer
+from duet.router.errors import ApiError, api_error_from, bad_request
 from duet.router.metrics import RouterMetrics
-from duet.router.pd import Orchestrator, PoolUnavailableError
-from duet.router.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
+from duet.router.pd import Orchestrator
+from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, parse_json_object, read_body
 from duet.router.responses import ResponseBuilder, error_body, sse
 from duet.router.routing import live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import fit_to_context
 
-logger = logging.getLogger(__name__)
-
 app = FastAPI(title="duet", docs_url=None, redoc_url=None)
-
-
-class ApiError(Exception):
-    """An error the client gets as an OpenAI error body with ``status``."""
-
-    def __init__(self, status: int, message: str, error_type: str, param: str | None = None, retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.error_type, self.param, self.retry_after = status, message, error_type, param, retry_after
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return JSONResponse(error_body(self.message, self.error_type, self.param, self.status), self.status, headers=headers)
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param)
 
 
 @app.exception_handler(ApiError)
@@ -72,27 +53,7 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
 
 @app.exception_handler(Exception)
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
-    return _api_error_from(error).response()
-
-
-def _api_error_from(error: Exception) -> ApiError:
-    if isinstance(error, ApiError):
-        return error
-    # An error raised in a replica arrives wrapped (an instance of both RayTaskError and the
-    # original class); its ``cause`` carries the message without the remote traceback.
-    cause = getattr(error, "cause", None) or error
-    message = str(cause)
-    if isinstance(error, InvalidRequestError):
-        return bad_request(message, getattr(cause, "param", None))
-    if isinstance(error, (PoolUnavailableError, KVTransferFailedError)):
-        return ApiError(503, message, "service_unavailable", retry_after=1)
-    if isinstance(error, RequestFailedError):
-        return ApiError(500, message, "internal_server_error")
-    if isinstance(error, RayActorError):
-        return ApiError(503, "a replica serving this request went away; retry it", "service_unavailable", retry_after=1)
-    incident = uuid.uuid4().hex[:12]
-    logger.error("request failed (incident %s)", incident, exc_info=error)
-    return ApiError(500, f"internal error (incident {incident} in the router's log)", "internal_server_error")
+    return api_error_from(error).response()
 
 
 # Last in the module: Serve serializes the class when it is decorated, with the globals it sees then.
@@ -275,12 +236,14 @@ class RouterIngress:
 
     async def _parse(self, request: Request, schema):
         self._authorize(request)
+        too_large = ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
+            raise too_large
+        try:
+            raw = await read_body(request.stream(), self.max_body_bytes)
+        except BodyTooLargeError:
+            raise too_large from None
         try:
             payload = parse_json_object(raw)
         except ValueError as error:
@@ -356,31 +319,48 @@ class RouterIngress:
         builder = ResponseBuilder(request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None, body.return_token_ids)
         run = Run(self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival)
         if body.stream:
-            return StreamingResponse(self._stream(run, builder, body.include_usage, admitted), media_type="text/event-stream")
+            # The status goes out with the first chunk: wait for the first output, so that a
+            # request refused or failed before it (a bad token id, no room in time) gets its
+            # error's status and Retry-After, as unstreamed, not a 200 and an error event.
+            deltas = run.deltas()
+            try:
+                first = await anext(deltas, None)
+            except BaseException as error:
+                admitted.release()
+                await deltas.aclose()
+                if isinstance(error, Exception):
+                    raise api_error_from(error) from None
+                raise
+            stream = self._stream(run, deltas, first, builder, body.include_usage, admitted)
+            return StreamingResponse(stream, media_type="text/event-stream")
         try:
             async with aclosing(run.deltas()) as deltas:
                 async for _ in deltas:
                     pass
         except Exception as error:
-            raise _api_error_from(error) from None
+            raise api_error_from(error) from None
         finally:
             admitted.release()
         return JSONResponse(builder.response(run.choices, run.usage(builder)))
 
-    async def _stream(self, run: Run, builder: ResponseBuilder, include_usage: bool, admitted: Admitted):
+    async def _stream(self, run: Run, deltas, first, builder: ResponseBuilder, include_usage: bool, admitted: Admitted):
+        """The SSE body: ``first`` (the first of ``run``'s ``deltas``, None if it had none), then the rest."""
         text_offsets = [0] * len(run.choices)
         started = [False] * len(run.choices)
         try:
-            async with aclosing(run.deltas()) as deltas:
-                async for index, delta in deltas:
+            async with aclosing(deltas):
+                item = first
+                while item is not None:
+                    index, delta = item
                     yield sse(builder.chunk(index, delta, not started[index], text_offsets[index]))
                     started[index] = True
                     text_offsets[index] += len(delta.text)
+                    item = await anext(deltas, None)
             if include_usage:
                 yield sse(builder.usage_chunk(run.usage(builder)))
         except Exception as error:  # noqa: BLE001 - the status is sent; report in the stream
-            api_error = _api_error_from(error)
-            yield sse(error_body(api_error.message, api_error.error_type, code=api_error.status))
+            api_error = api_error_from(error)
+            yield sse(error_body(api_error.message, api_error.error_type, api_error.param, api_error.status))
         finally:
             admitted.release()
         yield sse("[DONE]")

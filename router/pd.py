@@ -54,6 +54,8 @@ PINNED_CALL_TIMEOUT_S = 30.0  # a busy replica answers between two steps; only a
 # A sequence no decode replica has room for (KV reserved for prompts queued on prefill, full
 # batches) waits for room, backing off up to a second at a time, this long before a 503.
 ROOM_WAIT_S = 60.0
+# The longest a placement waits for a decode replica's answer, room waits included.
+PLACE_WAIT_S = ROOM_WAIT_S + 10.0
 FAILURE_POLICIES = ("recompute", "fail")
 # What a prefill replica runs to fill a resumed sequence's KV: the one token it samples is not used.
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
@@ -285,7 +287,14 @@ class _DecodeStream:
         self._items = self._attach() if replica_id is not None else self._generate()
 
     async def place(self) -> Placement:
-        placement = await anext(self._items)
+        """Where the sequence runs. Bounded: while Serve lists no replica of the pool (its last one
+        died and the next is not up, or none can be placed), a call waits in Serve's queue
+        without limit, its client's admission held."""
+        try:
+            async with asyncio.timeout(PLACE_WAIT_S):
+                placement = await anext(self._items)
+        except TimeoutError:
+            raise PoolUnavailableError(f"no decode replica took this request in {PLACE_WAIT_S:.0f} s; retry it") from None
         self.replica_id = placement.replica_id
         return placement
 

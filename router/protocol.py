@@ -16,6 +16,23 @@ from duet.structured_output import StructuredOutputs, StructuredOutputsError
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+class BodyTooLargeError(ValueError):
+    pass
+
+
+async def read_body(chunks, max_bytes: int) -> bytes:
+    """A request body from its ``chunks`` (an async iterator of bytes), refused with
+    BodyTooLargeError as soon as it passes ``max_bytes``: one sent in chunks declares no
+    length, and buffered whole first, a huge one would take the memory of the process."""
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLargeError(f"request body over the {max_bytes}-byte limit")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def parse_json_object(raw: bytes) -> dict:
     """A request body as a dict, or ValueError with what is wrong with it: invalid JSON or
     UTF-8, NaN or Infinity (not JSON), nesting past Python's recursion limit, integers past its

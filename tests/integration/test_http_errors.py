@@ -35,6 +35,8 @@ BAD_REQUESTS = {
     "prompt too long": ("/v1/completions", _completion(prompt=[42] * (MAX_MODEL_LEN + 10)), 400, "prompt"),
     "max_tokens past the context": ("/v1/completions", _completion(prompt=[42] * 1000, max_tokens=100), 400, "max_tokens"),
     "token id outside the vocabulary": ("/v1/completions", _completion(prompt=[10**7]), 400, None),
+    # Streamed, the status waits for the first output: a request refused before it is not a 200.
+    "token id outside the vocabulary, streamed": ("/v1/completions", _completion(prompt=[10**7], stream=True), 400, None),
     "empty messages": ("/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
     "bad role": ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "robot", "content": "hi"}]}, 400, None),
     "unknown model": ("/v1/completions", _completion(model="gpt-5"), 404, "model"),
@@ -65,6 +67,14 @@ def test_body_over_the_limit_gets_413(cluster):
     response = _post(cluster, "/v1/completions", _completion(prompt="x" * (MAX_BODY_BYTES + 1)))
     assert response.status_code == 413
     assert response.json()["error"]["code"] == 413
+
+
+def test_a_chunked_body_over_the_limit_gets_413(cluster):
+    """A body sent in chunks declares no length: the router counts as it reads (``read_body``)."""
+    chunks = (b" " * MAX_BODY_BYTES for _ in range(4))
+    headers = {"Authorization": f"Bearer {cluster.api_key}", "Content-Type": "application/json"}
+    response = httpx.post(f"{cluster.url}/v1/completions", content=chunks, headers=headers, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
 
 
 def test_burst_over_the_queue_gets_429_and_every_admitted_request_completes(cluster):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from pydantic import ValidationError
 
-from duet.router.protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, read_body
 from duet.sampling_params import SamplingParamsError
 
 
@@ -77,3 +79,19 @@ def test_chat_messages_flatten_text_parts_and_logprob_settings():
     )
     assert body.messages[0].template_dict() == {"role": "system", "content": "ab"}
     assert body.effective_max_tokens == 9 and body.num_logprobs == 2
+
+
+def test_a_body_is_refused_as_soon_as_it_passes_the_limit():
+    """Guards the router's memory: a chunked body (no declared length) was read whole, then measured."""
+    read = []
+
+    async def chunks(count: int):
+        for index in range(count):
+            read.append(index)
+            yield b"x" * 100
+
+    assert asyncio.run(read_body(chunks(3), 300)) == b"x" * 300
+    read.clear()
+    with pytest.raises(BodyTooLargeError, match="300-byte limit"):
+        asyncio.run(read_body(chunks(1000), 300))
+    assert len(read) == 4
