@@ -15,7 +15,8 @@ look_back_period_s)`` and push every ``metrics_interval_s``.
 one after the other in each tick; each posts its pool's view on a board shared through this
 module as imported (Serve ships the policy by value, so its own globals are a copy per pool)
 and decides with the other pool's latest view: ``decide`` is one function of both pools, so
-the P:D balance is one decision. Ray 2.60's application-level ``autoscaling_policy`` would see
+the P:D balance is one decision. A view its policy stopped posting (its pool deleted, or
+redeployed without autoscaling or in another mode) counts for ``VIEW_TTL_S`` at most. Ray 2.60's application-level ``autoscaling_policy`` would see
 both pools natively, but it is registered only by a declarative deploy (``serve deploy``, the
 REST API): ``serve.run``, which ``duet up`` uses, has no way to set it.
 
@@ -31,7 +32,8 @@ are counted):
   replica's blocks; one more while decoding sequences wait for room or their TPOT exceeds the
   target (a colocated pool: also while first tokens exceed the TTFT target).
 - down by one only when the load fits in one replica fewer at half the targets (hysteresis),
-  never within ``cooldown_s`` of the pool's last change (new replicas need time to start and to
+  and every running replica has reported (one that never starts, short of resources, does not
+  hold the pool up), never within ``cooldown_s`` of the pool's last change (new replicas need time to start and to
   be measured). Serve then holds each change for its ``upscale_delay_s``/``downscale_delay_s``
   and keeps the target within ``min_replicas``..``max_replicas``.
 
@@ -66,6 +68,7 @@ LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fra
 DEFAULT_PROMPT_TOKENS_PER_REPLICA = 2048  # before any replica measured its prompt speed
 PUBLISH_EVERY_S = 1.0
 PINS_READ_EVERY_S = 0.5
+VIEW_TTL_S = 10.0  # a pool's view its policy has not posted for this long is left out of decisions
 _KV_NAMESPACE = "duet_autoscaler"
 
 # app name -> stage -> its latest PoolView (the board both pools' policies read).
@@ -115,8 +118,10 @@ class PoolView:
     target: int
     min_replicas: int
     max_replicas: int
-    replicas: list[dict[str, float]]
+    replicas: list[dict[str, float]]  # the running replicas that reported
     last_change: float = 0.0  # when its target last moved (epoch seconds; 0: never)
+    num_running: int | None = None  # running replicas, reported or not (None: as many as the target)
+    at: float = 0.0  # when it was seen (epoch seconds)
 
     def total(self, name: str) -> float:
         return sum(replica.get(name, 0.0) for replica in self.replicas)
@@ -144,7 +149,9 @@ class Decision:
 
 def decide(views: dict[str, PoolView], targets: dict[str, Targets], now: float, pins: dict[str, int] | None = None) -> dict[str, Decision]:
     """Both pools' decisions from their views (``prefill`` absent when colocated). A pool an
-    operator pinned (``duet scale``) gets its pin, within its bounds, at once."""
+    operator pinned (``duet scale``) gets its pin, within its bounds, at once. Views of stages
+    without targets (another deployment's pools) are left out."""
+    views = {stage: view for stage, view in views.items() if stage in targets}
     decisions = {}
     for stage in ("decode", "colocated"):
         if stage in views:
@@ -217,8 +224,9 @@ def _bounded(decision: Decision, view: PoolView, targets: Targets, now: float) -
     target = min(max(decision.target, view.min_replicas), view.max_replicas)
     if decision.reason == "pinned":
         return dataclasses.replace(decision, target=target)
-    if target < decision.current and len(view.replicas) < decision.current:
-        # Replicas starting, or not reporting yet: the load per replica is not known.
+    num_running = decision.current if view.num_running is None else view.num_running
+    if target < decision.current and len(view.replicas) < num_running:
+        # Running replicas not reporting yet: the load per replica is not known.
         return dataclasses.replace(decision, target=decision.current, reason=f"awaiting_metrics ({decision.reason})")
     if target != decision.current and now - view.last_change < targets.cooldown_s:
         return dataclasses.replace(decision, target=decision.current, reason=f"cooldown ({decision.reason})")
@@ -251,14 +259,15 @@ class PoolPolicy:
         last_change = max(ctx.last_scale_up_time or 0.0, ctx.last_scale_down_time or 0.0)
         view = PoolView(
             self.stage, ctx.target_num_replicas, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
-            [replica for replica in replicas if replica], last_change,
+            [replica for replica in replicas if replica], last_change, len(ctx.running_replicas), now,
         )
         board = _board(ctx.app_name)
         board[self.stage] = view
+        views = {stage: seen for stage, seen in board.items() if now - seen.at <= VIEW_TTL_S}
         if now - self._pins_read_at >= PINS_READ_EVERY_S:
             self._pins_read_at = now
             self._pins = pins(ctx.app_name, [self.stage], since=self._created_at)
-        decision = decide(dict(board), self.targets, now, self._pins)[self.stage]
+        decision = decide(views, self.targets, now, self._pins)[self.stage]
         self._report(ctx.app_name, decision, ctx.current_num_replicas, now)
         return decision.target, {}
 

@@ -4,9 +4,11 @@ hysteresis, cooldowns, bounds, pins, and Serve's own calls of the policy class."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from duet.cluster.autoscale import LOW_LOAD, PoolPolicy, PoolView, Targets, decide
+from duet.cluster.autoscale import LOW_LOAD, VIEW_TTL_S, PoolPolicy, PoolView, Targets, decide
 
 PREFILL = Targets(prompt_tokens_per_replica=1000, cooldown_s=10)
 DECODE = Targets(kv_usage=0.5, tpot_s=0.2, cooldown_s=10)
@@ -126,6 +128,14 @@ def test_no_scale_down_while_replicas_have_yet_to_report():
     assert (decision.target, decision.reason) == (2, "awaiting_metrics (low_load)")
 
 
+def test_a_replica_that_never_starts_does_not_hold_a_scale_down():
+    """Guards an idle pool kept at its peak for good: one replica of the target could not be
+    placed, so fewer replicas reported than the target, and that read as "yet to report"."""
+    view = dataclasses.replace(decode_view(3, [0, 0]), num_running=2)
+    decision = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (decision.target, decision.reason) == (2, "low_load")
+
+
 def test_a_pin_wins_at_once_within_the_bounds():
     view = decode_view(1, [900], last_change=NOW - 1)  # within cooldown, and loaded
     pinned = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW, pins={"decode": 3})["decode"]
@@ -175,3 +185,23 @@ def test_serve_ticks_each_pools_policy_and_they_decide_together_through_the_boar
     calm = full | {"num_decode_waiting": 0.0, "num_decoding_blocks": 100.0}
     decode(_context(app + "-2", "decode", {"d1": calm}, 1, NOW))
     assert prefill(_context(app + "-2", "prefill", {"p1": slow}, 1, NOW))[0] == 2
+
+
+def test_a_pool_of_an_earlier_deployment_is_left_out_of_the_decision():
+    """Guards Serve's controller: an application redeployed colocated (or the other way round)
+    on a controller that stayed up found the earlier deployment's decode view on the board and
+    failed with KeyError on every tick, holding up every application's updates; a view its
+    policy stopped posting also weighed on the other pool's decisions for good."""
+    app = "redeployed"
+    pd_targets = {name: vars(values) for name, values in TARGETS.items()}
+    loaded = {"num_decoding_blocks": 900.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 3.0, "tpot_s": 0.05,
+              "prompt_tokens_pending": 5000.0}
+    PoolPolicy("decode", pd_targets)(_context(app, "decode", {"d1": loaded}, 1, NOW))
+    colocated = PoolPolicy("colocated", {"colocated": vars(DECODE)})
+    calm = {"num_decoding_blocks": 10.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 0.0, "tpot_s": 0.05}
+    assert colocated(_context(app, "colocated", {"c1": calm}, 1, NOW))[0] == 1
+    # Prefill's policy alone ticks on (decode went fixed): the old decode view's backlog counts only until it is stale.
+    prefill = PoolPolicy("prefill", pd_targets)
+    idle = {"prompt_tokens_pending": 0.0, "ttft_s": 0.1, "prefill_tokens_per_s": 2000.0}
+    assert prefill(_context(app, "prefill", {"p1": idle}, 1, NOW + 1))[0] == 4  # 5000 tokens queued on decode, 1000 each
+    assert prefill(_context(app, "prefill", {"p1": idle}, 1, NOW + 1 + VIEW_TTL_S + 1))[0] == 1
