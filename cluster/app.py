@@ -40,6 +40,15 @@ def build_app(args: dict) -> serve.Application:
     decode_args = decode_engine.engine_args(model_dir)
     # The engine's own rule: the configured length, which may not exceed the model's.
     max_model_len = EngineArgs(**decode_args).scheduler_config(max_positions(Path(model_dir))).max_model_len
+    if not colocated:
+        prefill_args = config.prefill.merged_engine(config.engine).engine_args(model_dir)
+        prefill_len = EngineArgs(**prefill_args).scheduler_config(max_positions(Path(model_dir))).max_model_len
+        if prefill_len < max_model_len:
+            raise AppConfigError(
+                f"prefill.engine.max_model_len={prefill_len} is below the decode pool's {max_model_len}: the router accepts "
+                "prompts up to the decode pool's length, which the prefill pool would refuse; set max_model_len in the "
+                "application's engine section"
+            )
     decode_role = "colocated" if colocated else "decode"
     pools = {decode_role: config.decode} | ({} if colocated else {"prefill": config.prefill})
     targets = {stage: pool.policy_targets(stage, config.slo) for stage, pool in pools.items()}

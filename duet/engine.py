@@ -158,9 +158,12 @@ class LLMEngine:
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         params = request.params
-        max_tokens = self.validate(request.prompt_token_ids, params)
-        if max_tokens != params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
+        if request.kv_send is None:
+            max_tokens = self.validate(request.prompt_token_ids, params)
+            if max_tokens != params.max_tokens:
+                params = dataclasses.replace(params, max_tokens=max_tokens)
+        else:  # computed here up to its first token, decoded elsewhere: that is what must fit here
+            self.validate(request.prompt_token_ids, dataclasses.replace(params, max_tokens=1, min_tokens=0))
         queued = Request(
             request.request_id, request.prompt_token_ids, params, self.eos_token_id,
             output_token_ids=request.output_token_ids, kv_send=request.kv_send,

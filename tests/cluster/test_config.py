@@ -148,3 +148,13 @@ def test_a_layout_that_cannot_split_the_heads_is_refused_before_any_actor_starts
 
     with pytest.raises(AppConfigError, match="decode.engine: tensor_parallel_size=3 cannot split 4"):
         build_app({"model": str(tiny_llama_dir), "mode": "colocated", "engine": {"tensor_parallel_size": 3}})
+
+
+def test_a_prefill_pool_with_a_shorter_context_than_decode_is_refused(tiny_llama_dir):
+    """Guards every request between the two lengths: the router fits prompts to the decode pool's
+    context, and the prefill replicas refused them with a 400 at run time."""
+    from duet.cluster.app import build_app
+
+    args = {"model": str(tiny_llama_dir), "engine": {"max_model_len": 512}}
+    with pytest.raises(AppConfigError, match="prefill.engine.max_model_len=256 is below the decode pool's 512"):
+        build_app(args | {"prefill": {"engine": {"max_model_len": 256}}})

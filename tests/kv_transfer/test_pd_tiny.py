@@ -207,3 +207,19 @@ def test_quantized_kv_travels_as_it_is_and_decodes_as_colocated(tiny_llama_dir, 
         refusing.close()
     finally:
         prefill.stop()
+
+
+def test_a_prefill_engine_takes_a_prompt_whose_output_would_not_fit_its_own_cache(tiny_llama_dir):
+    """Guards a prefill pool sized for prompts: it computes a prompt and one token, but refused a
+    request whose prompt plus its whole max_tokens (the decode pool's to hold) exceeded its cache."""
+    prompts, params = PROMPTS[1:2], SamplingParams(temperature=0.0, max_tokens=200, min_tokens=200)
+    small = EngineProcess(_engine_kwargs(tiny_llama_dir, "prefill-small", num_kv_blocks=8))  # 128 tokens; 270 asked
+    decode = _decode(tiny_llama_dir, "decode-small")
+    try:
+        run = run_disaggregated(small, decode, prompts, params)
+    finally:
+        small.stop()
+    colocated = LLM(model=str(tiny_llama_dir), max_model_len=512).generate(prompts, params)
+    assert (run.tokens, run.lost) == ([output.outputs[0].token_ids for output in colocated], [])
+    decode.check_integrity()
+    decode.close()
