@@ -50,7 +50,7 @@ class RayExecutor:
         world_size = config.world_size
         hosts, strategies, threads = _placement(world_size, max(1, torch.get_num_threads() // world_size))
         self._store = None
-        self._kv_reports: dict[int, list[KVTransferResult]] = {}
+        self._kv_reports = RankReports(world_size)
         if world_size > 1:
             store_host = LOOPBACK if set(hosts) == {LOOPBACK} else ray.util.get_node_ip_address()
             self._store = host_store(store_host)
@@ -67,8 +67,9 @@ class RayExecutor:
         self.failure: str | None = None
         self._endpoints = tuple(self._gather([worker.kv_endpoint.remote() for worker in self.workers]))
 
-    def _gather(self, refs: list, timeout_s: float | None = None) -> list:
-        """Every rank's result; the first rank to die fails the call without waiting for the rest."""
+    def _gather(self, refs: list, timeout_s: float | None = None, errors: list | None = None) -> list:
+        """Every rank's result; the first rank to die fails the call without waiting for the rest.
+        With ``errors``, a rank whose call raised gets None and its error goes there."""
         if self.failure is not None:
             raise WorkerDiedError(self.failure)
         pending, results = list(refs), {}
@@ -81,28 +82,26 @@ class RayExecutor:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
                 self.failure = f"worker rank {refs.index(ready[0])} died: {error}"
                 raise WorkerDiedError(self.failure) from error
+            except Exception as error:
+                if errors is None:
+                    raise
+                errors.append(error)
+                results[ready[0]] = None
         return [results[ref] for ref in refs]
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         shared = ray.put(scheduler_output)
-        outputs = self._gather([worker.execute.remote(shared) for worker in self.workers])
+        errors: list[Exception] = []
+        outputs = self._gather([worker.execute.remote(shared) for worker in self.workers], errors=errors)
+        if len(outputs) > 1:
+            # Kept even when a rank failed the step: the others polled their reports, once.
+            self._kv_reports.add([[] if output is None else output.kv_results for output in outputs])
+        if errors:
+            raise errors[0]
         output = outputs[-1]
         if len(outputs) > 1:
-            output.kv_results = self._finished_transfers([each.kv_results for each in outputs])
+            output.kv_results = self._kv_reports.take()
         return output
-
-    def _finished_transfers(self, per_rank: list[list[KVTransferResult]]) -> list[KVTransferResult]:
-        """A transfer has ended once it has on every rank (each moves its own heads), failed if it
-        failed on any; a rank's report waits here for the others'."""
-        finished = []
-        for results in per_rank:
-            for result in results:
-                reports = self._kv_reports.setdefault(result.transfer_id, [])
-                reports.append(result)
-                if len(reports) == len(per_rank):
-                    del self._kv_reports[result.transfer_id]
-                    finished.append(KVTransferResult.combine(reports))
-        return finished
 
     def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
         return () if self._endpoints[0] is None else self._endpoints
@@ -140,3 +139,27 @@ def _placement(world_size: int, threads_here: int) -> tuple[list[str], list, lis
         return [LOOPBACK] * world_size, strategies, threads
     addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     return [addresses[node] for node in nodes], strategies, threads
+
+
+class RankReports:
+    """The ranks' reports of KV transfers, combined: a transfer has ended once it has on every
+    rank (each moves its own heads), failed if it failed on any; a rank's report waits here for
+    the others', and a transfer that ended in a step another rank failed waits for the next."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._parts: dict[int, list[KVTransferResult]] = {}
+        self._ended: list[KVTransferResult] = []
+
+    def add(self, per_rank: list[list[KVTransferResult]]) -> None:
+        for results in per_rank:
+            for result in results:
+                parts = self._parts.setdefault(result.transfer_id, [])
+                parts.append(result)
+                if len(parts) == self.world_size:
+                    del self._parts[result.transfer_id]
+                    self._ended.append(KVTransferResult.combine(parts))
+
+    def take(self) -> list[KVTransferResult]:
+        ended, self._ended = self._ended, []
+        return ended
