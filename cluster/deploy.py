@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -96,6 +96,11 @@ class ServeFile:
         http = raw.get("http_options") or {}
         if http.get("host", DEFAULT_HOST) in LOOPBACK_HOSTS:
             use_loopback_ray()  # before the args' validation imports ray (Serve's autoscaling config)
+        names = [app.get("name", "default") for app in raw["applications"]]
+        prefixes = [app.get("route_prefix", "/") for app in raw["applications"]]
+        for kind, values in (("name", names), ("route_prefix", prefixes)):
+            if len(set(values)) < len(values):
+                raise DeployError(f"{path}: two applications have the same {kind} (an application without a name is 'default')")
         for index, app in enumerate(raw["applications"]):
             if app.get("import_path") != "duet.cluster.app:build_app":
                 raise DeployError(f"{path}: applications[{index}].import_path must be duet.cluster.app:build_app")
@@ -178,9 +183,17 @@ def _quiet_serve_restart_notice():
 
 
 def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterState:
+    """Deploy a config's applications, starting a local Ray cluster if none runs. Run again
+    while an earlier ``up``'s cluster runs, it deploys into that one and adds to what ``down``
+    stops (it recorded its own Ray as not started by it, and ``down`` then left that running)."""
     serve_file = ServeFile.read(config_path)
-    state = ClusterState(loopback=serve_file.loopback)
-    state.started_ray = _connect_or_start_ray(serve_file.loopback)
+    previous = ClusterState.load()
+    started_ray = _connect_or_start_ray(serve_file.loopback)
+    if started_ray or previous is None:  # a state file whose Ray is gone describes nothing
+        previous = None
+        state = ClusterState(loopback=serve_file.loopback, started_ray=started_ray)
+    else:
+        state = replace(previous, apps=list(previous.apps), urls=list(previous.urls))
     state.save()
     from ray import serve
 
@@ -188,19 +201,27 @@ def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterS
 
     try:
         serve.start(http_options={"host": serve_file.host, "port": serve_file.port}, proxy_location=serve_file.proxy_location)
+        urls = []
         for app in serve_file.applications:
             name = app.get("name", "default")
-            state.apps.append(name)  # recorded first, so that a failed deploy is cleaned up too
+            if name not in state.apps:
+                state.apps.append(name)  # recorded first, so that a failed deploy is cleaned up too
             state.save()
             print(f"deploying {name} ...", flush=True)
             with _quiet_serve_restart_notice():
                 serve.run(build_app(app.get("args") or {}), name=name, route_prefix=app.get("route_prefix", "/"))
-            state.urls.append(serve_file.url(app))
+            urls.append(serve_file.url(app))
+            state.urls = list(dict.fromkeys([*state.urls, urls[-1]]))
             state.save()
-        for url in state.urls:
+        for url in urls:
             _wait_healthy(url, health_timeout_s)
     except Exception as error:
-        down()
+        if previous is None:
+            down()
+        else:  # the earlier up's applications stay; this one's go
+            for name in set(state.apps) - set(previous.apps):
+                serve.delete(name)
+            previous.save()
         raise DeployError(f"could not bring {config_path} up: {error}") from error
     return state
 

@@ -88,6 +88,17 @@ def test_a_file_without_applications_is_refused(tmp_path):
         ServeFile.read(path)
 
 
+@pytest.mark.parametrize(
+    "second, kind", [("{import_path: duet.cluster.app:build_app, route_prefix: /b}", "name"), ("{name: b, import_path: duet.cluster.app:build_app}", "route_prefix")]
+)
+def test_applications_sharing_a_name_or_a_route_are_refused(tmp_path, second, kind):
+    """As Serve's schema refuses them: deployed one after the other, the second replaced the first."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(f"applications:\n  - {{import_path: duet.cluster.app:build_app}}\n  - {second}\n")
+    with pytest.raises(DeployError, match=f"two applications have the same {kind}"):
+        ServeFile.read(path)
+
+
 @pytest.mark.parametrize("name", ["local-pd.yaml", "colocated.yaml", "autoscale.yaml", "cluster-example.yaml", "tp2-pd.yaml"])
 def test_shipped_configs_pass_serves_own_schema(name):
     """So that `serve deploy` accepts them as they are."""
