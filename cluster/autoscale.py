@@ -25,7 +25,8 @@ are counted):
 
 - prefill: replicas for the prompt backlog, at ``prompt_tokens_per_replica`` each (default: what
   one replica computes in half the TTFT target, at its measured speed); the backlog counts the
-  prompts the router computes on decode replicas because the prefill pool was busy. One more
+  prompts the router computes on decode replicas because the prefill pool was busy (not
+  sequences they compute again after a preemption: more prefill replicas would not help those). One more
   when first tokens come later than the TTFT target, unless the decode pool is short of room
   or time: then prefill is not what delays them, and it holds.
 - decode (and colocated): replicas for the decoding sequences' KV at ``kv_usage`` of each
@@ -61,7 +62,7 @@ logger = logging.getLogger("ray.serve")
 
 # What a replica reports to its pool's policy (Serve keeps float series per name).
 METRICS = (
-    "prompt_tokens_pending", "prefill_tokens_per_s", "ttft_s", "num_running", "num_decode_waiting",
+    "prompt_tokens_pending", "new_prompt_tokens_pending", "prefill_tokens_per_s", "ttft_s", "num_running", "num_decode_waiting",
     "num_decoding_blocks", "num_blocks", "tpot_s", "output_tokens_per_s",
 )
 LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fraction of each target
@@ -171,7 +172,9 @@ def decide(views: dict[str, PoolView], targets: dict[str, Targets], now: float, 
 def _prefill(view: PoolView, targets: Targets, decode: PoolView | None, decode_short: bool) -> Decision:
     speed = view.mean_nonzero("prefill_tokens_per_s")
     per_replica = targets.prompt_tokens_per_replica or (speed * targets.ttft_s / 2 if speed else DEFAULT_PROMPT_TOKENS_PER_REPLICA)
-    backlog = view.total("prompt_tokens_pending") + (decode.total("prompt_tokens_pending") if decode else 0.0)
+    # Decode replicas' new prompts (kept local while prefill was busy) are its kind of work; their
+    # recomputes (preempted sequences, or moved by recompute) are not: prefill could not take them.
+    backlog = view.total("prompt_tokens_pending") + (decode.total("new_prompt_tokens_pending") if decode else 0.0)
     ttft = view.peak("ttft_s")
     numbers = {"prompt_backlog": backlog, "per_replica": per_replica, "ttft_s": ttft, "ttft_target_s": targets.ttft_s}
     current = view.target

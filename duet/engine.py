@@ -301,9 +301,8 @@ class LLMEngine:
             transfer_failures=transfers.failures,
             transfers_cancelled=transfers.cancelled,
             transfer_seconds=transfers.seconds,
-            prompt_tokens_pending=sum(
-                max(0, request.num_prompt_tokens - request.num_computed_tokens) for request in (*waiting, *running)
-            ),
+            prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running)),
+            new_prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running) if not request.output_token_ids),
             num_decoding_blocks=sum(len(manager.req_to_blocks.get(request.request_id, ())) for request in decoding),
             num_decode_waiting=len(prefilled) + sum(1 for request in waiting if request.output_token_ids),
             prefill_tokens_per_s=self.load.prefill_tokens_per_s,
@@ -339,3 +338,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _prompt_left(request: Request) -> int:
+    return max(0, request.num_prompt_tokens - request.num_computed_tokens)

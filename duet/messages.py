@@ -121,6 +121,7 @@ class ReplicaStats:
     transfer_seconds: float = 0.0
     pending_transfers: int = 0
     prompt_tokens_pending: int = 0  # prompt tokens queued or in their prefill
+    new_prompt_tokens_pending: int = 0  # of those, of sequences with no output yet (not recomputed): prefill's kind of work
     num_decoding_blocks: int = 0  # KV blocks of sequences past their prompt (not of prompts, nor reserved for transfers)
     num_decode_waiting: int = 0  # sequences past their prompt that cannot run for lack of room (preempted, or KV arrived)
     prefill_tokens_per_s: float = 0.0  # measured prompt throughput (0: not measured yet)

@@ -46,9 +46,19 @@ def test_a_prompt_backlog_grows_the_prefill_pool_to_what_it_needs_and_no_further
 def test_prompts_computed_on_decode_count_toward_the_prefill_pools_backlog():
     """The balancer keeps prompts local while prefill is short: they are its load all the same."""
     decode = decode_view(1, [0])
-    decode.replicas[0]["prompt_tokens_pending"] = 1800
+    decode.replicas[0] |= {"prompt_tokens_pending": 1800, "new_prompt_tokens_pending": 1800}
     decision = decide({"prefill": prefill_view(1, [500]), "decode": decode}, TARGETS, NOW)["prefill"]
     assert (decision.target, decision.reason) == (3, "prompt_backlog")
+
+
+def test_sequences_decode_computes_again_do_not_grow_the_prefill_pool():
+    """Guards the wrong pool growing: decode short of KV preempts sequences and computes their
+    prompts again; counted as prefill's backlog, an idle prefill pool grew while decode was short."""
+    decode = decode_view(2, [900, 900], bounds=(1, 2))
+    decode.replicas[0] |= {"prompt_tokens_pending": 3000, "new_prompt_tokens_pending": 0}
+    decisions = decide({"prefill": prefill_view(1, [0]), "decode": decode}, TARGETS, NOW)
+    assert (decisions["prefill"].target, decisions["prefill"].reason) == (1, "steady")
+    assert decisions["decode"].reason == "kv_usage, bounded"
 
 
 def test_long_outputs_grow_decode_and_leave_prefill_alone():
@@ -195,7 +205,7 @@ def test_a_pool_of_an_earlier_deployment_is_left_out_of_the_decision():
     app = "redeployed"
     pd_targets = {name: vars(values) for name, values in TARGETS.items()}
     loaded = {"num_decoding_blocks": 900.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 3.0, "tpot_s": 0.05,
-              "prompt_tokens_pending": 5000.0}
+              "prompt_tokens_pending": 5000.0, "new_prompt_tokens_pending": 5000.0}
     PoolPolicy("decode", pd_targets)(_context(app, "decode", {"d1": loaded}, 1, NOW))
     colocated = PoolPolicy("colocated", {"colocated": vars(DECODE)})
     calm = {"num_decoding_blocks": 10.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 0.0, "tpot_s": 0.05}
