@@ -19,7 +19,8 @@ no token twice, none missing, and what shapes the next tokens (the seed's stream
 ``min_tokens``) is the engine's function of the tokens so far. After ``max_migrations`` moves
 the sequence fails with a 503 error event. If the prefill replica fails before the first
 token, the prompt is computed on a decode replica; a lost prompt KV is recomputed too
-(``on_transfer_failure: recompute``) or fails the sequence (``fail``).
+(``on_transfer_failure: recompute``) or fails the sequence (``fail``); the KV of a sequence
+already moved or started over is recomputed whatever the policy.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ class Orchestrator:
                 else:
                     raise PoolUnavailableError(f"decode replica {stream.replica_id} ended {sequence.request.request_id} early")
             except (RayActorError, ReplicaGoneError, WorkerDiedError, KVTransferFailedError) as error:
-                if isinstance(error, KVTransferFailedError) and self.on_transfer_failure == "fail":
+                # ``fail`` is for a prompt's own KV; a sequence under way (moved, or started over)
+                # whose KV is lost is recomputed, as a move whose KV could not go is.
+                if isinstance(error, KVTransferFailedError) and self.on_transfer_failure == "fail" and not sequence.migrations:
                     raise
                 where = stream.replica_id if stream is not None else "(placing it)"
                 logger.warning("%s lost on decode replica %s (%r); recomputing it", sequence.request.request_id, where, error)

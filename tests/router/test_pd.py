@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 import duet.router.pd as pd
-from duet.messages import EngineRequest
+from duet.errors import KVTransferFailedError
+from duet.messages import EngineRequest, Moved, Placement, TokenDelta
 from duet.sampling_params import SamplingParams
 
 
@@ -66,3 +67,80 @@ def test_a_placement_no_replica_answers_fails_in_bounded_time(monkeypatch):
     asyncio.run(run())
     assert len(pool.calls) == 1 and pool.calls[0].cancelled
     assert orchestrator.fired == []  # it ran nowhere: nothing to abort
+
+
+class _Scripted:
+    """A Serve streaming call that plays its items (an exception among them is raised there)."""
+
+    def __init__(self, items) -> None:
+        self._items = iter(items)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = next(self._items, None)
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        pass
+
+
+class _ScriptedPool:
+    """A decode pool whose ``generate`` and ``attach`` calls play the scripts given, in order."""
+
+    def __init__(self, generates: list, attaches: list) -> None:
+        self.generates, self.attaches, self.requests = list(generates), list(attaches), []
+        self.generate = _Method(lambda request, **_: self._play(self.generates, request))
+        self.attach = _Method(lambda request_id, **_: self._play(self.attaches, request_id))
+        self.abort = _Method(lambda *args, **kwargs: asyncio.sleep(0))
+
+    def options(self, stream: bool):
+        return self
+
+    def _play(self, scripts: list, request) -> _Scripted:
+        self.requests.append(request)
+        return _Scripted(scripts.pop(0))
+
+
+class _Method:
+    def __init__(self, call) -> None:
+        self.remote = call
+
+
+def test_a_moved_sequence_whose_kv_is_lost_is_recomputed_whatever_the_failure_policy():
+    """Guards a stream failed mid-way under ``on_transfer_failure: fail``: that policy is for a
+    prompt's own KV, and a move whose KV did not arrive was documented (and meant) to recompute."""
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    pool = _ScriptedPool(
+        generates=[
+            [Placement("x"), TokenDelta("s", [11]), TokenDelta("s", [12]), Moved("y", [11, 12])],
+            [Placement("z"), TokenDelta("s.1", [13], finished=True, finish_reason="length")],
+        ],
+        attaches=[[KVTransferFailedError("the KV of s did not arrive")]],
+    )
+    orchestrator = pd.Orchestrator(None, pool, 16, None, on_transfer_failure="fail")
+
+    async def run():
+        return [delta.token_ids async for delta in orchestrator.run("s", [1, 2, 3], params)]
+
+    assert asyncio.run(run()) == [[11], [12], [13]]
+    assert pool.requests[1] == "s"  # attached where it moved, then started over with its tokens so far:
+    assert (pool.requests[2].request_id, pool.requests[2].output_token_ids) == ("s.1", [11, 12])
+    assert orchestrator.migrations == {"kv": 1, "recompute": 1}
+
+
+def test_a_prompts_lost_kv_fails_under_the_fail_policy():
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    pool = _ScriptedPool(generates=[[Placement("x"), KVTransferFailedError("the prompt's KV did not arrive")]], attaches=[])
+    orchestrator = pd.Orchestrator(None, pool, 16, None, on_transfer_failure="fail")
+
+    async def run():
+        return [delta async for delta in orchestrator.run("s", [1, 2, 3], params)]
+
+    with pytest.raises(KVTransferFailedError):
+        asyncio.run(run())
