@@ -228,8 +228,8 @@ def _bounded(decision: Decision, view: PoolView, targets: Targets, now: float) -
     if decision.reason == "pinned":
         return dataclasses.replace(decision, target=target)
     num_running = decision.current if view.num_running is None else view.num_running
-    if target < decision.current and len(view.replicas) < num_running:
-        # Running replicas not reporting yet: the load per replica is not known.
+    if target < decision.current and (num_running == 0 or len(view.replicas) < num_running):
+        # None running yet (starting, or restarting), or running ones not reporting: the load is not known.
         return dataclasses.replace(decision, target=decision.current, reason=f"awaiting_metrics ({decision.reason})")
     if target != decision.current and now - view.last_change < targets.cooldown_s:
         return dataclasses.replace(decision, target=decision.current, reason=f"cooldown ({decision.reason})")

@@ -61,6 +61,7 @@ class ClusterState:
     apps: list[str] = field(default_factory=list)
     started_ray: bool = False
     loopback: bool = False  # the Ray cluster listens on 127.0.0.1 only
+    session: str = ""  # the Ray session (one per start of a cluster) it describes
 
     def save(self) -> None:
         state_path().parent.mkdir(parents=True, exist_ok=True)
@@ -183,22 +184,18 @@ def _quiet_serve_restart_notice():
 
 
 def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterState:
-    """Deploy a config's applications, starting a local Ray cluster if none runs. Run again
-    while an earlier ``up``'s cluster runs, it deploys into that one and adds to what ``down``
-    stops (it recorded its own Ray as not started by it, and ``down`` then left that running)."""
+    """Deploy a config's applications, starting a local Ray cluster if none runs (see ``joined_state``
+    for one run again while an earlier ``up``'s cluster runs)."""
     serve_file = ServeFile.read(config_path)
     previous = ClusterState.load()
     started_ray = _connect_or_start_ray(serve_file.loopback)
-    if started_ray or previous is None:  # a state file whose Ray is gone describes nothing
-        previous = None
-        state = ClusterState(loopback=serve_file.loopback, started_ray=started_ray)
-    else:
-        state = replace(previous, apps=list(previous.apps), urls=list(previous.urls))
-    state.save()
+    import ray
     from ray import serve
 
     from duet.cluster.app import build_app
 
+    state, joined = joined_state(previous, serve_file, started_ray, ray.get_runtime_context().get_session_name())
+    state.save()
     try:
         serve.start(http_options={"host": serve_file.host, "port": serve_file.port}, proxy_location=serve_file.proxy_location)
         urls = []
@@ -216,14 +213,30 @@ def up(config_path: str, health_timeout_s: float = HEALTH_TIMEOUT_S) -> ClusterS
         for url in urls:
             _wait_healthy(url, health_timeout_s)
     except Exception as error:
-        if previous is None:
+        if not joined:
             down()
-        else:  # the earlier up's applications stay; this one's go
-            for name in set(state.apps) - set(previous.apps):
-                serve.delete(name)
-            previous.save()
-        raise DeployError(f"could not bring {config_path} up: {error}") from error
+            raise DeployError(f"could not bring {config_path} up: {error}") from error
+        raise DeployError(
+            f"could not bring {config_path} up: {error}\nThe earlier `duet up`'s cluster is left as it is (this one's "
+            "applications included); `duet down` stops it all"
+        ) from error
     return state
+
+
+def joined_state(previous: ClusterState | None, serve_file: ServeFile, started_ray: bool, session: str) -> tuple[ClusterState, bool]:
+    """What an ``up`` records: a state of its own, or (True) the earlier ``up``'s when that one's
+    cluster is the one it joined (the same Ray session): it then deploys into it (an application
+    of the same name is redeployed) and adds to what ``down`` stops, the Ray it started among
+    them. A state of another session (its Ray gone, or another cluster running) is left behind."""
+    if started_ray or previous is None or previous.session != session:
+        return ClusterState(loopback=serve_file.loopback, started_ray=started_ray, session=session), False
+    served = {url.split("/", 3)[2] for url in previous.urls}
+    if served and served != {serve_file.url({}).split("/", 3)[2]}:
+        raise DeployError(
+            f"the cluster an earlier `duet up` started serves on {', '.join(sorted(served))} and Serve keeps its HTTP "
+            "options: give this config the same http_options, or run `duet down` first"
+        )
+    return replace(previous, apps=list(previous.apps), urls=list(previous.urls)), True
 
 
 def down() -> bool:

@@ -149,10 +149,7 @@ class RouterIngress:
         """Pin an autoscaled pool at a size (``{"pool": "decode", "replicas": 2}``), or give it back
         to its policy (``"replicas": null``)."""
         self._authorize(request)
-        try:
-            payload = parse_json_object(await request.body())
-        except ValueError as error:
-            raise bad_request(str(error)) from None
+        payload = await self._json_object(request)
         pool, replicas = payload.get("pool"), payload.get("replicas")
         if pool not in self.pools:
             raise bad_request(f"pool must be one of {sorted(self.pools)}", "pool")
@@ -236,18 +233,7 @@ class RouterIngress:
 
     async def _parse(self, request: Request, schema):
         self._authorize(request)
-        too_large = ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise too_large
-        try:
-            raw = await read_body(request.stream(), self.max_body_bytes)
-        except BodyTooLargeError:
-            raise too_large from None
-        try:
-            payload = parse_json_object(raw)
-        except ValueError as error:
-            raise bad_request(str(error)) from None
+        payload = await self._json_object(request)
         try:
             body = schema.model_validate(payload)
         except ValidationError as error:
@@ -257,6 +243,21 @@ class RouterIngress:
         if body.model != self.model_id:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_id!r}", "not_found_error", "model")
         return body
+
+    async def _json_object(self, request: Request) -> dict:
+        """The body, read within ``max_body_bytes`` (413 past it), as a JSON object (400 if not one)."""
+        too_large = ApiError(413, f"request body over the {self.max_body_bytes}-byte limit", "invalid_request_error")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large
+        try:
+            raw = await read_body(request.stream(), self.max_body_bytes)
+        except BodyTooLargeError:
+            raise too_large from None
+        try:
+            return parse_json_object(raw)
+        except ValueError as error:
+            raise bad_request(str(error)) from None
 
     def _encode_prompts(self, prompts: list) -> list[list[int]]:
         encoded = []

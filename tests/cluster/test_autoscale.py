@@ -144,6 +144,10 @@ def test_a_replica_that_never_starts_does_not_hold_a_scale_down():
     view = dataclasses.replace(decode_view(3, [0, 0]), num_running=2)
     decision = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
     assert (decision.target, decision.reason) == (2, "low_load")
+    # None running at all (all starting, or restarting) is not an idle pool.
+    starting = dataclasses.replace(decode_view(3, []), num_running=0)
+    decision = decide({"decode": starting, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (decision.target, decision.reason) == (3, "awaiting_metrics (low_load)")
 
 
 def test_a_pin_wins_at_once_within_the_bounds():

@@ -169,3 +169,22 @@ def test_a_prefill_pool_with_a_shorter_context_than_decode_is_refused(tiny_llama
     args = {"model": str(tiny_llama_dir), "engine": {"max_model_len": 512}}
     with pytest.raises(AppConfigError, match="prefill.engine.max_model_len=256 is below the decode pool's 512"):
         build_app(args | {"prefill": {"engine": {"max_model_len": 256}}})
+
+
+def test_a_second_up_joins_the_state_of_the_same_ray_session_only(tmp_path):
+    """Guards `duet down` after `duet up` twice: the second recorded the first one's Ray as not
+    its own, and down left it running; a state file of an earlier session (that Ray gone, another
+    cluster running) must not make down stop a cluster duet never started."""
+    from duet.cluster.deploy import ClusterState, joined_state
+
+    path = tmp_path / "local.yaml"
+    path.write_text("http_options: {host: 127.0.0.1, port: 8000}\napplications:\n  - {name: b, import_path: duet.cluster.app:build_app}\n")
+    serve_file = ServeFile.read(path)
+    first = ClusterState(urls=["http://127.0.0.1:8000"], apps=["a"], started_ray=True, loopback=True, session="s1")
+    state, joined = joined_state(first, serve_file, started_ray=False, session="s1")
+    assert joined and state.started_ray and state.apps == ["a"] and first.apps == ["a"]
+    other, joined = joined_state(first, serve_file, started_ray=False, session="s2")
+    assert not joined and not other.started_ray and other.apps == []
+    elsewhere = ClusterState(urls=["http://127.0.0.1:9000"], apps=["a"], started_ray=True, loopback=True, session="s1")
+    with pytest.raises(DeployError, match="serves on 127.0.0.1:9000"):
+        joined_state(elsewhere, serve_file, started_ray=False, session="s1")

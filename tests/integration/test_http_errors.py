@@ -64,9 +64,10 @@ def test_missing_or_wrong_api_key_gets_401_but_health_and_metrics_stay_open(clus
 
 
 def test_body_over_the_limit_gets_413(cluster):
-    response = _post(cluster, "/v1/completions", _completion(prompt="x" * (MAX_BODY_BYTES + 1)))
-    assert response.status_code == 413
-    assert response.json()["error"]["code"] == 413
+    for path in ("/v1/completions", "/duet/scale"):
+        response = _post(cluster, path, _completion(prompt="x" * (MAX_BODY_BYTES + 1)))
+        assert response.status_code == 413, path
+        assert response.json()["error"]["code"] == 413
 
 
 def test_a_chunked_body_over_the_limit_gets_413(cluster):
