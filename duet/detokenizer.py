@@ -6,29 +6,48 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 from duet.messages import TokenDelta
 from duet.sampling_params import SamplingParams
+
+# Tokens a character cut across tokens may take to complete (UTF-8 has at most 4 bytes, each
+# token at least one); text still ending in U+FFFD after more is the text's own.
+MAX_HELD_TOKENS = 8
 
 
 class IncrementalDetokenizer:
     """Turns one sequence's tokens into text as they arrive, and spots stop strings.
 
-    ``text`` is everything decoded so far (cut at a stop string once one is found).
-    ``stream_text()`` is the part that is safe to show now: it holds back a tail that
-    could still turn out to be the start of a stop string.
+    Each new token's text is the decode of a short window of recent tokens minus the decode
+    of the window before it (as vLLM does), held while it ends in U+FFFD (a character whose
+    bytes are still arriving) for at most ``MAX_HELD_TOKENS``; ``finish()`` flushes what is
+    held, so the whole text is the tokenizer's decode of the kept tokens. ``take_text()`` hands
+    out the text that is safe to show: it holds back a tail that could still turn out to be
+    the start of a stop string. Every step costs the window and that tail, never the text so
+    far: the text is joined once, when read (``text``).
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop_str_in_output: bool, skip_special_tokens: bool):
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = self._read_offset = 0  # the window: ids[prefix_offset:], its text out up to read_offset
+        self._prefix_text = ""  # the decode of ids[prefix_offset:read_offset]
         self._stop = stop
         self._include_stop = include_stop_str_in_output
         self._hold_back = max((len(s) for s in stop), default=1) - 1
-        self.text = ""
+        self._parts: list[str] = []
+        self._length = 0
+        self._unsent = ""  # the text's end not handed out yet (the hold-back, and what came since)
         self.num_tokens = 0
         self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (cut at a stop string once one is found)."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string if one now appears in the text. Tokens after
@@ -36,29 +55,61 @@ class IncrementalDetokenizer:
         ``num_tokens`` counts the tokens the output keeps."""
         for token_id in token_ids:
             self.num_tokens += 1
-            piece = self._stream.step(self._tokenizer, token_id)
-            if not piece:
-                continue
-            search_from = max(0, len(self.text) - self._hold_back)
-            self.text += piece
-            if self._stop and self._find_stop(search_from):
+            self._ids.append(token_id)
+            if self._append(self._next_piece(final=False)):
                 return self.stop_string
         return None
 
-    def _find_stop(self, search_from: int) -> bool:
-        hits = [(self.text.find(stop, search_from), stop) for stop in self._stop]
+    def finish(self) -> str | None:
+        """The sequence ended: add the text its last tokens held back (a character cut short
+        decodes to U+FFFD, as in the whole decode); return a stop string it completes."""
+        if self.stop_string is None and self._append(self._next_piece(final=True)):
+            return self.stop_string
+        return None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _next_piece(self, final: bool) -> str:
+        ids = self._ids
+        new_text = self._decode(ids[self._prefix_offset :])
+        held = len(ids) - self._read_offset
+        if len(new_text) <= len(self._prefix_text) or (new_text.endswith("\ufffd") and held <= MAX_HELD_TOKENS and not final):
+            return ""
+        piece = new_text[len(self._prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        self._prefix_text = self._decode(ids[self._prefix_offset :])
+        return piece
+
+    def _append(self, piece: str) -> bool:
+        """Add a piece of text; True if it completes a stop string (the text then ends there)."""
+        if not piece:
+            return False
+        window = self._unsent[-self._hold_back :] if self._hold_back else ""  # where a stop could have begun
+        window_start = self._length - len(window)
+        window += piece
+        self._parts.append(piece)
+        self._length += len(piece)
+        self._unsent += piece
+        if not self._stop:
+            return False
+        hits = [(window.find(stop), stop) for stop in self._stop]
         hits = [(index, stop) for index, stop in hits if index >= 0]
         if not hits:
             return False
         index, stop = min(hits)
+        end = window_start + index + (len(stop) if self._include_stop else 0)
         self.stop_string = stop
-        self.text = self.text[: index + len(stop)] if self._include_stop else self.text[:index]
+        self._unsent = self._unsent[: len(self._unsent) - (self._length - end)]
+        self._parts, self._length = [self.text[:end]], end
         return True
 
-    def stream_text(self, finished: bool) -> str:
-        if finished or not self._stop or self.stop_string is not None:
-            return self.text
-        return self.text[: max(0, len(self.text) - self._hold_back)]
+    def take_text(self, finished: bool) -> str:
+        """The text safe to show that was not handed out before."""
+        keep = 0 if finished or not self._stop or self.stop_string is not None else self._hold_back
+        cut = max(0, len(self._unsent) - keep)
+        taken, self._unsent = self._unsent[:cut], self._unsent[cut:]
+        return taken
 
 
 @dataclass
@@ -84,7 +135,6 @@ class SequenceText:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_sent_chars: int = 0
 
     @classmethod
     def start(cls, tokenizer: Tokenizer, params: SamplingParams) -> SequenceText:
@@ -108,11 +158,10 @@ class SequenceText:
         if self.logprobs is not None:
             logprobs = (delta.logprobs or [])[: len(kept)]
             self.logprobs += logprobs
+        if stop is None and delta.finish_reason is not None:
+            stop = self.detokenizer.finish()
         if stop is not None:
             self.finish_reason, self.stop_reason = "stop", stop
         elif delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        text = self.detokenizer.stream_text(self.finished)
-        new_text = text[self.num_sent_chars :]
-        self.num_sent_chars = max(self.num_sent_chars, len(text))
-        return TextDelta(new_text, kept, logprobs, self.finish_reason, self.stop_reason)
+        return TextDelta(self.detokenizer.take_text(self.finished), kept, logprobs, self.finish_reason, self.stop_reason)

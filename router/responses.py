@@ -25,14 +25,21 @@ class Choice:
     """What one sequence has produced so far."""
 
     index: int
-    text: str = ""
+    parts: list[str] = field(default_factory=list)  # its text, as it came (joined when read: no copy per delta)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (token id, top logprobs)
 
+    @property
+    def text(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
     def add(self, delta: TextDelta) -> None:
-        self.text += delta.text
+        if delta.text:
+            self.parts.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs.extend(zip(delta.token_ids, delta.logprobs))
