@@ -21,6 +21,11 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' ``tojson`` filter for chat templates (the arguments templates pass it)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class RouterTokenizer:
     """Encode prompts and conversations, decode single tokens (for logprobs)."""
 
@@ -37,7 +42,7 @@ class RouterTokenizer:
         if source:
             # The same sandbox and whitespace settings as transformers' apply_chat_template.
             environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-            environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+            environment.filters["tojson"] = _tojson
             environment.globals["raise_exception"] = _raise_exception
             environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = environment.from_string(source)
@@ -55,7 +60,7 @@ class RouterTokenizer:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             text = self._template.render(messages=messages, add_generation_prompt=True, **self._special)
-        except TemplateError as error:
+        except (TemplateError, TypeError, ValueError) as error:  # a template's own error, or a value it cannot take
             raise ChatTemplateError(f"the chat template rejected the conversation: {error}") from error
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -28,3 +28,24 @@ def test_the_router_imports_no_torch(smollm2_dir):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_templates_pass_tojson_the_arguments_transformers_takes_and_bad_values_are_a_template_error(tmp_path, smollm2_dir):
+    """Guards a 500 for a model whose template calls ``tojson(sort_keys=True)`` (transformers'
+    filter takes it), and for a template that fails on a value with a TypeError."""
+    import json
+    import shutil
+
+    import pytest
+
+    from duet.router.tokenizer import ChatTemplateError
+
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages | tojson(ensure_ascii=False, sort_keys=True) }}{{ messages[0].content + 1 if messages[0].role == 'system' }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    router = RouterTokenizer(tmp_path)
+    messages = [{"role": "user", "content": "é"}]
+    assert router.backend.decode(router.encode_chat(messages)) == json.dumps(messages, ensure_ascii=False, sort_keys=True)
+    with pytest.raises(ChatTemplateError, match="rejected the conversation"):
+        router.encode_chat([{"role": "system", "content": "a string plus one"}])
