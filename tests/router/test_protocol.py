@@ -57,6 +57,7 @@ def test_out_of_range_values_are_refused_by_sampling_params():
     [
         ("stop", [f"s{i}" for i in range(65)], "stop takes at most 64 strings, got 65"),
         ("stop", ["x" * 1025], "at most 1024 characters"),
+        ("stop", ["x" * 1024] * 5, "at most 4096 characters in all"),
         ("stop_token_ids", [0] * 1025, "stop_token_ids takes at most 1024 ids, got 1025"),
     ],
 )
