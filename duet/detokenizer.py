@@ -77,12 +77,19 @@ class IncrementalDetokenizer:
         ids = self._ids
         new_text = self._decode(ids[self._prefix_offset :])
         held = len(ids) - self._read_offset
-        if len(new_text) <= len(self._prefix_text) or (new_text.endswith("\ufffd") and held <= MAX_HELD_TOKENS and not final):
+        if len(new_text) <= len(self._prefix_text):
+            if held > MAX_HELD_TOKENS:  # tokens without text (special ones, skipped): the window moves past them
+                self._slide()
+            return ""
+        if new_text.endswith("\ufffd") and held <= MAX_HELD_TOKENS and not final:
             return ""
         piece = new_text[len(self._prefix_text) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self._prefix_text = self._decode(ids[self._prefix_offset :])
+        self._slide()
         return piece
+
+    def _slide(self) -> None:
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_text = self._decode(self._ids[self._prefix_offset :])
 
     def _append(self, piece: str) -> bool:
         """Add a piece of text; True if it completes a stop string (the text then ends there)."""

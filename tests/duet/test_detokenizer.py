@@ -75,6 +75,13 @@ def test_text_that_is_replacement_characters_streams_as_it_comes_and_costs_a_win
     print(f"{len(ids)} tokens in {time.perf_counter() - started:.3f} s")
 
 
+def test_a_long_run_of_skipped_special_tokens_moves_the_window_past_it(tokenizer):
+    ids = [0] * 500 + tokenizer.encode("Hello world", add_special_tokens=False).ids + [1] * 500
+    sequence, pieces = _stream(tokenizer, ids, SamplingParams(max_tokens=2000), random.Random(2))
+    assert sequence.text == "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
+    assert len(sequence.detokenizer._ids) - sequence.detokenizer._prefix_offset <= 2 * 8 + 4  # the window stayed short
+
+
 def test_stop_strings_cut_where_the_whole_text_would_be_cut(tokenizer):
     rng = random.Random(1)
     for _ in range(60):
