@@ -125,6 +125,8 @@ class EngineReplica:
     async def _add(self, request: EngineRequest) -> tuple[_Stream, KVDestination | None]:
         """Subscribe to the sequence's outputs and add it to the engine: its stream, and where
         its KV is to be sent when it comes from elsewhere."""
+        if request.params.structured_outputs is not None:  # its slow first checks, off the engine thread
+            await asyncio.to_thread(self.engine.check_constraint, request.params)
         stream = _Stream(request, self.loop.subscribe(request.request_id))
         try:
             return stream, await self.loop.call(self.engine.add_request, request)

@@ -139,9 +139,7 @@ class LLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         max_tokens = fit_to_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
-        if params.structured_outputs is not None:
-            tokenizer = grammar_tokenizer(self._tokenizer_path, self.model_config.vocab_size, self.eos_token_id)
-            params.structured_outputs.check_tokens(tokenizer)
+        self.check_constraint(params)
         # A request may also hold slots for the draft tokens it writes past its last one.
         lookahead = self.scheduler.num_lookahead_tokens
         blocks_needed = -(-(len(prompt_token_ids) + max_tokens + lookahead) // self.block_size)
@@ -151,6 +149,14 @@ class LLMEngine:
                 "lower max_tokens or give the engine more KV memory", "max_tokens",
             )
         return max_tokens
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """Check a structured-output constraint against the model's tokenizer. The first one builds
+        llguidance's view of the tokenizer (seconds), a new constraint compiles (up to ~0.1 s): a
+        replica runs it off the engine thread first (both are cached), so no stream waits on it."""
+        if params.structured_outputs is not None:
+            tokenizer = grammar_tokenizer(self._tokenizer_path, self.model_config.vocab_size, self.eos_token_id)
+            params.structured_outputs.check_tokens(tokenizer)
 
     def add_request(self, request: EngineRequest) -> KVDestination | None:
         """Queue a sequence. With ``kv_receive`` its prompt's blocks are reserved now and the

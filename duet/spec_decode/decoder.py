@@ -120,7 +120,21 @@ class SpeculativeDecoder:
             track.acceptance.observe(len(tokens), num_accepted)
             self.overall.observe(len(tokens), num_accepted)
             track.draft_probs = None
-        return result.sampled_token_ids
+        return [self._cut_after_stop(state, tokens) for state, tokens in zip(states, result.sampled_token_ids)]
+
+    def _cut_after_stop(self, state: CachedRequestState, tokens: list[int]) -> list[int]:
+        """The tokens up to the first that ends the request (EOS, a stop token id): a kept draft
+        may be one, and the target's token after it is no output (under a constraint, a token
+        past the end the grammar refuses). Before min_tokens they cannot be there
+        (``_forbid_early_stops``)."""
+        params = state.sampling_params
+        stops = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stops.add(self.eos_token_id)
+        for index, token_id in enumerate(tokens[:-1]):
+            if token_id in stops:
+                return tokens[: index + 1]
+        return tokens
 
     def _forbid_early_stops(self, logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]]) -> None:
         """Before min_tokens, EOS and stop token ids are impossible at that position (in place)."""

@@ -177,3 +177,21 @@ def test_requests_of_one_grammar_start_from_copies_of_one_compiled_matcher(masks
     masks.matcher(second)
     assert len(masks._pristine) == 1
     assert masks.clip_drafts(second, [one] * 3) == [one] * 2 and masks.clip_drafts(first, [one] * 2) == [one]
+
+
+def test_the_engines_grammar_tokenizer_comes_from_tokenizer_json_without_transformers(tiny_llama_dir):
+    """Guards every stream of a replica: its first constrained request built llguidance's view of
+    the tokenizer through transformers (1-3 s, between two steps of everyone's); from
+    tokenizer.json, as the router builds its own, it takes ~0.2 s, and masks the same tokens."""
+    import json
+    import subprocess
+    import sys
+
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    code = (
+        "import sys; from duet.structured_output import grammar_tokenizer; "
+        f"tokenizer = grammar_tokenizer({str(tiny_llama_dir)!r}, {vocab}, 2); "
+        "print('transformers' in sys.modules, tokenizer.vocab_size, tokenizer.eos_token)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", str(vocab), "2"]

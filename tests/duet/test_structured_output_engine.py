@@ -182,6 +182,23 @@ def test_min_tokens_gives_way_when_the_constraint_allows_only_eos(tiny_llama_dir
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("min_tokens", [0, 1])
+def test_a_draft_that_ends_the_constraint_with_eos_ends_the_output_there(tiny_llama_dir, smollm2_tokenizer, min_tokens, caplog):
+    """Guards a complete answer failed under speculation: a draft ending the constraint with EOS
+    was kept, verification added a token after the EOS (from a row no mask constrains), and the
+    grammar failed the request for going on past its end, its accepted tokens dropped."""
+    answer = smollm2_tokenizer.encode("yes please")
+    prompt = [1000, *answer, EOS_ID, 198, 1000]
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM | {"prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=min_tokens, structured_outputs=StructuredOutputs(choice=["yes please"]))
+    with caplog.at_level(logging.WARNING, logger="duet"):
+        completion = llm.generate([prompt], params)[0].outputs[0]
+    assert not caplog.records, [record.getMessage()[:200] for record in caplog.records]
+    assert (completion.token_ids, completion.finish_reason) == (answer + [EOS_ID], "stop")
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    llm.engine.check_integrity()
+
+
 def test_a_constraint_the_grammar_engine_gives_up_on_fails_its_request_alone(tiny_llama_dir, caplog):
     """Hostile grammars that pass the check but cannot be followed: one with no end (its parser
     hits llguidance's item limit) and one whose only text is EOS's own (a special token the
