@@ -16,9 +16,10 @@ one after the other in each tick; each posts its pool's view on a board shared t
 module as imported (Serve ships the policy by value, so its own globals are a copy per pool)
 and decides with the other pool's latest view: ``decide`` is one function of both pools, so
 the P:D balance is one decision. A view its policy stopped posting (its pool deleted, or
-redeployed without autoscaling or in another mode) counts for ``VIEW_TTL_S`` at most. Ray 2.60's application-level ``autoscaling_policy`` would see
-both pools natively, but it is registered only by a declarative deploy (``serve deploy``, the
-REST API): ``serve.run``, which ``duet up`` uses, has no way to set it.
+redeployed without autoscaling or in another mode) counts for ``VIEW_TTL_S`` at most.
+Ray 2.60's application-level ``autoscaling_policy`` would see both pools natively, but it is
+registered only by a declarative deploy (``serve deploy``, the REST API): ``serve.run``, which
+``duet up`` uses, has no way to set it.
 
 The rules (``decide``), per pool, from its target (not its running count: replicas starting
 are counted):
@@ -26,17 +27,18 @@ are counted):
 - prefill: replicas for the prompt backlog, at ``prompt_tokens_per_replica`` each (default: what
   one replica computes in half the TTFT target, at its measured speed); the backlog counts the
   prompts the router computes on decode replicas because the prefill pool was busy (not
-  sequences they compute again after a preemption: more prefill replicas would not help those). One more
-  when first tokens come later than the TTFT target, unless the decode pool is short of room
-  or time: then prefill is not what delays them, and it holds.
+  sequences they compute again after a preemption: more prefill replicas would not help
+  those). One more when first tokens come later than the TTFT target, unless the decode pool
+  is short of room or time: then prefill is not what delays them, and it holds.
 - decode (and colocated): replicas for the decoding sequences' KV at ``kv_usage`` of each
   replica's blocks; one more while decoding sequences wait for room or their TPOT exceeds the
   target (a colocated pool: also while first tokens exceed the TTFT target).
 - down by one only when the load fits in one replica fewer at half the targets (hysteresis),
-  and every running replica has reported (one that never starts, short of resources, does not
-  hold the pool up), never within ``cooldown_s`` of the pool's last change (new replicas need time to start and to
-  be measured). Serve then holds each change for its ``upscale_delay_s``/``downscale_delay_s``
-  and keeps the target within ``min_replicas``..``max_replicas``.
+  and some replica runs and every running one has reported (one that never starts, short of
+  resources, does not hold the pool up), never within ``cooldown_s`` of the pool's last change
+  (new replicas need time to start and to be measured). Serve then holds each change for its
+  ``upscale_delay_s``/``downscale_delay_s`` and keeps the target within
+  ``min_replicas``..``max_replicas``.
 
 An operator may pin an autoscaled pool at a size (``duet scale POOL N``, ``POST /duet/scale``;
 ``auto`` unpins, and so does deploying the application again): the policy then decides the pin,
