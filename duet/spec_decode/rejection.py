@@ -51,6 +51,7 @@ class _Batch:
     target_start_rows: torch.Tensor  # [batch] first target row of each request
     request_of_draft: torch.Tensor  # [sum k] the request that owns each draft row
     is_greedy: torch.Tensor  # [batch] bool
+    races_here: torch.Tensor  # [batch] bool: random and unseeded (a seeded request samples its own last token)
 
 
 def one_hot_draft_probs(
@@ -84,9 +85,9 @@ def rejection_sample(
     _check_shapes(draft_token_ids, draft_probs, target_probs, greedy, generators)
     device = target_probs.device
     seeded = [generator is not None and not is_greedy for generator, is_greedy in zip(generators, greedy)]
-    # The seeded requests' rows go through the batched rule on the global stream too; their result
-    # is replaced below, and their own generators are left to _own_samples.
-    batch = _batch(draft_token_ids, greedy, device)
+    # The seeded requests' drafts go through the batched test too (its result is replaced below);
+    # their last token is drawn only by _own_samples, from their own generators.
+    batch = _batch(draft_token_ids, greedy, seeded, device)
     drafts = torch.tensor([t for ids in draft_token_ids for t in ids], dtype=torch.int64, device=device)
     target_argmax = target_probs.argmax(dim=-1) if any(greedy) else None
     accepted = _accept(drafts, draft_probs, target_probs, target_argmax, batch)
@@ -143,7 +144,7 @@ def _check_shapes(
         )
 
 
-def _batch(draft_token_ids: list[list[int]], greedy: list[bool], device: torch.device) -> _Batch:
+def _batch(draft_token_ids: list[list[int]], greedy: list[bool], seeded: list[bool], device: torch.device) -> _Batch:
     num_drafts = [len(ids) for ids in draft_token_ids]
     draft_start = [0, *accumulate(num_drafts)][:-1]
     num_drafts_tensor = torch.tensor(num_drafts, dtype=torch.int64, device=device)
@@ -158,6 +159,7 @@ def _batch(draft_token_ids: list[list[int]], greedy: list[bool], device: torch.d
         target_start_rows=draft_start_rows + request_index,
         request_of_draft=torch.repeat_interleave(request_index, num_drafts_tensor),
         is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        races_here=torch.tensor([not g and not own for g, own in zip(greedy, seeded)], dtype=torch.bool, device=device),
     )
 
 
@@ -204,7 +206,7 @@ def _final_tokens(
     if target_argmax is not None:
         # The first rejected row, or the bonus row when every draft was kept.
         final = torch.where(batch.is_greedy, target_argmax[batch.target_start_rows + num_accepted], final)
-    random_requests = (~batch.is_greedy).nonzero().squeeze(1)
+    random_requests = batch.races_here.nonzero().squeeze(1)
     if random_requests.numel():
         probs = _final_probs(random_requests, num_accepted, draft_probs, target_probs, batch)
         final[random_requests] = exponential_race(probs, {})
