@@ -1,7 +1,8 @@
 """The C++ CPU kernels, compiled for this machine at first use: ``load()`` gives those of
-``csrc/cpu_ops.cpp`` (attention, norms, activations), ``load_gguf()`` the matmuls over GGUF
+``csrc/cpu_ops.cpp`` (attention, norms, activations) and the decoder stack of
+``csrc/decoder_stack.cpp`` (a model's layers in one call), ``load_gguf()`` the matmuls over GGUF
 weight blocks of ``csrc/gguf_ops.cpp`` (built apart: without -ffast-math, so that nothing
-reassociates their dequantization).
+reassociates their dequantization; registered as torch operators too, for the decoder stack).
 
 Each build takes about a minute once per machine (torch caches it under
 ``$TORCH_EXTENSIONS_DIR``). Where no compiler works, or with ``DUET_CPU_OPS=0``, both return
@@ -29,7 +30,7 @@ def load():
     # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
     # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
     # never produce or consume infinities (softmax subtracts the max of visible scores).
-    return _build("duet_cpu_ops", ["cpu_ops.cpp"], ["-ffast-math"], ["-lmvec"])
+    return _build("duet_cpu_ops", ["cpu_ops.cpp", "decoder_stack.cpp"], ["-ffast-math"], ["-lmvec"])
 
 
 @functools.cache

@@ -82,12 +82,17 @@ _ROTATIONS: dict[tuple, torch.Tensor] = {}
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H / b`` over the last dimension: a query into the cache's basis, or an attention
     output computed there back into the model's (``H`` is symmetric and ``H @ H = b * I``)."""
-    key = (x.shape[-1], x.dtype, x.device)
+    return torch.matmul(x, rotation(x.shape[-1], x.dtype, x.device))
+
+
+def rotation(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``H / b`` for rows of ``width``: the matrix ``rotate`` multiplies by (built once)."""
+    key = (width, dtype, torch.device(device))
     matrix = _ROTATIONS.get(key)
     if matrix is None:
-        eye = torch.eye(x.shape[-1])
-        matrix = _ROTATIONS[key] = (hadamard_rows(eye) / hadamard_block(x.shape[-1])).to(x.dtype).to(x.device)  # ±2**-k: exact
-    return torch.matmul(x, matrix)
+        eye = torch.eye(width)
+        matrix = _ROTATIONS[key] = (hadamard_rows(eye) / hadamard_block(width)).to(dtype).to(device)  # ±2**-k: exact
+    return matrix
 
 
 def row_scales(rows: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

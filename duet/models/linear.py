@@ -104,6 +104,16 @@ class Linear(Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
         return F.linear(x, self.weight)
 
+    def plan(self) -> tuple:
+        """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
+        to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
+        qtype, block_rows)``, None for what this layer lacks."""
+        blocks = self.gguf
+        low, high = self._packed_rows
+        if blocks is None:
+            return (self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows)
+        return (self.weight, self.packed_weight, low, high, blocks.codes, blocks.scales, blocks.qtype, self._block_rows)
+
     def argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
         """``greedy_argmax(self(x).float(), excluded_token_ids)``: an LM head's greedy tokens.
         fp32 rows the GGUF blocks serve never write their products out (the kernel keeps each

@@ -14,6 +14,7 @@ from torch import nn
 
 from duet.kernels import AttentionMetadata, paged_attention
 from duet.kernels.fused import add_rms_norm, rms_norm, rope_and_write_kv, silu_and_mul
+from duet.models.decoder_stack import DecoderStack
 from duet.models.linear import Linear
 from duet.models.module import Module
 
@@ -142,6 +143,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
+        self.use_decoder_stack = True  # False: every step's layers run in Python (tests compare the two)
+        self._decoder_stack: DecoderStack | None = None
+        self._decoder_stack_built = False
 
     def forward(
         self,
@@ -172,7 +176,11 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(self, x, residual, positions, kv_caches, metadata, on_layer_done=None) -> torch.Tensor:
         """The first ``len(kv_caches)`` layers, from the first one's normalised input ``x`` and
         the residual stream (added into in place): the last layer's MLP output, for the next
-        norm (or the next pipeline stage) to add in."""
+        norm (or the next pipeline stage) to add in. A step of short queries runs them in one
+        C++ call (``decoder_stack``) where the model allows, to the same bits."""
+        stack = self.decoder_stack() if on_layer_done is None and kv_caches else None
+        if stack is not None and stack.takes(x, metadata):
+            return stack.run(x, residual, positions, kv_caches, metadata)
         mlp_out = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if mlp_out is not None:
@@ -181,3 +189,13 @@ class LlamaForCausalLM(nn.Module):
             if on_layer_done is not None:
                 on_layer_done(index)
         return mlp_out
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """The C++ stack over these layers, built at first use (the layers are final by then:
+        loaded, sharded, packed), or None where they must run in Python."""
+        if not self.use_decoder_stack:
+            return None
+        if not self._decoder_stack_built:
+            self._decoder_stack = DecoderStack.build(self)
+            self._decoder_stack_built = True
+        return self._decoder_stack

@@ -4,6 +4,8 @@
 // for whatever this CPU has (AVX2, AVX-512). fp32 and bf16 tensors; maths in fp32. KV caches
 // may also hold one-byte codes (int8, fp8 e4m3) with a power-of-two scale per row (kv_quant.py).
 
+#include "cpu_ops.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -591,6 +593,11 @@ void dispatch_rows(const torch::Tensor& cache, Body&& body) {
   }
 }
 
+}  // namespace
+
+// The entry points: Python's (below) and the decoder stack's (decoder_stack.cpp).
+namespace duet_cpu {
+
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                      std::vector<int64_t> seq_ids, double scale) {
@@ -686,12 +693,14 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   DUET_DISPATCH(x.scalar_type(), scalar_t, [&] { silu_and_mul_kernel<scalar_t>(out, x); });
 }
 
-}  // namespace
+}  // namespace duet_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace duet_cpu;
   m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm);
   m.def("rope_and_cache", &rope_and_cache);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("apply_token_bitmask", &apply_token_bitmask);
+  bind_decoder_stack(m);
 }

@@ -264,6 +264,16 @@ std::string isa() { return Isa::kName; }
 torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype);
 bool has_bf16();
 
+// The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to
+// call through the dispatcher, with no Python between.
+TORCH_LIBRARY(duet_gguf, m) {
+  m.def("matmul", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype) {
+    return duet_gguf::gguf_matmul(x, codes, scales, qtype, duet_gguf::kPanelMinRows);
+  });
+  m.def("matmul_bf16", &gguf_matmul_bf16);
+  m.def("dequantize", &duet_gguf::gguf_dequantize);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace duet_gguf;
   m.def("gguf_matmul", &gguf_matmul, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),

@@ -1,0 +1,21 @@
+// The entry points of cpu_ops.cpp that decoder_stack.cpp calls directly, without Python.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace duet_cpu {
+
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                     torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                     std::vector<int64_t> seq_ids, double scale);
+void rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool add_residual);
+void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions, torch::Tensor cos,
+                    torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping);
+void silu_and_mul(torch::Tensor out, torch::Tensor x);
+
+// Adds the DecoderStack class (decoder_stack.cpp) to the extension's Python module.
+void bind_decoder_stack(pybind11::module& m);
+
+}  // namespace duet_cpu

@@ -1,0 +1,210 @@
+// A Llama model's decoder layers for one step of short queries (decode, speculative
+// verification), run in one call from Python: the same kernels, in the same order, on the same
+// tensors as duet/models/llama.py's layer loop, so the outputs are bit for bit the loop's.
+//
+// What this removes is the loop's Python: ~10 module calls, splits and views a layer, 30
+// layers a step (1.2 ms of a 6 ms single-stream step on an AVX-512 Xeon, 2.2-4.9 ms of a
+// batch-32 step; the README's figures). Each product picks its path by row count exactly as
+// Linear.forward does: GGUF blocks (duet_gguf::matmul, another extension's operator, reached
+// through the dispatcher), oneDNN's packed weight, or at::linear. The GIL is released for the
+// whole stack, so a replica's other threads (KV transfer, the event loop) run meanwhile.
+
+#include "cpu_ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace duet_cpu {
+namespace {
+
+// One Linear's weights and the row counts each path serves (Linear.forward's rule).
+struct LinearPlan {
+  torch::Tensor weight;  // undefined: the blocks are the weight (quantized at load)
+  torch::Tensor packed;  // oneDNN's reordered weight, or undefined
+  int64_t packed_low = 0, packed_high = -1;
+  torch::Tensor codes, scales;  // GGUF blocks, or undefined
+  int64_t qtype = 0;
+  int64_t block_rows = -1;  // rows up to which the blocks serve the product
+};
+
+struct LayerPlan {
+  torch::Tensor input_norm, post_norm;
+  LinearPlan qkv, o, gate_up, down;
+};
+
+using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t);
+using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
+using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
+                                    c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kNumParts };
+const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation"};
+
+LinearPlan linear_plan(const pybind11::tuple& t) {
+  TORCH_CHECK(t.size() == 8, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows)");
+  auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
+  LinearPlan plan;
+  plan.weight = tensor(0);
+  plan.packed = tensor(1);
+  plan.packed_low = t[2].cast<int64_t>();
+  plan.packed_high = t[3].cast<int64_t>();
+  plan.codes = tensor(4);
+  plan.scales = tensor(5);
+  plan.qtype = t[6].cast<int64_t>();
+  plan.block_rows = t[7].cast<int64_t>();
+  TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
+  TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
+  return plan;
+}
+
+class DecoderStack {
+ public:
+  DecoderStack(const std::vector<pybind11::tuple>& layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+               double eps, double scale, torch::Tensor cos, torch::Tensor sin)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        cos_(std::move(cos)), sin_(std::move(sin)),
+        gguf_matmul_(op<BlockProduct>("duet_gguf::matmul")),
+        gguf_matmul_bf16_(op<BlockProduct>("duet_gguf::matmul_bf16")),
+        gguf_dequantize_(op<Dequantize>("duet_gguf::dequantize")),
+        linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")) {
+    for (const auto& layer : layers) {
+      TORCH_CHECK(layer.size() == 6, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down)");
+      layers_.push_back({layer[0].cast<torch::Tensor>(), layer[1].cast<torch::Tensor>(),
+                         linear_plan(layer[2]), linear_plan(layer[3]), linear_plan(layer[4]), linear_plan(layer[5])});
+    }
+  }
+
+  // The first len(key_caches) layers from the first one's normalised input x and the residual
+  // stream (added into in place): the last layer's MLP output, as LlamaForCausalLM.run_layers.
+  // With a quantized cache, ``rotation`` takes attention's output out of the cache's basis.
+  torch::Tensor run(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
+                    const std::vector<torch::Tensor>& key_caches, const std::vector<torch::Tensor>& value_caches,
+                    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
+                    torch::Tensor query_start_loc, const std::vector<int64_t>& seq_ids,
+                    std::optional<torch::Tensor> rotation) {
+    TORCH_CHECK(key_caches.size() == value_caches.size() && key_caches.size() <= layers_.size(),
+                "one key and one value cache per layer run, at most ", layers_.size());
+    const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    torch::Tensor mlp_out;
+    for (size_t index = 0; index < key_caches.size(); ++index) {
+      const LayerPlan& layer = layers_[index];
+      if (mlp_out.defined()) x = add_rms_norm(mlp_out, residual, layer.input_norm);
+      // attention
+      torch::Tensor qkv = linear(x, layer.qkv);
+      auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+      torch::Tensor q = parts[0].view({tokens, num_heads_, head_dim_});
+      torch::Tensor k = parts[1].view({tokens, num_kv_heads_, head_dim_});
+      torch::Tensor v = parts[2].view({tokens, num_kv_heads_, head_dim_});
+      timed(kRopeKV, [&] {
+        rope_and_cache(q, k, v, positions, cos_, sin_, key_caches[index], value_caches[index], slot_mapping);
+      });
+      torch::Tensor attended;
+      timed(kAttention, [&] {
+        attended = torch::empty_like(q);
+        paged_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens, query_start_loc,
+                        seq_ids, scale_);
+        if (rotation) attended = torch::matmul(attended, *rotation);  // out of the cache's basis
+      });
+      torch::Tensor attn_out = linear(attended.view({tokens, q_size}), layer.o);
+      // MLP
+      torch::Tensor hidden = add_rms_norm(attn_out, residual, layer.post_norm);
+      torch::Tensor gate_up = linear(hidden, layer.gate_up);
+      torch::Tensor activated;
+      timed(kActivation, [&] {
+        activated = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+        silu_and_mul(activated, gate_up.contiguous());
+      });
+      mlp_out = linear(activated, layer.down);
+    }
+    return mlp_out;
+  }
+
+  void set_profiling(bool on) { profiling_ = on; }
+
+  // Seconds spent in each part since the last call, by part name (profiling on), then zeroed.
+  std::vector<std::pair<std::string, double>> take_times() {
+    std::vector<std::pair<std::string, double>> out;
+    for (int part = 0; part < kNumParts; ++part) {
+      out.emplace_back(kPartNames[part], seconds_[part]);
+      seconds_[part] = 0.0;
+    }
+    return out;
+  }
+
+ private:
+  template <typename Body>
+  void timed(Part part, Body&& body) {
+    if (!profiling_) {
+      body();
+      return;
+    }
+    const auto started = std::chrono::steady_clock::now();
+    body();
+    seconds_[part] += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  }
+
+  // residual += x in place; the normalised sum, in x's memory (kernels/fused.add_rms_norm).
+  torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor& residual, const torch::Tensor& weight) {
+    torch::Tensor out = x.contiguous();
+    timed(kNorms, [&] { rms_norm(out, residual, weight, eps_, true); });
+    return out;
+  }
+
+  // Linear.forward, path for path.
+  torch::Tensor linear(const torch::Tensor& x, const LinearPlan& plan) {
+    torch::Tensor out;
+    timed(kProducts, [&] {
+      const int64_t rows = x.size(0);
+      if (!plan.weight.defined()) {  // quantized at load
+        if (rows > plan.block_rows)
+          out = at::linear(x, gguf_dequantize_.call(plan.codes, plan.scales, plan.qtype, x.size(1)).to(x.scalar_type()));
+        else
+          out = gguf_matmul_.call(x.to(torch::kFloat32), plan.codes, plan.scales, plan.qtype).to(x.scalar_type());
+      } else if (rows <= plan.block_rows) {
+        out = x.scalar_type() == torch::kBFloat16
+                  ? gguf_matmul_bf16_.call(x, plan.codes, plan.scales, plan.qtype).to(torch::kBFloat16)
+                  : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype);
+      } else if (plan.packed_low <= rows && rows <= plan.packed_high) {
+        out = linear_packed_.call(x, plan.packed, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), "");
+      } else {
+        out = at::linear(x, plan.weight);
+      }
+    });
+    return out;
+  }
+
+  std::vector<LayerPlan> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  torch::Tensor cos_, sin_;
+  c10::TypedOperatorHandle<BlockProduct> gguf_matmul_, gguf_matmul_bf16_;
+  c10::TypedOperatorHandle<Dequantize> gguf_dequantize_;
+  c10::TypedOperatorHandle<PackedProduct> linear_packed_;
+  bool profiling_ = false;
+  std::array<double, kNumParts> seconds_{};
+};
+
+}  // namespace
+
+void bind_decoder_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<const std::vector<py::tuple>&, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>())
+      .def("run", &DecoderStack::run, py::call_guard<py::gil_scoped_release>())
+      .def("set_profiling", &DecoderStack::set_profiling)
+      .def("take_times", &DecoderStack::take_times);
+}
+
+}  // namespace duet_cpu
