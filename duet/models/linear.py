@@ -2,8 +2,11 @@
 
 On CPU, oneDNN with a weight reordered once into its blocked layout runs the
 ``[rows, in] x [in, out]`` products of decode steps (2 to ~128 rows) about 1.25x faster in
-fp32, and 1.4-2x in bf16, than ``F.linear``; for one row in fp32 and for long prompt
-chunks the plain path is as fast or faster. Both are kept, and each call picks by rows.
+fp32, and 1.4-2x in bf16, than ``F.linear``; for long prompt chunks the plain path is as fast
+or faster. Both are kept, and each call picks by rows. A single fp32 row depends on the CPU:
+on an AVX-512 Xeon ``F.linear`` is as fast, on an AMD EPYC (Zen, AVX-512) it took 8.1 ms for a
+SmolLM2 step's 120 products against oneDNN's 5.1, so which serves one row is measured once
+per process (``_packed_wins_one_row``).
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
 up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows (per instruction set) then read the quantized codes
@@ -23,6 +26,9 @@ SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a 
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +42,9 @@ from duet.models.module import Module
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
 _PACK_BATCH_HINT = 32
+# oneDNN takes single fp32 rows only where it is clearly faster (a margin that a noisy
+# measurement on a CPU where both paths tie does not cross: the choice stays the same run to run).
+_ONE_ROW_MARGIN = 1.25
 # Rows up to which reading GGUF blocks beats the float weights, by the instruction set the
 # kernels were built for (``isa()``; "gpu" for the Triton kernels, not measured there). On two
 # AVX-512 cores (a Xeon), SmolLM2's 121 products take 2.7 ms from its Q4_1/Q8_0 codes at 1 row
@@ -76,7 +85,8 @@ class Linear(Module):
         if self.weight.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
             return  # oneDNN would emulate bf16 on AVX2-only CPUs; the plain path is the safe one
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
-        self._packed_rows = rows
+        low, high = rows
+        self._packed_rows = (1 if low == 2 and _packed_wins_one_row() else low, high)
 
     def attach_gguf(self, weight: GGUFWeight) -> None:
         """Serve small products from ``weight``; the float weight stays for the rest and must be
@@ -121,3 +131,26 @@ class Linear(Module):
         if x.dtype == torch.float32 and x.shape[0] <= self._block_rows:
             return self.gguf.matmul_argmax(x, excluded_token_ids)
         return greedy_argmax(self(x).float(), excluded_token_ids)
+
+
+@functools.cache
+def _packed_wins_one_row() -> bool:
+    """Whether oneDNN's packed weight multiplies one fp32 row at least ``_ONE_ROW_MARGIN`` times
+    faster than ``F.linear`` on this CPU: the best of 5 rounds of 20 products by a 1024 x 1024
+    weight each way, interleaved (about 20 ms, once per process)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 1024, generator=generator)
+    row = torch.randn(1, 1024, generator=generator)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+    ways = {
+        "plain": lambda: F.linear(row, weight),
+        "packed": lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""),
+    }
+    best = {name: float("inf") for name in ways}
+    for _ in range(5):
+        for name, product in ways.items():
+            started = time.perf_counter()
+            for _ in range(20):
+                product()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best["plain"] >= _ONE_ROW_MARGIN * best["packed"]
