@@ -2,11 +2,12 @@
 
 On CPU, oneDNN with a weight reordered once into its blocked layout runs the
 ``[rows, in] x [in, out]`` products of decode steps (2 to ~128 rows) about 1.25x faster in
-fp32, and 1.4-2x in bf16, than ``F.linear``; for long prompt chunks the plain path is as fast
-or faster. Both are kept, and each call picks by rows. A single fp32 row depends on the CPU:
-on an AVX-512 Xeon ``F.linear`` is as fast, on an AMD EPYC (Zen, AVX-512) it took 8.1 ms for a
-SmolLM2 step's 120 products against oneDNN's 5.1, so which serves one row is measured once
-per process (``_packed_wins_one_row``).
+fp32, and 1.4-2x in bf16, than ``F.linear``. Both are kept, and each call picks by rows. At
+the two ends of fp32's range the winner depends on the CPU: on an AVX-512 Xeon ``F.linear``
+(MKL) is as fast for a single row and for long prompt chunks; on an AMD EPYC (Zen, AVX-512)
+it took 8.1 ms for a SmolLM2 step's 120 products at one row against oneDNN's 5.1, and 2.3-2.8x
+oneDNN's time at 256 to 2,048 rows. So whether oneDNN also serves one row, and rows past 128,
+is measured once per process (``_packed_wins``).
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
 up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows (per instruction set) then read the quantized codes
@@ -27,6 +28,7 @@ SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a 
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 import torch
@@ -42,9 +44,10 @@ from duet.models.module import Module
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
 _PACK_BATCH_HINT = 32
-# oneDNN takes single fp32 rows only where it is clearly faster (a margin that a noisy
-# measurement on a CPU where both paths tie does not cross: the choice stays the same run to run).
-_ONE_ROW_MARGIN = 1.25
+# oneDNN takes single fp32 rows, and prompt chunks, only where it is clearly faster (a margin
+# that a noisy measurement on a CPU where both paths tie does not cross: the choice stays put).
+_PACKED_MARGIN = 1.25
+_CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 # Rows up to which reading GGUF blocks beats the float weights, by the instruction set the
 # kernels were built for (``isa()``; "gpu" for the Triton kernels, not measured there). On two
 # AVX-512 cores (a Xeon), SmolLM2's 121 products take 2.7 ms from its Q4_1/Q8_0 codes at 1 row
@@ -86,7 +89,9 @@ class Linear(Module):
             return  # oneDNN would emulate bf16 on AVX2-only CPUs; the plain path is the safe one
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
         low, high = rows
-        self._packed_rows = (1 if low == 2 and _packed_wins_one_row() else low, high)
+        if self.weight.dtype == torch.float32:
+            low, high = (1 if _packed_wins(1) else low), (sys.maxsize if _packed_wins(_CHUNK_ROWS) else high)
+        self._packed_rows = (low, high)
 
     def attach_gguf(self, weight: GGUFWeight) -> None:
         """Serve small products from ``weight``; the float weight stays for the rest and must be
@@ -134,23 +139,26 @@ class Linear(Module):
 
 
 @functools.cache
-def _packed_wins_one_row() -> bool:
-    """Whether oneDNN's packed weight multiplies one fp32 row at least ``_ONE_ROW_MARGIN`` times
-    faster than ``F.linear`` on this CPU: the best of 5 rounds of 20 products by a 1024 x 1024
-    weight each way, interleaved (about 20 ms, once per process)."""
+def _packed_wins(rows: int) -> bool:
+    """Whether oneDNN's packed weight multiplies ``rows`` fp32 rows at least ``_PACKED_MARGIN``
+    times faster than ``F.linear`` on this CPU, by the best of 5 interleaved rounds each way (about
+    0.1 s, once per process). One row is bound by reading the weight, so it is timed on a weight
+    past the caches that matter (16 MB; 4 MB measured 1.5x where 16 MB measured 2.5x); a chunk is
+    bound by compute, timed on a small weight."""
+    side, calls = (2048, 10) if rows == 1 else (512, 2)
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(1024, 1024, generator=generator)
-    row = torch.randn(1, 1024, generator=generator)
+    weight = torch.randn(side, side, generator=generator)
+    x = torch.randn(rows, side, generator=generator)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
     ways = {
-        "plain": lambda: F.linear(row, weight),
-        "packed": lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], ""),
+        "plain": lambda: F.linear(x, weight),
+        "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
     }
     best = {name: float("inf") for name in ways}
     for _ in range(5):
         for name, product in ways.items():
             started = time.perf_counter()
-            for _ in range(20):
+            for _ in range(calls):
                 product()
             best[name] = min(best[name], time.perf_counter() - started)
-    return best["plain"] >= _ONE_ROW_MARGIN * best["packed"]
+    return best["plain"] >= _PACKED_MARGIN * best["packed"]
