@@ -59,7 +59,7 @@ def _generate(llm, batches: list[int]) -> list[list[int]]:
 
 
 CASES = {
-    # rows 1: F.linear; 2-128: oneDNN packed; past 128: F.linear
+    # rows 2-128: oneDNN packed; 1 and past 128: F.linear or oneDNN, as this CPU measured (linear._packed_wins)
     "float32": ("tiny_llama_dir", {}),
     # rows up to 48 (AVX-512; 16 AVX2): GGUF blocks; then packed
     "gguf": ("tiny_gguf_llama_dir", {}),

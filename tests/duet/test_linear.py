@@ -23,7 +23,6 @@ def test_one_fp32_row_and_long_chunks_take_onednn_only_where_it_measured_faster(
     _, _, packed_low, packed_high, *_ = linear.plan()
     assert packed_low == (1 if _packed_wins(1) else 2)
     assert packed_high == (sys.maxsize if _packed_wins(_CHUNK_ROWS) else 128)
-    assert _packed_wins(1) == _packed_wins(1)  # measured once: one choice per process
     for rows in (1, 2, 130, 600):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(linear(x), F.linear(x, linear.weight), rtol=1e-4, atol=1e-4)
