@@ -18,6 +18,10 @@ import os
 import time
 from pathlib import Path
 
+import torch
+
+from duet.kernels.gguf import Q4_1
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
@@ -36,8 +40,75 @@ def load():
 @functools.cache
 def load_gguf():
     """The GGUF block matmuls (fp32, and bf16 where the CPU has AVX512_BF16: ``has_bf16()``), or
-    None when they cannot be built or are switched off."""
-    return _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp"], [], [])
+    None when they cannot be built or are switched off. Products of many rows go by panels or by
+    tiles of rows as this CPU measured faster (``panel_min_rows``, once per process)."""
+    ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp"], [], [])
+    if ops is not None:
+        ops.set_panel_min_rows(panel_min_rows(ops))
+    return ops
+
+
+# Row counts at which the GGUF products' two ways for many rows are timed, and the margin by
+# which panels must beat tiles of rows to take over (a noisy tie leaves the rule where it is).
+PANEL_ROWS = (8, 12, 16, 24, 32, 48)
+PANEL_MARGIN = 1.1
+NEVER = 1 << 30  # a row count no product reaches
+
+
+def panel_min_rows(ops) -> int:
+    """The fewest rows from which the GGUF products go by panels of dequantized features rather
+    than by tiles of rows (``csrc/gguf_ops.cpp``): the first of ``PANEL_ROWS`` from which panels
+    are ``PANEL_MARGIN`` times faster at every count measured, or never. Timed on a Q4_1 weight of
+    a SmolLM2 MLP's shape (1,536 x 576, in cache: at these rows the products are bound by
+    arithmetic, not by reading the weight), best of 5 interleaved rounds each way, about 0.1 s.
+    A Xeon measured panels faster from 13 rows (AVX-512) and a Zen 4 from 8 (AVX2); an AMD EPYC
+    with AVX-512 measured tiles faster at every count to 48."""
+    [(codes, scales)] = sample_q4_1_weights()
+    generator = torch.Generator().manual_seed(1)
+    panels_win = []
+    for rows in PANEL_ROWS:
+        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
+        times = best_times(
+            {
+                "tiles": lambda: ops.gguf_matmul(x, codes, scales, Q4_1, NEVER),
+                "panels": lambda: ops.gguf_matmul(x, codes, scales, Q4_1, 1),
+            },
+            calls=3,
+        )
+        panels_win.append(times["tiles"] >= PANEL_MARGIN * times["panels"])
+    chosen = NEVER
+    for rows, win in zip(reversed(PANEL_ROWS), reversed(panels_win)):
+        if not win:
+            break
+        chosen = rows
+    logger.info("GGUF products of many rows go by %s on this CPU", "tiles of rows" if chosen == NEVER else f"panels from {chosen} rows")
+    return chosen
+
+
+SAMPLE_OUT_FEATURES, SAMPLE_IN_FEATURES = 1536, 576  # a SmolLM2 MLP's up projection
+
+
+def sample_q4_1_weights(count: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` Q4_1 weights of random codes and scales, each ``(codes, scales)`` as
+    ``GGUFWeight`` keeps them and in memory of its own, to time products on."""
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = SAMPLE_IN_FEATURES // 32
+    codes = torch.randint(0, 256, (count, SAMPLE_OUT_FEATURES, num_blocks * 16), dtype=torch.uint8, generator=generator)
+    scales = torch.rand(count, SAMPLE_OUT_FEATURES, num_blocks * 2, generator=generator) * 0.01
+    return list(zip(codes.unbind(), scales.unbind()))
+
+
+def best_times(ways: dict, rounds: int = 5, calls: int = 1) -> dict[str, float]:
+    """Each way's best time (seconds) for ``calls`` calls, over ``rounds`` rounds that take the
+    ways in turn, so that a machine's slow moment falls on all of them alike."""
+    best = {name: float("inf") for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            started = time.perf_counter()
+            for _ in range(calls):
+                way()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
 
 
 def _build(name: str, sources: list[str], cflags: list[str], ldflags: list[str]):

@@ -9,12 +9,13 @@ it took 8.1 ms for a SmolLM2 step's 120 products at one row against oneDNN's 5.1
 oneDNN's time at 256 to 2,048 rows. So whether oneDNN also serves one row, and rows past 128,
 is measured once per process (``_packed_wins``).
 
-A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of
-up to ``GGUF_FLOAT_MAX_ROWS`` fp32 rows (per instruction set) then read the quantized codes
-(0.75 byte a weight for Q4_1, 1.125 for Q8_0, scales included, against 4) through
-``kernels.gguf``, which dequantizes them exactly to the float weights the other paths use (in
-registers for a few rows, by panels kept in cache for a decode batch); longer products, prompt
-chunks, keep oneDNN's float paths.
+A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): fp32 products
+of up to as many rows as this CPU measured the blocks at least as fast as the float weights
+(``_gguf_float_max_rows``, once per process: 16 to 32 rows on AVX-512 CPUs) then read the
+quantized codes (0.75 byte a weight for Q4_1, 1.125 for Q8_0, scales included, against 4)
+through ``kernels.gguf``, which dequantizes them exactly to the float weights the other paths
+use (in registers, by tiles of rows or by panels kept in cache, as the CPU measured faster);
+longer products, prompt chunks, keep oneDNN's float paths.
 
 A weight quantized at load time (``quantization: int8 | int4``, ``duet.models.quantize``) keeps
 its blocks alone (``weight`` is None): longer products dequantize it for the call, which
@@ -28,8 +29,8 @@ SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,10 @@ from duet.config import cpu_has_fast_bf16
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import GGUFWeight
 from duet.models.module import Module
+from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, best_times, sample_q4_1_weights
+from duet.kernels.gguf import Q4_1
+
+logger = logging.getLogger(__name__)
 
 # Row-count window where the reordered oneDNN weight wins, measured per dtype on
 # AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
@@ -48,16 +53,18 @@ _PACK_BATCH_HINT = 32
 # that a noisy measurement on a CPU where both paths tie does not cross: the choice stays put).
 _PACKED_MARGIN = 1.25
 _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
-# Rows up to which reading GGUF blocks beats the float weights, by the instruction set the
-# kernels were built for (``isa()``; "gpu" for the Triton kernels, not measured there). On two
-# AVX-512 cores (a Xeon), SmolLM2's 121 products take 2.7 ms from its Q4_1/Q8_0 codes at 1 row
-# against 8.1 (F.linear); 21.7 against 39.9 (oneDNN, packed) at 16 rows; 30.7 against 38 at 32
-# (by panels, ``csrc/gguf_ops.cpp``); 44 against 48 at 48; 55 against 50 at 56; 69 against 54 at
-# 64. On an AVX2-only EPYC, one core (a replica's): 20 against 34 (packed) at 1 row, 45 against
-# 63 at 8, even at 16 (95), 129 against 118 at 24, 236 against 170 at 40; on its two cores 46
-# against 55 at 16, 115 against 88 at 32. Without AVX2 (not measured) only single rows, where a
-# product is bound by the bytes it reads.
-GGUF_FLOAT_MAX_ROWS = {"avx512": 48, "avx2": 16, "scalar": 1, "gpu": 48}
+# Rows up to which reading GGUF blocks beats the float weights, measured once per process on
+# this CPU (``_gguf_float_max_rows``) at these row counts: the blocks serve every count up to the
+# first where oneDNN's packed float weight is ``_FLOAT_MARGIN`` times faster (a tie goes to the
+# blocks, which read a quarter to a sixth of the bytes). The measured figures disagree across
+# CPUs: on two AVX-512 cores of a Xeon, SmolLM2's 121 products took 2.7 ms from its Q4_1/Q8_0
+# codes at 1 row against 8.1 (F.linear), 21.7 against 39.9 (packed) at 16 rows, 44 against 48 at
+# 48, 55 against 50 at 56; on an AMD EPYC with AVX-512, 17.5 against 18.4 at 16 and 26.2
+# against 24.3 at 24; on an AVX2-only EPYC's one core, 45 against 63 at 8, 129 against 118 at 24.
+GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
+_FLOAT_MARGIN = 1.05
+_SAMPLE_WEIGHTS = 36
+GGUF_GPU_MAX_ROWS = 48  # the Triton kernels' (not measured there)
 # The same for a bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on
 # CPUs with AVX512_BF16), against oneDNN's packed bf16 weights: a SmolLM2 step's products take
 # 6.0 ms from the blocks against 11.6 at 1 row, 8.6 against 12.3 at 4, 15.7 against 11.1 at 8.
@@ -97,8 +104,10 @@ class Linear(Module):
         """Serve small products from ``weight``; the float weight stays for the rest and must be
         ``weight`` dequantized (and rounded to bf16, for a bf16 model)."""
         self.gguf = weight
-        isa = weight.ops.isa() if hasattr(weight.ops, "isa") else "gpu"
-        self._block_rows = GGUF_FLOAT_MAX_ROWS[isa] if self.weight.dtype == torch.float32 else GGUF_BF16_MAX_ROWS
+        if self.weight.dtype != torch.float32:
+            self._block_rows = GGUF_BF16_MAX_ROWS
+        else:
+            self._block_rows = _gguf_float_max_rows(weight.ops) if hasattr(weight.ops, "set_panel_min_rows") else GGUF_GPU_MAX_ROWS
 
     def keep_blocks_only(self) -> None:
         """Drop the float weight (and its packed copy): the attached blocks are the weight."""
@@ -150,15 +159,47 @@ def _packed_wins(rows: int) -> bool:
     weight = torch.randn(side, side, generator=generator)
     x = torch.randn(rows, side, generator=generator)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-    ways = {
-        "plain": lambda: F.linear(x, weight),
-        "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-    }
-    best = {name: float("inf") for name in ways}
-    for _ in range(5):
-        for name, product in ways.items():
-            started = time.perf_counter()
-            for _ in range(calls):
-                product()
-            best[name] = min(best[name], time.perf_counter() - started)
-    return best["plain"] >= _PACKED_MARGIN * best["packed"]
+    times = best_times(
+        {"plain": lambda: F.linear(x, weight), "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")},
+        calls=calls,
+    )
+    return times["plain"] >= _PACKED_MARGIN * times["packed"]
+
+
+@functools.cache
+def _gguf_float_max_rows(ops) -> int:
+    """The most fp32 rows a product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the
+    blocks (``ops``, by the process's rule for tiles and panels) and the float weights' path for
+    those rows (oneDNN's packed weight) are timed, best of 3 interleaved rounds each way, over
+    ``_SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape: 127 MB of float weights, read from
+    memory as a step reads a model's (in cache, where they are bound by arithmetic alone, they
+    measured a third as many rows for the blocks as a SmolLM2 step does). Once per process,
+    about 0.3 s and 250 MB for that moment."""
+    weights = []
+    for codes, scales in sample_q4_1_weights(_SAMPLE_WEIGHTS):
+        weight = ops.gguf_dequantize(codes, scales, Q4_1, SAMPLE_IN_FEATURES)
+        if torch.backends.mkldnn.is_available():
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        weights.append((codes, scales, weight))
+
+    def floats(x):
+        for _, _, weight in weights:
+            if torch.backends.mkldnn.is_available():
+                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+            else:
+                F.linear(x, weight)
+
+    def blocks(x):
+        for codes, scales, _ in weights:
+            ops.gguf_matmul(x, codes, scales, Q4_1)
+
+    generator = torch.Generator().manual_seed(1)
+    chosen = 1
+    for rows in GGUF_FLOAT_ROWS:
+        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
+        times = best_times({"blocks": lambda: blocks(x), "floats": lambda: floats(x)}, rounds=3)
+        if times["blocks"] > _FLOAT_MARGIN * times["floats"]:
+            break
+        chosen = rows
+    logger.info("fp32 products of up to %d rows read the GGUF blocks on this CPU, longer ones the float weights", chosen)
+    return chosen

@@ -17,6 +17,8 @@
 
 #include "gguf_blocks.h"
 
+#include <atomic>
+
 namespace duet_gguf {
 
 // out[r, n] = sum_k x[r, k] * W[n, k] for R rows of x and C output features at a time, every
@@ -72,12 +74,19 @@ constexpr int kTileRows = 2, kTileColumns = 4;  // 8 of 16 (AVX2)
 // AVX-512 cores (a Xeon, both summing by Isa::sums) take 14.2 ms by tiles and 14.5 by panels at
 // 10 rows, 15.8 and 16.1 at 12, 21.0 and 19.7 at 16, 30.7 by panels at 32 (oneDNN on the float
 // weights: 38); built for AVX2 (measured on a Zen 4), 25.3 and 23.5 at 8 rows, 51.0 and 37.9
-// at 16.
+// at 16. But on an AMD EPYC with AVX-512 tiles win at every row count to 48: 17.5 against
+// 21.8 ms at 16 rows, 34.0 against 36.9 at 32, 51.7 against 75.2 at 48. So the loader measures
+// this CPU once per process and sets the rule (``kernels/cpu_ops.py``); these are the rows
+// until it does.
 #if defined(__AVX512F__)
 constexpr int64_t kPanelMinRows = 13;
 #else
 constexpr int64_t kPanelMinRows = 8;
 #endif
+std::atomic<int64_t> panel_rows{kPanelMinRows};
+
+// A product's panel_min_rows: the one given, or (-1) this process's rule.
+inline int64_t panel_min_rows_or_rule(int64_t panel_min_rows) { return panel_min_rows >= 0 ? panel_min_rows : panel_rows.load(); }
 
 template <int64_t QType>
 void dequant_panel(const Weights& w, int64_t n0, int64_t K, float* panel) {
@@ -143,15 +152,15 @@ void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& 
 
 
 // x [M, K] fp32 -> [M, N] fp32 against the N x K weights of type qtype; by panels from
-// panel_min_rows rows (when N is a whole number of panels), by tiles of rows below (tests
-// force either way).
-torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows = kPanelMinRows) {
+// panel_min_rows rows (when N is a whole number of panels; -1: the process's rule), by tiles of
+// rows below (tests and the loader's measurement force either way).
+torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows = -1) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "gguf_matmul takes fp32 rows [M, K]");
   const int64_t K = x.size(1), N = codes.size(0);
   const Weights w = checked(codes, scales, qtype, K);
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
-  const bool panels = x.size(0) >= panel_min_rows && N % kPanel == 0;
+  const bool panels = x.size(0) >= panel_min_rows_or_rule(panel_min_rows) && N % kPanel == 0;
   matmul(qtype, x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, panels);
   return out;
 }
@@ -191,7 +200,7 @@ inline bool beats(float value, float best) {
 // buffer (gguf_matmul's very products: each output's sum runs in the same order whatever the
 // group) and keeps the group's best per row; the groups' bests are then taken in order.
 torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, torch::Tensor excluded,
-                                 int64_t panel_min_rows = kPanelMinRows) {
+                                 int64_t panel_min_rows = -1) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "gguf_matmul_argmax takes fp32 rows [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   const Weights w = checked(codes, scales, qtype, K);
@@ -202,7 +211,7 @@ torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Te
   const float* xs = x.data_ptr<float>();
   const int64_t* ids = excluded.data_ptr<int64_t>();
   const int64_t num_excluded = excluded.size(1);
-  const bool panels = M >= panel_min_rows && N % kPanel == 0;
+  const bool panels = M >= panel_min_rows_or_rule(panel_min_rows) && N % kPanel == 0;
   const int64_t num_groups = (N + kArgmaxGroup - 1) / kArgmaxGroup;
   std::vector<float> group_best(num_groups * M);
   std::vector<int64_t> group_index(num_groups * M);
@@ -258,6 +267,13 @@ torch::Tensor gguf_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t
 
 std::string isa() { return Isa::kName; }
 
+void set_panel_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "panel_min_rows must be at least 1, got ", rows);
+  panel_rows.store(rows);
+}
+
+int64_t panel_min_rows() { return panel_rows.load(); }
+
 }  // namespace duet_gguf
 
 // gguf_bf16.cpp's, where this CPU has AVX512_BF16.
@@ -268,7 +284,7 @@ bool has_bf16();
 // call through the dispatcher, with no Python between.
 TORCH_LIBRARY(duet_gguf, m) {
   m.def("matmul", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype) {
-    return duet_gguf::gguf_matmul(x, codes, scales, qtype, duet_gguf::kPanelMinRows);
+    return duet_gguf::gguf_matmul(x, codes, scales, qtype, -1);
   });
   m.def("matmul_bf16", &gguf_matmul_bf16);
   m.def("dequantize", &duet_gguf::gguf_dequantize);
@@ -277,11 +293,13 @@ TORCH_LIBRARY(duet_gguf, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace duet_gguf;
   m.def("gguf_matmul", &gguf_matmul, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),
-        py::arg("panel_min_rows") = kPanelMinRows);
+        py::arg("panel_min_rows") = -1);
   m.def("gguf_matmul_argmax", &gguf_matmul_argmax, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),
-        py::arg("excluded"), py::arg("panel_min_rows") = kPanelMinRows);
+        py::arg("excluded"), py::arg("panel_min_rows") = -1);
   m.def("gguf_dequantize", &gguf_dequantize);
   m.def("gguf_matmul_bf16", &gguf_matmul_bf16);
   m.def("has_bf16", &has_bf16);
   m.def("isa", &isa);
+  m.def("set_panel_min_rows", &set_panel_min_rows, "Products of at least this many rows go by panels, in this process");
+  m.def("panel_min_rows", &panel_min_rows);
 }

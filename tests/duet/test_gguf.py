@@ -11,7 +11,7 @@ import torch
 
 from duet import LLM, SamplingParams
 from duet.kernels import cpu_ops
-from duet.models.linear import GGUF_FLOAT_MAX_ROWS, Linear
+from duet.models.linear import GGUF_FLOAT_ROWS, Linear
 from duet.models.loader import ModelNotFoundError
 from tests.reference import compare_to_reference, hf_greedy
 
@@ -33,11 +33,11 @@ def test_every_projection_and_the_lm_head_compute_from_their_blocks_by_default(t
 
 def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gguf_llama_dir):
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(max(GGUF_FLOAT_MAX_ROWS.values()) + 4)]
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(GGUF_FLOAT_ROWS[-1] + 4)]
     references = hf_greedy(tiny_gguf_llama_dir, prompts, 24)
     llm = LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=512, max_num_seqs=len(prompts))
     greedy = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    # Decode products of one row (alone), of 4 more than any CPU's GGUF_FLOAT_MAX_ROWS (together:
+    # Decode products of one row (alone), of 4 more than any CPU measures for the blocks (together:
     # the float weights) and of 4 (fours); prompts of up to 60 rows take the float weights too.
     alone = [llm.generate([prompt], greedy)[0] for prompt in prompts]
     together = llm.generate(prompts, greedy)

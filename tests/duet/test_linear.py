@@ -1,7 +1,8 @@
-"""Linear's row-count rule: a single fp32 row, and a prompt chunk past 128 rows, go to oneDNN's
+"""Linear's row-count rules: a single fp32 row, and a prompt chunk past 128 rows, go to oneDNN's
 packed weight only on a CPU where that measured clearly faster than ``F.linear`` (an AMD EPYC:
 8.1 against 5.1 ms for a SmolLM2 step's products at one row, 2.3-2.8x at 256 to 2,048; a Xeon:
-ties), and either path computes the same product."""
+ties); GGUF blocks serve fp32 products up to the rows this CPU measured them faster than the
+float weights; and every path computes the same product."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from duet.models.linear import _CHUNK_ROWS, Linear, _packed_wins
+from duet.kernels import cpu_ops
+from duet.kernels.gguf import GGUFWeight
+from duet.models.linear import _CHUNK_ROWS, GGUF_FLOAT_ROWS, Linear, _gguf_float_max_rows, _packed_wins
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
@@ -26,3 +29,24 @@ def test_one_fp32_row_and_long_chunks_take_onednn_only_where_it_measured_faster(
     for rows in (1, 2, 130, 600):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(linear(x), F.linear(x, linear.weight), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
+def test_gguf_blocks_serve_fp32_products_up_to_the_rows_this_cpu_measured_them_faster():
+    ops = cpu_ops.load_gguf()
+    limit = _gguf_float_max_rows(ops)
+    assert limit in (1, *GGUF_FLOAT_ROWS)
+    [(codes, scales)] = cpu_ops.sample_q4_1_weights()
+    blocks = GGUFWeight(codes, scales, 3, cpu_ops.SAMPLE_IN_FEATURES, ops)
+    linear = Linear(cpu_ops.SAMPLE_IN_FEATURES, cpu_ops.SAMPLE_OUT_FEATURES)
+    linear.weight.data = blocks.dequantize()
+    linear.pack_for_cpu()
+    linear.attach_gguf(blocks)
+    assert linear.plan()[-1] == limit
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(limit, cpu_ops.SAMPLE_IN_FEATURES, generator=generator)
+    longer = torch.randn(limit + 1, cpu_ops.SAMPLE_IN_FEATURES, generator=generator)
+    assert torch.equal(linear(x), blocks.matmul(x))
+    assert torch.equal(linear(longer), torch.ops.mkldnn._linear_pointwise(longer, linear.packed_weight, None, "none", [], ""))
+    for rows in (x, longer):
+        torch.testing.assert_close(linear(rows), F.linear(rows, linear.weight), rtol=1e-4, atol=1e-4)

@@ -46,8 +46,9 @@ def test_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 17, 21, 40])
 def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
-    """Many rows go by panels of 16 dequantized features (from 13 rows with AVX-512, 8 with AVX2; forced
-    here from 1): 96 outputs, six panels; 21 rows, tiles of rows with a remainder."""
+    """Many rows may go by panels of 16 dequantized features (from the rows this CPU measured them
+    faster, if any; forced here from 1): 96 outputs, six panels; 21 rows, tiles of rows with a
+    remainder."""
     weight, weights = quantized(96, 192, TYPES[name], seed=rows)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
     expected = (x.double() @ weights.double().T).float()
@@ -56,6 +57,27 @@ def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, r
     if rows >= 17:  # 75 outputs are no whole number of panels: those go by tiles of rows
         odd, odd_weights = quantized(75, 192, TYPES[name], seed=rows)
         torch.testing.assert_close(odd.matmul(x), (x.double() @ odd_weights.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follows_it():
+    """Loading the kernels measures tiles against panels once and sets the rows from which
+    panels serve (or never); a product that names no rule, through pybind or the torch operator
+    the decoder stack calls, follows the process's: bit for bit the product of the way it names."""
+    assert OPS.panel_min_rows() in (*cpu_ops.PANEL_ROWS, cpu_ops.NEVER)
+    weight, _ = quantized(96, 192, TYPES["Q4_1"], seed=7)
+    x = torch.randn(24, 192, generator=torch.Generator().manual_seed(7))
+    measured = OPS.panel_min_rows()
+    try:
+        for rule in (1, cpu_ops.NEVER):
+            OPS.set_panel_min_rows(rule)
+            forced = OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, rule)
+            assert torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype), forced)
+            assert torch.equal(torch.ops.duet_gguf.matmul(x, weight.codes, weight.scales, weight.qtype), forced)
+        assert not torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1), forced)  # two ways, really
+    finally:
+        OPS.set_panel_min_rows(measured)
+    with pytest.raises(RuntimeError, match="at least 1"):
+        OPS.set_panel_min_rows(0)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
