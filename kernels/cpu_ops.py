@@ -50,7 +50,7 @@ def load_gguf():
 
 # Row counts at which the GGUF products' two ways for many rows are timed, and the margin by
 # which panels must beat tiles of rows to take over (a noisy tie leaves the rule where it is).
-PANEL_ROWS = (8, 12, 16, 24, 32, 48)
+PANEL_ROWS = (8, 12, 16, 24, 32, 48, 64)
 PANEL_MARGIN = 1.1
 NEVER = 1 << 30  # a row count no product reaches
 
@@ -58,23 +58,26 @@ NEVER = 1 << 30  # a row count no product reaches
 def panel_min_rows(ops) -> int:
     """The fewest rows from which the GGUF products go by panels of dequantized features rather
     than by tiles of rows (``csrc/gguf_ops.cpp``): the first of ``PANEL_ROWS`` from which panels
-    are ``PANEL_MARGIN`` times faster at every count measured, or never. Timed on a Q4_1 weight of
-    a SmolLM2 MLP's shape (1,536 x 576, in cache: at these rows the products are bound by
-    arithmetic, not by reading the weight), best of 5 interleaved rounds each way, about 0.1 s.
-    A Xeon measured panels faster from 13 rows (AVX-512) and a Zen 4 from 8 (AVX2); an AMD EPYC
-    with AVX-512 measured tiles faster at every count to 48."""
-    [(codes, scales)] = sample_q4_1_weights()
+    are ``PANEL_MARGIN`` times faster at every count measured, or never. Timed over
+    ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape, with their panel layout where the
+    panels read one: 48 MB, read from memory as a step reads a model's (in cache they measured
+    panels faster from 8 rows where a SmolLM2 step has them faster from 16). Best of 3
+    interleaved rounds each way, about 0.2 s once per process. A Xeon measured panels faster
+    from 13 rows (AVX-512, before the panel layout) and a Zen 4 from 8 (AVX2)."""
+    weights = []
+    for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):
+        layout = ops.gguf_panel_layout(codes, scales, Q4_1, SAMPLE_IN_FEATURES) if ops.panels_need_layout() else (None, None)
+        weights.append((codes, scales, layout))
+
+    def products(x, rule):
+        for codes, scales, layout in weights:
+            ops.gguf_matmul(x, codes, scales, Q4_1, rule, *layout)
+
     generator = torch.Generator().manual_seed(1)
     panels_win = []
     for rows in PANEL_ROWS:
         x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
-        times = best_times(
-            {
-                "tiles": lambda: ops.gguf_matmul(x, codes, scales, Q4_1, NEVER),
-                "panels": lambda: ops.gguf_matmul(x, codes, scales, Q4_1, 1),
-            },
-            calls=3,
-        )
+        times = best_times({"tiles": lambda: products(x, NEVER), "panels": lambda: products(x, 1)}, rounds=3)
         panels_win.append(times["tiles"] >= PANEL_MARGIN * times["panels"])
     chosen = NEVER
     for rows, win in zip(reversed(PANEL_ROWS), reversed(panels_win)):
@@ -86,6 +89,7 @@ def panel_min_rows(ops) -> int:
 
 
 SAMPLE_OUT_FEATURES, SAMPLE_IN_FEATURES = 1536, 576  # a SmolLM2 MLP's up projection
+SAMPLE_WEIGHTS = 36  # of that shape: 127 MB of fp32 weights, 24 MB of Q4_1 blocks
 
 
 def sample_q4_1_weights(count: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

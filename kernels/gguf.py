@@ -34,6 +34,7 @@ _LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), th
 _KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q6_K: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
 TYPES = frozenset({Q4_1, Q8_0, Q4_K, Q6_K})  # what the kernels read (K-quants rewritten at load)
 BLOCK = 32
+PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
 SUPER_BLOCK = 256  # weights of a K-quant super-block
 _K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
 
@@ -92,6 +93,9 @@ class GGUFWeight:
     qtype: int
     in_features: int
     ops: object
+    # The same codes and scales laid out for AVX-512's panels (``lay_out_panels``), or None.
+    panel_codes: torch.Tensor | None = None
+    panel_scales: torch.Tensor | None = None
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, qtype: int, in_features: int, ops) -> GGUFWeight:
@@ -130,17 +134,33 @@ class GGUFWeight:
             in_features = stop - start
         return GGUFWeight(codes.contiguous(), scales.contiguous(), self.qtype, in_features, self.ops)
 
+    def lay_out_panels(self) -> None:
+        """Keep a copy of the codes and scales laid out for the CPU kernels' panels, where this
+        build's panels read one (AVX-512) and the weight has a multiple of 32 output features:
+        without it, fp32 products of many rows go by tiles of rows. As many bytes again as the
+        codes and scales; the products' values do not depend on it."""
+        needs = getattr(self.ops, "panels_need_layout", None)
+        if needs is None or not needs() or self.codes.shape[0] % PANEL_WIDTH or self.panel_codes is not None:
+            return
+        self.panel_codes, self.panel_scales = self.ops.gguf_panel_layout(self.codes, self.scales, self.qtype, self.in_features)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` for rows ``x`` ``[M, in_features]``: fp32, or bf16 (on CPUs whose kernels
         have ``has_bf16()``) against the weights rounded to bf16, as a bf16 model holds them,
         accumulated in fp32 and rounded to bf16 once."""
         if x.dtype == torch.bfloat16:
             return self.ops.gguf_matmul_bf16(x, self.codes, self.scales, self.qtype).to(torch.bfloat16)
+        if self.panel_codes is not None:
+            return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
     def matmul_argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
         """``greedy_argmax(x @ W.T, excluded_token_ids)`` (``kernels.fused``), without the
         ``[M, out_features]`` products where the kernels fuse the two (on CPU)."""
+        if self.panel_codes is not None:
+            return self.ops.gguf_matmul_argmax(
+                x, self.codes, self.scales, self.qtype, excluded_token_ids, -1, self.panel_codes, self.panel_scales
+            )
         return self.ops.gguf_matmul_argmax(x, self.codes, self.scales, self.qtype, excluded_token_ids)
 
     def dequantize(self) -> torch.Tensor:

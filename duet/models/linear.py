@@ -40,7 +40,7 @@ from duet.config import cpu_has_fast_bf16
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import GGUFWeight
 from duet.models.module import Module
-from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, best_times, sample_q4_1_weights
+from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.gguf import Q4_1
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,6 @@ _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 # against 24.3 at 24; on an AVX2-only EPYC's one core, 45 against 63 at 8, 129 against 118 at 24.
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
 _FLOAT_MARGIN = 1.05
-_SAMPLE_WEIGHTS = 36
 GGUF_GPU_MAX_ROWS = 48  # the Triton kernels' (not measured there)
 # The same for a bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on
 # CPUs with AVX512_BF16), against oneDNN's packed bf16 weights: a SmolLM2 step's products take
@@ -108,6 +107,12 @@ class Linear(Module):
             self._block_rows = GGUF_BF16_MAX_ROWS
         else:
             self._block_rows = _gguf_float_max_rows(weight.ops) if hasattr(weight.ops, "set_panel_min_rows") else GGUF_GPU_MAX_ROWS
+            self._lay_out_panels()
+
+    def _lay_out_panels(self) -> None:
+        """Lay the blocks out for panels too, where fp32 products they serve go by panels."""
+        if hasattr(self.gguf.ops, "panel_min_rows") and self.gguf.ops.panel_min_rows() <= self._block_rows:
+            self.gguf.lay_out_panels()
 
     def keep_blocks_only(self) -> None:
         """Drop the float weight (and its packed copy): the attached blocks are the weight."""
@@ -115,6 +120,7 @@ class Linear(Module):
         self.packed_weight = None
         self._packed_rows = (0, -1)
         self._block_rows = GGUF_MAX_ROWS
+        self._lay_out_panels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # quantized at load time
@@ -131,12 +137,15 @@ class Linear(Module):
     def plan(self) -> tuple:
         """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
         to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
-        qtype, block_rows)``, None for what this layer lacks."""
+        qtype, block_rows, panel_codes, panel_scales)``, None for what this layer lacks."""
         blocks = self.gguf
         low, high = self._packed_rows
         if blocks is None:
-            return (self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows)
-        return (self.weight, self.packed_weight, low, high, blocks.codes, blocks.scales, blocks.qtype, self._block_rows)
+            return (self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None)
+        return (
+            self.weight, self.packed_weight, low, high, blocks.codes, blocks.scales, blocks.qtype, self._block_rows,
+            blocks.panel_codes, blocks.panel_scales,
+        )
 
     def argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
         """``greedy_argmax(self(x).float(), excluded_token_ids)``: an LM head's greedy tokens.
@@ -171,27 +180,29 @@ def _gguf_float_max_rows(ops) -> int:
     """The most fp32 rows a product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the
     blocks (``ops``, by the process's rule for tiles and panels) and the float weights' path for
     those rows (oneDNN's packed weight) are timed, best of 3 interleaved rounds each way, over
-    ``_SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape: 127 MB of float weights, read from
+    ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape: 127 MB of float weights, read from
     memory as a step reads a model's (in cache, where they are bound by arithmetic alone, they
     measured a third as many rows for the blocks as a SmolLM2 step does). Once per process,
     about 0.3 s and 250 MB for that moment."""
     weights = []
-    for codes, scales in sample_q4_1_weights(_SAMPLE_WEIGHTS):
-        weight = ops.gguf_dequantize(codes, scales, Q4_1, SAMPLE_IN_FEATURES)
+    for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):
+        blocks = GGUFWeight(codes, scales, Q4_1, SAMPLE_IN_FEATURES, ops)
+        blocks.lay_out_panels()
+        weight = blocks.dequantize()
         if torch.backends.mkldnn.is_available():
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-        weights.append((codes, scales, weight))
+        weights.append((blocks, weight))
 
     def floats(x):
-        for _, _, weight in weights:
+        for _, weight in weights:
             if torch.backends.mkldnn.is_available():
                 torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
             else:
                 F.linear(x, weight)
 
     def blocks(x):
-        for codes, scales, _ in weights:
-            ops.gguf_matmul(x, codes, scales, Q4_1)
+        for weight, _ in weights:
+            weight.matmul(x)
 
     generator = torch.Generator().manual_seed(1)
     chosen = 1

@@ -32,6 +32,7 @@ struct LinearPlan {
   torch::Tensor codes, scales;  // GGUF blocks, or undefined
   int64_t qtype = 0;
   int64_t block_rows = -1;  // rows up to which the blocks serve the product
+  std::optional<torch::Tensor> panel_codes, panel_scales;  // the blocks' panel layout, or none
 };
 
 struct LayerPlan {
@@ -39,7 +40,9 @@ struct LayerPlan {
   LinearPlan qkv, o, gate_up, down;
 };
 
-using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t);
+using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, std::optional<torch::Tensor>,
+                                   std::optional<torch::Tensor>);
+using BlockProductBf16 = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t);
 using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
 using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
                                     c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
@@ -53,7 +56,8 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kNumParts };
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 8, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows)");
+  TORCH_CHECK(t.size() == 10, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+                              "panel_codes, panel_scales)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -64,6 +68,10 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   plan.scales = tensor(5);
   plan.qtype = t[6].cast<int64_t>();
   plan.block_rows = t[7].cast<int64_t>();
+  if (!t[8].is_none()) {
+    plan.panel_codes = t[8].cast<torch::Tensor>();
+    plan.panel_scales = t[9].cast<torch::Tensor>();
+  }
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
   return plan;
@@ -76,7 +84,7 @@ class DecoderStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         cos_(std::move(cos)), sin_(std::move(sin)),
         gguf_matmul_(op<BlockProduct>("duet_gguf::matmul")),
-        gguf_matmul_bf16_(op<BlockProduct>("duet_gguf::matmul_bf16")),
+        gguf_matmul_bf16_(op<BlockProductBf16>("duet_gguf::matmul_bf16")),
         gguf_dequantize_(op<Dequantize>("duet_gguf::dequantize")),
         linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")) {
     for (const auto& layer : layers) {
@@ -171,11 +179,12 @@ class DecoderStack {
         if (rows > plan.block_rows)
           out = at::linear(x, gguf_dequantize_.call(plan.codes, plan.scales, plan.qtype, x.size(1)).to(x.scalar_type()));
         else
-          out = gguf_matmul_.call(x.to(torch::kFloat32), plan.codes, plan.scales, plan.qtype).to(x.scalar_type());
+          out = gguf_matmul_.call(x.to(torch::kFloat32), plan.codes, plan.scales, plan.qtype, plan.panel_codes, plan.panel_scales)
+                    .to(x.scalar_type());
       } else if (rows <= plan.block_rows) {
         out = x.scalar_type() == torch::kBFloat16
                   ? gguf_matmul_bf16_.call(x, plan.codes, plan.scales, plan.qtype).to(torch::kBFloat16)
-                  : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype);
+                  : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_codes, plan.panel_scales);
       } else if (plan.packed_low <= rows && rows <= plan.packed_high) {
         out = linear_packed_.call(x, plan.packed, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), "");
       } else {
@@ -189,7 +198,8 @@ class DecoderStack {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
-  c10::TypedOperatorHandle<BlockProduct> gguf_matmul_, gguf_matmul_bf16_;
+  c10::TypedOperatorHandle<BlockProduct> gguf_matmul_;
+  c10::TypedOperatorHandle<BlockProductBf16> gguf_matmul_bf16_;
   c10::TypedOperatorHandle<Dequantize> gguf_dequantize_;
   c10::TypedOperatorHandle<PackedProduct> linear_packed_;
   bool profiling_ = false;

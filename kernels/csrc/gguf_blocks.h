@@ -234,6 +234,9 @@ struct Weights {
   const uint8_t* codes;
   const float* scales;
   int64_t num_blocks;  // a row's
+  // The same weights in the panel layout (gguf_ops.cpp's gguf_panel_layout), or none.
+  const uint8_t* panel_codes = nullptr;
+  const float* panel_scales = nullptr;
 };
 
 template <int64_t QType>

@@ -18,6 +18,7 @@
 #include "gguf_blocks.h"
 
 #include <atomic>
+#include <optional>
 
 namespace duet_gguf {
 
@@ -61,14 +62,25 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
 
 // Many rows (a large decode batch): dequantizing each block once per 8 rows, as above, costs
 // more than the arithmetic it feeds. So a thread dequantizes a panel of kPanel output features
-// once, into a buffer of fp32 rows that stays in cache, and multiplies every row of x with it
-// in tiles of kTileRows x kTileColumns: per vector of k, kTileRows + kTileColumns loads feed
-// kTileRows * kTileColumns fused multiply-adds, each accumulator summed across its lanes once.
-constexpr int kPanel = 16;
+// once, into a buffer that stays in cache, and multiplies every row of x with it.
+//
+// With AVX-512 the panel is 32 features in k-major order ([K][32]), dequantized from a copy of
+// the codes laid out for it (``gguf_panel_layout``: the 32 features' codes of each k side by
+// side, and their scales), and tiles of up to kPanelTileRows rows multiply it by outer
+// products: per k, 2 loads of weights and a broadcast of each row's x feed 2 fused
+// multiply-adds a row, into accumulators that hold the outputs themselves (each output's sum
+// runs over k in order; nothing is summed across lanes). Without that copy, products go by
+// tiles of rows: transposing the rows' blocks into a panel in registers cost about as much as
+// the multiplications at 32 rows. Elsewhere (AVX2, plain C++) the panel is 16 features' rows of
+// fp32 dequantized from the codes themselves, and tiles of kTileRows x kTileColumns take dot
+// products: per vector of k, kTileRows + kTileColumns loads feed kTileRows * kTileColumns
+// fused multiply-adds, each accumulator summed across its lanes once.
 #if defined(__AVX512F__)
-constexpr int kTileRows = 4, kTileColumns = 4;  // 16 accumulators of 32 registers
+constexpr int kPanel = 32;
+constexpr int kPanelTileRows = 12;  // 24 accumulators, 2 weight vectors and a broadcast: 27 of 32 registers
 #else
-constexpr int kTileRows = 2, kTileColumns = 4;  // 8 of 16 (AVX2)
+constexpr int kPanel = 16;
+constexpr int kTileRows = 2, kTileColumns = 4;  // 8 accumulators of 16 registers
 #endif
 // Rows from which panels beat dequantizing per tile of rows: SmolLM2's 121 products on two
 // AVX-512 cores (a Xeon, both summing by Isa::sums) take 14.2 ms by tiles and 14.5 by panels at
@@ -88,6 +100,81 @@ std::atomic<int64_t> panel_rows{kPanelMinRows};
 // A product's panel_min_rows: the one given, or (-1) this process's rule.
 inline int64_t panel_min_rows_or_rule(int64_t panel_min_rows) { return panel_min_rows >= 0 ? panel_min_rows : panel_rows.load(); }
 
+#if defined(__AVX512F__)
+// Code bytes of one k of a panel in the panel layout: Q4_1's 32 nibbles, or 32 int8.
+constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
+
+// panel[k * 32 + c] = W[32 p + c, k] from the panel layout: exactly the weights dequant gives
+// (Q4_1: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact).
+template <int64_t QType>
+void dequant_panel(const Weights& w, int64_t p, float* panel) {
+  for (int64_t b = 0; b < w.num_blocks; ++b) {
+    const uint8_t* codes = w.panel_codes + (p * w.num_blocks + b) * kBlock * panel_code_bytes(QType);
+    const float* scales = w.panel_scales + (p * w.num_blocks + b) * num_scales(QType) * kPanel;
+    float* out = panel + b * kBlock * kPanel;
+    if constexpr (QType == kQ4_1) {
+      const __m512 d0 = _mm512_loadu_ps(scales), d1 = _mm512_loadu_ps(scales + 16);
+      const __m512 m0 = _mm512_loadu_ps(scales + 32), m1 = _mm512_loadu_ps(scales + 48);
+      const __m512i low = _mm512_set1_epi32(0x0F);
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 16)));
+        _mm512_storeu_ps(out + k * kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d0, m0));
+        _mm512_storeu_ps(out + k * kPanel + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d1, m1));
+      }
+    } else {
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const float* d = scales + (QType == kQ6_K ? (k / 16) * kPanel : 0);  // Q6_K: a scale per 16 weights
+        for (int half = 0; half < 2; ++half) {
+          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + half * 16));
+          _mm512_storeu_ps(out + k * kPanel + half * 16,
+                           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(d + half * 16)));
+        }
+      }
+    }
+  }
+}
+
+// out[r, 0..31] = sum over k of x[r, k] * panel[k, 0..31] for R rows.
+template <int R>
+void panel_tile(const float* x, int64_t K, const float* panel, float* out, int64_t N) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * N, acc[r][0]);
+    _mm512_storeu_ps(out + r * N + 16, acc[r][1]);
+  }
+}
+
+template <int R>
+void panel_tile_upto(const float* x, int64_t rows, int64_t K, const float* panel, float* out, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_tile_upto<R - 1>(x, rows, K, panel, out, N);
+  }
+  panel_tile<R>(x, K, panel, out, N);
+}
+
+template <int64_t QType>
+void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
+  // Tiles of even size (32 rows: 11, 11, 10), so that no tile is left with a few rows.
+  const int64_t num_tiles = (M + kPanelTileRows - 1) / kPanelTileRows, tile_rows = (M + num_tiles - 1) / num_tiles;
+  at::parallel_for(0, N / kPanel, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kPanel * K);
+    for (int64_t p = begin; p < end; ++p) {
+      dequant_panel<QType>(w, p, panel.data());
+      for (int64_t r = 0; r < M; r += tile_rows)
+        panel_tile_upto<kPanelTileRows>(x + r * K, std::min<int64_t>(tile_rows, M - r), K, panel.data(), out + r * N + p * kPanel, N);
+    }
+  });
+}
+#else
 template <int64_t QType>
 void dequant_panel(const Weights& w, int64_t n0, int64_t K, float* panel) {
   for (int c = 0; c < kPanel; ++c)
@@ -136,6 +223,8 @@ void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float
   });
 }
 
+#endif
+
 template <int64_t QType>
 void matmul(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
   if (panels) matmul_panels<QType>(x, M, K, w, out, N);
@@ -151,17 +240,90 @@ void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& 
 }
 
 
+// The panel layout of N x K weights (N a multiple of 32), for AVX-512's panels: per panel of 32
+// features and block, the codes k by k (Q4_1: 16 bytes a k, byte j holding feature j's code in
+// its low nibble and feature 16 + j's in its high one; Q8_0 and Q6_K: 32 int8 a k, one a
+// feature), then the 32 features' scales side by side ([num_scales][32]: Q4_1's d then m, Q6_K's
+// two halves). The same codes and scales, rearranged: a product from them is the same weights'.
+std::vector<torch::Tensor> gguf_panel_layout(torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t in_features) {
+  constexpr int64_t kWidth = 32;
+  const Weights w = checked(codes, scales, qtype, in_features);
+  const int64_t N = codes.size(0), S = num_scales(qtype), bytes = qtype == kQ4_1 ? 16 : 32;
+  TORCH_CHECK(N % kWidth == 0, "the panel layout takes a multiple of ", kWidth, " output features, not ", N);
+  auto panel_codes = torch::zeros({N / kWidth, w.num_blocks, kBlock, bytes}, torch::kUInt8);
+  auto panel_scales = torch::empty({N / kWidth, w.num_blocks, S, kWidth}, torch::kFloat32);
+  uint8_t* pc = panel_codes.data_ptr<uint8_t>();
+  float* ps = panel_scales.data_ptr<float>();
+  at::parallel_for(0, N / kWidth, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t b = 0; b < w.num_blocks; ++b) {
+        uint8_t* to_codes = pc + (p * w.num_blocks + b) * kBlock * bytes;
+        float* to_scales = ps + (p * w.num_blocks + b) * S * kWidth;
+        for (int64_t c = 0; c < kWidth; ++c) {
+          const int64_t n = p * kWidth + c;
+          const uint8_t* from = w.codes + (n * w.num_blocks + b) * code_bytes(qtype);
+          for (int64_t s = 0; s < S; ++s) to_scales[s * kWidth + c] = w.scales[(n * w.num_blocks + b) * S + s];
+          if (qtype == kQ4_1) {  // weight j's code: bits 16 (j / 16) + 4 ((j % 16) / 4) of word j % 4 (gguf_blocks.h)
+            uint32_t words[4];
+            std::memcpy(words, from, 16);
+            for (int64_t j = 0; j < kBlock; ++j) {
+              const uint8_t code = (words[j % 4] >> (16 * (j / 16) + 4 * ((j % 16) / 4))) & 0x0F;
+              to_codes[j * bytes + c % 16] |= c < 16 ? code : code << 4;
+            }
+          } else {
+            for (int64_t j = 0; j < kBlock; ++j) to_codes[j * bytes + c] = from[j];
+          }
+        }
+      }
+  });
+  return {panel_codes, panel_scales};
+}
+
+// Whether this build's panels read the panel layout (AVX-512's do; the others the codes).
+bool panels_need_layout() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The weights, with their panel layout where one is given (checked against them).
+Weights with_layout(Weights w, int64_t qtype, int64_t N, const std::optional<torch::Tensor>& panel_codes,
+                    const std::optional<torch::Tensor>& panel_scales) {
+  TORCH_CHECK(panel_codes.has_value() == panel_scales.has_value(), "the panel layout is its codes and its scales");
+  if (!panel_codes) return w;
+  const int64_t bytes = qtype == kQ4_1 ? 16 : 32;
+  TORCH_CHECK(panel_codes->scalar_type() == torch::kUInt8 && panel_codes->is_contiguous() &&
+                  panel_codes->numel() == N * w.num_blocks * bytes && N % 32 == 0,
+              "the panel codes do not lay out these weights (gguf_panel_layout)");
+  TORCH_CHECK(panel_scales->scalar_type() == torch::kFloat32 && panel_scales->is_contiguous() &&
+                  panel_scales->numel() == N * w.num_blocks * num_scales(qtype),
+              "the panel scales do not lay out these weights (gguf_panel_layout)");
+  w.panel_codes = panel_codes->data_ptr<uint8_t>();
+  w.panel_scales = panel_scales->data_ptr<float>();
+  return w;
+}
+
+// Whether M rows of a product over w go by panels, under the rule given (-1: the process's).
+bool by_panels(const Weights& w, int64_t M, int64_t N, int64_t panel_min_rows) {
+  if (M < panel_min_rows_or_rule(panel_min_rows)) return false;
+  return panels_need_layout() ? w.panel_codes != nullptr : N % kPanel == 0;
+}
+
 // x [M, K] fp32 -> [M, N] fp32 against the N x K weights of type qtype; by panels from
-// panel_min_rows rows (when N is a whole number of panels; -1: the process's rule), by tiles of
-// rows below (tests and the loader's measurement force either way).
-torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows = -1) {
+// panel_min_rows rows (-1: the process's rule) where the weights can go by panels (AVX-512: with
+// their panel layout; otherwise N a whole number of panels), by tiles of rows below (tests and
+// the loader's measurement force either way).
+torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows = -1,
+                          std::optional<torch::Tensor> panel_codes = std::nullopt,
+                          std::optional<torch::Tensor> panel_scales = std::nullopt) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "gguf_matmul takes fp32 rows [M, K]");
   const int64_t K = x.size(1), N = codes.size(0);
-  const Weights w = checked(codes, scales, qtype, K);
+  const Weights w = with_layout(checked(codes, scales, qtype, K), qtype, N, panel_codes, panel_scales);
   x = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
-  const bool panels = x.size(0) >= panel_min_rows_or_rule(panel_min_rows) && N % kPanel == 0;
-  matmul(qtype, x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, panels);
+  matmul(qtype, x.data_ptr<float>(), x.size(0), K, w, out.data_ptr<float>(), N, by_panels(w, x.size(0), N, panel_min_rows));
   return out;
 }
 
@@ -200,10 +362,11 @@ inline bool beats(float value, float best) {
 // buffer (gguf_matmul's very products: each output's sum runs in the same order whatever the
 // group) and keeps the group's best per row; the groups' bests are then taken in order.
 torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, torch::Tensor excluded,
-                                 int64_t panel_min_rows = -1) {
+                                 int64_t panel_min_rows = -1, std::optional<torch::Tensor> panel_codes = std::nullopt,
+                                 std::optional<torch::Tensor> panel_scales = std::nullopt) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "gguf_matmul_argmax takes fp32 rows [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const Weights w = checked(codes, scales, qtype, K);
+  const Weights w = with_layout(checked(codes, scales, qtype, K), qtype, N, panel_codes, panel_scales);
   TORCH_CHECK(excluded.scalar_type() == torch::kInt64 && excluded.dim() == 2 && excluded.size(0) == M,
               "excluded ids must be int64 [", M, ", E]");
   x = x.contiguous();
@@ -211,7 +374,7 @@ torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Te
   const float* xs = x.data_ptr<float>();
   const int64_t* ids = excluded.data_ptr<int64_t>();
   const int64_t num_excluded = excluded.size(1);
-  const bool panels = M >= panel_min_rows_or_rule(panel_min_rows) && N % kPanel == 0;
+  const bool panels = by_panels(w, M, N, panel_min_rows);
   const int64_t num_groups = (N + kArgmaxGroup - 1) / kArgmaxGroup;
   std::vector<float> group_best(num_groups * M);
   std::vector<int64_t> group_index(num_groups * M);
@@ -219,8 +382,12 @@ torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Te
     std::vector<float> products(M * kArgmaxGroup);
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kArgmaxGroup, width = std::min(kArgmaxGroup, N - n0);
-      const Weights part{w.codes + n0 * w.num_blocks * code_bytes(qtype), w.scales + n0 * w.num_blocks * num_scales(qtype),
-                         w.num_blocks};
+      Weights part{w.codes + n0 * w.num_blocks * code_bytes(qtype), w.scales + n0 * w.num_blocks * num_scales(qtype),
+                   w.num_blocks};
+      if (w.panel_codes != nullptr) {  // the group's panels (n0 is a multiple of 32)
+        part.panel_codes = w.panel_codes + n0 * w.num_blocks * (qtype == kQ4_1 ? 16 : 32);
+        part.panel_scales = w.panel_scales + n0 * w.num_blocks * num_scales(qtype);
+      }
       matmul(qtype, xs, M, K, part, products.data(), width, panels);
       for (int64_t r = 0; r < M; ++r) {
         float* row = products.data() + r * width;
@@ -283,8 +450,9 @@ bool has_bf16();
 // The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to
 // call through the dispatcher, with no Python between.
 TORCH_LIBRARY(duet_gguf, m) {
-  m.def("matmul", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype) {
-    return duet_gguf::gguf_matmul(x, codes, scales, qtype, -1);
+  m.def("matmul", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype,
+                     std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales) {
+    return duet_gguf::gguf_matmul(x, codes, scales, qtype, -1, panel_codes, panel_scales);
   });
   m.def("matmul_bf16", &gguf_matmul_bf16);
   m.def("dequantize", &duet_gguf::gguf_dequantize);
@@ -293,9 +461,12 @@ TORCH_LIBRARY(duet_gguf, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace duet_gguf;
   m.def("gguf_matmul", &gguf_matmul, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),
-        py::arg("panel_min_rows") = -1);
+        py::arg("panel_min_rows") = -1, py::arg("panel_codes") = py::none(), py::arg("panel_scales") = py::none());
   m.def("gguf_matmul_argmax", &gguf_matmul_argmax, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),
-        py::arg("excluded"), py::arg("panel_min_rows") = -1);
+        py::arg("excluded"), py::arg("panel_min_rows") = -1, py::arg("panel_codes") = py::none(),
+        py::arg("panel_scales") = py::none());
+  m.def("gguf_panel_layout", &gguf_panel_layout);
+  m.def("panels_need_layout", &panels_need_layout);
   m.def("gguf_dequantize", &gguf_dequantize);
   m.def("gguf_matmul_bf16", &gguf_matmul_bf16);
   m.def("has_bf16", &has_bf16);

@@ -46,17 +46,49 @@ def test_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 17, 21, 40])
 def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, rows):
-    """Many rows may go by panels of 16 dequantized features (from the rows this CPU measured them
-    faster, if any; forced here from 1): 96 outputs, six panels; 21 rows, tiles of rows with a
-    remainder."""
+    """Many rows may go by panels of dequantized features (from the rows this CPU measured them
+    faster, if any; forced here from 1): 96 outputs, three panels of 32 (AVX-512, from the panel
+    layout) or six of 16; 21 rows, tiles of rows with a remainder. Tiles of rows and panels read
+    the same weights, so their products agree to the rounding of a float sum."""
     weight, weights = quantized(96, 192, TYPES[name], seed=rows)
+    weight.lay_out_panels()
+    assert (weight.panel_codes is not None) == OPS.panels_need_layout()
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
     expected = (x.double() @ weights.double().T).float()
-    torch.testing.assert_close(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1), expected, rtol=1e-5, atol=1e-5)
+    layout = (weight.panel_codes, weight.panel_scales)
+    panels = OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1, *layout)
+    torch.testing.assert_close(panels, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, cpu_ops.NEVER, *layout), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight.matmul(x), expected, rtol=1e-5, atol=1e-5)  # whichever the default picks
+    if OPS.panels_need_layout() and rows > 1:  # without its layout an AVX-512 product goes by tiles of rows
+        tiles = OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, cpu_ops.NEVER)
+        assert torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1), tiles)
+        assert not torch.equal(panels, tiles)
     if rows >= 17:  # 75 outputs are no whole number of panels: those go by tiles of rows
         odd, odd_weights = quantized(75, 192, TYPES[name], seed=rows)
+        odd.lay_out_panels()
+        assert odd.panel_codes is None
         torch.testing.assert_close(odd.matmul(x), (x.double() @ odd_weights.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [*TYPES, "Q6_K"])
+def test_the_panel_layout_dequantizes_to_the_same_weights(name):
+    """Panels of the panel layout hold exactly the weights the blocks dequantize to: a product of
+    one-hot rows from the panels (each output is then one weight times 1, plus zeros) is the
+    dequantized weight, bit for bit, for every qtype the kernels read."""
+    if not OPS.panels_need_layout():
+        pytest.skip("this CPU's panels read the codes themselves")
+    if name == "Q6_K":
+        qtype = int(gguf.GGMLQuantizationType.Q6_K)
+        weight = GGUFWeight.from_blocks(torch.from_numpy(k_quant_blocks(64, 256, qtype, magnitude=0.0001)), qtype, 256, OPS)
+    else:
+        weight, _ = quantized(64, 256, TYPES[name], seed=3)
+    weight.lay_out_panels()
+    one_hot = torch.eye(256)
+    products = OPS.gguf_matmul(one_hot, weight.codes, weight.scales, weight.qtype, 1, weight.panel_codes, weight.panel_scales)
+    assert torch.equal(products.T.contiguous(), weight.dequantize())
+    with pytest.raises(RuntimeError, match="do not lay out"):
+        OPS.gguf_matmul(one_hot, weight.codes, weight.scales, weight.qtype, 1, weight.panel_codes[:1], weight.panel_scales)
 
 
 def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follows_it():
@@ -65,15 +97,18 @@ def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follow
     the decoder stack calls, follows the process's: bit for bit the product of the way it names."""
     assert OPS.panel_min_rows() in (*cpu_ops.PANEL_ROWS, cpu_ops.NEVER)
     weight, _ = quantized(96, 192, TYPES["Q4_1"], seed=7)
+    weight.lay_out_panels()
+    layout = (weight.panel_codes, weight.panel_scales)
     x = torch.randn(24, 192, generator=torch.Generator().manual_seed(7))
     measured = OPS.panel_min_rows()
     try:
         for rule in (1, cpu_ops.NEVER):
             OPS.set_panel_min_rows(rule)
-            forced = OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, rule)
-            assert torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype), forced)
-            assert torch.equal(torch.ops.duet_gguf.matmul(x, weight.codes, weight.scales, weight.qtype), forced)
-        assert not torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1), forced)  # two ways, really
+            forced = OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, rule, *layout)
+            assert torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, -1, *layout), forced)
+            assert torch.equal(weight.matmul(x), forced)
+            assert torch.equal(torch.ops.duet_gguf.matmul(x, weight.codes, weight.scales, weight.qtype, *layout), forced)
+        assert not torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1, *layout), forced)  # two ways, really
     finally:
         OPS.set_panel_min_rows(measured)
     with pytest.raises(RuntimeError, match="at least 1"):
@@ -124,20 +159,24 @@ def test_a_shard_of_rows_and_block_columns_is_that_slice_of_the_weight(name):
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 17, 40])
-@pytest.mark.parametrize("outputs", [2080, 1099])
-def test_fused_greedy_tokens_are_the_argmax_of_the_products(name, rows, outputs):
+@pytest.mark.parametrize("outputs", [4160, 1099])
+@pytest.mark.parametrize("panels", [False, True])
+def test_fused_greedy_tokens_are_the_argmax_of_the_products(name, rows, outputs, panels):
     """The LM head's fused argmax is torch.argmax of gguf_matmul's own products (the unfused
-    sampler's greedy tokens) with each row's excluded ids at -inf: 2080 outputs are three
-    groups of 1,024 by panels (from 17 rows on any CPU), 1099 no whole number of panels (tiles of rows).
-    Each row's best feature is copied into another group: of two equal bests the first must
-    win, and with the first excluded, its copy."""
+    sampler's greedy tokens) with each row's excluded ids at -inf: 4160 outputs are three
+    groups of 2,048 features (AVX-512) or five of 1,024, by panels where the rows reach the
+    process's rule (with the panel layout, on AVX-512) and by tiles of rows without it; 1099 no
+    whole number of panels (tiles of rows). Each row's best feature is copied into another
+    group: of two equal bests the first must win, and with the first excluded, its copy."""
     weight, _ = quantized(outputs, 192, TYPES[name], seed=rows)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
     best = weight.matmul(x).argmax(dim=-1)
     codes, scales = weight.codes.clone(), weight.scales.clone()
-    copies = (best + 1024) % outputs
+    copies = (best + 2048) % outputs
     codes[copies], scales[copies] = codes[best], scales[best]
     weight = GGUFWeight(codes, scales, weight.qtype, 192, OPS)
+    if panels:
+        weight.lay_out_panels()
     products = weight.matmul(x)
     tied = products.gather(1, copies[:, None]) == products.gather(1, best[:, None])
     assert tied.sum() >= (rows + 1) // 2  # all but rows whose best another row's copy overwrote
