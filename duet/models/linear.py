@@ -59,8 +59,9 @@ _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 # blocks, which read a quarter to a sixth of the bytes). The measured figures disagree across
 # CPUs: on two AVX-512 cores of a Xeon, SmolLM2's 121 products took 2.7 ms from its Q4_1/Q8_0
 # codes at 1 row against 8.1 (F.linear), 21.7 against 39.9 (packed) at 16 rows, 44 against 48 at
-# 48, 55 against 50 at 56; on an AMD EPYC with AVX-512, 17.5 against 18.4 at 16 and 26.2
-# against 24.3 at 24; on an AVX2-only EPYC's one core, 45 against 63 at 8, 129 against 118 at 24.
+# 48, 55 against 50 at 56; on an AMD EPYC with AVX-512, by tiles of rows alone, 17.5 against 18.4
+# at 16 and 26.2 against 24.3 at 24, and with the panel layout 24.5 against 28.4 at 32 and 41.4
+# against 48.5 at 64; on an AVX2-only EPYC's one core, 45 against 63 at 8, 129 against 118 at 24.
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
 _FLOAT_MARGIN = 1.05
 GGUF_GPU_MAX_ROWS = 48  # the Triton kernels' (not measured there)

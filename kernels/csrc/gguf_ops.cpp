@@ -82,14 +82,13 @@ constexpr int kPanelTileRows = 12;  // 24 accumulators, 2 weight vectors and a b
 constexpr int kPanel = 16;
 constexpr int kTileRows = 2, kTileColumns = 4;  // 8 accumulators of 16 registers
 #endif
-// Rows from which panels beat dequantizing per tile of rows: SmolLM2's 121 products on two
-// AVX-512 cores (a Xeon, both summing by Isa::sums) take 14.2 ms by tiles and 14.5 by panels at
-// 10 rows, 15.8 and 16.1 at 12, 21.0 and 19.7 at 16, 30.7 by panels at 32 (oneDNN on the float
-// weights: 38); built for AVX2 (measured on a Zen 4), 25.3 and 23.5 at 8 rows, 51.0 and 37.9
-// at 16. But on an AMD EPYC with AVX-512 tiles win at every row count to 48: 17.5 against
-// 21.8 ms at 16 rows, 34.0 against 36.9 at 32, 51.7 against 75.2 at 48. So the loader measures
-// this CPU once per process and sets the rule (``kernels/cpu_ops.py``); these are the rows
-// until it does.
+// Rows from which panels beat tiles of rows depend on the CPU, so the loader measures them once
+// per process and sets the rule (``kernels/cpu_ops.py``); these are the rows until it does.
+// SmolLM2's 121 products, by tiles against by panels: on two AVX-512 cores of a Xeon (row-major
+// panels then), 15.8 against 16.1 ms at 12 rows, 21.0 against 19.7 at 16; built for AVX2 on a
+// Zen 4, 25.3 against 23.5 at 8, 51.0 against 37.9 at 16; on an AMD EPYC with AVX-512 and the
+// panel layout, 12.5 against 13.2 at 12, 16.5 against 15.0 at 16, 32.1 against 24.5 at 32 (where
+// the row-major panels had taken 36.9).
 #if defined(__AVX512F__)
 constexpr int64_t kPanelMinRows = 13;
 #else
