@@ -133,12 +133,23 @@ void dequant_panel(const Weights& w, int64_t p, float* panel) {
   }
 }
 
+// Memory a tile asks for while it multiplies: the next panel's codes and scales in the panel
+// layout, a line each per k (none: nothing to ask for).
+struct Ahead {
+  const char* codes = nullptr;
+  int64_t code_lines = 0;
+  const char* scales = nullptr;
+  int64_t scale_lines = 0;
+};
+
 // out[r, 0..31] = sum over k of x[r, k] * panel[k, 0..31] for R rows.
 template <int R>
-void panel_tile(const float* x, int64_t K, const float* panel, float* out, int64_t N) {
+void panel_tile(const float* x, int64_t K, const float* panel, float* out, int64_t N, const Ahead& ahead) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    if (k < ahead.code_lines) __builtin_prefetch(ahead.codes + 64 * k);
+    if (k < ahead.scale_lines) __builtin_prefetch(ahead.scales + 64 * k);
     const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * K + k]);
@@ -153,23 +164,34 @@ void panel_tile(const float* x, int64_t K, const float* panel, float* out, int64
 }
 
 template <int R>
-void panel_tile_upto(const float* x, int64_t rows, int64_t K, const float* panel, float* out, int64_t N) {
+void panel_tile_upto(const float* x, int64_t rows, int64_t K, const float* panel, float* out, int64_t N, const Ahead& ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_tile_upto<R - 1>(x, rows, K, panel, out, N);
+    if (rows < R) return panel_tile_upto<R - 1>(x, rows, K, panel, out, N, ahead);
   }
-  panel_tile<R>(x, K, panel, out, N);
+  panel_tile<R>(x, K, panel, out, N, ahead);
 }
 
 template <int64_t QType>
 void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
   // Tiles of even size (32 rows: 11, 11, 10), so that no tile is left with a few rows.
   const int64_t num_tiles = (M + kPanelTileRows - 1) / kPanelTileRows, tile_rows = (M + num_tiles - 1) / num_tiles;
+  const int64_t code_bytes = w.num_blocks * kBlock * panel_code_bytes(QType), scale_bytes = w.num_blocks * num_scales(QType) * kPanel * 4;
   at::parallel_for(0, N / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanel * K);
     for (int64_t p = begin; p < end; ++p) {
       dequant_panel<QType>(w, p, panel.data());
-      for (int64_t r = 0; r < M; r += tile_rows)
-        panel_tile_upto<kPanelTileRows>(x + r * K, std::min<int64_t>(tile_rows, M - r), K, panel.data(), out + r * N + p * kPanel, N);
+      // The first tile reads the next panel's layout into cache as it goes, so that dequantizing
+      // it does not wait on memory (at one line a k, a panel's codes take K / 4 or K / 2 lines).
+      Ahead ahead;
+      if (p + 1 < end) {
+        ahead = {reinterpret_cast<const char*>(w.panel_codes + (p + 1) * code_bytes), code_bytes / 64,
+                 reinterpret_cast<const char*>(w.panel_scales) + (p + 1) * scale_bytes, scale_bytes / 64};
+      }
+      for (int64_t r = 0; r < M; r += tile_rows) {
+        panel_tile_upto<kPanelTileRows>(x + r * K, std::min<int64_t>(tile_rows, M - r), K, panel.data(), out + r * N + p * kPanel, N,
+                                        ahead);
+        ahead = Ahead();
+      }
     }
   });
 }
