@@ -45,38 +45,45 @@ def load_gguf():
     ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp"], [], [])
     if ops is not None:
         ops.set_panel_min_rows(panel_min_rows(ops))
+        if ops.has_bf16():
+            ops.set_bf16_panel_min_rows(panel_min_rows(ops, torch.bfloat16))
     return ops
 
 
 # Row counts at which the GGUF products' two ways for many rows are timed, and the margin by
 # which panels must beat tiles of rows to take over (a noisy tie leaves the rule where it is).
-PANEL_ROWS = (8, 12, 16, 24, 32, 48, 64)
+PANEL_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)
 PANEL_MARGIN = 1.1
 NEVER = 1 << 30  # a row count no product reaches
 
 
-def panel_min_rows(ops) -> int:
-    """The fewest rows from which the GGUF products go by panels of dequantized features rather
-    than by tiles of rows (``csrc/gguf_ops.cpp``): the first of ``PANEL_ROWS`` from which panels
+def panel_min_rows(ops, dtype: torch.dtype = torch.float32) -> int:
+    """The fewest rows (of ``dtype``: fp32, or bf16 on CPUs with AVX512_BF16) from which the GGUF
+    products go by panels of dequantized features rather than by tiles of rows
+    (``csrc/gguf_ops.cpp``, ``csrc/gguf_bf16.cpp``): the first of ``PANEL_ROWS`` from which panels
     are ``PANEL_MARGIN`` times faster at every count measured, or never. Timed over
     ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape, with their panel layout where the
     panels read one: 48 MB, read from memory as a step reads a model's (in cache they measured
-    panels faster from 8 rows where a SmolLM2 step has them faster from 16). Best of 3
-    interleaved rounds each way, about 0.2 s once per process. A Xeon measured panels faster
-    from 13 rows (AVX-512, before the panel layout) and a Zen 4 from 8 (AVX2)."""
+    fp32 panels faster from 8 rows where a SmolLM2 step had them faster from 16). Best of 3
+    interleaved rounds each way, about 0.2 s once per process. A Xeon measured fp32 panels
+    faster from 13 rows (AVX-512, before the panel layout) and a Zen 4 from 8 (AVX2)."""
+    bf16 = dtype == torch.bfloat16
+    if bf16 and not ops.panels_need_layout():
+        return NEVER  # bf16 panels read the panel layout alone
     weights = []
     for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):
         layout = ops.gguf_panel_layout(codes, scales, Q4_1, SAMPLE_IN_FEATURES) if ops.panels_need_layout() else (None, None)
         weights.append((codes, scales, layout))
+    product = ops.gguf_matmul_bf16 if bf16 else ops.gguf_matmul
 
     def products(x, rule):
         for codes, scales, layout in weights:
-            ops.gguf_matmul(x, codes, scales, Q4_1, rule, *layout)
+            product(x, codes, scales, Q4_1, rule, *layout)
 
     generator = torch.Generator().manual_seed(1)
     panels_win = []
     for rows in PANEL_ROWS:
-        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
+        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator).to(dtype)
         times = best_times({"tiles": lambda: products(x, NEVER), "panels": lambda: products(x, 1)}, rounds=3)
         panels_win.append(times["tiles"] >= PANEL_MARGIN * times["panels"])
     chosen = NEVER
@@ -84,7 +91,8 @@ def panel_min_rows(ops) -> int:
         if not win:
             break
         chosen = rows
-    logger.info("GGUF products of many rows go by %s on this CPU", "tiles of rows" if chosen == NEVER else f"panels from {chosen} rows")
+    way = "tiles of rows" if chosen == NEVER else f"panels from {chosen} rows"
+    logger.info("GGUF products of many %s rows go by %s on this CPU", "bf16" if bf16 else "fp32", way)
     return chosen
 
 

@@ -149,7 +149,7 @@ class GGUFWeight:
         have ``has_bf16()``) against the weights rounded to bf16, as a bf16 model holds them,
         accumulated in fp32 and rounded to bf16 once."""
         if x.dtype == torch.bfloat16:
-            return self.ops.gguf_matmul_bf16(x, self.codes, self.scales, self.qtype).to(torch.bfloat16)
+            return self.ops.gguf_matmul_bf16(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales).to(torch.bfloat16)
         if self.panel_codes is not None:
             return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)

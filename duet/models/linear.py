@@ -65,10 +65,11 @@ _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
 _FLOAT_MARGIN = 1.05
 GGUF_GPU_MAX_ROWS = 48  # the Triton kernels' (not measured there)
-# The same for a bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on
-# CPUs with AVX512_BF16), against oneDNN's packed bf16 weights: a SmolLM2 step's products take
-# 6.0 ms from the blocks against 11.6 at 1 row, 8.6 against 12.3 at 4, 15.7 against 11.1 at 8.
-GGUF_BF16_MAX_ROWS = 6
+# A bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on CPUs with
+# AVX512_BF16) are measured the same way against oneDNN's packed bf16 weights: on a Xeon with
+# AMX, by tiles of rows, 6.0 ms for a SmolLM2 step's products against 11.6 at 1 row, 8.6 against
+# 12.3 at 4, 15.7 against 11.1 at 8; on an AMD EPYC with AVX512_BF16, by panels, the blocks win
+# to 64 rows (3.4 against 4.3 ms over the sample weights at 32 rows).
 # Weights kept as blocks alone (quantized at load) have no packed float weight to fall back
 # on: past this many rows they dequantize for the call.
 GGUF_MAX_ROWS = 64
@@ -104,15 +105,19 @@ class Linear(Module):
         """Serve small products from ``weight``; the float weight stays for the rest and must be
         ``weight`` dequantized (and rounded to bf16, for a bf16 model)."""
         self.gguf = weight
-        if self.weight.dtype != torch.float32:
-            self._block_rows = GGUF_BF16_MAX_ROWS
-        else:
-            self._block_rows = _gguf_float_max_rows(weight.ops) if hasattr(weight.ops, "set_panel_min_rows") else GGUF_GPU_MAX_ROWS
-            self._lay_out_panels()
+        if not hasattr(weight.ops, "set_panel_min_rows"):  # the Triton kernels
+            self._block_rows = GGUF_GPU_MAX_ROWS
+            return
+        self._block_rows = _gguf_float_max_rows(weight.ops, self.weight.dtype)
+        self._lay_out_panels()
 
     def _lay_out_panels(self) -> None:
-        """Lay the blocks out for panels too, where fp32 products they serve go by panels."""
-        if hasattr(self.gguf.ops, "panel_min_rows") and self.gguf.ops.panel_min_rows() <= self._block_rows:
+        """Lay the blocks out for panels too, where products they serve go by panels."""
+        ops = self.gguf.ops
+        if not hasattr(ops, "panel_min_rows"):
+            return
+        bf16 = self.weight is not None and self.weight.dtype == torch.bfloat16
+        if (ops.bf16_panel_min_rows() if bf16 else ops.panel_min_rows()) <= self._block_rows:
             self.gguf.lay_out_panels()
 
     def keep_blocks_only(self) -> None:
@@ -177,19 +182,20 @@ def _packed_wins(rows: int) -> bool:
 
 
 @functools.cache
-def _gguf_float_max_rows(ops) -> int:
-    """The most fp32 rows a product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the
-    blocks (``ops``, by the process's rule for tiles and panels) and the float weights' path for
-    those rows (oneDNN's packed weight) are timed, best of 3 interleaved rounds each way, over
-    ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape: 127 MB of float weights, read from
-    memory as a step reads a model's (in cache, where they are bound by arithmetic alone, they
-    measured a third as many rows for the blocks as a SmolLM2 step does). Once per process,
-    about 0.3 s and 250 MB for that moment."""
+def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32) -> int:
+    """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16) a product reads GGUF
+    blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the process's rule for
+    tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are
+    timed, best of 3 interleaved rounds each way, over ``SAMPLE_WEIGHTS`` Q4_1 weights of a
+    SmolLM2 MLP's shape: 127 MB of fp32 weights, read from memory as a step reads a model's (in
+    cache, where they are bound by arithmetic alone, they measured a third as many rows for the
+    blocks as a SmolLM2 step does). Once per process and dtype, about 0.3 s and 250 MB for that
+    moment."""
     weights = []
     for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):
         blocks = GGUFWeight(codes, scales, Q4_1, SAMPLE_IN_FEATURES, ops)
         blocks.lay_out_panels()
-        weight = blocks.dequantize()
+        weight = blocks.dequantize().to(dtype)
         if torch.backends.mkldnn.is_available():
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         weights.append((blocks, weight))
@@ -208,10 +214,10 @@ def _gguf_float_max_rows(ops) -> int:
     generator = torch.Generator().manual_seed(1)
     chosen = 1
     for rows in GGUF_FLOAT_ROWS:
-        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
+        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator).to(dtype)
         times = best_times({"blocks": lambda: blocks(x), "floats": lambda: floats(x)}, rounds=3)
         if times["blocks"] > _FLOAT_MARGIN * times["floats"]:
             break
         chosen = rows
-    logger.info("fp32 products of up to %d rows read the GGUF blocks on this CPU, longer ones the float weights", chosen)
+    logger.info("%s products of up to %d rows read the GGUF blocks on this CPU, longer ones the float weights", dtype, chosen)
     return chosen

@@ -42,7 +42,6 @@ struct LayerPlan {
 
 using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, std::optional<torch::Tensor>,
                                    std::optional<torch::Tensor>);
-using BlockProductBf16 = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t);
 using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
 using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
                                     c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
@@ -84,7 +83,7 @@ class DecoderStack {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         cos_(std::move(cos)), sin_(std::move(sin)),
         gguf_matmul_(op<BlockProduct>("duet_gguf::matmul")),
-        gguf_matmul_bf16_(op<BlockProductBf16>("duet_gguf::matmul_bf16")),
+        gguf_matmul_bf16_(op<BlockProduct>("duet_gguf::matmul_bf16")),
         gguf_dequantize_(op<Dequantize>("duet_gguf::dequantize")),
         linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")) {
     for (const auto& layer : layers) {
@@ -183,7 +182,8 @@ class DecoderStack {
                     .to(x.scalar_type());
       } else if (rows <= plan.block_rows) {
         out = x.scalar_type() == torch::kBFloat16
-                  ? gguf_matmul_bf16_.call(x, plan.codes, plan.scales, plan.qtype).to(torch::kBFloat16)
+                  ? gguf_matmul_bf16_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_codes, plan.panel_scales)
+                        .to(torch::kBFloat16)
                   : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_codes, plan.panel_scales);
       } else if (plan.packed_low <= rows && rows <= plan.packed_high) {
         out = linear_packed_.call(x, plan.packed, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), "");
@@ -198,8 +198,7 @@ class DecoderStack {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
-  c10::TypedOperatorHandle<BlockProduct> gguf_matmul_;
-  c10::TypedOperatorHandle<BlockProductBf16> gguf_matmul_bf16_;
+  c10::TypedOperatorHandle<BlockProduct> gguf_matmul_, gguf_matmul_bf16_;
   c10::TypedOperatorHandle<Dequantize> gguf_dequantize_;
   c10::TypedOperatorHandle<PackedProduct> linear_packed_;
   bool profiling_ = false;

@@ -5,12 +5,19 @@
 // of bf16 activations meet them in vdpbf16ps, pairs of exact products added into fp32 lanes. A
 // decode step then reads the codes (0.75 byte a weight for Q4_1) instead of the bf16 weights (2).
 //
-// Rows go by tiles of up to 8, each block dequantized in registers once per tile: a bf16 model
-// sends few rows here (``GGUF_BF16_MAX_ROWS`` in ``duet/models/linear.py``), since from about 7
-// rows oneDNN's packed bf16 weights (AMX) are faster, and vdpbf16ps runs at half the rate of
-// the FMA ports on this Xeon.
+// Rows go by tiles of up to 8, each block dequantized in registers once per tile, or (from the
+// rows this process measured faster, ``set_bf16_panel_min_rows``, with the weights' panel
+// layout) by panels as gguf_ops.cpp's AVX-512 ones: a panel of 32 features is dequantized once
+// into bf16 pairs (for each pair of k, a vector per 16 features whose 32-bit lanes hold a
+// feature's weights at k and k + 1, rounded as above), which tiles of up to 12 rows multiply by
+// vdpbf16ps against a broadcast pair of each row's x. How many rows the blocks serve before
+// oneDNN's packed bf16 weights is measured too (``duet/models/linear.py``): on a Xeon with AMX,
+// about 6; vdpbf16ps runs at half the rate of the FMA ports there.
 
 #include "gguf_blocks.h"
+
+#include <atomic>
+#include <optional>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
@@ -50,32 +57,129 @@ void matmul(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* ou
   });
 }
 
+// A feature's weights at k and k + 1 in one 32-bit lane (k's in the low half), for 16 features.
+inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+  const __m512i high = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+  return _mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+}
+
+constexpr int kPanelTileRows = 12;
+
+// panel[(k / 2) * 32 + c] = feature 32 p + c's bf16 weights at k and k + 1 (k even).
+template <int64_t QType>
+void dequant_panel(const Weights& w, int64_t p, uint32_t* panel) {
+  for (int64_t b = 0; b < w.num_blocks; ++b) {
+    uint32_t* out = panel + b * (kBlock / 2) * kPanelWidth;
+    __m512 even_low, even_high;
+    panel_block<QType>(w, p, b, [&](int64_t k, __m512 low, __m512 high) {
+      if (k % 2 == 0) {
+        even_low = low;
+        even_high = high;
+        return;
+      }
+      _mm512_storeu_si512(out + (k / 2) * kPanelWidth, bf16_pairs(even_low, low));
+      _mm512_storeu_si512(out + (k / 2) * kPanelWidth + 16, bf16_pairs(even_high, high));
+    });
+  }
+}
+
+// out[r, 0..31] = sum over k of x[r, k] * W[k, 0..31] for R rows, in fp32 from bf16 pairs.
+template <int R>
+void panel_tile(const uint16_t* x, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K / 2; ++j) {
+    ahead.fetch(j);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * kPanelWidth);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * kPanelWidth + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + r * K + 2 * j));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * N, acc[r][0]);
+    _mm512_storeu_ps(out + r * N + 16, acc[r][1]);
+  }
+}
+
+template <int R>
+void panel_tile_upto(const uint16_t* x, int64_t rows, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_tile_upto<R - 1>(x, rows, K, panel, out, N, ahead);
+  }
+  panel_tile<R>(x, K, panel, out, N, ahead);
+}
+
+template <int64_t QType>
+void matmul_panels(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
+  const int64_t num_tiles = (M + kPanelTileRows - 1) / kPanelTileRows, tile_rows = (M + num_tiles - 1) / num_tiles;
+  at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> panel(kPanelWidth * K / 2);
+    for (int64_t p = begin; p < end; ++p) {
+      dequant_panel<QType>(w, p, panel.data());
+      Ahead ahead = p + 1 < end ? Ahead::panel<QType>(w, p + 1) : Ahead();
+      for (int64_t r = 0; r < M; r += tile_rows) {
+        panel_tile_upto<kPanelTileRows>(x + r * K, std::min<int64_t>(tile_rows, M - r), K, panel.data(), out + r * N + p * kPanelWidth,
+                                        N, ahead);
+        ahead = Ahead();
+      }
+    }
+  });
+}
+
+template <int64_t QType>
+void matmul_any(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
+  if (panels) matmul_panels<QType>(x, M, K, w, out, N);
+  else matmul<QType>(x, M, K, w, out, N);
+}
+
+std::atomic<int64_t> bf16_panel_rows{1 << 30};  // never, until the loader measures this CPU
+
 }  // namespace
 }  // namespace duet_gguf
 
-// x [M, K] bf16 -> [M, N] fp32 (the caller rounds it to bf16, as a bf16 matmul's output is).
-torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype) {
+// x [M, K] bf16 -> [M, N] fp32 (the caller rounds it to bf16, as a bf16 matmul's output is); by
+// panels from panel_min_rows rows (-1: the process's rule) where the weights' panel layout is
+// given (as gguf_matmul takes it, and checks it), by tiles of rows otherwise.
+torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows,
+                               std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales) {
   using namespace duet_gguf;
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "gguf_matmul_bf16 takes bf16 rows [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const Weights w = checked(codes, scales, qtype, K);
+  const Weights w = with_layout(checked(codes, scales, qtype, K), qtype, N, panel_codes, panel_scales);
   x = x.contiguous();
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  if (qtype == kQ4_1) matmul<kQ4_1>(xs, M, K, w, out.data_ptr<float>(), N);
-  else if (qtype == kQ6_K) matmul<kQ6_K>(xs, M, K, w, out.data_ptr<float>(), N);
-  else matmul<kQ8_0>(xs, M, K, w, out.data_ptr<float>(), N);
+  const bool panels = w.panel_codes != nullptr && M >= (panel_min_rows >= 0 ? panel_min_rows : bf16_panel_rows.load());
+  if (qtype == kQ4_1) matmul_any<kQ4_1>(xs, M, K, w, out.data_ptr<float>(), N, panels);
+  else if (qtype == kQ6_K) matmul_any<kQ6_K>(xs, M, K, w, out.data_ptr<float>(), N, panels);
+  else matmul_any<kQ8_0>(xs, M, K, w, out.data_ptr<float>(), N, panels);
   return out;
 }
 
 bool has_bf16() { return true; }
 
+void set_bf16_panel_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "panel_min_rows must be at least 1, got ", rows);
+  duet_gguf::bf16_panel_rows.store(rows);
+}
+
+int64_t bf16_panel_min_rows() { return duet_gguf::bf16_panel_rows.load(); }
+
 #else
 
-torch::Tensor gguf_matmul_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+torch::Tensor gguf_matmul_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
+                               std::optional<torch::Tensor>) {
   TORCH_CHECK(false, "gguf_matmul_bf16 needs a CPU with AVX512_BF16 (has_bf16() is false here)");
 }
 
 bool has_bf16() { return false; }
+
+void set_bf16_panel_min_rows(int64_t) { TORCH_CHECK(false, "bf16 panels need a CPU with AVX512_BF16"); }
+
+int64_t bf16_panel_min_rows() { return 1 << 30; }
 
 #endif

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -248,6 +249,63 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   else Isa::q8_0(codes, scales, out);
 }
 
+#if defined(__AVX512F__)
+// The panel layout (gguf_ops.cpp's gguf_panel_layout) holds panels of 32 output features: per
+// block, the 32 features' codes of each k side by side (Q4_1: 16 bytes a k, byte j holding
+// feature j's code in its low nibble and feature 16 + j's in its high one; Q8_0 and Q6_K: 32
+// int8 a k), then their scales side by side ([num_scales][32]).
+constexpr int64_t kPanelWidth = 32;
+constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
+
+// Block b of panel p, k by k: row(k, features 0-15's weights at k, features 16-31's), exactly
+// the weights dequant gives (Q4_1: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact).
+template <int64_t QType, typename Row>
+inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
+  const uint8_t* codes = w.panel_codes + (p * w.num_blocks + b) * kBlock * panel_code_bytes(QType);
+  const float* scales = w.panel_scales + (p * w.num_blocks + b) * num_scales(QType) * kPanelWidth;
+  if constexpr (QType == kQ4_1) {
+    const __m512 d0 = _mm512_loadu_ps(scales), d1 = _mm512_loadu_ps(scales + 16);
+    const __m512 m0 = _mm512_loadu_ps(scales + 32), m1 = _mm512_loadu_ps(scales + 48);
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 16)));
+      row(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d0, m0),
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d1, m1));
+    }
+  } else {
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const float* d = scales + (QType == kQ6_K ? (k / 16) * kPanelWidth : 0);  // Q6_K: a scale per 16 weights
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + 16));
+      row(k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), _mm512_loadu_ps(d)),
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), _mm512_loadu_ps(d + 16)));
+    }
+  }
+}
+
+// Memory a tile asks for while it multiplies, a line of each per step (none: nothing to ask for):
+// the next panel's codes and scales in the panel layout.
+struct Ahead {
+  const char* codes = nullptr;
+  int64_t code_lines = 0;
+  const char* scales = nullptr;
+  int64_t scale_lines = 0;
+
+  template <int64_t QType>
+  static Ahead panel(const Weights& w, int64_t p) {
+    const int64_t code_bytes = w.num_blocks * kBlock * panel_code_bytes(QType);
+    const int64_t scale_bytes = w.num_blocks * num_scales(QType) * kPanelWidth * 4;
+    return {reinterpret_cast<const char*>(w.panel_codes + p * code_bytes), code_bytes / 64,
+            reinterpret_cast<const char*>(w.panel_scales) + p * scale_bytes, scale_bytes / 64};
+  }
+
+  void fetch(int64_t step) const {
+    if (step < code_lines) __builtin_prefetch(codes + 64 * step);
+    if (step < scale_lines) __builtin_prefetch(scales + 64 * step);
+  }
+};
+#endif
+
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
   TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ6_K, "GGUF type ", qtype,
               " is not supported (Q4_1 = 3, Q8_0 = 8, Q6_K = 14)");
@@ -261,6 +319,23 @@ inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, 
                   scales.size(0) == codes.size(0) && scales.size(1) == num_blocks * num_scales(qtype),
               "GGUF scales must be contiguous fp32 [out_features, ", num_blocks * num_scales(qtype), "]");
   return {codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), num_blocks};
+}
+
+// The weights, with their panel layout where one is given (checked against them).
+inline Weights with_layout(Weights w, int64_t qtype, int64_t N, const std::optional<torch::Tensor>& panel_codes,
+                    const std::optional<torch::Tensor>& panel_scales) {
+  TORCH_CHECK(panel_codes.has_value() == panel_scales.has_value(), "the panel layout is its codes and its scales");
+  if (!panel_codes) return w;
+  const int64_t bytes = qtype == kQ4_1 ? 16 : 32;
+  TORCH_CHECK(panel_codes->scalar_type() == torch::kUInt8 && panel_codes->is_contiguous() &&
+                  panel_codes->numel() == N * w.num_blocks * bytes && N % 32 == 0,
+              "the panel codes do not lay out these weights (gguf_panel_layout)");
+  TORCH_CHECK(panel_scales->scalar_type() == torch::kFloat32 && panel_scales->is_contiguous() &&
+                  panel_scales->numel() == N * w.num_blocks * num_scales(qtype),
+              "the panel scales do not lay out these weights (gguf_panel_layout)");
+  w.panel_codes = panel_codes->data_ptr<uint8_t>();
+  w.panel_scales = panel_scales->data_ptr<float>();
+  return w;
 }
 
 }  // namespace duet_gguf

@@ -100,47 +100,17 @@ std::atomic<int64_t> panel_rows{kPanelMinRows};
 inline int64_t panel_min_rows_or_rule(int64_t panel_min_rows) { return panel_min_rows >= 0 ? panel_min_rows : panel_rows.load(); }
 
 #if defined(__AVX512F__)
-// Code bytes of one k of a panel in the panel layout: Q4_1's 32 nibbles, or 32 int8.
-constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
-
-// panel[k * 32 + c] = W[32 p + c, k] from the panel layout: exactly the weights dequant gives
-// (Q4_1: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact).
+// panel[k * 32 + c] = W[32 p + c, k] from the panel layout (gguf_blocks.h's panel_block).
 template <int64_t QType>
 void dequant_panel(const Weights& w, int64_t p, float* panel) {
   for (int64_t b = 0; b < w.num_blocks; ++b) {
-    const uint8_t* codes = w.panel_codes + (p * w.num_blocks + b) * kBlock * panel_code_bytes(QType);
-    const float* scales = w.panel_scales + (p * w.num_blocks + b) * num_scales(QType) * kPanel;
     float* out = panel + b * kBlock * kPanel;
-    if constexpr (QType == kQ4_1) {
-      const __m512 d0 = _mm512_loadu_ps(scales), d1 = _mm512_loadu_ps(scales + 16);
-      const __m512 m0 = _mm512_loadu_ps(scales + 32), m1 = _mm512_loadu_ps(scales + 48);
-      const __m512i low = _mm512_set1_epi32(0x0F);
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 16)));
-        _mm512_storeu_ps(out + k * kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d0, m0));
-        _mm512_storeu_ps(out + k * kPanel + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d1, m1));
-      }
-    } else {
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const float* d = scales + (QType == kQ6_K ? (k / 16) * kPanel : 0);  // Q6_K: a scale per 16 weights
-        for (int half = 0; half < 2; ++half) {
-          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + half * 16));
-          _mm512_storeu_ps(out + k * kPanel + half * 16,
-                           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_loadu_ps(d + half * 16)));
-        }
-      }
-    }
+    panel_block<QType>(w, p, b, [&](int64_t k, __m512 low, __m512 high) {
+      _mm512_storeu_ps(out + k * kPanel, low);
+      _mm512_storeu_ps(out + k * kPanel + 16, high);
+    });
   }
 }
-
-// Memory a tile asks for while it multiplies: the next panel's codes and scales in the panel
-// layout, a line each per k (none: nothing to ask for).
-struct Ahead {
-  const char* codes = nullptr;
-  int64_t code_lines = 0;
-  const char* scales = nullptr;
-  int64_t scale_lines = 0;
-};
 
 // out[r, 0..31] = sum over k of x[r, k] * panel[k, 0..31] for R rows.
 template <int R>
@@ -148,8 +118,7 @@ void panel_tile(const float* x, int64_t K, const float* panel, float* out, int64
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    if (k < ahead.code_lines) __builtin_prefetch(ahead.codes + 64 * k);
-    if (k < ahead.scale_lines) __builtin_prefetch(ahead.scales + 64 * k);
+    ahead.fetch(k);
     const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * K + k]);
@@ -175,18 +144,13 @@ template <int64_t QType>
 void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
   // Tiles of even size (32 rows: 11, 11, 10), so that no tile is left with a few rows.
   const int64_t num_tiles = (M + kPanelTileRows - 1) / kPanelTileRows, tile_rows = (M + num_tiles - 1) / num_tiles;
-  const int64_t code_bytes = w.num_blocks * kBlock * panel_code_bytes(QType), scale_bytes = w.num_blocks * num_scales(QType) * kPanel * 4;
   at::parallel_for(0, N / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanel * K);
     for (int64_t p = begin; p < end; ++p) {
       dequant_panel<QType>(w, p, panel.data());
       // The first tile reads the next panel's layout into cache as it goes, so that dequantizing
       // it does not wait on memory (at one line a k, a panel's codes take K / 4 or K / 2 lines).
-      Ahead ahead;
-      if (p + 1 < end) {
-        ahead = {reinterpret_cast<const char*>(w.panel_codes + (p + 1) * code_bytes), code_bytes / 64,
-                 reinterpret_cast<const char*>(w.panel_scales) + (p + 1) * scale_bytes, scale_bytes / 64};
-      }
+      Ahead ahead = p + 1 < end ? Ahead::panel<QType>(w, p + 1) : Ahead();
       for (int64_t r = 0; r < M; r += tile_rows) {
         panel_tile_upto<kPanelTileRows>(x + r * K, std::min<int64_t>(tile_rows, M - r), K, panel.data(), out + r * N + p * kPanel, N,
                                         ahead);
@@ -307,23 +271,6 @@ bool panels_need_layout() {
 #else
   return false;
 #endif
-}
-
-// The weights, with their panel layout where one is given (checked against them).
-Weights with_layout(Weights w, int64_t qtype, int64_t N, const std::optional<torch::Tensor>& panel_codes,
-                    const std::optional<torch::Tensor>& panel_scales) {
-  TORCH_CHECK(panel_codes.has_value() == panel_scales.has_value(), "the panel layout is its codes and its scales");
-  if (!panel_codes) return w;
-  const int64_t bytes = qtype == kQ4_1 ? 16 : 32;
-  TORCH_CHECK(panel_codes->scalar_type() == torch::kUInt8 && panel_codes->is_contiguous() &&
-                  panel_codes->numel() == N * w.num_blocks * bytes && N % 32 == 0,
-              "the panel codes do not lay out these weights (gguf_panel_layout)");
-  TORCH_CHECK(panel_scales->scalar_type() == torch::kFloat32 && panel_scales->is_contiguous() &&
-                  panel_scales->numel() == N * w.num_blocks * num_scales(qtype),
-              "the panel scales do not lay out these weights (gguf_panel_layout)");
-  w.panel_codes = panel_codes->data_ptr<uint8_t>();
-  w.panel_scales = panel_scales->data_ptr<float>();
-  return w;
 }
 
 // Whether M rows of a product over w go by panels, under the rule given (-1: the process's).
@@ -465,8 +412,11 @@ int64_t panel_min_rows() { return panel_rows.load(); }
 }  // namespace duet_gguf
 
 // gguf_bf16.cpp's, where this CPU has AVX512_BF16.
-torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype);
+torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows,
+                               std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales);
 bool has_bf16();
+void set_bf16_panel_min_rows(int64_t rows);
+int64_t bf16_panel_min_rows();
 
 // The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to
 // call through the dispatcher, with no Python between.
@@ -475,7 +425,10 @@ TORCH_LIBRARY(duet_gguf, m) {
                      std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales) {
     return duet_gguf::gguf_matmul(x, codes, scales, qtype, -1, panel_codes, panel_scales);
   });
-  m.def("matmul_bf16", &gguf_matmul_bf16);
+  m.def("matmul_bf16", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype,
+                          std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales) {
+    return gguf_matmul_bf16(x, codes, scales, qtype, -1, panel_codes, panel_scales);
+  });
   m.def("dequantize", &duet_gguf::gguf_dequantize);
 }
 
@@ -489,7 +442,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_panel_layout", &gguf_panel_layout);
   m.def("panels_need_layout", &panels_need_layout);
   m.def("gguf_dequantize", &gguf_dequantize);
-  m.def("gguf_matmul_bf16", &gguf_matmul_bf16);
+  m.def("gguf_matmul_bf16", &gguf_matmul_bf16, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("qtype"),
+        py::arg("panel_min_rows") = -1, py::arg("panel_codes") = py::none(), py::arg("panel_scales") = py::none());
+  m.def("set_bf16_panel_min_rows", &set_bf16_panel_min_rows, "bf16 products of at least this many rows go by panels, in this process");
+  m.def("bf16_panel_min_rows", &bf16_panel_min_rows);
   m.def("has_bf16", &has_bf16);
   m.def("isa", &isa);
   m.def("set_panel_min_rows", &set_panel_min_rows, "Products of at least this many rows go by panels, in this process");

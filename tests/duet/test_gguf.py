@@ -92,7 +92,7 @@ def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_pa
 
 @pytest.mark.skipif(cpu_ops.load_gguf() is None or not cpu_ops.load_gguf().has_bf16(), reason="no AVX512_BF16")
 def test_a_bf16_model_decodes_few_rows_from_its_blocks_rounded_to_bf16(tiny_gguf_llama_dir):
-    """In bf16 the blocks serve products of up to GGUF_BF16_MAX_ROWS rows, their weights rounded
+    """In bf16 the blocks serve products of up to the rows this CPU measured, their weights rounded
     to bf16 as the model's are (the loader checks it), and greedy output follows transformers
     in bf16 under the bf16 rule (``test_bf16``), a sequence alone (the blocks) or in a batch."""
     from tests.duet.test_bf16 import PROMPTS, _check_bf16

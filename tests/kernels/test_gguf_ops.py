@@ -202,20 +202,29 @@ def test_fused_greedy_tokens_rank_nan_first_as_torch_does():
 @pytest.mark.skipif(OPS is None or not OPS.has_bf16(), reason="no AVX512_BF16")
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 21])
-def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name, rows):
+@pytest.mark.parametrize("panels", [False, True])
+def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name, rows, panels):
     """bf16 rows (a bf16 model's) multiply the blocks' weights rounded to bf16 exactly as
-    ``.to(torch.bfloat16)`` rounds the fp32 weights: one-hot rows read single weights back bit
-    for bit; random rows equal a float product over those bf16 weights (21 rows: tiles of 8 and
-    a remainder)."""
+    ``.to(torch.bfloat16)`` rounds the fp32 weights, by tiles of rows (21 rows: tiles of 8 and a
+    remainder) or by panels of bf16 pairs from the panel layout (forced from one row): one-hot
+    rows read single weights back bit for bit; random rows equal a float product over those
+    bf16 weights."""
     weight, weights = quantized(96, 192, TYPES[name], seed=rows)
+    way = (cpu_ops.NEVER,)
+    if panels:
+        weight.lay_out_panels()
+        if weight.panel_codes is None:
+            pytest.skip("this CPU's bf16 products go by tiles of rows alone")
+        way = (1, weight.panel_codes, weight.panel_scales)
     rounded = weights.to(torch.bfloat16)
     columns = torch.arange(rows) * 7 % 192
     one_hot = torch.zeros(rows, 192, dtype=torch.bfloat16)
     one_hot[torch.arange(rows), columns] = 1.0
-    assert torch.equal(OPS.gguf_matmul_bf16(one_hot, weight.codes, weight.scales, weight.qtype), rounded.float()[:, columns].T)
+    assert torch.equal(OPS.gguf_matmul_bf16(one_hot, weight.codes, weight.scales, weight.qtype, *way), rounded.float()[:, columns].T)
     x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    got = weight.matmul(x)
-    assert got.dtype == torch.bfloat16
     expected = (x.double() @ rounded.double().T).float()
-    torch.testing.assert_close(OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype), expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got, OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype).to(torch.bfloat16))
+    torch.testing.assert_close(OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype, *way), expected, rtol=1e-5, atol=1e-5)
+    got = weight.matmul(x)  # by the process's rule
+    assert got.dtype == torch.bfloat16
+    rule = (-1, weight.panel_codes, weight.panel_scales)
+    assert torch.equal(got, OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype, *rule).to(torch.bfloat16))
