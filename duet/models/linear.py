@@ -155,9 +155,11 @@ class Linear(Module):
 
     def argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
         """``greedy_argmax(self(x).float(), excluded_token_ids)``: an LM head's greedy tokens.
-        fp32 rows the GGUF blocks serve never write their products out (the kernel keeps each
-        row's best as it goes: the same products, so the same tokens)."""
-        if x.dtype == torch.float32 and x.shape[0] <= self._block_rows:
+        Rows the GGUF blocks serve (fp32, or bf16 against a bf16 model's weights) never write
+        their products out (the kernel keeps each row's best as it goes: the same products,
+        rounded to bf16 for bf16 rows, so the same tokens)."""
+        fused = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and self.weight is not None)
+        if fused and x.shape[0] <= self._block_rows:
             return self.gguf.matmul_argmax(x, excluded_token_ids)
         return greedy_argmax(self(x).float(), excluded_token_ids)
 

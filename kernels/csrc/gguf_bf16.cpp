@@ -139,6 +139,17 @@ void matmul_any(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float
 std::atomic<int64_t> bf16_panel_rows{1 << 30};  // never, until the loader measures this CPU
 
 }  // namespace
+
+bool bf16_by_panels(const Weights& w, int64_t M, int64_t panel_min_rows) {
+  return w.panel_codes != nullptr && M >= (panel_min_rows >= 0 ? panel_min_rows : bf16_panel_rows.load());
+}
+
+void bf16_products(const uint16_t* x, int64_t M, int64_t K, int64_t qtype, const Weights& w, float* out, int64_t N, bool panels) {
+  if (qtype == kQ4_1) matmul_any<kQ4_1>(x, M, K, w, out, N, panels);
+  else if (qtype == kQ6_K) matmul_any<kQ6_K>(x, M, K, w, out, N, panels);
+  else matmul_any<kQ8_0>(x, M, K, w, out, N, panels);
+}
+
 }  // namespace duet_gguf
 
 // x [M, K] bf16 -> [M, N] fp32 (the caller rounds it to bf16, as a bf16 matmul's output is); by
@@ -153,10 +164,7 @@ torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
   x = x.contiguous();
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const bool panels = w.panel_codes != nullptr && M >= (panel_min_rows >= 0 ? panel_min_rows : bf16_panel_rows.load());
-  if (qtype == kQ4_1) matmul_any<kQ4_1>(xs, M, K, w, out.data_ptr<float>(), N, panels);
-  else if (qtype == kQ6_K) matmul_any<kQ6_K>(xs, M, K, w, out.data_ptr<float>(), N, panels);
-  else matmul_any<kQ8_0>(xs, M, K, w, out.data_ptr<float>(), N, panels);
+  bf16_products(xs, M, K, qtype, w, out.data_ptr<float>(), N, bf16_by_panels(w, M, panel_min_rows));
   return out;
 }
 
@@ -170,6 +178,13 @@ void set_bf16_panel_min_rows(int64_t rows) {
 int64_t bf16_panel_min_rows() { return duet_gguf::bf16_panel_rows.load(); }
 
 #else
+
+namespace duet_gguf {
+bool bf16_by_panels(const Weights&, int64_t, int64_t) { return false; }
+void bf16_products(const uint16_t*, int64_t, int64_t, int64_t, const Weights&, float*, int64_t, bool) {
+  TORCH_CHECK(false, "bf16 products from GGUF blocks need a CPU with AVX512_BF16");
+}
+}  // namespace duet_gguf
 
 torch::Tensor gguf_matmul_bf16(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
                                std::optional<torch::Tensor>) {

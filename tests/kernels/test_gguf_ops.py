@@ -161,15 +161,19 @@ def test_a_shard_of_rows_and_block_columns_is_that_slice_of_the_weight(name):
 @pytest.mark.parametrize("rows", [1, 5, 17, 40])
 @pytest.mark.parametrize("outputs", [4160, 1099])
 @pytest.mark.parametrize("panels", [False, True])
-def test_fused_greedy_tokens_are_the_argmax_of_the_products(name, rows, outputs, panels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_greedy_tokens_are_the_argmax_of_the_products(name, rows, outputs, panels, dtype):
     """The LM head's fused argmax is torch.argmax of gguf_matmul's own products (the unfused
     sampler's greedy tokens) with each row's excluded ids at -inf: 4160 outputs are three
     groups of 2,048 features (AVX-512) or five of 1,024, by panels where the rows reach the
     process's rule (with the panel layout, on AVX-512) and by tiles of rows without it; 1099 no
-    whole number of panels (tiles of rows). Each row's best feature is copied into another
-    group: of two equal bests the first must win, and with the first excluded, its copy."""
+    whole number of panels (tiles of rows). bf16 rows (a bf16 model's) take the argmax of their
+    products rounded to bf16, as the unfused path's. Each row's best feature is copied into
+    another group: of two equal bests the first must win, and with the first excluded, its copy."""
+    if dtype == torch.bfloat16 and not OPS.has_bf16():
+        pytest.skip("no AVX512_BF16")
     weight, _ = quantized(outputs, 192, TYPES[name], seed=rows)
-    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).to(dtype)
     best = weight.matmul(x).argmax(dim=-1)
     codes, scales = weight.codes.clone(), weight.scales.clone()
     copies = (best + 2048) % outputs
@@ -177,7 +181,7 @@ def test_fused_greedy_tokens_are_the_argmax_of_the_products(name, rows, outputs,
     weight = GGUFWeight(codes, scales, weight.qtype, 192, OPS)
     if panels:
         weight.lay_out_panels()
-    products = weight.matmul(x)
+    products = weight.matmul(x).float()
     tied = products.gather(1, copies[:, None]) == products.gather(1, best[:, None])
     assert tied.sum() >= (rows + 1) // 2  # all but rows whose best another row's copy overwrote
     none = torch.empty(rows, 0, dtype=torch.long)
