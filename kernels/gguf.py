@@ -137,8 +137,8 @@ class GGUFWeight:
     def lay_out_panels(self) -> None:
         """Keep a copy of the codes and scales laid out for the CPU kernels' panels, where this
         build's panels read one (AVX-512) and the weight has a multiple of 32 output features:
-        without it, fp32 products of many rows go by tiles of rows. As many bytes again as the
-        codes and scales; the products' values do not depend on it."""
+        without it, products of many rows (fp32 or bf16) go by tiles of rows. As many bytes again
+        as the codes and scales."""
         needs = getattr(self.ops, "panels_need_layout", None)
         if needs is None or not needs() or self.codes.shape[0] % PANEL_WIDTH or self.panel_codes is not None:
             return
@@ -149,14 +149,16 @@ class GGUFWeight:
         have ``has_bf16()``) against the weights rounded to bf16, as a bf16 model holds them,
         accumulated in fp32 and rounded to bf16 once."""
         if x.dtype == torch.bfloat16:
-            return self.ops.gguf_matmul_bf16(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales).to(torch.bfloat16)
+            products = self.ops.gguf_matmul_bf16(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales)
+            return products.to(torch.bfloat16)
         if self.panel_codes is not None:
             return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
     def matmul_argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
-        """``greedy_argmax(x @ W.T, excluded_token_ids)`` (``kernels.fused``), without the
-        ``[M, out_features]`` products where the kernels fuse the two (on CPU)."""
+        """``greedy_argmax(self.matmul(x).float(), excluded_token_ids)`` (``kernels.fused``),
+        without the ``[M, out_features]`` products where the kernels fuse the two (on CPU; bf16
+        rows there too)."""
         if self.panel_codes is not None:
             return self.ops.gguf_matmul_argmax(
                 x, self.codes, self.scales, self.qtype, excluded_token_ids, -1, self.panel_codes, self.panel_scales

@@ -11,7 +11,7 @@ is measured once per process (``_packed_wins``).
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): fp32 products
 of up to as many rows as this CPU measured the blocks at least as fast as the float weights
-(``_gguf_float_max_rows``, once per process: 16 to 32 rows on AVX-512 CPUs) then read the
+(``_gguf_float_max_rows``, once per process: up to 64 rows on this project's AMD EPYC) then read the
 quantized codes (0.75 byte a weight for Q4_1, 1.125 for Q8_0, scales included, against 4)
 through ``kernels.gguf``, which dequantizes them exactly to the float weights the other paths
 use (in registers, by tiles of rows or by panels kept in cache, as the CPU measured faster);
@@ -37,11 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from duet.config import cpu_has_fast_bf16
-from duet.kernels.fused import greedy_argmax
-from duet.kernels.gguf import GGUFWeight
-from duet.models.module import Module
 from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
-from duet.kernels.gguf import Q4_1
+from duet.kernels.fused import greedy_argmax
+from duet.kernels.gguf import Q4_1, GGUFWeight
+from duet.models.module import Module
 
 logger = logging.getLogger(__name__)
 
