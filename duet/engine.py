@@ -30,6 +30,8 @@ from duet.structured_output import grammar_tokenizer
 from duet.worker import WorkerConfig, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
+# A prompt's KV not reported by the workers within this many transfer timeouts is given up.
+RECEIVE_DEADLINE_TIMEOUTS = 2
 
 
 class LLMEngine:
@@ -90,6 +92,8 @@ class LLMEngine:
             self.max_model_len,
             self.scheduler_config.enable_chunked_prefill,
             self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
+            # Past every wait of the workers' own (each bounded by the transfer's timeout).
+            RECEIVE_DEADLINE_TIMEOUTS * self.kv_transfer_config.timeout_s if self.kv_transfer_config else None,
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self.load = LoadTracker()

@@ -15,6 +15,7 @@ through the KV cache manager; a transfer's held blocks are keyed by its transfer
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from duet.kv_cache_manager import KVCacheManager
@@ -51,8 +52,17 @@ _SENT_ON = (
 
 
 class KVConnectorScheduler:
-    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
+    """``receive_deadline_s``: how long a receive may go without a report from the workers
+    before its request is given up as lost (and recomputed by its router). Every wait on the
+    workers' side is bounded by the transfer's own timeout, so a report normally comes first;
+    this bounds the request's wait even when none ever comes (in one CI run two requests whose
+    prefill replica was killed 60 ms after answering waited on a decode replica until their
+    client left). None: no bound."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, receive_deadline_s: float | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.receive_deadline_s = receive_deadline_s
+        self._due: dict[int, float] = {}  # transfer id -> when its receive is given up
         self._receiving: dict[int, Request] = {}  # transfer id -> request waiting for its prompt's KV
         self._sending: dict[int, Request] = {}  # transfer id -> request whose KV is on its way out
         self.held: set[int] = set()  # transfers still holding the blocks of a request that ended
@@ -76,6 +86,8 @@ class KVConnectorScheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.kv_receive_id = transfer_id
         self._receiving[transfer_id] = request
+        if self.receive_deadline_s is not None:
+            self._due[transfer_id] = time.monotonic() + self.receive_deadline_s
         num_blocks = -(-num_tokens // self.kv_cache_manager.block_size)  # what the transfer fills
         block_ids = self.kv_cache_manager.block_ids(request.request_id)[:num_blocks]
         self._metadata.receives.append(KVReceiveSpec(request.request_id, transfer_id, block_ids))
@@ -109,6 +121,7 @@ class KVConnectorScheduler:
             self._metadata.cancels.append(transfer_id)  # the peer stops, or drains what it sends
             request.kv_send = None
         self._receiving.pop(transfer_id, None)
+        self._due.pop(transfer_id, None)
         self._sending.pop(transfer_id, None)
         unannounced = [spec for spec in self._metadata.receives if spec.transfer_id == transfer_id]
         if unannounced:  # the workers never heard of it: nothing writes these blocks
@@ -133,10 +146,16 @@ class KVConnectorScheduler:
                 self.held.discard(result.transfer_id)
                 self.kv_cache_manager.release(result.transfer_id)
             elif (request := self._receiving.pop(result.transfer_id, None)) is not None:
+                self._due.pop(result.transfer_id, None)
                 if result.ok:
                     arrived.append((request, result.first_token_id))
                 else:
                     lost.append((request, result.error or "the transfer failed"))
             elif (request := self._sending.pop(result.transfer_id, None)) is not None:
                 request.kv_send = None  # it ended before the request did: the blocks are the request's
+        now = time.monotonic()
+        for transfer_id, due in list(self._due.items()):
+            if now >= due:  # it stays receiving: ending the request cancels it and holds its blocks
+                del self._due[transfer_id]
+                lost.append((self._receiving[transfer_id], f"no word of it within {self.receive_deadline_s:.0f}s"))
         return arrived, lost

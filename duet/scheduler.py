@@ -38,9 +38,10 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         num_lookahead_tokens: int = 0,
+        receive_deadline_s: float | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
-        self.kv_connector = KVConnectorScheduler(kv_cache_manager)
+        self.kv_connector = KVConnectorScheduler(kv_cache_manager, receive_deadline_s)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len

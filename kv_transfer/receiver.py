@@ -100,17 +100,18 @@ class KVReceiver(TransferEndpoint):
 
     def cancel(self, transfer_id: int) -> None:
         """The request went away: its transfer ends at once (mid-way: once its data is in),
-        reported through ``poll()``. A transfer not expected yet is drained when it comes."""
+        reported through ``poll()``. A transfer not expected yet is drained when it comes; one
+        never expected here is reported cancelled at once (nothing writes its blocks), so that
+        blocks its request's engine holds for it come free."""
         with self._lock:
             job = self._expected.pop(transfer_id, None) or self._active.get(transfer_id)
             if transfer_id not in self._active:
                 self._cancelled[transfer_id] = time.monotonic()  # drain its announcement, if one comes
                 self._lock.notify_all()
-            if job is None:
-                return
-            job.cancelled = True
-            if transfer_id in self._active and not self._finished(job):
-                return  # a part is coming in: it ends once its data is in
+            if job is not None:
+                job.cancelled = True
+                if transfer_id in self._active and not self._finished(job):
+                    return  # a part is coming in: it ends once its data is in
         self.report(KVTransferResult(transfer_id, False, error="cancelled", cancelled=True))
 
     def poll(self) -> list[KVTransferResult]:

@@ -242,9 +242,13 @@ def test_a_prefill_replica_killed_with_prompts_in_flight_all_complete(cluster, t
     computed on its decode replica instead (which frees the blocks it had reserved for the
     transfer), and every client gets the offline engine's exact tokens.
 
-    The kill follows the first answer; the tiny model prefills tens of prompts a second, so the
-    replica may have drained its queue by then (the prompts still in the router then wait for
-    its replacement, and none falls back). Up to three rounds, then, until one falls back."""
+    The kill follows a fresh report of prompts waiting on the replica (killed at the first
+    answer instead, it found the queue drained in every round of one CI run). Reports are half a
+    second apart and the tiny model prefills tens of prompts a second, so the queue may still
+    have drained by the kill (the prompts in the router then wait for its replacement, and none
+    falls back): up to three rounds, until one falls back. A prompt whose prefill answered just
+    before the kill, its KV still on the way, once left its client waiting 120 s in CI; the
+    decode side's deadline on a receive (``KVConnectorScheduler``) now bounds that wait."""
     url = cluster.stress_url
     rng = random.Random(4)
     fallbacks_before = sum(metric(url, "duet:prefill_fallbacks_total").values())
@@ -252,9 +256,14 @@ def test_a_prefill_replica_killed_with_prompts_in_flight_all_complete(cluster, t
     async def requests_then_kill(prompts):
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
             tasks = [asyncio.create_task(complete(client, url, greedy_body(prompt, 8))) for prompt in prompts]
-            # Once one is done, the prefill replica has the others queued or in their prefill.
-            await asyncio.wait(tasks, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-            assert not all(task.done() for task in tasks)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                stats = (await client.get(f"{url}/duet/status")).json()["pools"]["prefill"]["stats"]
+                if any(replica["num_waiting"] >= 8 and replica["age_s"] < 0.25 for replica in stats):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the prefill replica never reported prompts waiting on it")
             _kill_replica(ray_driver, "stress", "prefill")
             return await asyncio.gather(*tasks)
 

@@ -241,6 +241,17 @@ def test_a_cancelled_transfer_ends_at_once_and_the_pair_goes_on(start_sender):
     _assert_arrived(receiver, [7], [3])
 
 
+def test_cancelling_a_transfer_never_expected_here_reports_it_at_once():
+    """Blocks an engine holds for a receive its workers never heard of (its expectation lost)
+    come free: the cancel is answered at once, and a late announcement would be drained."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    try:
+        receiver.cancel(9)
+        assert _wait_results(receiver, 1, timeout_s=1) == {9: (False, "cancelled")}
+    finally:
+        receiver.close()
+
+
 def test_a_sender_that_gives_up_mid_stream_fails_only_that_transfer(start_sender, monkeypatch):
     """A prefill request aborted after its first layers went out: the rest goes as filler marked
     invalid, the decode side fails that transfer, and the pair stays in step."""
