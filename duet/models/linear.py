@@ -192,18 +192,17 @@ def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32) -> int:
     cache, where they are bound by arithmetic alone, they measured a third as many rows for the
     blocks as a SmolLM2 step does). Once per process and dtype, about 0.3 s and 250 MB for that
     moment."""
+    packed = torch.backends.mkldnn.is_available()
     weights = []
     for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):
         blocks = GGUFWeight(codes, scales, Q4_1, SAMPLE_IN_FEATURES, ops)
         blocks.lay_out_panels()
         weight = blocks.dequantize().to(dtype)
-        if torch.backends.mkldnn.is_available():
-            weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-        weights.append((blocks, weight))
+        weights.append((blocks, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) if packed else weight))
 
     def floats(x):
         for _, weight in weights:
-            if torch.backends.mkldnn.is_available():
+            if packed:
                 torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
             else:
                 F.linear(x, weight)

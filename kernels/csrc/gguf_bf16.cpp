@@ -105,29 +105,13 @@ void panel_tile(const uint16_t* x, int64_t K, const uint32_t* panel, float* out,
   }
 }
 
-template <int R>
-void panel_tile_upto(const uint16_t* x, int64_t rows, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
-  if constexpr (R > 1) {
-    if (rows < R) return panel_tile_upto<R - 1>(x, rows, K, panel, out, N, ahead);
-  }
-  panel_tile<R>(x, K, panel, out, N, ahead);
-}
-
 template <int64_t QType>
 void matmul_panels(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  const int64_t num_tiles = (M + kPanelTileRows - 1) / kPanelTileRows, tile_rows = (M + num_tiles - 1) / num_tiles;
-  at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> panel(kPanelWidth * K / 2);
-    for (int64_t p = begin; p < end; ++p) {
-      dequant_panel<QType>(w, p, panel.data());
-      Ahead ahead = p + 1 < end ? Ahead::panel<QType>(w, p + 1) : Ahead();
-      for (int64_t r = 0; r < M; r += tile_rows) {
-        panel_tile_upto<kPanelTileRows>(x + r * K, std::min<int64_t>(tile_rows, M - r), K, panel.data(), out + r * N + p * kPanelWidth,
-                                        N, ahead);
-        ahead = Ahead();
-      }
-    }
-  });
+  by_panels<QType, kPanelTileRows, uint32_t>(
+      M, N, kPanelWidth * K / 2, w, [&](int64_t p, uint32_t* panel) { dequant_panel<QType>(w, p, panel); },
+      [&](auto rows, int64_t r, int64_t p, const uint32_t* panel, const Ahead& ahead) {
+        panel_tile<decltype(rows)::value>(x + r * K, K, panel, out + r * N + p * kPanelWidth, N, ahead);
+      });
 }
 
 template <int64_t QType>

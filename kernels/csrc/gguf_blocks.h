@@ -249,13 +249,14 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   else Isa::q8_0(codes, scales, out);
 }
 
-#if defined(__AVX512F__)
 // The panel layout (gguf_ops.cpp's gguf_panel_layout) holds panels of 32 output features: per
 // block, the 32 features' codes of each k side by side (Q4_1: 16 bytes a k, byte j holding
 // feature j's code in its low nibble and feature 16 + j's in its high one; Q8_0 and Q6_K: 32
-// int8 a k), then their scales side by side ([num_scales][32]).
+// int8 a k), then their scales side by side ([num_scales][32]). AVX-512's panels read it.
 constexpr int64_t kPanelWidth = 32;
 constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
+
+#if defined(__AVX512F__)
 
 // Block b of panel p, k by k: row(k, features 0-15's weights at k, features 16-31's), exactly
 // the weights dequant gives (Q4_1: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact).
@@ -304,6 +305,37 @@ struct Ahead {
     if (step < scale_lines) __builtin_prefetch(scales + 64 * step);
   }
 };
+
+// f(std::integral_constant<int, rows>) for 1 <= rows <= MaxRows.
+template <int MaxRows, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (MaxRows > 1) {
+    if (rows < MaxRows) return with_rows<MaxRows - 1>(rows, f);
+  }
+  f(std::integral_constant<int, MaxRows>{});
+}
+
+// A product of M rows by panels of the panel layout (the fp32 and bf16 kernels'): each thread
+// takes panels in turn, dequant(p, buffer) fills its buffer (panel_elems of Elem) with panel p,
+// and tile(rows, first_row, p, buffer, ahead) multiplies it with up to MaxRows rows of x, rows an
+// std::integral_constant. Tiles are of even size (32 rows at most 12: 11, 11, 10), so that none
+// is left with a few rows; the first tile of a panel reads the next panel's layout into cache as
+// it goes (``ahead``), so that dequantizing it does not wait on memory.
+template <int64_t QType, int MaxRows, typename Elem, typename Dequant, typename Tile>
+inline void by_panels(int64_t M, int64_t N, int64_t panel_elems, const Weights& w, Dequant&& dequant, Tile&& tile) {
+  const int64_t num_tiles = (M + MaxRows - 1) / MaxRows, tile_rows = (M + num_tiles - 1) / num_tiles;
+  at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Elem> panel(panel_elems);
+    for (int64_t p = begin; p < end; ++p) {
+      dequant(p, panel.data());
+      Ahead ahead = p + 1 < end ? Ahead::panel<QType>(w, p + 1) : Ahead();
+      for (int64_t r = 0; r < M; r += tile_rows) {
+        with_rows<MaxRows>(std::min(tile_rows, M - r), [&](auto rows) { tile(rows, r, p, panel.data(), ahead); });
+        ahead = Ahead();
+      }
+    }
+  });
+}
 #endif
 
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
@@ -323,12 +355,11 @@ inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, 
 
 // The weights, with their panel layout where one is given (checked against them).
 inline Weights with_layout(Weights w, int64_t qtype, int64_t N, const std::optional<torch::Tensor>& panel_codes,
-                    const std::optional<torch::Tensor>& panel_scales) {
+                           const std::optional<torch::Tensor>& panel_scales) {
   TORCH_CHECK(panel_codes.has_value() == panel_scales.has_value(), "the panel layout is its codes and its scales");
   if (!panel_codes) return w;
-  const int64_t bytes = qtype == kQ4_1 ? 16 : 32;
   TORCH_CHECK(panel_codes->scalar_type() == torch::kUInt8 && panel_codes->is_contiguous() &&
-                  panel_codes->numel() == N * w.num_blocks * bytes && N % 32 == 0,
+                  panel_codes->numel() == N * w.num_blocks * panel_code_bytes(qtype) && N % kPanelWidth == 0,
               "the panel codes do not lay out these weights (gguf_panel_layout)");
   TORCH_CHECK(panel_scales->scalar_type() == torch::kFloat32 && panel_scales->is_contiguous() &&
                   panel_scales->numel() == N * w.num_blocks * num_scales(qtype),

@@ -76,7 +76,7 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
 // products: per vector of k, kTileRows + kTileColumns loads feed kTileRows * kTileColumns
 // fused multiply-adds, each accumulator summed across its lanes once.
 #if defined(__AVX512F__)
-constexpr int kPanel = 32;
+constexpr int kPanel = kPanelWidth;
 constexpr int kPanelTileRows = 12;  // 24 accumulators, 2 weight vectors and a broadcast: 27 of 32 registers
 #else
 constexpr int kPanel = 16;
@@ -132,32 +132,13 @@ void panel_tile(const float* x, int64_t K, const float* panel, float* out, int64
   }
 }
 
-template <int R>
-void panel_tile_upto(const float* x, int64_t rows, int64_t K, const float* panel, float* out, int64_t N, const Ahead& ahead) {
-  if constexpr (R > 1) {
-    if (rows < R) return panel_tile_upto<R - 1>(x, rows, K, panel, out, N, ahead);
-  }
-  panel_tile<R>(x, K, panel, out, N, ahead);
-}
-
 template <int64_t QType>
 void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  // Tiles of even size (32 rows: 11, 11, 10), so that no tile is left with a few rows.
-  const int64_t num_tiles = (M + kPanelTileRows - 1) / kPanelTileRows, tile_rows = (M + num_tiles - 1) / num_tiles;
-  at::parallel_for(0, N / kPanel, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel(kPanel * K);
-    for (int64_t p = begin; p < end; ++p) {
-      dequant_panel<QType>(w, p, panel.data());
-      // The first tile reads the next panel's layout into cache as it goes, so that dequantizing
-      // it does not wait on memory (at one line a k, a panel's codes take K / 4 or K / 2 lines).
-      Ahead ahead = p + 1 < end ? Ahead::panel<QType>(w, p + 1) : Ahead();
-      for (int64_t r = 0; r < M; r += tile_rows) {
-        panel_tile_upto<kPanelTileRows>(x + r * K, std::min<int64_t>(tile_rows, M - r), K, panel.data(), out + r * N + p * kPanel, N,
-                                        ahead);
-        ahead = Ahead();
-      }
-    }
-  });
+  by_panels<QType, kPanelTileRows, float>(
+      M, N, kPanel * K, w, [&](int64_t p, float* panel) { dequant_panel<QType>(w, p, panel); },
+      [&](auto rows, int64_t r, int64_t p, const float* panel, const Ahead& ahead) {
+        panel_tile<decltype(rows)::value>(x + r * K, K, panel, out + r * N + p * kPanel, N, ahead);
+      });
 }
 #else
 template <int64_t QType>
@@ -231,9 +212,9 @@ void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& 
 // feature), then the 32 features' scales side by side ([num_scales][32]: Q4_1's d then m, Q6_K's
 // two halves). The same codes and scales, rearranged: a product from them is the same weights'.
 std::vector<torch::Tensor> gguf_panel_layout(torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t in_features) {
-  constexpr int64_t kWidth = 32;
+  constexpr int64_t kWidth = kPanelWidth;
   const Weights w = checked(codes, scales, qtype, in_features);
-  const int64_t N = codes.size(0), S = num_scales(qtype), bytes = qtype == kQ4_1 ? 16 : 32;
+  const int64_t N = codes.size(0), S = num_scales(qtype), bytes = panel_code_bytes(qtype);
   TORCH_CHECK(N % kWidth == 0, "the panel layout takes a multiple of ", kWidth, " output features, not ", N);
   auto panel_codes = torch::zeros({N / kWidth, w.num_blocks, kBlock, bytes}, torch::kUInt8);
   auto panel_scales = torch::empty({N / kWidth, w.num_blocks, S, kWidth}, torch::kFloat32);
@@ -378,7 +359,7 @@ torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Te
       Weights part{w.codes + n0 * w.num_blocks * code_bytes(qtype), w.scales + n0 * w.num_blocks * num_scales(qtype),
                    w.num_blocks};
       if (w.panel_codes != nullptr) {  // the group's panels (n0 is a multiple of 32)
-        part.panel_codes = w.panel_codes + n0 * w.num_blocks * (qtype == kQ4_1 ? 16 : 32);
+        part.panel_codes = w.panel_codes + n0 * w.num_blocks * panel_code_bytes(qtype);
         part.panel_scales = w.panel_scales + n0 * w.num_blocks * num_scales(qtype);
       }
       if (bf16) {
