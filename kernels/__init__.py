@@ -1,10 +1,10 @@
 """Attention over paged KV and the KV-cache write: one dispatch point, by device.
 
-CUDA tensors go to the Triton kernels; CPU tensors to the C++ kernels of ``cpu_ops`` for
-decode-sized queries and to torch for the rest (and for everything when the C++ kernels
-are unavailable). Quantized caches (``kv_quant``) are written by torch on every device, and
-attention over them runs in their Hadamard basis: ``rope_and_write_kv`` leaves the query there
-(for free, in the C++ pass over it) and the output leaves it here.
+CUDA tensors go to the Triton kernels; CPU tensors to the C++ kernels of ``cpu_ops`` (one for
+decode-sized queries, one for prompt chunks), and to torch when the C++ kernels are
+unavailable. Quantized caches (``kv_quant``) are written by torch on every device, and
+attention over them runs in their Hadamard basis: ``rope_and_write_kv`` leaves the query
+there (for free, in the C++ pass over it) and the output leaves it here.
 """
 
 from __future__ import annotations

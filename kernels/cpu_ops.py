@@ -34,7 +34,7 @@ def load():
     # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
     # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
     # never produce or consume infinities (softmax subtracts the max of visible scores).
-    return _build("duet_cpu_ops", ["cpu_ops.cpp", "decoder_stack.cpp"], ["-ffast-math"], ["-lmvec"])
+    return _build("duet_cpu_ops", ["cpu_ops.cpp", "prompt_attention.cpp", "decoder_stack.cpp"], ["-ffast-math"], ["-lmvec"])
 
 
 @functools.cache

@@ -44,8 +44,9 @@ def paged_attention_torch(
     """Causal attention of ``query`` (``[num_tokens, num_heads, head_dim]``) over paged KV.
 
     Short queries (decode, verification) go to ``native_ops.paged_attention`` when given
-    (the C++ CPU kernel), else to one padded batch of torch matmuls; prompt chunks go
-    one by one to ``scaled_dot_product_attention``.
+    (the C++ CPU kernels), else to one padded batch of torch matmuls; prompt chunks go to
+    ``native_ops.prompt_attention`` (tiles of query rows against chunks of keys), or one by
+    one to ``scaled_dot_product_attention`` where it declines the head size or is not given.
     """
     output = torch.empty_like(query)
     short = [i for i, q_len in enumerate(metadata.query_lens) if q_len <= MAX_BATCHED_QUERY_LEN]
@@ -58,9 +59,13 @@ def paged_attention_torch(
         _attend_short_queries(query, key_cache, value_cache, metadata, scale, short, output)
     if len(short) < metadata.num_seqs:
         short_set = set(short)
-        starts = metadata.query_start_loc.tolist()
-        for seq in range(metadata.num_seqs):
-            if seq not in short_set:
+        chunks = [seq for seq in range(metadata.num_seqs) if seq not in short_set]
+        if native_ops is None or not native_ops.prompt_attention(
+            output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, chunks, scale,
+        ):
+            starts = metadata.query_start_loc.tolist()
+            for seq in chunks:
                 _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, starts[seq], output)
     return output
 

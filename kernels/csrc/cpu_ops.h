@@ -1,4 +1,4 @@
-// The entry points of cpu_ops.cpp that decoder_stack.cpp calls directly, without Python.
+// The entry points of cpu_ops.cpp and prompt_attention.cpp; decoder_stack.cpp calls some directly, without Python.
 #pragma once
 
 #include <torch/extension.h>
@@ -10,6 +10,11 @@ namespace duet_cpu {
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                      std::vector<int64_t> seq_ids, double scale);
+// Attention for prompt chunks (prompt_attention.cpp), with paged_attention's arguments; false,
+// having done nothing, where head_dim is not a multiple of its tiles' width.
+bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                      std::vector<int64_t> seq_ids, double scale);
 void rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool add_residual);
 void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions, torch::Tensor cos,
                     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping);
