@@ -5,8 +5,8 @@ A decode step (or a speculative verification) runs the layers through ``DecoderS
 tensors as ``LlamaForCausalLM.run_layers``' loop, with each product's path chosen by
 ``Linear.plan()`` as ``Linear.forward`` chooses it, so the outputs are bit for bit the
 loop's; only the loop's Python (module calls, splits, views, ~300 of them a step) is gone,
-and the GIL with it while the layers run. Prompt chunks keep the Python loop (their
-attention goes to torch's SDPA, and their Python is a small share of their step), as do models
+and the GIL with it while the layers run. Prompt chunks keep the Python loop (their Python
+is a small share of their step; their attention is ``cpu_ops``' prompt kernel), as do models
 whose layers are not plain Llama ones (tensor-parallel ranks, MoE), GPU models, and every
 model where the C++ kernels are unavailable.
 """
