@@ -1,4 +1,5 @@
-// The entry points of cpu_ops.cpp and prompt_attention.cpp; decoder_stack.cpp calls some directly, without Python.
+// The entry points of cpu_ops.cpp and prompt_attention.cpp (decoder_stack.cpp calls some of
+// them directly, without Python).
 #pragma once
 
 #include <torch/extension.h>
