@@ -85,6 +85,20 @@ def test_paged_attention_matches_reference(impl, case, heads):
     torch.testing.assert_close(got.double(), _reference_attention(query, key_cache, value_cache, md, 0.125), atol=2e-5, rtol=1e-4)
 
 
+def _rising_keys(query_lens, seq_lens, heads, head_dim, block_size, dtype, seed):
+    """Metadata, queries and caches for sequences of these lengths, the keys rising over
+    positions: later keys score higher, so an online softmax's max grows chunk by chunk."""
+    generator = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    md = _metadata(query_lens, seq_lens, block_size, num_blocks, generator)
+    ramp = torch.linspace(0, 4, num_blocks * block_size).view(1, num_blocks, block_size, 1)
+    key_cache = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator) + ramp).to(dtype)
+    value_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator).to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).abs().to(dtype)
+    return md, query, key_cache, value_cache
+
+
 @pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
 @pytest.mark.parametrize("head_dim", [64, 128, 32])  # the vector kernel's two widths, and the generic one's
 @pytest.mark.parametrize("block_size", [16, 8, 32])  # chunks of 16 tokens within a block, across blocks, two a block
@@ -94,16 +108,7 @@ def test_native_decode_attention_over_long_contexts(head_dim, block_size, heads,
     """Decode rows and a verification span over contexts of many 16-token chunks (the online
     softmax rescales as the running max grows; the last chunk is partial), against the float64
     reference over the very values the caches hold."""
-    generator = torch.Generator().manual_seed(1)
-    query_lens, seq_lens = [1, 4, 1], [300, 129, 17]
-    num_heads, num_kv_heads = heads
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    md = _metadata(query_lens, seq_lens, block_size, num_blocks, generator)
-    # A rising ramp over positions makes later keys score higher: the max grows chunk by chunk.
-    ramp = torch.linspace(0, 4, num_blocks * block_size).view(1, num_blocks, block_size, 1)
-    key_cache = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator) + ramp).to(dtype)
-    value_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator).to(dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).abs().to(dtype)
+    md, query, key_cache, value_cache = _rising_keys([1, 4, 1], [300, 129, 17], heads, head_dim, block_size, dtype, seed=1)
     got = paged_attention_torch(query, key_cache, value_cache, md, head_dim**-0.5, native_ops=NATIVE)
     expected = _reference_attention(query, key_cache, value_cache, md, head_dim**-0.5)
     tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}  # bf16 output rounding
@@ -119,16 +124,8 @@ def test_native_prompt_attention_over_many_key_chunks(head_dim, block_size, head
     """Prompt chunks through the tiled C++ kernel, taken directly: a whole prompt of several
     tiles of query rows (the last one partial) over many chunks of keys, a chunk over a long
     cached context, and one whose tokens fill neither a tile nor a key chunk; keys rising over
-    positions, so the running max grows chunk by chunk. Against the float64 reference."""
-    generator = torch.Generator().manual_seed(2)
-    query_lens, seq_lens = [203, 37, 9], [203, 300, 9]
-    num_heads, num_kv_heads = heads
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    md = _metadata(query_lens, seq_lens, block_size, num_blocks, generator)
-    ramp = torch.linspace(0, 4, num_blocks * block_size).view(1, num_blocks, block_size, 1)
-    key_cache = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator) + ramp).to(dtype)
-    value_cache = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator).to(dtype)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).abs().to(dtype)
+    positions. Against the float64 reference."""
+    md, query, key_cache, value_cache = _rising_keys([203, 37, 9], [203, 300, 9], heads, head_dim, block_size, dtype, seed=2)
     got = torch.full_like(query, float("nan"))
     attended = NATIVE.prompt_attention(
         got, query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, [0, 1, 2], head_dim**-0.5
