@@ -18,42 +18,18 @@
 
 namespace {
 
-// Causal attention over paged KV for every query row of every sequence.
-// query/out: [tokens, heads, head_dim] (last dim contiguous); caches: [kv_heads, blocks,
-// block_size, head_dim] contiguous; block_tables [seqs, max_blocks], seq_lens [seqs],
-// query_start_loc [seqs + 1], all int32. Row j of sequence s sits at position
-// seq_lens[s] - query_len + j and sees positions 0..that position.
+// Causal attention over paged KV for every query row of the sequences seq_ids names, the
+// tensors as PagedCall (kv_rows.h) reads them; for any head size and group.
 template <typename scalar_t, typename Rows>
-void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-                            const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                            const std::vector<int64_t>& seq_ids, double scale) {
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(0), block_size = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int* tables = block_tables.data_ptr<int>();
-  const int64_t table_stride = block_tables.stride(0);
-  const int* lens = seq_lens.data_ptr<int>();
-  const int* starts = query_start_loc.data_ptr<int>();
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+void paged_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
+                            double scale) {
   using cache_t = typename Rows::cache_t;
-  const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
-  const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
-  const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
-  const int64_t token_stride = key_cache.stride(2);
+  const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads, group = call.group;
 
   // One work item per (sequence, query row, kv head): the kv head's K/V rows are read once
   // for all `group` query heads that share them.
   std::vector<int64_t> item_seq, item_row;
-  for (int64_t s : seq_ids) {
-    for (int64_t row = starts[s]; row < starts[s + 1]; ++row) {
-      item_seq.push_back(s);
-      item_row.push_back(row);
-    }
-  }
+  call.query_rows(seq_ids, item_seq, item_row);
   const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
   const float scale_f = static_cast<float>(scale);
 
@@ -62,18 +38,14 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item / num_kv_heads], row = item_row[item / num_kv_heads];
       const int64_t h = item % num_kv_heads;
-      const int64_t query_len = starts[s + 1] - starts[s];
-      const int64_t visible = lens[s] - query_len + (row - starts[s]) + 1;
+      const int64_t visible = call.context_len(s) + (row - call.starts[s]) + 1;
       for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = q_ptr + row * q_row + (h * group + g) * q_head;
+        const scalar_t* src = call.query_at(row, h * group + g);
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_float(src[d]) * scale_f;
       }
       scores.resize(group * visible);
-      const cache_t* k_head = k_ptr + h * kv_head_stride;
-      const cache_t* v_head = v_ptr + h * kv_head_stride;
-      const int* table = tables + s * table_stride;
       for (int64_t t = 0; t < visible; ++t) {
-        const cache_t* k = k_head + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        const cache_t* k = call.k_ptr + call.kv_offset(s, h, t);
         const float k_scale = Rows::scale(k, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
@@ -96,7 +68,7 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < visible; ++t) {
-        const cache_t* v = v_head + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        const cache_t* v = call.v_ptr + call.kv_offset(s, h, t);
         const float v_scale = Rows::scale(v, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * visible + t] * v_scale;
@@ -106,7 +78,7 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = out_ptr + row * o_row + (h * group + g) * o_head;
+        scalar_t* dst = call.out_at(row, h * group + g);
         const float inv = 1.f / denom[g];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(acc[g * head_dim + d] * inv);
       }
@@ -116,11 +88,12 @@ void paged_attention_kernel(torch::Tensor& out, const torch::Tensor& query, cons
 
 // The decode (and verification) path of the attention above, for head_dim 64 or 128 (DV
 // vectors) and up to kMaxGroup query heads a KV head, in gcc's vectors (kv_rows.h). Per work
-// item (sequence, query row, KV head) it walks the visible tokens kLanes at a time, reading each key and value row once
-// for all the query heads that share it: the kLanes dot products of a chunk are summed across
-// their lanes together (a transpose-and-add tree: kLanes - 1 adds for kLanes tokens instead of
-// one reduction each), and the softmax runs online (a running max and sum, the accumulator rescaled when the
-// max grows), so no pass goes back over the scores and nothing is allocated per item.
+// item (sequence, query row, KV head) it walks the visible tokens kLanes at a time, reading
+// each key and value row once for all the query heads that share it: the kLanes dot products
+// of a chunk are summed across their lanes together (a transpose-and-add tree: kLanes - 1 adds
+// for kLanes tokens instead of one reduction each), and the softmax runs online (a running max
+// and sum, the accumulator rescaled when the max grows), so no pass goes back over the scores
+// and nothing is allocated per item.
 constexpr int kMaxGroup = 8;
 
 inline float lane_sum(vf v) {
@@ -164,35 +137,16 @@ inline vf transpose_sum(vf* p) {
 }
 
 template <typename scalar_t, typename Rows, int DV>
-void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                             const std::vector<int64_t>& seq_ids, double scale) {
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(0), block_size = key_cache.size(2);
-  const int group = static_cast<int>(num_heads / num_kv_heads);
-  const int* tables = block_tables.data_ptr<int>();
-  const int64_t table_stride = block_tables.stride(0);
-  const int* lens = seq_lens.data_ptr<int>();
-  const int* starts = query_start_loc.data_ptr<int>();
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
+                             double scale) {
   using cache_t = typename Rows::cache_t;
-  const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
-  const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
-  const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
-  const int64_t token_stride = key_cache.stride(2);
+  const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads;
+  const int group = static_cast<int>(call.group);
   const float scale_f = static_cast<float>(scale);
-  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t row_bytes = call.token_stride * static_cast<int64_t>(sizeof(cache_t));
 
   std::vector<int64_t> item_seq, item_row;
-  for (int64_t s : seq_ids)
-    for (int64_t row = starts[s]; row < starts[s + 1]; ++row) {
-      item_seq.push_back(s);
-      item_row.push_back(row);
-    }
+  call.query_rows(seq_ids, item_seq, item_row);
   const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
@@ -202,9 +156,9 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item / num_kv_heads], row = item_row[item / num_kv_heads];
       const int64_t h = item % num_kv_heads;
-      const int64_t visible = lens[s] - (starts[s + 1] - starts[s]) + (row - starts[s]) + 1;
+      const int64_t visible = call.context_len(s) + (row - call.starts[s]) + 1;
       for (int g = 0; g < group; ++g) {
-        const scalar_t* src = q_ptr + row * q_row + (h * group + g) * q_head;
+        const scalar_t* src = call.query_at(row, h * group + g);
         for (int j = 0; j < DV; ++j) {
           q[g][j] = load_lanes(src + j * kLanes) * scale_f;
           acc[g][j] = vf{};
@@ -212,9 +166,9 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
         peak[g] = -std::numeric_limits<float>::max();
         denom[g] = 0.f;
       }
-      const cache_t* k_head = k_ptr + h * kv_head_stride;
-      const cache_t* v_head = v_ptr + h * kv_head_stride;
-      const int* table = tables + s * table_stride;
+      const cache_t* k_head = call.k_ptr + h * call.kv_head_stride;
+      const cache_t* v_head = call.v_ptr + h * call.kv_head_stride;
+      const int* table = call.tables + s * call.table_stride;
       // Row offsets of this chunk's tokens and of the next one's, placed once each by walking
       // the block table. The next chunk's rows lie wherever the table put them, where the
       // hardware prefetchers cannot guess: they are asked for while this chunk computes.
@@ -222,8 +176,8 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
       int64_t block = 0, slot = 0;  // where the next token to place lies
       auto place = [&](int64_t* into, int64_t count) {
         for (int64_t t = 0; t < count; ++t) {
-          into[t] = table[block] * block_stride + slot * token_stride;
-          if (++slot == block_size) {
+          into[t] = table[block] * call.block_stride + slot * call.token_stride;
+          if (++slot == call.block_size) {
             slot = 0;
             ++block;
           }
@@ -282,7 +236,7 @@ void decode_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
         }
       }
       for (int g = 0; g < group; ++g) {
-        scalar_t* dst = out_ptr + row * o_row + (h * group + g) * o_head;
+        scalar_t* dst = call.out_at(row, h * group + g);
         const float inv = 1.f / denom[g];
         for (int j = 0; j < DV; ++j) {
           const vf o = acc[g][j] * inv;
@@ -422,15 +376,14 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
   DUET_DISPATCH(query.scalar_type(), scalar_t, [&] {
     dispatch_rows<scalar_t>(key_cache, [&](auto rows) {
       using Rows = decltype(rows);
+      const PagedCall<scalar_t, typename Rows::cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                             query_start_loc);
       if (group <= kMaxGroup && head_dim == 64)
-        decode_attention_kernel<scalar_t, Rows, 64 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                             query_start_loc, seq_ids, scale);
+        decode_attention_kernel<scalar_t, Rows, 64 / kLanes>(call, seq_ids, scale);
       else if (group <= kMaxGroup && head_dim == 128)
-        decode_attention_kernel<scalar_t, Rows, 128 / kLanes>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                              query_start_loc, seq_ids, scale);
+        decode_attention_kernel<scalar_t, Rows, 128 / kLanes>(call, seq_ids, scale);
       else
-        paged_attention_kernel<scalar_t, Rows>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                               query_start_loc, seq_ids, scale);
+        paged_attention_kernel<scalar_t, Rows>(call, seq_ids, scale);
     });
   });
 }

@@ -174,6 +174,56 @@ struct Fp8Codec {
   static uint8_t encode(float x) { return c10::Float8_e4m3fn(x).x; }
 };
 
+// A paged attention call's tensors as its kernels read them. query/out: [tokens, heads,
+// head_dim] (last dim contiguous); caches: [kv_heads, blocks, block_size, row] contiguous (a
+// row: head_dim floats, or codes and their scale); block_tables [seqs, max_blocks], seq_lens
+// [seqs], query_start_loc [seqs + 1], all int32. Row j of sequence s sits at position
+// seq_lens[s] - query_len + j and sees positions 0..that position.
+template <typename scalar_t, typename cache_t>
+struct PagedCall {
+  PagedCall(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+            const torch::Tensor& value_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+            const torch::Tensor& query_start_loc)
+      : num_heads(query.size(1)), head_dim(query.size(2)), num_kv_heads(key_cache.size(0)),
+        block_size(key_cache.size(2)), group(num_heads / num_kv_heads), tables(block_tables.data_ptr<int>()),
+        table_stride(block_tables.stride(0)), lens(seq_lens.data_ptr<int>()), starts(query_start_loc.data_ptr<int>()),
+        q_ptr(query.data_ptr<scalar_t>()), out_ptr(out.data_ptr<scalar_t>()),
+        k_ptr(static_cast<const cache_t*>(key_cache.data_ptr())), v_ptr(static_cast<const cache_t*>(value_cache.data_ptr())),
+        q_row(query.stride(0)), q_head(query.stride(1)), o_row(out.stride(0)), o_head(out.stride(1)),
+        kv_head_stride(key_cache.stride(0)), block_stride(key_cache.stride(1)), token_stride(key_cache.stride(2)) {}
+
+  int64_t query_len(int64_t s) const { return starts[s + 1] - starts[s]; }
+  int64_t context_len(int64_t s) const { return lens[s] - query_len(s); }  // tokens before its query
+  const scalar_t* query_at(int64_t row, int64_t head) const { return q_ptr + row * q_row + head * q_head; }
+  scalar_t* out_at(int64_t row, int64_t head) const { return out_ptr + row * o_row + head * o_head; }
+
+  // Where the row of KV head h for token `position` of sequence s lies, in either cache.
+  int64_t kv_offset(int64_t s, int64_t h, int64_t position) const {
+    return h * kv_head_stride + tables[s * table_stride + position / block_size] * block_stride +
+           (position % block_size) * token_stride;
+  }
+
+  // (sequence, query row) of every query row of the sequences seq_ids names, in order.
+  void query_rows(const std::vector<int64_t>& seq_ids, std::vector<int64_t>& seqs, std::vector<int64_t>& rows) const {
+    for (int64_t s : seq_ids)
+      for (int64_t row = starts[s]; row < starts[s + 1]; ++row) {
+        seqs.push_back(s);
+        rows.push_back(row);
+      }
+  }
+
+  const int64_t num_heads, head_dim, num_kv_heads, block_size, group;
+  const int* tables;
+  const int64_t table_stride;
+  const int* lens;    // tokens each sequence holds, its query's included
+  const int* starts;  // each sequence's first query row
+  const scalar_t* q_ptr;
+  scalar_t* out_ptr;
+  const cache_t* k_ptr;
+  const cache_t* v_ptr;
+  const int64_t q_row, q_head, o_row, o_head, kv_head_stride, block_stride, token_stride;
+};
+
 #define DUET_DISPATCH(DTYPE, NAME, ...)                                                          \
   if ((DTYPE) == torch::kFloat32) {                                                              \
     using NAME = float;                                                                          \

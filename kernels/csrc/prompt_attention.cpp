@@ -77,35 +77,19 @@ struct WorkItem {
   int64_t chunks;       // key chunks its rows see
 };
 
-// Arguments as paged_attention's (cpu_ops.cpp); seq_ids name the sequences to attend.
+// Attends the query rows of the sequences seq_ids names (the call's tensors: PagedCall, kv_rows.h).
 template <typename scalar_t, typename Rows>
-void prompt_attention_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-                             const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                             const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                             const std::vector<int64_t>& seq_ids, double scale) {
+void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
+                             double scale) {
   using cache_t = typename Rows::cache_t;
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(0), block_size = key_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int* tables = block_tables.data_ptr<int>();
-  const int64_t table_stride = block_tables.stride(0);
-  const int* lens = seq_lens.data_ptr<int>();
-  const int* starts = query_start_loc.data_ptr<int>();
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const cache_t* k_ptr = static_cast<const cache_t*>(key_cache.data_ptr());
-  const cache_t* v_ptr = static_cast<const cache_t*>(value_cache.data_ptr());
-  const int64_t q_row = query.stride(0), q_head = query.stride(1);
-  const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const int64_t kv_head_stride = key_cache.stride(0), block_stride = key_cache.stride(1);
-  const int64_t token_stride = key_cache.stride(2);
+  const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads, group = call.group;
   const int64_t num_seqs = static_cast<int64_t>(seq_ids.size());
   const int64_t chunk_floats = kKeyChunk * head_dim;
 
   // keys and values, unpacked: sequence i's chunk c of KV head h at chunk (first[i] + c) * num_kv_heads + h
   std::vector<int64_t> first_chunk(num_seqs + 1, 0);
   for (int64_t i = 0; i < num_seqs; ++i)
-    first_chunk[i + 1] = first_chunk[i] + (lens[seq_ids[i]] + kKeyChunk - 1) / kKeyChunk;
+    first_chunk[i + 1] = first_chunk[i] + (call.lens[seq_ids[i]] + kKeyChunk - 1) / kKeyChunk;
   const int64_t num_chunks = first_chunk[num_seqs] * num_kv_heads;
   std::vector<float> keys(num_chunks * chunk_floats, 0.f), values(num_chunks * chunk_floats, 0.f);
   std::vector<int64_t> chunk_seq(first_chunk[num_seqs]);
@@ -115,15 +99,13 @@ void prompt_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
     for (int64_t index = begin; index < end; ++index) {
       const int64_t h = index % num_kv_heads, i = chunk_seq[index / num_kv_heads];
       const int64_t s = seq_ids[i], key0 = (index / num_kv_heads - first_chunk[i]) * kKeyChunk;
-      const int64_t count = std::min<int64_t>(kKeyChunk, lens[s] - key0);
+      const int64_t count = std::min<int64_t>(kKeyChunk, call.lens[s] - key0);
       float* key_dst = keys.data() + index * chunk_floats;
       float* value_dst = values.data() + index * chunk_floats;
       for (int64_t t = 0; t < count; ++t) {
-        const int64_t position = key0 + t;
-        const int64_t offset = h * kv_head_stride + tables[s * table_stride + position / block_size] * block_stride +
-                               (position % block_size) * token_stride;
-        const cache_t* key = k_ptr + offset;
-        const cache_t* value = v_ptr + offset;
+        const int64_t offset = call.kv_offset(s, h, key0 + t);
+        const cache_t* key = call.k_ptr + offset;
+        const cache_t* value = call.v_ptr + offset;
         const float key_scale = Rows::scale(key, head_dim), value_scale = Rows::scale(value, head_dim);
         for (int64_t d = 0; d < head_dim; ++d) {
           key_dst[d * kKeyChunk + t] = Rows::value(key, d) * key_scale;
@@ -135,7 +117,7 @@ void prompt_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
 
   std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t s = seq_ids[i], query_len = starts[s + 1] - starts[s], context = lens[s] - query_len;
+    const int64_t s = seq_ids[i], query_len = call.query_len(s), context = call.context_len(s);
     for (int64_t first = 0; first < query_len; first += kQueryTile) {
       const int64_t last_position = context + std::min(first + kQueryTile, query_len) - 1;
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, h, first, last_position / kKeyChunk + 1});
@@ -156,7 +138,7 @@ void prompt_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
     for (int64_t index = next_item++; index < static_cast<int64_t>(items.size()); index = next_item++) {
       const WorkItem& item = items[index];
       const int64_t s = seq_ids[item.seq], h = item.kv_head;
-      const int64_t query_len = starts[s + 1] - starts[s], context = lens[s] - query_len;
+      const int64_t query_len = call.query_len(s), context = call.context_len(s);
       const int64_t tokens = std::min(kQueryTile, query_len - item.first_token);
       const int64_t rows = (tokens * group + kRowTile - 1) / kRowTile * kRowTile;
       std::fill(q.begin(), q.end(), 0.f);
@@ -166,7 +148,7 @@ void prompt_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
         row_max[r] = kMasked;
         row_sum[r] = 0.f;
         if (r >= tokens * group) continue;
-        const scalar_t* src = q_ptr + (starts[s] + item.first_token + token) * q_row + (h * group + r % group) * q_head;
+        const scalar_t* src = call.query_at(call.starts[s] + item.first_token + token, h * group + r % group);
         for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] = to_float(src[d]) * scale_f;
       }
       std::fill(sums.begin(), sums.begin() + rows * head_dim, 0.f);
@@ -198,7 +180,7 @@ void prompt_attention_kernel(torch::Tensor& out, const torch::Tensor& query, con
                        sums.data() + r * head_dim + d);
       }
       for (int64_t r = 0; r < tokens * group; ++r) {
-        scalar_t* dst = out_ptr + (starts[s] + item.first_token + r / group) * o_row + (h * group + r % group) * o_head;
+        scalar_t* dst = call.out_at(call.starts[s] + item.first_token + r / group, h * group + r % group);
         const float inverse = 1.f / row_sum[r];
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<scalar_t>(sums[r * head_dim + d] * inverse);
       }
@@ -219,8 +201,10 @@ bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");
   DUET_DISPATCH(query.scalar_type(), scalar_t, [&] {
     dispatch_rows<scalar_t>(key_cache, [&](auto rows) {
-      prompt_attention_kernel<scalar_t, decltype(rows)>(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                        query_start_loc, seq_ids, scale);
+      using Rows = decltype(rows);
+      const PagedCall<scalar_t, typename Rows::cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                             query_start_loc);
+      prompt_attention_kernel<scalar_t, Rows>(call, seq_ids, scale);
     });
   });
   return true;
