@@ -61,7 +61,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 EVAL_CHECKS = ("ppl",)
-BENCH_SUITES = ("offline", "step", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured")
+BENCH_SUITES = ("offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured")
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int | None:
