@@ -92,7 +92,7 @@ class LLMEngine:
             self.max_model_len,
             self.scheduler_config.enable_chunked_prefill,
             self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
-            # Past every wait of the workers' own (each bounded by the transfer's timeout).
+            # Tighter than the workers' wait for an announcement: see KVConnectorScheduler.
             RECEIVE_DEADLINE_TIMEOUTS * self.kv_transfer_config.timeout_s if self.kv_transfer_config else None,
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported

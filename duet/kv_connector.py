@@ -53,11 +53,15 @@ _SENT_ON = (
 
 class KVConnectorScheduler:
     """``receive_deadline_s``: how long a receive may go without a report from the workers
-    before its request is given up as lost (and recomputed by its router). Every wait on the
-    workers' side is bounded by the transfer's own timeout, so a report normally comes first;
-    this bounds the request's wait even when none ever comes (in one CI run two requests whose
-    prefill replica was killed 60 ms after answering waited on a decode replica until their
-    client left). None: no bound."""
+    before its request is given up as lost (and recomputed by its router). Once a transfer is
+    announced, every wait of the workers' is bounded by the transfer's timeout; before that they
+    wait for the announcement up to ``STREAM_START_TIMEOUT_S`` (600 s), since a prompt may queue
+    on its prefill replica. A prefill replica killed after answering, with its prompts' KV still
+    queued behind another transfer, never announces them: in one CI run that left two clients
+    waiting until they left. This deadline bounds that wait, counted from the reservation, so it
+    also gives up (and recomputes) a prompt that queued on its prefill replica longer than it.
+    The bound belongs to the moment the prefill answered (the router knows it); until the
+    decode replica hears of that moment, it is counted from here. None: no bound."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, receive_deadline_s: float | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
