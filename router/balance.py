@@ -21,7 +21,12 @@ takes. So a context goes through the prefill pool while that pool has nothing qu
 its first token within ``PREFILL_FIRST_TTFT_SHARE`` of the TTFT target; only past that does the
 sooner of the two ways decide. (Choosing the sooner way for every prompt kept the decode
 replica computing half the prompts at 1 req/s on two cores, its decoding sequences near their
-TPOT target, while the prefill core idled 40% of the time.)
+TPOT target, while the prefill core idled 40% of the time.) The share is a quarter: at three
+quarters, a load past the prefill pool's capacity (4 req/s of 256-token prompts on two cores)
+held its queue near that bound, so first tokens came at 1.5-2 s against a 2 s target (TTFT p90
+1.7-2.05 s) while the decode core's sequences took 8 ms a token against 200; at a quarter the
+same load gave TTFT p90 0.7 s and TPOT p50 23-33 ms, and the TPOT room below still bounds
+what the decode pool takes.
 
 The TPOT room is a share of time. A decode replica that gives each decoding sequence a token
 every ``t`` while it computes no prompt (its ``decode_only_tpot_s``: step time over the tokens a
@@ -55,7 +60,7 @@ from collections.abc import Callable
 from duet.messages import ReplicaStats
 
 PD_OVERHEAD_S = 0.05  # two hops and a KV transfer, over computing locally
-PREFILL_FIRST_TTFT_SHARE = 0.75  # of the TTFT target within which a prompt goes through the prefill pool
+PREFILL_FIRST_TTFT_SHARE = 0.25  # of the TTFT target within which a prompt goes through the prefill pool
 DECODE_TPOT_SHARE = 0.75  # of the TPOT target that decoding sequences may reach with local prompts among their steps
 LOCAL_WINDOW_S = 5.0  # local prompts counted against the decode pool's time
 MAX_LOCAL_KV_USAGE = 0.85

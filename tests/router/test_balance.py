@@ -93,14 +93,14 @@ def test_past_the_comfortable_share_a_prompt_that_would_miss_its_ttft_goes_local
 def test_the_prefill_pool_takes_a_prompt_while_idle_or_in_time_even_where_decode_would_be_sooner():
     """Guards against the decode replica computing half the prompts at 1 req/s (each one
     stalling its decoding sequences) while the prefill core idled: the sooner way decides only
-    once the prefill pool's first token would come past 75% of the TTFT target."""
+    once the prefill pool's first token would come past a quarter of the TTFT target."""
     decode = [stats("decode", "d", prefill_tokens_per_s=2000.0, decode_only_tpot_s=0.02)]
     idle = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
     assert not balancer(idle, decode).choose(1800).local  # 1.85 s there, 0.9 s here: idle goes first
-    in_time = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=900)]
-    assert not balancer(in_time, decode).choose(500).local  # 1.45 s there: within 1.5 s
-    late = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1000)]
-    assert balancer(late, decode).choose(500).local  # 1.55 s there, 0.25 s here
+    in_time = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=100)]
+    assert not balancer(in_time, decode).choose(300).local  # 0.45 s there: within 0.5 s
+    late = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=200)]
+    assert balancer(late, decode).choose(300).local  # 0.55 s there, 0.15 s here
 
 
 def test_what_it_sent_without_a_first_token_yet_counts_until_done():
@@ -113,7 +113,7 @@ def test_what_it_sent_without_a_first_token_yet_counts_until_done():
     first = chooser.choose(1000)
     assert not first.local
     second = chooser.choose(1000)
-    assert second.local  # 2.05 s through prefill now, past 1.5 s; 1.0 s here
+    assert second.local  # 2.05 s through prefill now, past 0.5 s; 1.0 s here
     assert chooser._outstanding == {True: 1000, False: 1000}
     first.done()
     first.done()  # once only
@@ -130,7 +130,7 @@ def test_a_context_in_progress_on_the_prefill_pool_counts_for_what_is_left_of_it
     prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
     decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
     chooser = balancer(prefill, decode)
-    assert not chooser.choose(1000).local
-    now[0] += 0.6
-    assert not chooser.choose(1000).local  # 0.4 s left of the first, 1 s of its own: 1.45 s in all
-    assert chooser.choose(1000).local  # behind both: 2.45 s there, 1 s here
+    assert not chooser.choose(300).local
+    now[0] += 0.2
+    assert not chooser.choose(300).local  # 0.1 s left of the first, 0.3 s of its own: 0.45 s in all
+    assert chooser.choose(300).local  # behind both: 0.75 s there, 0.3 s here
