@@ -4,8 +4,8 @@ configured by its role (``prefill_node.role``, ``decode_node.role``).
 ``generate`` streams one sequence: on a decode (or colocated) replica first a ``Placement``
 (its replica, and for a ``kv_receive`` request the ``KVDestination`` of the blocks it reserved),
 then ``TokenDelta``s; a prefill replica's stream is its first token. Calls that name a
-``replica_id`` (``abort``, ``attach``, ``check_integrity``) are pinned to that replica (see
-``duet.router.routing``).
+``replica_id`` (``abort``, ``attach``, ``expect_kv``, ``check_integrity``) are pinned to that
+replica (see ``duet.router.routing``).
 
 A decode replica leaving its pool while alive (Serve stopping it: scale-down, redeploy) moves
 its sequences to the others by KV before it goes: it watches its own pool through a handle of
@@ -118,6 +118,7 @@ class EngineReplica:
         tokens so far and answer where to send them. Its outputs wait for ``attach``."""
         self._refuse_new_sequences()
         stream, destination = await self._add(request)
+        self.loop.call_soon(self.engine.expect_kv, request.request_id)  # its KV is computed: it ships at once
         self._adopted[request.request_id] = stream
         self._spawn(self._drop_unless_attached(request.request_id))
         return Placement(self.replica_id, destination)
@@ -172,6 +173,13 @@ class EngineReplica:
                 self.loop.call_soon(self.engine.abort_request, request_id)
                 if stream.moved_to is not None:  # closed before its reader heard of the move
                     self._abort_moved(request_id, stream.moved_to)
+
+    async def expect_kv(self, request_id: str, replica_id: str) -> None:
+        """The prefill replica computing this sequence's KV has answered: its transfer should
+        start now, and is given up (the router recomputes the sequence) if no worker reports on
+        it within the engine's receive deadline."""
+        ReplicaGoneError.check(replica_id, self.replica_id)
+        await self.loop.call(self.engine.expect_kv, request_id)
 
     async def abort(self, request_id: str, replica_id: str) -> None:
         ReplicaGoneError.check(replica_id, self.replica_id)

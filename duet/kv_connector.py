@@ -52,16 +52,17 @@ _SENT_ON = (
 
 
 class KVConnectorScheduler:
-    """``receive_deadline_s``: how long a receive may go without a report from the workers
-    before its request is given up as lost (and recomputed by its router). Once a transfer is
-    announced, every wait of the workers' is bounded by the transfer's timeout; before that they
-    wait for the announcement up to ``STREAM_START_TIMEOUT_S`` (600 s), since a prompt may queue
-    on its prefill replica. A prefill replica killed after answering, with its prompts' KV still
-    queued behind another transfer, never announces them: in one CI run that left two clients
-    waiting until they left. This deadline bounds that wait, counted from the reservation, so it
-    also gives up (and recomputes) a prompt that queued on its prefill replica longer than it.
-    The bound belongs to the moment the prefill answered (the router knows it); until the
-    decode replica hears of that moment, it is counted from here. None: no bound."""
+    """``receive_deadline_s``: how long a receive may go without a report from the workers,
+    once its sender has answered (``expect``), before its request is given up as lost (and
+    recomputed by its router). Once a transfer is announced, every wait of the workers' is
+    bounded by the transfer's timeout; before that they wait for the announcement up to
+    ``STREAM_START_TIMEOUT_S`` (600 s), since a prompt may queue on its prefill replica. A
+    prefill replica killed after answering, with its prompts' KV still queued behind another
+    transfer, never announces them: in one CI run that left two clients waiting until they
+    left. So the bound counts from the moment the KV's compute is done and its transfer should
+    start: the prefill replica's answer, which its router passes on, or the reservation of a
+    migration, whose KV is computed already. A prompt queued long on its prefill replica is
+    not given up for that. None: no bound."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, receive_deadline_s: float | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -90,12 +91,17 @@ class KVConnectorScheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.kv_receive_id = transfer_id
         self._receiving[transfer_id] = request
-        if self.receive_deadline_s is not None:
-            self._due[transfer_id] = time.monotonic() + self.receive_deadline_s
         num_blocks = -(-num_tokens // self.kv_cache_manager.block_size)  # what the transfer fills
         block_ids = self.kv_cache_manager.block_ids(request.request_id)[:num_blocks]
         self._metadata.receives.append(KVReceiveSpec(request.request_id, transfer_id, block_ids))
         return True
+
+    def expect(self, request: Request) -> None:
+        """The KV ``request`` waits for is computed and its transfer should start: from now it
+        has ``receive_deadline_s`` to be reported on (no-op once it arrived or ended)."""
+        transfer_id = request.kv_receive_id
+        if self.receive_deadline_s is not None and transfer_id in self._receiving and transfer_id not in self._due:
+            self._due[transfer_id] = time.monotonic() + self.receive_deadline_s
 
     def start_send(self, request: Request, computed: bool = False) -> None:
         """Ship the request's KV to ``request.kv_send``: as the step about to run computes its

@@ -74,6 +74,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         return True
 
+    def expect_kv(self, request_id: str) -> None:
+        """The KV a reserved request waits for is computed: it must now arrive within the
+        connector's receive deadline (no-op for a request that ended)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.kv_connector.expect(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled or self.kv_connector.num_in_flight)
 

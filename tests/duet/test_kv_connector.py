@@ -102,12 +102,20 @@ def test_a_lost_prompt_kv_fails_the_request_and_frees_its_blocks(make_scheduler)
 def test_a_receive_with_no_word_from_the_workers_past_its_deadline_is_lost(make_scheduler):
     """Guards a client hung after a prefill replica died mid-transfer (seen once in CI): a
     receive the workers never report on fails its request at the deadline (the router then
-    recomputes it), and its blocks stay held, its transfer cancelled, until the workers answer."""
+    recomputes it), and its blocks stay held, its transfer cancelled, until the workers answer.
+    The deadline counts from the sender's answer: before it, the prompt may be queued on its
+    prefill replica, and giving it up then recomputed prompts that were merely waiting."""
     scheduler = make_scheduler()
     scheduler.kv_connector.receive_deadline_s = 0.05
     request = _request("d", 9)
     scheduler.add_remote_request(request, 5)
     _report(scheduler)
+    time.sleep(0.1)
+    _, changed = _report(scheduler)
+    assert changed == [] and request.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    scheduler.expect_kv("d")
+    _, changed = _report(scheduler)
+    assert changed == []
     time.sleep(0.1)
     _, changed = _report(scheduler)
     assert changed == [request] and request.status == RequestStatus.FINISHED_KV_LOST

@@ -248,7 +248,8 @@ def test_a_prefill_replica_killed_with_prompts_in_flight_all_complete(cluster, t
     have drained by the kill (the prompts in the router then wait for its replacement, and none
     falls back): up to three rounds, until one falls back. A prompt whose prefill answered just
     before the kill, its KV still on the way, once left its client waiting 120 s in CI; the
-    decode side's deadline on a receive (``KVConnectorScheduler``) now bounds that wait."""
+    decode side's deadline on a receive (``KVConnectorScheduler``), counted from the prefill's
+    answer that the router passes on, now bounds that wait."""
     url = cluster.stress_url
     rng = random.Random(4)
     fallbacks_before = sum(metric(url, "duet:prefill_fallbacks_total").values())
