@@ -72,8 +72,8 @@ def _from_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     int8 scales, fp16 d) as 8n blocks of 32 int8 codes (less 32) and the fp32 scales
     ``d * sc`` of their two halves."""
     out, n = rows.shape[:2]
-    shifts_low = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
-    shifts_high = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    shifts_low = torch.tensor([0, 4], dtype=torch.uint8, device=rows.device).view(1, 1, 1, 2, 1)
+    shifts_high = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=rows.device).view(1, 1, 1, 4, 1)
     low = (rows[..., :128].reshape(out, n, 2, 1, 64) >> shifts_low) & 0x0F
     high = (rows[..., 128:192].reshape(out, n, 2, 1, 32) >> shifts_high) & 0x03
     codes = (low.reshape(out, n, 8, 32) | (high.reshape(out, n, 8, 32) << 4)).to(torch.int8) - 32

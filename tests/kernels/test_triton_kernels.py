@@ -14,81 +14,19 @@ import torch  # noqa: E402
 
 from duet.kernels import triton_gguf  # noqa: E402
 from duet.kernels.gguf import GGUFWeight  # noqa: E402
-from duet.kernels.metadata import AttentionMetadata  # noqa: E402
 from duet.kernels.triton_attention import paged_attention_triton, write_kv_cache_triton  # noqa: E402
+from tests.kernels.attention_cases import build_batch, reference_attention  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _build_batch(spans, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """Fill a NaN-initialised cache for sequences given as ``(context_len, query_len)``.
-
-    Blocks are handed out from a random permutation, so block ids are shuffled and
-    non-contiguous; unused slots stay NaN so a kernel reading past a sequence shows up.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    seq_lens = [context + query for context, query in spans]
-    blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    block_ids = torch.randperm(num_blocks, generator=generator)[: sum(blocks_per_seq)].tolist()
-
-    cache_shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(cache_shape, float("nan"), dtype=dtype)
-    block_tables = torch.zeros(len(spans), max(blocks_per_seq) + 1, dtype=torch.int32)
-    slot_mapping = []
-    for seq, (context_len, query_len) in enumerate(spans):
-        own_blocks = [block_ids.pop() for _ in range(blocks_per_seq[seq])]
-        block_tables[seq, : len(own_blocks)] = torch.tensor(own_blocks, dtype=torch.int32)
-        for position in range(context_len + query_len):
-            block, offset = own_blocks[position // block_size], position % block_size
-            key_cache[:, block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator).to(dtype)
-            value_cache[:, block, offset] = torch.randn(num_kv_heads, head_dim, generator=generator).to(dtype)
-            if position >= context_len:
-                slot_mapping.append(block * block_size + offset)
-
-    query_lens = [query for _, query in spans]
-    query_start_loc = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
-        query_lens=query_lens,
-        seq_lens_list=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
-    query = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=generator).to(dtype)
-    return query, key_cache, value_cache, metadata
-
-
-def _reference_attention(query, key_cache, value_cache, metadata, scale):
-    """Per sequence: gather K/V by position, mask causally with the context offset, float64."""
-    block_size = key_cache.shape[2]
-    group = query.shape[1] // key_cache.shape[0]
-    outputs = []
-    for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens, metadata.seq_lens_list)):
-        positions = torch.arange(seq_len)
-        blocks = metadata.block_tables[seq, positions // block_size].long()
-        keys = key_cache[:, blocks, positions % block_size].double().repeat_interleave(group, dim=0)
-        values = value_cache[:, blocks, positions % block_size].double().repeat_interleave(group, dim=0)
-        start = int(metadata.query_start_loc[seq])
-        seq_query = query[start : start + query_len].double().transpose(0, 1)  # [heads, q, d]
-        scores = seq_query @ keys.transpose(1, 2) * scale
-        query_positions = seq_len - query_len + torch.arange(query_len)
-        scores = scores.masked_fill(positions[None, :] > query_positions[:, None], float("-inf"))
-        outputs.append((scores.softmax(dim=-1) @ values).transpose(0, 1))
-    return torch.cat(outputs)
-
-
 def _check_attention(spans, num_q_heads=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32):
-    query, key_cache, value_cache, metadata = _build_batch(
+    query, key_cache, value_cache, metadata = build_batch(
         spans, num_q_heads, num_kv_heads, head_dim, block_size, dtype
     )
     scale = head_dim**-0.5
     out = paged_attention_triton(query, key_cache, value_cache, metadata, scale)
-    expected = _reference_attention(query, key_cache, value_cache, metadata, scale)
+    expected = reference_attention(query, key_cache, value_cache, metadata, scale)
     assert out.dtype == dtype and out.shape == query.shape
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
@@ -143,17 +81,17 @@ def test_non_power_of_two_head_dim_is_padded():
 def test_query_sliced_from_fused_qkv_uses_its_strides():
     """Models split q out of a fused qkv projection, leaving a non-contiguous view."""
     spans = [(12, 1), (0, 6)]
-    query, key_cache, value_cache, metadata = _build_batch(spans, 9, 3, 64, 16, torch.float32)
+    query, key_cache, value_cache, metadata = build_batch(spans, 9, 3, 64, 16, torch.float32)
     fused = torch.cat([query, torch.randn(query.shape[0], 6, 64)], dim=1)
     query_view = fused[:, :9]
     assert not query_view.is_contiguous()
     out = paged_attention_triton(query_view, key_cache, value_cache, metadata, 0.125)
-    expected = _reference_attention(query, key_cache, value_cache, metadata, 0.125)
+    expected = reference_attention(query, key_cache, value_cache, metadata, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_attention_rejects_mismatched_head_counts():
-    query, key_cache, value_cache, metadata = _build_batch([(0, 2)], 4, 3, 16, 16, torch.float32)
+    query, key_cache, value_cache, metadata = build_batch([(0, 2)], 4, 3, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="num_q_heads=4 must be a multiple of num_kv_heads=3"):
         paged_attention_triton(query, key_cache, value_cache, metadata, 0.25)
 
@@ -202,7 +140,7 @@ def test_triton_agrees_with_the_cpu_implementations_on_a_mixed_batch(native):
     native_ops = cpu_ops.load() if native else None
     if native and native_ops is None:
         pytest.skip("no C++ toolchain")
-    query, key_cache, value_cache, metadata = _build_batch(
+    query, key_cache, value_cache, metadata = build_batch(
         [(0, 1), (20, 1), (0, 23), (17, 9), (40, 4)], 9, 3, 64, 16, torch.float32
     )
     # The CPU paths gather whole blocks and mask afterwards, so unused slots hold numbers, not NaN.
@@ -222,7 +160,7 @@ def test_triton_reads_quantized_caches_as_the_cpu_paths_do(cache_dtype, dtype):
     from duet.kernels.kv_quant import quantize_rows, rotate
     from duet.kernels.torch_attention import paged_attention_torch
 
-    query, key_cache, value_cache, metadata = _build_batch([(0, 1), (20, 1), (0, 23), (17, 9), (40, 4)], 9, 3, 64, 16, torch.float32)
+    query, key_cache, value_cache, metadata = build_batch([(0, 1), (20, 1), (0, 23), (17, 9), (40, 4)], 9, 3, 64, 16, torch.float32)
     # Rows rotated first: the cache's Hadamard transform gives them back, so it holds codes of these very values.
     key_cache = quantize_rows(rotate(torch.nan_to_num(key_cache, nan=0.5) * torch.logspace(-3, 1, 64)), cache_dtype)
     value_cache = quantize_rows(rotate(torch.nan_to_num(value_cache, nan=-0.5)), cache_dtype)
