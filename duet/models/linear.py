@@ -15,7 +15,8 @@ of up to as many rows as this CPU measured the blocks at least as fast as the fl
 quantized codes (0.75 byte a weight for Q4_1, 1.125 for Q8_0, scales included, against 4)
 through ``kernels.gguf``, which dequantizes them exactly to the float weights the other paths
 use (in registers, by tiles of rows or by panels kept in cache, as the CPU measured faster);
-longer products, prompt chunks, keep oneDNN's float paths.
+longer products, prompt chunks, keep oneDNN's float paths. On a GPU the Triton kernels race
+cuBLAS the same way, and serve no rows where they lose at one (as on an H200).
 
 A weight quantized at load time (``quantization: int8 | int4``, ``duet.models.quantize``) keeps
 its blocks alone (``weight`` is None): longer products dequantize it for the call, which
@@ -63,7 +64,6 @@ _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 # against 48.5 at 64; on an AVX2-only EPYC's one core, 45 against 63 at 8, 129 against 118 at 24.
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
 _FLOAT_MARGIN = 1.05
-GGUF_GPU_MAX_ROWS = 48  # the Triton kernels' (not measured there)
 # A bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on CPUs with
 # AVX512_BF16) are measured the same way against oneDNN's packed bf16 weights: on a Xeon with
 # AMX, by tiles of rows, 6.0 ms for a SmolLM2 step's products against 11.6 at 1 row, 8.6 against
@@ -104,10 +104,7 @@ class Linear(Module):
         """Serve small products from ``weight``; the float weight stays for the rest and must be
         ``weight`` dequantized (and rounded to bf16, for a bf16 model)."""
         self.gguf = weight
-        if not hasattr(weight.ops, "set_panel_min_rows"):  # the Triton kernels
-            self._block_rows = GGUF_GPU_MAX_ROWS
-            return
-        self._block_rows = _gguf_float_max_rows(weight.ops, self.weight.dtype)
+        self._block_rows = _gguf_float_max_rows(weight.ops, self.weight.dtype, self.weight.device.type)
         self._lay_out_panels()
 
     def _lay_out_panels(self) -> None:
@@ -183,7 +180,7 @@ def _packed_wins(rows: int) -> bool:
 
 
 @functools.cache
-def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32) -> int:
+def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = "cpu") -> int:
     """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16) a product reads GGUF
     blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the process's rule for
     tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are
@@ -191,11 +188,17 @@ def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32) -> int:
     SmolLM2 MLP's shape: 127 MB of fp32 weights, read from memory as a step reads a model's (in
     cache, where they are bound by arithmetic alone, they measured a third as many rows for the
     blocks as a SmolLM2 step does). Once per process and dtype, about 0.3 s and 250 MB for that
-    moment."""
-    packed = torch.backends.mkldnn.is_available()
+    moment.
+
+    On a GPU (``device``; ``ops``: the Triton kernels) the same race runs there against
+    ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none: on an H200 the
+    float weights won at 1 and 32 rows, 3 to 8 times faster on SmolLM2's shapes, where a
+    fixed 48 rows had sent every decode step's products to the blocks."""
+    gpu = device != "cpu"
+    packed = not gpu and torch.backends.mkldnn.is_available()
     weights = []
     for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):
-        blocks = GGUFWeight(codes, scales, Q4_1, SAMPLE_IN_FEATURES, ops)
+        blocks = GGUFWeight(codes.to(device), scales.to(device), Q4_1, SAMPLE_IN_FEATURES, ops)
         blocks.lay_out_panels()
         weight = blocks.dequantize().to(dtype)
         weights.append((blocks, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) if packed else weight))
@@ -206,18 +209,22 @@ def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32) -> int:
                 torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
             else:
                 F.linear(x, weight)
+        if gpu:
+            torch.cuda.synchronize(device)
 
     def blocks(x):
         for weight, _ in weights:
             weight.matmul(x)
+        if gpu:
+            torch.cuda.synchronize(device)
 
     generator = torch.Generator().manual_seed(1)
-    chosen = 1
-    for rows in GGUF_FLOAT_ROWS:
-        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator).to(dtype)
+    chosen = 0 if gpu else 1
+    for rows in ((1,) if gpu else ()) + GGUF_FLOAT_ROWS:
+        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator).to(dtype).to(device)
         times = best_times({"blocks": lambda: blocks(x), "floats": lambda: floats(x)}, rounds=3)
         if times["blocks"] > _FLOAT_MARGIN * times["floats"]:
             break
         chosen = rows
-    logger.info("%s products of up to %d rows read the GGUF blocks on this CPU, longer ones the float weights", dtype, chosen)
+    logger.info("%s products of up to %d rows read the GGUF blocks on %s, longer ones the float weights", dtype, chosen, device)
     return chosen
