@@ -192,8 +192,9 @@ def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = 
 
     On a GPU (``device``; ``ops``: the Triton kernels) the same race runs there against
     ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none: on an H200 the
-    float weights won at 1 and 32 rows, 3 to 8 times faster on SmolLM2's shapes, where a
-    fixed 48 rows had sent every decode step's products to the blocks."""
+    float weights won at 1 and 32 rows, 2 to 8 times faster on SmolLM2's MLP shapes (only its
+    Q8_0 LM head at one row was faster from the blocks, by a fifth), where a fixed 48 rows had
+    sent every decode step's products to the blocks."""
     gpu = device != "cpu"
     packed = not gpu and torch.backends.mkldnn.is_available()
     weights = []
