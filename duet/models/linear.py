@@ -104,7 +104,8 @@ class Linear(Module):
         """Serve small products from ``weight``; the float weight stays for the rest and must be
         ``weight`` dequantized (and rounded to bf16, for a bf16 model)."""
         self.gguf = weight
-        self._block_rows = _gguf_float_max_rows(weight.ops, self.weight.dtype, self.weight.device.type)
+        # The blocks' device, not the float weight's: that is on meta where the blocks are the weight.
+        self._block_rows = _gguf_float_max_rows(weight.ops, self.weight.dtype, weight.codes.device.type)
         self._lay_out_panels()
 
     def _lay_out_panels(self) -> None:
