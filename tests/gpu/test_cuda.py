@@ -51,12 +51,11 @@ def test_triton_attention_on_the_gpu_equals_the_float64_reference(dtype, heads, 
 def test_triton_reads_quantized_caches_on_the_gpu_as_the_torch_path_does(cache_dtype):
     from duet.kernels.kv_quant import quantize_rows, rotate
     from duet.kernels.torch_attention import paged_attention_torch
+    from duet.kernels.triton_attention import paged_attention_triton
 
     query, key_cache, value_cache, metadata = build_batch(SPANS, 9, 3, 64, 16, torch.float32)
     key_cache = quantize_rows(rotate(torch.nan_to_num(key_cache, nan=0.5) * torch.logspace(-3, 1, 64)), cache_dtype)
     value_cache = quantize_rows(rotate(torch.nan_to_num(value_cache, nan=-0.5)), cache_dtype)
-    from duet.kernels.triton_attention import paged_attention_triton
-
     gpu = paged_attention_triton(*_on(CUDA, query, key_cache, value_cache, metadata), 0.01)
     cpu = paged_attention_torch(query, key_cache, value_cache, metadata, 0.01)
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-5, rtol=1e-5)
