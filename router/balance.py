@@ -25,8 +25,8 @@ TPOT target, while the prefill core idled 40% of the time.) The share is a quart
 quarters, a load past the prefill pool's capacity (4 req/s of 256-token prompts on two cores)
 held its queue near that bound, so first tokens came at 1.5-2 s against a 2 s target (TTFT p90
 1.7-2.05 s) while the decode core's sequences took 8 ms a token against 200; at a quarter the
-same load gave TTFT p90 0.7 s and TPOT p50 23-33 ms, and the TPOT room below still bounds
-what the decode pool takes.
+same load gave TTFT p90 0.69-1.47 s and TPOT p50 23-55 ms over four runs, and the TPOT room
+below still bounds what the decode pool takes.
 
 The TPOT room is a share of time. A decode replica that gives each decoding sequence a token
 every ``t`` while it computes no prompt (its ``decode_only_tpot_s``: step time over the tokens a
