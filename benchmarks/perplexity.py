@@ -9,9 +9,10 @@ prompt does; perplexity is over every token after the first. Printed per setting
 and its change against fp32; the mean KL divergence of its next-token distributions from
 fp32's (the finest of these measures: it sees every change, not only those that move a token);
 top-1 agreement with fp32 (the share of positions whose most likely next token is fp32's,
-every setting reading the same text); greedy agreement (from each
-paragraph's first sentence, 64 greedy tokens through the engine, the share equal to fp32's up
-to the first difference); resident weight bytes and KV bytes per token.
+every setting reading the same text); greedy agreement (the parity tests' 16 chat prompts,
+64 greedy tokens each through the engine, the share equal to fp32's up to each one's first
+difference, the strictest count: a token chosen differently at a near-tie ends its prompt's
+count, however alike the rest); resident weight bytes and KV bytes per token.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from tqdm import tqdm
 
 CHUNK = 256
 BLOCK_SIZE = 16
-GREEDY_TOKENS = 64
 # name: (quantization, kv_cache_dtype). fp32 is the baseline every change is measured against.
 SETTINGS = {
     "fp32": ("dequantized", "auto"),
@@ -86,10 +86,13 @@ def text_logits(model, token_ids: list[int], kv_dtype: torch.dtype) -> torch.Ten
     return torch.cat(logits)
 
 
-def greedy_tokens(llm, prompts: list[str]) -> list[list[int]]:
+def greedy_tokens(llm, prompts: list[list[int]]) -> list[list[int]]:
     from duet import SamplingParams
+    from duet.benchmarks.prompts import PARITY_NEW_TOKENS
 
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    # As the parity tests generate: min_tokens bars EOS, as transformers' min_new_tokens does.
+    params = SamplingParams(temperature=0.0, max_tokens=PARITY_NEW_TOKENS, min_tokens=PARITY_NEW_TOKENS)
+    outputs = llm.generate(prompts, params)
     return [output.outputs[0].token_ids for output in outputs]
 
 
@@ -103,10 +106,10 @@ def prefix_share(reference: list[list[int]], candidate: list[list[int]]) -> floa
 
 def run(model: str, settings: list[str]) -> list[Result]:
     from duet import LLM
-    from duet.benchmarks.eval_text import PARAGRAPHS, TEXT
+    from duet.benchmarks.eval_text import TEXT
+    from duet.benchmarks.prompts import encode_conversations, parity_conversations
 
-    token_ids = None
-    prompts = [paragraph.split(". ")[0] + "." for paragraph in PARAGRAPHS]
+    token_ids = prompts = None
     ordered = ["fp32"] + [name for name in settings if name != "fp32"]
     results, reference_log_probs, reference_greedy = [], None, None
     for name in tqdm(ordered, desc="settings", unit="setting"):
@@ -114,6 +117,7 @@ def run(model: str, settings: list[str]) -> list[Result]:
         started = time.perf_counter()
         llm = LLM(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=0.25)
         token_ids = token_ids or llm.get_tokenizer().encode(TEXT)
+        prompts = prompts or encode_conversations(llm.get_tokenizer(), parity_conversations())
         network, kv_dtype = llm.engine.executor.worker.runner.model, llm.engine.kv_dtype
         log_probs = text_logits(network, token_ids, kv_dtype).log_softmax(-1)
         targets = torch.tensor(token_ids[1:])

@@ -154,7 +154,7 @@ def smollm2_tokenizer(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def parity_prompts(smollm2_tokenizer) -> list[list[int]]:
-    from tests.prompts import encode_conversations, parity_conversations
+    from duet.benchmarks.prompts import encode_conversations, parity_conversations
 
     return encode_conversations(smollm2_tokenizer, parity_conversations())
 
@@ -162,7 +162,7 @@ def parity_prompts(smollm2_tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def parity_references(smollm2_dir, parity_prompts):
     """transformers' greedy tokens for the 16 parity prompts, computed once per test session."""
-    from tests.prompts import PARITY_NEW_TOKENS
+    from duet.benchmarks.prompts import PARITY_NEW_TOKENS
     from tests.reference import hf_greedy
 
     return hf_greedy(smollm2_dir, parity_prompts, PARITY_NEW_TOKENS)

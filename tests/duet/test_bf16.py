@@ -45,7 +45,7 @@ def test_bf16_tiny_llama_follows_transformers_bf16(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_bf16_smollm2_follows_transformers_bf16(smollm2_dir):
-    from tests.prompts import parity_conversations
+    from duet.benchmarks.prompts import parity_conversations
 
     llm = LLM(model="smollm2", dtype="bfloat16", max_model_len=1024)
     prompts = [llm.apply_chat_template(c) for c in parity_conversations()[::2]]

@@ -13,7 +13,7 @@ import gc
 import pytest
 
 from duet import LLM, SamplingParams
-from tests.prompts import PARITY_NEW_TOKENS, encode_conversations, shared_prefix_conversations
+from duet.benchmarks.prompts import PARITY_NEW_TOKENS, encode_conversations, shared_prefix_conversations
 from tests.reference import compare_to_reference, hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -92,7 +92,7 @@ def test_tp2_inside_each_of_two_stages_matches_transformers_and_tp2(ray_cluster,
 
 @pytest.mark.slow
 def test_smollm2_at_pp2_matches_transformers(ray_cluster, smollm2_dir, parity_prompts, parity_references):
-    from tests.prompts import PARITY_NEW_TOKENS
+    from duet.benchmarks.prompts import PARITY_NEW_TOKENS
 
     llm = LLM(model=str(smollm2_dir), num_kv_blocks=256, max_model_len=1024, pipeline_parallel_size=2)
     try:

@@ -12,7 +12,7 @@ import pytest
 from duet import LLM, SamplingParams, StructuredOutputs
 from tests.conftest import drain
 from tests.duet.schemas import SCHEMAS, SMALL_SCHEMA, small_schema_greedy
-from tests.prompts import encode_conversations
+from duet.benchmarks.prompts import encode_conversations
 from tests.reference import compare_to_reference
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "adaptive": False}

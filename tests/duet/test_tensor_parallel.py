@@ -122,7 +122,7 @@ def test_smollm2_at_tp2_matches_transformers(ray_cluster, smollm2_dir, parity_pr
     """The real model's 9 heads over 3 KV heads, its Q4_1/Q8_0 blocks sharded, batched."""
     llm = LLM(model=str(smollm2_dir), num_kv_blocks=256, max_model_len=1024, tensor_parallel_size=2)
     try:
-        from tests.prompts import PARITY_NEW_TOKENS
+        from duet.benchmarks.prompts import PARITY_NEW_TOKENS
 
         outputs = llm.generate(parity_prompts, _greedy(PARITY_NEW_TOKENS))
         notes = [

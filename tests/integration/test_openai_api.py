@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.prompts import PARITY_NEW_TOKENS
+from duet.benchmarks.prompts import PARITY_NEW_TOKENS
 from tests.reference import compare_to_reference
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from duet.config import EngineArgs
 from duet.engine import LLMEngine
 from duet.engine_process import EngineProcess
 from tests.kv_transfer.pd_harness import run_disaggregated
-from tests.prompts import PARITY_NEW_TOKENS
+from duet.benchmarks.prompts import PARITY_NEW_TOKENS
 from tests.reference import compare_to_reference
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from duet.router.tokenizer import RouterTokenizer
-from tests.prompts import parity_conversations
+from duet.benchmarks.prompts import parity_conversations
 
 
 def test_prompts_and_chat_templates_encode_as_transformers_does(smollm2_dir, smollm2_tokenizer):

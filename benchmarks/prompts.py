@@ -1,4 +1,5 @@
-"""Chat prompts of mixed lengths (about 5 to 600 tokens) for parity tests and benchmarks."""
+"""Chat prompts of mixed lengths (about 5 to 600 tokens): the parity tests' (greedy output against
+transformers) and ``duet eval ppl``'s (a quantized setting's greedy output against fp32's)."""
 
 # New tokens per parity prompt, compared with transformers.
 PARITY_NEW_TOKENS = 64
