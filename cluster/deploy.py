@@ -337,6 +337,7 @@ def format_status(report: dict) -> str:
         line = f"router: sequences moved by KV {migrations.get('kv', 0)}, by recompute {migrations.get('recompute', 0)}"
         if "local_prefills" in routing:
             line += f"; prompts computed on decode {routing['local_prefills']}, on prefill {routing['pd_prefills']}"
+            line += f", {routing.get('contexts_waited', 0)} waited for room"
         lines.append(line)
     admission = report["admission"]
     lines.append(f"router admission: {admission['running_sequences']} sequences running, {admission['queued_requests']} requests queued")

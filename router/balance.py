@@ -42,6 +42,14 @@ the rest of the way to the TPOT target itself goes to prompts that would miss th
 through the prefill pool and meet it locally: a first token that comes too late loses the
 request, a TPOT within its target loses nothing.
 
+Past the TTFT target, a context the decode pool cannot take waits in the router (``choose``
+gives None) instead of joining the prefill pool's queue: placed there, it would hold its KV
+blocks on a decode replica, reserved for the transfer, for as long as the queue takes. At 6
+req/s of 256-token prompts on two cores, those reservations filled the decode replica's KV
+within ten seconds. It then ran 2-20 sequences, computed no prompt of its own (its KV was
+full), and the prefill queue grew to 38 prompts. Held in the router, the context is placed once
+either way has room for it, in the order contexts came.
+
 Before any replica measured its prompt throughput, the static ``local_prefill_threshold`` decides
 (prompts shorter than it stay local): the rule's starting point, not the rule. With
 measurements, a short prompt goes through the prefill pool when decode is busy, and a long one
@@ -104,8 +112,12 @@ class StageBalancer:
         self._local_sent: deque[tuple[float, int]] = deque()  # (when, tokens) of the last LOCAL_WINDOW_S
         self.decisions = {True: 0, False: 0}
 
-    def choose(self, num_tokens: int) -> Choice:
+    def choose(self, num_tokens: int) -> Choice | None:
+        """Where a context of ``num_tokens`` goes, or None: it should wait (the prefill pool's
+        queue is past the TTFT target and the decode pool has no room for it)."""
         local = self._local(num_tokens)
+        if local is None:
+            return None
         self.decisions[local] += 1
         self._outstanding[local] += num_tokens
         choice = Choice(local, num_tokens, self, time.monotonic())
@@ -131,7 +143,7 @@ class StageBalancer:
         others = max(0, reported_pending - self._outstanding[local])
         return max(0.0, free_at - time.monotonic()) + others / tokens_per_s
 
-    def _local(self, num_tokens: int) -> bool:
+    def _local(self, num_tokens: int) -> bool | None:
         if self.pool_size("prefill") == 0:
             return True
         prefill = self.stats("prefill") or []
@@ -146,15 +158,18 @@ class StageBalancer:
         through_prefill = prefill_wait + num_tokens / prefill_rate + PD_OVERHEAD_S
         if prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s:
             return False
+        through_prefill_or_wait = None if prefill_wait > self.ttft_s else False
         on_decode = self._wait_s(True, decode_rate, sum(stats.prompt_tokens_pending for stats in decode)) + num_tokens / decode_rate
         if on_decode >= through_prefill:
-            return False
+            return through_prefill_or_wait
         token_cost_s = len(decode) / sum(stats.tokens_per_s or stats.prefill_tokens_per_s or per_replica for stats in decode)
         spent_s = (self._recent_local_tokens() + num_tokens) * token_cost_s
         if spent_s <= self._local_prompt_budget_s(decode, DECODE_TPOT_SHARE):
             return True
         rescues = through_prefill > self.ttft_s >= on_decode
-        return rescues and spent_s <= self._local_prompt_budget_s(decode, 1.0)
+        if rescues and spent_s <= self._local_prompt_budget_s(decode, 1.0):
+            return True
+        return through_prefill_or_wait
 
     def _recent_local_tokens(self) -> int:
         """Context tokens sent local in the last ``LOCAL_WINDOW_S`` (older ones are dropped)."""

@@ -154,6 +154,13 @@ class _RoutingCollector:
             prefills.add_metric([self.model_name, "decode"], balancer.decisions[True])
             prefills.add_metric([self.model_name, "prefill"], balancer.decisions[False])
             yield prefills
+            waited = CounterMetricFamily(
+                "duet:contexts_waited",
+                "Contexts the router held (no KV reserved) while the prefill pool's queue was past the TTFT target and the decode pool had no room.",
+                labels=["model_name"],
+            )
+            waited.add_metric([self.model_name], self.orchestrator.contexts_waited)
+            yield waited
         target = GaugeMetricFamily("duet:autoscaler_target_replicas", "The pool's size its autoscaling policy decided.", labels=["model_name", "stage"])
         running = GaugeMetricFamily("duet:autoscaler_running_replicas", "The pool's running replicas as the policy saw them.", labels=["model_name", "stage"])
         decisions = CounterMetricFamily(

@@ -4,7 +4,9 @@ Disaggregated: the decode replica is chosen first (by free KV) and reserves the 
 blocks, answering with its ``Placement`` (a ``KVDestination``); the prefill replica computes
 the prompt, streams its KV there layer run by layer run as its forward writes it, and answers
 with the first token, which goes to the client at once (the same token travels with the KV);
-the decode replica starts when the last layer lands and streams the rest. Local: one decode
+the decode replica starts when the last layer lands and streams the rest. (While the prefill
+pool's queue is past the TTFT target and the decode pool has no room, a context waits in the
+router instead, holding no KV anywhere: see ``duet.router.balance``.) Local: one decode
 replica computes everything (the colocated mode, and the ``StageBalancer``'s choice per
 sequence: see ``duet.router.balance``).
 
@@ -32,6 +34,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -59,6 +62,7 @@ PINNED_CALL_TIMEOUT_S = 30.0  # a busy replica answers between two steps; only a
 ROOM_WAIT_S = 60.0
 # The longest a placement waits for a decode replica's answer, room waits included.
 PLACE_WAIT_S = ROOM_WAIT_S + 10.0
+WAIT_POLL_S = 0.05  # how often the first context the balancer told to wait asks again
 FAILURE_POLICIES = ("recompute", "fail")
 # What a prefill replica runs to fill a resumed sequence's KV: the one token it samples is not used.
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
@@ -117,7 +121,9 @@ class Orchestrator:
         self.decode_pool = "decode" if prefill is not None else "colocated"
         self.migrations = {"kv": 0, "recompute": 0}
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
+        self.contexts_waited = 0  # contexts the balancer made wait for room in either pool
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
+        self._waiting: deque[object] = deque()  # contexts the balancer told to wait, first come first
 
     async def run(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """The sequence's deltas, wherever it runs; started over elsewhere each time it must."""
@@ -174,7 +180,7 @@ class Orchestrator:
         """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
         context computed by the prefill pool or there; yields the prefill's first token of a
         new sequence, then the decode stream (none if that token ended it), the caller's to close."""
-        choice = Choice(True, 0) if self.prefill is None else self.balancer.choose(sequence.num_context_tokens)
+        choice = Choice(True, 0) if self.prefill is None else await self._choose(sequence.num_context_tokens)
         if choice.local:
             yield await self._place_local(sequence, choice)
             return
@@ -212,6 +218,23 @@ class Orchestrator:
                 await stream.aclose()
                 return
         yield stream
+
+    async def _choose(self, num_tokens: int) -> Choice:
+        """The balancer's choice for a context, waiting while it says wait: in the order contexts
+        came (only the first waiting one asks), at most ``ROOM_WAIT_S``."""
+        ticket = object()
+        self._waiting.append(ticket)
+        try:
+            deadline = time.monotonic() + ROOM_WAIT_S
+            for attempt in itertools.count():
+                if self._waiting[0] is ticket and (choice := self.balancer.choose(num_tokens)) is not None:
+                    return choice
+                self.contexts_waited += attempt == 0
+                if time.monotonic() >= deadline:
+                    raise PoolUnavailableError(f"neither pool had room for this request for {ROOM_WAIT_S:.0f} s; retry it")
+                await asyncio.sleep(WAIT_POLL_S)
+        finally:
+            self._waiting.remove(ticket)
 
     async def _place_local(self, sequence: _Sequence, choice: Choice | None = None) -> _DecodeStream:
         stream = _DecodeStream(self, sequence.resumed(), choice=choice)

@@ -58,7 +58,7 @@ def test_a_short_prompt_goes_through_an_idle_prefill_pool_when_decode_is_busy_co
 
 
 def test_no_local_prompt_while_decode_lacks_room():
-    busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=50_000)]
+    busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1500)]  # 1.65 s there, 0.1 s here
     for loaded in (
         {"decode_only_tpot_s": TPOT_S},  # decoding alone takes the whole TPOT target
         {"num_decode_waiting": 1},  # a sequence waits for room
@@ -75,8 +75,9 @@ def test_local_prompts_take_at_most_the_share_of_decode_time_that_keeps_tpot_in_
     decode = [stats("decode", "d", prefill_tokens_per_s=900.0, tokens_per_s=1000.0, decode_only_tpot_s=0.075)]
     chooser = balancer(busy_prefill, decode)
     # The third would be done sooner here (3.3 s against 21 s) but would make 3.0 s of the window,
-    # and it misses its TTFT target either way: no rescue.
-    assert [chooser.choose(1000).local for _ in range(3)] == [True, True, False]
+    # and it misses its TTFT target either way: no rescue; past the target on both sides, it waits.
+    first, second, third = (chooser.choose(1000) for _ in range(3))
+    assert first.local and second.local and third is None
 
 
 def test_past_the_comfortable_share_a_prompt_that_would_miss_its_ttft_goes_local_up_to_the_target():
@@ -85,7 +86,7 @@ def test_past_the_comfortable_share_a_prompt_that_would_miss_its_ttft_goes_local
     long_queue = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=5000)]
     rescuer = balancer(long_queue, decode)
     assert rescuer.choose(500).local  # 5.55 s through prefill, 0.5 s here: within 1 s of decode time
-    assert not rescuer.choose(600).local  # 1.1 s of decode time: past the target
+    assert rescuer.choose(600) is None  # 1.1 s of decode time: past the target; 5 s queued there: it waits
     short_queue = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1000)]
     assert not balancer(short_queue, decode).choose(500).local  # 1.55 s through prefill: in time
 
@@ -134,3 +135,18 @@ def test_a_context_in_progress_on_the_prefill_pool_counts_for_what_is_left_of_it
     now[0] += 0.2
     assert not chooser.choose(300).local  # 0.1 s left of the first, 0.3 s of its own: 0.45 s in all
     assert chooser.choose(300).local  # behind both: 0.75 s there, 0.3 s here
+
+
+def test_a_context_neither_pool_can_take_in_time_waits_instead_of_reserving_decode_kv():
+    """Guards the decode replica whose KV filled with blocks reserved for prompts queued on the
+    prefill core (6 req/s on two cores): it ran 2-20 sequences and computed no prompt itself while
+    the prefill queue grew to 38. A context that would join a queue past the TTFT target, where the
+    decode pool has no room for it, waits; it goes through the prefill pool once that queue is
+    within the target, and stays local where decode has room."""
+    full_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02, num_free_blocks=100)]
+    long_queue = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=2100)]
+    assert balancer(long_queue, full_decode).choose(300) is None  # 2.1 s queued: past the 2 s target
+    within = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1900)]
+    assert not balancer(within, full_decode).choose(300).local  # 1.9 s queued: it joins the queue
+    room = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
+    assert balancer(long_queue, room).choose(300).local

@@ -9,6 +9,7 @@ import pytest
 import duet.router.pd as pd
 from duet.errors import KVTransferFailedError
 from duet.messages import EngineRequest, Moved, Placement, TokenDelta
+from duet.router.balance import Choice
 from duet.sampling_params import SamplingParams
 
 
@@ -144,3 +145,39 @@ def test_a_prompts_lost_kv_fails_under_the_fail_policy():
 
     with pytest.raises(KVTransferFailedError):
         asyncio.run(run())
+
+
+class _ScriptedBalancer:
+    """Says wait until ``open``, then sends every context through the prefill pool."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.asked: list[int] = []
+
+    def choose(self, num_tokens: int):
+        self.asked.append(num_tokens)
+        return Choice(False, num_tokens) if self.open else None
+
+
+def test_contexts_told_to_wait_are_placed_in_the_order_they_came_and_not_forever(monkeypatch):
+    """Only the first waiting context asks the balancer again, so a later one cannot take the
+    room an earlier one waited for; a wait is bounded, and nothing is left queued after it."""
+    monkeypatch.setattr(pd, "WAIT_POLL_S", 0.01)
+    balancer = _ScriptedBalancer()
+    orchestrator = pd.Orchestrator(prefill=object(), decode=object(), block_size=16, balancer=balancer)
+
+    async def scenario():
+        tasks = [asyncio.create_task(orchestrator._choose(num_tokens)) for num_tokens in (1, 2, 3)]
+        await asyncio.sleep(0.05)
+        assert set(balancer.asked) == {1}
+        balancer.open = True
+        return await asyncio.gather(*tasks)
+
+    choices = asyncio.run(scenario())
+    assert [choice.num_tokens for choice in choices] == [1, 2, 3]
+    assert balancer.asked[-3:] == [1, 2, 3] and orchestrator.contexts_waited == 3
+    monkeypatch.setattr(pd, "ROOM_WAIT_S", 0.05)
+    balancer.open = False
+    with pytest.raises(pd.PoolUnavailableError):
+        asyncio.run(orchestrator._choose(4))
+    assert not orchestrator._waiting and orchestrator.contexts_waited == 4
