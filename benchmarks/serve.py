@@ -7,7 +7,11 @@ Per request it measures TTFT, the time to the second token (in PD mode, when the
 replica's first decode step is out: the prompt's KV had to arrive first), TPOT (time per
 output token after the first), ITL (gaps between streamed tokens) and end-to-end latency, and prints p50/p90/p99 with throughput
 and goodput: requests per second that met both the TTFT and the TPOT SLO (vLLM's
-definition; DistServe's goodput is the highest rate at which 90% of requests do).
+definition; DistServe's goodput is the highest rate at which 90% of requests do). Both
+divide by the whole run, which ends with the last completion: near capacity, how long a
+layout takes to finish what is left after the last arrival (the drain, printed beside them)
+decides a few percent of both, however the requests before it fared. ``--json`` keeps each
+request's send time, TTFT, TPOT and end-to-end latency too.
 
 Each ``--config`` is brought up with ``duet up``, measured, and taken down, so a PD and a
 colocated config run in one invocation on the same machine, and the ratios to the first
@@ -34,6 +38,7 @@ SAFE_TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary of SmolLM2's tokenizer, 
 @dataclass
 class RequestResult:
     ok: bool
+    sent_s: float = 0.0  # seconds after the run's first request
     ttft: float = 0.0
     tt2t: float = 0.0  # time to the second token
     e2e: float = 0.0
@@ -56,7 +61,9 @@ class Summary:
     request_throughput: float
     output_throughput: float
     goodput: float
+    drain_s: float  # from the last request's sending to the run's end (the last completion)
     percentiles: dict[str, dict[str, float]]
+    requests: list[dict[str, float]]  # each one's send time (s), TTFT, TPOT, end to end (ms), in sending order
 
 
 def make_prompts(num: int, input_len: int, shared_prefix: int, seed: int) -> list[list[int]]:
@@ -115,7 +122,9 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
 
         async def tracked(prompt):
+            sent_s = time.perf_counter() - start
             result = await _one_request(client, url, model, prompt, output_len, api_key)
+            result.sent_s = sent_s
             progress.update(1)
             return result
 
@@ -155,6 +164,7 @@ def summarise(config: str, workload: str, results: list[RequestResult], duration
         request_throughput=len(ok) / duration,
         output_throughput=sum(r.output_tokens for r in ok) / duration,
         goodput=len(good) / duration,
+        drain_s=duration - max((r.sent_s for r in results), default=0.0),
         percentiles={
             "ttft_ms": _percentiles([r.ttft * 1e3 for r in ok]),
             "tt2t_ms": _percentiles([r.tt2t * 1e3 for r in ok]),
@@ -162,19 +172,22 @@ def summarise(config: str, workload: str, results: list[RequestResult], duration
             "itl_ms": _percentiles([gap * 1e3 for r in ok for gap in r.itls]),
             "e2e_ms": _percentiles([r.e2e * 1e3 for r in ok]),
         },
+        requests=[
+            {"sent_s": r.sent_s, "ok": r.ok, "ttft_ms": r.ttft * 1e3, "tpot_ms": r.tpot * 1e3, "e2e_ms": r.e2e * 1e3} for r in results
+        ],
     )
 
 
 def format_table(summaries: list[Summary]) -> str:
     lines = []
-    header = f"{'config':<22} {'workload':<20} {'ok/all':>7} {'req/s':>6} {'tok/s':>7} {'goodput':>7}"
+    header = f"{'config':<22} {'workload':<20} {'ok/all':>7} {'req/s':>6} {'tok/s':>7} {'goodput':>7} {'drain s':>7}"
     for metric in ("ttft_ms", "tt2t_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         header += f" {metric[:-3] + ' p50/p90/p99 ms':>24}"
     lines.append(header)
     for s in summaries:
         row = (
             f"{s.config:<22} {s.workload:<20} {s.num_requests - s.failed:>3}/{s.num_requests:<3} "
-            f"{s.request_throughput:>6.2f} {s.output_throughput:>7.1f} {s.goodput:>7.2f}"
+            f"{s.request_throughput:>6.2f} {s.output_throughput:>7.1f} {s.goodput:>7.2f} {s.drain_s:>7.2f}"
         )
         for metric in ("ttft_ms", "tt2t_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             p = s.percentiles[metric]
