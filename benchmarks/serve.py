@@ -63,7 +63,7 @@ class Summary:
     goodput: float
     drain_s: float  # from the last request's sending to the run's end (the last completion)
     percentiles: dict[str, dict[str, float]]
-    requests: list[dict[str, float]]  # each one's send time (s), TTFT, TPOT, end to end (ms), in sending order
+    requests: list[dict[str, float | bool]]  # each one's send time (s), whether it completed, TTFT, TPOT, end to end (ms), in sending order
 
 
 def make_prompts(num: int, input_len: int, shared_prefix: int, seed: int) -> list[list[int]]:
