@@ -4,9 +4,10 @@ Disaggregated: the decode replica is chosen first (by free KV) and reserves the 
 blocks, answering with its ``Placement`` (a ``KVDestination``); the prefill replica computes
 the prompt, streams its KV there layer run by layer run as its forward writes it, and answers
 with the first token, which goes to the client at once (the same token travels with the KV);
-the decode replica starts when the last layer lands and streams the rest. (While the prefill
-pool's queue is past the TTFT target and the decode pool has no room, a context waits in the
-router instead, holding no KV anywhere: see ``duet.router.balance``.) Local: one decode
+the decode replica starts when the last layer lands and streams the rest. (A context the
+prefill pool's queue would make late, where the decode pool has no room, waits in the router
+instead, holding no KV anywhere; waiting contexts go the most urgent first: see ``_admit`` and
+``duet.router.balance``.) Local: one decode
 replica computes everything (the colocated mode, and the ``StageBalancer``'s choice per
 sequence: see ``duet.router.balance``).
 
@@ -30,11 +31,11 @@ bounded time to come (a prefill replica killed with transfers still queued never
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -97,6 +98,16 @@ class _Sequence:
         return dataclasses.replace(self.request, request_id=request_id, output_token_ids=list(self.token_ids), kv_receive=kv_receive)
 
 
+@dataclasses.dataclass(eq=False)
+class _Waiting:
+    """A context waiting in the router for a pool with room for it."""
+
+    num_tokens: int
+    since: float
+    choice: Choice | None = None
+    admitted: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
 class Orchestrator:
     """``prefill`` is None in the colocated mode: ``decode`` is then the only pool, and
     ``balancer`` unused."""
@@ -123,7 +134,7 @@ class Orchestrator:
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
         self.contexts_waited = 0  # contexts the balancer made wait for room in either pool
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
-        self._waiting: deque[object] = deque()  # contexts the balancer told to wait, first come first
+        self._waiting: list[_Waiting] = []  # contexts waiting for room, first come first
 
     async def run(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """The sequence's deltas, wherever it runs; started over elsewhere each time it must."""
@@ -220,21 +231,39 @@ class Orchestrator:
         yield stream
 
     async def _choose(self, num_tokens: int) -> Choice:
-        """The balancer's choice for a context, waiting while it says wait: in the order contexts
-        came (only the first waiting one asks), at most ``ROOM_WAIT_S``."""
-        ticket = object()
-        self._waiting.append(ticket)
+        """The balancer's choice for a context, waiting while it says wait, at most ``ROOM_WAIT_S``.
+        Waiting contexts are placed the most urgent first (``_admit``)."""
+        waiting = _Waiting(num_tokens, time.monotonic())
+        self._waiting.append(waiting)
         try:
-            deadline = time.monotonic() + ROOM_WAIT_S
+            deadline = waiting.since + ROOM_WAIT_S
             for attempt in itertools.count():
-                if self._waiting[0] is ticket and (choice := self.balancer.choose(num_tokens)) is not None:
+                if attempt == 0 or self._waiting[0] is waiting:  # one context asks for all of them
+                    self._admit()
+                if waiting.choice is not None:
+                    choice, waiting.choice = waiting.choice, None
                     return choice
                 self.contexts_waited += attempt == 0
                 if time.monotonic() >= deadline:
                     raise PoolUnavailableError(f"neither pool had room for this request for {ROOM_WAIT_S:.0f} s; retry it")
-                await asyncio.sleep(WAIT_POLL_S)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(WAIT_POLL_S):
+                        await waiting.admitted.wait()
         finally:
-            self._waiting.remove(ticket)
+            self._waiting.remove(waiting)
+            if waiting.choice is not None:  # admitted, but its client left before it heard
+                waiting.choice.done()
+
+    def _admit(self) -> None:
+        """Hand the waiting contexts the balancer's choices, the most urgent first (see
+        ``StageBalancer.admit``)."""
+        now = time.monotonic()
+        pending = [waiting for waiting in self._waiting if waiting.choice is None]
+        choices = self.balancer.admit([(waiting.num_tokens, now - waiting.since) for waiting in pending])
+        for waiting, choice in zip(pending, choices):
+            if choice is not None:
+                waiting.choice = choice
+                waiting.admitted.set()
 
     async def _place_local(self, sequence: _Sequence, choice: Choice | None = None) -> _DecodeStream:
         stream = _DecodeStream(self, sequence.resumed(), choice=choice)

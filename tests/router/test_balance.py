@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from duet.messages import ReplicaStats
 from duet.router.balance import StageBalancer
 
@@ -140,13 +142,77 @@ def test_a_context_in_progress_on_the_prefill_pool_counts_for_what_is_left_of_it
 def test_a_context_neither_pool_can_take_in_time_waits_instead_of_reserving_decode_kv():
     """Guards the decode replica whose KV filled with blocks reserved for prompts queued on the
     prefill core (6 req/s on two cores): it ran 2-20 sequences and computed no prompt itself while
-    the prefill queue grew to 38. A context that would join a queue past the TTFT target, where the
-    decode pool has no room for it, waits; it goes through the prefill pool once that queue is
-    within the target, and stays local where decode has room."""
+    the prefill queue grew to 38. A context that would give its first token past the TTFT target
+    through the prefill pool, where the decode pool has no room for it, waits; it goes through the
+    prefill pool once that queue leaves it in time, and stays local where decode has room."""
     full_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02, num_free_blocks=100)]
-    long_queue = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=2100)]
-    assert balancer(long_queue, full_decode).choose(300) is None  # 2.1 s queued: past the 2 s target
-    within = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1900)]
-    assert not balancer(within, full_decode).choose(300).local  # 1.9 s queued: it joins the queue
+    long_queue = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1700)]
+    assert balancer(long_queue, full_decode).choose(300) is None  # 1.7 + 0.3 + 0.05 s: past the 2 s target
+    within = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=1600)]
+    assert not balancer(within, full_decode).choose(300).local  # 1.95 s: it joins the queue
+    assert balancer(within, full_decode).choose(300, waited_s=0.1) is None  # waited: 2.05 s
     room = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
     assert balancer(long_queue, room).choose(300).local
+
+
+def test_a_late_context_feeds_the_prefill_pool_only_when_its_queue_runs_low():
+    """A context that will be late whichever way still goes through the prefill pool once its
+    queue is below ``PREFILL_FEED_S``: that pool's time has no other use. Above it, the pool's
+    time is kept for contexts still in time."""
+    full_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02, num_free_blocks=100)]
+    low = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=400)]
+    assert not balancer(low, full_decode).choose(300, waited_s=5.0).local  # 0.4 s queued: it goes
+    fed = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=600)]
+    assert balancer(fed, full_decode).choose(300, waited_s=5.0) is None  # 0.6 s queued: it waits
+    assert not balancer(fed, full_decode).choose(300, waited_s=1.0).local  # 1.0 + 0.95 s: in time
+
+
+def test_in_time_asks_whether_the_fastest_way_with_nothing_queued_could_still_make_the_target():
+    prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=5000)]
+    decode = [stats("decode", "d", prefill_tokens_per_s=500.0)]
+    chooser = balancer(prefill, decode)
+    assert chooser.in_time(1000, waited_s=0.9)  # 1.05 s through an empty prefill pool: 1.95 s
+    assert not chooser.in_time(1000, waited_s=1.0)
+    assert balancer(None, None).in_time(1000, waited_s=10.0)  # nothing measured: nothing is late
+
+
+def test_first_tokens_that_come_later_than_predicted_make_the_next_predictions_later(monkeypatch):
+    """Placement waits for the decode replica's current step (up to a prompt chunk: ~0.5 s on one
+    core), which no report shows; at 4 req/s on two cores contexts predicted in time missed their
+    TTFT target by 0.1-0.5 s until each side's measured lateness entered its prediction."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
+    decode = [stats("decode", "d", prefill_tokens_per_s=200.0, decode_only_tpot_s=0.02, num_free_blocks=100)]
+    chooser = balancer(prefill, decode)
+    first = chooser.choose(300)
+    assert first.predicted_s == pytest.approx(0.35)
+    now[0] += 0.35 + 1.0  # a second late
+    first.done()
+    assert chooser.lateness[False] == pytest.approx(0.2)  # a fifth of the way there
+    for _ in range(20):
+        choice = chooser.choose(300)
+        now[0] += 0.35 + 1.0
+        choice.done()
+    assert chooser.lateness[False] == pytest.approx(1.0, abs=0.02)
+    assert not chooser.in_time(300, waited_s=0.7)  # 0.35 + 1.0 + 0.7 s, or 1.5 + 0.7 s on decode: past 2 s
+    chooser.choose(1000)  # 1.05 s queued from now
+    assert chooser.choose(300, waited_s=0.0) is None  # 1.05 + 0.35 + 1.0 s: past 2 s, and no room on decode
+
+
+def test_waiting_contexts_are_asked_for_the_most_urgent_first():
+    """Those still in time go first, in the order they came; a late one goes only where the
+    prefill pool would otherwise run low. Asked first come first served, the late context would
+    have taken the room that the one still in time needed."""
+    prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
+    full_decode = [stats("decode", "d", prefill_tokens_per_s=200.0, decode_only_tpot_s=0.02, num_free_blocks=100)]
+    chooser = balancer(prefill, full_decode)
+    assert not chooser.choose(400).local  # 0.4 s queued on the prefill pool from now
+    late, in_time, later = chooser.admit([(300, 1.7), (300, 1.2), (300, 1.3)])
+    assert late is None and later is None  # 0.7 s queued: past PREFILL_FEED_S; 2.35 s for the third
+    assert not in_time.local  # 1.2 + 0.4 + 0.35 s: within 2 s
+    assert chooser._snapshot is None
+    first_come = balancer(prefill, full_decode)
+    first_come.choose(400)
+    assert not first_come.choose(300, waited_s=1.7).local  # alone it feeds the pool (0.4 s queued)
+    assert first_come.choose(300, waited_s=1.2) is None  # ...and the one in time is then late
