@@ -54,8 +54,9 @@ the prefill pool once that pool's queue is below ``PREFILL_FEED_S`` (its time ha
 and the router asks for the contexts still in time first (``in_time``), in the order they came,
 then for the late ones. Waiting until that queue was past the target itself held it there under
 a load past both pools, so every context that joined it came late: at 4.3 req/s (seed 2000, 128
-requests) goodput was 1.45-1.87 req/s, TTFT p90 5.3-7.3 s; asking for those in time first and
-keeping the queue short gave 2.47-2.72 req/s, each context in time or well past it.
+requests on two cores) goodput was 1.45-1.87 req/s, TTFT p90 5.3-7.3 s; asking for those in time
+first and keeping the queue short gave 2.45-2.61 req/s in three runs (colocation 2.00-2.32 in the
+same runs), each context in time or well past it.
 
 A prediction leaves out what no report shows: the placement, which waits on the decode replica
 for the end of its current step (a prompt chunk there is ~0.5 s on one core), the hops, reports
@@ -99,9 +100,11 @@ class Choice:
     sent_at: float = 0.0
     predicted_s: float | None = None  # when its first token should come after ``sent_at``, before lateness
 
-    def done(self) -> None:
+    def done(self, first_token: bool = False) -> None:
+        """``first_token``: it came (its lateness counts), rather than the context failing or
+        its client leaving."""
         if self.balancer is not None:
-            self.balancer._done(self)
+            self.balancer._done(self, first_token)
             self.balancer = None
 
 
@@ -172,11 +175,11 @@ class StageBalancer:
             self._snapshot[pool] = self.stats(pool) or []
         return self._snapshot[pool]
 
-    def _done(self, choice: Choice) -> None:
+    def _done(self, choice: Choice, first_token: bool) -> None:
         self._outstanding[choice.local] -= choice.num_tokens
         self._in_flight[choice.local].remove(choice)
         self._last_done[choice.local] = now = time.monotonic()
-        if choice.predicted_s is not None:
+        if first_token and choice.predicted_s is not None:
             late_s = now - choice.sent_at - choice.predicted_s
             self.lateness[choice.local] += LATENESS_WEIGHT * (late_s - self.lateness[choice.local])
 

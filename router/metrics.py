@@ -156,7 +156,7 @@ class _RoutingCollector:
             yield prefills
             waited = CounterMetricFamily(
                 "duet:contexts_waited",
-                "Contexts the router held (no KV reserved) while the prefill pool's queue was past the TTFT target and the decode pool had no room.",
+                "Contexts the router held (no KV reserved) while the prefill pool's queue would have made them late and the decode pool had no room.",
                 labels=["model_name"],
             )
             waited.add_metric([self.model_name], self.orchestrator.contexts_waited)

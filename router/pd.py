@@ -200,6 +200,7 @@ class Orchestrator:
         try:
             placement = await stream.place()
             first = await self._prefill(sequence, stream.request.request_id, placement.destination)
+            choice.done(first_token=True)
         except (InvalidRequestError, RequestFailedError):
             await stream.aclose()
             raise
@@ -364,7 +365,7 @@ class _DecodeStream:
     async def __anext__(self) -> TokenDelta | Moved:
         item = await anext(self._items)
         if self.choice is not None:
-            self.choice.done()
+            self.choice.done(first_token=isinstance(item, TokenDelta))
         self.finished = isinstance(item, Moved) or item.finished
         return item
 

@@ -188,12 +188,16 @@ def test_first_tokens_that_come_later_than_predicted_make_the_next_predictions_l
     first = chooser.choose(300)
     assert first.predicted_s == pytest.approx(0.35)
     now[0] += 0.35 + 1.0  # a second late
-    first.done()
+    first.done(first_token=True)
     assert chooser.lateness[False] == pytest.approx(0.2)  # a fifth of the way there
     for _ in range(20):
         choice = chooser.choose(300)
         now[0] += 0.35 + 1.0
-        choice.done()
+        choice.done(first_token=True)
+    assert chooser.lateness[False] == pytest.approx(1.0, abs=0.02)
+    failed = chooser.choose(300)
+    now[0] += 5.0
+    failed.done()  # no first token: its time says nothing of the next ones
     assert chooser.lateness[False] == pytest.approx(1.0, abs=0.02)
     assert not chooser.in_time(300, waited_s=0.7)  # 0.35 + 1.0 + 0.7 s, or 1.5 + 0.7 s on decode: past 2 s
     chooser.choose(1000)  # 1.05 s queued from now

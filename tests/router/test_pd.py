@@ -165,7 +165,8 @@ class _ScriptedBalancer:
                 self.admitted.append(num_tokens)
         return choices
 
-    def _done(self, choice: Choice) -> None:
+    def _done(self, choice: Choice, first_token: bool) -> None:
+        assert not first_token
         self.released.append(choice.num_tokens)
 
 
