@@ -31,13 +31,12 @@ bounded time to come (a prefill replica killed with transfers still queued never
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 
 from ray.exceptions import RayActorError
 
@@ -247,7 +246,7 @@ class Orchestrator:
                 self.contexts_waited += attempt == 0
                 if time.monotonic() >= deadline:
                     raise PoolUnavailableError(f"neither pool had room for this request for {ROOM_WAIT_S:.0f} s; retry it")
-                with contextlib.suppress(TimeoutError):
+                with suppress(TimeoutError):
                     async with asyncio.timeout(WAIT_POLL_S):
                         await waiting.admitted.wait()
         finally:
