@@ -200,8 +200,8 @@ def test_first_tokens_that_come_later_than_predicted_make_the_next_predictions_l
     failed.done()  # no first token: its time says nothing of the next ones
     assert chooser.lateness[False] == pytest.approx(1.0, abs=0.02)
     assert not chooser.in_time(300, waited_s=0.7)  # 0.35 + 1.0 + 0.7 s, or 1.5 + 0.7 s on decode: past 2 s
-    chooser.choose(1000)  # 1.05 s queued from now
-    assert chooser.choose(300, waited_s=0.0) is None  # 1.05 + 0.35 + 1.0 s: past 2 s, and no room on decode
+    chooser.choose(1000)  # 1.0 s queued from now
+    assert chooser.choose(300, waited_s=0.0) is None  # 1.0 + 0.35 + 1.0 s: past 2 s, and no room on decode
 
 
 def test_waiting_contexts_are_asked_for_the_most_urgent_first():
