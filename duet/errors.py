@@ -1,5 +1,6 @@
-"""The errors that cross from an engine to the router, importable without torch. Each says, in
-its message, what went wrong and what to change; the router turns each into an HTTP status."""
+"""The errors that cross from an engine to the router, and the router's own when no pool can take
+a request, importable without torch. Each says, in its message, what went wrong and what to
+change; the router turns each into an HTTP status."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class ReplicaGoneError(RuntimeError):
         """Refuse a pinned call that Serve routed here because its replica is gone."""
         if replica_id != here:
             raise cls(f"replica {replica_id} is gone")
+
+
+class PoolUnavailableError(RuntimeError):
+    """No replica of a pool could take the request; the client should retry later (HTTP 503)."""
 
 
 class RequestFailedError(RuntimeError):

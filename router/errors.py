@@ -9,8 +9,7 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
-from duet.errors import InvalidRequestError, KVTransferFailedError, RequestFailedError
-from duet.router.pd import PoolUnavailableError
+from duet.errors import InvalidRequestError, KVTransferFailedError, PoolUnavailableError, RequestFailedError
 from duet.router.responses import error_body
 
 logger = logging.getLogger(__name__)

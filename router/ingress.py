@@ -186,7 +186,7 @@ class RouterIngress:
         if self.orchestrator.balancer is not None:
             routing["local_prefills"] = self.orchestrator.balancer.decisions[True]
             routing["pd_prefills"] = self.orchestrator.balancer.decisions[False]
-            routing["contexts_waited"] = self.orchestrator.contexts_waited
+            routing["contexts_waited"] = self.orchestrator.waiting_room.contexts_waited
         return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission, "routing": routing})
 
     # -- API endpoints

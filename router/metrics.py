@@ -159,7 +159,7 @@ class _RoutingCollector:
                 "Contexts the router held (no KV reserved) while the prefill pool's queue would have made them late and the decode pool had no room.",
                 labels=["model_name"],
             )
-            waited.add_metric([self.model_name], self.orchestrator.contexts_waited)
+            waited.add_metric([self.model_name], self.orchestrator.waiting_room.contexts_waited)
             yield waited
         target = GaugeMetricFamily("duet:autoscaler_target_replicas", "The pool's size its autoscaling policy decided.", labels=["model_name", "stage"])
         running = GaugeMetricFamily("duet:autoscaler_running_replicas", "The pool's running replicas as the policy saw them.", labels=["model_name", "stage"])

@@ -6,10 +6,10 @@ the prompt, streams its KV there layer run by layer run as its forward writes it
 with the first token, which goes to the client at once (the same token travels with the KV);
 the decode replica starts when the last layer lands and streams the rest. (A context the
 prefill pool's queue would make late, where the decode pool has no room, waits in the router
-instead, holding no KV anywhere; waiting contexts go the most urgent first: see ``_admit`` and
-``duet.router.balance``.) Local: one decode
-replica computes everything (the colocated mode, and the ``StageBalancer``'s choice per
-sequence: see ``duet.router.balance``).
+instead, holding no KV anywhere; waiting contexts go the most urgent first: see
+``duet.router.waiting`` and ``duet.router.balance``.) Local: one decode replica computes
+everything (the colocated mode, and the ``StageBalancer``'s choice per sequence: see
+``duet.router.balance``).
 
 A sequence outlives its decode replica. One leaving its pool alive (Serve stopping it:
 scale-down, redeploy) moves the sequence to another replica by KV and ends the stream with
@@ -36,7 +36,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing, suppress
+from contextlib import aclosing
 
 from ray.exceptions import RayActorError
 
@@ -44,6 +44,7 @@ from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
 from duet.errors import (
     InvalidRequestError,
     KVTransferFailedError,
+    PoolUnavailableError,
     ReplicaFullError,
     ReplicaGoneError,
     RequestFailedError,
@@ -52,24 +53,18 @@ from duet.errors import (
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
 from duet.router.balance import Choice, StageBalancer
 from duet.router.routing import own_serve_request, replica_running
+from duet.router.waiting import ROOM_WAIT_S, WaitingRoom
 from duet.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 PINNED_CALL_TIMEOUT_S = 30.0  # a busy replica answers between two steps; only a dead one takes this long
-# A sequence no decode replica has room for (KV reserved for prompts queued on prefill, full
-# batches) waits for room, backing off up to a second at a time, this long before a 503.
-ROOM_WAIT_S = 60.0
-# The longest a placement waits for a decode replica's answer, room waits included.
+# The longest a placement waits for a decode replica's answer, room waits (backing off up to a
+# second at a time) included.
 PLACE_WAIT_S = ROOM_WAIT_S + 10.0
-WAIT_POLL_S = 0.05  # how often the first context the balancer told to wait asks again
 FAILURE_POLICIES = ("recompute", "fail")
 # What a prefill replica runs to fill a resumed sequence's KV: the one token it samples is not used.
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-class PoolUnavailableError(RuntimeError):
-    """No replica of a pool could take the request; the client should retry later (HTTP 503)."""
 
 
 @dataclasses.dataclass
@@ -97,16 +92,6 @@ class _Sequence:
         return dataclasses.replace(self.request, request_id=request_id, output_token_ids=list(self.token_ids), kv_receive=kv_receive)
 
 
-@dataclasses.dataclass(eq=False)
-class _Waiting:
-    """A context waiting in the router for a pool with room for it."""
-
-    num_tokens: int
-    since: float
-    choice: Choice | None = None
-    admitted: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-
-
 class Orchestrator:
     """``prefill`` is None in the colocated mode: ``decode`` is then the only pool, and
     ``balancer`` unused."""
@@ -131,9 +116,8 @@ class Orchestrator:
         self.decode_pool = "decode" if prefill is not None else "colocated"
         self.migrations = {"kv": 0, "recompute": 0}
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
-        self.contexts_waited = 0  # contexts the balancer made wait for room in either pool
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
-        self._waiting: list[_Waiting] = []  # contexts waiting for room, first come first
+        self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
 
     async def run(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
         """The sequence's deltas, wherever it runs; started over elsewhere each time it must."""
@@ -190,7 +174,7 @@ class Orchestrator:
         """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
         context computed by the prefill pool or there; yields the prefill's first token of a
         new sequence, then the decode stream (none if that token ended it), the caller's to close."""
-        choice = Choice(True, 0) if self.prefill is None else await self._choose(sequence.num_context_tokens)
+        choice = Choice(True, 0) if self.prefill is None else await self.waiting_room.choose(sequence.num_context_tokens)
         if choice.local:
             yield await self._place_local(sequence, choice)
             return
@@ -229,41 +213,6 @@ class Orchestrator:
                 await stream.aclose()
                 return
         yield stream
-
-    async def _choose(self, num_tokens: int) -> Choice:
-        """The balancer's choice for a context, waiting while it says wait, at most ``ROOM_WAIT_S``.
-        Waiting contexts are placed the most urgent first (``_admit``)."""
-        waiting = _Waiting(num_tokens, time.monotonic())
-        self._waiting.append(waiting)
-        try:
-            deadline = waiting.since + ROOM_WAIT_S
-            for attempt in itertools.count():
-                if attempt == 0 or self._waiting[0] is waiting:  # one context asks for all of them
-                    self._admit()
-                if waiting.choice is not None:
-                    choice, waiting.choice = waiting.choice, None
-                    return choice
-                self.contexts_waited += attempt == 0
-                if time.monotonic() >= deadline:
-                    raise PoolUnavailableError(f"neither pool had room for this request for {ROOM_WAIT_S:.0f} s; retry it")
-                with suppress(TimeoutError):
-                    async with asyncio.timeout(WAIT_POLL_S):
-                        await waiting.admitted.wait()
-        finally:
-            self._waiting.remove(waiting)
-            if waiting.choice is not None:  # admitted, but its client left before it heard
-                waiting.choice.done()
-
-    def _admit(self) -> None:
-        """Hand the waiting contexts the balancer's choices, the most urgent first (see
-        ``StageBalancer.admit``)."""
-        now = time.monotonic()
-        pending = [waiting for waiting in self._waiting if waiting.choice is None]
-        choices = self.balancer.admit([(waiting.num_tokens, now - waiting.since) for waiting in pending])
-        for waiting, choice in zip(pending, choices):
-            if choice is not None:
-                waiting.choice = choice
-                waiting.admitted.set()
 
     async def _place_local(self, sequence: _Sequence, choice: Choice | None = None) -> _DecodeStream:
         stream = _DecodeStream(self, sequence.resumed(), choice=choice)

@@ -9,7 +9,6 @@ import pytest
 import duet.router.pd as pd
 from duet.errors import KVTransferFailedError
 from duet.messages import EngineRequest, Moved, Placement, TokenDelta
-from duet.router.balance import Choice
 from duet.sampling_params import SamplingParams
 
 
@@ -145,69 +144,3 @@ def test_a_prompts_lost_kv_fails_under_the_fail_policy():
 
     with pytest.raises(KVTransferFailedError):
         asyncio.run(run())
-
-
-class _ScriptedBalancer:
-    """Has room for ``room`` contexts (each through the prefill pool), given in the order asked,
-    and says wait past it."""
-
-    def __init__(self) -> None:
-        self.room = 0
-        self.admitted: list[int] = []
-        self.released: list[int] = []
-
-    def admit(self, contexts: list[tuple[int, float]]) -> list[Choice | None]:
-        choices = []
-        for num_tokens, _ in contexts:
-            choices.append(Choice(False, num_tokens, self) if self.room > 0 else None)
-            if self.room > 0:
-                self.room -= 1
-                self.admitted.append(num_tokens)
-        return choices
-
-    def _done(self, choice: Choice, first_token: bool) -> None:
-        assert not first_token
-        self.released.append(choice.num_tokens)
-
-
-def test_waiting_contexts_are_placed_as_the_balancer_admits_them_and_not_forever(monkeypatch):
-    """One waiting context asks for all; each takes its choice as soon as it is admitted. A
-    wait is bounded, and nothing is left queued after it."""
-    monkeypatch.setattr(pd, "WAIT_POLL_S", 0.01)
-    balancer = _ScriptedBalancer()
-    orchestrator = pd.Orchestrator(prefill=object(), decode=object(), block_size=16, balancer=balancer)
-
-    async def scenario():
-        tasks = [asyncio.create_task(orchestrator._choose(num_tokens)) for num_tokens in (1, 2, 3)]
-        await asyncio.sleep(0.05)
-        assert not balancer.admitted
-        balancer.room = 1
-        await asyncio.sleep(0.05)
-        assert balancer.admitted == [1] and tasks[0].done()
-        balancer.room = 2
-        return await asyncio.gather(*tasks)
-
-    choices = asyncio.run(scenario())
-    assert [choice.num_tokens for choice in choices] == [1, 2, 3]
-    assert balancer.admitted == [1, 2, 3] and orchestrator.contexts_waited == 3
-    monkeypatch.setattr(pd, "ROOM_WAIT_S", 0.05)
-    with pytest.raises(pd.PoolUnavailableError):
-        asyncio.run(orchestrator._choose(4))
-    assert not orchestrator._waiting and orchestrator.contexts_waited == 4 and not balancer.released
-
-
-def test_a_context_admitted_after_its_client_left_gives_its_room_back():
-    balancer = _ScriptedBalancer()
-    orchestrator = pd.Orchestrator(prefill=object(), decode=object(), block_size=16, balancer=balancer)
-
-    async def scenario():
-        task = asyncio.create_task(orchestrator._choose(5))
-        await asyncio.sleep(0.01)
-        balancer.room = 1
-        orchestrator._admit()  # another waiting context asked for it
-        task.cancel()  # before it woke to take the choice
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(scenario())
-    assert balancer.admitted == [5] and balancer.released == [5] and not orchestrator._waiting
