@@ -6,9 +6,11 @@ cluster: applications of the tiny model deployed beside the session's, driven ov
   KV: greedy, seeded, stop-string and schema-constrained streams read on as if nothing had
   happened.
 - Past ``router.max_migrations`` a stream ends with an error event, and nothing leaks.
-- Prompt-heavy load grows the prefill pool while decode stays; long outputs grow the decode
-  pool while prefill does not grow; idle shrinks both to their minimum; every request
-  completes with the offline engine's tokens.
+- Prompt-heavy load grows the prefill pool; long outputs grow the decode pool; idle shrinks both
+  to their minimum; every request completes with the offline engine's tokens. Whether the other
+  pool also grows in a phase depends on the machine's speed (a slow one may miss the TPOT target
+  under prompt load), so the test holds each pool's policy to its rule instead: every decision
+  it published is justified by the numbers it published with it.
 """
 
 from __future__ import annotations
@@ -181,12 +183,14 @@ def test_a_stream_past_max_migrations_ends_with_an_error_event_and_leaks_nothing
 
 
 class _Timeline:
-    """Replicas reporting per pool, sampled twice a second in the background, by phase."""
+    """Replicas reporting per pool, and each pool's latest autoscaling decision, sampled twice a
+    second in the background, by phase."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.phase = "start"
         self.samples: list[tuple[str, int, int]] = []
+        self.decisions: list[tuple[str, dict]] = []  # (phase, published record), each record once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -199,15 +203,44 @@ class _Timeline:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        seen = set()
         while not self._stop.wait(0.5):
             try:
                 pools = _status(self.url)["pools"]
             except httpx.HTTPError:
                 continue
             self.samples.append((self.phase, len(pools["prefill"]["stats"]), len(pools["decode"]["stats"])))
+            for pool in ("prefill", "decode"):
+                record = pools[pool].get("autoscaler")
+                key = record and (record["stage"], record["current"], record["target"], record["reason"], json.dumps(record["numbers"]))
+                if record and key not in seen:
+                    seen.add(key)
+                    self.decisions.append((self.phase, record))
 
     def counts(self, phase: str, pool: str) -> list[int]:
         return [sample[1 if pool == "prefill" else 2] for sample in self.samples if sample[0] == phase]
+
+
+def _unjustified(record: dict) -> str | None:
+    """What is wrong with a published decision whose reason its own numbers do not bear out
+    (``duet.cluster.autoscale``'s rules, restated); None when they do."""
+    reason = record["reason"].removesuffix(", bounded")
+    numbers, current = record["numbers"], record["current"]
+    if reason == "prompt_backlog":
+        ok = numbers["prompt_backlog"] > numbers["per_replica"] * current
+    elif reason == "kv_usage":
+        ok = numbers["kv_used_blocks"] > numbers["blocks_per_replica"] * numbers["kv_target"] * current
+    elif reason == "waiting":
+        ok = numbers["waiting"] > 0
+    elif reason in ("ttft", "ttft_decode_bound"):
+        ok = numbers["ttft_s"] > numbers["ttft_target_s"]
+    elif reason == "tpot":
+        ok = numbers["tpot_s"] > numbers["tpot_target_s"]
+    elif reason == "low_load":
+        ok = record["target"] < current
+    else:  # steady, cooldown, awaiting metrics: no change made
+        ok = record["target"] == current or reason.startswith(("cooldown", "awaiting_metrics"))
+    return None if ok else f"{record['stage']}: {reason} with {numbers} ({current} -> {record['target']})"
 
 
 async def _load(url: str, prompt_len: int, max_tokens: int, concurrency: int, until, max_s: float, rng: random.Random) -> list:
@@ -258,10 +291,11 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
                   and timeline.counts("idle", "decode")[-1] == 1, 60, "both pools back to one replica")
 
     assert max(timeline.counts("prompt-heavy", "prefill")) == 2, timeline.samples
-    assert max(timeline.counts("prompt-heavy", "decode")) == 1, timeline.samples
     assert max(timeline.counts("decode-heavy", "decode")) == 2, timeline.samples
-    prefill_in_decode_phase = timeline.counts("decode-heavy", "prefill")
-    assert all(later <= earlier for earlier, later in zip(prefill_in_decode_phase, prefill_in_decode_phase[1:])), timeline.samples
+    reasons = {(phase, record["stage"], record["reason"].removesuffix(", bounded")) for phase, record in timeline.decisions}
+    assert {("prompt-heavy", "prefill", "prompt_backlog"), ("prompt-heavy", "prefill", "ttft")} & reasons, timeline.decisions
+    assert {("decode-heavy", "decode", reason) for reason in ("kv_usage", "waiting", "tpot")} & reasons, timeline.decisions
+    assert [problem for _, record in timeline.decisions if (problem := _unjustified(record))] == []
     for results, max_tokens in ((prompt_heavy, 1), (decode_heavy, 700)):
         prompts = [prompt for prompt, _ in results]
         for (prompt, (status, tokens, errors)), want in zip(results, tiny_offline(prompts, max_tokens)):
