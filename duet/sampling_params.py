@@ -68,6 +68,9 @@ class SamplingParams:
     each token is sampled among those the constraint allows, and once it is complete only EOS
     is: a complete output ends at EOS; ``max_tokens`` cuts an incomplete one (``"length"``), and
     a ``stop`` string or stop token the client chose may end it early.
+
+    The OpenAI API's request fields are made from these fields, types and defaults
+    (``duet.router.protocol``): a field added here is one a request may set.
     """
 
     n: int = 1

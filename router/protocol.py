@@ -1,12 +1,16 @@
-"""The OpenAI request schemas the router accepts (pydantic, ``extra="forbid"``), turned into
-``SamplingParams``. Responses are plain dicts built in ``duet.router.responses``."""
+"""The OpenAI request schemas the router accepts (pydantic, ``extra="forbid"``), their sampling
+fields made from ``SamplingParams``' and turned into one. Responses are plain dicts built in
+``duet.router.responses``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import typing
 from typing import Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from duet.sampling_params import SamplingParams
@@ -95,56 +99,55 @@ class StructuredOutputsFields(BaseModel):
     grammar: str | None = None
 
 
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share: the engine's sampling settings with OpenAI's and vLLM's names."""
-
+class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+
+
+# The settings whose JSON form is the API's own: ``stop`` one string or a list, ``stop_token_ids``
+# a list, either null for none (``SamplingParams`` takes these as they are); ``structured_outputs``
+# vLLM's fields, made into the engine's constraint by ``constraint()``.
+_API_FORMS = {
+    "stop": (str | list[str] | None, None),
+    "stop_token_ids": (list[int] | None, None),
+    "structured_outputs": (StructuredOutputsFields | None, None),
+}
+# Limits the API checks as it parses (a 400 naming the field), beyond the engine's own checks.
+_API_LIMITS = {"logprobs": {"ge": 0, "le": 20}}
+
+
+def _engine_fields() -> dict:
+    """``SamplingParams``' fields, types and defaults, in its order (one set of defaults: the
+    engine's), each in its JSON form and with the API's limits. An endpoint that names or
+    defaults one differently (chat's ``max_tokens`` and ``logprobs``) declares its own."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields = {}
+    for field in dataclasses.fields(SamplingParams):
+        limits = _API_LIMITS.get(field.name, {})
+        fields[field.name] = _API_FORMS.get(field.name) or (hints[field.name], Field(default=field.default, **limits))
+    return fields
+
+
+_EngineFields = pydantic.create_model("_EngineFields", __base__=_Request, **_engine_fields())
+
+
+class _SamplingFields(_EngineFields):
+    """Fields both endpoints share: the engine's sampling settings (``SamplingParams``' fields,
+    with OpenAI's and vLLM's names) and how the response is sent."""
+
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsFields | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(
-            n=1,  # the router fans n out into separate sequences
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=stop,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.constraint(),
-        )
+        """The engine's settings for each of the ``n`` sequences (the router fans ``n`` out),
+        with the endpoint's ``max_tokens`` (fitted to the context) and ``logprobs``."""
+        settings = {field.name: getattr(self, field.name) for field in dataclasses.fields(SamplingParams)}
+        own = {"n": 1, "max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": self.constraint()}
+        return SamplingParams(**settings | own)
 
     def constraint(self) -> StructuredOutputs | None:
         """The output's constraint, from ``response_format`` or ``structured_outputs`` (not both)."""
@@ -186,8 +189,6 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
     suffix: None = None
 
@@ -223,6 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # Chat's own: no token limit unless asked (OpenAI's newer name wins), and logprobs a switch
+    # with the count apart.
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

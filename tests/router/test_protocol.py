@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from pydantic import ValidationError
 
 from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, read_body
-from duet.sampling_params import SamplingParamsError
+from duet.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_completion_fields_map_to_sampling_params():
@@ -19,6 +20,31 @@ def test_completion_fields_map_to_sampling_params():
     params = body.sampling_params(max_tokens=7, logprobs=2)
     assert (params.temperature, params.top_p, params.top_k, params.stop, params.seed) == (0.5, 0.9, 5, ("END",), 3)
     assert (params.max_tokens, params.min_tokens, params.logprobs, params.ignore_eos, params.n) == (7, 2, 2, True, 1)
+
+
+def test_the_sampling_fields_and_their_defaults_are_the_engines():
+    """Guards the one definition: every ``SamplingParams`` field is a field of both endpoints
+    (made from the dataclass), and a body that sets none builds the engine's defaults, chat's
+    own (no token limit) aside."""
+    for schema in (CompletionRequest, ChatCompletionRequest):
+        assert {field.name for field in dataclasses.fields(SamplingParams)} <= set(schema.model_fields)
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert completion.sampling_params(completion.max_tokens, completion.logprobs) == SamplingParams()
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert chat.sampling_params(chat.effective_max_tokens, chat.num_logprobs) == SamplingParams(max_tokens=None)
+
+
+@pytest.mark.parametrize(
+    "fields, stop, stop_token_ids",
+    [
+        ({"stop": None, "stop_token_ids": None}, (), ()),
+        ({"stop": "a", "stop_token_ids": [2]}, ("a",), (2,)),
+        ({"stop": ["a", "b"]}, ("a", "b"), ()),
+    ],
+)
+def test_stop_takes_its_openai_forms(fields, stop, stop_token_ids):
+    params = CompletionRequest.model_validate({"model": "m", "prompt": "x"} | fields).sampling_params(max_tokens=4, logprobs=None)
+    assert (params.stop, params.stop_token_ids) == (stop, stop_token_ids)
 
 
 @pytest.mark.parametrize(
