@@ -287,7 +287,7 @@ def plot(figures: list[Figure], path: str, dtype: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="duet bench offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
     parser.add_argument(

@@ -167,7 +167,7 @@ def _time_one(prefill, decode, request_id, prompt, params, streamed) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="duet bench transfer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the records to this JSON file")
     parser.add_argument("--plot", help="also plot GB/s against prompt length to this PNG file")
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ POLICY = "duet.cluster.autoscale:PoolPolicy"
 
 def build_app(args: dict) -> serve.Application:
     from duet.models.loader import max_positions, resolve_model_path
-    from duet.router.ingress import RouterIngress
+    from duet.cluster.admin import DuetIngress
 
     config = parse_args(args)
     # Resolve (for an alias: download and convert) and compile the CPU kernels once, here,
@@ -63,7 +63,7 @@ def build_app(args: dict) -> serve.Application:
             num_threads=config.prefill.num_threads(prefill_engine), kv_transfer=kv_transfer,
         )
     router = config.router
-    ingress = serve.deployment(name="router")(RouterIngress).options(
+    ingress = serve.deployment(name="router")(DuetIngress).options(
         num_replicas=router.num_replicas,
         ray_actor_options=router.ray_actor_options,
         max_ongoing_requests=router.max_running_sequences + router.max_queued_requests + 64,
@@ -81,13 +81,17 @@ def build_app(args: dict) -> serve.Application:
         tpot_s=config.slo.tpot_ms / 1000,
         on_transfer_failure=config.decode.on_transfer_failure,
         max_migrations=router.max_migrations,
-        autoscaled=[stage for stage, pool in pools.items() if pool.autoscaling_config is not None],
         max_running_sequences=router.max_running_sequences,
         max_queued_requests=router.max_queued_requests,
         max_queue_wait_s=router.max_queue_wait_s,
         max_prompts_per_request=router.max_prompts_per_request,
         max_body_bytes=router.max_body_bytes,
-        api_key=router.api_key or os.environ.get("DUET_API_KEY"),
+        api_keys=router.client_keys(),
+        autoscaled={
+            stage: (scaling["min_replicas"], scaling["max_replicas"])
+            for stage, pool in pools.items() if (scaling := pool.serve_autoscaling(stage)) is not None
+        },
+        admin_api_key=router.admin_api_key or os.environ.get("DUET_ADMIN_API_KEY"),
     )
 
 
@@ -126,12 +130,12 @@ def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> N
 def _deployment(name: str, pool: PoolSettings, engine, router_class: str, targets: dict):
     """A pool: fixed, or scaled by its ``PoolPolicy`` (which sees every pool's ``targets``);
     a replica with several ranks and its workers share a placement group."""
-    from duet.cluster.replica import GRACEFUL_SHUTDOWN_TIMEOUT_S, HEALTH_CHECK_PERIOD_S, EngineReplica
+    from duet.cluster.replica import GRACEFUL_SHUTDOWN_TIMEOUT_S, HEALTH_CHECK_PERIOD_S, ServeReplica
 
     autoscaling = pool.serve_autoscaling(name)
     if autoscaling is not None:
         autoscaling["policy"] = {"policy_function": POLICY, "policy_kwargs": {"stage": name, "targets": targets}}
-    return serve.deployment(name=name)(EngineReplica).options(
+    return serve.deployment(name=name)(ServeReplica).options(
         num_replicas=pool.num_replicas if autoscaling is None else None,
         autoscaling_config=autoscaling,
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,

@@ -7,13 +7,28 @@ import logging
 import sys
 
 
-def _chat(args: argparse.Namespace) -> None:
+def _chat(args: argparse.Namespace) -> int:
+    """A model that cannot be found or a setting the engine refuses is one line, with what to type."""
     from duet import LLM, SamplingParams
+    from duet.config import ConfigError
+    from duet.models.loader import ModelNotFoundError
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    except ModelNotFoundError as error:
+        print(
+            f"duet chat: {error}; pass --model smollm2 (fetched on first use) or the path of a local Hugging Face "
+            "model directory (config.json and *.safetensors)",
+            file=sys.stderr,
+        )
+        return 1
+    except ConfigError as error:
+        print(f"duet chat: {error}", file=sys.stderr)
+        return 1
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     output = llm.chat([{"role": "user", "content": args.message}], params)[0]
     print(output.outputs[0].text)
+    return 0
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -40,16 +55,46 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+SCALE_REPLICAS_RULE = "replicas must be a positive number (e.g. 2), or 'auto' to give the pool back to its policy"
+
+
+def scale_replicas(text: str) -> int | None:
+    """``duet scale``'s replicas: a positive number, or ``auto`` (None: back to the policy)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        replicas = int(text)
+    except ValueError:
+        replicas = 0
+    if replicas < 1:
+        raise ValueError(f"{SCALE_REPLICAS_RULE}, not {text!r}")
+    return replicas
+
+
+def scaled_message(pool: str, replicas: int | None, answer: dict) -> str:
+    """What ``duet scale`` did: the size the pool is held at (the router's ``target``, the size
+    asked clamped to the pool's bounds) and, when that is not the size asked, why."""
+    if replicas is None:
+        return f"the {pool} pool is back with its autoscaling policy"
+    target = answer.get("target", replicas)
+    message = f"the {pool} pool is pinned at {target} replicas"
+    if target != replicas and "min_replicas" in answer and "max_replicas" in answer:
+        message += f" (asked {replicas}; its autoscaling_config allows {answer['min_replicas']} to {answer['max_replicas']})"
+    elif target != replicas:
+        message += f" (asked {replicas}; its autoscaling_config bounds it)"
+    return message
+
+
 def _scale(args: argparse.Namespace) -> int:
     from duet.cluster.deploy import DeployError, scale
 
-    replicas = None if args.replicas == "auto" else int(args.replicas)
+    replicas = scale_replicas(args.replicas)
     try:
-        scale(args.pool, replicas, args.url)
+        answer = scale(args.pool, replicas, args.url)
     except DeployError as error:
         print(f"duet scale: {error}", file=sys.stderr)
         return 1
-    print(f"the {args.pool} pool is " + ("back with its autoscaling policy" if replicas is None else f"pinned at {replicas} replicas"))
+    print(scaled_message(args.pool, replicas, answer))
     return 0
 
 
@@ -64,11 +109,18 @@ EVAL_CHECKS = ("ppl",)
 BENCH_SUITES = ("offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured")
 
 
-def _bench(args: argparse.Namespace, rest: list[str]) -> int | None:
-    """A suite's exit status, where it has one (``soak``: 1 when its ledger is not exact)."""
+def _run_suite(module: str, argv: list[str]) -> int | None:
+    """Run ``duet.benchmarks.<module>``'s own ``main`` on everything after its name (``--help``
+    included); its exit status, where it has one (``soak``: 1 when its ledger is not exact)."""
     import importlib
 
-    return importlib.import_module(f"duet.benchmarks.{args.suite}").main(rest)
+    return importlib.import_module(f"duet.benchmarks.{module}").main(argv)
+
+
+def _options_for_the_suite(command: argparse.ArgumentParser, help: str) -> None:
+    """Everything after the suite's name, its --help included, is the suite's: its own parser reads it."""
+    options = command.add_argument("options", nargs=argparse.REMAINDER, help=help)
+    options.required = False  # argparse calls a REMAINDER positional required; none is fine
 
 
 def main(argv: list[str] | None = None) -> int | None:
@@ -94,30 +146,26 @@ def main(argv: list[str] | None = None) -> int | None:
     scale.add_argument("--url", default=None, help="the router's URL (default: the one `duet up` printed)")
     commands.add_parser("down", help="stop what `duet up` started")
 
-    bench = commands.add_parser("bench", help="benchmarks; `duet bench offline --help` for options")
-    bench.add_argument("suite", choices=BENCH_SUITES)
+    bench = commands.add_parser("bench", help="benchmarks; `duet bench SUITE --help` for a suite's options")
+    bench.add_argument("suite", choices=BENCH_SUITES, help="the benchmark to run")
+    _options_for_the_suite(bench, "the suite's options: `duet bench SUITE --help`")
     evaluate = commands.add_parser("eval", help="quality checks; `duet eval ppl --help` for options")
-    evaluate.add_argument("check", choices=EVAL_CHECKS)
+    evaluate.add_argument("check", choices=EVAL_CHECKS, help="the check to run")
+    _options_for_the_suite(evaluate, "the check's options: `duet eval ppl --help`")
 
-    args, rest = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
+    if args.command == "scale":
+        try:
+            scale_replicas(args.replicas)
+        except ValueError as error:
+            scale.error(str(error))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.command == "chat":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        _chat(args)
-    elif args.command == "bench":
-        return _bench(args, rest)
-    elif args.command == "eval":
-        from duet.benchmarks import perplexity
-
-        return perplexity.main(rest)
-    else:
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.command == "scale" and args.replicas != "auto" and not args.replicas.isdigit():
-            parser.error("replicas must be a number or 'auto'")
-        return {"up": _up, "status": _status, "scale": _scale, "down": _down}[args.command](args)
+    if args.command == "bench":
+        return _run_suite(args.suite, args.options)
+    if args.command == "eval":
+        return _run_suite({"ppl": "perplexity"}[args.check], args.options)
+    return {"chat": _chat, "up": _up, "status": _status, "scale": _scale, "down": _down}[args.command](args)
 
 
 if __name__ == "__main__":

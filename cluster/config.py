@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
@@ -173,10 +175,37 @@ class RouterSettings(_Strict):
     )
     max_prompts_per_request: int = Field(default=64, ge=1, description="prompts in one completions request; more get 400")
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    api_key: str | None = Field(default=None, description="require 'Authorization: Bearer <key>'; DUET_API_KEY also sets it")
+    api_key: str | list[str] | None = Field(
+        default=None, description="the client keys: a request must bear one as 'Authorization: Bearer <key>' (DUET_API_KEY adds one)"
+    )
+    api_keys_file: str | None = Field(default=None, description="a file of more client keys, one a line ('#' starts a comment)")
+    admin_api_key: str | None = Field(
+        default=None, description="the key of the /duet/ endpoints (status, scale, integrity); DUET_ADMIN_API_KEY also sets it"
+    )
     max_migrations: int = Field(
         default=3, ge=0, description="moves between decode replicas a sequence may make; one more fails it with an error event"
     )
+
+    @model_validator(mode="after")
+    def _keys_valid(self) -> RouterSettings:
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        if any(not key.strip() for key in keys) or (self.admin_api_key is not None and not self.admin_api_key.strip()):
+            raise ValueError("api_key and admin_api_key: a key may not be empty (leave the setting out for an open server)")
+        return self
+
+    def client_keys(self) -> list[str]:
+        """Every client key: ``api_key`` (one or a list), the lines of ``api_keys_file``, and
+        ``DUET_API_KEY``; none means the client API is open."""
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        if self.api_keys_file is not None:
+            try:
+                lines = Path(self.api_keys_file).expanduser().read_text().splitlines()
+            except OSError as error:
+                raise AppConfigError(f"router.api_keys_file: cannot read {self.api_keys_file} ({error.strerror})") from None
+            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if os.environ.get("DUET_API_KEY"):
+            keys.append(os.environ["DUET_API_KEY"])
+        return [key.strip() for key in keys]
 
 
 class KVTransferSettings(_Strict):

@@ -42,6 +42,40 @@ def use_loopback_ray() -> None:
             "set first: run `duet up` from the command line, or set it in the environment"
         )
     os.environ[LOOPBACK_RAY_ENV] = "0"
+    _settle_ray_auth_mode()
+
+
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray's documented switch: "token" or "disabled"
+RAY_AUTH_OFF_NOTE = (
+    "Ray token authentication is off for this cluster: it listens on 127.0.0.1 only, but any user of this machine "
+    "can reach it. `ray get-auth-token --generate`, then `duet down` and `duet up`, turns it on"
+)
+
+
+def ray_token_exists() -> bool:
+    """Whether Ray finds an authentication token where it looks: ``RAY_AUTH_TOKEN``, the file at
+    ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token`` (written by ``ray get-auth-token --generate``
+    and by any ``ray.init()`` that starts a cluster of its own)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").is_file()
+
+
+def ray_token_auth_on() -> bool:
+    """Ray's choice for a local cluster: ``RAY_AUTH_MODE`` where set, else on where a token exists."""
+    mode = os.environ.get(RAY_AUTH_MODE_ENV)
+    return mode.lower() == "token" if mode is not None else ray_token_exists()
+
+
+def _settle_ray_auth_mode() -> None:
+    """Where a token exists and ``RAY_AUTH_MODE`` is unset, Ray 2.60 turns token authentication on
+    for the local cluster it finds or starts, and warns so ("Token authentication is enabled for
+    this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out") in every process that connects
+    (``ray/_private/authentication/authentication_token_setup.py``). ``RAY_AUTH_MODE=token`` makes
+    the same choice without the warning; Ray reads it when imported, and ``ray start`` and the
+    cluster's processes inherit it. A mode the user set is theirs."""
+    if "ray" not in sys.modules and RAY_AUTH_MODE_ENV not in os.environ and ray_token_exists():
+        os.environ[RAY_AUTH_MODE_ENV] = "token"
 
 
 class DeployError(RuntimeError):
@@ -146,6 +180,8 @@ def _connect_or_start_ray(loopback: bool) -> bool:
     completed = subprocess.run(command, capture_output=True, text=True)
     if completed.returncode != 0:
         raise DeployError(f"ray start failed:\n{completed.stderr[-2000:]}")
+    if loopback and not ray_token_auth_on():
+        print(RAY_AUTH_OFF_NOTE, flush=True)  # Ray's own warning went to `ray start`'s captured output
     ray.init(address="auto", logging_level="WARNING", log_to_driver=False)
     return True
 
@@ -274,18 +310,38 @@ def _router_url(url: str | None) -> str:
     return state.urls[0] if state and state.urls else f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 
 
-def scale(pool: str, replicas: int | None, url: str | None = None) -> None:
-    """Pin an autoscaled pool at ``replicas`` (None: back to its policy) through the router."""
+def scale(pool: str, replicas: int | None, url: str | None = None) -> dict:
+    """Pin an autoscaled pool at ``replicas`` (None: back to its policy) through the router; its
+    answer (``target``, the size the pool is held at, and the pool's ``min_replicas`` and
+    ``max_replicas``, where the router gives them)."""
     import httpx
 
     url = _router_url(url)
-    headers = {"Authorization": f"Bearer {os.environ['DUET_API_KEY']}"} if os.environ.get("DUET_API_KEY") else {}
+    headers = _admin_headers()
     try:
         response = httpx.post(f"{url}/duet/scale", json={"pool": pool, "replicas": replicas}, headers=headers, timeout=30)
     except httpx.HTTPError as error:
         raise DeployError(f"no duet cluster answers at {url}: {error!r}") from None
+    return _answer(response, f"{url}/duet/scale")
+
+
+def _admin_headers() -> dict[str, str]:
+    """The ``/duet/`` endpoints' key, from ``DUET_ADMIN_API_KEY`` (the router's ``admin_api_key``)."""
+    key = os.environ.get("DUET_ADMIN_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _answer(response, where: str) -> dict:
+    """A router's JSON answer; one that is not 200 raises its error's message."""
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = None
     if response.status_code != 200:
-        raise DeployError(response.json().get("error", {}).get("message", response.text))
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        raise DeployError(message or f"HTTP {response.status_code} from {where}: {response.text[:300]}")
+    return answer if isinstance(answer, dict) else {}
 
 
 def status(url: str | None = None) -> dict:
@@ -293,11 +349,22 @@ def status(url: str | None = None) -> dict:
 
     url = _router_url(url)
     try:
-        response = httpx.get(f"{url}/duet/status", timeout=10)
-        response.raise_for_status()
+        response = httpx.get(f"{url}/duet/status", headers=_admin_headers(), timeout=10)
     except httpx.HTTPError as error:
         raise DeployError(f"no duet cluster answers at {url}: {error!r}") from None
-    return {"url": url} | response.json()
+    return {"url": url} | _answer(response, f"{url}/duet/status")
+
+
+def kv_dtype_shown(stats: dict) -> str:
+    """The dtype a replica's KV cache is in (``kv_dtype``: bfloat16, int8, ...), not its setting
+    (``kv_cache_dtype``: ``auto`` is the engine's dtype, shown as such where a replica does not
+    report the dtype itself)."""
+    short = {"float8_e4m3fn": "fp8_e4m3", "fp8": "fp8_e4m3"}  # vLLM's name, the one a config gives
+    if stats.get("kv_dtype"):
+        name = str(stats["kv_dtype"]).removeprefix("torch.")
+        return short.get(name, name)
+    setting = stats.get("kv_cache_dtype", "auto")
+    return "as model" if setting == "auto" else short.get(setting, setting)
 
 
 def format_status(report: dict) -> str:
@@ -318,7 +385,7 @@ def format_status(report: dict) -> str:
             lines.append(
                 f"{pool:<10} {stats['replica_id']:<10} {stats['num_running']:>7} {stats['num_waiting']:>7} "
                 f"{stats['kv_usage']:>8.1%} {str(stats['num_free_blocks']) + '/' + str(stats['num_blocks']):>12} "
-                f"{stats.get('kv_cache_dtype', 'auto'):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9}"
+                f"{kv_dtype_shown(stats):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9}"
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
                 + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )

@@ -303,6 +303,7 @@ class LLMEngine:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             kv_cache_dtype=self.args.kv_cache_dtype,
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             kv_bytes_per_block=self.kv_bytes_per_block,
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=manager.prefix_cache_queries,

@@ -108,7 +108,8 @@ class ReplicaStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # the setting
+    kv_dtype: str = ""  # the dtype the KV cache is in (bfloat16, int8, ...)
     kv_bytes_per_block: int = 0  # across this replica's layers, K and V
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

@@ -1,13 +1,15 @@
-"""The ingress deployment: OpenAI-compatible HTTP API over the prefill and decode pools.
+"""The ingress's client API: OpenAI-compatible HTTP over the prefill and decode pools.
 
 Per request: authorize, parse, tokenize (off the event loop), validate, admit (or 429), fan
 ``n`` and prompt lists out into sequences, run each through ``Orchestrator`` and merge their
 deltas into one response or one SSE stream. A client that goes away cancels the handler, and
 the orchestrator's clean-up frees the request's blocks in both pools.
+
+``RouterIngress`` is not a deployment by itself: ``duet.cluster.admin`` adds the operators'
+endpoints (``/duet/...``, their own key) and makes the Serve ingress of both.
 """
 
 import asyncio
-import dataclasses
 import hmac
 import math
 import time
@@ -21,7 +23,6 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from duet.cluster.autoscale import pin, published
 from duet.errors import InvalidRequestError
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError, QueueWaitError
 from duet.router.balance import StageBalancer
@@ -30,12 +31,21 @@ from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator
 from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, parse_json_object, read_body
 from duet.router.responses import ResponseBuilder, error_body, sse
-from duet.router.routing import live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
+from duet.router.routing import live_replicas, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import fit_to_context
 
 app = FastAPI(title="duet", docs_url=None, redoc_url=None)
+
+
+def bearer_matches(request: Request, keys: list[bytes]) -> bool:
+    """Whether the request's ``Authorization: Bearer`` token is one of ``keys`` (each compared
+    in constant time, all of them, so the time taken says nothing of which came close)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token_bytes = token.strip().encode()
+    matches = [hmac.compare_digest(token_bytes, key) for key in keys]
+    return scheme.lower() == "bearer" and any(matches)
 
 
 @app.exception_handler(ApiError)
@@ -56,10 +66,10 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     return api_error_from(error).response()
 
 
-# Last in the module: Serve serializes the class when it is decorated, with the globals it sees then.
-@serve.ingress(app)
 class RouterIngress:
-    """Serve ingress class (wrapped by ``duet.cluster.app``). ``prefill`` is None when colocated."""
+    """The client API's handlers (``duet.cluster.admin.DuetIngress`` is the deployment).
+    ``prefill`` is None when colocated; ``api_keys``: the client keys, any one of which a
+    request must bear (none: open)."""
 
     def __init__(
         self,
@@ -75,25 +85,20 @@ class RouterIngress:
         tpot_s: float,
         on_transfer_failure: str,
         max_migrations: int,
-        autoscaled: list[str],
         max_running_sequences: int,
         max_queued_requests: int,
         max_queue_wait_s: float | None,
         max_prompts_per_request: int,
         max_body_bytes: int,
-        api_key: str | None,
+        api_keys: list[str],
     ) -> None:
-        from duet.cluster.loopback import keep_replica_on_loopback
-
-        keep_replica_on_loopback()
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
-        self.api_key = api_key
+        self.api_keys = [key.encode() for key in api_keys]
         self.tokenizer = RouterTokenizer(model_dir)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.app_name = serve.get_replica_context().app_name
-        self.autoscaled = autoscaled
         balancer = None
         if prefill is not None:
             # Without adaptivity, the static threshold decides alone: no stats to read.
@@ -108,8 +113,8 @@ class RouterIngress:
         return {pool: stats for pool in self.pools if (stats := pool_stats(pool)) is not None}
 
     def _autoscaler(self) -> dict[str, dict]:
-        """The latest decision of each autoscaled pool's policy."""
-        return published(self.app_name, self.autoscaled)
+        """The latest decision of each autoscaled pool's policy (the deployment knows them)."""
+        return {}
 
     # -- open endpoints
 
@@ -124,70 +129,9 @@ class RouterIngress:
                 return ApiError(503, f"the {name} pool is not healthy: {reason}", "service_unavailable", retry_after=5).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/duet/integrity")
-    async def integrity(self, request: Request) -> Response:
-        """Run every replica's KV bookkeeping check now: per replica ``ok`` or what is wrong."""
-        self._authorize(request)
-
-        async def check(pool: str, replica_id: str) -> str:
-            own_serve_request()  # concurrent calls to one pool must not share a request id
-            try:
-                await asyncio.wait_for(self.pools[pool].check_integrity.remote(replica_id=replica_id), 30)
-            except Exception as error:  # noqa: BLE001 - reported per replica
-                return str(getattr(error, "cause", None) or error)
-            return "ok"
-
-        targets = [(pool, replica_id) for pool in self.pools for replica_id in replica_ids(pool)]
-        results = await asyncio.gather(*(check(pool, replica_id) for pool, replica_id in targets))
-        report: dict[str, dict[str, str]] = {pool: {} for pool in self.pools}
-        for (pool, replica_id), result in zip(targets, results):
-            report[pool][replica_id] = result
-        return JSONResponse({"ok": all(result == "ok" for result in results), "pools": report})
-
-    @app.post("/duet/scale")
-    async def scale(self, request: Request) -> Response:
-        """Pin an autoscaled pool at a size (``{"pool": "decode", "replicas": 2}``), or give it back
-        to its policy (``"replicas": null``)."""
-        self._authorize(request)
-        payload = await self._json_object(request)
-        pool, replicas = payload.get("pool"), payload.get("replicas")
-        if pool not in self.pools:
-            raise bad_request(f"pool must be one of {sorted(self.pools)}", "pool")
-        if pool not in self.autoscaled:
-            raise bad_request(f"the {pool} pool has a fixed size; give it an autoscaling_config to scale it", "pool")
-        if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1):
-            raise bad_request("replicas must be a positive integer, or null to unpin", "replicas")
-        await asyncio.to_thread(pin, self.app_name, pool, replicas)
-        return JSONResponse({"pool": pool, "pinned": replicas})
-
     @app.get("/metrics")
     async def metrics(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/duet/status")
-    async def status(self) -> Response:
-        """Each pool's replicas with their last reported stats and how old those are."""
-        now = time.time()
-        pools = {}
-        for name in self.pools:
-            stats = pool_stats(name)
-            pools[name] = {
-                "replicas": pool_size(name),
-                "live_replicas": live_replicas(name),
-                "stats": [
-                    dataclasses.asdict(s) | {"kv_usage": s.kv_usage, "prefix_hashes": len(s.prefix_hashes), "age_s": now - s.reported_at}
-                    for s in stats or []
-                ],
-            }
-        admission = {"running_sequences": self.admission.num_running, "queued_requests": self.admission.num_queued}
-        for name, decision in (await asyncio.to_thread(self._autoscaler)).items():
-            pools[name]["autoscaler"] = decision
-        routing = {"migrations": self.orchestrator.migrations}
-        if self.orchestrator.balancer is not None:
-            routing["local_prefills"] = self.orchestrator.balancer.decisions[True]
-            routing["pd_prefills"] = self.orchestrator.balancer.decisions[False]
-            routing["contexts_waited"] = self.orchestrator.waiting_room.contexts_waited
-        return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission, "routing": routing})
 
     # -- API endpoints
 
@@ -225,11 +169,7 @@ class RouterIngress:
     # -- the request pipeline
 
     def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        if self.api_keys and not bearer_matches(request, self.api_keys):
             raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'", "authentication_error")
 
     async def _parse(self, request: Request, schema):

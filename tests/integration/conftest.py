@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 API_KEY = "test-key"
+ADMIN_KEY = "test-admin-key"  # the /duet/ endpoints' own
 MAX_MODEL_LEN = 1024
 MAX_RUNNING, MAX_QUEUED = 2, 2
 MAX_BODY_BYTES = 64 * 1024
@@ -31,6 +32,11 @@ class Cluster:
     tiny_model_dir: str
     listeners_before: frozenset[str]  # TCP listening addresses on the machine before `duet up`
     api_key: str = API_KEY
+    admin_key: str = ADMIN_KEY
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_key}"}
 
     def client(self, colocated: bool = False):
         import openai
@@ -42,8 +48,7 @@ class Cluster:
         """Every replica's KV bookkeeping check of one application (default: ``pd``)."""
         import httpx
 
-        headers = {"Authorization": f"Bearer {self.api_key}"}
-        return httpx.get(f"{url or self.url}/duet/integrity", headers=headers, timeout=60).json()
+        return httpx.get(f"{url or self.url}/duet/integrity", headers=self.admin_headers, timeout=60).json()
 
 
 def _free_port() -> int:
@@ -100,6 +105,7 @@ def cluster_config(port: int, tiny_model_dir: str) -> dict:
             "max_queued_requests": MAX_QUEUED,
             "max_body_bytes": MAX_BODY_BYTES,
             "api_key": API_KEY,
+            "admin_api_key": ADMIN_KEY,
         },
     }
     colocated = {
@@ -108,7 +114,7 @@ def cluster_config(port: int, tiny_model_dir: str) -> dict:
         "mode": "colocated",
         "engine": _engine(),
         "decode": _pool(),
-        "router": {"ray_actor_options": {"num_cpus": 0}, "api_key": API_KEY},
+        "router": {"ray_actor_options": {"num_cpus": 0}, "api_key": API_KEY, "admin_api_key": ADMIN_KEY},
     }
     stress = {
         "model_id": "tiny",

@@ -77,9 +77,10 @@ def test_speculation_on_the_decode_pool_is_exact_and_counted(cluster):
     assert any('stage="decode"' in labels and value > 1 for labels, value in mean_length.items())
 
 
-def test_status_lists_pools_and_replicas(cluster, capsys):
+def test_status_lists_pools_and_replicas(cluster, capsys, monkeypatch):
     from duet.cluster.cli import main
 
+    monkeypatch.setenv("DUET_ADMIN_API_KEY", cluster.admin_key)
     assert main(["status", "--url", cluster.url]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^prefill\s+\S+\s+\d+\s+\d+", out, re.M) and re.search(r"^decode\s+\S+\s+\d+\s+\d+", out, re.M)

@@ -174,7 +174,7 @@ def test_fan_out_counts_every_sequence_against_admission(cluster):
                 lines = stream.aiter_lines()
                 while not (await anext(lines)).startswith("data: "):
                     pass  # admitted and producing: its sequences hold the seats
-                status = (await client.get(f"{cluster.url}/duet/status")).json()["admission"]
+                status = (await client.get(f"{cluster.url}/duet/status", headers=cluster.admin_headers)).json()["admission"]
                 others = [asyncio.create_task(client.post(f"{cluster.url}/v1/completions", json=small)) for _ in range(3)]
                 done, _ = await asyncio.wait(others, timeout=5, return_when=asyncio.FIRST_COMPLETED)
                 refused = [task.result().status_code for task in done]

@@ -63,9 +63,20 @@ def test_missing_or_wrong_api_key_gets_401_but_health_and_metrics_stay_open(clus
     assert httpx.get(f"{cluster.url}/metrics", timeout=10).status_code == 200
 
 
+def test_the_admin_endpoints_take_the_admin_key_and_no_client_key(cluster):
+    """Guards against a client key pinning a pool's size: /duet/ has a key of its own."""
+    for path in ("/duet/status", "/duet/integrity"):
+        assert httpx.get(f"{cluster.url}{path}", headers={"Authorization": f"Bearer {cluster.api_key}"}, timeout=60).status_code == 401
+        assert httpx.get(f"{cluster.url}{path}", headers=cluster.admin_headers, timeout=60).status_code == 200
+    scaled = _post(cluster, "/duet/scale", {"pool": "decode", "replicas": 2})
+    assert scaled.status_code == 401 and scaled.json()["error"]["type"] == "authentication_error"
+    # Admin keys open the admin API only.
+    assert _post(cluster, "/v1/completions", _completion(), cluster.admin_headers).status_code == 401
+
+
 def test_body_over_the_limit_gets_413(cluster):
-    for path in ("/v1/completions", "/duet/scale"):
-        response = _post(cluster, path, _completion(prompt="x" * (MAX_BODY_BYTES + 1)))
+    for path, headers in (("/v1/completions", None), ("/duet/scale", cluster.admin_headers)):
+        response = _post(cluster, path, _completion(prompt="x" * (MAX_BODY_BYTES + 1)), headers)
         assert response.status_code == 413, path
         assert response.json()["error"]["code"] == 413
 

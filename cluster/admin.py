@@ -1,0 +1,133 @@
+"""The operators' endpoints beside the client API, and the router's Serve deployment class.
+
+``/duet/status``, ``/duet/scale`` and ``/duet/integrity`` are one FastAPI router of their own
+with their own key: a client key (``router.api_key``) never pins a pool's size. The rule:
+
+- ``admin_api_key`` set: every admin call must bear it;
+- no ``admin_api_key`` and no client keys: open, as the client API is (a local cluster);
+- client keys but no ``admin_api_key``: refused (403), naming the setting to add.
+
+``DuetIngress`` is ``RouterIngress`` (``duet.router.ingress``, the client API) plus these
+routes, and the class ``duet.cluster.app`` deploys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from duet.cluster.autoscale import pin, published
+from duet.cluster.loopback import keep_replica_on_loopback
+from duet.router.errors import ApiError, bad_request
+from duet.router.ingress import RouterIngress, app, bearer_matches
+from duet.router.routing import live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
+
+admin = APIRouter(prefix="/duet")
+
+
+def admin_refusal(request: Request, admin_keys: list[bytes], has_client_keys: bool) -> ApiError | None:
+    """Why an admin call is refused (None: it is not), by the rule above."""
+    if admin_keys:
+        if bearer_matches(request, admin_keys):
+            return None
+        return ApiError(401, "missing or wrong admin key; send 'Authorization: Bearer <router.admin_api_key>'", "authentication_error")
+    if has_client_keys:
+        return ApiError(
+            403, "this server has client API keys but no admin key: set router.admin_api_key (or DUET_ADMIN_API_KEY) "
+            "to use the /duet/ endpoints", "permission_error",
+        )
+    return None
+
+
+class DuetIngress(RouterIngress):
+    """The router: the client API and the admin routes. ``autoscaled``: each autoscaled pool's
+    ``(min_replicas, max_replicas)``."""
+
+    def __init__(self, *args, autoscaled: dict[str, tuple[int, int]], admin_api_key: str | None, **kwargs) -> None:
+        keep_replica_on_loopback()  # before Serve starts this replica's gRPC server
+        super().__init__(*args, **kwargs)
+        self.autoscaled = {pool: tuple(bounds) for pool, bounds in autoscaled.items()}
+        self.admin_keys = [] if admin_api_key is None else [admin_api_key.encode()]
+
+    def _autoscaler(self) -> dict[str, dict]:
+        return published(self.app_name, list(self.autoscaled))
+
+    def _authorize_admin(self, request: Request) -> None:
+        refusal = admin_refusal(request, self.admin_keys, bool(self.api_keys))
+        if refusal is not None:
+            raise refusal
+
+    @admin.get("/status")
+    async def status(self, request: Request) -> Response:
+        """Each pool's replicas with their last reported stats and how old those are."""
+        self._authorize_admin(request)
+        now = time.time()
+        pools = {}
+        for name in self.pools:
+            stats = pool_stats(name)
+            pools[name] = {
+                "replicas": pool_size(name),
+                "live_replicas": live_replicas(name),
+                "stats": [
+                    dataclasses.asdict(s) | {"kv_usage": s.kv_usage, "prefix_hashes": len(s.prefix_hashes), "age_s": now - s.reported_at}
+                    for s in stats or []
+                ],
+            }
+        admission = {"running_sequences": self.admission.num_running, "queued_requests": self.admission.num_queued}
+        for name, decision in (await asyncio.to_thread(self._autoscaler)).items():
+            pools[name]["autoscaler"] = decision
+        routing = {"migrations": self.orchestrator.migrations}
+        if self.orchestrator.balancer is not None:
+            routing["local_prefills"] = self.orchestrator.balancer.decisions[True]
+            routing["pd_prefills"] = self.orchestrator.balancer.decisions[False]
+            routing["contexts_waited"] = self.orchestrator.waiting_room.contexts_waited
+        return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission, "routing": routing})
+
+    @admin.post("/scale")
+    async def scale(self, request: Request) -> Response:
+        """Pin an autoscaled pool at a size (``{"pool": "decode", "replicas": 2}``), or give it back
+        to its policy (``"replicas": null``). The answer says the size the pool is held at
+        (``target``: the pin within the pool's bounds) and the bounds."""
+        self._authorize_admin(request)
+        payload = await self._json_object(request)
+        pool, replicas = payload.get("pool"), payload.get("replicas")
+        if pool not in self.pools:
+            raise bad_request(f"pool must be one of {sorted(self.pools)}", "pool")
+        if pool not in self.autoscaled:
+            raise bad_request(f"the {pool} pool has a fixed size; give it an autoscaling_config to scale it", "pool")
+        if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1):
+            raise bad_request("replicas must be a positive integer, or null to give the pool back to its policy", "replicas")
+        await asyncio.to_thread(pin, self.app_name, pool, replicas)
+        low, high = self.autoscaled[pool]
+        target = None if replicas is None else min(max(replicas, low), high)
+        return JSONResponse({"pool": pool, "pinned": replicas, "target": target, "min_replicas": low, "max_replicas": high})
+
+    @admin.get("/integrity")
+    async def integrity(self, request: Request) -> Response:
+        """Run every replica's KV bookkeeping check now: per replica ``ok`` or what is wrong."""
+        self._authorize_admin(request)
+
+        async def check(pool: str, replica_id: str) -> str:
+            own_serve_request()  # concurrent calls to one pool must not share a request id
+            try:
+                await asyncio.wait_for(self.pools[pool].check_integrity.remote(replica_id=replica_id), 30)
+            except Exception as error:  # noqa: BLE001 - reported per replica
+                return str(getattr(error, "cause", None) or error)
+            return "ok"
+
+        targets = [(pool, replica_id) for pool in self.pools for replica_id in replica_ids(pool)]
+        results = await asyncio.gather(*(check(pool, replica_id) for pool, replica_id in targets))
+        report: dict[str, dict[str, str]] = {pool: {} for pool in self.pools}
+        for (pool, replica_id), result in zip(targets, results):
+            report[pool][replica_id] = result
+        return JSONResponse({"ok": all(result == "ok" for result in results), "pools": report})
+
+
+app.include_router(admin)
+# Last in the module: Serve takes the routes bound to the class (and its bases) when it is decorated.
+DuetIngress = serve.ingress(app)(DuetIngress)
