@@ -1,5 +1,6 @@
-"""The replica class's own bookkeeping, driven without Serve: a real engine (the tiny Llama,
-with a KV connector, as a decode replica has) behind a real engine thread."""
+"""The replica class's own bookkeeping, driven without Serve: replicas built from their parts
+(a real engine of the tiny Llama, with a KV connector as a decode replica has, and peers that
+call the other replica of a pair directly) behind real engine threads."""
 
 from __future__ import annotations
 
@@ -8,23 +9,19 @@ import time
 
 import pytest
 
-from duet.cluster.replica import EngineReplica, _request_id
+from duet.cluster.replica import EngineReplica
 from duet.config import EngineArgs
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
-from duet.engine_loop import EngineLoop
 from duet.messages import EngineRequest, Moved, Placement
 from duet.sampling_params import SamplingParams
 
 
 @pytest.fixture
 def replica(tiny_llama_dir):
-    """An ``EngineReplica`` with only what adding and aborting sequences use: its engine, loop and tasks."""
+    """A decode replica with no peers (it moves nothing)."""
     engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=64, kv_transfer_config={"name": "decode-test"}))
-    replica = object.__new__(EngineReplica)
-    replica.engine = engine
-    replica._tasks = set()
-    replica.loop = EngineLoop(engine.step, _request_id, engine.has_unfinished_requests, name="test-replica-loop")
+    replica = EngineReplica("decode-test", DecodeRole(), engine)
     yield replica
     replica.loop.stop()
     engine.close()
@@ -52,41 +49,39 @@ def test_a_placement_cancelled_while_the_engine_is_busy_frees_its_reserved_block
     engine.check_integrity()
 
 
-class _Pool:
-    """What a replica calls on its pool through Serve's handle (``reserve``, ``abort``), delivered
-    straight to one other replica in this process."""
+class _DirectPeers:
+    """``decode_node.migration.Peers`` of one replica of a pair: the other, called in this process."""
 
-    def __init__(self, replica: EngineReplica) -> None:
-        self.reserve = _Remote(replica.reserve)
-        self.abort = _Remote(lambda request_id, replica_id: asyncio.ensure_future(replica.abort(request_id, replica_id)))
+    def __init__(self) -> None:
+        self.other: EngineReplica | None = None
 
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
+        return await self.other.reserve(request, num_prompt_blocks)
 
-class _Remote:
-    def __init__(self, call) -> None:
-        self.remote = call
+    def abort(self, request_id: str, replica_id: str) -> None:
+        asyncio.ensure_future(self.other.abort(request_id, replica_id))
+
+    def any_running(self) -> bool:
+        return True
 
 
 def _decode_pair(tiny_llama_dir, **engine_kwargs):
     """Two decode replicas that can move sequences to one another by KV, over a real pair."""
     made = []
 
-    def make(name: str) -> EngineReplica:
+    def make(name: str, peers: _DirectPeers) -> EngineReplica:
         engine = LLMEngine(
             EngineArgs(
                 model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, kv_transfer_config={"name": name, "timeout_s": 20.0},
                 **engine_kwargs,
             )
         )
-        replica = object.__new__(EngineReplica)
-        replica.replica_id, replica.role, replica.engine = name, DecodeRole(), engine
-        replica.integrity_failures, replica.draining = 0, False
-        replica._streams, replica._adopted, replica._tasks = {}, {}, set()
-        replica.loop = EngineLoop(engine.step, _request_id, engine.has_unfinished_requests, name=f"{name}-loop")
-        made.append(replica)
-        return replica
+        made.append(EngineReplica(name, DecodeRole(), engine, peers))
+        return made[-1]
 
-    leaving, staying = make("leaving"), make("staying")
-    leaving._pool, staying._pool = _Pool(staying), _Pool(leaving)
+    leaving_peers, staying_peers = _DirectPeers(), _DirectPeers()
+    leaving, staying = make("leaving", leaving_peers), make("staying", staying_peers)
+    leaving_peers.other, staying_peers.other = staying, leaving
     yield leaving, staying
     for replica in made:
         for task in replica._tasks:
@@ -131,10 +126,10 @@ def test_a_stream_closed_while_its_sequence_moves_by_kv_frees_it_on_the_new_repl
         while leaving.engine.scheduler.requests["moving"].num_output_tokens < 5:
             await anext(stream)
         leaving.draining = True
-        await leaving._move("moving", by_kv=True)
-        assert "moving" in staying._adopted
+        await leaving.migration.move("moving", by_kv=True)
+        assert "moving" in staying.migration.adopted
         await stream.aclose()  # the client left before reading the move
-        return await _settled(staying), await _settled(leaving), dict(staying._adopted)
+        return await _settled(staying), await _settled(leaving), dict(staying.migration.adopted)
 
     staying_state, leaving_state, adopted = asyncio.run(run())
     assert staying_state == ({}, staying.engine.num_blocks) and adopted == {}
@@ -189,7 +184,7 @@ def test_a_seeded_sequence_moved_by_kv_while_speculating_goes_on_as_if_it_had_st
         while leaving.engine.scheduler.requests["moving"].num_output_tokens < 9:
             await anext(stream)
         leaving.draining = True
-        await leaving._move("moving", by_kv=True)
+        await leaving.migration.move("moving", by_kv=True)
         before, moved = await _read(stream)
         after, _ = await _read(staying.attach("moving", "staying"))
         return undisturbed, moved, after
