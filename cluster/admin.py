@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from duet.cluster.autoscale import pin, published
-from duet.cluster.loopback import keep_replica_on_loopback
+from duet.cluster.board import ActorBoard
 from duet.router.errors import ApiError, bad_request
 from duet.router.ingress import RouterIngress, app, bearer_matches
-from duet.router.routing import live_replicas, own_serve_request, pool_size, pool_stats, replica_ids
+from duet.router.serve_internals import keep_replica_on_loopback, live_replicas, new_call_context, pool_size, pool_stats, replica_ids
 
+logger = logging.getLogger(__name__)
 admin = APIRouter(prefix="/duet")
 
 
@@ -53,9 +54,17 @@ class DuetIngress(RouterIngress):
         super().__init__(*args, **kwargs)
         self.autoscaled = {pool: tuple(bounds) for pool, bounds in autoscaled.items()}
         self.admin_keys = [] if admin_api_key is None else [admin_api_key.encode()]
+        self.board = ActorBoard()
 
     def _autoscaler(self) -> dict[str, dict]:
-        return published(self.app_name, list(self.autoscaled))
+        """The latest decision of each autoscaled pool's policy (none while the board is out of reach)."""
+        if not self.autoscaled:
+            return {}
+        try:
+            return self.board.published(self.app_name, list(self.autoscaled))
+        except Exception as error:  # noqa: BLE001 - a report without the decisions beats no report
+            logger.warning("the autoscaler board did not answer: %r", error)
+            return {}
 
     def _authorize_admin(self, request: Request) -> None:
         refusal = admin_refusal(request, self.admin_keys, bool(self.api_keys))
@@ -102,7 +111,7 @@ class DuetIngress(RouterIngress):
             raise bad_request(f"the {pool} pool has a fixed size; give it an autoscaling_config to scale it", "pool")
         if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1):
             raise bad_request("replicas must be a positive integer, or null to give the pool back to its policy", "replicas")
-        await asyncio.to_thread(pin, self.app_name, pool, replicas)
+        await asyncio.to_thread(self.board.pin, self.app_name, pool, replicas)
         low, high = self.autoscaled[pool]
         target = None if replicas is None else min(max(replicas, low), high)
         return JSONResponse({"pool": pool, "pinned": replicas, "target": target, "min_replicas": low, "max_replicas": high})
@@ -113,7 +122,7 @@ class DuetIngress(RouterIngress):
         self._authorize_admin(request)
 
         async def check(pool: str, replica_id: str) -> str:
-            own_serve_request()  # concurrent calls to one pool must not share a request id
+            new_call_context()  # concurrent calls to one pool must not share a request id
             try:
                 await asyncio.wait_for(self.pools[pool].check_integrity.remote(replica_id=replica_id), 30)
             except Exception as error:  # noqa: BLE001 - reported per replica

@@ -12,11 +12,11 @@ look_back_period_s)`` and push every ``metrics_interval_s``.
 
 ``PoolPolicy`` is a deployment-level policy, one per pool, referenced by import path (so
 ``serve deploy`` runs it as ``duet up`` does). Both pools' policies run in the Serve controller,
-one after the other in each tick; each posts its pool's view on a board shared through this
-module as imported (Serve ships the policy by value, so its own globals are a copy per pool)
-and decides with the other pool's latest view: ``decide`` is one function of both pools, so
-the P:D balance is one decision. A view its policy stopped posting (its pool deleted, or
-redeployed without autoscaling or in another mode) counts for ``VIEW_TTL_S`` at most.
+one after the other in each tick; each posts its pool's view on the board
+(``duet.cluster.board``, a named actor) and decides with the other pool's latest view:
+``decide`` is one function of both pools, so the P:D balance is one decision. A view its policy
+stopped posting (its pool deleted, or redeployed without autoscaling or in another mode) counts
+for ``VIEW_TTL_S`` at most.
 Ray 2.60's application-level ``autoscaling_policy`` would see both pools natively, but it is
 registered only by a declarative deploy (``serve deploy``, the REST API): ``serve.run``, which
 ``duet up`` uses, has no way to set it.
@@ -45,19 +45,18 @@ An operator may pin an autoscaled pool at a size (``duet scale POOL N``, ``POST 
 within the bounds, without cooldown.
 
 Each change of a pool's decision is logged in one line with the numbers behind it, and
-published (Ray's internal KV store) for the router's ``/metrics``
+published on the board for the router's ``/metrics``
 (``duet:autoscaler_target_replicas{stage}``, decisions counted by reason) and ``duet status``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import json
 import logging
 import math
 import time
 
+from duet.cluster.board import ActorBoard
 from duet.messages import ReplicaStats
 
 logger = logging.getLogger("ray.serve")
@@ -70,12 +69,7 @@ METRICS = (
 LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fraction of each target
 DEFAULT_PROMPT_TOKENS_PER_REPLICA = 2048  # before any replica measured its prompt speed
 PUBLISH_EVERY_S = 1.0
-PINS_READ_EVERY_S = 0.5
 VIEW_TTL_S = 10.0  # a pool's view its policy has not posted for this long is left out of decisions
-_KV_NAMESPACE = "duet_autoscaler"
-
-# app name -> stage -> its latest PoolView (the board both pools' policies read).
-_BOARD: dict[str, dict[str, PoolView]] = {}
 
 
 def autoscaling_metrics(stats: ReplicaStats) -> dict[str, float]:
@@ -242,16 +236,16 @@ def _bounded(decision: Decision, view: PoolView, targets: Targets, now: float) -
 
 class PoolPolicy:
     """Serve's deployment-level policy of one pool (``policy_kwargs``: ``stage``, and ``targets``:
-    a dict of ``Targets`` per stage of the application)."""
+    a dict of ``Targets`` per stage of the application). ``board``: where the pools meet
+    (default: the cluster's board actor; tests pass a ``LocalBoard``)."""
 
-    def __init__(self, stage: str, targets: dict[str, dict]) -> None:
+    def __init__(self, stage: str, targets: dict[str, dict], board=None) -> None:
         self.stage = stage
         self.targets = {name: Targets(**values) for name, values in targets.items()}
+        self.board = board if board is not None else ActorBoard()
         self._last: Decision | None = None
         self._published_at = 0.0
         self._counts: dict[str, int] = {}
-        self._pins: dict[str, int] = {}
-        self._pins_read_at = 0.0
         self._created_at = time.time()  # pins set before this deployment of the pool do not hold
 
     def __call__(self, ctx) -> tuple[int, dict]:
@@ -266,14 +260,16 @@ class PoolPolicy:
             self.stage, ctx.target_num_replicas, ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
             [replica for replica in replicas if replica], last_change, len(ctx.running_replicas), now,
         )
-        board = _board(ctx.app_name)
-        board[self.stage] = view
-        views = {stage: seen for stage, seen in board.items() if now - seen.at <= VIEW_TTL_S}
-        if now - self._pins_read_at >= PINS_READ_EVERY_S:
-            self._pins_read_at = now
-            self._pins = pins(ctx.app_name, [self.stage], since=self._created_at)
-        decision = decide(views, self.targets, now, self._pins)[self.stage]
-        self._report(ctx.app_name, decision, ctx.current_num_replicas, now)
+        try:
+            posted, pin_records = self.board.exchange(ctx.app_name or "", self.stage, dataclasses.asdict(view))
+        except Exception as error:  # noqa: BLE001 - decide from this pool's view alone meanwhile
+            logger.warning("the autoscaler board is out of reach (%r): the %s pool decides alone", error, self.stage)
+            posted, pin_records = {}, {}
+        seen = {stage: PoolView(**fields) for stage, fields in posted.items()} | {self.stage: view}
+        views = {stage: other for stage, other in seen.items() if now - other.at <= VIEW_TTL_S}
+        pins = {stage: record["replicas"] for stage, record in pin_records.items() if record["at"] >= self._created_at}
+        decision = decide(views, self.targets, now, pins)[self.stage]
+        self._report(ctx.app_name or "", decision, ctx.current_num_replicas, now)
         return decision.target, {}
 
     def _report(self, app_name: str, decision: Decision, running: int, now: float) -> None:
@@ -285,57 +281,8 @@ class PoolPolicy:
         self._last = decision
         if changed or now - self._published_at >= PUBLISH_EVERY_S:
             self._published_at = now
-            record = dataclasses.asdict(decision) | {"running": running, "decisions": self._counts, "at": now}
-            publish(app_name, self.stage, record)
-
-
-def _board(app_name: str) -> dict[str, PoolView]:
-    """This module as imported (one per controller process), not the policy's by-value copy."""
-    return importlib.import_module(__name__)._BOARD.setdefault(app_name or "", {})
-
-
-def publish(app_name: str, stage: str, record: dict) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    try:
-        _internal_kv_put(f"{app_name}/{stage}", json.dumps(record), overwrite=True, namespace=_KV_NAMESPACE)
-    except Exception as error:  # noqa: BLE001 - the decision stands; only its report is lost
-        logger.warning("could not publish the %s autoscaler decision: %r", stage, error)
-
-
-def published(app_name: str, stages) -> dict[str, dict]:
-    """The latest published decision per stage of an application (stages without one left out)."""
-    return _read(app_name, stages, "")
-
-
-def pin(app_name: str, stage: str, replicas: int | None) -> None:
-    """Hold a pool at ``replicas`` (within its bounds) until unpinned (None): an operator's
-    override of the policy (``duet scale``), e.g. to drain a replica before maintenance."""
-    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_put
-
-    key = f"{app_name}/{stage}/pin"
-    if replicas is None:
-        _internal_kv_del(key, namespace=_KV_NAMESPACE)
-    else:
-        record = {"replicas": replicas, "at": time.time()}
-        _internal_kv_put(key, json.dumps(record), overwrite=True, namespace=_KV_NAMESPACE)
-
-
-def pins(app_name: str, stages, since: float = 0.0) -> dict[str, int]:
-    """Pins per stage set at or after ``since`` (wall-clock seconds; older ones belong to an
-    earlier deployment of the application)."""
-    return {stage: record["replicas"] for stage, record in _read(app_name, stages, "/pin").items() if record["at"] >= since}
-
-
-def _read(app_name: str, stages, suffix: str) -> dict:
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    found = {}
-    for stage in stages:
-        try:
-            raw = _internal_kv_get(f"{app_name}/{stage}{suffix}", namespace=_KV_NAMESPACE)
-        except Exception:  # noqa: BLE001 - nothing readable is nothing there
-            raw = None
-        if raw:
-            found[stage] = json.loads(raw)
-    return found
+            record = dataclasses.asdict(decision) | {"running": running, "decisions": dict(self._counts), "at": now}
+            try:
+                self.board.publish(app_name, self.stage, record)
+            except Exception as error:  # noqa: BLE001 - the decision stands; only its report is lost
+                logger.warning("could not publish the %s autoscaler decision: %r", self.stage, error)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from duet.cluster.loopback import LOOPBACK_RAY_ENV
+from duet.router.serve_internals import LOOPBACK_RAY_ENV
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 HEALTH_TIMEOUT_S = 600.0

@@ -27,7 +27,6 @@ from ray import serve
 
 from duet.block_pool import BlockIntegrityError
 from duet.cluster.autoscale import autoscaling_metrics
-from duet.cluster.loopback import keep_replica_on_loopback
 from duet.config import EngineArgs
 from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream
 from duet.decode_node.role import DecodeRole
@@ -36,7 +35,7 @@ from duet.engine_loop import EngineLoop
 from duet.errors import KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, ReplicaStats, TokenDelta
 from duet.prefill_node.role import PrefillRole
-from duet.router.routing import own_serve_request, replica_ids, watch_departure
+from duet.router.serve_internals import keep_replica_on_loopback, new_call_context, replica_ids, watch_departure
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +58,11 @@ class _ServePeers:
         self._stage = stage
 
     async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
-        own_serve_request()  # the moves' calls overlap (an abort, the next move)
+        new_call_context()  # the moves' calls overlap (an abort, the next move)
         return await asyncio.wait_for(self._pool.reserve.remote(request, num_prompt_blocks=num_prompt_blocks), MOVE_CALL_TIMEOUT_S)
 
     def abort(self, request_id: str, replica_id: str) -> None:
-        own_serve_request()
+        new_call_context()
         self._pool.abort.remote(request_id, replica_id=replica_id)
 
     def any_running(self) -> bool:

@@ -31,7 +31,7 @@ from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator
 from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, parse_json_object, read_body
 from duet.router.responses import ResponseBuilder, error_body, sse
-from duet.router.routing import live_replicas, pool_size, pool_stats
+from duet.router.serve_internals import live_replicas, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import fit_to_context
@@ -131,7 +131,8 @@ class RouterIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the loop: a collector may wait on another process (the autoscalers' board).
+        return Response(await asyncio.to_thread(generate_latest, self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- API endpoints
 

@@ -52,7 +52,7 @@ from duet.errors import (
 )
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
 from duet.router.balance import Choice, StageBalancer
-from duet.router.routing import own_serve_request, replica_running
+from duet.router.serve_internals import new_call_context, replica_running
 from duet.router.waiting import ROOM_WAIT_S, WaitingRoom
 from duet.sampling_params import SamplingParams
 
@@ -234,7 +234,7 @@ class Orchestrator:
             request = EngineRequest(request_id, context, _FILL_PARAMS)
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
         hashes = leading_block_hashes(request.prompt_token_ids, self.block_size, ROUTING_PREFIX_BLOCKS)
-        own_serve_request()
+        new_call_context()
         stream = self.prefill.options(stream=True).generate.remote(request, prefix_hashes=hashes)
         try:
             async for delta in stream:
@@ -258,7 +258,7 @@ class Orchestrator:
             return
 
         async def settle():
-            own_serve_request()  # beside the sequence's next call, which has the id it inherited
+            new_call_context()  # beside the sequence's next call, which has the id it inherited
             try:
                 await self._pinned(call)
             except (asyncio.TimeoutError, ReplicaGoneError, RayActorError):
@@ -321,7 +321,7 @@ class _DecodeStream:
         decode = self.orchestrator.decode
         deadline = time.monotonic() + ROOM_WAIT_S
         for attempt in itertools.count():
-            own_serve_request()  # an abort of an earlier placement may still be on its way
+            new_call_context()  # an abort of an earlier placement may still be on its way
             self._stream = decode.options(stream=True).generate.remote(self.request, num_prompt_blocks=self.num_prompt_blocks)
             try:
                 async for item in self._stream:
@@ -333,7 +333,7 @@ class _DecodeStream:
                 await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
 
     async def _attach(self) -> AsyncIterator[TokenDelta | Moved]:
-        own_serve_request()
+        new_call_context()
         self._stream = self.orchestrator.decode.options(stream=True).attach.remote(self.request.request_id, replica_id=self.replica_id)
         async for item in self._stream:
             yield item

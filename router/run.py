@@ -13,7 +13,7 @@ from duet.detokenizer import SequenceText
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator
 from duet.router.responses import Choice, ResponseBuilder
-from duet.router.routing import own_serve_request
+from duet.router.serve_internals import new_call_context
 from duet.router.tokenizer import RouterTokenizer
 from duet.sampling_params import SamplingParams
 
@@ -82,7 +82,7 @@ class Run:
     async def _pump(self, sequence: SequenceSpec, merged: asyncio.Queue) -> None:
         """One sequence's token ids from the pools, made into text here; a stop string ends it
         (leaving the ``async with`` aborts it in the pools, which know no text)."""
-        own_serve_request()
+        new_call_context()
         prompt = self.encoded[sequence.prompt_index]
         sequence_id = f"{self.request_id}-{sequence.choice_index}"
         text = SequenceText.start(self.tokenizer.backend, sequence.params)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 # The integration tests run a local cluster, which listens on 127.0.0.1 only; every process that
 # connects to it must say so before it first imports ray (see duet.cluster.deploy).
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # duet.cluster.loopback.LOOPBACK_RAY_ENV
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # duet.router.serve_internals.LOOPBACK_RAY_ENV
 
 import pytest
 import torch

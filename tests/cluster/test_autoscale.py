@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from duet.cluster.autoscale import LOW_LOAD, VIEW_TTL_S, PoolPolicy, PoolView, Targets, decide
+from duet.cluster.board import LocalBoard
 
 PREFILL = Targets(prompt_tokens_per_replica=1000, cooldown_s=10)
 DECODE = Targets(kv_usage=0.5, tpot_s=0.2, cooldown_s=10)
@@ -186,7 +187,8 @@ def test_serve_ticks_each_pools_policy_and_they_decide_together_through_the_boar
     """Two policy instances of one application (as Serve's controller holds them): the prefill
     pool's decision reads the decode pool's latest view, posted by the decode policy's tick."""
     targets = {name: vars(values) for name, values in TARGETS.items()}
-    prefill, decode = PoolPolicy("prefill", targets), PoolPolicy("decode", targets)
+    board = LocalBoard()
+    prefill, decode = PoolPolicy("prefill", targets, board), PoolPolicy("decode", targets, board)
     app = "board-test"
     full = {"num_decoding_blocks": 400.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 3.0, "tpot_s": 0.05}
     slow = {"prompt_tokens_pending": 0.0, "ttft_s": 5.0, "prefill_tokens_per_s": 2000.0}
@@ -210,12 +212,27 @@ def test_a_pool_of_an_earlier_deployment_is_left_out_of_the_decision():
     pd_targets = {name: vars(values) for name, values in TARGETS.items()}
     loaded = {"num_decoding_blocks": 900.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 3.0, "tpot_s": 0.05,
               "prompt_tokens_pending": 5000.0, "new_prompt_tokens_pending": 5000.0}
-    PoolPolicy("decode", pd_targets)(_context(app, "decode", {"d1": loaded}, 1, NOW))
-    colocated = PoolPolicy("colocated", {"colocated": vars(DECODE)})
+    board = LocalBoard()
+    PoolPolicy("decode", pd_targets, board)(_context(app, "decode", {"d1": loaded}, 1, NOW))
+    colocated = PoolPolicy("colocated", {"colocated": vars(DECODE)}, board)
     calm = {"num_decoding_blocks": 10.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 0.0, "tpot_s": 0.05}
     assert colocated(_context(app, "colocated", {"c1": calm}, 1, NOW))[0] == 1
     # Prefill's policy alone ticks on (decode went fixed): the old decode view's backlog counts only until it is stale.
-    prefill = PoolPolicy("prefill", pd_targets)
+    prefill = PoolPolicy("prefill", pd_targets, board)
     idle = {"prompt_tokens_pending": 0.0, "ttft_s": 0.1, "prefill_tokens_per_s": 2000.0}
     assert prefill(_context(app, "prefill", {"p1": idle}, 1, NOW + 1))[0] == 4  # 5000 tokens queued on decode, 1000 each
     assert prefill(_context(app, "prefill", {"p1": idle}, 1, NOW + 1 + VIEW_TTL_S + 1))[0] == 1
+
+
+def test_a_pin_set_on_the_board_holds_the_pool_until_unpinned_but_not_one_set_before_its_deployment():
+    board = LocalBoard()
+    targets = {name: vars(values) for name, values in TARGETS.items()}
+    calm = {"num_decoding_blocks": 10.0, "num_blocks": float(BLOCKS), "num_decode_waiting": 0.0, "tpot_s": 0.05}
+    board.pin("pinned", "decode", 3, at=0.0)  # an earlier deployment's
+    decode = PoolPolicy("decode", targets, board)
+    assert decode(_context("pinned", "decode", {"d1": calm}, 1, NOW))[0] == 1
+    board.pin("pinned", "decode", 3, at=decode._created_at)
+    assert decode(_context("pinned", "decode", {"d1": calm}, 1, NOW))[0] == 3
+    assert board.published("pinned", ["decode", "prefill"])["decode"]["reason"] == "pinned"
+    board.pin("pinned", "decode", None, at=decode._created_at)
+    assert decode(_context("pinned", "decode", {"d1": calm}, 1, NOW))[0] == 1
