@@ -1,4 +1,5 @@
-"""One sequence's way through the pools, as token ids (the router makes the text).
+"""One sequence's way through the pools, as token ids (the router makes the text). The calls
+are made here; the sequence's phase and what follows a failure are ``duet.router.sequence``'s.
 
 Disaggregated: the decode replica is chosen first (by free KV) and reserves the context's
 blocks, answering with its ``Placement`` (a ``KVDestination``); the prefill replica computes
@@ -53,6 +54,7 @@ from duet.errors import (
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
 from duet.router.balance import Choice, StageBalancer
 from duet.router.serve_internals import new_call_context, replica_running
+from duet.router.sequence import Action, Failure, Phase, Sequence, TooManyMigrations
 from duet.router.waiting import ROOM_WAIT_S, WaitingRoom
 from duet.sampling_params import SamplingParams
 
@@ -65,31 +67,6 @@ PLACE_WAIT_S = ROOM_WAIT_S + 10.0
 FAILURE_POLICIES = ("recompute", "fail")
 # What a prefill replica runs to fill a resumed sequence's KV: the one token it samples is not used.
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-@dataclasses.dataclass
-class _Sequence:
-    """What the router knows of one sequence: enough to start it over anywhere."""
-
-    request: EngineRequest  # as the client asked it; its id names the sequence
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # sent to the client so far
-    migrations: int = 0
-    placements: int = 0
-
-    @property
-    def num_context_tokens(self) -> int:
-        """Tokens whose KV a (re)start computes: the prompt and all outputs but the last."""
-        return len(self.request.prompt_token_ids) + max(0, len(self.token_ids) - 1)
-
-    def resumed(self, kv_receive: bool = False) -> EngineRequest:
-        """The sequence with its tokens so far, to place anew: under an id of its own each
-        time, so that an earlier placement's tear-down (a cancel or an abort still on its way to
-        the same replica) cannot touch this one."""
-        self.placements += 1
-        request_id = self.request.request_id
-        if self.placements > 1:
-            request_id = f"{request_id}.{self.placements - 1}"
-        return dataclasses.replace(self.request, request_id=request_id, output_token_ids=list(self.token_ids), kv_receive=kv_receive)
 
 
 class Orchestrator:
@@ -120,13 +97,17 @@ class Orchestrator:
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
 
     async def run(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        """The sequence's deltas, wherever it runs; started over elsewhere each time it must."""
-        sequence = _Sequence(EngineRequest(sequence_id, prompt_token_ids, params))
+        """The sequence's deltas, wherever it runs; started over elsewhere each time it must
+        (``duet.router.sequence`` decides)."""
+        sequence = Sequence(EngineRequest(sequence_id, prompt_token_ids, params), self.max_migrations, self.on_transfer_failure)
         moved_to = moved = None
         while True:
             stream = None
             try:
-                if moved_to is None:
+                if sequence.phase is Phase.MOVING:
+                    stream = _DecodeStream(self, moved, replica_id=moved_to)
+                    sequence.to(Phase.DECODING)
+                else:
                     async with aclosing(self._start(sequence)) as items:
                         async for item in items:
                             if isinstance(item, _DecodeStream):
@@ -135,65 +116,77 @@ class Orchestrator:
                                 sequence.token_ids += item.token_ids
                                 yield item
                     if stream is None:  # the prefill replica's first token ended it
+                        sequence.to(Phase.DONE)
                         return
-                else:
-                    stream = _DecodeStream(self, moved, replica_id=moved_to)
                 async for item in stream:
                     if isinstance(item, Moved):
                         moved_to, moved = item.replica_id, stream.request
                         self.migrations["kv" if moved_to else "recompute"] += 1
+                        sequence.moved(by_kv=moved_to is not None)
                         break
                     sequence.token_ids += item.token_ids
                     yield item
                     if item.finished:
+                        sequence.to(Phase.DONE)
                         return
                 else:
                     raise PoolUnavailableError(f"decode replica {stream.replica_id} ended {sequence.request.request_id} early")
+            except TooManyMigrations as error:
+                if moved_to is not None and sequence.phase is Phase.FAILED:  # it went on there: stop it
+                    request_id, replica_id = moved.request_id, moved_to
+                    self.fire(replica_id, lambda: self.decode.abort.remote(request_id, replica_id=replica_id))
+                raise PoolUnavailableError(str(error)) from None
             except (RayActorError, ReplicaGoneError, WorkerDiedError, KVTransferFailedError) as error:
-                # ``fail`` is for a prompt's own KV; a sequence under way (moved, or started over)
-                # whose KV is lost is recomputed, as a move whose KV could not go is.
-                if isinstance(error, KVTransferFailedError) and self.on_transfer_failure == "fail" and not sequence.migrations:
+                failure = Failure.KV_LOST if isinstance(error, KVTransferFailedError) else Failure.REPLICA_LOST
+                phase = sequence.phase
+                try:
+                    action = sequence.failed(failure)
+                except TooManyMigrations as too_many:
+                    raise PoolUnavailableError(str(too_many)) from None
+                if action is Action.FAIL:
                     raise
                 where = stream.replica_id if stream is not None else "(placing it)"
-                logger.warning("%s lost on decode replica %s (%r); recomputing it", sequence.request.request_id, where, error)
+                logger.warning(
+                    "%s lost on decode replica %s while %s (%r); recomputing it", sequence.request.request_id, where, phase.value, error
+                )
                 self.migrations["recompute"] += 1
                 moved_to = None
             finally:
                 if stream is not None:
                     await stream.aclose()
-            sequence.migrations += 1
-            if sequence.migrations > self.max_migrations:
-                if moved_to is not None:  # it went on there: stop it
-                    request_id, replica_id = moved.request_id, moved_to
-                    self.fire(replica_id, lambda: self.decode.abort.remote(request_id, replica_id=replica_id))
-                raise PoolUnavailableError(
-                    f"the sequence had to move to another decode replica once more than router.max_migrations={self.max_migrations} allows; retry it"
-                )
 
-    async def _start(self, sequence: _Sequence) -> AsyncIterator[TokenDelta | _DecodeStream]:
+    async def _start(self, sequence: Sequence) -> AsyncIterator[TokenDelta | _DecodeStream]:
         """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
         context computed by the prefill pool or there; yields the prefill's first token of a
         new sequence, then the decode stream (none if that token ended it), the caller's to close."""
         choice = Choice(True, 0) if self.prefill is None else await self.waiting_room.choose(sequence.num_context_tokens)
         if choice.local:
-            yield await self._place_local(sequence, choice)
+            stream = await self._place_local(sequence, choice)
+            sequence.to(Phase.DECODING)
+            yield stream
             return
         num_blocks = -(-sequence.num_context_tokens // self.block_size)
         stream = _DecodeStream(self, sequence.resumed(kv_receive=True), num_prompt_blocks=num_blocks)
         try:
             placement = await stream.place()
+            sequence.to(Phase.PREFILLING)
             first = await self._prefill(sequence, stream.request.request_id, placement.destination)
             choice.done(first_token=True)
         except (InvalidRequestError, RequestFailedError):
             await stream.aclose()
+            sequence.failed(Failure.REFUSED)
             raise
         except Exception as error:  # noqa: BLE001 - the prefill replica is gone: compute the context on decode
             await stream.aclose()
-            if stream.replica_id is None:  # no decode replica took it: nothing to fall back on
+            if sequence.phase is not Phase.PREFILLING:  # no decode replica took it: nothing to fall back on
+                raise
+            if sequence.failed(Failure.PREFILL_FAILED) is not Action.COMPUTE_ON_DECODE:
                 raise
             logger.warning("prefill of %s failed (%r); computing it on a decode replica", sequence.request.request_id, error)
             self.prefill_fallbacks += 1
-            yield await self._place_local(sequence)
+            local = await self._place_local(sequence)
+            sequence.to(Phase.DECODING)
+            yield local
             return
         except BaseException:
             await stream.aclose()
@@ -212,9 +205,10 @@ class Orchestrator:
             if first.finish_reason is not None:  # the first token ended the sequence
                 await stream.aclose()
                 return
+        sequence.to(Phase.DECODING)
         yield stream
 
-    async def _place_local(self, sequence: _Sequence, choice: Choice | None = None) -> _DecodeStream:
+    async def _place_local(self, sequence: Sequence, choice: Choice | None = None) -> _DecodeStream:
         stream = _DecodeStream(self, sequence.resumed(), choice=choice)
         try:
             await stream.place()
@@ -223,7 +217,7 @@ class Orchestrator:
             raise
         return stream
 
-    async def _prefill(self, sequence: _Sequence, request_id: str, destination: KVDestination) -> TokenDelta | None:
+    async def _prefill(self, sequence: Sequence, request_id: str, destination: KVDestination) -> TokenDelta | None:
         """Have the prefill replica that prefix affinity picks compute the context's KV into
         ``destination`` (``request_id``: the placement's): a new sequence's prompt (its first
         token returned), or a resumed one's prompt and outputs but the last (the decode replica
