@@ -14,7 +14,6 @@ routes, and the class ``duet.cluster.app`` deploys.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 
@@ -83,7 +82,7 @@ class DuetIngress(RouterIngress):
                 "replicas": pool_size(name),
                 "live_replicas": live_replicas(name),
                 "stats": [
-                    dataclasses.asdict(s) | {"kv_usage": s.kv_usage, "prefix_hashes": len(s.prefix_hashes), "age_s": now - s.reported_at}
+                    s.flat() | {"prefix_hashes": len(s.prefix_hashes), "age_s": now - s.reported_at}
                     for s in stats or []
                 ],
             }

@@ -57,7 +57,7 @@ import math
 import time
 
 from duet.cluster.board import ActorBoard
-from duet.messages import ReplicaStats
+from duet.messages import EngineStats
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,8 +72,22 @@ PUBLISH_EVERY_S = 1.0
 VIEW_TTL_S = 10.0  # a pool's view its policy has not posted for this long is left out of decisions
 
 
-def autoscaling_metrics(stats: ReplicaStats) -> dict[str, float]:
-    return {name: float(getattr(stats, name)) for name in METRICS}
+def autoscaling_metrics(stats: EngineStats) -> dict[str, float]:
+    """A replica's ``METRICS``, from its engine's stats."""
+    scheduler, load = stats.scheduler, stats.load
+    metrics = {
+        "prompt_tokens_pending": scheduler.prompt_tokens_pending,
+        "new_prompt_tokens_pending": scheduler.new_prompt_tokens_pending,
+        "prefill_tokens_per_s": load.prefill_tokens_per_s,
+        "ttft_s": load.ttft_s,
+        "num_running": scheduler.num_running,
+        "num_decode_waiting": scheduler.num_decode_waiting,
+        "num_decoding_blocks": scheduler.num_decoding_blocks,
+        "num_blocks": stats.kv.num_blocks,
+        "tpot_s": load.tpot_s,
+        "output_tokens_per_s": load.output_tokens_per_s,
+    }
+    return {name: float(metrics[name]) for name in METRICS}
 
 
 @dataclasses.dataclass(frozen=True)

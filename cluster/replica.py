@@ -1,11 +1,12 @@
 """The one Serve deployment class of every pool: an engine stepped by an ``EngineLoop``,
 configured by its role (``prefill_node.role``, ``decode_node.role``).
 
-``generate`` streams one sequence: on a decode (or colocated) replica first a ``Placement``
-(its replica, and for a ``kv_receive`` request the ``KVDestination`` of the blocks it reserved),
-then ``TokenDelta``s; a prefill replica's stream is its first token. Calls that name a
-``replica_id`` (``abort``, ``attach``, ``expect_kv``, ``check_integrity``) are pinned to that
-replica (see ``duet.router.routing``).
+Every sequence is placed on a decode (or colocated) replica the same way, new, moved or
+recomputed: ``reserve`` adds it and answers its ``Placement`` (its replica, and for a
+``kv_receive`` request the ``KVDestination`` of the blocks it reserved), then a streamed
+``attach`` reads its ``TokenDelta``s. A prefill replica's call is ``generate``, whose stream is
+the prompt's first token. Calls that name a ``replica_id`` (``abort``, ``attach``,
+``expect_kv``, ``check_integrity``) are pinned to that replica (see ``duet.router.routing``).
 
 A decode replica that leaves its pool while alive moves its sequences to the others
 (``duet.decode_node.migration``): it watches its own pool through a handle of its own, which
@@ -16,7 +17,6 @@ it has (Serve routes nothing new to it) and its transfers before its engine clos
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +32,7 @@ from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
 from duet.engine_loop import EngineLoop
-from duet.errors import KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
+from duet.errors import InvalidRequestError, KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, ReplicaStats, TokenDelta
 from duet.prefill_node.role import PrefillRole
 from duet.router.serve_internals import keep_replica_on_loopback, new_call_context, replica_ids, watch_departure
@@ -59,7 +59,8 @@ class _ServePeers:
 
     async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
         new_call_context()  # the moves' calls overlap (an abort, the next move)
-        return await asyncio.wait_for(self._pool.reserve.remote(request, num_prompt_blocks=num_prompt_blocks), MOVE_CALL_TIMEOUT_S)
+        call = self._pool.reserve.remote(request, num_prompt_blocks=num_prompt_blocks, kv_computed=True)
+        return await asyncio.wait_for(call, MOVE_CALL_TIMEOUT_S)
 
     def abort(self, request_id: str, replica_id: str) -> None:
         new_call_context()
@@ -90,33 +91,31 @@ class EngineReplica:
             by_kv = engine.kv_transfer_config is not None
             self.migration = Migration(replica_id, engine, self.loop, self._streams, peers, by_kv)
 
-    async def generate(
-        self, request: EngineRequest, prefix_hashes: list[int] | None = None, num_prompt_blocks: int = 0
-    ) -> AsyncIterator[Placement | TokenDelta | Moved]:
-        """Stream one sequence; it is aborted in the engine however the stream ends early.
-        ``prefix_hashes`` and ``num_prompt_blocks`` are hints for the pools' request routers."""
+    async def generate(self, request: EngineRequest, prefix_hashes: list[int] | None = None) -> AsyncIterator[TokenDelta]:
+        """A prefill replica's call: compute the prompt, stream its KV to ``request.kv_send``, and
+        answer with the first token. ``prefix_hashes`` is a hint for the pool's request router.
+        Decode replicas place sequences by ``reserve`` and ``attach``."""
+        if self.migration is not None:
+            raise InvalidRequestError(f"replica {self.replica_id} is a {self.role.stage} replica: place sequences with reserve and attach")
         self._refuse_new_sequences()
         self.role.admit(request, self.engine.block_size)
-        stream, destination = await self._add(request)
-        if self.role.stage != "prefill":
-            try:
-                yield Placement(self.replica_id, destination)
-            except BaseException:  # closed before following it: a router cancelled before reading where it runs
-                self.loop.unsubscribe(request.request_id)
-                self.loop.call_soon(self.engine.abort_request, request.request_id)
-                raise
+        stream, _ = await self._add(request)
         async with aclosing(self._follow(stream)) as items:
             async for item in items:
                 yield item
 
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0) -> Placement:
-        """Take a sequence moving here by KV from a leaving replica: reserve blocks for its
-        tokens so far and answer where to send them. Its outputs wait for ``attach``."""
-        self._refuse_new_sequences()
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0, kv_computed: bool = False) -> Placement:
+        """Place a sequence here: add it to the engine (its blocks reserved, for KV from elsewhere
+        when ``kv_receive``) and answer where it runs and where its KV goes. Its outputs wait
+        for ``attach``; nobody attaching within ``ATTACH_TIMEOUT_S`` drops it. ``kv_computed``:
+        its KV is computed already (a move), so its receive is bounded from now.
+        ``num_prompt_blocks`` is a hint for the pool's request router."""
         if self.migration is None:
-            raise ReplicaFullError(f"replica {self.replica_id} is a prefill replica: sequences move between decode replicas")
+            raise InvalidRequestError(f"replica {self.replica_id} is a prefill replica: it places no sequence")
+        self._refuse_new_sequences()
+        self.role.admit(request, self.engine.block_size)
         stream, destination = await self._add(request)
-        self.migration.adopt(stream)
+        self.migration.adopt(stream, kv_computed)
         self._spawn(self.migration.drop_unless_attached(request.request_id))
         return Placement(self.replica_id, destination)
 
@@ -137,10 +136,10 @@ class EngineReplica:
             raise
 
     async def attach(self, request_id: str, replica_id: str) -> AsyncIterator[TokenDelta | Moved]:
-        """Stream a sequence moved here by ``reserve``, from its first token made here."""
+        """Stream a sequence placed here by ``reserve``, from its first token made here."""
         ReplicaGoneError.check(replica_id, self.replica_id)
         if self.migration is None:
-            raise ReplicaGoneError(f"{request_id} is not held on replica {self.replica_id}: a prefill replica holds no moved sequence")
+            raise ReplicaGoneError(f"{request_id} is not held on replica {self.replica_id}: a prefill replica places no sequence")
         stream = self.migration.attach(request_id)
         async with aclosing(self._follow(stream)) as items:
             async for item in items:
@@ -203,8 +202,9 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict:
         """Read off the engine thread: plain counters and lengths, so the report stays on time
         while a long step runs (a replica that stops reporting is taken for dead)."""
-        extras = self.role.routing_stats(self.engine) | {"integrity_failures": self.integrity_failures}
-        return dataclasses.asdict(ReplicaStats.collect(self.role.stage, self.replica_id, self.engine, **extras))
+        prefix_hashes = self.role.prefix_hashes(self.engine)
+        stats = ReplicaStats.compose(self.role.stage, self.replica_id, self.engine.stats(), self.integrity_failures, prefix_hashes)
+        return stats.to_dict()
 
     def _check_when_idle(self) -> None:
         """At rest every block must be free or held for a transfer. A failure is logged and
@@ -234,7 +234,7 @@ class EngineReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """This replica's load as the pools' autoscaling policies read it (``duet.cluster.autoscale``)."""
-        return autoscaling_metrics(ReplicaStats.collect(self.role.stage, self.replica_id, self.engine))
+        return autoscaling_metrics(self.engine.stats())
 
     def __del__(self) -> None:
         """Serve stops the replica once its calls ended (or its patience did): let the KV still

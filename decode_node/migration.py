@@ -53,8 +53,9 @@ class Peers(Protocol):
 
 
 class Migration:
-    """Both ends of a move on one decode replica: ``leave`` sends this replica's sequences away;
-    ``adopt`` and ``attach`` take one moved here. ``streams`` is the replica's table of the
+    """Both ends of a move on one decode replica, and the placement every sequence takes:
+    ``leave`` sends this replica's sequences away; ``adopt`` and ``attach`` take one placed here
+    (new, moved or recomputed). ``streams`` is the replica's table of the
     sequences it streams (shared: it adds and removes them as their readers come and go)."""
 
     def __init__(self, replica_id: str, engine, loop: EngineLoop, streams: dict[str, Stream], peers: Peers, by_kv: bool) -> None:
@@ -68,11 +69,13 @@ class Migration:
 
     # -- into this replica
 
-    def adopt(self, stream: Stream) -> None:
-        """A sequence whose KV is on its way here (``reserve``): its KV is computed, so it ships
-        at once; it is dropped unless a router attaches to it within ``ATTACH_TIMEOUT_S``."""
+    def adopt(self, stream: Stream, kv_computed: bool) -> None:
+        """A sequence placed here (``reserve``), held for its router's ``attach``: it is dropped
+        unless one attaches within ``ATTACH_TIMEOUT_S``. ``kv_computed``: its KV (a moved
+        sequence's) ships at once, so its receive is bounded from now."""
         request_id = stream.request.request_id
-        self.loop.call_soon(self.engine.expect_kv, request_id)
+        if kv_computed:
+            self.loop.call_soon(self.engine.expect_kv, request_id)
         self.adopted[request_id] = stream
 
     def attach(self, request_id: str) -> Stream:

@@ -29,5 +29,7 @@ class DecodeRole:
         if self.colocated and request.kv_receive:
             raise InvalidRequestError("a colocated replica computes its own prompts; it receives no KV")
 
-    def routing_stats(self, engine) -> dict:
-        return {}
+    @staticmethod
+    def prefix_hashes(engine) -> list[int]:
+        """A decode pool's router ranks by room, not by cached prefixes: it reports none."""
+        return []

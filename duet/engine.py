@@ -19,7 +19,7 @@ from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype, r
 from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.load import LoadTracker
-from duet.messages import EngineRequest, KVDestination, TokenDelta
+from duet.messages import EngineRequest, EngineStats, KVDestination, TokenDelta
 from duet.models.pipeline_parallel import stage_layers
 from duet.models.tensor_parallel import check_layout
 from duet.outputs import RunnerOutput, SchedulerOutput
@@ -289,47 +289,27 @@ class LLMEngine:
             request.error = f"the engine failed on this request ({type(error).__name__}: {error})"
         return [self._delta(request) for request in failed]
 
-    def stats(self) -> dict:
-        """Counters and gauges for metrics and routing."""
-        scheduler, manager = self.scheduler, self.kv_cache_manager
-        spec, transfers = scheduler.spec_stats, scheduler.kv_connector.counters
-        # Read off the engine thread: snapshots, and blocks looked up leniently.
-        waiting, running, prefilled = list(scheduler.waiting), list(scheduler.running), list(scheduler.prefilled)
-        decoding = [request for request in running if request.num_computed_tokens >= request.num_prompt_tokens] + prefilled
-        return dict(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + len(scheduler.prefilled),
-            num_free_blocks=manager.num_free_blocks,
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            kv_cache_dtype=self.args.kv_cache_dtype,
-            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
-            kv_bytes_per_block=self.kv_bytes_per_block,
-            num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=manager.prefix_cache_queries,
-            prefix_cache_hits=manager.prefix_cache_hits,
-            spec_num_drafts=spec.num_drafts,
-            spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=list(spec.accepted_per_position),
-            pending_transfers=scheduler.kv_connector.num_in_flight,
-            transfer_bytes=transfers.bytes,
-            transfers=transfers.transfers,
-            transfer_failures=transfers.failures,
-            transfers_cancelled=transfers.cancelled,
-            transfer_seconds=transfers.seconds,
-            prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running)),
-            new_prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running) if not request.output_token_ids),
-            num_decoding_blocks=sum(len(manager.req_to_blocks.get(request.request_id, ())) for request in decoding),
-            num_decode_waiting=len(prefilled) + sum(1 for request in waiting if request.output_token_ids),
-            prefill_tokens_per_s=self.load.prefill_tokens_per_s,
-            tokens_per_s=self.load.tokens_per_s,
-            tpot_s=self.load.tpot_s,
-            decode_only_tpot_s=self.load.decode_only_tpot_s,
-            ttft_s=self.load.ttft_s,
-            output_tokens_per_s=self.load.output_tokens_per_s,
+    def stats(self) -> EngineStats:
+        """Counters and gauges for metrics and routing, each part from its owner (read off the
+        engine thread)."""
+        scheduler = self.scheduler
+        return EngineStats(
+            scheduler=scheduler.stats(),
+            kv=self.kv_cache_manager.stats(
+                kv_cache_dtype=self.args.kv_cache_dtype,
+                kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+                kv_bytes_per_block=self.kv_bytes_per_block,
+            ),
+            transfer=scheduler.kv_connector.stats(),
+            load=self.load.stats(),
+            spec=scheduler.spec_stats.stats(),
             worker_failure=self.worker_failure,
         )
+
+    def cached_prefixes(self, block_hashes: list[int]) -> list[int]:
+        """Those of ``block_hashes`` whose blocks are in the prefix cache (read off the engine
+        thread: a stale answer only costs a routing choice)."""
+        return [block_hash for block_hash in block_hashes if self.kv_cache_manager.is_cached(block_hash)]
 
     def check_integrity(self) -> None:
         """KV bookkeeping holds and every held block has a holder someone tracks: a request the
@@ -355,7 +335,3 @@ class LLMEngine:
 
     def close(self) -> None:
         self.executor.close()
-
-
-def _prompt_left(request: Request) -> int:
-    return max(0, request.num_prompt_tokens - request.num_computed_tokens)

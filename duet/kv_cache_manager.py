@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from duet.block_pool import BlockIntegrityError, BlockPool, KVCacheBlock, hash_block_tokens
+from duet.messages import KVCacheStats
 from duet.request import Request
 
 
@@ -28,6 +29,24 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether a block of this hash is in the prefix cache."""
+        return self.block_pool.is_cached(block_hash)
+
+    def stats(self, kv_cache_dtype: str, kv_dtype: str, kv_bytes_per_block: int) -> KVCacheStats:
+        """Its blocks and prefix cache lookups, with what the engine made its blocks hold: the
+        dtype setting, the dtype it resolved to, and a block's bytes."""
+        return KVCacheStats(
+            num_free_blocks=self.num_free_blocks,
+            num_blocks=self.block_pool.num_blocks,
+            block_size=self.block_size,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_dtype=kv_dtype,
+            kv_bytes_per_block=kv_bytes_per_block,
+        )
 
     def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the request's full blocks among its first ``num_tokens`` tokens."""

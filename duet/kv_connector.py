@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from duet.kv_cache_manager import KVCacheManager
+from duet.messages import TransferStats
 from duet.outputs import KVConnectorMetadata, KVReceiveSpec, KVSendSpec, KVTransferResult
 from duet.request import Request, RequestStatus
 
@@ -77,6 +78,13 @@ class KVConnectorScheduler:
     @property
     def num_in_flight(self) -> int:
         return len(self._receiving) + len(self._sending) + len(self.held)
+
+    def stats(self) -> TransferStats:
+        counters = self.counters
+        return TransferStats(
+            bytes=counters.bytes, transfers=counters.transfers, failures=counters.failures, cancelled=counters.cancelled,
+            seconds=counters.seconds, pending=self.num_in_flight,
+        )
 
     def reserve(self, request: Request, transfer_id: int, num_next_slots: int = 0) -> bool:
         """Take blocks for the KV a transfer brings (a prompt's, or a migrating sequence's), and for

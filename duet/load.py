@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from duet.messages import LoadStats
+
 WINDOW_S = 5.0
 _WEIGHT = 0.2  # of the newest sample in the prompt throughput's moving average
 # A step computing at least this many prompt tokens measures prompt throughput.
@@ -101,3 +103,13 @@ class LoadTracker:
     @property
     def output_tokens_per_s(self) -> float:
         return self._outputs.rate()
+
+    def stats(self) -> LoadStats:
+        return LoadStats(
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            tokens_per_s=self.tokens_per_s,
+            tpot_s=self.tpot_s,
+            decode_only_tpot_s=self.decode_only_tpot_s,
+            ttft_s=self.ttft_s,
+            output_tokens_per_s=self.output_tokens_per_s,
+        )

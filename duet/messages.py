@@ -4,7 +4,7 @@ strings and lists, importable without torch, so the router never loads the engin
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from duet.sampling_params import SamplingParams
 
@@ -93,59 +93,157 @@ class TokenDelta:
 REPLICA_SILENT_S = 3.0
 
 
-@dataclass
-class ReplicaStats:
-    """One replica's state, reported through Serve's ``record_routing_stats`` for routing,
-    metrics and ``duet status``. Counters are totals since the replica started."""
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's queues (``Scheduler.stats``). Counters are totals since the engine started."""
 
-    stage: str
-    replica_id: str
     num_running: int
-    num_waiting: int
+    num_waiting: int  # waiting to be scheduled, their KV arrived ones among them
+    num_preemptions: int
+    prompt_tokens_pending: int  # prompt tokens queued or in their prefill
+    new_prompt_tokens_pending: int  # of those, of sequences with no output yet (not recomputed): prefill's kind of work
+    num_decoding_blocks: int  # KV blocks of sequences past their prompt (not of prompts, nor reserved for transfers)
+    num_decode_waiting: int  # sequences past their prompt that cannot run for lack of room (preempted, or KV arrived)
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The KV cache (``KVCacheManager.stats``): its blocks, its prefix cache's lookups (in
+    prompt tokens) and what its blocks hold."""
+
     num_free_blocks: int
     num_blocks: int
     block_size: int
-    num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    kv_cache_dtype: str = "auto"  # the setting
-    kv_dtype: str = ""  # the dtype the KV cache is in (bfloat16, int8, ...)
-    kv_bytes_per_block: int = 0  # across this replica's layers, K and V
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_position: list[int] = field(default_factory=list)
-    transfer_bytes: int = 0
-    transfers: int = 0
-    transfer_failures: int = 0
-    transfers_cancelled: int = 0  # their requests were aborted: not failures
-    transfer_seconds: float = 0.0
-    pending_transfers: int = 0
-    prompt_tokens_pending: int = 0  # prompt tokens queued or in their prefill
-    new_prompt_tokens_pending: int = 0  # of those, of sequences with no output yet (not recomputed): prefill's kind of work
-    num_decoding_blocks: int = 0  # KV blocks of sequences past their prompt (not of prompts, nor reserved for transfers)
-    num_decode_waiting: int = 0  # sequences past their prompt that cannot run for lack of room (preempted, or KV arrived)
-    prefill_tokens_per_s: float = 0.0  # measured prompt throughput (0: not measured yet)
-    tokens_per_s: float = 0.0  # all the tokens per second of the steps that measured it: what a prompt token costs
-    tpot_s: float = 0.0  # recent steps that decoded: each decoding sequence's wait per token it got
-    decode_only_tpot_s: float = 0.0  # the same, of steps that computed no prompt (0: none seen yet)
-    ttft_s: float = 0.0  # recent requests' wait for their first token computed here
-    output_tokens_per_s: float = 0.0
-    integrity_failures: int = 0  # idle KV bookkeeping checks that failed (a leak, logged)
-    worker_failure: str | None = None  # a worker died: the replica refuses work until Serve replaces it
-    prefix_hashes: list[int] = field(default_factory=list)
-    reported_at: float = 0.0  # time.time() on the replica; a replica that stops reporting is gone
-
-    @classmethod
-    def collect(cls, stage: str, replica_id: str, engine, **extra) -> ReplicaStats:
-        """Read an ``LLMEngine``'s counters (its KV transfers' among them)."""
-        return cls(stage=stage, replica_id=replica_id, reported_at=time.time(), **engine.stats(), **extra)
+    kv_cache_dtype: str  # the setting ("auto": the model's dtype)
+    kv_dtype: str  # the dtype the KV cache is in (bfloat16, int8, ...)
+    kv_bytes_per_block: int  # across this replica's layers, K and V
 
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
+
+@dataclass(frozen=True)
+class TransferStats:
+    """KV transfers (``KVConnectorScheduler.stats``): bytes moved, transfers done, failed and
+    cancelled (their request was aborted: not a failure), seconds from announcement to
+    acknowledgement, and the transfers reserved or under way now."""
+
+    bytes: int
+    transfers: int
+    failures: int
+    cancelled: int
+    seconds: float
+    pending: int
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What the engine measured of its own load (``LoadTracker.stats``; ``duet.load``)."""
+
+    prefill_tokens_per_s: float  # measured prompt throughput (0: not measured yet)
+    tokens_per_s: float  # all the tokens per second of the steps that measured it: what a prompt token costs
+    tpot_s: float  # recent steps that decoded: each decoding sequence's wait per token it got
+    decode_only_tpot_s: float  # the same, of steps that computed no prompt (0: none seen yet)
+    ttft_s: float  # recent requests' wait for their first token computed here
+    output_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding (``SpecDecodingStats.stats``): drafts (one request's proposal
+    verified in one step), their tokens, those accepted, and per position the drafts whose
+    token there was accepted."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+
     @property
-    def spec_mean_accepted_length(self) -> float:
+    def mean_accepted_length(self) -> float:
         """Tokens emitted per verified draft (the accepted ones plus the target's own); 0 before any."""
-        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """An engine's stats (``LLMEngine.stats``), each part from its owner."""
+
+    scheduler: SchedulerStats
+    kv: KVCacheStats
+    transfer: TransferStats
+    load: LoadStats
+    spec: SpecStats
+    worker_failure: str | None  # a worker died: the engine cannot step any more
+
+
+# The parts of a report, by field name: what ``ReplicaStats.from_dict`` rebuilds.
+_PARTS = {"scheduler": SchedulerStats, "kv": KVCacheStats, "transfer": TransferStats, "load": LoadStats, "spec": SpecStats}
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One replica's state, reported through Serve's ``record_routing_stats`` (as ``to_dict``)
+    for routing, metrics and ``duet status``: its engine's stats and the replica's own. Counters
+    are totals since the replica started."""
+
+    stage: str
+    replica_id: str
+    scheduler: SchedulerStats
+    kv: KVCacheStats
+    transfer: TransferStats
+    load: LoadStats
+    spec: SpecStats
+    worker_failure: str | None  # a worker died: the replica refuses work until Serve replaces it
+    integrity_failures: int  # idle KV bookkeeping checks that failed (a leak, logged)
+    prefix_hashes: list[int]  # a prefill replica's recalled prompt prefixes still in its prefix cache
+    reported_at: float  # time.time() on the replica; a replica that stops reporting is gone
+
+    @classmethod
+    def compose(
+        cls, stage: str, replica_id: str, engine: EngineStats, integrity_failures: int, prefix_hashes: list[int]
+    ) -> ReplicaStats:
+        return cls(
+            stage=stage, replica_id=replica_id, scheduler=engine.scheduler, kv=engine.kv, transfer=engine.transfer,
+            load=engine.load, spec=engine.spec, worker_failure=engine.worker_failure, integrity_failures=integrity_failures,
+            prefix_hashes=prefix_hashes, reported_at=time.time(),
+        )
+
+    def to_dict(self) -> dict:
+        """Plain nested dicts and lists, as Serve carries a routing report."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ReplicaStats:
+        return cls(**data | {name: part(**data[name]) for name, part in _PARTS.items()})
+
+    def flat(self) -> dict:
+        """One level of named values, for people and scripts (``/duet/status``, ``duet status``):
+        the parts' fields (a transfer's and speculation's with the names their metrics have),
+        the replica's own, and the KV cache's usage."""
+        transfer, spec = self.transfer, self.spec
+        return {
+            "stage": self.stage,
+            "replica_id": self.replica_id,
+            **asdict(self.scheduler),
+            **asdict(self.kv),
+            "kv_usage": self.kv.kv_usage,
+            "transfer_bytes": transfer.bytes,
+            "transfers": transfer.transfers,
+            "transfer_failures": transfer.failures,
+            "transfers_cancelled": transfer.cancelled,
+            "transfer_seconds": transfer.seconds,
+            "pending_transfers": transfer.pending,
+            **asdict(self.load),
+            "spec_num_drafts": spec.num_drafts,
+            "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_position": list(spec.accepted_per_position),
+            "worker_failure": self.worker_failure,
+            "integrity_failures": self.integrity_failures,
+            "prefix_hashes": list(self.prefix_hashes),
+            "reported_at": self.reported_at,
+        }

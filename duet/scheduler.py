@@ -20,6 +20,7 @@ from collections import deque
 
 from duet.kv_cache_manager import KVCacheManager
 from duet.kv_connector import KVConnectorScheduler
+from duet.messages import SchedulerStats
 from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from duet.request import Request, RequestStatus
 from duet.spec_decode.stats import SpecDecodingStats
@@ -80,6 +81,20 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is not None:
             self.kv_connector.expect(request)
+
+    def stats(self) -> SchedulerStats:
+        """The queues, read off the engine thread: snapshots, and blocks looked up leniently."""
+        waiting, running, prefilled = list(self.waiting), list(self.running), list(self.prefilled)
+        decoding = [request for request in running if request.num_computed_tokens >= request.num_prompt_tokens] + prefilled
+        return SchedulerStats(
+            num_running=len(running),
+            num_waiting=len(waiting) + len(prefilled),
+            num_preemptions=self.num_preemptions,
+            prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running)),
+            new_prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running) if not request.output_token_ids),
+            num_decoding_blocks=sum(len(self.kv_cache_manager.block_ids(request.request_id)) for request in decoding),
+            num_decode_waiting=len(prefilled) + sum(1 for request in waiting if request.output_token_ids),
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled or self.kv_connector.num_in_flight)
@@ -396,3 +411,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> None:
         self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+
+def _prompt_left(request: Request) -> int:
+    return max(0, request.num_prompt_tokens - request.num_computed_tokens)

@@ -39,8 +39,6 @@ class PrefillRole:
         while len(self._prefixes) > MAX_REPORTED_PREFIXES:
             self._prefixes.popitem(last=False)
 
-    def routing_stats(self, engine) -> dict:
-        """The recalled prefixes still in the prefix cache (read off the engine thread: a stale
-        answer only costs a routing choice)."""
-        pool = engine.kv_cache_manager.block_pool
-        return {"prefix_hashes": [block_hash for block_hash in list(self._prefixes) if pool.is_cached(block_hash)]}
+    def prefix_hashes(self, engine) -> list[int]:
+        """The recalled prefixes still in the engine's prefix cache, for its routing report."""
+        return engine.cached_prefixes(list(self._prefixes))

@@ -199,10 +199,10 @@ class StageBalancer:
         the TTFT target the fastest way with nothing queued before it: through a prefill replica,
         or on a decode replica (True before any replica measured its prompt throughput)."""
         ways = [
-            num_tokens / stats.prefill_tokens_per_s + (PD_OVERHEAD_S + self.lateness[False] if pool == "prefill" else self.lateness[True])
+            num_tokens / stats.load.prefill_tokens_per_s + (PD_OVERHEAD_S + self.lateness[False] if pool == "prefill" else self.lateness[True])
             for pool in ("prefill", "decode")
             for stats in self._stats(pool)
-            if stats.prefill_tokens_per_s > 0
+            if stats.load.prefill_tokens_per_s > 0
         ]
         return not ways or waited_s + min(ways) <= self.ttft_s
 
@@ -213,23 +213,23 @@ class StageBalancer:
             return True, None
         prefill = self._stats("prefill")
         decode = self._stats("decode")
-        prefill_rates = [stats.prefill_tokens_per_s for stats in prefill if stats.prefill_tokens_per_s > 0]
+        prefill_rates = [stats.load.prefill_tokens_per_s for stats in prefill if stats.load.prefill_tokens_per_s > 0]
         if not prefill_rates or not decode:
             return num_tokens < self.local_prefill_threshold, None
         prefill_rate = sum(prefill_rates)
         per_replica = prefill_rate / len(prefill_rates)
-        decode_rate = sum(stats.prefill_tokens_per_s or per_replica for stats in decode)
-        prefill_wait = self._wait_s(False, prefill_rate, sum(stats.prompt_tokens_pending for stats in prefill))
+        decode_rate = sum(stats.load.prefill_tokens_per_s or per_replica for stats in decode)
+        prefill_wait = self._wait_s(False, prefill_rate, sum(stats.scheduler.prompt_tokens_pending for stats in prefill))
         through_prefill = prefill_wait + num_tokens / prefill_rate + PD_OVERHEAD_S
         if prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s:
             return False, through_prefill
-        on_decode = self._wait_s(True, decode_rate, sum(stats.prompt_tokens_pending for stats in decode)) + num_tokens / decode_rate
+        on_decode = self._wait_s(True, decode_rate, sum(stats.scheduler.prompt_tokens_pending for stats in decode)) + num_tokens / decode_rate
         first_token_s = {False: through_prefill + self.lateness[False], True: on_decode + self.lateness[True]}
         in_time = waited_s + first_token_s[False] <= self.ttft_s
         through_prefill_or_wait = (False, through_prefill) if in_time or prefill_wait <= PREFILL_FEED_S else (None, None)
         if first_token_s[True] >= first_token_s[False]:
             return through_prefill_or_wait
-        token_cost_s = len(decode) / sum(stats.tokens_per_s or stats.prefill_tokens_per_s or per_replica for stats in decode)
+        token_cost_s = len(decode) / sum(stats.load.tokens_per_s or stats.load.prefill_tokens_per_s or per_replica for stats in decode)
         spent_s = (self._recent_local_tokens() + num_tokens) * token_cost_s
         if spent_s <= self._local_prompt_budget_s(decode, DECODE_TPOT_SHARE):
             return True, on_decode
@@ -251,7 +251,7 @@ class StageBalancer:
         the TPOT target."""
         budget = 0.0
         for stats in decode:
-            if stats.num_decode_waiting or stats.kv_usage >= MAX_LOCAL_KV_USAGE:
+            if stats.scheduler.num_decode_waiting or stats.kv.kv_usage >= MAX_LOCAL_KV_USAGE:
                 continue
-            budget += LOCAL_WINDOW_S * max(0.0, 1.0 - stats.decode_only_tpot_s / (tpot_share * self.tpot_s))
+            budget += LOCAL_WINDOW_S * max(0.0, 1.0 - stats.load.decode_only_tpot_s / (tpot_share * self.tpot_s))
         return budget

@@ -65,33 +65,33 @@ class _PoolCollector:
     def collect(self):
         labels = ["model_name", "stage", "replica"]
         gauges = {
-            "vllm:num_requests_running": ("Sequences running on the replica.", lambda s: s.num_running),
-            "vllm:num_requests_waiting": ("Sequences waiting on the replica.", lambda s: s.num_waiting),
-            "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", lambda s: s.kv_usage),
-            "duet:kv_transfers_pending": ("Transfers reserved or accepted, not yet arrived.", lambda s: s.pending_transfers),
-            "duet:kv_cache_blocks": ("KV blocks the replica's cache holds.", lambda s: s.num_blocks),
+            "vllm:num_requests_running": ("Sequences running on the replica.", lambda s: s.scheduler.num_running),
+            "vllm:num_requests_waiting": ("Sequences waiting on the replica.", lambda s: s.scheduler.num_waiting),
+            "vllm:kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full).", lambda s: s.kv.kv_usage),
+            "duet:kv_transfers_pending": ("Transfers reserved or accepted, not yet arrived.", lambda s: s.transfer.pending),
+            "duet:kv_cache_blocks": ("KV blocks the replica's cache holds.", lambda s: s.kv.num_blocks),
             "duet:kv_cache_bytes_per_token": (
                 "KV cache bytes a token takes on the replica: K and V of its layers (quantized rows with their scales).",
-                lambda s: s.kv_bytes_per_block / s.block_size if s.block_size else 0,
+                lambda s: s.kv.kv_bytes_per_block / s.kv.block_size if s.kv.block_size else 0,
             ),
             "duet:spec_decode_mean_accepted_length": (
                 "Tokens emitted per verified draft since start (accepted drafts plus one); 0 before any.",
-                lambda s: s.spec_mean_accepted_length,
+                lambda s: s.spec.mean_accepted_length,
             ),
         }
         counters = {
-            "vllm:num_preemptions": ("Preemptions by recompute.", lambda s: s.num_preemptions),
-            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.prefix_cache_queries),
-            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.prefix_cache_hits),
-            "duet:kv_transfer_bytes": ("KV bytes sent (prefill) or received (decode).", lambda s: s.transfer_bytes),
-            "duet:kv_transfers": ("KV transfers completed.", lambda s: s.transfers),
-            "duet:kv_transfer_failures": ("KV transfers that failed.", lambda s: s.transfer_failures),
-            "duet:kv_transfers_cancelled": ("KV transfers given up because their request was aborted.", lambda s: s.transfers_cancelled),
-            "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, announcement to acknowledgement.", lambda s: s.transfer_seconds),
+            "vllm:num_preemptions": ("Preemptions by recompute.", lambda s: s.scheduler.num_preemptions),
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.kv.prefix_cache_queries),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.kv.prefix_cache_hits),
+            "duet:kv_transfer_bytes": ("KV bytes sent (prefill) or received (decode).", lambda s: s.transfer.bytes),
+            "duet:kv_transfers": ("KV transfers completed.", lambda s: s.transfer.transfers),
+            "duet:kv_transfer_failures": ("KV transfers that failed.", lambda s: s.transfer.failures),
+            "duet:kv_transfers_cancelled": ("KV transfers given up because their request was aborted.", lambda s: s.transfer.cancelled),
+            "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, announcement to acknowledgement.", lambda s: s.transfer.seconds),
             "duet:kv_integrity_failures": ("Idle KV bookkeeping checks that failed (blocks leaked).", lambda s: s.integrity_failures),
-            "vllm:spec_decode_num_drafts": ("Draft proposals verified (one per request per step).", lambda s: s.spec_num_drafts),
-            "vllm:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda s: s.spec_num_draft_tokens),
-            "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", lambda s: s.spec_num_accepted_tokens),
+            "vllm:spec_decode_num_drafts": ("Draft proposals verified (one per request per step).", lambda s: s.spec.num_drafts),
+            "vllm:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda s: s.spec.num_draft_tokens),
+            "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", lambda s: s.spec.num_accepted_tokens),
         }
         families = {name: GaugeMetricFamily(name, doc, labels=labels) for name, (doc, _) in gauges.items()}
         families |= {name: CounterMetricFamily(name, doc, labels=labels) for name, (doc, _) in counters.items()}
@@ -109,10 +109,10 @@ class _PoolCollector:
             replicas.add_metric([self.model_name, pool], len(stats_list))
             for stats in stats_list:
                 values = [self.model_name, pool, stats.replica_id]
-                cache_info.add_metric([*values, stats.kv_cache_dtype, str(stats.block_size), str(stats.num_blocks)], 1)
+                cache_info.add_metric([*values, stats.kv.kv_cache_dtype, str(stats.kv.block_size), str(stats.kv.num_blocks)], 1)
                 for name, (_, read) in (gauges | counters).items():
                     families[name].add_metric(values, read(stats))
-                for position, count in enumerate(stats.spec_accepted_per_position):
+                for position, count in enumerate(stats.spec.accepted_per_position):
                     per_position.add_metric([*values, str(position)], count)
         yield replicas
         yield cache_info

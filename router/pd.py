@@ -266,11 +266,13 @@ class Orchestrator:
 
 
 class _DecodeStream:
-    """One sequence's stream from a decode replica. Started there (``generate``): ``place()``
-    reads where it runs (and its KV destination), and a full or leaving replica sends it to
-    another. Moved there (``replica_id`` given): ``attach``. Iterating gives its deltas, and a
-    final ``Moved`` if it leaves that replica; the first delta settles the balancer's
-    ``choice``. Closing it before it finished cancels it, and aborts the sequence there."""
+    """One sequence's stream from a decode replica, placed the one way every sequence is:
+    ``place()`` has a replica ``reserve`` it (a full or leaving replica sends it to another) and
+    answers where it runs (and its KV destination); iterating ``attach``es to it there. A
+    sequence moved there by KV (``replica_id`` given) is attached to at once. Iterating gives
+    its deltas, and a final ``Moved`` if it leaves that replica; the first delta settles the
+    balancer's ``choice``. Closing it before it finished cancels it, and aborts the sequence
+    there."""
 
     def __init__(
         self,
@@ -286,8 +288,9 @@ class _DecodeStream:
         self.replica_id = replica_id
         self.choice = choice
         self.finished = False
+        self._call = None  # the reservation in flight
         self._stream = None
-        self._items = self._attach() if replica_id is not None else self._generate()
+        self._items = self._attach()
 
     async def place(self) -> Placement:
         """Where the sequence runs. Bounded: while Serve lists no replica of the pool (its last one
@@ -295,7 +298,7 @@ class _DecodeStream:
         without limit, its client's admission held."""
         try:
             async with asyncio.timeout(PLACE_WAIT_S):
-                placement = await anext(self._items)
+                placement = await self._reserve()
         except TimeoutError:
             raise PoolUnavailableError(f"no decode replica took this request in {PLACE_WAIT_S:.0f} s; retry it") from None
         self.replica_id = placement.replica_id
@@ -311,20 +314,21 @@ class _DecodeStream:
         self.finished = isinstance(item, Moved) or item.finished
         return item
 
-    async def _generate(self) -> AsyncIterator[Placement | TokenDelta | Moved]:
+    async def _reserve(self) -> Placement:
         decode = self.orchestrator.decode
         deadline = time.monotonic() + ROOM_WAIT_S
         for attempt in itertools.count():
             new_call_context()  # an abort of an earlier placement may still be on its way
-            self._stream = decode.options(stream=True).generate.remote(self.request, num_prompt_blocks=self.num_prompt_blocks)
+            self._call = decode.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks)
             try:
-                async for item in self._stream:
-                    yield item
-                return
+                placement = await self._call
             except ReplicaFullError:
                 if time.monotonic() >= deadline:
                     raise PoolUnavailableError(f"no decode replica had room for this request for {ROOM_WAIT_S:.0f} s; retry it") from None
                 await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+            else:
+                self._call = None
+                return placement
 
     async def _attach(self) -> AsyncIterator[TokenDelta | Moved]:
         new_call_context()
@@ -335,10 +339,12 @@ class _DecodeStream:
     async def aclose(self) -> None:
         if self.choice is not None:
             self.choice.done()
-        if self.finished or self._stream is None:
+        if self.finished:
             return
         self.finished = True
-        self._stream.cancel()
+        for call in (self._call, self._stream):
+            if call is not None:
+                call.cancel()
         if self.replica_id is not None:
             replica_id, request_id = self.replica_id, self.request.request_id
             self.orchestrator.fire(replica_id, lambda: self.orchestrator.decode.abort.remote(request_id, replica_id=replica_id))

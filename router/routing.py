@@ -64,7 +64,7 @@ class _PoolRouter(RequestRouter):
         if queue_len is not None:
             return queue_len
         stats = reported_stats(replica)
-        return stats.num_running + stats.num_waiting if stats else 0
+        return stats.scheduler.num_running + stats.scheduler.num_waiting if stats else 0
 
 
 class PrefixAffinityRouter(_PoolRouter):
@@ -112,7 +112,7 @@ class KVCapacityRouter(_PoolRouter):
 
         def key(replica: RunningReplica):
             stats = reported_stats(replica)
-            free = stats.num_free_blocks if stats else 0
+            free = stats.kv.num_free_blocks if stats else 0
             return (stats is not None and free < needed, self._load(replica), -free, random.random())
 
         return [[replica] for replica in sorted(candidates, key=key)]

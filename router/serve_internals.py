@@ -86,7 +86,7 @@ def _router(pool: str) -> RequestRouter | None:
 
 def reported_stats(replica) -> ReplicaStats | None:
     """A replica's last ``record_routing_stats`` report; None before its first."""
-    return ReplicaStats(**replica.routing_stats) if replica.routing_stats else None
+    return ReplicaStats.from_dict(replica.routing_stats) if replica.routing_stats else None
 
 
 def pool_stats(pool: str) -> list[ReplicaStats] | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from duet.messages import SpecStats
+
 
 @dataclass
 class SpecDecodingStats:
@@ -23,3 +25,11 @@ class SpecDecodingStats:
             self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
+
+    def stats(self) -> SpecStats:
+        return SpecStats(
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            accepted_per_position=list(self.accepted_per_position),
+        )

@@ -111,9 +111,9 @@ def test_seeded_sampling_with_speculation_samples_as_without(tiny_llama_dir, met
         assert got == expected, (num_kv_blocks, stats)
         # The random model's near-uniform samples rarely repeat, so n-grams draft but are seldom
         # kept; the draft model is the target itself, drawing with the same races: nearly all kept.
-        assert stats["spec_num_draft_tokens"] > 0, stats
+        assert stats.spec.num_draft_tokens > 0, stats
         if method == "draft_model":
-            assert stats["spec_num_accepted_tokens"] > 0.9 * stats["spec_num_draft_tokens"], stats
+            assert stats.spec.num_accepted_tokens > 0.9 * stats.spec.num_draft_tokens, stats
         assert (llm.engine.scheduler.num_preemptions > 0) == (num_kv_blocks == 14)
         llm.engine.check_integrity()
 

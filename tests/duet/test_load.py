@@ -39,5 +39,5 @@ def test_an_engine_decoding_a_large_batch_reports_its_time_per_token(tiny_llama_
     prompts = [[rng.randrange(3, 40000) for _ in range(8)] for _ in range(48)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24))
     stats = llm.engine.stats()
-    assert stats["tpot_s"] > 0 and stats["decode_only_tpot_s"] > 0
-    assert stats["prefill_tokens_per_s"] > 0 and stats["tokens_per_s"] >= stats["prefill_tokens_per_s"]  # the 384 prompt tokens came in steps of their own
+    assert stats.load.tpot_s > 0 and stats.load.decode_only_tpot_s > 0
+    assert stats.load.prefill_tokens_per_s > 0 and stats.load.tokens_per_s >= stats.load.prefill_tokens_per_s  # the 384 prompt tokens came in steps of their own

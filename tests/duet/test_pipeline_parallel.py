@@ -124,7 +124,7 @@ def test_pp2_with_ngram_speculation_matches_one_process(ray_cluster, tmp_path, s
         assert all(seconds > 0 and calls > 0 for seconds, calls in waits), waits
     finally:
         pp2.engine.close()
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens, stats
     assert greedy == [output.outputs[0].token_ids for output in LLM(**settings).generate(prompts, _greedy(24))]
     assert sampled == [output.outputs[0].token_ids for output in LLM(**settings, speculative_config=ngram).generate(prompts, seeded)]
 
@@ -170,7 +170,7 @@ def test_pd_between_pipeline_stages_and_one_worker_gives_the_single_process_toke
     try:
         assert _disaggregated(*engines, PROMPTS, _greedy()) == expected
         assert engines[0].scheduler.kv_connector.counters.transfers == len(PROMPTS)
-        assert engines[1].stats()["spec_num_draft_tokens"] > 0
+        assert engines[1].stats().spec.num_draft_tokens > 0
     finally:
         for engine in engines:
             engine.close()

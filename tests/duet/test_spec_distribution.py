@@ -91,10 +91,10 @@ def test_speculative_sampling_follows_the_target_distribution(method, seeded, ti
     peeked the wrong way, or verification that kept a draft it did not sample, would show)."""
     target, draft = tiny_vocab_models
     cells, stats = _sample_second_and_third(target, _configs(draft)[method], seeded)
-    assert stats["spec_num_drafts"] > NUM_SAMPLES // 2
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    assert stats.spec.num_drafts > NUM_SAMPLES // 2
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
     p_value = _p_value(cells, exact_second_and_third)
-    print(method, stats["spec_num_drafts"], stats["spec_num_accepted_tokens"], stats["spec_num_draft_tokens"], p_value)
+    print(method, stats.spec.num_drafts, stats.spec.num_accepted_tokens, stats.spec.num_draft_tokens, p_value)
     assert p_value > ALPHA
 
 

@@ -52,8 +52,8 @@ def _check_speculated(outputs, stats, references, unspeculated, label):
     _check(outputs, references, label)
     assert [output.outputs[0].token_ids for output in outputs] == unspeculated
     # Speculation happened, and drafts were both kept and rejected.
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
-    print(label, {key: value for key, value in stats.items() if key.startswith("spec_")})
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens, stats
+    print(label, stats.spec)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_budget_smaller_than_the_drafts_matches(parity_prompts, parity_reference
 
 def test_preemption_with_drafts_in_flight_matches(parity_prompts, parity_references, unspeculated):
     outputs, stats = _run(NGRAM, parity_prompts, num_kv_blocks=60, enable_prefix_caching=False)
-    assert stats["num_preemptions"] > 0
+    assert stats.scheduler.num_preemptions > 0
     _check_speculated(outputs, stats, parity_references, unspeculated, "ngram preempted")
 
 
@@ -90,7 +90,7 @@ def test_prefix_cache_hits_with_a_draft_model_match(parity_prompts, parity_refer
     config = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(smollm2_first_layers_dir), "adaptive": False}
     order = [0, 1, 2, 0, 1]
     outputs, stats = _run(config, [parity_prompts[i] for i in order], one_at_a_time=True)
-    assert stats["prefix_cache_hits"] > 0
+    assert stats.kv.prefix_cache_hits > 0
     references = [parity_references[i] for i in order]
     _check_speculated(outputs, stats, references, [unspeculated[i] for i in order], "draft prefix-hit")
 
@@ -114,4 +114,4 @@ def test_stop_string_inside_an_accepted_run_ends_the_output_there():
         gc.collect()
     assert results[0] == results[1]
     assert results[1][2] == "stop" and results[1][3] == "lazy dog"
-    assert stats["spec_num_accepted_tokens"] > 0
+    assert stats.spec.num_accepted_tokens > 0

@@ -67,7 +67,7 @@ def test_every_schema_output_validates_with_and_without_ngram_speculation(plain,
         _check_valid(speculating.generate(random_prompts, random))
     assert not caplog.records, [record.getMessage()[:200] for record in caplog.records]
     stats = speculating.engine.stats()
-    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens, stats
     speculating.engine.check_integrity()
     del speculating
     gc.collect()
@@ -195,7 +195,7 @@ def test_a_draft_that_ends_the_constraint_with_eos_ends_the_output_there(tiny_ll
         completion = llm.generate([prompt], params)[0].outputs[0]
     assert not caplog.records, [record.getMessage()[:200] for record in caplog.records]
     assert (completion.token_ids, completion.finish_reason) == (answer + [EOS_ID], "stop")
-    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0
+    assert llm.engine.stats().spec.num_accepted_tokens > 0
     llm.engine.check_integrity()
 
 

@@ -27,6 +27,6 @@ def test_disaggregated_smollm2_matches_transformers(parity_prompts, parity_refer
     notes = [compare_to_reference(got, ref, f"PD prompt {i}") for i, (got, ref) in enumerate(zip(run.tokens, parity_references))]
     for note in filter(None, notes):
         print(note)
-    assert (run.lost, decode.stats()["transfers"]) == ([], len(parity_prompts))
+    assert (run.lost, decode.stats().transfer.transfers) == ([], len(parity_prompts))
     decode.check_integrity()
     decode.close()

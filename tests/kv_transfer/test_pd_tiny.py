@@ -50,7 +50,7 @@ def test_disaggregated_greedy_matches_transformers_and_colocated(prefill, tiny_l
         assert compare_to_reference(got, reference, f"PD prompt {index}") is None
     colocated = LLM(model=str(tiny_llama_dir), max_model_len=512).generate(PROMPTS, GREEDY)
     assert run.tokens == [output.outputs[0].token_ids for output in colocated]
-    assert (run.lost, decode.stats()["transfers"]) == ([], len(PROMPTS))
+    assert (run.lost, decode.stats().transfer.transfers) == ([], len(PROMPTS))
     decode.check_integrity()
     decode.close()
 
@@ -65,7 +65,7 @@ def test_prefix_hit_on_prefill_still_sends_every_block(prefill, tiny_llama_dir):
     assert (first.num_cached_tokens, again.num_cached_tokens) == ([0], [64])  # 70 tokens: 4 full blocks hit
     assert compare_to_reference(again.tokens[0], reference, "PD prefix hit") is None
     assert first.tokens == again.tokens
-    assert decode.stats()["transfer_bytes"] == 2 * _prompt_kv_bytes(decode, len(prompt))
+    assert decode.stats().transfer.bytes == 2 * _prompt_kv_bytes(decode, len(prompt))
     decode.check_integrity()
     decode.close()
 
@@ -178,7 +178,7 @@ def test_a_decoding_sequence_migrates_by_kv_and_goes_on_as_if_it_had_not_moved(t
             if not deltas:
                 time.sleep(0.002)  # waiting for the KV: leave the transfer threads the CPU
         assert held + rest == undisturbed
-        assert target.stats()["transfers"] == 1 and target.stats()["prefix_cache_queries"] == 0
+        assert target.stats().transfer.transfers == 1 and target.stats().kv.prefix_cache_queries == 0
         target.check_integrity()
     finally:
         source.stop()  # checks the source's integrity too: the sent blocks came back
@@ -198,7 +198,7 @@ def test_quantized_kv_travels_as_it_is_and_decodes_as_colocated(tiny_llama_dir, 
         assert run.tokens == [output.outputs[0].token_ids for output in colocated]
         assert run.lost == []
         fp32_bytes = sum(_prompt_kv_bytes(decode, len(prompt)) for prompt in PROMPTS)
-        assert decode.stats()["transfer_bytes"] * 64 == fp32_bytes * 17
+        assert decode.stats().transfer.bytes * 64 == fp32_bytes * 17
         decode.check_integrity()
         decode.close()
         refusing = _decode(tiny_llama_dir, f"decode-{kv_cache_dtype}-float")

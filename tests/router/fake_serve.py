@@ -7,14 +7,35 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
-from duet.messages import ReplicaStats
+from duet.messages import KVCacheStats, LoadStats, ReplicaStats, SchedulerStats, SpecStats, TransferStats
 from duet.router import serve_internals
 
 
+def make_stats(stage: str = "decode", replica_id: str = "r", **fields) -> ReplicaStats:
+    """A replica's report: zeros (100 blocks of 16 tokens, all free) but for ``fields``, each
+    named as in the part that has it (``num_free_blocks``: the KV cache's) or the report's own."""
+    parts = {
+        "scheduler": SchedulerStats(0, 0, 0, 0, 0, 0, 0),
+        "kv": KVCacheStats(100, 100, 16, 0, 0, "auto", "bfloat16", 0),
+        "transfer": TransferStats(0, 0, 0, 0, 0.0, 0),
+        "load": LoadStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+        "spec": SpecStats(0, 0, 0, []),
+    }
+    own = dict(worker_failure=None, integrity_failures=0, prefix_hashes=[], reported_at=time.time())
+    for name, value in fields.items():
+        part = next((part for part in parts if name in {field.name for field in dataclasses.fields(parts[part])}), None)
+        if part is not None:
+            parts[part] = dataclasses.replace(parts[part], **{name: value})
+        elif name in own:
+            own[name] = value
+        else:
+            raise TypeError(f"no stats field {name!r}")
+    return ReplicaStats(stage=stage, replica_id=replica_id, **parts, **own)
+
+
 def replica_stats(replica_id: str, **fields) -> dict:
-    values = dict(stage="decode", replica_id=replica_id, num_running=0, num_waiting=0, num_free_blocks=100, num_blocks=100,
-                  block_size=16, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, reported_at=time.time())
-    return dataclasses.asdict(ReplicaStats(**values | fields))
+    """A report as Serve carries it."""
+    return make_stats("decode", replica_id, **fields).to_dict()
 
 
 @dataclasses.dataclass(frozen=True)

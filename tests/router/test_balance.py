@@ -10,17 +10,14 @@ import pytest
 
 from duet.messages import ReplicaStats
 from duet.router.balance import StageBalancer
+from tests.router.fake_serve import make_stats
 
 TTFT_S = 2.0
 TPOT_S = 0.2
 
 
 def stats(stage: str, name: str, **fields) -> ReplicaStats:
-    base = dict(
-        num_running=0, num_waiting=0, num_free_blocks=1000, num_blocks=1000, block_size=16, num_preemptions=0,
-        prefix_cache_queries=0, prefix_cache_hits=0,
-    )
-    return ReplicaStats(stage=stage, replica_id=name, **(base | fields))
+    return make_stats(stage, name, **{"num_free_blocks": 1000, "num_blocks": 1000} | fields)
 
 
 def balancer(prefill: list[ReplicaStats] | None, decode: list[ReplicaStats] | None, prefill_replicas: int | None = 1, threshold=64):

@@ -1,4 +1,5 @@
-"""The orchestrator's decode streams, against a pool handle that answers in this process."""
+"""The orchestrator's decode streams, against a pool handle that answers in this process: every
+sequence is placed by ``reserve`` and streamed by ``attach``."""
 
 from __future__ import annotations
 
@@ -12,17 +13,14 @@ from duet.messages import EngineRequest, Moved, Placement, TokenDelta
 from duet.sampling_params import SamplingParams
 
 
-class _SilentStream:
-    """A Serve streaming call that never answers (Serve lists no replica: it waits in the queue)."""
+class _SilentCall:
+    """A Serve call that never answers (Serve lists no replica: it waits in the queue)."""
 
     def __init__(self) -> None:
         self.cancelled = False
 
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        await asyncio.Event().wait()
+    def __await__(self):
+        return asyncio.Event().wait().__await__()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -30,14 +28,11 @@ class _SilentStream:
 
 class _SilentPool:
     def __init__(self) -> None:
-        self.calls: list[_SilentStream] = []
-        self.generate = self
+        self.calls: list[_SilentCall] = []
+        self.reserve = self
 
-    def options(self, stream: bool):
-        return self
-
-    def remote(self, *args, **kwargs) -> _SilentStream:
-        self.calls.append(_SilentStream())
+    def remote(self, *args, **kwargs) -> _SilentCall:
+        self.calls.append(_SilentCall())
         return self.calls[-1]
 
 
@@ -91,20 +86,28 @@ class _Scripted:
 
 
 class _ScriptedPool:
-    """A decode pool whose ``generate`` and ``attach`` calls play the scripts given, in order."""
+    """A decode pool whose ``reserve`` calls answer the placements given (an exception is raised)
+    and whose ``attach`` calls play the scripts given, in order."""
 
-    def __init__(self, generates: list, attaches: list) -> None:
-        self.generates, self.attaches, self.requests = list(generates), list(attaches), []
-        self.generate = _Method(lambda request, **_: self._play(self.generates, request))
-        self.attach = _Method(lambda request_id, **_: self._play(self.attaches, request_id))
+    def __init__(self, placements: list, attaches: list) -> None:
+        self.placements, self.attaches, self.calls = list(placements), list(attaches), []
+        self.reserve = _Method(self._reserve)
+        self.attach = _Method(lambda request_id, **_: self._play(request_id))
         self.abort = _Method(lambda *args, **kwargs: asyncio.sleep(0))
 
     def options(self, stream: bool):
         return self
 
-    def _play(self, scripts: list, request) -> _Scripted:
-        self.requests.append(request)
-        return _Scripted(scripts.pop(0))
+    async def _reserve(self, request, **_):
+        self.calls.append(("reserve", request))
+        placement = self.placements.pop(0)
+        if isinstance(placement, Exception):
+            raise placement
+        return placement
+
+    def _play(self, request_id: str) -> _Scripted:
+        self.calls.append(("attach", request_id))
+        return _Scripted(self.attaches.pop(0))
 
 
 class _Method:
@@ -117,11 +120,12 @@ def test_a_moved_sequence_whose_kv_is_lost_is_recomputed_whatever_the_failure_po
     prompt's own KV, and a move whose KV did not arrive was documented (and meant) to recompute."""
     params = SamplingParams(temperature=0.0, max_tokens=3)
     pool = _ScriptedPool(
-        generates=[
-            [Placement("x"), TokenDelta("s", [11]), TokenDelta("s", [12]), Moved("y", [11, 12])],
-            [Placement("z"), TokenDelta("s.1", [13], finished=True, finish_reason="length")],
+        placements=[Placement("x"), Placement("z")],
+        attaches=[
+            [TokenDelta("s", [11]), TokenDelta("s", [12]), Moved("y", [11, 12])],
+            [KVTransferFailedError("the KV of s did not arrive")],
+            [TokenDelta("s.1", [13], finished=True, finish_reason="length")],
         ],
-        attaches=[[KVTransferFailedError("the KV of s did not arrive")]],
     )
     orchestrator = pd.Orchestrator(None, pool, 16, None, on_transfer_failure="fail")
 
@@ -129,14 +133,17 @@ def test_a_moved_sequence_whose_kv_is_lost_is_recomputed_whatever_the_failure_po
         return [delta.token_ids async for delta in orchestrator.run("s", [1, 2, 3], params)]
 
     assert asyncio.run(run()) == [[11], [12], [13]]
-    assert pool.requests[1] == "s"  # attached where it moved, then started over with its tokens so far:
-    assert (pool.requests[2].request_id, pool.requests[2].output_token_ids) == ("s.1", [11, 12])
+    kinds = [kind for kind, _ in pool.calls]
+    assert kinds == ["reserve", "attach", "attach", "reserve", "attach"]
+    assert pool.calls[2][1] == "s"  # attached where it moved, then started over with its tokens so far:
+    resumed = pool.calls[3][1]
+    assert (resumed.request_id, resumed.output_token_ids) == ("s.1", [11, 12])
     assert orchestrator.migrations == {"kv": 1, "recompute": 1}
 
 
 def test_a_prompts_lost_kv_fails_under_the_fail_policy():
     params = SamplingParams(temperature=0.0, max_tokens=3)
-    pool = _ScriptedPool(generates=[[Placement("x"), KVTransferFailedError("the prompt's KV did not arrive")]], attaches=[])
+    pool = _ScriptedPool(placements=[Placement("x")], attaches=[[KVTransferFailedError("the prompt's KV did not arrive")]])
     orchestrator = pd.Orchestrator(None, pool, 16, None, on_transfer_failure="fail")
 
     async def run():
@@ -144,3 +151,21 @@ def test_a_prompts_lost_kv_fails_under_the_fail_policy():
 
     with pytest.raises(KVTransferFailedError):
         asyncio.run(run())
+
+
+def test_a_full_replica_sends_the_reservation_to_another_and_the_sequence_streams_from_there():
+    from duet.errors import ReplicaFullError
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    pool = _ScriptedPool(
+        placements=[ReplicaFullError("full"), Placement("y")],
+        attaches=[[TokenDelta("s", [5]), TokenDelta("s", [6], finished=True, finish_reason="length")]],
+    )
+    orchestrator = pd.Orchestrator(None, pool, 16, None)
+
+    async def run():
+        return [delta.token_ids async for delta in orchestrator.run("s", [1, 2, 3], params)]
+
+    assert asyncio.run(run()) == [[5], [6]]
+    assert [kind for kind, _ in pool.calls] == ["reserve", "reserve", "attach"]
+    assert orchestrator.migrations == {"kv": 0, "recompute": 0}

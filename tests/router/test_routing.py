@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from types import SimpleNamespace
 
 import pytest
 
 from duet.block_pool import leading_block_hashes
-from duet.messages import ReplicaStats
 from duet.router.routing import KVCapacityRouter, PrefixAffinityRouter
+from tests.router.fake_serve import make_stats
 
 
 def _replica(name: str, **stats) -> SimpleNamespace:
-    values = dict(stage="x", replica_id=name, num_running=0, num_waiting=0, num_free_blocks=100, num_blocks=100,
-                  block_size=16, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, reported_at=time.time())
-    values.update(stats)
-    return SimpleNamespace(replica_id=name, routing_stats=dataclasses.asdict(ReplicaStats(**values)))
+    return SimpleNamespace(replica_id=name, routing_stats=make_stats("x", name, **stats).to_dict())
 
 
 def _router(cls, loads: dict[str, int], **state):

@@ -59,7 +59,7 @@ def test_the_pool_view_reads_each_replicas_last_report(decode_pool):
     assert serve_internals.pool_stats("prefill") is None and serve_internals.replica_running("prefill", "x")
     decode_pool.set("a", num_free_blocks=7)
     decode_pool.set("b", reported=False)
-    assert [(stats.replica_id, stats.num_free_blocks) for stats in serve_internals.pool_stats("decode")] == [("a", 7)]
+    assert [(stats.replica_id, stats.kv.num_free_blocks) for stats in serve_internals.pool_stats("decode")] == [("a", 7)]
     assert (serve_internals.pool_size("decode"), serve_internals.replica_ids("decode")) == (2, ["a", "b"])
     assert serve_internals.replica_running("decode", "b") and not serve_internals.replica_running("decode", "gone")
 

@@ -1,0 +1,30 @@
+"""The pools' replica stats as Prometheus families: each read from its part of the report."""
+
+from __future__ import annotations
+
+from duet.router.metrics import _PoolCollector
+from tests.router.fake_serve import make_stats
+
+
+def test_every_replica_metric_reads_its_value_from_the_typed_report():
+    stats = make_stats(
+        "decode", "d", num_running=2, num_waiting=1, num_free_blocks=25, num_blocks=100, kv_bytes_per_block=1600,
+        num_preemptions=3, prefix_cache_queries=40, prefix_cache_hits=16, bytes=4096, transfers=2, failures=1, cancelled=1,
+        seconds=0.5, pending=4, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6, accepted_per_position=[4, 2, 0],
+        integrity_failures=1,
+    )
+    families = {family.name: family for family in _PoolCollector("m", lambda: {"decode": [stats]}).collect()}
+    values = {name: family.samples[0].value for name, family in families.items() if family.samples}
+    assert values == {
+        "vllm:cache_config_info": 1, "vllm:num_requests_running": 2, "vllm:num_requests_waiting": 1,
+        "vllm:kv_cache_usage_perc": 0.75, "duet:kv_transfers_pending": 4, "duet:kv_cache_blocks": 100,
+        "duet:kv_cache_bytes_per_token": 100.0, "duet:spec_decode_mean_accepted_length": 2.5, "vllm:num_preemptions": 3,
+        "vllm:prefix_cache_queries": 40, "vllm:prefix_cache_hits": 16, "duet:kv_transfer_bytes": 4096, "duet:kv_transfers": 2,
+        "duet:kv_transfer_failures": 1, "duet:kv_transfers_cancelled": 1, "duet:kv_transfer_seconds": 0.5,
+        "duet:kv_integrity_failures": 1, "vllm:spec_decode_num_drafts": 4, "vllm:spec_decode_num_draft_tokens": 12,
+        "vllm:spec_decode_num_accepted_tokens": 6, "duet:pool_replicas": 1,
+        "vllm:spec_decode_num_accepted_tokens_per_pos": 4,
+    }
+    assert families["vllm:cache_config_info"].samples[0].labels == {
+        "model_name": "m", "stage": "decode", "replica": "d", "cache_dtype": "auto", "block_size": "16", "num_gpu_blocks": "100",
+    }
