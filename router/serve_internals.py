@@ -30,9 +30,12 @@ import os
 import time
 import uuid
 
-from ray.serve.request_router import RequestRouter
+from typing import TYPE_CHECKING
 
 from duet.messages import ReplicaStats
+
+if TYPE_CHECKING:  # importing ray here would come before `duet up` sets the loopback variable
+    from ray.serve.request_router import RequestRouter
 
 logger = logging.getLogger(__name__)
 

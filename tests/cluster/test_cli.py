@@ -214,3 +214,14 @@ def test_ray_auth_mode_is_left_alone_once_ray_is_imported(ray_auth_env, monkeypa
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace())
     deploy._settle_ray_auth_mode()
     assert "RAY_AUTH_MODE" not in deploy.os.environ
+
+
+def test_the_cli_imports_no_ray_before_duet_up_sets_the_loopback_variable():
+    """Guards `duet up` on a local cluster: Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when
+    imported, so the CLI and what it imports to start must not import ray first (an import of
+    Serve's request router at the top of the internals module once made every `duet up` refuse)."""
+    import subprocess
+
+    code = "import sys, duet.cluster.cli, duet.cluster.deploy; print('ray' in sys.modules)"
+    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert answer.stdout.strip() == "False", answer.stderr
