@@ -34,8 +34,9 @@ are counted):
   replica's blocks; one more while decoding sequences wait for room or their TPOT exceeds the
   target (a colocated pool: also while first tokens exceed the TTFT target).
 - down by one only when the load fits in one replica fewer at half the targets (hysteresis),
-  and some replica runs and every running one has reported (one that never starts, short of
-  resources, does not hold the pool up), never within ``cooldown_s`` of the pool's last change
+  and some replica runs and every running one has reported, and no replica of the last change is
+  still starting (for ``START_GRACE_S`` at most: one that never starts, short of resources, does
+  not hold the pool up), never within ``cooldown_s`` of the pool's last change
   (new replicas need time to start and to be measured). Serve then holds each change for its
   ``upscale_delay_s``/``downscale_delay_s`` and keeps the target within
   ``min_replicas``..``max_replicas``.
@@ -69,6 +70,7 @@ METRICS = (
 LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fraction of each target
 DEFAULT_PROMPT_TOKENS_PER_REPLICA = 2048  # before any replica measured its prompt speed
 PUBLISH_EVERY_S = 1.0
+START_GRACE_S = 60.0  # a pool does not shrink while the replicas of its last change start, this long at most
 VIEW_TTL_S = 10.0  # a pool's view its policy has not posted for this long is left out of decisions
 
 
@@ -241,6 +243,10 @@ def _bounded(decision: Decision, view: PoolView, targets: Targets, now: float) -
     if target < decision.current and (num_running == 0 or len(view.replicas) < num_running):
         # None running yet (starting, or restarting), or running ones not reporting: the load is not known.
         return dataclasses.replace(decision, target=decision.current, reason=f"awaiting_metrics ({decision.reason})")
+    if target < decision.current and num_running < decision.current and now - view.last_change < START_GRACE_S:
+        # Replicas of the last scale-up are still starting: their load is not seen yet, and
+        # stopping them before they ever served would undo every scale-up on a slow machine.
+        return dataclasses.replace(decision, target=decision.current, reason=f"awaiting_start ({decision.reason})")
     if target != decision.current and now - view.last_change < targets.cooldown_s:
         return dataclasses.replace(decision, target=decision.current, reason=f"cooldown ({decision.reason})")
     if target != decision.target:

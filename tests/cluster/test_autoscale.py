@@ -151,6 +151,18 @@ def test_a_replica_that_never_starts_does_not_hold_a_scale_down():
     assert (decision.target, decision.reason) == (3, "awaiting_metrics (low_load)")
 
 
+def test_a_pool_does_not_shrink_while_the_replicas_it_just_asked_for_start():
+    """Guards a scale-up undone before it served (seen on a busy 2-core machine, where a replica
+    took over 25 s to start): a bursty decode load dipped after its cooldown, the policy shrank
+    the pool by the replica still starting, and it never ran; the next burst asked for it again."""
+    starting = dataclasses.replace(decode_view(2, [0]), num_running=1, last_change=NOW - 30)
+    decision = decide({"decode": starting, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (decision.target, decision.reason) == (2, "awaiting_start (low_load)")
+    never_started = dataclasses.replace(starting, last_change=NOW - 61)
+    decision = decide({"decode": never_started, "prefill": prefill_view(1, [0])}, TARGETS, NOW)["decode"]
+    assert (decision.target, decision.reason) == (1, "low_load")
+
+
 def test_a_pin_wins_at_once_within_the_bounds():
     view = decode_view(1, [900], last_change=NOW - 1)  # within cooldown, and loaded
     pinned = decide({"decode": view, "prefill": prefill_view(1, [0])}, TARGETS, NOW, pins={"decode": 3})["decode"]
