@@ -184,7 +184,11 @@ def ray_auth_env(monkeypatch, tmp_path):
     """No ray imported yet, no mode set, and the token (if any) in tmp_path/auth_token."""
     monkeypatch.delitem(sys.modules, "ray", raising=False)
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+        # Set, then deleted, so that monkeypatch restores the value (or the absence) whatever the
+        # test sets: a delenv of an absent name records nothing, and a RAY_AUTH_MODE=token set by
+        # the test once leaked into the later tests' ray.init, whose GCS then refused them.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
     return tmp_path / "auth_token"
 
