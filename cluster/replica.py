@@ -6,7 +6,7 @@ recomputed: ``reserve`` adds it and answers its ``Placement`` (its replica, and 
 ``kv_receive`` request the ``KVDestination`` of the blocks it reserved), then a streamed
 ``attach`` reads its ``TokenDelta``s. A prefill replica's call is ``generate``, whose stream is
 the prompt's first token. Calls that name a ``replica_id`` (``abort``, ``attach``,
-``expect_kv``, ``check_integrity``) are pinned to that replica (see ``duet.router.routing``).
+``check_integrity``) are pinned to that replica (see ``duet.router.routing``).
 
 A decode replica that leaves its pool while alive moves its sequences to the others
 (``duet.decode_node.migration``): it watches its own pool through a handle of its own, which
@@ -59,7 +59,7 @@ class _ServePeers:
 
     async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
         new_call_context()  # the moves' calls overlap (an abort, the next move)
-        call = self._pool.reserve.remote(request, num_prompt_blocks=num_prompt_blocks, kv_computed=True)
+        call = self._pool.reserve.remote(request, num_prompt_blocks=num_prompt_blocks)
         return await asyncio.wait_for(call, MOVE_CALL_TIMEOUT_S)
 
     def abort(self, request_id: str, replica_id: str) -> None:
@@ -104,18 +104,17 @@ class EngineReplica:
             async for item in items:
                 yield item
 
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0, kv_computed: bool = False) -> Placement:
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0) -> Placement:
         """Place a sequence here: add it to the engine (its blocks reserved, for KV from elsewhere
         when ``kv_receive``) and answer where it runs and where its KV goes. Its outputs wait
-        for ``attach``; nobody attaching within ``ATTACH_TIMEOUT_S`` drops it. ``kv_computed``:
-        its KV is computed already (a move), so its receive is bounded from now.
+        for ``attach``; nobody attaching within ``ATTACH_TIMEOUT_S`` drops it.
         ``num_prompt_blocks`` is a hint for the pool's request router."""
         if self.migration is None:
             raise InvalidRequestError(f"replica {self.replica_id} is a prefill replica: it places no sequence")
         self._refuse_new_sequences()
         self.role.admit(request, self.engine.block_size)
         stream, destination = await self._add(request)
-        self.migration.adopt(stream, kv_computed)
+        self.migration.adopt(stream)
         self._spawn(self.migration.drop_unless_attached(request.request_id))
         return Placement(self.replica_id, destination)
 
@@ -169,13 +168,6 @@ class EngineReplica:
                 self.loop.call_soon(self.engine.abort_request, request_id)
                 if stream.moved_to is not None:  # closed before its reader heard of the move
                     self.migration.peers.abort(request_id, stream.moved_to)
-
-    async def expect_kv(self, request_id: str, replica_id: str) -> None:
-        """The prefill replica computing this sequence's KV has answered: its transfer should
-        start now, and is given up (the router recomputes the sequence) if no worker reports on
-        it within the engine's receive deadline."""
-        ReplicaGoneError.check(replica_id, self.replica_id)
-        await self.loop.call(self.engine.expect_kv, request_id)
 
     async def abort(self, request_id: str, replica_id: str) -> None:
         ReplicaGoneError.check(replica_id, self.replica_id)

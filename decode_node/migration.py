@@ -69,14 +69,10 @@ class Migration:
 
     # -- into this replica
 
-    def adopt(self, stream: Stream, kv_computed: bool) -> None:
+    def adopt(self, stream: Stream) -> None:
         """A sequence placed here (``reserve``), held for its router's ``attach``: it is dropped
-        unless one attaches within ``ATTACH_TIMEOUT_S``. ``kv_computed``: its KV (a moved
-        sequence's) ships at once, so its receive is bounded from now."""
-        request_id = stream.request.request_id
-        if kv_computed:
-            self.loop.call_soon(self.engine.expect_kv, request_id)
-        self.adopted[request_id] = stream
+        unless one attaches within ``ATTACH_TIMEOUT_S``."""
+        self.adopted[stream.request.request_id] = stream
 
     def attach(self, request_id: str) -> Stream:
         stream = self.adopted.pop(request_id, None)

@@ -30,9 +30,6 @@ from duet.structured_output import grammar_tokenizer
 from duet.worker import WorkerConfig, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
-# A prompt's KV not reported by the workers within this many transfer timeouts of its sender's
-# answer is given up.
-RECEIVE_DEADLINE_TIMEOUTS = 2
 
 
 class LLMEngine:
@@ -93,8 +90,6 @@ class LLMEngine:
             self.max_model_len,
             self.scheduler_config.enable_chunked_prefill,
             self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
-            # From the sender's answer, tighter than the workers' wait for an announcement: see KVConnectorScheduler.
-            RECEIVE_DEADLINE_TIMEOUTS * self.kv_transfer_config.timeout_s if self.kv_transfer_config else None,
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self.load = LoadTracker()
@@ -191,11 +186,6 @@ class LLMEngine:
             self._logprobs.pop(request.request_id, None)
             raise ReplicaFullError(f"no room for the {len(request.prompt_token_ids)}-token prompt of {request.request_id}")
         return KVDestination(transfer_id, self.kv_endpoints, self.kv_transfer_config.name)
-
-    def expect_kv(self, request_id: str) -> None:
-        """A ``kv_receive`` request's sender has computed its KV (the prefill replica answered,
-        or a migration was reserved): from now its transfer is bounded (see ``KVConnectorScheduler``)."""
-        self.scheduler.expect_kv(request_id)
 
     def freeze(self, request_id: str) -> list[int] | None:
         """Hold a decoding sequence still for a migration; its output tokens (None: it can move

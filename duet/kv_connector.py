@@ -15,7 +15,6 @@ through the KV cache manager; a transfer's held blocks are keyed by its transfer
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from duet.kv_cache_manager import KVCacheManager
@@ -53,22 +52,12 @@ _SENT_ON = (
 
 
 class KVConnectorScheduler:
-    """``receive_deadline_s``: how long a receive may go without a report from the workers,
-    once its sender has answered (``expect``), before its request is given up as lost (and
-    recomputed by its router). Once a transfer is announced, every wait of the workers' is
-    bounded by the transfer's timeout; before that they wait for the announcement up to
-    ``STREAM_START_TIMEOUT_S`` (600 s), since a prompt may queue on its prefill replica. A
-    prefill replica killed after answering, with its prompts' KV still queued behind another
-    transfer, never announces them: in one CI run that left two clients waiting until they
-    left. So the bound counts from the moment the KV's compute is done and its transfer should
-    start: the prefill replica's answer, which its router passes on, or the reservation of a
-    migration, whose KV is computed already. A prompt queued long on its prefill replica is
-    not given up for that. None: no bound."""
+    """Every receive ends in a report from the workers: each of their waits is bounded, from the
+    moment the sender queues the transfer (see ``duet.kv_transfer.receiver``), so a receive
+    needs no deadline here."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, receive_deadline_s: float | None = None) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
         self.kv_cache_manager = kv_cache_manager
-        self.receive_deadline_s = receive_deadline_s
-        self._due: dict[int, float] = {}  # transfer id -> when its receive is given up
         self._receiving: dict[int, Request] = {}  # transfer id -> request waiting for its prompt's KV
         self._sending: dict[int, Request] = {}  # transfer id -> request whose KV is on its way out
         self.held: set[int] = set()  # transfers still holding the blocks of a request that ended
@@ -104,13 +93,6 @@ class KVConnectorScheduler:
         self._metadata.receives.append(KVReceiveSpec(request.request_id, transfer_id, block_ids))
         return True
 
-    def expect(self, request: Request) -> None:
-        """The KV ``request`` waits for is computed and its transfer should start: from now it
-        has ``receive_deadline_s`` to be reported on (no-op once it arrived or ended)."""
-        transfer_id = request.kv_receive_id
-        if self.receive_deadline_s is not None and transfer_id in self._receiving and transfer_id not in self._due:
-            self._due[transfer_id] = time.monotonic() + self.receive_deadline_s
-
     def start_send(self, request: Request, computed: bool = False) -> None:
         """Ship the request's KV to ``request.kv_send``: as the step about to run computes its
         last prompt chunk, or (``computed``) from its blocks as they are (a migration)."""
@@ -139,7 +121,6 @@ class KVConnectorScheduler:
             self._metadata.cancels.append(transfer_id)  # the peer stops, or drains what it sends
             request.kv_send = None
         self._receiving.pop(transfer_id, None)
-        self._due.pop(transfer_id, None)
         self._sending.pop(transfer_id, None)
         unannounced = [spec for spec in self._metadata.receives if spec.transfer_id == transfer_id]
         if unannounced:  # the workers never heard of it: nothing writes these blocks
@@ -164,16 +145,10 @@ class KVConnectorScheduler:
                 self.held.discard(result.transfer_id)
                 self.kv_cache_manager.release(result.transfer_id)
             elif (request := self._receiving.pop(result.transfer_id, None)) is not None:
-                self._due.pop(result.transfer_id, None)
                 if result.ok:
                     arrived.append((request, result.first_token_id))
                 else:
                     lost.append((request, result.error or "the transfer failed"))
             elif (request := self._sending.pop(result.transfer_id, None)) is not None:
                 request.kv_send = None  # it ended before the request did: the blocks are the request's
-        now = time.monotonic()
-        for transfer_id, due in list(self._due.items()):
-            if now >= due:  # it stays receiving: ending the request cancels it and holds its blocks
-                del self._due[transfer_id]
-                lost.append((self._receiving[transfer_id], f"no word of it within {self.receive_deadline_s:.0f}s"))
         return arrived, lost

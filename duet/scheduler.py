@@ -39,10 +39,9 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         num_lookahead_tokens: int = 0,
-        receive_deadline_s: float | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
-        self.kv_connector = KVConnectorScheduler(kv_cache_manager, receive_deadline_s)
+        self.kv_connector = KVConnectorScheduler(kv_cache_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -74,13 +73,6 @@ class Scheduler:
             return False
         self.requests[request.request_id] = request
         return True
-
-    def expect_kv(self, request_id: str) -> None:
-        """The KV a reserved request waits for is computed: it must now arrive within the
-        connector's receive deadline (no-op for a request that ended)."""
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.kv_connector.expect(request)
 
     def stats(self) -> SchedulerStats:
         """The queues, read off the engine thread: snapshots, and blocks looked up leniently."""

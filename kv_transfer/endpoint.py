@@ -34,9 +34,13 @@ FIRST_LAYER_TAG = 2
 NO_TOKEN = -1
 # A pair with nothing to do for this long ends its threads; the next transfer opens a new one.
 PAIR_IDLE_S = 600.0
-# How long a streamed transfer waits for its prompt's first layers: the prompt may be queued
-# behind others on the prefill replica first. A request aborted meanwhile cancels it at once.
+# How long a receiver waits for a prompt's transfer to be queued on its sender: the prompt may
+# wait behind others on the prefill replica first. A request aborted meanwhile cancels it at once.
 STREAM_START_TIMEOUT_S = 600.0
+# Once its sender has queued it, how many of the pair's timeouts a transfer has to be announced:
+# its sender gives its first layers one, and the pair may be busy with the transfer ahead of it
+# for about another. Past that its sender is taken for gone (it died, or its replica stopped).
+QUEUED_START_TIMEOUTS = 2
 
 
 class TransferEndpoint:

@@ -1,6 +1,11 @@
 """The receiving side (a decode worker): hosts a TCPStore whose channel takes announcements,
 and receives each announced transfer straight into the blocks its engine reserved.
 
+An expected transfer waits for its sender to queue it (``queued``: up to the expectation's
+timeout, long, since a prompt may wait behind others on its prefill replica), then to announce it
+(``send``: within ``QUEUED_START_TIMEOUTS`` of the pair's timeout from being queued); one not
+announced in time fails, and its router recomputes it.
+
 One listener thread reads the channel in order and hands each transfer to its pair's thread
 (one per sender and pair key, started on the pair's first announcement: no sender needs to be
 known in advance). Transfers are matched to expectations by id, in whatever order they come;
@@ -30,6 +35,7 @@ from duet.kv_transfer.endpoint import (
     ACK_TAG,
     FIRST_LAYER_TAG,
     NO_TOKEN,
+    QUEUED_START_TIMEOUTS,
     TRAILER_TAG,
     TransferEndpoint,
 )
@@ -83,6 +89,7 @@ class KVReceiver(TransferEndpoint):
         self._expected: dict[int, _Expected] = {}  # not announced yet
         self._active: dict[int, _Expected] = {}  # being received
         self._cancelled: dict[int, float] = {}  # cancelled before any announcement: when
+        self._queued: dict[int, float] = {}  # queued by its sender, not expected here (yet): when
         self._pairs: dict[str, queue.SimpleQueue] = {}  # pair key -> its thread's inbox
         self.start_thread(self._listen, "kv-listener")
 
@@ -92,6 +99,9 @@ class KVReceiver(TransferEndpoint):
         only then may the blocks be reused."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._lock:
+            queued = self._queued.pop(transfer_id, None)
+            if queued is not None:
+                deadline = min(deadline, queued + QUEUED_START_TIMEOUTS * self.timeout_s)
             if self._cancelled.pop(transfer_id, None) is None:
                 self._expected[transfer_id] = _Expected(transfer_id, list(block_ids), deadline)
                 self._lock.notify_all()
@@ -128,6 +138,9 @@ class KVReceiver(TransferEndpoint):
             for transfer_id, when in list(self._cancelled.items()):
                 if now - when > _CANCELLED_MEMORY_S:
                     del self._cancelled[transfer_id]
+            for transfer_id, when in list(self._queued.items()):  # notices of transfers already in, mostly
+                if now - when > QUEUED_START_TIMEOUTS * self.timeout_s:
+                    del self._queued[transfer_id]
         for job in overdue:
             self.report(KVTransferResult(job.transfer_id, False, error="its KV was not announced in time"))
         return super().poll()
@@ -147,6 +160,8 @@ class KVReceiver(TransferEndpoint):
             if kind == "send":
                 heads, layers = (int(message[4]), int(message[5])), (int(message[6]), int(message[7]))
                 self._inbox(message[1]).put((int(message[2]), int(message[3]), heads, layers))
+            elif kind == "queued":
+                self._sender_queued(int(message[1]))
             elif kind == "cancel":
                 self._sender_gave_up(int(message[1]), aborted=message[2] == "aborted")
             elif kind == "close":
@@ -159,6 +174,17 @@ class KVReceiver(TransferEndpoint):
             inbox = self._pairs[pair_key] = queue.SimpleQueue()
             self.start_thread(lambda: self._run_pair(pair_key, inbox), f"kv-{pair_key}")
         return self._pairs[pair_key]
+
+    def _sender_queued(self, transfer_id: int) -> None:
+        """From now the transfer has ``QUEUED_START_TIMEOUTS`` timeouts to be announced (the
+        notice may come after the announcement itself, or before the expectation)."""
+        now = time.monotonic()
+        with self._lock:
+            job = self._expected.get(transfer_id)
+            if job is not None:
+                job.deadline = min(job.deadline, now + QUEUED_START_TIMEOUTS * self.timeout_s)
+            elif transfer_id not in self._active and transfer_id not in self._cancelled:
+                self._queued[transfer_id] = now
 
     def _sender_gave_up(self, transfer_id: int, aborted: bool) -> None:
         error = "the prefill replica aborted the request" if aborted else "the prefill replica gave the transfer up"

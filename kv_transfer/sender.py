@@ -1,7 +1,10 @@
 """The sending side (a prefill worker): ships requests' KV to the receivers that expect it.
 
-One pair per receiver endpoint, with a thread that picks whichever of its transfers has its
-first run of layers computed (a long prompt queued first does not hold up a short one), then
+A transfer is made known to its receiver the moment it is queued (``queued <id>`` on the
+receiver's channel, posted by one notice thread): from then the receiver gives it a bounded time
+to start, so a sender that dies with transfers still queued leaves no receiver waiting for
+good. One pair per receiver endpoint, with a thread that picks whichever of its transfers has
+its first run of layers computed (a long prompt queued first does not hold up a short one), then
 announces it on the receiver's channel, with the ranges of the model's KV heads and layers it
 carries, and sends it whole. A transfer may go in parts, a range of heads and layers to each of
 several receivers (tensor-parallel ranks, pipeline stages): each part is reported on its own. A pair that broke fails the
@@ -11,6 +14,7 @@ transfer under way; the others move, once, to a new pair (a new key, a new group
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from dataclasses import dataclass
 
@@ -64,6 +68,7 @@ class KVSender(TransferEndpoint):
         self._pairs: dict[KVEndpoint, _SenderPair] = {}
         self._generation: dict[KVEndpoint, int] = {}
         self._jobs: dict[tuple[int, KVEndpoint], _Send] = {}
+        self._notices: queue.SimpleQueue[tuple[KVEndpoint, int]] | None = None
         self.faults = TransferFaults.from_env()
 
     def send(
@@ -79,7 +84,32 @@ class KVSender(TransferEndpoint):
         progress.on_change = self._wake_pairs
         layers = layers or self.layers
         job = _Send(transfer_id, num_blocks, progress, deadline, heads or self.kv_heads, layers, layers[0] - self.layers[0] + 1)
+        self._notify_queued(endpoint, transfer_id)
         self._queue(job, endpoint)
+
+    def _notify_queued(self, endpoint: KVEndpoint, transfer_id: int) -> None:
+        """Tell the receiver at once that the transfer is queued here, off this thread (the
+        caller is a step of the engine; the pair's thread may be busy with another transfer)."""
+        with self._lock:
+            if self._notices is None:
+                self._notices = queue.SimpleQueue()
+                self.start_thread(self._post_notices, "kv-notices")
+        self._notices.put((endpoint, transfer_id))
+
+    def _post_notices(self) -> None:
+        channels: dict[KVEndpoint, Channel] = {}
+        while not self.closed.is_set():
+            try:
+                endpoint, transfer_id = self._notices.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            try:
+                if endpoint not in channels:
+                    channels[endpoint] = Channel(connect_store(endpoint, self.timeout_s))
+                channels[endpoint].post("queued", transfer_id)
+            except Exception as error:  # the receiver is gone: the transfer fails on its pair
+                channels.pop(endpoint, None)
+                logger.warning("could not tell %s:%d of transfer %d: %s", endpoint.host, endpoint.port, transfer_id, error)
 
     def _queue(self, job: _Send, endpoint: KVEndpoint) -> None:
         job.endpoint = endpoint

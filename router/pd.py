@@ -24,9 +24,9 @@ no token twice, none missing, and what shapes the next tokens (the seed's stream
 the sequence fails with a 503 error event. If the prefill replica fails before the first
 token, the prompt is computed on a decode replica; a lost prompt KV is recomputed too
 (``on_transfer_failure: recompute``) or fails the sequence (``fail``); the KV of a sequence
-already moved or started over is recomputed whatever the policy. Once the prefill replica has
-answered, the router tells the decode replica (``expect_kv``), which from then gives the KV a
-bounded time to come (a prefill replica killed with transfers still queued never sends them).
+already moved or started over is recomputed whatever the policy. A transfer's wait is bounded
+from the moment its sender queues it (``duet.kv_transfer.receiver``): a prefill replica killed
+with transfers still queued leaves no sequence waiting for good.
 """
 
 from __future__ import annotations
@@ -193,9 +193,6 @@ class Orchestrator:
             raise
         finally:
             choice.done()
-        # The KV is computed and on its way: from now the decode replica bounds its wait for it.
-        replica_id, request_id = stream.replica_id, stream.request.request_id
-        self.fire(replica_id, lambda: self.decode.expect_kv.remote(request_id, replica_id=replica_id))
         if first is not None:
             try:
                 yield first

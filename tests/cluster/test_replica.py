@@ -62,7 +62,7 @@ class _DirectPeers:
         self.other: EngineReplica | None = None
 
     async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
-        return await self.other.reserve(request, num_prompt_blocks, kv_computed=True)
+        return await self.other.reserve(request, num_prompt_blocks)
 
     def abort(self, request_id: str, replica_id: str) -> None:
         asyncio.ensure_future(self.other.abort(request_id, replica_id))
@@ -151,7 +151,7 @@ def test_a_leaving_replica_waits_for_the_sequences_moved_to_it_before_it_is_done
                             kv_receive=True)
 
     async def run():
-        await staying.reserve(request, kv_computed=True)
+        await staying.reserve(request)
         departed = asyncio.Event()
         departed.set()
         drain = asyncio.create_task(staying._leave_when_departed(departed))

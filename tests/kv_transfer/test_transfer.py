@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from duet.kv_connector import TransferCounters
+from duet.kv_transfer.endpoint import QUEUED_START_TIMEOUTS, STREAM_START_TIMEOUT_S
 from duet.kv_transfer.progress import LayerProgress
 from duet.kv_transfer.receiver import KVReceiver
 from duet.kv_transfer.sender import KVSender
@@ -315,6 +316,37 @@ def test_an_expected_transfer_never_announced_times_out_alone(start_sender):
         receiver.close()
     assert results[1] == (False, "its KV was not announced in time")
     assert results[2] == (True, None)
+
+
+@pytest.mark.parametrize("expected_first", [True, False], ids=["expected-then-queued", "queued-then-expected"])
+def test_a_transfer_queued_and_never_announced_fails_within_its_window(start_sender, expected_first):
+    """Guards clients left waiting after a prefill replica died with prompts' KV queued behind
+    another transfer (seen in CI): a receiver waits long for a prompt's transfer to be queued
+    (the prompt may wait on its prefill replica), but once its sender has queued it, it must be
+    announced within QUEUED_START_TIMEOUTS of the pair's timeout, whichever of the sender's
+    notice and the receiver's expectation comes first. Here the sender holds it (its layers never
+    come, and it gives up only after 30 s): the receiver fails it on its own, well before."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=1)
+    conn = start_sender()
+    try:
+        began = time.monotonic()
+        if expected_first:
+            receiver.expect(1, [0], STREAM_START_TIMEOUT_S)
+        conn.send(("stream", 1, 1, receiver.endpoint))
+        if not expected_first:
+            deadline = time.monotonic() + 10
+            while 1 not in receiver._queued and time.monotonic() < deadline:
+                time.sleep(0.01)
+            receiver.expect(1, [0], STREAM_START_TIMEOUT_S)
+        results = _wait_results(receiver, 1, timeout_s=15)
+        waited = time.monotonic() - began
+        conn.send(("cancel", 1))
+        conn.send(("results", 1))
+        conn.recv()
+    finally:
+        receiver.close()
+    assert results == {1: (False, "its KV was not announced in time")}
+    assert QUEUED_START_TIMEOUTS * receiver.timeout_s <= waited < 15
 
 
 def test_a_burst_of_transfers_with_cancellations_never_breaks_the_pair(start_sender):
