@@ -90,15 +90,17 @@ def _streams_scaled_down_midway(url: str, bodies: list[dict]) -> list[tuple[str,
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(_stream_text(client, url, body)) for body in bodies]
-            # Scale down as soon as both replicas report streams: a fixed wait let short streams
-            # end before Serve stopped the replica, on a fast machine.
-            deadline = time.monotonic() + 15
+            # Scale down as soon as both replicas report streams, every stream placed and decoding:
+            # a fixed wait let short streams end before Serve stopped the replica, on a fast
+            # machine; a stream placed on the leaving replica as Serve stopped it never reached it
+            # (its router no longer could) and was recomputed, on a slow one.
+            deadline = time.monotonic() + 60
             while True:
                 await asyncio.sleep(0.2)
                 running = _running(url, "decode")
-                if len(running) == 2 and all(running.values()):
+                if len(running) == 2 and all(running.values()) and sum(running.values()) == len(bodies):
                     break
-                assert time.monotonic() < deadline, f"streams on both replicas before the scale-down: {running}"
+                assert time.monotonic() < deadline, f"all streams running on both replicas before the scale-down: {running}"
             _scale(url, "decode", 1)
             return await asyncio.gather(*tasks)
 
