@@ -19,6 +19,7 @@ import random
 import time
 from pathlib import Path
 
+from duet.benchmarks.plots import saved_figure
 from duet.benchmarks.serve import SAFE_TOKEN_RANGE, RequestResult, _one_request
 
 
@@ -129,48 +130,41 @@ def _p90(values: list[float]) -> float:
 
 
 def plot(sent: list[Sent], samples: list[Sample], bounds: dict, window_s: float, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     end = max([s.at for s in samples] + [item.start + item.result.e2e for item in sent] + [0.0])
     windows = [index * window_s for index in range(int(end // window_s) + 1)]
-    figure, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-    for axis in axes:
-        for index, (name, (began, finish)) in enumerate(bounds.items()):
-            axis.axvspan(began, finish, color=f"C{index}", alpha=0.08)
-            if axis is axes[0]:
-                axis.text((began + finish) / 2, 0.05, name, ha="center", transform=axis.get_xaxis_transform())
-    pools = sorted({pool for sample in samples for pool in sample.running})
-    for index, pool in enumerate(pools):
-        times = [s.at for s in samples]
-        axes[0].step(times, [s.running.get(pool, 0) + 0.03 * index for s in samples], where="post", color=f"C{index}", label=f"{pool} running")
-        axes[0].step(times, [s.target.get(pool, 0) + 0.03 * index for s in samples], where="post", color=f"C{index}", linestyle="--",
-                     label=f"{pool} target")
-    axes[0].set_ylabel("replicas")
-    axes[0].legend(fontsize=8, loc="upper right")
+    with saved_figure(path, figsize=(11, 9), what="timeline", nrows=3, ncols=1, sharex=True) as (figure, axes):
+        for axis in axes:
+            for index, (name, (began, finish)) in enumerate(bounds.items()):
+                axis.axvspan(began, finish, color=f"C{index}", alpha=0.08)
+                if axis is axes[0]:
+                    axis.text((began + finish) / 2, 0.05, name, ha="center", transform=axis.get_xaxis_transform())
+        pools = sorted({pool for sample in samples for pool in sample.running})
+        for index, pool in enumerate(pools):
+            times = [s.at for s in samples]
+            axes[0].step(times, [s.running.get(pool, 0) + 0.03 * index for s in samples], where="post", color=f"C{index}", label=f"{pool} running")
+            axes[0].step(times, [s.target.get(pool, 0) + 0.03 * index for s in samples], where="post", color=f"C{index}", linestyle="--",
+                         label=f"{pool} target")
+        axes[0].set_ylabel("replicas")
+        axes[0].legend(fontsize=8, loc="upper right")
 
-    def per_window(values: list[tuple[float, float]], reduce) -> list[float]:
-        return [reduce([v for at, v in values if start <= at < start + window_s]) for start in windows]
+        def per_window(values: list[tuple[float, float]], reduce) -> list[float]:
+            return [reduce([v for at, v in values if start <= at < start + window_s]) for start in windows]
 
-    offered = per_window([(item.start, 1.0) for item in sent], lambda v: len(v) / window_s)
-    completed = per_window([(item.start + item.result.e2e, 1.0) for item in sent if item.result.ok], lambda v: len(v) / window_s)
-    axes[1].step(windows, offered, where="post", label="offered req/s")
-    axes[1].step(windows, completed, where="post", label="completed req/s")
-    axes[1].set_ylabel("requests / s")
-    axes[1].legend(fontsize=8, loc="upper right")
-    done = [item for item in sent if item.result.ok]
-    ttft = per_window([(item.start + item.result.e2e, item.result.ttft * 1e3) for item in done], _p90)
-    tpot = per_window([(item.start + item.result.e2e, item.result.tpot * 1e3) for item in done if item.result.output_tokens > 1], _p90)
-    axes[2].step(windows, ttft, where="post", label="TTFT p90 (ms)")
-    axes[2].step(windows, tpot, where="post", label="TPOT p90 (ms)")
-    axes[2].set_yscale("symlog", linthresh=100)
-    axes[2].set_ylabel(f"ms (requests done per {window_s:.0f} s)")
-    axes[2].set_xlabel("seconds")
-    axes[2].legend(fontsize=8, loc="upper right")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+        offered = per_window([(item.start, 1.0) for item in sent], lambda v: len(v) / window_s)
+        completed = per_window([(item.start + item.result.e2e, 1.0) for item in sent if item.result.ok], lambda v: len(v) / window_s)
+        axes[1].step(windows, offered, where="post", label="offered req/s")
+        axes[1].step(windows, completed, where="post", label="completed req/s")
+        axes[1].set_ylabel("requests / s")
+        axes[1].legend(fontsize=8, loc="upper right")
+        done = [item for item in sent if item.result.ok]
+        ttft = per_window([(item.start + item.result.e2e, item.result.ttft * 1e3) for item in done], _p90)
+        tpot = per_window([(item.start + item.result.e2e, item.result.tpot * 1e3) for item in done if item.result.output_tokens > 1], _p90)
+        axes[2].step(windows, ttft, where="post", label="TTFT p90 (ms)")
+        axes[2].step(windows, tpot, where="post", label="TPOT p90 (ms)")
+        axes[2].set_yscale("symlog", linthresh=100)
+        axes[2].set_ylabel(f"ms (requests done per {window_s:.0f} s)")
+        axes[2].set_xlabel("seconds")
+        axes[2].legend(fontsize=8, loc="upper right")
 
 
 # Past one replica of each pool on two cores (each pool grows in its phase); at 0.6 and 2 req/s
@@ -219,7 +213,6 @@ def main(argv: list[str] | None = None) -> None:
     errors = sorted({item.result.error for item in sent if not item.result.ok})
     print(f"failed requests: {failed}" + (f" ({errors[:3]})" if errors else ""))
     plot(sent, samples, bounds, args.window_s, args.plot)
-    print(f"timeline written to {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "phases": figures,

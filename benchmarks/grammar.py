@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from duet.benchmarks.grammar_workload import CONSTRAINTS, Constraint
+from duet.benchmarks.plots import saved_figure
 
 VOCAB_SIZE = 49152
 MAX_WALK = 64
@@ -280,41 +281,34 @@ def report(result: EngineResult) -> str:
 
 
 def plot(results: list[EngineResult], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     colors = {"llguidance": "#3b7dd8", "xgrammar": "#e08a2c"}
     width = 0.8 / len(results)
-    fig, (compiles, steps) = plt.subplots(1, 2, figsize=(14, 7), gridspec_kw={"width_ratios": [2, 1]})
-    names = [c.name for c in CONSTRAINTS]
-    for index, result in enumerate(results):
-        positions = np.arange(len(names)) + index * width
-        totals = [c.total_ms or 0.0 for c in result.compiles]
-        compiles.barh(positions, totals, height=width, color=colors[result.engine], label=result.engine)
-        for y, c in zip(positions, result.compiles):
-            if c.error is not None:
-                compiles.text(0, y, " unsupported", va="center", fontsize=8, color=colors[result.engine])
-        batches = np.arange(len(result.steps)) + index * width
-        means = [s.fill_ms["mean"] for s in result.steps]
-        steps.bar(batches, means, width=width, color=colors[result.engine], label=result.engine)
-        for x, s in zip(batches, result.steps):
-            steps.text(x, s.fill_ms["mean"], f"{s.fill_ms['mean']:.3f}", ha="center", va="bottom", fontsize=8)
-    compiles.set_yticks(np.arange(len(names)) + width * (len(results) - 1) / 2, names)
-    compiles.invert_yaxis()
-    compiles.set_xscale("symlog", linthresh=1.0)
-    compiles.set_xlabel("cold compile + first mask (ms)")
-    compiles.set_title("time to a constraint's first mask")
-    compiles.legend()
-    batch_labels = [f"batch {size}" for size in sorted({s.batch_size for result in results for s in result.steps})]
-    steps.set_xticks(np.arange(len(batch_labels)) + width * (len(results) - 1) / 2, batch_labels)
-    steps.set_ylabel("mask fill per step, mean (ms)")
-    steps.set_title("per-step mask fill")
-    steps.legend()
-    fig.suptitle(f"grammar engines, SmolLM2-135M tokenizer (vocab {VOCAB_SIZE})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with saved_figure(path, figsize=(14, 7), ncols=2, gridspec_kw={"width_ratios": [2, 1]}) as (fig, (compiles, steps)):
+        names = [c.name for c in CONSTRAINTS]
+        for index, result in enumerate(results):
+            positions = np.arange(len(names)) + index * width
+            totals = [c.total_ms or 0.0 for c in result.compiles]
+            compiles.barh(positions, totals, height=width, color=colors[result.engine], label=result.engine)
+            for y, c in zip(positions, result.compiles):
+                if c.error is not None:
+                    compiles.text(0, y, " unsupported", va="center", fontsize=8, color=colors[result.engine])
+            batches = np.arange(len(result.steps)) + index * width
+            means = [s.fill_ms["mean"] for s in result.steps]
+            steps.bar(batches, means, width=width, color=colors[result.engine], label=result.engine)
+            for x, s in zip(batches, result.steps):
+                steps.text(x, s.fill_ms["mean"], f"{s.fill_ms['mean']:.3f}", ha="center", va="bottom", fontsize=8)
+        compiles.set_yticks(np.arange(len(names)) + width * (len(results) - 1) / 2, names)
+        compiles.invert_yaxis()
+        compiles.set_xscale("symlog", linthresh=1.0)
+        compiles.set_xlabel("cold compile + first mask (ms)")
+        compiles.set_title("time to a constraint's first mask")
+        compiles.legend()
+        batch_labels = [f"batch {size}" for size in sorted({s.batch_size for result in results for s in result.steps})]
+        steps.set_xticks(np.arange(len(batch_labels)) + width * (len(results) - 1) / 2, batch_labels)
+        steps.set_ylabel("mask fill per step, mean (ms)")
+        steps.set_title("per-step mask fill")
+        steps.legend()
+        fig.suptitle(f"grammar engines, SmolLM2-135M tokenizer (vocab {VOCAB_SIZE})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as file:
             json.dump([asdict(result) for result in results], file, indent=2)
     plot_path = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else "grammar.png")
+    print()
     plot(results, plot_path)
-    print(f"\nplot written to {plot_path}")
     return 0
 
 

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from duet.benchmarks.plots import saved_figure
+
 BATCH = 32
 OUTPUT_TOKENS = 128
 PREFILL_TOKENS = 512
@@ -269,21 +271,14 @@ def print_table(figures: list[Figure], dtype: str) -> None:
 
 
 def plot(figures: list[Figure], path: str, dtype: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.45 * len(figures)))
-    names = [f.name for f in figures]
-    ax.barh(names, [f.ratio for f in figures], color="#3b7dd8")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("speed-up over baseline (x)")
-    ax.set_title(f"duet offline benchmark, SmolLM2-135M, {dtype}")
-    for y, figure in enumerate(figures):
-        ax.text(figure.ratio, y, f" {figure.ratio:.2f}x", va="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with saved_figure(path, figsize=(9, 1.5 + 0.45 * len(figures))) as (fig, ax):
+        names = [f.name for f in figures]
+        ax.barh(names, [f.ratio for f in figures], color="#3b7dd8")
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xlabel("speed-up over baseline (x)")
+        ax.set_title(f"duet offline benchmark, SmolLM2-135M, {dtype}")
+        for y, figure in enumerate(figures):
+            ax.text(figure.ratio, y, f" {figure.ratio:.2f}x", va="center")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,7 +309,6 @@ def main(argv: list[str] | None = None) -> None:
             json.dump([asdict(fig) | {"ratio": fig.ratio, "vllm_ratio": fig.vllm_ratio} for fig in figures], f, indent=2)
     if args.plot:
         plot(figures, args.plot, args.dtype)
-        print(f"plot written to {args.plot}")
 
 
 if __name__ == "__main__":

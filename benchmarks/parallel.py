@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from duet.benchmarks.plots import saved_figure
+
 LAYOUTS = ("tp1", "tp1-ray", "tp2", "pp2")
 
 
@@ -112,25 +114,18 @@ def print_table(rows: list[Row]) -> None:
 
 
 def plot(rows: list[Row], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = sorted({row.batch for row in rows})
-    figure, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4))
-    for axis, batch in zip(figure.axes if len(batches) > 1 else [axes], batches):
-        chosen = [row for row in rows if row.batch == batch]
-        names = [row.layout for row in chosen]
-        compute = [row.step_ms - row.collective_ms for row in chosen]
-        axis.bar(names, compute, label="compute and the rest")
-        axis.bar(names, [row.collective_ms for row in chosen], bottom=compute, label="communication and stage waits")
-        axis.set_ylim(0, 1.25 * max(row.step_ms for row in chosen))
-        axis.set_title(f"SmolLM2 decode step, batch {batch}")
-        axis.set_ylabel("ms")
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    with saved_figure(path, figsize=(4.5 * len(batches), 4), ncols=len(batches)) as (figure, axes):
+        for axis, batch in zip(figure.axes if len(batches) > 1 else [axes], batches):
+            chosen = [row for row in rows if row.batch == batch]
+            names = [row.layout for row in chosen]
+            compute = [row.step_ms - row.collective_ms for row in chosen]
+            axis.bar(names, compute, label="compute and the rest")
+            axis.bar(names, [row.collective_ms for row in chosen], bottom=compute, label="communication and stage waits")
+            axis.set_ylim(0, 1.25 * max(row.step_ms for row in chosen))
+            axis.set_title(f"SmolLM2 decode step, batch {batch}")
+            axis.set_ylabel("ms")
+            axis.legend()
 
 
 def main(argv: list[str] | None = None) -> None:

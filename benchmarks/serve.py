@@ -32,6 +32,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from duet.benchmarks.plots import saved_figure
+
 SAFE_TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary of SmolLM2's tokenizer, no special tokens
 
 
@@ -222,30 +224,23 @@ def format_ratios(summaries: list[Summary]) -> str:
 
 
 def plot(summaries: list[Summary], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [f"{s.config}\n{s.workload}" for s in summaries]
     # Wider with more bars; labels slanted so that neighbours' never overlap.
-    figure, axes = plt.subplots(1, 4, figsize=(max(18, 2 * len(summaries)), 5))
-    for axis, metric, title in zip(axes[:3], ("ttft_ms", "tpot_ms", "e2e_ms"), ("TTFT (ms)", "TPOT (ms)", "end-to-end (ms)")):
-        width = 0.27
-        for offset, quantile in enumerate(("p50", "p90", "p99")):
-            xs = [i + (offset - 1) * width for i in range(len(summaries))]
-            axis.bar(xs, [s.percentiles[metric][quantile] for s in summaries], width, label=quantile)
-        axis.set_xticks(range(len(summaries)), labels, fontsize=7, rotation=45, ha="right")
-        axis.set_title(title)
-        axis.legend(fontsize=7)
-    xs = range(len(summaries))
-    axes[3].bar([x - 0.2 for x in xs], [s.request_throughput for s in summaries], 0.4, label="throughput (req/s)")
-    axes[3].bar([x + 0.2 for x in xs], [s.goodput for s in summaries], 0.4, label="goodput (req/s)")
-    axes[3].set_xticks(list(xs), labels, fontsize=7, rotation=45, ha="right")
-    axes[3].set_title("throughput and goodput")
-    axes[3].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    with saved_figure(path, figsize=(max(18, 2 * len(summaries)), 5), ncols=4) as (figure, axes):
+        for axis, metric, title in zip(axes[:3], ("ttft_ms", "tpot_ms", "e2e_ms"), ("TTFT (ms)", "TPOT (ms)", "end-to-end (ms)")):
+            width = 0.27
+            for offset, quantile in enumerate(("p50", "p90", "p99")):
+                xs = [i + (offset - 1) * width for i in range(len(summaries))]
+                axis.bar(xs, [s.percentiles[metric][quantile] for s in summaries], width, label=quantile)
+            axis.set_xticks(range(len(summaries)), labels, fontsize=7, rotation=45, ha="right")
+            axis.set_title(title)
+            axis.legend(fontsize=7)
+        xs = range(len(summaries))
+        axes[3].bar([x - 0.2 for x in xs], [s.request_throughput for s in summaries], 0.4, label="throughput (req/s)")
+        axes[3].bar([x + 0.2 for x in xs], [s.goodput for s in summaries], 0.4, label="goodput (req/s)")
+        axes[3].set_xticks(list(xs), labels, fontsize=7, rotation=45, ha="right")
+        axes[3].set_title("throughput and goodput")
+        axes[3].legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,4 +309,3 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps([asdict(s) for s in summaries], indent=2))
     if args.plot:
         plot(summaries, args.plot)
-        print(f"plot written to {args.plot}")

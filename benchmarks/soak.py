@@ -332,7 +332,6 @@ def main(argv: list[str] | None = None) -> int:
             down()
     print(ledger.report())
     ledger.plot(args.plot)
-    print(f"timeline written to {args.plot}")
     if args.json:
         Path(args.json).write_text(json.dumps(ledger.figures() | {"outcomes": [asdict(o) for o in ledger.outcomes]}, indent=1))
     return 0 if ledger.exact else 1

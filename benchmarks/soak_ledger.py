@@ -7,6 +7,8 @@ import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 
+from duet.benchmarks.plots import saved_figure
+
 STATUSES = ("completed", "cancelled", "rejected", "failed")
 
 
@@ -178,34 +180,26 @@ class Ledger:
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        figure, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-        for status, color in (("completed", "tab:blue"), ("cancelled", "tab:gray"), ("rejected", "tab:orange"), ("failed", "tab:red")):
-            chosen = [o for o in self.outcomes if o.status == status]
-            top.scatter([o.sent_at - self.origin for o in chosen], [o.latency_s for o in chosen], s=6, color=color, label=status)
-        top.set_ylabel("end-to-end latency (s)")
-        top.legend(fontsize=8, loc="upper left")
-        times = [sample.at for sample in self.samples]
-        bottom.plot(times, [sample.in_flight for sample in self.samples], color="tab:purple", label="requests in flight")
-        bottom.set_ylabel("requests in flight")
-        usage_axis = bottom.twinx()
-        usage_axis.plot(times, [max(sample.kv_usage.values(), default=0.0) for sample in self.samples], color="tab:green",
-                        label="KV usage (busiest replica)")
-        usage_axis.set_ylabel("KV usage")
-        usage_axis.set_ylim(0, 1)
-        for axis in (top, bottom):
-            for at, _ in self.kills:
-                axis.axvline(at, color="tab:red", linestyle="--", linewidth=0.8)
-        bottom.set_xlabel("seconds (dashed: a replica killed)")
-        lines = bottom.get_lines()[:1] + usage_axis.get_lines()[:1]
-        bottom.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
-        figure.tight_layout()
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
+        with saved_figure(path, figsize=(12, 7), dpi=110, what="timeline", nrows=2, ncols=1, sharex=True) as (figure, (top, bottom)):
+            for status, color in (("completed", "tab:blue"), ("cancelled", "tab:gray"), ("rejected", "tab:orange"), ("failed", "tab:red")):
+                chosen = [o for o in self.outcomes if o.status == status]
+                top.scatter([o.sent_at - self.origin for o in chosen], [o.latency_s for o in chosen], s=6, color=color, label=status)
+            top.set_ylabel("end-to-end latency (s)")
+            top.legend(fontsize=8, loc="upper left")
+            times = [sample.at for sample in self.samples]
+            bottom.plot(times, [sample.in_flight for sample in self.samples], color="tab:purple", label="requests in flight")
+            bottom.set_ylabel("requests in flight")
+            usage_axis = bottom.twinx()
+            usage_axis.plot(times, [max(sample.kv_usage.values(), default=0.0) for sample in self.samples], color="tab:green",
+                            label="KV usage (busiest replica)")
+            usage_axis.set_ylabel("KV usage")
+            usage_axis.set_ylim(0, 1)
+            for axis in (top, bottom):
+                for at, _ in self.kills:
+                    axis.axvline(at, color="tab:red", linestyle="--", linewidth=0.8)
+            bottom.set_xlabel("seconds (dashed: a replica killed)")
+            lines = bottom.get_lines()[:1] + usage_axis.get_lines()[:1]
+            bottom.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
 
 
 def _label(labels: str, name: str) -> str:

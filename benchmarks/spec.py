@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from duet.benchmarks.plots import saved_figure
+
 TEXTS = [
     "The lighthouse stood at the edge of the cliff for two hundred years. Every night its keeper climbed the "
     "narrow stairs, trimmed the wick and polished the great lens until it shone. Ships passing in the dark "
@@ -159,27 +161,19 @@ def print_table(results: list[Result]) -> None:
 
 
 def plot(results: list[Result], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = list(dict.fromkeys((r.workload, r.batch) for r in results))
     methods = list(dict.fromkeys(r.method for r in results))
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(methods)
-    for index, method in enumerate(methods):
-        speedups = [next(r.speedup for r in results if r.method == method and (r.workload, r.batch) == case) for case in cases]
-        ax.bar([c + index * width for c in range(len(cases))], speedups, width, label=method)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(cases))])
-    ax.set_xticklabels([f"{workload}\nbatch {batch}" for workload, batch in cases])
-    ax.set_ylabel("decode speed vs no speculation")
-    ax.set_title("Speculative decoding on SmolLM2-135M (greedy, CPU)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    with saved_figure(path, figsize=(10, 4)) as (fig, ax):
+        width = 0.8 / len(methods)
+        for index, method in enumerate(methods):
+            speedups = [next(r.speedup for r in results if r.method == method and (r.workload, r.batch) == case) for case in cases]
+            ax.bar([c + index * width for c in range(len(cases))], speedups, width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(cases))])
+        ax.set_xticklabels([f"{workload}\nbatch {batch}" for workload, batch in cases])
+        ax.set_ylabel("decode speed vs no speculation")
+        ax.set_title("Speculative decoding on SmolLM2-135M (greedy, CPU)")
+        ax.legend(fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from duet.benchmarks.plots import saved_figure
 from duet.kv_transfer.group import RECEIVER_RANK, SENDER_RANK, PairGroup, connect_store
 from duet.kv_transfer.progress import LayerProgress
 from duet.kv_transfer.receiver import KVReceiver
@@ -196,26 +197,18 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(records, f, indent=2)
     if args.plot:
         _plot(records, args.plot)
-        print(f"plot written to {args.plot}")
 
 
 def _plot(records: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    tokens = [r["tokens"] for r in records]
-    ax.plot(tokens, [r["gbps"] for r in records], marker="o", label="KV transfer (per layer, scattered)")
-    ax.plot(tokens, [r["raw_gbps"] for r in records], marker="s", label="raw send/recv, one tensor")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("GB/s")
-    ax.set_title("duet KV transfer over gloo, SmolLM2 layout")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with saved_figure(path, figsize=(7, 3.5)) as (fig, ax):
+        tokens = [r["tokens"] for r in records]
+        ax.plot(tokens, [r["gbps"] for r in records], marker="o", label="KV transfer (per layer, scattered)")
+        ax.plot(tokens, [r["raw_gbps"] for r in records], marker="s", label="raw send/recv, one tensor")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("GB/s")
+        ax.set_title("duet KV transfer over gloo, SmolLM2 layout")
+        ax.legend()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 //
 // Rows go by tiles of up to 8, each block dequantized in registers once per tile, or (from the
 // rows this process measured faster, ``set_bf16_panel_min_rows``, with the weights' panel
-// layout) by panels as gguf_ops.cpp's AVX-512 ones: a panel of 32 features is dequantized once
+// layout) by panels as the fp32 ones on AVX-512 (gguf_blocks.h's panel products, written once for
+// both and given the rows' type by Bf16Panels below): a panel of 32 features is dequantized once
 // into bf16 pairs (for each pair of k, a vector per 16 features whose 32-bit lanes hold a
 // feature's weights at k and k + 1, rounded as above), which tiles of up to 12 rows multiply by
 // vdpbf16ps against a broadcast pair of each row's x. How many rows the blocks serve before
@@ -68,15 +69,17 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
   return _mm512_permutexvar_epi16(side_by_side, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
-constexpr int kPanelTileRows = 12;
-
-// panel[(k / 2) * 32 + c] = feature 32 p + c's bf16 weights at k and k + 1 (k even).
-template <int64_t QType>
-void dequant_panel(const Weights& w, int64_t p, uint32_t* panel) {
-  for (int64_t b = 0; b < w.num_blocks; ++b) {
-    uint32_t* out = panel + b * (kBlock / 2) * kPanelWidth;
-    __m512 even_low, even_high;
-    panel_block<QType>(w, p, b, [&](int64_t k, __m512 low, __m512 high) {
+// Rows of bf16, for the panel products of gguf_blocks.h: panels of bf16 pairs, a feature's
+// weights at k and k + 1 in a cell (panel[(k / 2) * 32 + c], k even), rounded as bf16_block's;
+// a broadcast pair of each row's x meets them in vdpbf16ps.
+struct Bf16Panels {
+  using X = uint16_t;  // bf16's bits
+  using W = __m512bh;
+  using Cell = uint32_t;
+  static constexpr int64_t kPerCell = 2;
+  struct Pack {
+    explicit Pack(uint32_t* out) : out(out) {}
+    void operator()(int64_t k, __m512 low, __m512 high) {
       if (k % 2 == 0) {
         even_low = low;
         even_high = high;
@@ -84,43 +87,18 @@ void dequant_panel(const Weights& w, int64_t p, uint32_t* panel) {
       }
       _mm512_storeu_si512(out + (k / 2) * kPanelWidth, bf16_pairs(even_low, low));
       _mm512_storeu_si512(out + (k / 2) * kPanelWidth + 16, bf16_pairs(even_high, high));
-    });
-  }
-}
-
-// out[r, 0..31] = sum over k of x[r, k] * W[k, 0..31] for R rows, in fp32 from bf16 pairs.
-template <int R>
-void panel_tile(const uint16_t* x, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < K / 2; ++j) {
-    ahead.fetch(j);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * kPanelWidth);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * kPanelWidth + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + r * K + 2 * j));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * N, acc[r][0]);
-    _mm512_storeu_ps(out + r * N + 16, acc[r][1]);
-  }
-}
-
-template <int64_t QType>
-void matmul_panels(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  by_panels<QType, kPanelTileRows, uint32_t>(
-      M, N, kPanelWidth * K / 2, w, [&](int64_t p, uint32_t* panel) { dequant_panel<QType>(w, p, panel); },
-      [&](auto rows, int64_t r, int64_t p, const uint32_t* panel, const Ahead& ahead) {
-        panel_tile<decltype(rows)::value>(x + r * K, K, panel, out + r * N + p * kPanelWidth, N, ahead);
-      });
-}
+    uint32_t* out;
+    __m512 even_low, even_high;
+  };
+  static W load_cells(const Cell* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static W broadcast(const X* p) { return (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+  static __m512 madd(__m512 acc, W weights, W xv) { return _mm512_dpbf16_ps(acc, weights, xv); }
+};
 
 template <int64_t QType>
 void matmul_any(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
-  if (panels) matmul_panels<QType>(x, M, K, w, out, N);
+  if (panels) products_by_panels<Bf16Panels, QType>(x, M, K, w, out, N);
   else matmul<QType>(x, M, K, w, out, N);
 }
 

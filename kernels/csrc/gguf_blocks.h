@@ -336,6 +336,61 @@ inline void by_panels(int64_t M, int64_t N, int64_t panel_elems, const Weights& 
     }
   });
 }
+
+// The panel products below take rows of x of one element type, as a traits struct says
+// (gguf_ops.cpp's Fp32Panels, gguf_bf16.cpp's Bf16Panels), and sum them in fp32 lanes; the rest of
+// their code is the same for either. A traits struct names:
+//   X, W                      a row's element (float; bf16 as its bits, uint16_t), and the vector
+//                             the panel's weights and the rows' elements meet as
+//   Cell, kPerCell            the panel's element, holding kPerCell k of one feature (a panel is
+//                             [K / kPerCell][32] cells)
+//   Pack(Cell* out)           a panel_block row function: stores a block's weights, k by k, into
+//                             the cells from out
+//   load_cells(const Cell*)   a W of 16 features' cells
+//   broadcast(const X*)       a row's kPerCell elements from there, in every lane of a W
+//   madd(acc, W weights, W xv)  acc plus the products of weights and xv, in fp32 lanes
+
+constexpr int kPanelTileRows = 12;  // 24 accumulators, 2 weight vectors and a broadcast: 27 of 32 registers
+
+// Panel p (32 features) as Panels' cells, [K / kPerCell][32]: from the panel layout, exactly.
+template <typename Panels, int64_t QType>
+void dequant_panel(const Weights& w, int64_t p, typename Panels::Cell* panel) {
+  for (int64_t b = 0; b < w.num_blocks; ++b)
+    panel_block<QType>(w, p, b, typename Panels::Pack(panel + b * (kBlock / Panels::kPerCell) * kPanelWidth));
+}
+
+// out[r, 0..31] = sum over k of x[r, k] * W[k, 0..31] for R rows, by outer products: per cell
+// of k, 2 loads of weights and a broadcast of each row's x feed 2 madds a row, into accumulators
+// that hold the outputs themselves (each output's sum runs over k in order).
+template <typename Panels, int R>
+void panel_tile(const typename Panels::X* x, int64_t K, const typename Panels::Cell* panel, float* out, int64_t N, const Ahead& ahead) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K / Panels::kPerCell; ++j) {
+    ahead.fetch(j);
+    const typename Panels::W w0 = Panels::load_cells(panel + j * kPanelWidth), w1 = Panels::load_cells(panel + j * kPanelWidth + 16);
+    for (int r = 0; r < R; ++r) {
+      const typename Panels::W xv = Panels::broadcast(x + r * K + Panels::kPerCell * j);
+      acc[r][0] = Panels::madd(acc[r][0], w0, xv);
+      acc[r][1] = Panels::madd(acc[r][1], w1, xv);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out + r * N, acc[r][0]);
+    _mm512_storeu_ps(out + r * N + 16, acc[r][1]);
+  }
+}
+
+// out [M, N] = x [M, K] times the N x K weights, by panels (by_panels) of Panels' cells.
+template <typename Panels, int64_t QType>
+void products_by_panels(const typename Panels::X* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
+  using Cell = typename Panels::Cell;
+  by_panels<QType, kPanelTileRows, Cell>(
+      M, N, kPanelWidth * K / Panels::kPerCell, w, [&](int64_t p, Cell* panel) { dequant_panel<Panels, QType>(w, p, panel); },
+      [&](auto rows, int64_t r, int64_t p, const Cell* panel, const Ahead& ahead) {
+        panel_tile<Panels, decltype(rows)::value>(x + r * K, K, panel, out + r * N + p * kPanelWidth, N, ahead);
+      });
+}
 #endif
 
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {

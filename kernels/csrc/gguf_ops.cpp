@@ -76,8 +76,7 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
 // products: per vector of k, kTileRows + kTileColumns loads feed kTileRows * kTileColumns
 // fused multiply-adds, each accumulator summed across its lanes once.
 #if defined(__AVX512F__)
-constexpr int kPanel = kPanelWidth;
-constexpr int kPanelTileRows = 12;  // 24 accumulators, 2 weight vectors and a broadcast: 27 of 32 registers
+constexpr int kPanel = kPanelWidth;  // tiles of up to kPanelTileRows (gguf_blocks.h) multiply it
 #else
 constexpr int kPanel = 16;
 constexpr int kTileRows = 2, kTileColumns = 4;  // 8 accumulators of 16 registers
@@ -100,45 +99,29 @@ std::atomic<int64_t> panel_rows{kPanelMinRows};
 inline int64_t panel_min_rows_or_rule(int64_t panel_min_rows) { return panel_min_rows >= 0 ? panel_min_rows : panel_rows.load(); }
 
 #if defined(__AVX512F__)
-// panel[k * 32 + c] = W[32 p + c, k] from the panel layout (gguf_blocks.h's panel_block).
-template <int64_t QType>
-void dequant_panel(const Weights& w, int64_t p, float* panel) {
-  for (int64_t b = 0; b < w.num_blocks; ++b) {
-    float* out = panel + b * kBlock * kPanel;
-    panel_block<QType>(w, p, b, [&](int64_t k, __m512 low, __m512 high) {
-      _mm512_storeu_ps(out + k * kPanel, low);
-      _mm512_storeu_ps(out + k * kPanel + 16, high);
-    });
-  }
-}
-
-// out[r, 0..31] = sum over k of x[r, k] * panel[k, 0..31] for R rows.
-template <int R>
-void panel_tile(const float* x, int64_t K, const float* panel, float* out, int64_t N, const Ahead& ahead) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    ahead.fetch(k);
-    const __m512 w0 = _mm512_loadu_ps(panel + k * kPanel), w1 = _mm512_loadu_ps(panel + k * kPanel + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+// Rows of fp32, for the panel products of gguf_blocks.h: panels of fp32 cells, one k of a
+// feature each (panel[k * 32 + c] = W[32 p + c, k]), multiplied by fused multiply-adds.
+struct Fp32Panels {
+  using X = float;
+  using W = __m512;
+  using Cell = float;
+  static constexpr int64_t kPerCell = 1;
+  struct Pack {
+    explicit Pack(float* out) : out(out) {}
+    void operator()(int64_t k, __m512 low, __m512 high) const {
+      _mm512_storeu_ps(out + k * kPanelWidth, low);
+      _mm512_storeu_ps(out + k * kPanelWidth + 16, high);
     }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(out + r * N, acc[r][0]);
-    _mm512_storeu_ps(out + r * N + 16, acc[r][1]);
-  }
-}
+    float* out;
+  };
+  static W load_cells(const Cell* p) { return _mm512_loadu_ps(p); }
+  static W broadcast(const X* p) { return _mm512_set1_ps(*p); }
+  static __m512 madd(__m512 acc, W weights, W xv) { return _mm512_fmadd_ps(xv, weights, acc); }
+};
 
 template <int64_t QType>
 void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  by_panels<QType, kPanelTileRows, float>(
-      M, N, kPanel * K, w, [&](int64_t p, float* panel) { dequant_panel<QType>(w, p, panel); },
-      [&](auto rows, int64_t r, int64_t p, const float* panel, const Ahead& ahead) {
-        panel_tile<decltype(rows)::value>(x + r * K, K, panel, out + r * N + p * kPanel, N, ahead);
-      });
+  products_by_panels<Fp32Panels, QType>(x, M, K, w, out, N);
 }
 #else
 template <int64_t QType>
