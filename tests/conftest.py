@@ -1,4 +1,6 @@
-"""Shared fixtures: the real SmolLM2 (converted once per machine) and tiny random Llamas."""
+"""Shared fixtures: tiny random Llamas with the small tokenizer committed in
+``tests/fixtures/tokenizer`` (the fast tier's: nothing to download), and the real SmolLM2
+(downloaded and converted once per machine) for the tests marked ``slow``."""
 
 from __future__ import annotations
 
@@ -41,6 +43,30 @@ def pytest_unconfigure(config) -> None:
     os._exit(_exit_status)
 
 
+# The tiny models' tokenizer: byte-level BPE with SmolLM2's special tokens and chat template
+# (tests/fixtures/make_tokenizer.py made it). Its size is their vocab_size, and the bound of the
+# token ids the tests make up.
+TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "fixtures" / "tokenizer"
+TINY_VOCAB = 1024
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Keeps the fast tier free of the download: a test that asks for the real SmolLM2 (directly
+    or through ``smollm2_tokenizer``, ``parity_prompts``, ...) must be marked ``slow``."""
+    if "smollm2_dir" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} loads the real SmolLM2 but is not marked slow: mark it, or use the tiny fixtures", pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item) -> None:
+    """Keeps the fast tier free of Ray: a test that leaves Ray running (it started or joined a
+    cluster, and a fixture of its own did not stop it) must be marked ``slow``."""
+    ray = sys.modules.get("ray")
+    if ray is not None and item.get_closest_marker("slow") is None and ray.is_initialized():
+        pytest.fail(f"{item.nodeid} runs Ray but is not marked slow: mark it", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from duet.models.gguf_convert import ensure_smollm2
@@ -48,15 +74,31 @@ def smollm2_dir() -> Path:
     return ensure_smollm2()
 
 
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir() -> Path:
+    """The small tokenizer's directory (tokenizer.json, tokenizer_config.json, chat template)."""
+    return TINY_TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir):
+    """transformers' view of the small tokenizer (the tiny models')."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+
+
 def make_tiny_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A random-weight Llama with SmolLM2's tokenizer, saved as a Hugging Face directory.
+    """A random-weight Llama with the tokenizer of ``tokenizer_dir`` (its vocab_size the
+    tokenizer's size), saved as a Hugging Face directory.
 
     ``overrides`` change the config; a smaller ``vocab_size`` keeps the first ids of the tokenizer.
     """
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     settings = dict(
-        vocab_size=49152,
+        vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -75,7 +117,7 @@ def make_tiny_llama(target: Path, tokenizer_dir: Path, seed: int = 0, **override
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(str(target))
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(target))
+    tokenizer.save_pretrained(str(target))
     assert json.loads((target / "config.json").read_text())["num_hidden_layers"] == settings["num_hidden_layers"]
     return target
 
@@ -95,11 +137,12 @@ def drain(engine, max_steps: int) -> tuple[dict[str, list[int]], dict[str, str |
 
 
 def make_tiny_mixtral(target: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A random-weight Mixtral (4 experts, 2 per token) with SmolLM2's tokenizer."""
+    """A random-weight Mixtral (4 experts, 2 per token) with the tokenizer of ``tokenizer_dir``."""
     from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
 
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     settings = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
         rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     )
@@ -109,13 +152,13 @@ def make_tiny_mixtral(target: Path, tokenizer_dir: Path, seed: int = 0, **overri
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # no near-ties among greedy choices
     model.save_pretrained(str(target))
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(target))
+    tokenizer.save_pretrained(str(target))
     return target
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer_dir)
 
 
 def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int = 0):
@@ -168,8 +211,8 @@ def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, k_qua
 
 
 @pytest.fixture(scope="session")
-def tiny_gguf_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
-    return make_tiny_gguf_llama(tmp_path_factory.mktemp("tiny-gguf-llama"), smollm2_dir)
+def tiny_gguf_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return make_tiny_gguf_llama(tmp_path_factory.mktemp("tiny-gguf-llama"), tiny_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

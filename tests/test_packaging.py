@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_installed_distribution_owns_only_the_duet_namespace():
     distributions = importlib.metadata.packages_distributions()
@@ -16,6 +18,7 @@ def test_installed_distribution_owns_only_the_duet_namespace():
     assert owned == ["duet"], f"duet installs top-level packages {owned}; everything must live under duet."
 
 
+@pytest.mark.slow  # a fresh interpreter importing transformers: seconds
 def test_transformers_does_not_mistake_our_kernels_folder_for_hf_kernels():
     # Run from the repository root, where a bare `kernels/` folder is on the path if anything is.
     code = (

@@ -180,8 +180,15 @@ def _packed_wins(rows: int) -> bool:
     return times["plain"] >= _PACKED_MARGIN * times["packed"]
 
 
-@functools.cache
 def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = "cpu") -> int:
+    """See ``_measured_gguf_float_max_rows``: measured once per process, ``ops``, dtype and device,
+    whether the defaults are passed or not (``functools.cache`` keys on the arguments as written,
+    and a second measurement may differ from the first)."""
+    return _measured_gguf_float_max_rows(ops, dtype, device)
+
+
+@functools.cache
+def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16) a product reads GGUF
     blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the process's rule for
     tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are

@@ -13,7 +13,7 @@ import torch
 from duet import LLM, SamplingParams
 from duet.config import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
-from tests.conftest import make_tiny_mixtral
+from tests.conftest import TINY_VOCAB, make_tiny_mixtral
 
 pytestmark = pytest.mark.skipif(cpu_ops.load() is None or cpu_ops.load_gguf() is None, reason="the C++ kernels did not build here")
 
@@ -52,7 +52,7 @@ def _generate(llm, batches: list[int]) -> list[list[int]]:
     rng = random.Random(0)
     tokens = []
     for batch in batches:
-        prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(5, 40))] for _ in range(batch)]
+        prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(batch)]
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         tokens += [output.outputs[0].token_ids for output in outputs]
     return tokens
@@ -87,8 +87,8 @@ def test_the_stack_computes_each_short_step_to_the_loops_bits(case, request):
     llm.engine.check_integrity()
 
 
-def test_models_whose_layers_are_not_plain_llama_keep_the_loop(tmp_path, smollm2_dir):
-    llm = LLM(model=str(make_tiny_mixtral(tmp_path / "tiny-mixtral", smollm2_dir)), num_kv_blocks=256)
+def test_models_whose_layers_are_not_plain_llama_keep_the_loop(tmp_path, tiny_tokenizer_dir):
+    llm = LLM(model=str(make_tiny_mixtral(tmp_path / "tiny-mixtral", tiny_tokenizer_dir)), num_kv_blocks=256)
     assert llm.engine.executor.worker.runner.model.decoder_stack() is None
     assert len(_generate(llm, [2])) == 2
 

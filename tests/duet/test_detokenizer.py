@@ -1,5 +1,6 @@
 """Incremental text equals the tokenizer's decode of the kept tokens, whatever the chunking, and
-stop strings cut it where the whole text would be cut (SmolLM2's byte-level tokenizer)."""
+stop strings cut it where the whole text would be cut (the tests' byte-level BPE tokenizer, whose
+merges join the bytes of characters and split others between tokens, as SmolLM2's do)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ REPLACEMENT = "\ufffd"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+def tokenizer(tiny_tokenizer_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json"))
 
 
 def _stream(tokenizer, ids: list[int], params: SamplingParams, rng: random.Random) -> tuple[SequenceText, list[str]]:

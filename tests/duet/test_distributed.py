@@ -7,6 +7,7 @@ import multiprocessing
 import pickle
 from pathlib import Path
 
+import pytest
 import torch
 
 from duet.distributed import SharedMemoryExchange, TensorParallelGroup, connect_store, host_store
@@ -45,6 +46,7 @@ def _run(same_machine: bool) -> dict[int, dict]:
     return gathered
 
 
+@pytest.mark.slow  # processes and a gloo group: seconds
 def test_shared_memory_and_gloo_collectives_agree_bit_for_bit():
     before = set(Path("/dev/shm").glob("duet-tp-*"))
     shared, gloo = _run(same_machine=True), _run(same_machine=False)

@@ -9,10 +9,10 @@ from duet.config import ConfigError
 from duet.errors import InvalidRequestError, RequestFailedError
 from duet.messages import EngineRequest
 from duet.sampling_params import SamplingParamsError
-from tests.conftest import drain
+from tests.conftest import TINY_VOCAB, drain
 from tests.reference import compare_to_reference, hf_greedy
 
-PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017)), [42]]
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917)), [42]]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_abort_mid_generation_frees_every_block(llm):
     ("prompt", "params", "message"),
     [
         ([], SamplingParams(), "empty"),
-        ([1, 2, 49152], SamplingParams(), "integers in"),
+        ([1, 2, TINY_VOCAB], SamplingParams(), "integers in"),
         (list(range(512)), SamplingParams(), "maximum context length is 512"),
         ([1, 2, 3], SamplingParams(max_tokens=600), "max_tokens=600 is too large: the 3-token prompt leaves 509"),
     ],

@@ -13,6 +13,7 @@ from duet import LLM, SamplingParams
 from duet.kernels import cpu_ops
 from duet.models.linear import GGUF_FLOAT_ROWS, Linear
 from duet.models.loader import ModelNotFoundError
+from tests.conftest import TINY_VOCAB
 from tests.reference import compare_to_reference, hf_greedy
 
 pytestmark = pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
@@ -33,7 +34,7 @@ def test_every_projection_and_the_lm_head_compute_from_their_blocks_by_default(t
 
 def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gguf_llama_dir):
     rng = random.Random(3)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(GGUF_FLOAT_ROWS[-1] + 4)]
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 60))] for _ in range(GGUF_FLOAT_ROWS[-1] + 4)]
     references = hf_greedy(tiny_gguf_llama_dir, prompts, 24)
     llm = LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=512, max_num_seqs=len(prompts))
     greedy = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
@@ -53,7 +54,7 @@ def test_greedy_rows_take_their_tokens_from_the_lm_heads_argmax_without_logits(t
     logits: the sampler is not called, and the tokens equal those of steps that do build them
     (a request asking for logprobs in the batch)."""
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(24)]
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(24)]
     llm = LLM(model=str(tiny_gguf_llama_dir), num_kv_blocks=512, max_num_seqs=32)
     runner = llm.engine.executor.worker.runner
     calls = []
@@ -68,20 +69,20 @@ def test_greedy_rows_take_their_tokens_from_the_lm_heads_argmax_without_logits(t
     llm.engine.check_integrity()
 
 
-def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_path, smollm2_dir):
+def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_path, tiny_tokenizer_dir):
     """Q4_K and Q6_K weights (a Q4_K_M file's) are kept as blocks, rewritten for the kernels,
     dequantize to the float weights bit for bit (the loader checks), and give transformers'
     greedy tokens over those weights, alone and in a batch."""
     from tests.conftest import make_tiny_gguf_llama
 
     model_dir = make_tiny_gguf_llama(
-        tmp_path, smollm2_dir, k_quants=True, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        tmp_path, tiny_tokenizer_dir, k_quants=True, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
     )
     llm = LLM(model=str(model_dir), num_kv_blocks=256)
     kinds = {name.rsplit(".", 1)[-1]: linear.gguf.qtype for name, linear in _linears(llm).items()}
     assert kinds == {"qkv_proj": 3, "o_proj": 14, "gate_up_proj": 3, "down_proj": 14, "lm_head": 14}
     rng = random.Random(7)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
     references = hf_greedy(model_dir, prompts, 16)
     greedy = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
     for label, outputs in (("alone", [llm.generate([p], greedy)[0] for p in prompts]), ("together", llm.generate(prompts, greedy))):
@@ -114,9 +115,11 @@ def test_insisting_on_gguf_without_blocks_names_what_is_missing(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), num_kv_blocks=64, quantization="gguf")
 
 
+@pytest.mark.slow
 def test_smollm2s_blocks_dequantize_to_its_fp32_weights_bit_for_bit(smollm2_dir):
     """The converted fp32 safetensors are gguf's dequantization; the kernels must agree with it
-    exactly, for every one of the 121 fused projections and the LM head."""
+    exactly, for every one of the 121 fused projections and the LM head. Slow: it is about the
+    real SmolLM2 file's blocks (and downloads them)."""
     linears = _linears(LLM(model="smollm2", num_kv_blocks=16, max_model_len=256))
     assert len(linears) == 30 * 4 + 1 and all(linear.gguf is not None for linear in linears.values())
     for name, linear in linears.items():

@@ -9,6 +9,7 @@ import random
 
 from duet import LLM, SamplingParams
 from duet.load import LoadTracker
+from tests.conftest import TINY_VOCAB
 
 
 def test_a_step_counts_as_decode_and_as_prompt_work_for_what_it_computed():
@@ -36,7 +37,7 @@ def test_an_engine_decoding_a_large_batch_reports_its_time_per_token(tiny_llama_
     """48 sequences decode 48 tokens a step: still decode steps (once counted as prompt work)."""
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=1024, max_model_len=256, max_num_seqs=64)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 40000) for _ in range(8)] for _ in range(48)]
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(8)] for _ in range(48)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24))
     stats = llm.engine.stats()
     assert stats.load.tpot_s > 0 and stats.load.decode_only_tpot_s > 0

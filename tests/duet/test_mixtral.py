@@ -11,12 +11,12 @@ from duet.config import ConfigError
 from tests.conftest import make_tiny_mixtral
 from tests.reference import compare_to_reference, hf_greedy
 
-PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(3000, 3017))]
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 
 
 @pytest.fixture(scope="module")
-def mixtral_dir(tmp_path_factory, smollm2_dir):
-    return make_tiny_mixtral(tmp_path_factory.mktemp("tiny-mixtral"), smollm2_dir)
+def mixtral_dir(tmp_path_factory, tiny_tokenizer_dir):
+    return make_tiny_mixtral(tmp_path_factory.mktemp("tiny-mixtral"), tiny_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

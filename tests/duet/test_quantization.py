@@ -19,6 +19,7 @@ from duet.kernels import cpu_ops
 from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
 from duet.models.linear import GGUF_MAX_ROWS, Linear
 from duet.models.quantize import quantize_blocks
+from tests.conftest import TINY_VOCAB
 from tests.reference import compare_to_reference, hf_greedy
 
 pytestmark = pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
@@ -27,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 90))] for _ in range(count)]
+    return [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 90))] for _ in range(count)]
 
 
 def _linears(llm: LLM) -> dict[str, Linear]:

@@ -6,7 +6,7 @@ import pytest
 
 from duet import LLM
 from duet.config import ConfigError, EngineArgs
-from tests.conftest import make_tiny_llama
+from tests.conftest import TINY_VOCAB, make_tiny_llama
 
 
 @pytest.mark.parametrize(
@@ -30,10 +30,10 @@ def test_layer_skip_must_leave_layers_to_skip(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), speculative_config={"method": "layer_skip", "num_speculative_tokens": 2, "num_draft_layers": 2})
 
 
-def test_a_draft_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir, smollm2_dir):
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir, tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    draft = make_tiny_llama(tmp_path / "other-tokenizer", smollm2_dir)
+    draft = make_tiny_llama(tmp_path / "other-tokenizer", tiny_tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(draft))
     tokenizer.add_tokens(["<not-in-the-target>"])
     tokenizer.save_pretrained(str(draft))
@@ -42,8 +42,8 @@ def test_a_draft_with_another_tokenizer_is_refused(tmp_path, tiny_llama_dir, smo
         LLM(model=str(tiny_llama_dir), speculative_config=config)
 
 
-def test_a_draft_with_another_vocabulary_size_is_refused(tmp_path, tiny_llama_dir, smollm2_dir):
-    draft = make_tiny_llama(tmp_path / "small-vocab", smollm2_dir, vocab_size=1000)
+def test_a_draft_with_another_vocabulary_size_is_refused(tmp_path, tiny_llama_dir, tiny_tokenizer_dir):
+    draft = make_tiny_llama(tmp_path / "small-vocab", tiny_tokenizer_dir, vocab_size=1000)
     config = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft)}
-    with pytest.raises(ConfigError, match="1000 logits but the target's has 49152"):
+    with pytest.raises(ConfigError, match=f"1000 logits but the target's has {TINY_VOCAB}"):
         LLM(model=str(tiny_llama_dir), speculative_config=config)

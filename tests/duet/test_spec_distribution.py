@@ -27,9 +27,9 @@ NUM_SAMPLES = 4000
 
 
 @pytest.fixture(scope="module")
-def tiny_vocab_models(tmp_path_factory, smollm2_dir):
-    target = make_tiny_llama(tmp_path_factory.mktemp("target-v8"), smollm2_dir, seed=1, vocab_size=VOCAB)
-    draft = make_tiny_llama(tmp_path_factory.mktemp("draft-v8"), smollm2_dir, seed=2, vocab_size=VOCAB)
+def tiny_vocab_models(tmp_path_factory, tiny_tokenizer_dir):
+    target = make_tiny_llama(tmp_path_factory.mktemp("target-v8"), tiny_tokenizer_dir, seed=1, vocab_size=VOCAB)
+    draft = make_tiny_llama(tmp_path_factory.mktemp("draft-v8"), tiny_tokenizer_dir, seed=2, vocab_size=VOCAB)
     return target, draft
 
 

@@ -15,8 +15,8 @@ PROMPTS = [[5, 17, 300, 41, 5, 17, 300], list(range(200, 237)), [9] * 20]
 
 
 @pytest.fixture(scope="module")
-def four_layer_llama(tmp_path_factory, smollm2_dir):
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-4-layers"), smollm2_dir, seed=3, num_hidden_layers=4)
+def four_layer_llama(tmp_path_factory, tiny_tokenizer_dir):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-4-layers"), tiny_tokenizer_dir, seed=3, num_hidden_layers=4)
 
 
 def _recorded_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:

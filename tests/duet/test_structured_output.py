@@ -1,5 +1,6 @@
 """Structured outputs: constraints refused with the problem named, and the runner's matchers
-(masks, drafts, the end of a constraint) on SmolLM2's tokenizer."""
+(masks, drafts, the end of a constraint) on the tiny models' tokenizer (byte-level BPE with
+SmolLM2's special tokens)."""
 
 import json
 
@@ -10,8 +11,9 @@ from duet.grammar_masks import GrammarMasks
 from duet.runner_state import CachedRequestState
 from duet.sampling_params import SamplingParams, SamplingParamsError
 from duet.structured_output import StructuredOutputs, StructuredOutputsError
+from tests.conftest import TINY_VOCAB
 
-VOCAB = 49152
+VOCAB = TINY_VOCAB
 EOS = 2
 
 
@@ -53,26 +55,26 @@ def test_a_bad_constraint_is_refused_naming_the_problem(kwargs, named):
 @pytest.mark.parametrize(
     "grammar, named", [('start: <|nope|> "a"', "unknown special token"), ("start: <[99999]>", "too large")]
 )
-def test_a_grammar_naming_tokens_the_model_lacks_is_refused_by_the_tokenizer_check(smollm2_dir, grammar, named):
+def test_a_grammar_naming_tokens_the_model_lacks_is_refused_by_the_tokenizer_check(tiny_tokenizer_dir, grammar, named):
     """Guards what the check without a tokenizer cannot see: such a matcher starts in error,
     allows EOS alone and read as a complete, empty output."""
     import llguidance
 
     constraint = StructuredOutputs(grammar=grammar)  # passes: it parses
-    tokenizer = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text(), eos_token=EOS)
+    tokenizer = llguidance.LLTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), eos_token=EOS)
     with pytest.raises(StructuredOutputsError, match=named):
         constraint.check_tokens(tokenizer)
     StructuredOutputs(grammar='start: <|im_end|> | "a"').check_tokens(tokenizer)
 
 
-def test_the_tokenizer_check_runs_once_per_constraint_not_once_per_sequence(smollm2_dir):
+def test_the_tokenizer_check_runs_once_per_constraint_not_once_per_sequence(tiny_tokenizer_dir):
     """Guards against an ``n`` fan-out of a large constraint repeating llguidance's check against
     the tokenizer for every sequence, on the engine's thread between everyone's steps."""
     import llguidance
 
     from duet.structured_output import _tokenizer_problem
 
-    tokenizer = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text(), eos_token=EOS)
+    tokenizer = llguidance.LLTokenizer((tiny_tokenizer_dir / "tokenizer.json").read_text(), eos_token=EOS)
     constraint = StructuredOutputs(choice=[f"tool_{i}" for i in range(500)])
     before = _tokenizer_problem.cache_info()
     for _ in range(16):
@@ -99,13 +101,13 @@ def test_a_schema_keeps_its_property_order_and_equal_schemas_share_a_grammar():
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer):
-    return smollm2_tokenizer
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 @pytest.fixture
-def masks(smollm2_dir):
-    grammar = GrammarMasks(str(smollm2_dir), VOCAB, EOS, overlap=True)
+def masks(tiny_tokenizer_dir):
+    grammar = GrammarMasks(str(tiny_tokenizer_dir), VOCAB, EOS, overlap=True)
     yield grammar
     grammar.close()
 

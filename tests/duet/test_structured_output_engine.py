@@ -17,7 +17,7 @@ from tests.reference import compare_to_reference
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4, "adaptive": False}
 MAX_TOKENS = 160
-EOS_ID = 2  # SmolLM2's <|im_end|>, which the tiny models share
+EOS_ID = 2  # SmolLM2's <|im_end|>, at the same id in the tiny models' tokenizer
 
 
 def _chat(tokenizer, question: str) -> list[int]:
@@ -164,12 +164,12 @@ def test_a_random_model_writes_valid_json_under_a_schema(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "ngram"])
-def test_min_tokens_gives_way_when_the_constraint_allows_only_eos(tiny_llama_dir, smollm2_tokenizer, speculative_config, caplog):
+def test_min_tokens_gives_way_when_the_constraint_allows_only_eos(tiny_llama_dir, tiny_tokenizer, speculative_config, caplog):
     """Guards a hostile mix: min_tokens forbids EOS, a complete constraint allows EOS alone. The
     request ends there (EOS wins) instead of sampling from a row where nothing is allowed, also
     when the prompt makes n-gram speculation propose the constraint's end and EOS: no step fails
     (a failed step is rerun request by request, which would hide it in the tokens)."""
-    answer = smollm2_tokenizer.encode("yes please")
+    answer = tiny_tokenizer.encode("yes please")
     prompt = (answer + [EOS_ID]) * 4
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=speculative_config)
     constraint = StructuredOutputs(choice=["yes please"])
@@ -183,11 +183,11 @@ def test_min_tokens_gives_way_when_the_constraint_allows_only_eos(tiny_llama_dir
 
 
 @pytest.mark.parametrize("min_tokens", [0, 1])
-def test_a_draft_that_ends_the_constraint_with_eos_ends_the_output_there(tiny_llama_dir, smollm2_tokenizer, min_tokens, caplog):
+def test_a_draft_that_ends_the_constraint_with_eos_ends_the_output_there(tiny_llama_dir, tiny_tokenizer, min_tokens, caplog):
     """Guards a complete answer failed under speculation: a draft ending the constraint with EOS
     was kept, verification added a token after the EOS (from a row no mask constrains), and the
     grammar failed the request for going on past its end, its accepted tokens dropped."""
-    answer = smollm2_tokenizer.encode("yes please")
+    answer = tiny_tokenizer.encode("yes please")
     prompt = [1000, *answer, EOS_ID, 198, 1000]
     llm = LLM(model=str(tiny_llama_dir), max_model_len=256, speculative_config=NGRAM | {"prompt_lookup_min": 1})
     params = SamplingParams(temperature=0, max_tokens=10, min_tokens=min_tokens, structured_outputs=StructuredOutputs(choice=["yes please"]))

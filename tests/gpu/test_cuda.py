@@ -3,16 +3,13 @@ caches, the KV write, GGUF products) against the CPU implementations, and the en
 output on the GPU against transformers, from float weights and from GGUF blocks.
 
 CI has no GPU: these are skipped there (the same kernels run under ``TRITON_INTERPRET`` in
-``tests/kernels``). On a machine with one: ``python -m pytest tests/gpu``; where SmolLM2 cannot
-be fetched, ``DUET_TOKENIZER_DIR`` names a directory holding its tokenizer, which the tiny
-random models take."""
+``tests/kernels``). On a machine with one: ``python -m pytest tests/gpu`` (the tiny random models
+take the tokenizer in ``tests/fixtures``: nothing is downloaded)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -98,30 +95,24 @@ def test_triton_gguf_products_on_the_gpu_use_ggufs_weights_bit_for_bit(qtype, ro
     assert torch.equal(weight.matmul_argmax(x.to(CUDA), excluded), products.scatter(1, excluded, float("-inf")).argmax(dim=-1))
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(request) -> Path:
-    given = os.environ.get("DUET_TOKENIZER_DIR")
-    return Path(given) if given else request.getfixturevalue("smollm2_dir")
-
-
 @pytest.mark.parametrize("weights", ["float", "gguf", "gguf-k-quants"])
-def test_greedy_on_the_gpu_equals_transformers(tmp_path, tokenizer_dir, weights):
+def test_greedy_on_the_gpu_equals_transformers(tmp_path, tiny_tokenizer_dir, weights):
     """Batched, chunked and alone, from the float weights (fp32) and from the GGUF blocks
     (Q4_1/Q8_0, and Q4_K/Q6_K as a Q4_K_M file has them) through the Triton kernels:
     transformers' greedy tokens for the same weights. (Loading Q6_K blocks on a GPU failed
     here once: their rewrite made its shifts on the CPU.)"""
     from duet import LLM, SamplingParams
     from duet.models.linear import GGUF_MAX_ROWS, Linear
-    from tests.conftest import make_tiny_gguf_llama, make_tiny_llama
+    from tests.conftest import TINY_VOCAB, make_tiny_gguf_llama, make_tiny_llama
     from tests.reference import compare_to_reference, hf_greedy
 
     sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     if weights == "float":
-        model_dir = make_tiny_llama(tmp_path / weights, tokenizer_dir, **sizes)
+        model_dir = make_tiny_llama(tmp_path / weights, tiny_tokenizer_dir, **sizes)
     else:
-        model_dir = make_tiny_gguf_llama(tmp_path / weights, tokenizer_dir, k_quants=weights == "gguf-k-quants", **sizes)
+        model_dir = make_tiny_gguf_llama(tmp_path / weights, tiny_tokenizer_dir, k_quants=weights == "gguf-k-quants", **sizes)
     rng = random.Random(7)
-    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randrange(4, 90))] for _ in range(12)]
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 90))] for _ in range(12)]
     references = hf_greedy(model_dir, prompts, 24)
     llm = LLM(model=str(model_dir), device="cuda", num_kv_blocks=256, max_num_seqs=len(prompts), max_num_batched_tokens=64)
     linears = [module for _, module in llm.engine.executor.worker.runner.model.named_modules() if isinstance(module, Linear)]

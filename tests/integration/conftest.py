@@ -153,6 +153,17 @@ def _ray_is_running() -> bool:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_dir):
+    """The stress application's tiny Llama, with SmolLM2's tokenizer (49,152 tokens) here, not the
+    small one of the other tests' (``tests/conftest.py``): these tests load SmolLM2 anyway, their
+    prompts are ids up to 49,000 (``client.random_prompt``), and their loads and timings were
+    set for this model's LM head."""
+    from tests.conftest import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory, smollm2_dir, tiny_llama_dir):
     from duet.cluster.deploy import down, up
 

@@ -50,11 +50,14 @@ def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s
     pending = set(ids)
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
+        progressed = False
         while (delta := prefill.receive()) is not None:
             assert delta.error is None, delta.error
             first[delta.request_id] = delta.token_ids
             cached[delta.request_id] = delta.num_cached_tokens
+            progressed = True
         for delta in decode.step():
+            progressed = True
             if delta.kv_lost:
                 run.lost.append(delta.error)
                 lost_ids.append(delta.request_id)
@@ -73,7 +76,9 @@ def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s
             else:
                 rest[request_id] = None
                 pending.discard(request_id)
-        if not decode.has_unfinished_requests():
+        if not progressed:
+            # Nothing came and nothing ran (the decode engine waits for KV, or for nothing): leave
+            # the CPU to the prefill process and the transfer threads, on two cores as on many.
             time.sleep(0.002)
     assert not pending, f"{len(pending)} requests unfinished after {timeout_s}s"
     run.tokens = [None if rest[i] is None else first.get(i, []) + rest[i] for i in ids]

@@ -174,6 +174,7 @@ def test_layers_travel_in_runs_of_about_eight_megabytes():
     assert layer_runs(cache, 512) == [(layer, layer + 1) for layer in range(30)]  # 12.6 MB a layer
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_transfers_sent_in_another_order_than_expected_all_arrive_intact(start_sender):
     """Guards against 'expected transfer A, got B': under load the prefill side sends in the
     order its requests finish, not the order the decode side expected them, and each mix-up
@@ -199,6 +200,7 @@ def test_transfers_sent_in_another_order_than_expected_all_arrive_intact(start_s
     assert counters.bytes == sum(len(j[1]) for j in jobs) * BLOCK_BYTES
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_an_announcement_before_its_expectation_waits_for_it(start_sender):
     """The decode engine tells its workers what to expect between two steps; a prefill replica
     quick enough announces its transfer first. The receiver waits for the expectation."""
@@ -218,6 +220,7 @@ def test_an_announcement_before_its_expectation_waits_for_it(start_sender):
     _assert_arrived(receiver, [2, 3], [9, 10])
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_a_cancelled_transfer_ends_at_once_and_the_pair_goes_on(start_sender):
     """Guards the leak of aborted requests' blocks: a transfer the decode side cancels reports
     at once (its blocks can be freed), its data is drained when it comes, and the next transfer
@@ -253,6 +256,7 @@ def test_cancelling_a_transfer_never_expected_here_reports_it_at_once():
         receiver.close()
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_a_sender_that_gives_up_mid_stream_fails_only_that_transfer(start_sender, monkeypatch):
     """A prefill request aborted after its first layers went out: the rest goes as filler marked
     invalid, the decode side fails that transfer, and the pair stays in step."""
@@ -282,6 +286,7 @@ def test_a_sender_that_gives_up_mid_stream_fails_only_that_transfer(start_sender
     _assert_arrived(receiver, [8], [4])
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_a_request_aborted_as_its_transfer_starts_fails_only_that_transfer(start_sender):
     """Guards against a cancel landing between a transfer being picked and its first run going
     out: that raised out of the pair's thread, broke the pair (the receiver read "Connection closed
@@ -300,6 +305,7 @@ def test_a_request_aborted_as_its_transfer_starts_fails_only_that_transfer(start
     assert sender_results == {1: (False, "the request was aborted")}
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_an_expected_transfer_never_announced_times_out_alone(start_sender):
     """Guards against a decode replica holding blocks forever for a prefill that never sends:
     the expectation expires through poll(), and another transfer on the pair is unaffected."""
@@ -318,6 +324,7 @@ def test_an_expected_transfer_never_announced_times_out_alone(start_sender):
     assert results[2] == (True, None)
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 @pytest.mark.parametrize("expected_first", [True, False], ids=["expected-then-queued", "queued-then-expected"])
 def test_a_transfer_queued_and_never_announced_fails_within_its_window(start_sender, expected_first):
     """Guards clients left waiting after a prefill replica died with prompts' KV queued behind
@@ -349,6 +356,7 @@ def test_a_transfer_queued_and_never_announced_fails_within_its_window(start_sen
     assert QUEUED_START_TIMEOUTS * receiver.timeout_s <= waited < 15
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_a_burst_of_transfers_with_cancellations_never_breaks_the_pair(start_sender):
     """Guards item 5 of the hostile-load report: hundreds of transfers on one pair, sent in a
     shuffled order, a fifth cancelled by the decode side: every transfer reports exactly once,
@@ -380,6 +388,7 @@ def test_a_burst_of_transfers_with_cancellations_never_breaks_the_pair(start_sen
     assert (counters.cancelled, counters.failures) == (len(cancelled), 0)
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 @pytest.mark.parametrize("dtype", ["int8", "uint8"])  # an int8 cache; an fp8 one travels as its bytes (uint8)
 def test_one_byte_kv_caches_travel_as_they_are(start_sender, dtype):
     """Quantized KV (codes and their scale bytes) crosses as stored: a quarter of fp32's bytes
@@ -406,6 +415,7 @@ def test_kv_cache_dtypes_that_differ_are_named_in_the_refusal():
         int8.check_compatible(KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="float8_e4m3fn"))
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):
     """Guards against scattering KV of another layout: the handshake names the differing fields."""
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=10)
@@ -426,6 +436,7 @@ def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):
         SPEC.check_compatible(other)
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_sender_killed_mid_transfer_fails_its_transfers_and_ends_the_pair(start_sender):
     """Guards against a decode replica waiting forever on a dead prefill replica, and against
     the broken pair's thread staying behind."""
@@ -447,6 +458,7 @@ def test_sender_killed_mid_transfer_fails_its_transfers_and_ends_the_pair(start_
 
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_a_run_corrupted_on_the_wire_is_refused_and_the_pair_goes_on(start_sender):
     """Guards against serving another request's (or garbage) KV with a 200, as vLLM's NIXL path
     has: a bit flipped after the sender summed the run fails that transfer on both sides (it is
@@ -470,6 +482,7 @@ def test_a_run_corrupted_on_the_wire_is_refused_and_the_pair_goes_on(start_sende
     _assert_arrived(receiver, [8], [4])
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 @pytest.mark.parametrize("fault", ["stall=1:6", "drop=1"])
 def test_a_transfer_that_stalls_or_drops_mid_way_fails_alone_and_the_rest_go_over_a_new_pair(start_sender, fault):
     """Guards against a hung or lost peer hanging the decode side or taking other transfers with
@@ -507,6 +520,7 @@ def test_a_transfer_that_stalls_or_drops_mid_way_fails_alone_and_the_rest_go_ove
     _assert_arrived(other, [9], [5])
 
 
+@pytest.mark.slow  # a sender in a process of its own: seconds
 def test_pipeline_stages_cut_differently_on_each_side_send_each_layer_where_it_is_held(start_sender):
     """A prefill of two stages (layer 0; layers 1-2) into a decode of two (layers 0-1; layer 2):
     each part goes straight from the stage that has the layers to the one that holds them, the

@@ -1,36 +1,45 @@
-"""The router's torch-free tokenizer encodes exactly as transformers does."""
+"""The router's torch-free tokenizer encodes exactly as transformers does: on the tests' small
+tokenizer (SmolLM2's special tokens and chat template), and on SmolLM2's own as transformers
+saved it (``slow``: it comes with the model's download)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
 from duet.router.tokenizer import RouterTokenizer
 from duet.benchmarks.prompts import parity_conversations
 
 
-def test_prompts_and_chat_templates_encode_as_transformers_does(smollm2_dir, smollm2_tokenizer):
-    router = RouterTokenizer(smollm2_dir)
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def test_prompts_and_chat_templates_encode_as_transformers_does(model, request):
+    from transformers import AutoTokenizer
+
+    model_dir = request.getfixturevalue("tiny_tokenizer_dir" if model == "tiny" else "smollm2_dir")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    router = RouterTokenizer(model_dir)
     for conversation in parity_conversations():
-        expected = smollm2_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
         assert router.encode_chat(conversation) == expected
     for text in ["Hello world", "  spaced\nlines\t", "unicode: é 中文 🙂"]:
-        assert router.encode(text) == smollm2_tokenizer.encode(text, add_special_tokens=True)
-    assert router.token_text(smollm2_tokenizer.encode(" Paris")[0]) == " Paris"
+        assert router.encode(text) == tokenizer.encode(text, add_special_tokens=True)
+    assert router.token_text(tokenizer.encode(" Paris")[0]) == " Paris"
 
 
-def test_the_router_imports_no_torch(smollm2_dir):
+def test_the_router_imports_no_torch(tiny_tokenizer_dir):
     code = (
         "import sys; from duet.router.ingress import RouterIngress; "
-        f"from duet.router.tokenizer import RouterTokenizer; RouterTokenizer({str(smollm2_dir)!r}).encode('hi'); "
+        f"from duet.router.tokenizer import RouterTokenizer; RouterTokenizer({str(tiny_tokenizer_dir)!r}).encode('hi'); "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 
-def test_templates_pass_tojson_the_arguments_transformers_takes_and_bad_values_are_a_template_error(tmp_path, smollm2_dir):
+def test_templates_pass_tojson_the_arguments_transformers_takes_and_bad_values_are_a_template_error(tmp_path, tiny_tokenizer_dir):
     """Guards a 500 for a model whose template calls ``tojson(sort_keys=True)`` (transformers'
     filter takes it), and for a template that fails on a value with a TypeError."""
     import json
@@ -40,8 +49,8 @@ def test_templates_pass_tojson_the_arguments_transformers_takes_and_bad_values_a
 
     from duet.router.tokenizer import ChatTemplateError
 
-    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    shutil.copy(tiny_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = "{{ messages | tojson(ensure_ascii=False, sort_keys=True) }}{{ messages[0].content + 1 if messages[0].role == 'system' }}"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     router = RouterTokenizer(tmp_path)
