@@ -14,6 +14,7 @@ and Serve's routing loop with it, forever.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -39,21 +40,7 @@ class _PoolRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        kwargs = pending_request.kwargs if pending_request is not None else {}
-        if pending_request is not None:
-            # Serve sleeps between rounds only when told to (its locality tiers set this); without
-            # it a round that chooses nothing is retried at once, and this coroutine never awaits:
-            # the routing loop would spin and starve every other call in the process.
-            pending_request.routing_context.should_backoff = True
-        pinned = kwargs.get("replica_id")
-        if pinned is not None:
-            chosen = [replica for replica in candidate_replicas if replica.replica_id.unique_id == pinned]
-            return [chosen or candidate_replicas]
-        # A replica that lost a worker refuses new sequences until Serve replaces it: pass it by.
-        working = [replica for replica in candidate_replicas if (stats := reported_stats(replica)) is None or stats.worker_failure is None]
-        return self.rank(working or candidate_replicas, kwargs)
+        return choose(candidate_replicas, pending_request, self.rank)
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
         raise NotImplementedError
@@ -78,17 +65,7 @@ class PrefixAffinityRouter(_PoolRouter):
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
         loads = {replica.replica_id: self._load(replica) for replica in candidates}
-        by_load = sorted(candidates, key=lambda replica: (loads[replica.replica_id], random.random()))
-        prefix_hashes = kwargs.get("prefix_hashes") or []
-        best, best_match = None, 0
-        for replica in candidates:
-            match = _leading_match(prefix_hashes, reported_stats(replica))
-            if match > best_match:
-                best, best_match = replica, match
-        least = loads[by_load[0].replica_id]
-        if best is not None and loads[best.replica_id] - least <= self.imbalance_threshold:
-            return [[best], [replica for replica in by_load if replica is not best]]
-        return [[replica] for replica in by_load]
+        return rank_by_prefix(candidates, loads, kwargs.get("prefix_hashes") or [], self.imbalance_threshold)
 
 
 def _leading_match(prefix_hashes: list[int], stats: ReplicaStats | None) -> int:
@@ -108,11 +85,62 @@ class KVCapacityRouter(_PoolRouter):
     fewest running sequences first, most free blocks breaking ties."""
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
-        needed = kwargs.get("num_prompt_blocks", 0)
+        loads = {replica.replica_id: self._load(replica) for replica in candidates}
+        return rank_by_capacity(candidates, loads, kwargs.get("num_prompt_blocks", 0))
 
-        def key(replica: RunningReplica):
-            stats = reported_stats(replica)
-            free = stats.kv.num_free_blocks if stats else 0
-            return (stats is not None and free < needed, self._load(replica), -free, random.random())
 
-        return [[replica] for replica in sorted(candidates, key=key)]
+# What the routers decide, as functions of the candidates (whose ``routing_stats`` are their
+# reported ``ReplicaStats``) and of their loads: tested without Serve.
+
+
+def choose(
+    candidates: list[RunningReplica], pending_request: PendingRequest | None,
+    rank: Callable[[list[RunningReplica], dict], list[list[RunningReplica]]],
+) -> list[list[RunningReplica]]:
+    """A call pinned to a replica (``replica_id`` keyword) goes there, or to any replica when it
+    is gone; the others go by ``rank``, replicas that lost a worker last."""
+    if not candidates:
+        return []
+    kwargs = pending_request.kwargs if pending_request is not None else {}
+    if pending_request is not None:
+        # Serve sleeps between rounds only when told to (its locality tiers set this); without
+        # it a round that chooses nothing is retried at once, and this coroutine never awaits:
+        # the routing loop would spin and starve every other call in the process.
+        pending_request.routing_context.should_backoff = True
+    pinned = kwargs.get("replica_id")
+    if pinned is not None:
+        chosen = [replica for replica in candidates if replica.replica_id.unique_id == pinned]
+        return [chosen or candidates]
+    # A replica that lost a worker refuses new sequences until Serve replaces it: pass it by.
+    working = [replica for replica in candidates if (stats := reported_stats(replica)) is None or stats.worker_failure is None]
+    return rank(working or candidates, kwargs)
+
+
+def rank_by_prefix(
+    candidates: list[RunningReplica], loads: dict, prefix_hashes: list[int], imbalance_threshold: int
+) -> list[list[RunningReplica]]:
+    """The replica holding the longest run of ``prefix_hashes`` first, unless its load (``loads``
+    by replica id) passes the least loaded's by more than ``imbalance_threshold``; then the
+    others by load (ties broken at random)."""
+    by_load = sorted(candidates, key=lambda replica: (loads[replica.replica_id], random.random()))
+    best, best_match = None, 0
+    for replica in candidates:
+        match = _leading_match(prefix_hashes, reported_stats(replica))
+        if match > best_match:
+            best, best_match = replica, match
+    least = loads[by_load[0].replica_id]
+    if best is not None and loads[best.replica_id] - least <= imbalance_threshold:
+        return [[best], [replica for replica in by_load if replica is not best]]
+    return [[replica] for replica in by_load]
+
+
+def rank_by_capacity(candidates: list[RunningReplica], loads: dict, num_prompt_blocks: int) -> list[list[RunningReplica]]:
+    """Replicas with room for ``num_prompt_blocks`` first, then the least loaded, then the most
+    free blocks (ties broken at random); a replica that has not reported goes by its load."""
+
+    def key(replica: RunningReplica):
+        stats = reported_stats(replica)
+        free = stats.kv.num_free_blocks if stats else 0
+        return (stats is not None and free < num_prompt_blocks, loads[replica.replica_id], -free, random.random())
+
+    return [[replica] for replica in sorted(candidates, key=key)]

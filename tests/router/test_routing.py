@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from duet.block_pool import leading_block_hashes
-from duet.router.routing import KVCapacityRouter, PrefixAffinityRouter
+from duet.router.routing import choose, rank_by_capacity, rank_by_prefix
 from tests.router.fake_serve import make_stats
 
 
@@ -15,28 +15,18 @@ def _replica(name: str, **stats) -> SimpleNamespace:
     return SimpleNamespace(replica_id=name, routing_stats=make_stats("x", name, **stats).to_dict())
 
 
-def _router(cls, loads: dict[str, int], **state):
-    router = cls.__new__(cls)  # no Serve plumbing: only the ranking is under test
-    router._replica_queue_len_cache = loads
-    for key, value in state.items():
-        setattr(router, key, value)
-    return router
-
-
 def test_prefill_prefers_the_replica_holding_the_longest_leading_prefix():
     prompt = list(range(100))
     hashes = leading_block_hashes(prompt, 16, 4)
     cold, warm, partial = _replica("cold"), _replica("warm", prefix_hashes=hashes), _replica("partial", prefix_hashes=hashes[:1])
-    router = _router(PrefixAffinityRouter, {"cold": 0, "warm": 2, "partial": 0}, imbalance_threshold=4)
-    ranks = router.rank([cold, partial, warm], {"prefix_hashes": hashes})
+    ranks = rank_by_prefix([cold, partial, warm], {"cold": 0, "warm": 2, "partial": 0}, hashes, imbalance_threshold=4)
     assert ranks[0] == [warm]
 
 
 def test_prefill_falls_back_to_the_least_loaded_when_the_warm_replica_is_swamped():
     hashes = leading_block_hashes(list(range(64)), 16, 4)
     cold, warm = _replica("cold"), _replica("warm", prefix_hashes=hashes)
-    router = _router(PrefixAffinityRouter, {"cold": 0, "warm": 9}, imbalance_threshold=4)
-    assert router.rank([warm, cold], {"prefix_hashes": hashes})[0] == [cold]
+    assert rank_by_prefix([warm, cold], {"cold": 0, "warm": 9}, hashes, imbalance_threshold=4)[0] == [cold]
 
 
 def test_decode_prefers_room_for_the_prompt_then_fewer_running_then_more_free_blocks():
@@ -44,8 +34,7 @@ def test_decode_prefers_room_for_the_prompt_then_fewer_running_then_more_free_bl
     busy = _replica("busy", num_free_blocks=90)
     idle_small = _replica("idle-small", num_free_blocks=20)
     idle_big = _replica("idle-big", num_free_blocks=80)
-    router = _router(KVCapacityRouter, {"full": 0, "busy": 5, "idle-small": 1, "idle-big": 1})
-    ranks = router.rank([full, busy, idle_small, idle_big], {"num_prompt_blocks": 10})
+    ranks = rank_by_capacity([full, busy, idle_small, idle_big], {"full": 0, "busy": 5, "idle-small": 1, "idle-big": 1}, 10)
     assert [rank[0].replica_id for rank in ranks] == ["idle-big", "idle-small", "busy", "full"]
 
 
@@ -55,8 +44,6 @@ def test_a_call_pinned_to_a_gone_replica_goes_to_a_live_one_and_every_round_back
     off, so Serve retried at once, forever, in a coroutine that never awaited: the routing loop
     spun and starved every other call (503 for everyone, /health timing out). Now the call goes
     to a live replica, which refuses it at once (``ReplicaGoneError``), and every round backs off."""
-    import asyncio
-
     from ray.serve._private.request_router.common import RequestRoutingContext
 
     def pinned(replica_id: str) -> SimpleNamespace:
@@ -64,11 +51,11 @@ def test_a_call_pinned_to_a_gone_replica_goes_to_a_live_one_and_every_round_back
 
     live = _replica("live")
     live.replica_id = SimpleNamespace(unique_id="live")
-    router = _router(KVCapacityRouter, {})
     gone, here = pinned("dead"), pinned("live")
-    assert asyncio.run(router.choose_replicas([live], gone)) == [[live]]
-    assert asyncio.run(router.choose_replicas([live], here)) == [[live]]
-    assert gone.routing_context.should_backoff and here.routing_context.should_backoff
+    unranked = []
+    assert choose([live], gone, lambda candidates, kwargs: unranked.append(candidates)) == [[live]]
+    assert choose([live], here, lambda candidates, kwargs: unranked.append(candidates)) == [[live]]
+    assert unranked == [] and gone.routing_context.should_backoff and here.routing_context.should_backoff
 
 
 def test_a_replica_refuses_a_call_pinned_to_another():
