@@ -50,20 +50,29 @@ TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "fixtures" / "tokenizer"
 TINY_VOCAB = 1024
 
 
+def _ray_is_initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+_RAY_BEFORE = pytest.StashKey[bool]()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item) -> None:
     """Keeps the fast tier free of the download: a test that asks for the real SmolLM2 (directly
     or through ``smollm2_tokenizer``, ``parity_prompts``, ...) must be marked ``slow``."""
+    item.stash[_RAY_BEFORE] = _ray_is_initialized()
     if "smollm2_dir" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
         pytest.fail(f"{item.nodeid} loads the real SmolLM2 but is not marked slow: mark it, or use the tiny fixtures", pytrace=False)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item) -> None:
-    """Keeps the fast tier free of Ray: a test that leaves Ray running (it started or joined a
-    cluster, and a fixture of its own did not stop it) must be marked ``slow``."""
-    ray = sys.modules.get("ray")
-    if ray is not None and item.get_closest_marker("slow") is None and ray.is_initialized():
+    """Keeps the fast tier free of Ray: a test after which Ray runs where it did not before (it
+    started or joined a cluster, and a fixture of its own did not stop it) must be marked
+    ``slow``. Ray left running by an earlier slow test's session fixture is not this one's."""
+    if not item.stash.get(_RAY_BEFORE, True) and _ray_is_initialized() and item.get_closest_marker("slow") is None:
         pytest.fail(f"{item.nodeid} runs Ray but is not marked slow: mark it", pytrace=False)
 
 
