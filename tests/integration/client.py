@@ -31,15 +31,18 @@ async def complete(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int
     return status, tokens, errors
 
 
-async def complete_text(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, str, list[int], list[dict]]:
-    """``complete``, with the text too."""
+async def complete_text(
+    client: httpx.AsyncClient, url: str, body: dict, token_ids: list[int] | None = None
+) -> tuple[int, str, list[int], list[dict]]:
+    """``complete``, with the text too; a stream's token ids gather in ``token_ids`` (when given)
+    as they come, for a caller that acts mid-stream."""
     if not body.get("stream"):
         response = await client.post(f"{url}/v1/completions", json=body)
         payload = response.json()
         if response.status_code != 200:
             return response.status_code, "", [], [payload]
         return 200, payload["choices"][0]["text"], payload["choices"][0]["token_ids"], []
-    text, tokens, errors = "", [], []
+    text, tokens, errors = "", token_ids if token_ids is not None else [], []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             return response.status_code, "", [], [json.loads(await response.aread())]
