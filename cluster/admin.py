@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from fastapi import APIRouter, Request
@@ -28,6 +29,7 @@ from duet.router.serve_internals import keep_replica_on_loopback, live_replicas,
 
 logger = logging.getLogger(__name__)
 admin = APIRouter(prefix="/duet")
+WAITING_REPORT_S = 1.0  # how often a router reports its waiting contexts to an autoscaled prefill pool's policy
 
 
 def admin_refusal(request: Request, admin_keys: list[bytes], has_client_keys: bool) -> ApiError | None:
@@ -54,6 +56,24 @@ class DuetIngress(RouterIngress):
         self.autoscaled = {pool: tuple(bounds) for pool, bounds in autoscaled.items()}
         self.admin_keys = [] if admin_api_key is None else [admin_api_key.encode()]
         self.board = ActorBoard()
+        waiting_room = self.orchestrator.waiting_room
+        if waiting_room is not None and "prefill" in self.autoscaled:
+            router_id = serve.get_replica_context().replica_id.unique_id
+            threading.Thread(target=self._report_waiting, args=(waiting_room, router_id), name="waiting-report", daemon=True).start()
+
+    def _report_waiting(self, waiting_room, router_id: str) -> None:
+        """Tell the autoscalers the context tokens waiting here, every ``WAITING_REPORT_S`` while
+        any wait and once when none do (the board's records age out if this replica stops)."""
+        reported = 0
+        while True:
+            time.sleep(WAITING_REPORT_S)
+            tokens = waiting_room.demand()
+            if tokens or reported:
+                try:
+                    self.board.report_waiting(self.app_name, router_id, tokens)
+                except Exception as error:  # noqa: BLE001 - the next report may reach it
+                    logger.warning("could not report the waiting contexts to the autoscaler board: %r", error)
+                reported = tokens
 
     def _autoscaler(self) -> dict[str, dict]:
         """The latest decision of each autoscaled pool's policy (none while the board is out of reach)."""

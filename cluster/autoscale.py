@@ -28,7 +28,8 @@ are counted):
   one replica computes in half the TTFT target, at its measured speed); the backlog counts the
   prompts the router computes on decode replicas because the prefill pool was busy (not
   sequences they compute again after a preemption: more prefill replicas would not help
-  those). One more when first tokens come later than the TTFT target, unless the decode pool
+  those), and the contexts waiting in the routers for a pool with room (each router replica
+  reports them on the board: no replica's queue shows them). One more when first tokens come later than the TTFT target, unless the decode pool
   is short of room or time: then prefill is not what delays them, and it holds.
 - decode (and colocated): replicas for the decoding sequences' KV at ``kv_usage`` of each
   replica's blocks; one more while decoding sequences wait for room or their TPOT exceeds the
@@ -71,7 +72,7 @@ LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fra
 DEFAULT_PROMPT_TOKENS_PER_REPLICA = 2048  # before any replica measured its prompt speed
 PUBLISH_EVERY_S = 1.0
 START_GRACE_S = 60.0  # a pool does not shrink while the replicas of its last change start, this long at most
-VIEW_TTL_S = 10.0  # a pool's view its policy has not posted for this long is left out of decisions
+VIEW_TTL_S = 10.0  # a pool's view (or a router's waiting report) not posted for this long is left out of decisions
 
 
 def autoscaling_metrics(stats: EngineStats) -> dict[str, float]:
@@ -160,10 +161,13 @@ class Decision:
         return f"autoscaler {self.stage}: {self.current} -> {self.target} replicas ({self.reason}; {figures})"
 
 
-def decide(views: dict[str, PoolView], targets: dict[str, Targets], now: float, pins: dict[str, int] | None = None) -> dict[str, Decision]:
-    """Both pools' decisions from their views (``prefill`` absent when colocated). A pool an
-    operator pinned (``duet scale``) gets its pin, within its bounds, at once. Views of stages
-    without targets (another deployment's pools) are left out."""
+def decide(
+    views: dict[str, PoolView], targets: dict[str, Targets], now: float, pins: dict[str, int] | None = None, waiting_tokens: float = 0.0,
+) -> dict[str, Decision]:
+    """Both pools' decisions from their views (``prefill`` absent when colocated) and the context
+    tokens waiting in the routers. A pool an operator pinned (``duet scale``) gets its pin, within
+    its bounds, at once. Views of stages without targets (another deployment's pools) are left
+    out."""
     views = {stage: view for stage, view in views.items() if stage in targets}
     decisions = {}
     for stage in ("decode", "colocated"):
@@ -172,7 +176,7 @@ def decide(views: dict[str, PoolView], targets: dict[str, Targets], now: float, 
     if "prefill" in views:
         decode = decisions.get("decode")
         decode_short = decode is not None and decode.target > decode.current
-        decisions["prefill"] = _prefill(views["prefill"], targets["prefill"], views.get("decode"), decode_short)
+        decisions["prefill"] = _prefill(views["prefill"], targets["prefill"], views.get("decode"), decode_short, waiting_tokens)
     for stage, decision in decisions.items():
         pin = (pins or {}).get(stage)
         if pin is not None:
@@ -181,14 +185,15 @@ def decide(views: dict[str, PoolView], targets: dict[str, Targets], now: float, 
     return decisions
 
 
-def _prefill(view: PoolView, targets: Targets, decode: PoolView | None, decode_short: bool) -> Decision:
+def _prefill(view: PoolView, targets: Targets, decode: PoolView | None, decode_short: bool, waiting_tokens: float) -> Decision:
     speed = view.mean_nonzero("prefill_tokens_per_s")
     per_replica = targets.prompt_tokens_per_replica or (speed * targets.ttft_s / 2 if speed else DEFAULT_PROMPT_TOKENS_PER_REPLICA)
     # Decode replicas' new prompts (kept local while prefill was busy) are its kind of work; their
     # recomputes (preempted sequences, or moved by recompute) are not: prefill could not take them.
-    backlog = view.total("prompt_tokens_pending") + (decode.total("new_prompt_tokens_pending") if decode else 0.0)
+    backlog = view.total("prompt_tokens_pending") + (decode.total("new_prompt_tokens_pending") if decode else 0.0) + waiting_tokens
     ttft = view.peak("ttft_s")
-    numbers = {"prompt_backlog": backlog, "per_replica": per_replica, "ttft_s": ttft, "ttft_target_s": targets.ttft_s}
+    numbers = {"prompt_backlog": backlog, "router_waiting": waiting_tokens, "per_replica": per_replica, "ttft_s": ttft,
+               "ttft_target_s": targets.ttft_s}
     current = view.target
     needed = math.ceil(backlog / per_replica)
 
@@ -281,14 +286,15 @@ class PoolPolicy:
             [replica for replica in replicas if replica], last_change, len(ctx.running_replicas), now,
         )
         try:
-            posted, pin_records = self.board.exchange(ctx.app_name or "", self.stage, dataclasses.asdict(view))
+            posted, pin_records, waiting = self.board.exchange(ctx.app_name or "", self.stage, dataclasses.asdict(view))
         except Exception as error:  # noqa: BLE001 - decide from this pool's view alone meanwhile
             logger.warning("the autoscaler board is out of reach (%r): the %s pool decides alone", error, self.stage)
-            posted, pin_records = {}, {}
+            posted, pin_records, waiting = {}, {}, {}
         seen = {stage: PoolView(**fields) for stage, fields in posted.items()} | {self.stage: view}
         views = {stage: other for stage, other in seen.items() if now - other.at <= VIEW_TTL_S}
         pins = {stage: record["replicas"] for stage, record in pin_records.items() if record["at"] >= self._created_at}
-        decision = decide(views, self.targets, now, pins)[self.stage]
+        waiting_tokens = sum(record["tokens"] for record in waiting.values() if now - record["at"] <= VIEW_TTL_S)
+        decision = decide(views, self.targets, now, pins, waiting_tokens)[self.stage]
         self._report(ctx.app_name or "", decision, ctx.current_num_replicas, now)
         return decision.target, {}
 

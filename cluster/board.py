@@ -26,17 +26,25 @@ READ_TIMEOUT_S = 5.0  # a router's or the CLI's read; a policy never waits
 
 
 class Board:
-    """Views, decisions and pins, keyed by application and stage (plain, picklable data)."""
+    """Views, decisions and pins, keyed by application and stage, and the contexts waiting in
+    each router replica (plain, picklable data)."""
 
     def __init__(self) -> None:
         self._views: dict[str, dict] = {}
         self._decisions: dict[str, dict[str, dict]] = {}
         self._pins: dict[str, dict[str, dict]] = {}
+        self._waiting: dict[str, dict[str, dict]] = {}
 
-    def post(self, app_name: str, stage: str, view) -> tuple[dict, dict[str, dict]]:
-        """Post a pool's view; every view of the application and its pins."""
+    def post(self, app_name: str, stage: str, view) -> tuple[dict, dict[str, dict], dict[str, dict]]:
+        """Post a pool's view; every view of the application, its pins and its routers' waiting
+        contexts."""
         self._views.setdefault(app_name, {})[stage] = view
-        return dict(self._views[app_name]), dict(self._pins.get(app_name, {}))
+        return dict(self._views[app_name]), dict(self._pins.get(app_name, {})), dict(self._waiting.get(app_name, {}))
+
+    def report_waiting(self, app_name: str, router_id: str, tokens: int, at: float) -> None:
+        """A router replica's context tokens waiting for a pool with room, at ``at`` (wall-clock
+        seconds: a router that stops reporting ages out of the policies' sums)."""
+        self._waiting.setdefault(app_name, {})[router_id] = {"tokens": tokens, "at": at}
 
     def publish(self, app_name: str, stage: str, record: dict) -> None:
         self._decisions.setdefault(app_name, {})[stage] = record
@@ -58,7 +66,7 @@ class Board:
 class LocalBoard(Board):
     """The board in this process, answering at once (unit tests; ``exchange`` as ``ActorBoard``'s)."""
 
-    def exchange(self, app_name: str, stage: str, view) -> tuple[dict, dict[str, dict]]:
+    def exchange(self, app_name: str, stage: str, view) -> tuple[dict, dict[str, dict], dict[str, dict]]:
         return self.post(app_name, stage, view)
 
 
@@ -77,15 +85,16 @@ class ActorBoard:
     def __init__(self) -> None:
         self._actor = None
         self._pending = None  # the answer to an earlier post, until it comes
-        self._latest: tuple[dict, dict[str, dict]] = ({}, {})
+        self._latest: tuple[dict, dict[str, dict], dict[str, dict]] = ({}, {}, {})
 
     def _board(self):
         if self._actor is None:
             self._actor = board_actor()
         return self._actor
 
-    def exchange(self, app_name: str, stage: str, view) -> tuple[dict, dict[str, dict]]:
-        """Post this pool's view; the latest views and pins the board has answered with."""
+    def exchange(self, app_name: str, stage: str, view) -> tuple[dict, dict[str, dict], dict[str, dict]]:
+        """Post this pool's view; the latest views, pins and waiting contexts the board has
+        answered with."""
         import ray
 
         if self._pending is not None:
@@ -103,6 +112,9 @@ class ActorBoard:
 
     def publish(self, app_name: str, stage: str, record: dict) -> None:
         self._board().publish.remote(app_name, stage, record)
+
+    def report_waiting(self, app_name: str, router_id: str, tokens: int) -> None:
+        self._board().report_waiting.remote(app_name, router_id, tokens, time.time())
 
     def published(self, app_name: str, stages: list[str]) -> dict[str, dict]:
         import ray

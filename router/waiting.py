@@ -3,7 +3,9 @@
 The balancer says where a context goes, or that it should wait (``StageBalancer.choose``). The
 waiting ones are admitted the most urgent first (``StageBalancer.admit``): one waiting context
 asks for all of them every ``WAIT_POLL_S``, and each new one asks on arrival; an admitted context
-wakes at once. A context waits at most ``ROOM_WAIT_S``, then the client gets a 503.
+wakes at once. A context waits at most ``ROOM_WAIT_S``, then the client gets a 503. What waits
+is demand: the router reports it to the autoscalers (``demand``), so a pool with room to grow
+grows for it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class WaitingRoom:
             self._waiting.remove(waiting)
             if waiting.choice is not None:  # admitted, but its client left before it heard
                 waiting.choice.done()
+
+    def demand(self) -> int:
+        """The context tokens waiting for a choice: demand no pool's queue shows, which the
+        autoscalers count (``duet.cluster.autoscale``)."""
+        return sum(waiting.num_tokens for waiting in list(self._waiting) if waiting.choice is None)
 
     def admit(self) -> None:
         """Hand the waiting contexts the balancer's choices, the most urgent first."""

@@ -248,3 +248,25 @@ def test_a_pin_set_on_the_board_holds_the_pool_until_unpinned_but_not_one_set_be
     assert board.published("pinned", ["decode", "prefill"])["decode"]["reason"] == "pinned"
     board.pin("pinned", "decode", None, at=decode._created_at)
     assert decode(_context("pinned", "decode", {"d1": calm}, 1, NOW))[0] == 1
+
+
+def test_contexts_waiting_in_the_routers_grow_the_prefill_pool_until_their_reports_age_out():
+    """Guards the case the router's waiting room hid: six long prompts in a closed loop kept one
+    replica's queue below a replica's worth (a prompt at a time) while five contexts waited in the
+    router, and the pool stayed at one replica for minutes."""
+    targets = {name: vars(values) for name, values in TARGETS.items()}
+    board = LocalBoard()
+    prefill = PoolPolicy("prefill", targets, board)
+    one_prompt = {"prompt_tokens_pending": 700.0, "ttft_s": 1.5, "prefill_tokens_per_s": 2000.0}
+    assert prefill(_context("waiting", "prefill", {"p1": one_prompt}, 1, NOW))[0] == 1
+    board.report_waiting("waiting", "router-a", 5 * 1430, at=NOW)
+    board.report_waiting("waiting", "router-b", 1430, at=NOW)
+    assert prefill(_context("waiting", "prefill", {"p1": one_prompt}, 1, NOW + 1))[0] == 4  # 9280 tokens, bounded at 4
+    assert prefill._last.numbers["router_waiting"] == 6 * 1430
+    # A router that stops reporting (its replica gone) stops counting.
+    decision = decide({"prefill": prefill_view(1, [700])}, TARGETS, NOW, waiting_tokens=0.0)["prefill"]
+    assert decision.target == 1
+    later = NOW + 1 + VIEW_TTL_S + 1
+    quiet = one_prompt | {"ttft_s": 0.5}
+    assert prefill(_context("waiting", "prefill", {"p1": quiet}, 4, later))[0] == 3  # down, one step at a time
+    assert prefill._last.numbers["router_waiting"] == 0

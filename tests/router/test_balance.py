@@ -217,3 +217,28 @@ def test_waiting_contexts_are_asked_for_the_most_urgent_first():
     first_come.choose(400)
     assert not first_come.choose(300, waited_s=1.7).local  # alone it feeds the pool (0.4 s queued)
     assert first_come.choose(300, waited_s=1.2) is None  # ...and the one in time is then late
+
+
+def test_a_late_context_is_not_passed_over_for_good(monkeypatch):
+    """A closed loop of six long prompts on one prefill replica: each first token brings a fresh
+    context, which is in time. Asked in-time-first only, the oldest context was passed over at
+    every turn until its wait ran out; once it has waited ``LATE_TURN_TTFTS`` targets it goes
+    first, and no context waits much longer than the loop's own round."""
+    from duet.router import balance
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
+    full_decode = [stats("decode", "d", prefill_tokens_per_s=200.0, decode_only_tpot_s=0.02, num_free_blocks=100)]
+    chooser = balancer(prefill, full_decode)
+    waiting = [now[0]] * 6  # when each of the waiting contexts came
+    longest_wait = 0.0
+    for _ in range(60):  # sixty first tokens, one context on the prefill replica at a time
+        choices = chooser.admit([(1430, now[0] - since) for since in waiting])
+        [(index, choice)] = [(index, choice) for index, choice in enumerate(choices) if choice is not None]
+        longest_wait = max(longest_wait, now[0] - waiting.pop(index))
+        now[0] += 1.43  # its prompt's time on the prefill replica
+        choice.done(first_token=True)
+        waiting.append(now[0])  # the client sends its next request
+    longest_wait = max(longest_wait, *(now[0] - since for since in waiting))  # the ones still waiting too
+    assert longest_wait <= balance.LATE_TURN_TTFTS * TTFT_S + 6 * 1.43 <= 20.0

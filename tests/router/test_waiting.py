@@ -45,10 +45,10 @@ def test_waiting_contexts_are_placed_as_the_balancer_admits_them_and_not_forever
     async def scenario():
         tasks = [asyncio.create_task(room.choose(num_tokens)) for num_tokens in (1, 2, 3)]
         await asyncio.sleep(0.05)
-        assert not balancer.admitted
+        assert not balancer.admitted and room.demand() == 6  # what the autoscalers are told waits
         balancer.room = 1
         await asyncio.sleep(0.05)
-        assert balancer.admitted == [1] and tasks[0].done()
+        assert balancer.admitted == [1] and tasks[0].done() and room.demand() == 5
         balancer.room = 2
         return await asyncio.gather(*tasks)
 
