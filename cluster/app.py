@@ -54,6 +54,7 @@ def build_app(args: dict) -> serve.Application:
     targets = {stage: pool.policy_targets(stage, config.slo) for stage, pool in pools.items()}
     decode = _deployment(decode_role, config.decode, decode_engine, "KVCapacityRouter", targets).bind(
         role=decode_role, engine_args=decode_args, num_threads=config.decode.num_threads(decode_engine), kv_transfer=kv_transfer,
+        core_sharing=_core_sharing(config, decode_engine),
     )
     prefill = None
     if not colocated:
@@ -61,6 +62,7 @@ def build_app(args: dict) -> serve.Application:
         prefill = _deployment("prefill", config.prefill, prefill_engine, "PrefixAffinityRouter", targets).bind(
             role="prefill", engine_args=prefill_engine.engine_args(model_dir),
             num_threads=config.prefill.num_threads(prefill_engine), kv_transfer=kv_transfer,
+            core_sharing=_core_sharing(config, prefill_engine),
         )
     router = config.router
     ingress = serve.deployment(name="router")(DuetIngress).options(
@@ -93,6 +95,15 @@ def build_app(args: dict) -> serve.Application:
         },
         admin_api_key=router.admin_api_key or os.environ.get("DUET_ADMIN_API_KEY"),
     )
+
+
+def _core_sharing(config, engine) -> dict | None:
+    """A pool's replicas' part in sharing their machine's cores (``duet.cores``): CPU replicas of
+    one worker, when ``cores.share`` is on (None: each computes on its own threads)."""
+    one_worker = engine.tensor_parallel_size * engine.pipeline_parallel_size == 1
+    if not config.cores.share or engine.device != "cpu" or not one_worker:
+        return None
+    return {"tpot_budget_s": config.cores.decode_tpot_share * config.slo.tpot_ms / 1000}
 
 
 def _check_layouts(pools: dict[str, PoolSettings], config, model_dir: Path) -> None:

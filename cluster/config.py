@@ -208,6 +208,19 @@ class RouterSettings(_Strict):
         return [key.strip() for key in keys]
 
 
+class CoreSettings(_Strict):
+    """How the replicas on one machine use its cores (``duet.cores``)."""
+
+    share: bool = Field(
+        default=False,
+        description="CPU replicas of one worker take turns at all of their machine's cores, decode first, rather than each "
+        "computing on its own num_cpus",
+    )
+    decode_tpot_share: float = Field(
+        default=0.5, gt=0, le=1, description="of the TPOT target, the most a decode replica waits between two steps while prompts take their turns",
+    )
+
+
 class KVTransferSettings(_Strict):
     host: str = Field(default="127.0.0.1", description="address decode replicas listen on; 'auto' = the Ray node's IP")
     timeout_s: float = Field(default=30.0, gt=0)
@@ -226,6 +239,7 @@ class AppArgs(_Strict):
     router: RouterSettings = Field(default_factory=RouterSettings)
     slo: SLOSettings = Field(default_factory=SLOSettings)
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
+    cores: CoreSettings = Field(default_factory=CoreSettings)
 
     @model_validator(mode="after")
     def _pools_match_mode(self) -> AppArgs:

@@ -367,6 +367,12 @@ def kv_dtype_shown(stats: dict) -> str:
     return "as model" if setting == "auto" else short.get(setting, setting)
 
 
+def cores_shown(stats: dict) -> str:
+    """A replica's cores: its threads, and ``shared`` when it takes turns at all of its machine's."""
+    threads = stats.get("threads", "?")
+    return f"{threads} shared" if stats.get("shared_cores") else str(threads)
+
+
 def format_status(report: dict) -> str:
     """The status as a table; a replica whose last report is older than ``REPLICA_SILENT_S``
     (it stopped reporting: dead, or stuck) is marked stale, with the age of its figures."""
@@ -375,7 +381,7 @@ def format_status(report: dict) -> str:
     lines = [f"duet at {report['url']}, model {report['model']}"]
     header = (
         f"{'pool':<10} {'replica':<10} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} {'kv dtype':>8} "
-        f"{'transfers':>9} {'preempted':>9}"
+        f"{'transfers':>9} {'preempted':>9} {'cores':>8}"
     )
     lines.append(header)
     for pool, info in report["pools"].items():
@@ -385,7 +391,7 @@ def format_status(report: dict) -> str:
             lines.append(
                 f"{pool:<10} {stats['replica_id']:<10} {stats['num_running']:>7} {stats['num_waiting']:>7} "
                 f"{stats['kv_usage']:>8.1%} {str(stats['num_free_blocks']) + '/' + str(stats['num_blocks']):>12} "
-                f"{kv_dtype_shown(stats):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9}"
+                f"{kv_dtype_shown(stats):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9} {cores_shown(stats):>8}"
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
                 + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )

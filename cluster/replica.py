@@ -28,6 +28,7 @@ from ray import serve
 from duet.block_pool import BlockIntegrityError
 from duet.cluster.autoscale import autoscaling_metrics
 from duet.config import EngineArgs
+from duet.cores import CoreLease, machine_cores
 from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
@@ -201,7 +202,9 @@ class EngineReplica:
     def _check_when_idle(self) -> None:
         """At rest every block must be free or held for a transfer. A failure is logged and
         counted, not raised: killing a replica that serves live streams to report a leak would
-        lose those streams."""
+        lose those streams. At rest the engine also gives up its claim on the cores."""
+        if self.engine.core_lease is not None:
+            self.engine.core_lease.idle()
         try:
             self.engine.check_integrity()
         except BlockIntegrityError as error:
@@ -253,8 +256,12 @@ class ServeReplica(EngineReplica):
     ``kv_transfer``: the KV connector's settings (``KVTransferConfig`` fields but ``name``,
     which is the replica id), None when colocated."""
 
-    def __init__(self, role: str, engine_args: dict, num_threads: int, kv_transfer: dict | None = None) -> None:
+    def __init__(
+        self, role: str, engine_args: dict, num_threads: int, kv_transfer: dict | None = None, core_sharing: dict | None = None,
+    ) -> None:
         keep_replica_on_loopback()
+        if core_sharing is not None:  # every step on all the machine's cores, in turns (duet.cores)
+            num_threads = machine_cores()
         torch.set_num_threads(num_threads)
         context = serve.get_replica_context()
         replica_id = context.replica_id.unique_id
@@ -268,7 +275,11 @@ class ServeReplica(EngineReplica):
             # (this replica leaving it) and sends the moves' reservations to the others.
             pool = serve.get_deployment_handle(context.deployment, context.app_name).options(stream=False)
             peers = _ServePeers(pool, role_.stage)
-        super().__init__(replica_id, role_, LLMEngine(EngineArgs(**args)), peers)
+        engine = LLMEngine(EngineArgs(**args))
+        if core_sharing is not None:
+            engine.core_lease = CoreLease(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])
+        super().__init__(replica_id, role_, engine, peers)
         if peers is not None:
             self._spawn(self._leave_when_departed(watch_departure(replica_id)))
-        logger.info("%s replica %s ready with %d threads", role, replica_id, num_threads)
+        sharing = ", sharing the machine's cores in turns" if core_sharing is not None else ""
+        logger.info("%s replica %s ready with %d threads%s", role, replica_id, num_threads, sharing)

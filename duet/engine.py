@@ -9,17 +9,20 @@ a decode replica) has its blocks reserved at once and joins the batch when its K
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
+
+import torch
 
 from duet.block_pool import BlockIntegrityError
 from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype, resolve_kv_cache_dtype
 from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.load import LoadTracker
-from duet.messages import EngineRequest, EngineStats, KVDestination, TokenDelta
+from duet.messages import CoreStats, EngineRequest, EngineStats, KVDestination, TokenDelta
 from duet.models.pipeline_parallel import stage_layers
 from duet.models.tensor_parallel import check_layout
 from duet.outputs import RunnerOutput, SchedulerOutput
@@ -93,6 +96,9 @@ class LLMEngine:
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self.load = LoadTracker()
+        # The machine's cores in turns with the other engines on it (``duet.cores``); the host sets it.
+        self.core_lease = None
+        self.num_threads = torch.get_num_threads()  # its host sets them before it builds the engine
         logger.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens in %s (%d bytes a block), max_model_len=%d, "
             "tensor_parallel_size=%d, pipeline_parallel_size=%d",
@@ -211,17 +217,26 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[TokenDelta]:
-        """Run one scheduling step; return what each sequence produced (or how it ended)."""
-        scheduler_output = self.scheduler.schedule()
-        started = time.perf_counter()
-        try:
-            # Even an empty step goes to the workers: it may carry finished ids and KV transfers.
-            runner_output = self.executor.execute(scheduler_output)
-        except WorkerDiedError:
-            raise  # no request's fault, and no step can run again: the replica is replaced
-        except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
-            return self._recover(scheduler_output, error)
-        self._observe_load(scheduler_output, runner_output, time.perf_counter() - started)
+        """Run one scheduling step; return what each sequence produced (or how it ended). With a
+        ``core_lease`` (``duet.cores``) the step computes on the machine's cores in its turn."""
+        lease = self.core_lease
+        token_budget = None if lease is None else lease.token_budget(self.load.prefill_tokens_per_s)
+        scheduler_output = self.scheduler.schedule(token_budget)
+        computes = scheduler_output.total_num_scheduled_tokens > 0
+        failure = runner_output = None
+        with contextlib.nullcontext() if lease is None else lease.hold(computes):
+            started = time.perf_counter()
+            try:
+                # Even an empty step goes to the workers: it may carry finished ids and KV transfers.
+                runner_output = self.executor.execute(scheduler_output)
+            except WorkerDiedError:
+                raise  # no request's fault, and no step can run again: the replica is replaced
+            except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
+                failure = error
+            seconds = time.perf_counter() - started
+        if failure is not None:
+            return self._recover(scheduler_output, failure)
+        self._observe_load(scheduler_output, runner_output, seconds)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.logprobs is not None:
             for request_id, logprobs in zip(runner_output.request_ids, runner_output.logprobs):
@@ -293,8 +308,15 @@ class LLMEngine:
             transfer=scheduler.kv_connector.stats(),
             load=self.load.stats(),
             spec=scheduler.spec_stats.stats(),
+            cores=self._core_stats(),
             worker_failure=self.worker_failure,
         )
+
+    def _core_stats(self) -> CoreStats:
+        lease = self.core_lease
+        if lease is None:
+            return CoreStats(threads=self.num_threads, shared_cores=False, lease_wait_s=0.0)
+        return CoreStats(threads=lease.cores, shared_cores=True, lease_wait_s=lease.waited_s)
 
     def cached_prefixes(self, block_hashes: list[int]) -> list[int]:
         """Those of ``block_hashes`` whose blocks are in the prefix cache (read off the engine
@@ -324,4 +346,6 @@ class LLMEngine:
         return self.executor.failure
 
     def close(self) -> None:
+        if self.core_lease is not None:
+            self.core_lease.close()
         self.executor.close()

@@ -152,6 +152,15 @@ class LoadStats:
 
 
 @dataclass(frozen=True)
+class CoreStats:
+    """The cores an engine computes on (``LLMEngine.stats``; ``duet.cores``)."""
+
+    threads: int  # torch threads of its steps
+    shared_cores: bool  # it takes turns at all its machine's cores with the other engines there
+    lease_wait_s: float  # time its steps waited for their turn (a prefill step: for decoders' steps too)
+
+
+@dataclass(frozen=True)
 class SpecStats:
     """Speculative decoding (``SpecDecodingStats.stats``): drafts (one request's proposal
     verified in one step), their tokens, those accepted, and per position the drafts whose
@@ -177,11 +186,14 @@ class EngineStats:
     transfer: TransferStats
     load: LoadStats
     spec: SpecStats
+    cores: CoreStats
     worker_failure: str | None  # a worker died: the engine cannot step any more
 
 
 # The parts of a report, by field name: what ``ReplicaStats.from_dict`` rebuilds.
-_PARTS = {"scheduler": SchedulerStats, "kv": KVCacheStats, "transfer": TransferStats, "load": LoadStats, "spec": SpecStats}
+_PARTS = {
+    "scheduler": SchedulerStats, "kv": KVCacheStats, "transfer": TransferStats, "load": LoadStats, "spec": SpecStats, "cores": CoreStats,
+}
 
 
 @dataclass(frozen=True)
@@ -197,6 +209,7 @@ class ReplicaStats:
     transfer: TransferStats
     load: LoadStats
     spec: SpecStats
+    cores: CoreStats
     worker_failure: str | None  # a worker died: the replica refuses work until Serve replaces it
     integrity_failures: int  # idle KV bookkeeping checks that failed (a leak, logged)
     prefix_hashes: list[int]  # a prefill replica's recalled prompt prefixes still in its prefix cache
@@ -208,7 +221,7 @@ class ReplicaStats:
     ) -> ReplicaStats:
         return cls(
             stage=stage, replica_id=replica_id, scheduler=engine.scheduler, kv=engine.kv, transfer=engine.transfer,
-            load=engine.load, spec=engine.spec, worker_failure=engine.worker_failure, integrity_failures=integrity_failures,
+            load=engine.load, spec=engine.spec, cores=engine.cores, worker_failure=engine.worker_failure, integrity_failures=integrity_failures,
             prefix_hashes=prefix_hashes, reported_at=time.time(),
         )
 
@@ -238,6 +251,7 @@ class ReplicaStats:
             "transfer_seconds": transfer.seconds,
             "pending_transfers": transfer.pending,
             **asdict(self.load),
+            **asdict(self.cores),
             "spec_num_drafts": spec.num_drafts,
             "spec_num_draft_tokens": spec.num_draft_tokens,
             "spec_num_accepted_tokens": spec.num_accepted_tokens,

@@ -91,8 +91,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.prefilled or self.kv_connector.num_in_flight)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """The next step. ``token_budget`` bounds it below ``max_num_batched_tokens`` (chunked
+        prefill only: a prompt that may not be chunked is never bounded)."""
         budget = self.max_num_batched_tokens
+        if token_budget is not None and self.enable_chunked_prefill:
+            budget = max(1, min(budget, token_budget))
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted: set[str] = set()

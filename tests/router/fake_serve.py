@@ -7,7 +7,7 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
-from duet.messages import KVCacheStats, LoadStats, ReplicaStats, SchedulerStats, SpecStats, TransferStats
+from duet.messages import CoreStats, KVCacheStats, LoadStats, ReplicaStats, SchedulerStats, SpecStats, TransferStats
 from duet.router import serve_internals
 
 
@@ -20,6 +20,7 @@ def make_stats(stage: str = "decode", replica_id: str = "r", **fields) -> Replic
         "transfer": TransferStats(0, 0, 0, 0, 0.0, 0),
         "load": LoadStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
         "spec": SpecStats(0, 0, 0, []),
+        "cores": CoreStats(1, False, 0.0),
     }
     own = dict(worker_failure=None, integrity_failures=0, prefix_hashes=[], reported_at=time.time())
     for name, value in fields.items():

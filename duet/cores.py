@@ -1,0 +1,174 @@
+"""One machine's cores, shared by the engines on it one step at a time, decode first.
+
+Replicas of both roles on one machine take turns at all of its cores: a step computes while it
+holds the machine's lease (an exclusive ``flock`` on a file in ``DIRECTORY``, a memory-backed
+folder), on as many threads as the machine has cores. So an idle machine gives a prompt all its
+cores, as one engine would, and a decode replica alone on it decodes on all of them; a static
+split gave each role one core of two whatever the other did.
+
+Decode comes first, which is PD's reason to exist: a prefill replica that finds a decode replica
+waiting for the lease lets it step first (``YIELD_S`` at most), and while any decode replica is
+busy it sizes its chunk of prompt so that the decoders' next step comes within their time per
+output token: ``gap_s``, what their budget (a share of the TPOT target) leaves past their own
+step time, at the prompt speed it measured on all the cores (``MIN_CHUNK_TOKENS`` at least, so
+prompts always advance). Each engine publishes its state in a small file of its own beside the
+lock (its role, whether it waits for the lease or is busy, its steps, its step time and gap);
+a file whose process is gone is removed by the next reader, and the kernel drops a dead
+process's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import struct
+import time
+import uuid
+from pathlib import Path
+
+DIRECTORY = Path("/dev/shm/duet-cores") if Path("/dev/shm").is_dir() else Path("/tmp/duet-cores")
+YIELD_S = 0.5  # the longest a prefill step waits for a waiting decoder's step
+MIN_CHUNK_TOKENS = 32  # the least prompt a prefill step computes while decoders are busy
+POLL_S = 0.002  # how often a yielding prefill step looks again (each look reads a few small files)
+STEP_TIME_WEIGHT = 0.2  # of each decode step's time in its running mean
+_STATE = struct.Struct("<BBBxxxxxQdd")  # decode, wanting, busy, steps, step_s, gap_s
+
+
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclasses.dataclass
+class EngineState:
+    """What one engine on the machine publishes."""
+
+    decode: bool
+    wanting: bool = False  # waits for the lease
+    busy: bool = False  # its last step computed, and it has more
+    steps: int = 0
+    step_s: float = 0.0  # a decode step's time on the whole machine, a running mean
+    gap_s: float = 0.0  # how long a decoder may wait between its steps
+
+    size = _STATE.size
+
+    def pack(self) -> bytes:
+        return _STATE.pack(self.decode, self.wanting, self.busy, self.steps, self.step_s, self.gap_s)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> EngineState:
+        decode, wanting, busy, steps, step_s, gap_s = _STATE.unpack(data)
+        return cls(bool(decode), bool(wanting), bool(busy), steps, step_s, gap_s)
+
+
+class CoreLease:
+    """One engine's turn at the machine's cores. ``decode``: its steps go first, and it keeps
+    its steps within ``tpot_budget_s`` of each other. Not thread-safe: the engine thread's."""
+
+    def __init__(self, decode: bool, tpot_budget_s: float, directory: Path | None = None) -> None:
+        self.directory = Path(directory or DIRECTORY)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.tpot_budget_s = tpot_budget_s
+        self.cores = machine_cores()
+        self.state = EngineState(decode)
+        self._lock_fd = os.open(self.directory / "cores.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        self._name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}.state"
+        self._state_fd = os.open(self.directory / self._name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._publish()
+        self.waited_s = 0.0  # time spent waiting for the lease (and, prefill, for decoders' steps)
+
+    def _publish(self) -> None:
+        os.pwrite(self._state_fd, self.state.pack(), 0)
+
+    def peers(self) -> list[EngineState]:
+        """The other engines' states (a file whose process is gone is removed)."""
+        peers = []
+        for name in os.listdir(self.directory):
+            if not name.endswith(".state") or name == self._name:
+                continue
+            path = self.directory / name
+            pid = int(name.split("-", 1)[0])
+            if not _alive(pid):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            with contextlib.suppress(OSError, struct.error):
+                peers.append(EngineState.unpack(path.read_bytes()[: EngineState.size]))
+        return peers
+
+    def token_budget(self, prompt_tokens_per_s: float) -> int | None:
+        """Before a prefill engine schedules a step: let a waiting decoder step first (``YIELD_S``
+        at most), then the prompt tokens this step may compute so that busy decoders step again
+        within their gap (None: no bound). A decode engine's own steps are never bounded."""
+        if self.state.decode:
+            return None
+        started = time.perf_counter()
+        waiting_for = [peer.steps for peer in self.peers() if peer.decode and peer.wanting]
+        while waiting_for and time.perf_counter() - started < YIELD_S:
+            time.sleep(POLL_S)
+            now_waiting = {peer.steps for peer in self.peers() if peer.decode and peer.wanting}
+            waiting_for = [steps for steps in waiting_for if steps in now_waiting]
+        self.waited_s += time.perf_counter() - started
+        gaps = [peer.gap_s for peer in self.peers() if peer.decode and (peer.busy or peer.wanting)]
+        if not gaps or prompt_tokens_per_s <= 0:
+            return None
+        return max(MIN_CHUNK_TOKENS, int(min(gaps) * prompt_tokens_per_s))
+
+    @contextlib.contextmanager
+    def hold(self, computes: bool):
+        """The step's compute, on all the cores while it holds the lease (a step that computes
+        nothing, which only carries transfers, does not wait for it)."""
+        if not computes:
+            yield
+            self._after(False, 0.0)
+            return
+        if self.state.decode:
+            self.state.wanting = True
+            self._publish()
+        asked = time.perf_counter()
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        started = time.perf_counter()
+        self.waited_s += started - asked
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            self._after(True, time.perf_counter() - started)
+
+    def _after(self, computed: bool, seconds: float) -> None:
+        state = self.state
+        before = dataclasses.replace(state)
+        state.wanting = False
+        state.busy = computed
+        if computed:
+            state.steps += 1
+            if state.decode:
+                state.step_s = seconds if state.step_s == 0 else state.step_s + STEP_TIME_WEIGHT * (seconds - state.step_s)
+                state.gap_s = max(0.0, self.tpot_budget_s - state.step_s)
+        if state.decode or state != before:
+            self._publish()
+
+    def idle(self) -> None:
+        """The engine ran out of work: it holds no claim on the cores."""
+        if self.state.busy or self.state.wanting:
+            self.state.busy = self.state.wanting = False
+            self._publish()
+
+    def close(self) -> None:
+        for fd in (self._state_fd, self._lock_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            (self.directory / self._name).unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
