@@ -2,7 +2,8 @@
 
 Three phases, each a Poisson arrival process of fresh random prompts: prompt-heavy (long
 prompts, one output token: the prefill pool's load), decode-heavy (short prompts, long outputs:
-the decode pool's), then idle. Twice a second it reads ``/duet/status``: the replicas running
+the decode pool's), then idle. A phase's rate written ``cN`` is a closed loop instead: N clients,
+each sending its next request when its last one ended. Twice a second it reads ``/duet/status``: the replicas running
 and the target of each pool's policy. It prints goodput per phase (requests that met the TTFT
 and TPOT SLO, per second of the phase) and the requests that failed (there should be none), and
 plots a timeline PNG: replicas per pool, offered and completed requests per second, and TTFT
@@ -30,6 +31,7 @@ class Phase:
     rate: float  # requests per second
     input_len: int
     output_len: int
+    concurrency: int = 0  # clients in a closed loop instead (rate 0)
 
 
 @dataclasses.dataclass
@@ -47,11 +49,13 @@ class Sent:
 
 
 def parse_phases(text: str) -> list[Phase]:
-    """``name:seconds:rate:input_len:output_len`` separated by commas."""
+    """``name:seconds:rate:input_len:output_len`` separated by commas; a rate ``cN``: N clients
+    in a closed loop."""
     phases = []
     for item in text.split(","):
         name, duration, rate, input_len, output_len = item.split(":")
-        phases.append(Phase(name, float(duration), float(rate), int(input_len), int(output_len)))
+        concurrency = int(rate[1:]) if rate.startswith("c") else 0
+        phases.append(Phase(name, float(duration), 0.0 if concurrency else float(rate), int(input_len), int(output_len), concurrency))
     return phases
 
 
@@ -91,11 +95,17 @@ async def run(url: str, model: str, phases: list[Phase], seed: int, api_key: str
             result = await _one_request(client, url, model, prompt, phase.output_len, api_key)
             sent.append(Sent(phase.name, start, result))
 
+        async def client_loop(phase: Phase, end: float) -> None:
+            while time.perf_counter() - origin < end:
+                await one(phase, [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(phase.input_len)])
+
         for phase in phases:
             began = time.perf_counter() - origin
-            print(f"[{began:6.1f} s] {phase.name}: {phase.rate} req/s of {phase.input_len} + {phase.output_len} tokens "
+            load = f"{phase.concurrency} clients in a closed loop" if phase.concurrency else f"{phase.rate} req/s"
+            print(f"[{began:6.1f} s] {phase.name}: {load} of {phase.input_len} + {phase.output_len} tokens "
                   f"for {phase.duration_s:.0f} s", flush=True)
             end = began + phase.duration_s
+            tasks += [asyncio.create_task(client_loop(phase, end)) for _ in range(phase.concurrency)]
             while phase.rate > 0:
                 await asyncio.sleep(rng.expovariate(phase.rate))
                 if time.perf_counter() - origin >= end:

@@ -24,3 +24,11 @@ def test_the_summary_splits_the_run_into_arrivals_and_the_drain_after_the_last()
     assert summary.requests[0]["tpot_ms"] == pytest.approx(100.0) and summary.requests[1]["ttft_ms"] == pytest.approx(2500.0)
     header, row = format_table([summary]).splitlines()
     assert "drain s" in header and "   2.50 " in row
+
+
+def test_autoscale_phases_take_a_rate_or_a_closed_loop():
+    from duet.benchmarks.autoscale import Phase, parse_phases
+
+    assert parse_phases("prompts:120:c6:1400:1,gen:60:2.5:32:256") == [
+        Phase("prompts", 120.0, 0.0, 1400, 1, concurrency=6), Phase("gen", 60.0, 2.5, 32, 256),
+    ]
