@@ -188,3 +188,20 @@ def test_a_second_up_joins_the_state_of_the_same_ray_session_only(tmp_path):
     elsewhere = ClusterState(urls=["http://127.0.0.1:9000"], apps=["a"], started_ray=True, loopback=True, session="s1")
     with pytest.raises(DeployError, match="serves on 127.0.0.1:9000"):
         joined_state(elsewhere, serve_file, started_ray=False, session="s1")
+
+
+def test_replicas_share_the_cores_only_when_asked_and_only_cpu_replicas_of_one_worker():
+    from duet.cluster.app import SHARED_CORES_ENV, _core_sharing, _with_env
+
+    shared = parse_args({"cores": {"share": True, "decode_tpot_share": 0.4}, "slo": {"tpot_ms": 250}})
+    engine = shared.decode.merged_engine(shared.engine)
+    assert _core_sharing(shared, engine) == {"tpot_budget_s": pytest.approx(0.1)}
+    assert _core_sharing(parse_args({}), parse_args({}).decode.merged_engine(parse_args({}).engine)) is None  # off by default
+    tensor_parallel = engine.model_copy(update={"tensor_parallel_size": 2})
+    assert _core_sharing(shared, tensor_parallel) is None
+    # Their OpenMP threads sleep soon after a step; a pool's own setting wins.
+    assert _with_env({"num_cpus": 1}, SHARED_CORES_ENV)["runtime_env"] == {"env_vars": SHARED_CORES_ENV}
+    own = {"num_cpus": 1, "runtime_env": {"env_vars": {"GOMP_SPINCOUNT": "0"}, "working_dir": "."}}
+    assert _with_env(own, SHARED_CORES_ENV)["runtime_env"] == {"env_vars": {"GOMP_SPINCOUNT": "0"}, "working_dir": "."}
+    with pytest.raises(AppConfigError, match="decode_tpot_share"):
+        parse_args({"cores": {"decode_tpot_share": 0}})
