@@ -10,8 +10,9 @@ Decode comes first, which is PD's reason to exist: a prefill replica that finds 
 waiting for the lease lets it step first (``YIELD_S`` at most), and while any decode replica is
 busy it sizes its chunk of prompt so that the decoders' next step comes within their time per
 output token: ``gap_s``, what their budget (a share of the TPOT target) leaves past their own
-step time, at the prompt speed it measured on all the cores (``MIN_CHUNK_TOKENS`` at least, so
-prompts always advance). Each engine publishes its state in a small file of its own beside the
+step time, at the prompt speed it measured in its turns on all the cores (``MIN_CHUNK_TOKENS``
+at least, so prompts always advance). The engine's own load figures count the waits for turns
+(``LLMEngine.step``): the router and the autoscalers see the speed the engine gives. Each engine publishes its state in a small file of its own beside the
 lock (its role, whether it waits for the lease or is busy, its steps, its step time and gap);
 a file whose process is gone is removed by the next reader, and the kernel drops a dead
 process's lock.
@@ -32,7 +33,7 @@ DIRECTORY = Path("/dev/shm/duet-cores") if Path("/dev/shm").is_dir() else Path("
 YIELD_S = 0.5  # the longest a prefill step waits for a waiting decoder's step
 MIN_CHUNK_TOKENS = 32  # the least prompt a prefill step computes while decoders are busy
 POLL_S = 0.002  # how often a yielding prefill step looks again (each look reads a few small files)
-STEP_TIME_WEIGHT = 0.2  # of each decode step's time in its running mean
+STEP_TIME_WEIGHT = 0.2  # of each step's time (and prompt speed) in its running mean
 _STATE = struct.Struct("<BBBxxxxxQdd")  # decode, wanting, busy, steps, step_s, gap_s
 
 
@@ -78,6 +79,7 @@ class CoreLease:
         self._state_fd = os.open(self.directory / self._name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         self._publish()
         self.waited_s = 0.0  # time spent waiting for the lease (and, prefill, for decoders' steps)
+        self.prompt_tokens_per_s = 0.0  # a prefill engine's speed in its turns (0: not measured yet)
 
     def _publish(self) -> None:
         os.pwrite(self._state_fd, self.state.pack(), 0)
@@ -98,10 +100,11 @@ class CoreLease:
                 peers.append(EngineState.unpack(path.read_bytes()[: EngineState.size]))
         return peers
 
-    def token_budget(self, prompt_tokens_per_s: float) -> int | None:
+    def token_budget(self) -> int | None:
         """Before a prefill engine schedules a step: let a waiting decoder step first (``YIELD_S``
         at most), then the prompt tokens this step may compute so that busy decoders step again
-        within their gap (None: no bound). A decode engine's own steps are never bounded."""
+        within their gap (None: no bound, or no speed measured yet). A decode engine's own steps
+        are never bounded."""
         if self.state.decode:
             return None
         started = time.perf_counter()
@@ -112,17 +115,17 @@ class CoreLease:
             waiting_for = [steps for steps in waiting_for if steps in now_waiting]
         self.waited_s += time.perf_counter() - started
         gaps = [peer.gap_s for peer in self.peers() if peer.decode and (peer.busy or peer.wanting)]
-        if not gaps or prompt_tokens_per_s <= 0:
+        if not gaps or self.prompt_tokens_per_s <= 0:
             return None
-        return max(MIN_CHUNK_TOKENS, int(min(gaps) * prompt_tokens_per_s))
+        return max(MIN_CHUNK_TOKENS, int(min(gaps) * self.prompt_tokens_per_s))
 
     @contextlib.contextmanager
-    def hold(self, computes: bool):
-        """The step's compute, on all the cores while it holds the lease (a step that computes
-        nothing, which only carries transfers, does not wait for it)."""
-        if not computes:
+    def hold(self, num_tokens: int):
+        """A step of ``num_tokens``' compute, on all the cores while it holds the lease (a step
+        that computes nothing, which only carries transfers, does not wait for it)."""
+        if not num_tokens:
             yield
-            self._after(False, 0.0)
+            self._after(0, 0.0)
             return
         if self.state.decode:
             self.state.wanting = True
@@ -135,18 +138,20 @@ class CoreLease:
             yield
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            self._after(True, time.perf_counter() - started)
+            self._after(num_tokens, time.perf_counter() - started)
 
-    def _after(self, computed: bool, seconds: float) -> None:
+    def _after(self, num_tokens: int, seconds: float) -> None:
         state = self.state
         before = dataclasses.replace(state)
         state.wanting = False
-        state.busy = computed
-        if computed:
+        state.busy = num_tokens > 0
+        if num_tokens:
             state.steps += 1
             if state.decode:
-                state.step_s = seconds if state.step_s == 0 else state.step_s + STEP_TIME_WEIGHT * (seconds - state.step_s)
+                state.step_s = _mean(state.step_s, seconds)
                 state.gap_s = max(0.0, self.tpot_budget_s - state.step_s)
+            elif num_tokens >= MIN_CHUNK_TOKENS and seconds > 0:
+                self.prompt_tokens_per_s = _mean(self.prompt_tokens_per_s, num_tokens / seconds)
         if state.decode or state != before:
             self._publish()
 
@@ -162,6 +167,10 @@ class CoreLease:
                 os.close(fd)
         with contextlib.suppress(OSError):
             (self.directory / self._name).unlink()
+
+
+def _mean(mean: float, value: float) -> float:
+    return value if mean == 0 else mean + STEP_TIME_WEIGHT * (value - mean)
 
 
 def _alive(pid: int) -> bool:

@@ -220,12 +220,13 @@ class LLMEngine:
         """Run one scheduling step; return what each sequence produced (or how it ended). With a
         ``core_lease`` (``duet.cores``) the step computes on the machine's cores in its turn."""
         lease = self.core_lease
-        token_budget = None if lease is None else lease.token_budget(self.load.prefill_tokens_per_s)
+        # A step's time includes its wait for its turn at the cores: what the router and the
+        # autoscalers read is the speed this engine gives, not the speed of its turns alone.
+        started = time.perf_counter()
+        token_budget = None if lease is None else lease.token_budget()
         scheduler_output = self.scheduler.schedule(token_budget)
-        computes = scheduler_output.total_num_scheduled_tokens > 0
         failure = runner_output = None
-        with contextlib.nullcontext() if lease is None else lease.hold(computes):
-            started = time.perf_counter()
+        with contextlib.nullcontext() if lease is None else lease.hold(scheduler_output.total_num_scheduled_tokens):
             try:
                 # Even an empty step goes to the workers: it may carry finished ids and KV transfers.
                 runner_output = self.executor.execute(scheduler_output)

@@ -34,7 +34,7 @@ def leases(tmp_path):
 def test_one_step_at_a_time_holds_the_cores(leases):
     decode, prefill = leases(True), leases(False)
     order: list[str] = []
-    with prefill.hold(computes=True):
+    with prefill.hold(64):
         waiter = threading.Thread(target=lambda: _step(decode, order, "decode"))
         waiter.start()
         time.sleep(0.1)
@@ -58,33 +58,35 @@ def test_a_waiting_decoder_steps_before_the_next_prompt_chunk(leases):
 
     thread = threading.Thread(target=decoder)
     thread.start()
-    with prefill.hold(computes=True):
+    with prefill.hold(64):
         prefill_holds.set()
         time.sleep(0.1)
         order.append("prefill 1")
-    prefill.token_budget(prompt_tokens_per_s=1000.0)  # waits for the decoder's step
-    with prefill.hold(computes=True):
+    prefill.token_budget()  # waits for the decoder's step
+    with prefill.hold(64):
         order.append("prefill 2")
     thread.join(5)
     assert order == ["prefill 1", "decode", "prefill 2"]
 
 
-def test_prompt_chunks_fit_the_busy_decoders_gap(leases):
+def test_prompt_chunks_fit_the_busy_decoders_gap_at_the_speed_measured_in_turns(leases):
     decode, prefill = leases(True, tpot_budget_s=0.12), leases(False)
-    assert prefill.token_budget(1000.0) is None  # no decoder busy: the whole step budget
-    with decode.hold(computes=True):
+    with decode.hold(8):
         time.sleep(0.02)
     assert decode.state.busy and 0.0 < decode.state.gap_s <= 0.1
-    budget = prefill.token_budget(1000.0)
+    assert prefill.token_budget() is None  # no prompt speed measured yet: the whole step budget
+    prefill._after(500, 0.5)  # 1000 tokens a second in its turn
+    prefill._after(10, 1.0)  # too few tokens to say
+    assert prefill.prompt_tokens_per_s == 1000.0
+    budget = prefill.token_budget()
     assert budget == max(MIN_CHUNK_TOKENS, int(decode.state.gap_s * 1000.0))
-    assert prefill.token_budget(0.0) is None  # no prompt speed measured yet
     decode.state.step_s = 0.2
-    decode._after(True, 0.2)  # steps past the budget leave no gap: the least chunk still advances prompts
+    decode._after(8, 0.2)  # steps past the budget leave no gap: the least chunk still advances prompts
     assert decode.state.gap_s == 0.0
-    assert prefill.token_budget(1000.0) == MIN_CHUNK_TOKENS
+    assert prefill.token_budget() == MIN_CHUNK_TOKENS
     decode.idle()
-    assert prefill.token_budget(1000.0) is None
-    assert leases(True).token_budget(1000.0) is None  # a decoder's own steps are never bounded
+    assert prefill.token_budget() is None  # no decoder busy: the whole step budget
+    assert leases(True).token_budget() is None  # a decoder's own steps are never bounded
 
 
 def test_a_dead_engines_state_and_lock_go_with_it(tmp_path):
@@ -97,8 +99,8 @@ def test_a_dead_engines_state_and_lock_go_with_it(tmp_path):
     lease = CoreLease(False, 0.1, directory=tmp_path)
     try:
         assert lease.peers() == [] and [path.name for path in tmp_path.glob("*.state")] == [lease._name]
-        assert lease.token_budget(1000.0) is None
-        with lease.hold(computes=True):  # its lock went with it
+        assert lease.token_budget() is None
+        with lease.hold(64):  # its lock went with it
             pass
     finally:
         lease.close()
@@ -121,7 +123,7 @@ def test_greedy_output_is_the_same_in_turns_with_chunks_cut_to_a_decoders_gap(ti
     try:
         decoder.state.busy, decoder.state.gap_s = True, 0.0  # the least chunk
         decoder._publish()
-        llm.engine.load.prefill_tokens_per_s = 1000.0
+        lease.prompt_tokens_per_s = 1000.0
         budgets = []
         schedule = llm.engine.scheduler.schedule
 
@@ -143,5 +145,5 @@ def test_greedy_output_is_the_same_in_turns_with_chunks_cut_to_a_decoders_gap(ti
 
 
 def _step(lease: CoreLease, order: list[str], name: str) -> None:
-    with lease.hold(computes=True):
+    with lease.hold(64):
         order.append(name)
