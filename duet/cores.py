@@ -7,7 +7,10 @@ cores, as one engine would, and a decode replica alone on it decodes on all of t
 split gave each role one core of two whatever the other did.
 
 Decode comes first, which is PD's reason to exist: a prefill replica that finds a decode replica
-waiting for the lease lets it step first (``YIELD_S`` at most), and while any decode replica is
+waiting for the lease lets it take the lease first (``YIELD_S`` at most), then waits on the lock
+itself, so the lease comes back to it when that step ends: decode and prompt steps alternate
+while both have work (a prefill step that polled for the decoder's step to end lost the lease
+to the decoder's next step, and prompts waited seconds). While any decode replica is
 busy it sizes its chunk of prompt so that the decoders' next step comes within their time per
 output token: ``gap_s``, what their budget (a share of the TPOT target) leaves past their own
 step time, at the prompt speed it measured in its turns on all the cores (``MIN_CHUNK_TOKENS``
@@ -32,7 +35,7 @@ from pathlib import Path
 DIRECTORY = Path("/dev/shm/duet-cores") if Path("/dev/shm").is_dir() else Path("/tmp/duet-cores")
 YIELD_S = 0.5  # the longest a prefill step waits for a waiting decoder's step
 MIN_CHUNK_TOKENS = 32  # the least prompt a prefill step computes while decoders are busy
-POLL_S = 0.002  # how often a yielding prefill step looks again (each look reads a few small files)
+POLL_S = 0.0005  # how often a yielding prefill step looks again (each look reads a few small files)
 STEP_TIME_WEIGHT = 0.2  # of each step's time (and prompt speed) in its running mean
 _STATE = struct.Struct("<BBBxxxxxQdd")  # decode, wanting, busy, steps, step_s, gap_s
 
@@ -47,7 +50,7 @@ class EngineState:
     """What one engine on the machine publishes."""
 
     decode: bool
-    wanting: bool = False  # waits for the lease
+    wanting: bool = False  # blocked on the lease (a decoder clears it once it holds it)
     busy: bool = False  # its last step computed, and it has more
     steps: int = 0
     step_s: float = 0.0  # a decode step's time on the whole machine, a running mean
@@ -108,11 +111,8 @@ class CoreLease:
         if self.state.decode:
             return None
         started = time.perf_counter()
-        waiting_for = [peer.steps for peer in self.peers() if peer.decode and peer.wanting]
-        while waiting_for and time.perf_counter() - started < YIELD_S:
+        while any(peer.decode and peer.wanting for peer in self.peers()) and time.perf_counter() - started < YIELD_S:
             time.sleep(POLL_S)
-            now_waiting = {peer.steps for peer in self.peers() if peer.decode and peer.wanting}
-            waiting_for = [steps for steps in waiting_for if steps in now_waiting]
         self.waited_s += time.perf_counter() - started
         gaps = [peer.gap_s for peer in self.peers() if peer.decode and (peer.busy or peer.wanting)]
         if not gaps or self.prompt_tokens_per_s <= 0:
@@ -134,6 +134,9 @@ class CoreLease:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         started = time.perf_counter()
         self.waited_s += started - asked
+        if self.state.wanting:  # holds it: a yielding prefill engine may queue on the lock now
+            self.state.wanting = False
+            self._publish()
         try:
             yield
         finally:

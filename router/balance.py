@@ -66,6 +66,12 @@ a second old. So each side keeps the running mean of how much later than predict
 tokens came (``lateness``) and adds it to what it predicts; without it, contexts predicted in
 time under that load missed the target by 0.1-0.5 s.
 
+Decode replicas that take turns at their machine's cores with the prefill replicas
+(``cores.share``, ``duet.cores``) compute no prompt of their own once the replicas measured
+their speeds: a prompt step on the prefill replica gets every core the decoders leave, so a
+local prompt saves no core and takes the decoders' turns unbounded (local prompts took 19 of 33 contexts at 1 req/s
+on two cores, and the prefill replica's prompts waited seconds for their turns).
+
 Before any replica measured its prompt throughput, the static ``local_prefill_threshold`` decides
 (prompts shorter than it stay local): the rule's starting point, not the rule. With
 measurements, a short prompt goes through the prefill pool when decode is busy, and a long one
@@ -235,7 +241,7 @@ class StageBalancer:
         first_token_s = {False: through_prefill + self.lateness[False], True: on_decode + self.lateness[True]}
         in_time = waited_s + first_token_s[False] <= self.ttft_s
         through_prefill_or_wait = (False, through_prefill) if in_time or prefill_wait <= PREFILL_FEED_S else (None, None)
-        if first_token_s[True] >= first_token_s[False]:
+        if first_token_s[True] >= first_token_s[False] or any(stats.cores.shared_cores for stats in decode):
             return through_prefill_or_wait
         token_cost_s = len(decode) / sum(stats.load.tokens_per_s or stats.load.prefill_tokens_per_s or per_replica for stats in decode)
         spent_s = (self._recent_local_tokens() + num_tokens) * token_cost_s

@@ -242,3 +242,15 @@ def test_a_late_context_is_not_passed_over_for_good(monkeypatch):
         waiting.append(now[0])  # the client sends its next request
     longest_wait = max(longest_wait, *(now[0] - since for since in waiting))  # the ones still waiting too
     assert longest_wait <= balance.LATE_TURN_TTFTS * TTFT_S + 6 * 1.43 <= 20.0
+
+
+def test_decode_replicas_that_share_the_cores_compute_no_prompt_of_their_own():
+    """The prefill pool's queue would make the prompt later than an idle decode replica, but that
+    replica takes turns at the same cores (``cores.share``): a local prompt saves no core."""
+    busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=20_000)]
+    idle_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
+    assert balancer(busy_prefill, idle_decode).choose(2000).local
+    shared = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02, shared_cores=True)]
+    choice = balancer(busy_prefill, shared).choose(2000, waited_s=0.0)
+    assert choice is None  # late through the prefill pool: it waits for room there
+    assert not balancer([stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=300)], shared).choose(2000).local
