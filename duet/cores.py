@@ -12,8 +12,9 @@ itself, so the lease comes back to it when that step ends: decode and prompt ste
 while both have work (a prefill step that polled for the decoder's step to end lost the lease
 to the decoder's next step, and prompts waited seconds). While any decode replica is
 busy it sizes its chunk of prompt so that the decoders' next step comes within their time per
-output token: ``gap_s``, what their budget (a share of the TPOT target) leaves past their own
-step time, at the prompt speed it measured in its turns on all the cores (``MIN_CHUNK_TOKENS``
+output token: ``gap_s``, what their budget (a share of the TPOT target, times the tokens a
+decoding sequence gets from a step: more than one where drafts are accepted) leaves past their
+own step time, at the prompt speed it measured in its turns on all the cores (``MIN_CHUNK_TOKENS``
 at least, so prompts always advance). The engine's own load figures count the waits for turns
 (``LLMEngine.step``): the router and the autoscalers see the speed the engine gives. Each engine publishes its state in a small file of its own beside the
 lock (its role, whether it waits for the lease or is busy, its steps, its step time and gap);
@@ -83,6 +84,7 @@ class CoreLease:
         self._publish()
         self.waited_s = 0.0  # time spent waiting for the lease (and, prefill, for decoders' steps)
         self.prompt_tokens_per_s = 0.0  # a prefill engine's speed in its turns (0: not measured yet)
+        self.tokens_per_step = 1.0  # a decoding sequence's tokens per step, a running mean
 
     def _publish(self) -> None:
         os.pwrite(self._state_fd, self.state.pack(), 0)
@@ -152,11 +154,16 @@ class CoreLease:
             state.steps += 1
             if state.decode:
                 state.step_s = _mean(state.step_s, seconds)
-                state.gap_s = max(0.0, self.tpot_budget_s - state.step_s)
+                state.gap_s = max(0.0, self.tpot_budget_s * self.tokens_per_step - state.step_s)
             elif num_tokens >= MIN_CHUNK_TOKENS and seconds > 0:
                 self.prompt_tokens_per_s = _mean(self.prompt_tokens_per_s, num_tokens / seconds)
         if state.decode or state != before:
             self._publish()
+
+    def observe_decode(self, num_decoding: int, num_tokens: int) -> None:
+        """A step gave ``num_decoding`` decoding sequences ``num_tokens`` tokens."""
+        if num_decoding:
+            self.tokens_per_step = _mean(self.tokens_per_step, max(1.0, num_tokens / num_decoding))
 
     def idle(self) -> None:
         """The engine ran out of work: it holds no claim on the cores."""

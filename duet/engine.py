@@ -257,6 +257,8 @@ class LLMEngine:
         num_prompt_tokens = scheduler_output.total_num_scheduled_tokens - num_decode_tokens
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids))
         num_decode_outputs = sum(len(sampled.get(request_id, ())) for request_id in decoding)
+        if self.core_lease is not None:
+            self.core_lease.observe_decode(len(decoding), num_decode_outputs)
         self.load.observe_step(
             num_prompt_tokens, scheduler_output.total_num_scheduled_tokens, len(decoding), num_decode_outputs,
             sum(map(len, runner_output.sampled_token_ids)), seconds,

@@ -84,6 +84,10 @@ def test_prompt_chunks_fit_the_busy_decoders_gap_at_the_speed_measured_in_turns(
     decode._after(8, 0.2)  # steps past the budget leave no gap: the least chunk still advances prompts
     assert decode.state.gap_s == 0.0
     assert prefill.token_budget() == MIN_CHUNK_TOKENS
+    for _ in range(40):  # three tokens a step (drafts accepted): three tokens' time between steps
+        decode.observe_decode(4, 12)
+    decode._after(8, 0.2)
+    assert decode.state.gap_s == pytest.approx(0.12 * 3 - 0.2, abs=0.01)
     decode.idle()
     assert prefill.token_budget() is None  # no decoder busy: the whole step budget
     assert leases(True).token_budget() is None  # a decoder's own steps are never bounded
