@@ -2,24 +2,18 @@
 
 Replicas of both roles on one machine take turns at all of its cores: a step computes while it
 holds the machine's lease (an exclusive ``flock`` on a file in ``DIRECTORY``, a memory-backed
-folder), on as many threads as the machine has cores. So an idle machine gives a prompt all its
-cores, as one engine would, and a decode replica alone on it decodes on all of them; a static
-split gave each role one core of two whatever the other did.
+folder), on as many threads as the machine has cores. An idle machine gives a prompt all its
+cores, as one engine would.
 
-Decode comes first, which is PD's reason to exist: a prefill replica that finds a decode replica
-waiting for the lease lets it take the lease first (``YIELD_S`` at most), then waits on the lock
-itself, so the lease comes back to it when that step ends: decode and prompt steps alternate
-while both have work (a prefill step that polled for the decoder's step to end lost the lease
-to the decoder's next step, and prompts waited seconds). While any decode replica is
-busy it sizes its chunk of prompt so that the decoders' next step comes within their time per
-output token: ``gap_s``, what their budget (a share of the TPOT target, times the tokens a
-decoding sequence gets from a step: more than one where drafts are accepted) leaves past their
-own step time, at the prompt speed it measured in its turns on all the cores (``MIN_CHUNK_TOKENS``
-at least, so prompts always advance). The engine's own load figures count the waits for turns
-(``LLMEngine.step``): the router and the autoscalers see the speed the engine gives. Each engine publishes its state in a small file of its own beside the
-lock (its role, whether it waits for the lease or is busy, its steps, its step time and gap);
-a file whose process is gone is removed by the next reader, and the kernel drops a dead
-process's lock.
+Decode comes first. A prefill engine that finds a decoder waiting for the lease lets it take
+the lease (``YIELD_S`` at most), then queues on the lock, so the two alternate while both have
+work. While a decoder is busy, a prefill step's prompt is cut to the decoder's ``gap_s``: its
+TPOT budget times the tokens a sequence gets from one of its steps, less its step time, at the
+prompt speed the prefill engine measured in its turns (``MIN_CHUNK_TOKENS`` at least, so
+prompts always advance). An engine's load figures count its waits for turns (``LLMEngine.step``).
+
+Each engine publishes its ``EngineState`` in a small file of its own beside the lock; a file
+whose process is gone is removed by the next reader, and the kernel drops a dead process's lock.
 """
 
 from __future__ import annotations
