@@ -53,8 +53,7 @@ prompt of its own, while the prefill queue grew to 38 prompts. A late context st
 the prefill pool once that pool's queue is below ``PREFILL_FEED_S`` (its time has no other use),
 and the router asks for the contexts still in time first (``in_time``), in the order they came,
 then for the late ones; a late context that has waited ``LATE_TURN_TTFTS`` TTFT targets goes
-before all of them, so none starves (a closed loop of six 1,430-token prompts on one prefill
-replica kept a fresh context in time at every turn, and the late ones waited out their 60 s). Waiting until that queue was past the target itself held it there under
+before all of them, so none starves. Waiting until that queue was past the target itself held it there under
 a load past both pools, so every context that joined it came late: at 4.3 req/s (seed 2000, 128
 requests on two cores) goodput was 1.45-1.87 req/s, TTFT p90 5.3-7.3 s; asking for those in time
 first and keeping the queue short gave 2.45-2.61 req/s in three runs (colocation 2.00-2.32 in the
@@ -69,8 +68,7 @@ time under that load missed the target by 0.1-0.5 s.
 Decode replicas that take turns at their machine's cores with the prefill replicas
 (``cores.share``, ``duet.cores``) compute no prompt of their own once the replicas measured
 their speeds: a prompt step on the prefill replica gets every core the decoders leave, so a
-local prompt saves no core and takes the decoders' turns unbounded (local prompts took 19 of 33 contexts at 1 req/s
-on two cores, and the prefill replica's prompts waited seconds for their turns).
+local prompt saves no core and takes the decoders' turns unbounded.
 
 Before any replica measured its prompt throughput, the static ``local_prefill_threshold`` decides
 (prompts shorter than it stay local): the rule's starting point, not the rule. With
