@@ -38,9 +38,11 @@ PAIR_IDLE_S = 600.0
 # wait behind others on the prefill replica first. A request aborted meanwhile cancels it at once.
 STREAM_START_TIMEOUT_S = 600.0
 # Once its sender has queued it, how many of the pair's timeouts a transfer has to be announced:
-# its sender gives its first layers one, and the pair may be busy with the transfer ahead of it
-# for about another. Past that its sender is taken for gone (it died, or its replica stopped).
-QUEUED_START_TIMEOUTS = 2
+# its sender gives its first layers one; a transfer ahead of it that stalls holds the pair for
+# the sender's own timeout, and a new pair is then set up. Past that its sender is taken for
+# gone (it died, or its replica stopped). Two timeouts failed a transfer queued behind a stalled
+# one, now and then, where a new pair was on its way (one full run in two on a 2-core Xeon).
+QUEUED_START_TIMEOUTS = 4
 
 
 class TransferEndpoint:
