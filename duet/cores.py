@@ -87,11 +87,11 @@ class CoreLease:
         """The other engines' states (a file whose process is gone is removed)."""
         peers = []
         for name in os.listdir(self.directory):
-            if not name.endswith(".state") or name == self._name:
+            pid = name.split("-", 1)[0]
+            if not name.endswith(".state") or name == self._name or not pid.isdigit():
                 continue
             path = self.directory / name
-            pid = int(name.split("-", 1)[0])
-            if not _alive(pid):
+            if not _alive(int(pid)):
                 with contextlib.suppress(OSError):
                     path.unlink()
                 continue
@@ -100,8 +100,8 @@ class CoreLease:
         return peers
 
     def token_budget(self) -> int | None:
-        """Before a prefill engine schedules a step: let a waiting decoder step first (``YIELD_S``
-        at most), then the prompt tokens this step may compute so that busy decoders step again
+        """Before a prefill engine schedules a step: let a waiting decoder take the lease first
+        (``YIELD_S`` at most), then the prompt tokens this step may compute so that busy decoders step again
         within their gap (None: no bound, or no speed measured yet). A decode engine's own steps
         are never bounded."""
         if self.state.decode:
