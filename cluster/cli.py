@@ -45,7 +45,8 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from duet.cluster.deploy import DeployError, format_status, status
+    from duet.cluster.deploy import DeployError
+    from duet.cluster.operate import format_status, status
 
     try:
         print(format_status(status(args.url)))
@@ -86,7 +87,8 @@ def scaled_message(pool: str, replicas: int | None, answer: dict) -> str:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from duet.cluster.deploy import DeployError, scale
+    from duet.cluster.deploy import DeployError
+    from duet.cluster.operate import scale
 
     replicas = scale_replicas(args.replicas)
     try:

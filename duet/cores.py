@@ -27,11 +27,12 @@ import time
 import uuid
 from pathlib import Path
 
+from duet.load import moving_average
+
 DIRECTORY = Path("/dev/shm/duet-cores") if Path("/dev/shm").is_dir() else Path("/tmp/duet-cores")
 YIELD_S = 0.5  # the longest a prefill step waits for a waiting decoder's step
 MIN_CHUNK_TOKENS = 32  # the least prompt a prefill step computes while decoders are busy
 POLL_S = 0.0005  # how often a yielding prefill step looks again (each look reads a few small files)
-STEP_TIME_WEIGHT = 0.2  # of each step's time (and prompt speed) in its running mean
 _STATE = struct.Struct("<BBBxxxxxQdd")  # decode, wanting, busy, steps, step_s, gap_s
 
 
@@ -147,17 +148,17 @@ class CoreLease:
         if num_tokens:
             state.steps += 1
             if state.decode:
-                state.step_s = _mean(state.step_s, seconds)
+                state.step_s = moving_average(state.step_s, seconds)
                 state.gap_s = max(0.0, self.tpot_budget_s * self.tokens_per_step - state.step_s)
             elif num_tokens >= MIN_CHUNK_TOKENS and seconds > 0:
-                self.prompt_tokens_per_s = _mean(self.prompt_tokens_per_s, num_tokens / seconds)
+                self.prompt_tokens_per_s = moving_average(self.prompt_tokens_per_s, num_tokens / seconds)
         if state.decode or state != before:
             self._publish()
 
     def observe_decode(self, num_decoding: int, num_tokens: int) -> None:
         """A step gave ``num_decoding`` decoding sequences ``num_tokens`` tokens."""
         if num_decoding:
-            self.tokens_per_step = _mean(self.tokens_per_step, max(1.0, num_tokens / num_decoding))
+            self.tokens_per_step = moving_average(self.tokens_per_step, max(1.0, num_tokens / num_decoding))
 
     def idle(self) -> None:
         """The engine ran out of work: it holds no claim on the cores."""
@@ -171,10 +172,6 @@ class CoreLease:
                 os.close(fd)
         with contextlib.suppress(OSError):
             (self.directory / self._name).unlink()
-
-
-def _mean(mean: float, value: float) -> float:
-    return value if mean == 0 else mean + STEP_TIME_WEIGHT * (value - mean)
 
 
 def _alive(pid: int) -> bool:

@@ -20,7 +20,7 @@ from collections import deque
 from duet.messages import LoadStats
 
 WINDOW_S = 5.0
-_WEIGHT = 0.2  # of the newest sample in the prompt throughput's moving average
+_WEIGHT = 0.2  # of the newest sample in a moving average (prompt throughput, the cores' step times)
 # A step computing at least this many prompt tokens measures prompt throughput.
 _PROMPT_STEP_TOKENS = 32
 
@@ -51,7 +51,8 @@ class _Window:
         return sum(self._recent()) / WINDOW_S
 
 
-def _moving_average(average: float, sample: float) -> float:
+def moving_average(average: float, sample: float) -> float:
+    """The running mean with ``sample`` in (the first sample is the mean)."""
     return sample if average == 0 else average + _WEIGHT * (sample - average)
 
 
@@ -74,8 +75,8 @@ class LoadTracker:
         if seconds <= 0:
             return
         if num_prompt_tokens >= _PROMPT_STEP_TOKENS:
-            self.prefill_tokens_per_s = _moving_average(self.prefill_tokens_per_s, num_prompt_tokens / seconds)
-            self.tokens_per_s = _moving_average(self.tokens_per_s, num_tokens / seconds)
+            self.prefill_tokens_per_s = moving_average(self.prefill_tokens_per_s, num_prompt_tokens / seconds)
+            self.tokens_per_s = moving_average(self.tokens_per_s, num_tokens / seconds)
         if num_decoding and num_decode_outputs:
             per_token = seconds * num_decoding / num_decode_outputs  # prompt chunks included: the sequences waited
             self._tpot.add(per_token)

@@ -23,12 +23,13 @@ from duet.kv_connector import KVConnectorScheduler
 from duet.messages import SchedulerStats
 from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from duet.request import Request, RequestStatus
+from duet.scheduler_moves import SequenceMoves
 from duet.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(SequenceMoves):
     """Decides, each step, which requests compute how many tokens."""
 
     def __init__(
@@ -372,38 +373,6 @@ class Scheduler:
         if request_id in self._runner_known:
             self._runner_known.discard(request_id)
             self._finished_ids.add(request_id)
-
-    def freeze(self, request_id: str) -> list[int] | None:
-        """Hold a running sequence still, its KV about to move to another replica; return its
-        output tokens. None when it is not between two decode steps (waiting, preempted, in
-        its prompt): it can move only by recompute."""
-        request = self.requests.get(request_id)
-        if (
-            request is None or request.status != RequestStatus.RUNNING or not request.output_token_ids
-            or request.num_computed_tokens != request.num_tokens - 1
-        ):  # a prompt chunk that ended one token short passes the last test alone
-            return None
-        self.running.remove(request)
-        request.status = RequestStatus.MIGRATING
-        request.spec_token_ids = []
-        return list(request.output_token_ids)
-
-    def unfreeze(self, request_id: str) -> None:
-        """Let a frozen sequence go on here: its move did not happen."""
-        request = self.requests.get(request_id)
-        if request is not None and request.status == RequestStatus.MIGRATING:
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-
-    def migrate(self, request_id: str, destination) -> bool:
-        """Ship a frozen sequence's KV to ``destination`` (``KVDestination``) and end it here."""
-        request = self.requests.get(request_id)
-        if request is None or request.status != RequestStatus.MIGRATING:
-            return False
-        request.kv_send = destination
-        self.kv_connector.start_send(request, computed=True)
-        self.finish_request(request_id, RequestStatus.FINISHED_MIGRATED)
-        return True
 
     def abort(self, request_id: str) -> None:
         self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from duet.cluster import deploy
+from duet.cluster import deploy, operate
 from duet.cluster.cli import main, scale_replicas, scaled_message
-from duet.cluster.deploy import DeployError, format_status, kv_dtype_shown
+from duet.cluster.deploy import DeployError
+from duet.cluster.operate import format_status, kv_dtype_shown
 
 
 @pytest.mark.parametrize(
@@ -113,31 +114,31 @@ def test_scale_prints_the_routers_answer(capsys, monkeypatch):
         sent.append((pool, replicas, url))
         return {"pool": pool, "pinned": replicas, "target": 2, "min_replicas": 1, "max_replicas": 2}
 
-    monkeypatch.setattr(deploy, "scale", scale)
+    monkeypatch.setattr(operate, "scale", scale)
     assert main(["scale", "decode", "5", "--url", "http://127.0.0.1:9"]) == 0
     assert sent == [("decode", 5, "http://127.0.0.1:9")]
     assert capsys.readouterr().out == "the decode pool is pinned at 2 replicas (asked 5; its autoscaling_config allows 1 to 2)\n"
 
 
-def test_deploy_scale_returns_the_answer_and_raises_the_routers_error(monkeypatch):
+def test_operate_scale_returns_the_answer_and_raises_the_routers_error(monkeypatch):
     answers = iter([
         httpx.Response(200, json={"pool": "decode", "pinned": 5, "target": 2, "min_replicas": 1, "max_replicas": 2}),
         httpx.Response(400, json={"error": {"message": "the decode pool has a fixed size"}}),
         httpx.Response(502, text="Bad Gateway"),
     ])
     monkeypatch.setattr(httpx, "post", lambda *args, **kwargs: next(answers))
-    assert deploy.scale("decode", 5, "http://127.0.0.1:9")["target"] == 2
+    assert operate.scale("decode", 5, "http://127.0.0.1:9")["target"] == 2
     with pytest.raises(DeployError, match="the decode pool has a fixed size"):
-        deploy.scale("decode", 5, "http://127.0.0.1:9")
+        operate.scale("decode", 5, "http://127.0.0.1:9")
     with pytest.raises(DeployError, match="HTTP 502 from http://127.0.0.1:9/duet/scale: Bad Gateway"):
-        deploy.scale("decode", 5, "http://127.0.0.1:9")
+        operate.scale("decode", 5, "http://127.0.0.1:9")
 
 
 def test_status_says_the_routers_refusal_not_that_nothing_answers(monkeypatch):
     refusal = httpx.Response(401, json={"error": {"message": "missing or wrong admin key"}})
     monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: refusal)
     with pytest.raises(DeployError, match="^missing or wrong admin key$"):
-        deploy.status("http://127.0.0.1:9")
+        operate.status("http://127.0.0.1:9")
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 
 from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
 from duet.cluster.autoscale import METRICS
-from duet.cluster.deploy import format_status
+from duet.cluster.operate import format_status
 from duet.cluster.replica import EngineReplica
 from duet.config import EngineArgs
 from duet.decode_node.role import DecodeRole
