@@ -114,6 +114,8 @@ class DuetIngress(RouterIngress):
             routing["local_prefills"] = self.orchestrator.balancer.decisions[True]
             routing["pd_prefills"] = self.orchestrator.balancer.decisions[False]
             routing["contexts_waited"] = self.orchestrator.waiting_room.contexts_waited
+        if self.role_keeper is not None:
+            routing["role_changes"] = dict(self.role_keeper.changes)
         return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission, "routing": routing})
 
     @admin.post("/scale")

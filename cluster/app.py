@@ -95,6 +95,7 @@ def build_app(args: dict) -> serve.Application:
         max_prompts_per_request=router.max_prompts_per_request,
         max_body_bytes=router.max_body_bytes,
         api_keys=router.client_keys(),
+        roles=None if colocated else config.roles.model_dump(),
         autoscaled={
             stage: (scaling["min_replicas"], scaling["max_replicas"])
             for stage, pool in pools.items() if (scaling := pool.serve_autoscaling(stage)) is not None

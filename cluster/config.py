@@ -221,6 +221,19 @@ class CoreSettings(_Strict):
     )
 
 
+class RoleSettings(_Strict):
+    """Replicas serving the other pool's role while theirs has work to spare (``duet.router.roles``)."""
+
+    move: bool = Field(
+        default=True,
+        description="a PD replica serves the other role while its own is spare and the other short, and a prefill replica "
+        "takes the decode role at once when no decode replica is left",
+    )
+    min_prefill: int = Field(default=0, ge=0, description="replicas kept serving prefill (decode replicas compute prompts themselves)")
+    min_decode: int = Field(default=1, ge=1, description="replicas kept serving decode")
+    hold_s: float = Field(default=5.0, ge=0, description="the least time a replica keeps a role it took")
+
+
 class KVTransferSettings(_Strict):
     host: str = Field(default="127.0.0.1", description="address decode replicas listen on; 'auto' = the Ray node's IP")
     timeout_s: float = Field(default=30.0, gt=0)
@@ -240,6 +253,7 @@ class AppArgs(_Strict):
     slo: SLOSettings = Field(default_factory=SLOSettings)
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
     cores: CoreSettings = Field(default_factory=CoreSettings)
+    roles: RoleSettings = Field(default_factory=RoleSettings)
 
     @model_validator(mode="after")
     def _pools_match_mode(self) -> AppArgs:

@@ -80,13 +80,14 @@ def cores_shown(stats: dict) -> str:
 
 
 def format_status(report: dict) -> str:
-    """The status as a table; a replica whose last report is older than ``REPLICA_SILENT_S``
+    """The status as a table (a replica's role is the one it serves now: its pool's, or the
+    other's, ``duet.router.roles``); a replica whose last report is older than ``REPLICA_SILENT_S``
     (it stopped reporting: dead, or stuck) is marked stale, with the age of its figures."""
     from duet.messages import REPLICA_SILENT_S
 
     lines = [f"duet at {report['url']}, model {report['model']}"]
     header = (
-        f"{'pool':<10} {'replica':<10} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} {'kv dtype':>8} "
+        f"{'pool':<10} {'replica':<10} {'role':<8} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} {'kv dtype':>8} "
         f"{'transfers':>9} {'preempted':>9} {'cores':>8}"
     )
     lines.append(header)
@@ -95,7 +96,7 @@ def format_status(report: dict) -> str:
             lines.append(f"{pool:<10} {'(replicas: ' + str(info['replicas']) + ', no stats yet)'}")
         for stats in info["stats"]:
             lines.append(
-                f"{pool:<10} {stats['replica_id']:<10} {stats['num_running']:>7} {stats['num_waiting']:>7} "
+                f"{pool:<10} {stats['replica_id']:<10} {stats.get('stage', pool):<8} {stats['num_running']:>7} {stats['num_waiting']:>7} "
                 f"{stats['kv_usage']:>8.1%} {str(stats['num_free_blocks']) + '/' + str(stats['num_blocks']):>12} "
                 f"{kv_dtype_shown(stats):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9} {cores_shown(stats):>8}"
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
@@ -117,6 +118,8 @@ def format_status(report: dict) -> str:
         if "local_prefills" in routing:
             line += f"; prompts computed on decode {routing['local_prefills']}, on prefill {routing['pd_prefills']}"
             line += f", {routing.get('contexts_waited', 0)} waited for room"
+        if routing.get("role_changes"):
+            line += "; role changes " + ", ".join(f"{reason} {count}" for reason, count in sorted(routing["role_changes"].items()))
         lines.append(line)
     admission = report["admission"]
     lines.append(f"router admission: {admission['running_sequences']} sequences running, {admission['queued_requests']} requests queued")

@@ -8,10 +8,16 @@ recomputed: ``reserve`` adds it and answers its ``Placement`` (its replica, and 
 the prompt's first token. Calls that name a ``replica_id`` (``abort``, ``attach``,
 ``check_integrity``) are pinned to that replica (see ``duet.router.routing``).
 
+A replica of a PD application serves its pool's role or, while the router's ``RoleKeeper``
+has it so, the other one (``take_role``; ``duet.router.roles``): ``generate`` and ``reserve``
+are each served by the role that takes them, and a sequence placed here streams on whatever
+role the replica takes next.
+
 A decode replica that leaves its pool while alive moves its sequences to the others
 (``duet.decode_node.migration``): it watches its own pool through a handle of its own, which
 is also how it reaches the others (``_ServePeers``). A leaving prefill replica finishes what
-it has (Serve routes nothing new to it) and its transfers before its engine closes.
+it has (Serve routes nothing new to it; streams it serves in the decode role end within
+Serve's graceful shutdown, or are recomputed) and its transfers before its engine closes.
 """
 
 from __future__ import annotations
@@ -72,13 +78,17 @@ class _ServePeers:
 
 
 class EngineReplica:
-    """One engine serving one role, hosted without Serve: ``ServeReplica`` is the deployment,
-    which builds these parts. ``peers``: the other replicas of a decode pool, which this one
-    moves its sequences to when it leaves (None: a prefill replica, which moves none)."""
+    """One engine serving a role, hosted without Serve: ``ServeReplica`` is the deployment,
+    which builds these parts. ``role``: its pool's (its home); ``peers``: the decode pool's
+    replicas, which this one moves its sequences to when it leaves (None: a prefill replica
+    that never serves decode)."""
 
     def __init__(self, replica_id: str, role: PrefillRole | DecodeRole, engine: LLMEngine, peers: Peers | None = None) -> None:
         self.replica_id = replica_id
         self.role = role
+        self.home = role.stage
+        self._roles = {role.stage: role}
+        self._role_since = time.monotonic()
         self.engine = engine
         self.integrity_failures = 0
         self.loop = EngineLoop(
@@ -92,12 +102,16 @@ class EngineReplica:
             by_kv = engine.kv_transfer_config is not None
             self.migration = Migration(replica_id, engine, self.loop, self._streams, peers, by_kv)
 
-    async def generate(self, request: EngineRequest, prefix_hashes: list[int] | None = None) -> AsyncIterator[TokenDelta]:
-        """A prefill replica's call: compute the prompt, stream its KV to ``request.kv_send``, and
-        answer with the first token. ``prefix_hashes`` is a hint for the pool's request router.
-        Decode replicas place sequences by ``reserve`` and ``attach``."""
-        if self.migration is not None:
-            raise InvalidRequestError(f"replica {self.replica_id} is a {self.role.stage} replica: place sequences with reserve and attach")
+    async def generate(
+        self, request: EngineRequest, prefix_hashes: list[int] | None = None, replica_id: str | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        """The prefill role's call: compute the prompt, stream its KV to ``request.kv_send``, and
+        answer with the first token. ``prefix_hashes`` is a hint for the pool's request router;
+        ``replica_id`` pins the call to this replica. The decode role places sequences by
+        ``reserve`` and ``attach``."""
+        if replica_id is not None:
+            ReplicaGoneError.check(replica_id, self.replica_id)
+        self._check_role("prefill")
         self._refuse_new_sequences()
         self.role.admit(request, self.engine.block_size)
         stream, _ = await self._add(request)
@@ -105,13 +119,15 @@ class EngineReplica:
             async for item in items:
                 yield item
 
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0) -> Placement:
-        """Place a sequence here: add it to the engine (its blocks reserved, for KV from elsewhere
-        when ``kv_receive``) and answer where it runs and where its KV goes. Its outputs wait
-        for ``attach``; nobody attaching within ``ATTACH_TIMEOUT_S`` drops it.
-        ``num_prompt_blocks`` is a hint for the pool's request router."""
-        if self.migration is None:
-            raise InvalidRequestError(f"replica {self.replica_id} is a prefill replica: it places no sequence")
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0, replica_id: str | None = None) -> Placement:
+        """The decode role's call: place a sequence here, add it to the engine (its blocks
+        reserved, for KV from elsewhere when ``kv_receive``) and answer where it runs and where
+        its KV goes. Its outputs wait for ``attach``; nobody attaching within
+        ``ATTACH_TIMEOUT_S`` drops it. ``num_prompt_blocks`` is a hint for the pool's request
+        router; ``replica_id`` pins the call to this replica."""
+        if replica_id is not None:
+            ReplicaGoneError.check(replica_id, self.replica_id)
+        self._check_role("decode")
         self._refuse_new_sequences()
         self.role.admit(request, self.engine.block_size)
         stream, destination = await self._add(request)
@@ -176,6 +192,39 @@ class EngineReplica:
             self.migration.forget(request_id)
         await self.loop.call(self.engine.abort_request, request_id)
 
+    def _check_role(self, stage: str) -> None:
+        """A call of the role ``stage`` (prefill: ``generate``; decode: ``reserve``). Refused as
+        a mistake where this replica can never serve it, as a passing ``ReplicaFullError`` (the
+        router tries elsewhere) while it serves the other role."""
+        serving = self.role.stage
+        if stage == "decode" and self.migration is None:
+            raise InvalidRequestError(f"replica {self.replica_id} is a prefill replica: it places no sequence")
+        if serving == stage or (stage == "decode" and serving == "colocated"):
+            return
+        if self.migration is None or self.home == "colocated":
+            raise InvalidRequestError(f"replica {self.replica_id} is a {serving} replica: it serves no {stage} call")
+        raise ReplicaFullError(f"replica {self.replica_id} serves the {serving} role now")
+
+    async def take_role(self, stage: str, replica_id: str, hold_s: float = 0.0) -> str:
+        """Serve ``stage`` (prefill or decode) from now on, keeping what this replica holds: its
+        sequences stream on, its prefix cache stays. A replica that changed role less than
+        ``hold_s`` ago keeps the one it has. Answers the role it serves."""
+        ReplicaGoneError.check(replica_id, self.replica_id)
+        if stage not in ("prefill", "decode"):
+            raise InvalidRequestError(f"no role {stage!r}: prefill or decode")
+        if self.home == "colocated" or self.migration is None:
+            raise InvalidRequestError(f"replica {self.replica_id} serves only the {self.home} role")
+        if stage == self.role.stage or self.draining or time.monotonic() - self._role_since < hold_s:
+            return self.role.stage
+        if stage not in self._roles:
+            self._roles[stage] = PrefillRole() if stage == "prefill" else DecodeRole()
+        self.role = self._roles[stage]
+        self._role_since = time.monotonic()
+        if self.engine.core_lease is not None:
+            self.engine.core_lease.state.decode = stage == "decode"
+        logger.info("replica %s (%s pool) serves the %s role", self.replica_id, self.home, stage)
+        return stage
+
     def _refuse_new_sequences(self) -> None:
         if self.draining:
             raise ReplicaFullError(f"replica {self.replica_id} is leaving its pool")
@@ -185,7 +234,7 @@ class EngineReplica:
     async def _leave_when_departed(self, departed: asyncio.Event) -> None:
         await departed.wait()
         self.draining = True
-        await self.migration.leave(self.role.stage)
+        await self.migration.leave(self.home)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -270,16 +319,19 @@ class ServeReplica(EngineReplica):
         if kv_transfer is not None:
             args = args | {"kv_transfer_config": kv_transfer | {"name": replica_id}}
         peers = None
-        if role_.stage != "prefill":
-            # A handle on its own pool: its router in this process sees the replica set change
-            # (this replica leaving it) and sends the moves' reservations to the others.
-            pool = serve.get_deployment_handle(context.deployment, context.app_name).options(stream=False)
-            peers = _ServePeers(pool, role_.stage)
+        if role_.stage != "prefill" or kv_transfer is not None:
+            # A handle on the decode pool (a decode replica's own): its router in this process
+            # sees the replica set change (this replica leaving it) and sends the moves'
+            # reservations to the others. A prefill replica of a PD application serves decode
+            # when the router has it so (``take_role``).
+            deployment = context.deployment if role_.stage != "prefill" else "decode"
+            pool = serve.get_deployment_handle(deployment, context.app_name).options(stream=False)
+            peers = _ServePeers(pool, "decode" if role_.stage == "prefill" else role_.stage)
         engine = LLMEngine(EngineArgs(**args))
         if core_sharing is not None:
             engine.core_lease = CoreLease(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])
         super().__init__(replica_id, role_, engine, peers)
-        if peers is not None:
+        if role_.stage != "prefill":
             self._spawn(self._leave_when_departed(watch_departure(replica_id)))
         sharing = ", sharing the machine's cores in turns" if core_sharing is not None else ""
         logger.info("%s replica %s ready with %d threads%s", role, replica_id, num_threads, sharing)

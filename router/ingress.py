@@ -31,7 +31,8 @@ from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator
 from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, parse_json_object, read_body
 from duet.router.responses import ResponseBuilder, error_body, sse
-from duet.router.serve_internals import live_replicas, pool_size, pool_stats
+from duet.router.roles import RoleKeeper, RoleSettings, RoleView
+from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import fit_to_context
@@ -91,6 +92,7 @@ class RouterIngress:
         max_prompts_per_request: int,
         max_body_bytes: int,
         api_keys: list[str],
+        roles: dict | None = None,
     ) -> None:
         self.model_id = model_id
         self.max_model_len = max_model_len
@@ -99,15 +101,20 @@ class RouterIngress:
         self.tokenizer = RouterTokenizer(model_dir)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.app_name = serve.get_replica_context().app_name
-        balancer = None
+        balancer = view = self.role_keeper = None
         if prefill is not None:
+            settings = RoleSettings(**(roles or {}))
+            if settings.move:  # the balancer's 'pools' are the replicas serving each role
+                view = RoleView(pool_members, pool_size)
+                self.role_keeper = RoleKeeper(view, self.pools, settings, ttft_s, tpot_s, new_call_context)
             # Without adaptivity, the static threshold decides alone: no stats to read.
-            stats = pool_stats if adaptive_local_prefill else (lambda pool: None)
-            balancer = StageBalancer(stats, pool_size, local_prefill_threshold, ttft_s, tpot_s)
-        self.orchestrator = Orchestrator(prefill, decode, block_size, balancer, on_transfer_failure, max_migrations)
+            stats = (lambda pool: None) if not adaptive_local_prefill else view.stats if view is not None else pool_stats
+            balancer = StageBalancer(stats, pool_size if view is None else view.size, local_prefill_threshold, ttft_s, tpot_s)
+        self.orchestrator = Orchestrator(prefill, decode, block_size, balancer, on_transfer_failure, max_migrations, view)
         self.max_prompts_per_request = max_prompts_per_request
         self.admission = AdmissionQueue(max_running_sequences, max_queued_requests, max_queue_wait_s)
-        self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission, self.orchestrator, self._autoscaler)
+        role_changes = (lambda: dict(self.role_keeper.changes)) if self.role_keeper is not None else dict
+        self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission, self.orchestrator, self._autoscaler, role_changes)
 
     def _pool_stats(self) -> dict:
         return {pool: stats for pool in self.pools if (stats := pool_stats(pool)) is not None}
@@ -235,7 +242,9 @@ class RouterIngress:
         silent prefill pool refuses nothing: its contexts are computed on decode when a call to
         it fails, and all of them there once Serve lists none of its replicas."""
         name = self.orchestrator.decode_pool
-        if live_replicas(name) == 0:
+        if self.role_keeper is not None:
+            self.role_keeper.start()
+        if live_replicas(name) == 0 and not (self.role_keeper is not None and live_replicas("prefill")):  # a prefill replica takes decode
             self.metrics.rejected.labels(self.model_id, "503").inc()
             raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 

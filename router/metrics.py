@@ -24,6 +24,7 @@ class RouterMetrics:
         admission,
         orchestrator,
         autoscaler: Callable[[], dict[str, dict]],
+        role_changes: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -49,7 +50,7 @@ class RouterMetrics:
         queued = Gauge("duet:admission_queued_requests", "Requests waiting for admission.", labels, registry=self.registry)
         queued.labels(model_name).set_function(lambda: admission.num_queued)
         self.registry.register(_PoolCollector(model_name, pool_stats))
-        self.registry.register(_RoutingCollector(model_name, orchestrator, autoscaler))
+        self.registry.register(_RoutingCollector(model_name, orchestrator, autoscaler, role_changes))
 
 
 class _PoolCollector:
@@ -124,10 +125,11 @@ class _RoutingCollector:
     """Where the router sent sequences (their moves, the stages that computed their prompts) and
     the pools' autoscaling decisions, read at scrape time."""
 
-    def __init__(self, model_name: str, orchestrator, autoscaler: Callable[[], dict[str, dict]]) -> None:
+    def __init__(self, model_name: str, orchestrator, autoscaler: Callable[[], dict[str, dict]], role_changes: Callable[[], dict[str, int]]) -> None:
         self.model_name = model_name
         self.orchestrator = orchestrator
         self.autoscaler = autoscaler
+        self.role_changes = role_changes
 
     def describe(self):
         return []
@@ -161,6 +163,12 @@ class _RoutingCollector:
             )
             waited.add_metric([self.model_name], self.orchestrator.waiting_room.contexts_waited)
             yield waited
+            roles = CounterMetricFamily(
+                "duet:role_changes", "Replicas this router had take the other pool's role (or go home), by reason.", labels=["model_name", "reason"]
+            )
+            for reason, count in self.role_changes().items():
+                roles.add_metric([self.model_name, reason], count)
+            yield roles
         target = GaugeMetricFamily("duet:autoscaler_target_replicas", "The pool's size its autoscaling policy decided.", labels=["model_name", "stage"])
         running = GaugeMetricFamily("duet:autoscaler_running_replicas", "The pool's running replicas as the policy saw them.", labels=["model_name", "stage"])
         decisions = CounterMetricFamily(

@@ -53,6 +53,7 @@ from duet.errors import (
 )
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
 from duet.router.balance import Choice, StageBalancer
+from duet.router.roles import Member, RoleView
 from duet.router.serve_internals import new_call_context, replica_running
 from duet.router.sequence import Action, Failure, Phase, Sequence, TooManyMigrations
 from duet.router.waiting import ROOM_WAIT_S, WaitingRoom
@@ -71,7 +72,8 @@ _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 class Orchestrator:
     """``prefill`` is None in the colocated mode: ``decode`` is then the only pool, and
-    ``balancer`` unused."""
+    ``balancer`` unused. ``roles``: who serves which role when roles move with load
+    (``duet.router.roles``; None: each pool serves its own)."""
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class Orchestrator:
         balancer: StageBalancer | None,
         on_transfer_failure: str = "recompute",
         max_migrations: int = 3,
+        roles: RoleView | None = None,
     ) -> None:
         if on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}, got {on_transfer_failure!r}")
@@ -91,6 +94,8 @@ class Orchestrator:
         self.on_transfer_failure = on_transfer_failure
         self.max_migrations = max_migrations
         self.decode_pool = "decode" if prefill is not None else "colocated"
+        self.handles = {self.decode_pool: decode} | ({"prefill": prefill} if prefill is not None else {})
+        self.roles = roles
         self.migrations = {"kv": 0, "recompute": 0}
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
@@ -134,7 +139,7 @@ class Orchestrator:
             except TooManyMigrations as error:
                 if moved_to is not None and sequence.phase is Phase.FAILED:  # it went on there: stop it
                     request_id, replica_id = moved.request_id, moved_to
-                    self.fire(replica_id, lambda: self.decode.abort.remote(request_id, replica_id=replica_id))
+                    self.fire(self.decode_pool, replica_id, lambda: self.decode.abort.remote(request_id, replica_id=replica_id))
                 raise PoolUnavailableError(str(error)) from None
             except (RayActorError, ReplicaGoneError, WorkerDiedError, KVTransferFailedError) as error:
                 failure = Failure.KV_LOST if isinstance(error, KVTransferFailedError) else Failure.REPLICA_LOST
@@ -225,14 +230,38 @@ class Orchestrator:
             request = EngineRequest(request_id, context, _FILL_PARAMS)
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
         hashes = leading_block_hashes(request.prompt_token_ids, self.block_size, ROUTING_PREFIX_BLOCKS)
+        pool, pinned = self.prefill_target()
         new_call_context()
-        stream = self.prefill.options(stream=True).generate.remote(request, prefix_hashes=hashes)
+        stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, **_pin(pinned))
         try:
             async for delta in stream:
                 return None if sequence.token_ids else delta
         finally:
             stream.cancel()
         raise PoolUnavailableError("the prefill replica ended the request without a token")
+
+    def decode_target(self) -> tuple[str | None, str | None]:
+        """Where a sequence is placed: ``(pool, None)``, the pool whose request router ranks its
+        replicas; ``(pool, replica_id)``, a replica serving decode away from its pool, less
+        loaded than every decode replica at home; ``(None, None)``: none serves decode now
+        while a replica could take the role (the ``RoleKeeper`` gives it within a round)."""
+        if self.roles is None:
+            return self.decode_pool, None
+        members = self.roles.serving("decode")
+        if not members:
+            return (None, None) if self.roles.serving("prefill") else (self.decode_pool, None)
+        return _away_or_home(members, self.decode_pool, lambda member: member.load)
+
+    def prefill_target(self) -> tuple[str, str | None]:
+        """Where a context is computed for the decode replica that reserved its blocks: the
+        prefill pool (prefix affinity ranks it), or a decode replica serving prefill with less
+        queued than every prefill replica at home."""
+        if self.roles is None:
+            return "prefill", None
+        members = self.roles.serving("prefill")
+        if not members:
+            return "prefill", None
+        return _away_or_home(members, "prefill", _prompt_tokens_pending)
 
     async def _pinned(self, call):
         response = call()
@@ -242,10 +271,10 @@ class Orchestrator:
             response.cancel()
             raise
 
-    def fire(self, replica_id: str, call) -> None:
-        """Send a clean-up call pinned to a decode replica without waiting for it; nothing to
+    def fire(self, pool: str, replica_id: str, call) -> None:
+        """Send a clean-up call pinned to a replica of ``pool`` without waiting for it; nothing to
         clean where the replica is gone, and a replica that dies mid-call is not waited for."""
-        if not replica_running(self.decode_pool, replica_id):
+        if not replica_running(pool, replica_id):
             return
 
         async def settle():
@@ -262,6 +291,26 @@ class Orchestrator:
         task.add_done_callback(self._cleanups.discard)
 
 
+def _pin(replica_id: str | None) -> dict:
+    return {} if replica_id is None else {"replica_id": replica_id}
+
+
+def _prompt_tokens_pending(member: Member) -> int:
+    return member.stats.scheduler.prompt_tokens_pending if member.stats is not None else 0
+
+
+def _away_or_home(members: list[Member], home: str, load) -> tuple[str, str | None]:
+    """The least loaded replica serving away from its pool, pinned, when it is less loaded
+    than every one at home (or none is); else ``home``, whose router ranks."""
+    away = [member for member in members if member.away]
+    at_home = [load(member) for member in members if not member.away]
+    if away:
+        best = min(away, key=load)
+        if not at_home or load(best) < min(at_home):
+            return best.pool, best.replica_id
+    return home, None
+
+
 class _DecodeStream:
     """One sequence's stream from a decode replica, placed the one way every sequence is:
     ``place()`` has a replica ``reserve`` it (a full or leaving replica sends it to another) and
@@ -269,7 +318,8 @@ class _DecodeStream:
     sequence moved there by KV (``replica_id`` given) is attached to at once. Iterating gives
     its deltas, and a final ``Moved`` if it leaves that replica; the first delta settles the
     balancer's ``choice``. Closing it before it finished cancels it, and aborts the sequence
-    there."""
+    there. ``pool``: the pool of the replica (a sequence moved by KV goes to the decode pool;
+    one placed here may go to a replica serving decode away from its pool)."""
 
     def __init__(
         self,
@@ -284,6 +334,7 @@ class _DecodeStream:
         self.num_prompt_blocks = num_prompt_blocks
         self.replica_id = replica_id
         self.choice = choice
+        self.pool = orchestrator.decode_pool
         self.finished = False
         self._call = None  # the reservation in flight
         self._stream = None
@@ -312,24 +363,29 @@ class _DecodeStream:
         return item
 
     async def _reserve(self) -> Placement:
-        decode = self.orchestrator.decode
         deadline = time.monotonic() + ROOM_WAIT_S
         for attempt in itertools.count():
-            new_call_context()  # an abort of an earlier placement may still be on its way
-            self._call = decode.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks)
-            try:
-                placement = await self._call
-            except ReplicaFullError:
-                if time.monotonic() >= deadline:
-                    raise PoolUnavailableError(f"no decode replica had room for this request for {ROOM_WAIT_S:.0f} s; retry it") from None
-                await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
-            else:
-                self._call = None
-                return placement
+            pool, pinned = self.orchestrator.decode_target()
+            if pool is not None:
+                new_call_context()  # an abort of an earlier placement may still be on its way
+                handle = self.orchestrator.handles[pool]
+                self._call = handle.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks, **_pin(pinned))
+                try:
+                    placement = await self._call
+                except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone
+                    pass
+                else:
+                    self._call = None
+                    self.pool = pool
+                    return placement
+            if time.monotonic() >= deadline:
+                raise PoolUnavailableError(f"no decode replica had room for this request for {ROOM_WAIT_S:.0f} s; retry it") from None
+            await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
 
     async def _attach(self) -> AsyncIterator[TokenDelta | Moved]:
         new_call_context()
-        self._stream = self.orchestrator.decode.options(stream=True).attach.remote(self.request.request_id, replica_id=self.replica_id)
+        handle = self.orchestrator.handles[self.pool]
+        self._stream = handle.options(stream=True).attach.remote(self.request.request_id, replica_id=self.replica_id)
         async for item in self._stream:
             yield item
 
@@ -343,5 +399,5 @@ class _DecodeStream:
             if call is not None:
                 call.cancel()
         if self.replica_id is not None:
-            replica_id, request_id = self.replica_id, self.request.request_id
-            self.orchestrator.fire(replica_id, lambda: self.orchestrator.decode.abort.remote(request_id, replica_id=replica_id))
+            replica_id, request_id, handle = self.replica_id, self.request.request_id, self.orchestrator.handles[self.pool]
+            self.orchestrator.fire(self.pool, replica_id, lambda: handle.abort.remote(request_id, replica_id=replica_id))

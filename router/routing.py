@@ -25,6 +25,7 @@ class _PoolRouter(RequestRouter):
     """Pins calls that name a replica; ranks the others with ``rank``."""
 
     def initialize_state(self, pool: str) -> None:
+        self.pool = pool
         register_router(pool, self)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -40,7 +41,7 @@ class _PoolRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        return choose(candidate_replicas, pending_request, self.rank)
+        return choose(candidate_replicas, pending_request, self.rank, self.pool)
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
         raise NotImplementedError
@@ -95,10 +96,12 @@ class KVCapacityRouter(_PoolRouter):
 
 def choose(
     candidates: list[RunningReplica], pending_request: PendingRequest | None,
-    rank: Callable[[list[RunningReplica], dict], list[list[RunningReplica]]],
+    rank: Callable[[list[RunningReplica], dict], list[list[RunningReplica]]], role: str | None = None,
 ) -> list[list[RunningReplica]]:
     """A call pinned to a replica (``replica_id`` keyword) goes there, or to any replica when it
-    is gone; the others go by ``rank``, replicas that lost a worker last."""
+    is gone; the others go by ``rank`` among the replicas serving the pool's ``role`` (a replica
+    serving the other one, ``duet.router.roles``, is passed by while any other is left), replicas
+    that lost a worker last."""
     if not candidates:
         return []
     kwargs = pending_request.kwargs if pending_request is not None else {}
@@ -113,6 +116,8 @@ def choose(
         return [chosen or candidates]
     # A replica that lost a worker refuses new sequences until Serve replaces it: pass it by.
     working = [replica for replica in candidates if (stats := reported_stats(replica)) is None or stats.worker_failure is None]
+    if role is not None:
+        working = [replica for replica in working if (stats := reported_stats(replica)) is None or stats.stage == role] or working
     return rank(working or candidates, kwargs)
 
 

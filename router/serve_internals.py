@@ -5,7 +5,7 @@ keep, behind four small interfaces:
   caller by the request id of the task that made it; two calls in flight under one id are never
   matched. Serve sets that id per HTTP request and has no public way to give a task its own, so
   this sets it through ``ray.serve.context._set_request_context``.
-- **pool view** (``pool_stats``, ``pool_size``, ``live_replicas``, ``replica_ids``,
+- **pool view** (``pool_stats``, ``pool_members``, ``pool_size``, ``live_replicas``, ``replica_ids``,
   ``replica_running``): the replicas of each pool and their reported stats, as the request
   router of that pool in this process sees them. Serve ships request routers, ingress classes
   and replicas by value, so each copy's functions get globals of their own: the routers are
@@ -98,6 +98,15 @@ def pool_stats(pool: str) -> list[ReplicaStats] | None:
     if router is None:
         return None
     return [stats for replica in router.curr_replicas.values() if (stats := reported_stats(replica)) is not None]
+
+
+def pool_members(pool: str) -> list[tuple[str, ReplicaStats | None]]:
+    """Each running replica of a pool, as this process's router sees it: its id and its last
+    report (None before its first)."""
+    router = _router(pool)
+    if router is None:
+        return []
+    return [(replica.replica_id.unique_id, reported_stats(replica)) for replica in router.curr_replicas.values()]
 
 
 def pool_size(pool: str) -> int | None:

@@ -157,7 +157,7 @@ def test_status_shows_the_kv_caches_dtype_not_its_setting(stats, shown):
 
 def test_status_table_has_the_dtype_in_its_column():
     stats = {
-        "replica_id": "abc", "num_running": 1, "num_waiting": 0, "kv_usage": 0.5, "num_free_blocks": 5, "num_blocks": 10,
+        "stage": "prefill", "replica_id": "abc", "num_running": 1, "num_waiting": 0, "kv_usage": 0.5, "num_free_blocks": 5, "num_blocks": 10,
         "kv_cache_dtype": "auto", "kv_dtype": "float32", "transfers": 0, "num_preemptions": 0, "age_s": 0.1,
         "integrity_failures": 0, "threads": 2, "shared_cores": True,
     }
@@ -171,6 +171,8 @@ def test_status_table_has_the_dtype_in_its_column():
     assert row[column - 1:column + len("kv dtype")].strip() == "float32"
     assert "auto" not in row
     assert row.endswith("2 shared") and header.endswith("cores")  # each replica's cores, and whether it takes turns at all of them
+    role = header.index("role")
+    assert row[role:role + 8].strip() == "prefill"  # the role it serves now, here away from its decode pool
 
 
 def test_chat_with_a_model_that_is_not_there_says_what_to_type(capsys, tmp_path):

@@ -282,3 +282,91 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
 def test_a_decode_replica_reports_no_prefixes(replica):
     stats = ReplicaStats.from_dict(asyncio.run(replica.record_routing_stats()))
     assert (stats.stage, stats.prefix_hashes, stats.kv.num_blocks) == ("decode", [], replica.engine.num_blocks)
+
+
+@pytest.fixture
+def home_pair(tiny_llama_dir):
+    """A PD pair as an application has it: a prefill replica and a decode replica, each able to
+    serve the other's role (``take_role``), the prefill one moving sequences to the decode one."""
+    made = []
+    for name, role in (("p", PrefillRole()), ("d", DecodeRole())):
+        engine = LLMEngine(
+            EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, kv_transfer_config={"name": name, "timeout_s": 20.0})
+        )
+        made.append(EngineReplica(name, role, engine, _DirectPeers()))
+    made[0].migration.peers.other, made[1].migration.peers.other = made[1], made[0]
+    yield made
+    for replica in made:
+        for task in replica._tasks:
+            task.cancel()
+        replica.loop.stop()
+        replica.engine.close()
+
+
+def test_a_role_change_under_live_streams_loses_and_duplicates_no_token(home_pair):
+    """#38: a prefill replica takes the decode role and streams sequences; it goes back to
+    prefill with them still running and computes a prompt for the decode replica, which serves
+    prefill in turn with that sequence running: every stream, greedy and seeded, reads on as if
+    no role had changed, each role's calls are refused (to be tried elsewhere) while the other
+    is served, a role taken is held ``hold_s``, and every block is accounted for after."""
+    from duet.errors import ReplicaFullError
+
+    prefill, decode = home_pair
+    prompt = list(range(100, 150))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40)
+    seeded = SamplingParams(temperature=0.8, max_tokens=40, min_tokens=40, seed=5)
+
+    async def read_until(stream, request_id: str, replica: EngineReplica, tokens: int) -> list[int]:
+        token_ids = []
+        while replica.engine.scheduler.requests[request_id].num_output_tokens < tokens:
+            token_ids += (await anext(stream)).token_ids
+        return token_ids
+
+    async def run():
+        undisturbed = {
+            name: (await _read(await _placed(decode, EngineRequest(f"undisturbed-{name}", prompt, params))))[0]
+            for name, params in (("greedy", greedy), ("seeded", seeded))
+        }
+        with pytest.raises(ReplicaFullError, match="serves the prefill role"):
+            await prefill.reserve(EngineRequest("early", prompt, greedy))
+        assert await prefill.take_role("decode", "p") == "decode"
+        streams = {name: await _placed(prefill, EngineRequest(name, prompt, params)) for name, params in (("greedy", greedy), ("seeded", seeded))}
+        read = {name: await read_until(stream, name, prefill, 6) for name, stream in streams.items()}
+        assert await prefill.take_role("prefill", "p", hold_s=60.0) == "decode"  # held
+        assert await prefill.take_role("prefill", "p") == "prefill"
+        with pytest.raises(ReplicaFullError):
+            await prefill.reserve(EngineRequest("late", prompt, greedy))
+        # Through PD: the decode replica reserves, the prefill replica (its own streams running) computes.
+        placement = await decode.reserve(EngineRequest("pd", prompt, greedy, kv_receive=True))
+        first = [delta async for delta in prefill.generate(EngineRequest("pd", prompt, greedy, kv_send=placement.destination))]
+        pd_stream = decode.attach("pd", "d")
+        pd_tokens = [token for delta in first for token in delta.token_ids] + await read_until(pd_stream, "pd", decode, 8)
+        assert await decode.take_role("prefill", "d") == "prefill"
+        with pytest.raises(ReplicaFullError):
+            await decode.reserve(EngineRequest("refused", prompt, greedy))
+        pd_tokens += (await _read(pd_stream))[0]
+        for name, stream in streams.items():
+            read[name] += (await _read(stream))[0]
+        report = ReplicaStats.from_dict(await prefill.record_routing_stats())
+        return undisturbed, read, pd_tokens, report, await _settled(prefill), await _settled(decode)
+
+    undisturbed, read, pd_tokens, report, prefill_state, decode_state = asyncio.run(run())
+    assert read == undisturbed
+    assert pd_tokens == undisturbed["greedy"]
+    assert (report.stage, report.replica_id) == ("prefill", "p")
+    assert prefill_state == ({}, prefill.engine.num_blocks) and decode_state == ({}, decode.engine.num_blocks)
+    for replica in home_pair:
+        replica.engine.check_integrity()
+
+
+def test_a_colocated_replica_keeps_its_role(tiny_llama_dir):
+    from duet.errors import InvalidRequestError
+
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=16))
+    replica = EngineReplica("c", DecodeRole(colocated=True), engine, _DirectPeers())
+    try:
+        with pytest.raises(InvalidRequestError, match="serves only the colocated role"):
+            asyncio.run(replica.take_role("prefill", "c"))
+    finally:
+        replica.loop.stop()
+        engine.close()

@@ -36,21 +36,15 @@ class _SilentPool:
         return self.calls[-1]
 
 
-class _Orchestrator:
-    def __init__(self, decode) -> None:
-        self.decode = decode
-        self.fired = []
-
-    def fire(self, replica_id, call) -> None:
-        self.fired.append(replica_id)
-
 
 def test_a_placement_no_replica_answers_fails_in_bounded_time(monkeypatch):
     """Guards the clients of a pool whose last replica died: Serve, listing none, queues the call
     without limit, and the request hung (its admission held) until a replica came back, if ever."""
     monkeypatch.setattr(pd, "PLACE_WAIT_S", 0.2)
     pool = _SilentPool()
-    orchestrator = _Orchestrator(pool)
+    orchestrator = pd.Orchestrator(None, pool, 16, None)
+    fired = []
+    orchestrator.fire = lambda pool_name, replica_id, call: fired.append(replica_id)
     request = EngineRequest("waiting", [1, 2, 3], SamplingParams(max_tokens=4))
 
     async def run():
@@ -61,7 +55,7 @@ def test_a_placement_no_replica_answers_fails_in_bounded_time(monkeypatch):
 
     asyncio.run(run())
     assert len(pool.calls) == 1 and pool.calls[0].cancelled
-    assert orchestrator.fired == []  # it ran nowhere: nothing to abort
+    assert fired == []  # it ran nowhere: nothing to abort
 
 
 class _Scripted:

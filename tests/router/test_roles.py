@@ -1,0 +1,201 @@
+"""Roles that move with load (``duet.router.roles``): the plan from the replicas' reports, the
+role view the router reads, the keeper that asks the replicas, and where the orchestrator then
+sends each role's calls. Reports are made as replicas make them; no Serve."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import duet.router.pd as pd
+from duet.messages import Placement, TokenDelta
+from duet.router.roles import Member, RoleKeeper, RoleSettings, RoleView, plan
+from duet.sampling_params import SamplingParams
+from tests.router.fake_serve import make_stats
+
+TTFT_S, TPOT_S = 2.0, 0.2
+SETTINGS = RoleSettings()
+
+
+def member(pool: str, replica_id: str, role: str | None = None, **stats) -> Member:
+    role = role or pool
+    return Member(pool, replica_id, role, make_stats(role, replica_id, **stats))
+
+
+def _idle_prefill(replica_id: str = "p", role: str | None = None) -> Member:
+    return member("prefill", replica_id, role, prefill_tokens_per_s=1000.0)
+
+
+def test_no_decode_replica_left_a_prefill_replica_takes_the_role_at_once():
+    changes = plan([_idle_prefill("p1"), member("prefill", "p2", num_running=3, prompt_tokens_pending=500)], SETTINGS, TTFT_S, TPOT_S)
+    assert [(change.replica_id, change.role, change.urgent) for change in changes] == [("p1", "decode", True)]
+
+
+def test_decode_short_while_prefill_idles_takes_the_prefill_replica():
+    slow = member("decode", "d", num_running=8, tpot_s=0.35, prefill_tokens_per_s=1000.0)
+    assert [(change.replica_id, change.role, change.reason) for change in plan([_idle_prefill(), slow], SETTINGS, TTFT_S, TPOT_S)] == [
+        ("p", "decode", "decode_tpot")
+    ]
+    waiting = member("decode", "d", num_running=8, num_decode_waiting=2)
+    assert [change.reason for change in plan([_idle_prefill(), waiting], SETTINGS, TTFT_S, TPOT_S)] == ["decode_waiting"]
+
+
+def test_a_busy_prefill_pool_or_its_minimum_keeps_its_replica():
+    slow = member("decode", "d", num_running=8, tpot_s=0.35)
+    busy = member("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=800)
+    assert plan([busy, slow], SETTINGS, TTFT_S, TPOT_S) == []
+    assert plan([_idle_prefill(), slow], RoleSettings(min_prefill=1), TTFT_S, TPOT_S) == []
+    assert plan([_idle_prefill(), slow], RoleSettings(move=False), TTFT_S, TPOT_S) == []
+
+
+def test_prefill_short_while_a_decode_replica_idles_takes_it_and_the_last_decode_replica_stays():
+    queued = member("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=6000)
+    idle, decoding = member("decode", "d1"), member("decode", "d2", num_running=2, num_free_blocks=90, tpot_s=0.05)
+    changes = plan([queued, idle, decoding], SETTINGS, TTFT_S, TPOT_S)
+    assert [(change.replica_id, change.role, change.reason) for change in changes] == [("d1", "prefill", "prefill_prompt_backlog")]
+    assert plan([queued, decoding], SETTINGS, TTFT_S, TPOT_S) == []  # min_decode: 1
+
+
+def test_a_replica_away_goes_back_first_and_comes_home_when_neither_role_is_short():
+    away = member("prefill", "p", role="decode", num_running=1, tpot_s=0.05)
+    home = member("decode", "d", num_running=1, tpot_s=0.05)
+    assert [(change.replica_id, change.role, change.reason) for change in plan([away, home], SETTINGS, TTFT_S, TPOT_S)] == [
+        ("p", "prefill", "home")
+    ]
+    # Prefill short, decode spare: the replica away goes back rather than a decode replica leaving.
+    queued = member("decode", "d", num_running=0, prefill_tokens_per_s=1000.0, new_prompt_tokens_pending=6000)
+    idle_away = member("prefill", "p", role="decode", prefill_tokens_per_s=1000.0)
+    changes = plan([idle_away, queued], SETTINGS, TTFT_S, TPOT_S)
+    assert [(change.replica_id, change.role) for change in changes] == [("p", "prefill")]
+
+
+class _Pools:
+    """Both pools' running replicas and reports, as ``serve_internals.pool_members`` gives them."""
+
+    def __init__(self, **pools: list) -> None:
+        self.pools = pools
+
+    def members(self, pool: str) -> list:
+        return [(stats.replica_id, stats) for stats in self.pools.get(pool, [])]
+
+
+class _TakeRole:
+    def __init__(self, replica_roles: dict) -> None:
+        self.roles = replica_roles
+        self.calls = []
+
+    async def _take(self, role: str, replica_id: str, hold_s: float) -> str:
+        self.calls.append((role, replica_id, hold_s))
+        self.roles[replica_id] = role
+        return role
+
+    @property
+    def take_role(self):
+        return _Remote(self._take)
+
+
+class _Remote:
+    def __init__(self, call) -> None:
+        self.remote = call
+
+
+def test_the_keeper_asks_the_replica_and_counts_its_role_until_its_report_tells_it():
+    pools = _Pools(prefill=[make_stats("prefill", "p", prefill_tokens_per_s=1000.0, reported_at=time.time() - 1)], decode=[])
+    view = RoleView(pools.members, lambda pool: len(pools.pools.get(pool, [])))
+    prefill_pool = _TakeRole({})
+    keeper = RoleKeeper(view, {"prefill": prefill_pool, "decode": _TakeRole({})}, SETTINGS, TTFT_S, TPOT_S, lambda: None)
+    taken = asyncio.run(keeper.tick())
+    assert [(change.replica_id, change.role) for change in taken] == [("p", "decode")]
+    assert prefill_pool.calls == [("decode", "p", 0.0)]  # urgent: no hold
+    assert [(m.replica_id, m.role, m.away) for m in view.members()] == [("p", "decode", True)]
+    assert view.size("decode") == 1 and view.size("prefill") == 0
+    assert asyncio.run(keeper.tick()) == []  # the role given counts: nothing more to do
+    assert keeper.changes == {"no_decode_replica": 1}
+
+
+def test_a_pool_not_seen_yet_has_no_size_rather_than_zero():
+    view = RoleView(lambda pool: [], lambda pool: None)
+    assert view.size("prefill") is None and view.stats("prefill") == []
+
+
+class _Pool:
+    """A pool handle whose ``reserve`` and ``attach`` record their keywords and answer."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = []
+        self.reserve = _Remote(self._reserve)
+        self.attach = _Remote(self._attach)
+        self.abort = _Remote(lambda *args, **kwargs: asyncio.sleep(0))
+
+    def options(self, stream: bool):
+        return self
+
+    async def _reserve(self, request, **kwargs):
+        self.calls.append(("reserve", kwargs.get("replica_id")))
+        return Placement(kwargs.get("replica_id") or f"{self.name}-ranked")
+
+    def _attach(self, request_id: str, replica_id: str):
+        self.calls.append(("attach", replica_id))
+
+        async def items():
+            yield TokenDelta(request_id, [9], finished=True, finish_reason="length")
+
+        return items()
+
+
+def test_a_sequence_goes_to_a_prefill_replica_serving_decode_when_it_is_the_least_loaded():
+    away = make_stats("decode", "p")
+    home_busy = make_stats("decode", "d", num_running=3)
+    pools = _Pools(prefill=[away], decode=[home_busy])
+    view = RoleView(pools.members, lambda pool: 1)
+    prefill, decode = _Pool("prefill"), _Pool("decode")
+    orchestrator = pd.Orchestrator(prefill, decode, 16, None, roles=view)
+    assert orchestrator.decode_target() == ("prefill", "p")
+    request = pd.EngineRequest("s", [1, 2, 3], SamplingParams(max_tokens=1))
+
+    async def run():
+        stream = pd._DecodeStream(orchestrator, request)
+        placement = await stream.place()
+        items = [item async for item in stream]
+        return placement, items, stream.pool
+
+    placement, items, pool = asyncio.run(run())
+    assert (placement.replica_id, pool, [item.token_ids for item in items]) == ("p", "prefill", [[9]])
+    assert prefill.calls == [("reserve", "p"), ("attach", "p")] and decode.calls == []
+    # A home replica as little loaded: the decode pool's own router ranks.
+    pools.pools["decode"] = [make_stats("decode", "d")]
+    assert orchestrator.decode_target() == ("decode", None)
+    # Nobody serves decode, a prefill replica could: wait for the keeper; nobody at all: the pool.
+    pools.pools = {"prefill": [make_stats("prefill", "p")], "decode": []}
+    assert orchestrator.decode_target() == (None, None)
+    pools.pools = {}
+    assert orchestrator.decode_target() == ("decode", None)
+
+
+def test_a_context_goes_to_a_decode_replica_serving_prefill_with_less_queued():
+    pools = _Pools(prefill=[make_stats("prefill", "p", prompt_tokens_pending=900)], decode=[make_stats("prefill", "d")])
+    orchestrator = pd.Orchestrator(_Pool("prefill"), _Pool("decode"), 16, None, roles=RoleView(pools.members, lambda pool: 1))
+    assert orchestrator.prefill_target() == ("decode", "d")
+    pools.pools["prefill"] = [make_stats("prefill", "p")]
+    assert orchestrator.prefill_target() == ("prefill", None)
+
+
+def test_a_pools_router_passes_by_a_replica_serving_the_other_role_unless_none_is_left():
+    from types import SimpleNamespace
+
+    from duet.router.routing import choose
+
+    def replica(name: str, stage: str) -> SimpleNamespace:
+        return SimpleNamespace(replica_id=name, routing_stats=make_stats(stage, name).to_dict())
+
+    home, away = replica("d1", "decode"), replica("d2", "prefill")
+    ranked = []
+
+    def rank(candidates, kwargs):
+        ranked.append([candidate.replica_id for candidate in candidates])
+        return [candidates]
+
+    choose([home, away], None, rank, "decode")
+    choose([away], None, rank, "decode")  # the role nobody else serves: tried all the same
+    assert ranked == [["d1"], ["d2"]]
