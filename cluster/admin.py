@@ -116,6 +116,7 @@ class DuetIngress(RouterIngress):
             routing["contexts_waited"] = self.orchestrator.waiting_room.contexts_waited
         if self.role_keeper is not None:
             routing["role_changes"] = dict(self.role_keeper.changes)
+            routing["sequences_shed"] = self.role_keeper.shed
         return JSONResponse({"model": self.model_id, "pools": pools, "admission": admission, "routing": routing})
 
     @admin.post("/scale")

@@ -229,6 +229,11 @@ class RoleSettings(_Strict):
         description="a PD replica serves the other role while its own is spare and the other short, and a prefill replica "
         "takes the decode role at once when no decode replica is left",
     )
+    lend_idle: bool = Field(
+        default=False,
+        description="an idle prefill replica also serves decode while decode runs past half its TPOT target, and busy decode "
+        "replicas shed sequences to it (on two cores: more goodput past capacity, less below it)",
+    )
     min_prefill: int = Field(default=0, ge=0, description="replicas kept serving prefill (decode replicas compute prompts themselves)")
     min_decode: int = Field(default=1, ge=1, description="replicas kept serving decode")
     hold_s: float = Field(default=5.0, ge=0, description="the least time a replica keeps a role it took")

@@ -120,6 +120,7 @@ def format_status(report: dict) -> str:
             line += f", {routing.get('contexts_waited', 0)} waited for room"
         if routing.get("role_changes"):
             line += "; role changes " + ", ".join(f"{reason} {count}" for reason, count in sorted(routing["role_changes"].items()))
+            line += f", sequences shed to even the decoders out {routing.get('sequences_shed', 0)}"
         lines.append(line)
     admission = report["admission"]
     lines.append(f"router admission: {admission['running_sequences']} sequences running, {admission['queued_requests']} requests queued")

@@ -35,7 +35,7 @@ from duet.block_pool import BlockIntegrityError
 from duet.cluster.autoscale import autoscaling_metrics
 from duet.config import EngineArgs
 from duet.cores import CoreLease, machine_cores
-from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream
+from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream, Target
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
 from duet.engine_loop import EngineLoop
@@ -57,21 +57,24 @@ MOVE_CALL_TIMEOUT_S = 10.0
 
 
 class _ServePeers:
-    """The other replicas of a decode pool (``decode_node.migration.Peers``), through a Serve
-    handle on the pool held by the replica itself."""
+    """The other replicas serving decode (``decode_node.migration.Peers``), through Serve handles
+    on the pools held by the replica itself: ``pools`` by name, ``stage`` the decode pool's."""
 
-    def __init__(self, pool, stage: str) -> None:
-        self._pool = pool
+    def __init__(self, pools: dict, stage: str) -> None:
+        self._pools = pools
         self._stage = stage
 
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int, to: Target | None = None) -> Placement:
         new_call_context()  # the moves' calls overlap (an abort, the next move)
-        call = self._pool.reserve.remote(request, num_prompt_blocks=num_prompt_blocks)
+        if to is None:
+            call = self._pools[self._stage].reserve.remote(request, num_prompt_blocks=num_prompt_blocks)
+        else:
+            call = self._pools[to.pool].reserve.remote(request, num_prompt_blocks=num_prompt_blocks, replica_id=to.replica_id)
         return await asyncio.wait_for(call, MOVE_CALL_TIMEOUT_S)
 
-    def abort(self, request_id: str, replica_id: str) -> None:
+    def abort(self, request_id: str, replica_id: str, pool: str | None = None) -> None:
         new_call_context()
-        self._pool.abort.remote(request_id, replica_id=replica_id)
+        self._pools[pool or self._stage].abort.remote(request_id, replica_id=replica_id)
 
     def any_running(self) -> bool:
         return bool(replica_ids(self._stage))
@@ -184,7 +187,7 @@ class EngineReplica:
             if not finished:
                 self.loop.call_soon(self.engine.abort_request, request_id)
                 if stream.moved_to is not None:  # closed before its reader heard of the move
-                    self.migration.peers.abort(request_id, stream.moved_to)
+                    self.migration.peers.abort(request_id, stream.moved_to, stream.moved_pool)
 
     async def abort(self, request_id: str, replica_id: str) -> None:
         ReplicaGoneError.check(replica_id, self.replica_id)
@@ -224,6 +227,15 @@ class EngineReplica:
             self.engine.core_lease.state.decode = stage == "decode"
         logger.info("replica %s (%s pool) serves the %s role", self.replica_id, self.home, stage)
         return stage
+
+    async def shed(self, pool: str, to_replica: str, count: int, replica_id: str) -> int:
+        """Move up to ``count`` of the sequences this replica decodes, by KV, to ``to_replica`` of
+        ``pool`` (a replica that took the decode role while this one has more than its share);
+        how many went. Each one's stream ends with ``Moved`` and its router reads on there."""
+        ReplicaGoneError.check(replica_id, self.replica_id)
+        if self.migration is None or not self.migration.by_kv or self.draining or count <= 0:
+            return 0
+        return await self.migration.shed(Target(pool, to_replica), count)
 
     def _refuse_new_sequences(self) -> None:
         if self.draining:
@@ -320,13 +332,14 @@ class ServeReplica(EngineReplica):
             args = args | {"kv_transfer_config": kv_transfer | {"name": replica_id}}
         peers = None
         if role_.stage != "prefill" or kv_transfer is not None:
-            # A handle on the decode pool (a decode replica's own): its router in this process
-            # sees the replica set change (this replica leaving it) and sends the moves'
-            # reservations to the others. A prefill replica of a PD application serves decode
-            # when the router has it so (``take_role``).
-            deployment = context.deployment if role_.stage != "prefill" else "decode"
-            pool = serve.get_deployment_handle(deployment, context.app_name).options(stream=False)
-            peers = _ServePeers(pool, "decode" if role_.stage == "prefill" else role_.stage)
+            # Handles on the pools, the decode pool's (a decode replica's own) first: its router
+            # in this process sees the replica set change (this replica leaving it) and sends
+            # the moves' reservations to the others; a move may name a replica of either pool
+            # (``shed``). A prefill replica of a PD application serves decode when the router
+            # has it so (``take_role``).
+            pools = ("decode", "prefill") if kv_transfer is not None else (context.deployment,)
+            handles = {name: serve.get_deployment_handle(name, context.app_name).options(stream=False) for name in pools}
+            peers = _ServePeers(handles, pools[0])
         engine = LLMEngine(EngineArgs(**args))
         if core_sharing is not None:
             engine.core_lease = CoreLease(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])

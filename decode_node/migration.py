@@ -28,6 +28,16 @@ logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 45.0  # a leaving replica's moves and transfers
 ATTACH_TIMEOUT_S = 30.0  # a sequence moved here that no router reads by then is dropped
+SHED_MIN_TOKENS = 32
+SHED_TRIES = 50  # a sequence shed waits for a moment between two decode steps, this many times 20 ms at most
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A replica named as a move's destination: its pool and id."""
+
+    pool: str
+    replica_id: str
 
 
 @dataclasses.dataclass
@@ -37,16 +47,19 @@ class Stream:
     request: EngineRequest
     outputs: asyncio.Queue
     moved_to: str | None = None  # the replica its KV went to, once it has
+    moved_pool: str | None = None  # that replica's pool (None: the decode pool)
 
 
 class Peers(Protocol):
-    """The other replicas of this replica's pool."""
+    """The other replicas serving decode: the decode pool's, and those of the prefill pool
+    serving decode (``duet.router.roles``), reached by name."""
 
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
-        """Blocks reserved on another replica for a sequence moving there (raises if none took it)."""
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int, to: Target | None = None) -> Placement:
+        """Blocks reserved on another replica for a sequence moving there: one the decode pool's
+        router picks, or the replica ``to`` names (raises if none took it)."""
 
-    def abort(self, request_id: str, replica_id: str) -> None:
-        """Free a sequence held on ``replica_id`` (sent, not awaited)."""
+    def abort(self, request_id: str, replica_id: str, pool: str | None = None) -> None:
+        """Free a sequence held on ``replica_id`` of ``pool`` (None: the decode pool; sent, not awaited)."""
 
     def any_running(self) -> bool:
         """Whether the pool lists running replicas (besides those leaving)."""
@@ -105,34 +118,69 @@ class Migration:
                 await self.move(request_id, by_kv=self.by_kv and self.peers.any_running())
             await asyncio.sleep(0.02)  # the ones between no two steps yet: after the next
 
-    async def move(self, request_id: str, by_kv: bool) -> None:
-        """Move one sequence off this replica, by KV if it can (else the router recomputes it)."""
+    async def move(self, request_id: str, by_kv: bool, to: Target | None = None) -> bool:
+        """Move one sequence off this replica, by KV if it can (else the router recomputes it),
+        to the replica ``to`` names (None: one the decode pool's router picks). Whether it left:
+        False when it ended meanwhile, or was not between two decode steps (try after the next),
+        or, bound for ``to``, did not go there (it stays)."""
         stream = self.streams.get(request_id)
         held = await self.loop.call(self.engine.freeze, request_id)
         if stream is None or held is None:
-            return  # ended meanwhile, or not between two decode steps: try after the next
+            return False
         moved_to = None
         if by_kv:
-            moved_to = await self._move_by_kv(stream.request, held)
+            moved_to = await self._move_by_kv(stream.request, held, to)
+        if moved_to is None and to is not None:  # shedding load, not leaving: it goes on here
+            await self.loop.call(self.engine.unfreeze, request_id)
+            return False
+        pool = to.pool if to is not None else None
         if moved_to is None:
             await self.loop.call(self.engine.abort_request, request_id)
         elif request_id not in self.streams:  # its reader left while it moved: no router will attach to it
-            self.peers.abort(request_id, moved_to)
-        stream.moved_to = moved_to
-        stream.outputs.put_nowait(Moved(moved_to, held))
+            self.peers.abort(request_id, moved_to, pool)
+        stream.moved_to, stream.moved_pool = moved_to, pool
+        stream.outputs.put_nowait(Moved(moved_to, held, pool))
+        return True
 
-    async def _move_by_kv(self, request: EngineRequest, held: list[int]) -> str | None:
+    async def shed(self, to: Target, count: int) -> int:
+        """Move up to ``count`` of this replica's sequences, those with the most tokens still to
+        make first, to the replica ``to`` names (one that just took the decode role, while this
+        one has more than its share); how many went. A sequence moves so once at most (one
+        placed here afresh), and only with ``SHED_MIN_TOKENS`` still to make: a move costs a
+        transfer, and counts against the router's ``max_migrations``."""
+        def remaining(request_id: str) -> int:
+            request = self.engine.scheduler.requests.get(request_id)
+            return 0 if request is None else (request.sampling_params.max_tokens or 1 << 30) - request.num_output_tokens
+
+        def candidates() -> list[str]:
+            fresh = [request_id for request_id, stream in self.streams.items() if not stream.request.output_token_ids]
+            return sorted((request_id for request_id in fresh if remaining(request_id) >= SHED_MIN_TOKENS), key=remaining, reverse=True)
+
+        moved = 0
+        for request_id in (await self.loop.call(candidates))[:count]:
+            for _ in range(SHED_TRIES):  # between two decode steps: the next, or the one after
+                if request_id not in self.streams:
+                    break
+                if await self.move(request_id, by_kv=self.by_kv, to=to):
+                    moved += 1
+                    break
+                await asyncio.sleep(0.02)
+        if moved:
+            logger.info("replica %s shed %d sequences to %s replica %s", self.replica_id, moved, to.pool, to.replica_id)
+        return moved
+
+    async def _move_by_kv(self, request: EngineRequest, held: list[int], to: Target | None = None) -> str | None:
         """Ship a frozen sequence's KV to another replica; the replica it went to (None: it did not)."""
         request_id = request.request_id
         resumed = dataclasses.replace(request, output_token_ids=held, kv_receive=True)
         num_blocks = -(-(len(request.prompt_token_ids) + len(held)) // self.engine.block_size)
         try:
-            placement = await self.peers.reserve(resumed, num_blocks)
-        except Exception as error:  # noqa: BLE001 - no replica took it: recomputed elsewhere
-            logger.warning("no decode replica took %s (%r); it will be recomputed", request_id, error)
+            placement = await self.peers.reserve(resumed, num_blocks, to)
+        except Exception as error:  # noqa: BLE001 - no replica took it: recomputed elsewhere (or stays)
+            logger.warning("no decode replica took %s (%r)", request_id, error)
             return None
         if await self.loop.call(self.engine.migrate, request_id, placement.destination):
             logger.info("moved %s to replica %s by KV (%d tokens)", request_id, placement.replica_id, len(request.prompt_token_ids) + len(held))
             return placement.replica_id
-        self.peers.abort(request_id, placement.replica_id)  # gone here meanwhile: free the blocks there
+        self.peers.abort(request_id, placement.replica_id, to.pool if to is not None else None)  # gone here meanwhile
         return None

@@ -43,11 +43,13 @@ class Placement:
 @dataclass(frozen=True)
 class Moved:
     """The last item of a decode replica's stream when the sequence left it mid-way (the replica
-    is leaving its pool): ``token_ids`` are its output so far, all streamed before; it goes on
-    at ``replica_id`` (attach to it there), or, if None, must be recomputed elsewhere."""
+    is leaving its pool, or sheds load to a replica that took the decode role): ``token_ids``
+    are its output so far, all streamed before; it goes on at ``replica_id`` of ``pool`` (None:
+    the decode pool; attach to it there), or, if None, must be recomputed elsewhere."""
 
     replica_id: str | None
     token_ids: list[int]
+    pool: str | None = None
 
 
 @dataclass

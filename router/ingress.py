@@ -113,7 +113,7 @@ class RouterIngress:
         self.orchestrator = Orchestrator(prefill, decode, block_size, balancer, on_transfer_failure, max_migrations, view)
         self.max_prompts_per_request = max_prompts_per_request
         self.admission = AdmissionQueue(max_running_sequences, max_queued_requests, max_queue_wait_s)
-        role_changes = (lambda: dict(self.role_keeper.changes)) if self.role_keeper is not None else dict
+        role_changes = (lambda: self.role_keeper.changes | {"shed": self.role_keeper.shed}) if self.role_keeper is not None else dict
         self.metrics = RouterMetrics(model_id, self._pool_stats, self.admission, self.orchestrator, self._autoscaler, role_changes)
 
     def _pool_stats(self) -> dict:

@@ -26,6 +26,8 @@ class RouterMetrics:
         autoscaler: Callable[[], dict[str, dict]],
         role_changes: Callable[[], dict[str, int]] = dict,
     ) -> None:
+        """``role_changes``: the changes of role the router made, by reason, and the sequences it
+        had shed (under ``"shed"``)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -166,9 +168,16 @@ class _RoutingCollector:
             roles = CounterMetricFamily(
                 "duet:role_changes", "Replicas this router had take the other pool's role (or go home), by reason.", labels=["model_name", "reason"]
             )
-            for reason, count in self.role_changes().items():
+            changes = self.role_changes()
+            shed = changes.pop("shed", 0)
+            for reason, count in changes.items():
                 roles.add_metric([self.model_name, reason], count)
             yield roles
+            sequences_shed = CounterMetricFamily(
+                "duet:sequences_shed", "Sequences moved by KV from a busy replica serving decode to one less busy.", labels=["model_name"]
+            )
+            sequences_shed.add_metric([self.model_name], shed)
+            yield sequences_shed
         target = GaugeMetricFamily("duet:autoscaler_target_replicas", "The pool's size its autoscaling policy decided.", labels=["model_name", "stage"])
         running = GaugeMetricFamily("duet:autoscaler_running_replicas", "The pool's running replicas as the policy saw them.", labels=["model_name", "stage"])
         decisions = CounterMetricFamily(

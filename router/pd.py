@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -105,12 +104,12 @@ class Orchestrator:
         """The sequence's deltas, wherever it runs; started over elsewhere each time it must
         (``duet.router.sequence`` decides)."""
         sequence = Sequence(EngineRequest(sequence_id, prompt_token_ids, params), self.max_migrations, self.on_transfer_failure)
-        moved_to = moved = None
+        moved_to = moved = moved_pool = None
         while True:
             stream = None
             try:
                 if sequence.phase is Phase.MOVING:
-                    stream = _DecodeStream(self, moved, replica_id=moved_to)
+                    stream = _DecodeStream(self, moved, replica_id=moved_to, pool=moved_pool)
                     sequence.to(Phase.DECODING)
                 else:
                     async with aclosing(self._start(sequence)) as items:
@@ -125,7 +124,7 @@ class Orchestrator:
                         return
                 async for item in stream:
                     if isinstance(item, Moved):
-                        moved_to, moved = item.replica_id, stream.request
+                        moved_to, moved, moved_pool = item.replica_id, stream.request, item.pool or self.decode_pool
                         self.migrations["kv" if moved_to else "recompute"] += 1
                         sequence.moved(by_kv=moved_to is not None)
                         break
@@ -138,8 +137,8 @@ class Orchestrator:
                     raise PoolUnavailableError(f"decode replica {stream.replica_id} ended {sequence.request.request_id} early")
             except TooManyMigrations as error:
                 if moved_to is not None and sequence.phase is Phase.FAILED:  # it went on there: stop it
-                    request_id, replica_id = moved.request_id, moved_to
-                    self.fire(self.decode_pool, replica_id, lambda: self.decode.abort.remote(request_id, replica_id=replica_id))
+                    request_id, replica_id, handle = moved.request_id, moved_to, self.handles[moved_pool]
+                    self.fire(moved_pool, replica_id, lambda: handle.abort.remote(request_id, replica_id=replica_id))
                 raise PoolUnavailableError(str(error)) from None
             except (RayActorError, ReplicaGoneError, WorkerDiedError, KVTransferFailedError) as error:
                 failure = Failure.KV_LOST if isinstance(error, KVTransferFailedError) else Failure.REPLICA_LOST
@@ -318,8 +317,8 @@ class _DecodeStream:
     sequence moved there by KV (``replica_id`` given) is attached to at once. Iterating gives
     its deltas, and a final ``Moved`` if it leaves that replica; the first delta settles the
     balancer's ``choice``. Closing it before it finished cancels it, and aborts the sequence
-    there. ``pool``: the pool of the replica (a sequence moved by KV goes to the decode pool;
-    one placed here may go to a replica serving decode away from its pool)."""
+    there. ``pool``: the pool of the replica (placing it may choose a replica serving decode
+    away from its pool; a sequence moved by KV says where it went)."""
 
     def __init__(
         self,
@@ -328,13 +327,14 @@ class _DecodeStream:
         num_prompt_blocks: int = 0,
         replica_id: str | None = None,
         choice: Choice | None = None,
+        pool: str | None = None,
     ):
         self.orchestrator = orchestrator
         self.request = request
         self.num_prompt_blocks = num_prompt_blocks
         self.replica_id = replica_id
         self.choice = choice
-        self.pool = orchestrator.decode_pool
+        self.pool = pool or orchestrator.decode_pool
         self.finished = False
         self._call = None  # the reservation in flight
         self._stream = None
@@ -364,23 +364,27 @@ class _DecodeStream:
 
     async def _reserve(self) -> Placement:
         deadline = time.monotonic() + ROOM_WAIT_S
-        for attempt in itertools.count():
+        refused = 0
+        while True:
             pool, pinned = self.orchestrator.decode_target()
-            if pool is not None:
+            if pool is None:
+                self.orchestrator.roles.want()
+            else:
                 new_call_context()  # an abort of an earlier placement may still be on its way
                 handle = self.orchestrator.handles[pool]
                 self._call = handle.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks, **_pin(pinned))
                 try:
                     placement = await self._call
                 except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone
-                    pass
+                    refused += 1
                 else:
                     self._call = None
                     self.pool = pool
                     return placement
             if time.monotonic() >= deadline:
                 raise PoolUnavailableError(f"no decode replica had room for this request for {ROOM_WAIT_S:.0f} s; retry it") from None
-            await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+            # Backing off from full replicas; a role about to be taken, within a planning round.
+            await asyncio.sleep(min(1.0, 0.05 * 2 ** (refused - 1)) if pool is not None else 0.05)
 
     async def _attach(self) -> AsyncIterator[TokenDelta | Moved]:
         new_call_context()

@@ -15,13 +15,24 @@ from the replicas' reports (``plan``, at most one change a round) and asks the r
   is taken at once, without waiting out the hold, by the least loaded replica serving prefill:
   decode replicas compute their own prompts, so the application answers again within
   seconds, not when Serve's replacement is up;
-- **one role short, the other spare**: decode is short when a decoding sequence waits for room
-  or the TPOT target is passed, prefill when its queue passes what its replicas compute in
-  half the TTFT target or first tokens are late; the other role is spare when it keeps more
-  than its minimum (``min_prefill``, ``min_decode``) and its load fits in one replica fewer at
-  half its targets. A replica away from home goes back first; otherwise the least loaded
-  replica of the spare role moves;
-- **back home**: when neither role is short, a replica away from home returns, one a round.
+- **one role short**: decode is short when a decoding sequence waits for room or the TPOT
+  target is passed, prefill when its queue passes what its replicas compute in half the TTFT
+  target or first tokens are late. A replica of the short role away from home goes back (what
+  it holds finishes there); otherwise the least loaded replica of the other role comes, if
+  that role is spare: it keeps more than its minimum (``min_prefill``, ``min_decode``) and
+  its load fits in one replica fewer at half its targets;
+- **idle capacity** (``lend_idle``, off by default): a prefill replica with nothing to do, while
+  prefill is spare and a replica serving decode runs two sequences or more past half the TPOT
+  target, serves decode. On two cores it paid past capacity and cost goodput below it (#38's
+  runs in docs/benchmarks.md);
+- **back home**: a replica away whose role is spare (and not short) returns, one a round.
+
+Replicas serving decode even out: when the busiest runs ``SHED_GAP`` sequences more than the
+least busy (one that just took the role, say), the keeper has it ``shed`` half the difference
+to it by KV (``decode_node.migration.Migration.shed``: those with the most to make first, each
+once at most), once per ``hold_s``: the streams end with ``Moved`` naming the replica and its
+pool, and their routers read on there. This is what lets the prefill replica's core finish the
+streams left when arrivals stop (the drain).
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from collections.abc import Callable
 
 from duet.messages import ReplicaStats
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # in the router's Serve log, beside the autoscalers' decisions
 
 PLAN_EVERY_S = 0.5
 ROLE_CALL_TIMEOUT_S = 10.0
@@ -43,14 +54,18 @@ ROLE_CALL_TIMEOUT_S = 10.0
 ASSIGNED_TTL_S = 3.0
 LOW_LOAD = 0.5  # a role is spare when one replica fewer would run below this fraction of its targets
 STALE_S = 30.0  # a replica silent this long serves nothing (``serve_internals.POOL_DOWN_S``)
+SHED_GAP = 3  # replicas serving decode whose running sequences differ by this much even out (by KV)
+SHED_CALL_TIMEOUT_S = 60.0
 ROLES = ("prefill", "decode")
 
 
 @dataclasses.dataclass(frozen=True)
 class RoleSettings:
-    """``move``: roles follow load (off: each replica serves its pool's role only)."""
+    """``move``: roles follow load (off: each replica serves its pool's role only);
+    ``lend_idle``: an idle prefill replica serves a busy decode role too (see ``plan``)."""
 
     move: bool = True
+    lend_idle: bool = False
     min_prefill: int = 0
     min_decode: int = 1
     hold_s: float = 5.0
@@ -96,7 +111,12 @@ class RoleView:
     ) -> None:
         self._members = members
         self._pool_size = pool_size
+        self.wanted = asyncio.Event()  # set when a call finds no replica serving its role: plan now
         self._assigned: dict[str, tuple[str, float]] = {}  # replica id -> (role, when given)
+
+    def want(self) -> None:
+        """A call found no replica serving its role: the keeper plans at once, not at its next round."""
+        self.wanted.set()
 
     def assign(self, replica_id: str, role: str) -> None:
         self._assigned[replica_id] = (role, time.time())
@@ -163,6 +183,11 @@ def _short_and_spare(members: list[Member], ttft_s: float, tpot_s: float, settin
     return short, spare
 
 
+def _idle(member: Member) -> bool:
+    stats = member.stats
+    return stats is not None and not (stats.scheduler.num_running or stats.scheduler.num_waiting or stats.scheduler.prompt_tokens_pending)
+
+
 def plan(members: list[Member], settings: RoleSettings, ttft_s: float, tpot_s: float) -> list[Change]:
     """The role changes to make now (at most one), from the running replicas and their reports."""
     if not settings.move:
@@ -174,15 +199,36 @@ def plan(members: list[Member], settings: RoleSettings, ttft_s: float, tpot_s: f
         return [Change(chosen.replica_id, chosen.pool, "decode", "no_decode_replica", urgent=True)]
     short, spare = _short_and_spare(healthy, ttft_s, tpot_s, settings)
     for role, other in (("decode", "prefill"), ("prefill", "decode")):
-        if short[role] and not short[other] and spare[other]:
-            # The least loaded replica of the spare role: one away from home first (it goes back).
-            chosen = min(serving[other], key=lambda member: (not member.away, member.load))
+        if not short[role] or short[other]:
+            continue
+        # A replica of the short role away from home goes back (its sequences finish there);
+        # else the least loaded replica of the other role comes, if that role can spare one.
+        returning = [member for member in serving[other] if member.pool == role]
+        if returning or spare[other]:
+            chosen = min(returning or serving[other], key=lambda member: member.load)
             return [Change(chosen.replica_id, chosen.pool, role, f"{role}_{short[role]}")]
-    if not short["prefill"] and not short["decode"]:
-        for member in healthy:
-            if member.away and len(serving[member.role]) > (settings.min_prefill if member.role == "prefill" else settings.min_decode):
-                return [Change(member.replica_id, member.pool, member.pool, "home")]
+    busy = any(member.load >= 2 and member.stats is not None and member.stats.load.tpot_s > LOW_LOAD * tpot_s for member in serving["decode"])
+    idle = [member for member in serving["prefill"] if _idle(member)]
+    if settings.lend_idle and not short["prefill"] and spare["prefill"] and busy and idle:
+        # Idle capacity serves the other stage: the keeper then has busy decode replicas shed load to it.
+        chosen = min(idle, key=lambda member: not member.away)
+        return [Change(chosen.replica_id, chosen.pool, "decode", "prefill_idle")]
+    for member in healthy:
+        if member.away and spare[member.role] and not short[member.role]:
+            return [Change(member.replica_id, member.pool, member.pool, "home")]
     return []
+
+
+def shed_plan(members: list[Member]) -> tuple[Member, Member, int] | None:
+    """Sequences to move between two replicas serving decode (the busiest to the least busy,
+    half their difference in running sequences) when they differ by ``SHED_GAP`` or more."""
+    decoding = [member for member in members if member.role == "decode" and member.stats is not None and member.stats.worker_failure is None]
+    if len(decoding) < 2:
+        return None
+    busiest = max(decoding, key=lambda member: member.stats.scheduler.num_running)
+    least = min(decoding, key=lambda member: member.stats.scheduler.num_running)
+    gap = busiest.stats.scheduler.num_running - least.stats.scheduler.num_running
+    return (busiest, least, gap // 2) if gap >= SHED_GAP else None
 
 
 class RoleKeeper:
@@ -198,7 +244,10 @@ class RoleKeeper:
         self.tpot_s = tpot_s
         self.new_call_context = new_call_context
         self.changes: dict[str, int] = {}  # by reason, for /metrics
+        self.shed = 0  # sequences moved to even out the replicas serving decode
         self._task: asyncio.Task | None = None
+        self._shedding: asyncio.Task | None = None
+        self._shed_at: dict[str, float] = {}  # replica id -> when it was last asked to shed
 
     def start(self) -> None:
         """Run on the current event loop, once."""
@@ -207,7 +256,11 @@ class RoleKeeper:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(PLAN_EVERY_S)
+            try:
+                await asyncio.wait_for(self.view.wanted.wait(), PLAN_EVERY_S)
+            except asyncio.TimeoutError:
+                pass
+            self.view.wanted.clear()
             try:
                 await self.tick()
             except Exception as error:  # noqa: BLE001 - the next round plans again
@@ -230,4 +283,28 @@ class RoleKeeper:
                 self.changes[change.reason] = self.changes.get(change.reason, 0) + 1
                 logger.info("replica %s (%s pool) now serves %s (%s)", change.replica_id, change.pool, role, change.reason)
                 taken.append(change)
+        self._maybe_shed()
         return taken
+
+    def _maybe_shed(self) -> None:
+        """Have the busiest replica serving decode move sequences to the least busy, once per
+        ``hold_s`` at most and one request at a time (a move takes a transfer)."""
+        if self._shedding is not None and not self._shedding.done():
+            return
+        moves = shed_plan(self.view.members())
+        if moves is None:
+            return
+        busiest, least, count = moves
+        now = time.monotonic()
+        if now - self._shed_at.get(busiest.replica_id, -self.settings.hold_s) < self.settings.hold_s:
+            return
+        self._shed_at[busiest.replica_id] = now
+        self._shedding = asyncio.get_running_loop().create_task(self._shed(busiest, least, count))
+
+    async def _shed(self, busiest: Member, least: Member, count: int) -> None:
+        self.new_call_context()
+        call = self.pools[busiest.pool].shed.remote(least.pool, least.replica_id, count, replica_id=busiest.replica_id)
+        try:
+            self.shed += await asyncio.wait_for(call, SHED_CALL_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - the next round sees where things stand
+            logger.warning("replica %s did not shed sequences to %s: %r", busiest.replica_id, least.replica_id, error)

@@ -61,10 +61,11 @@ class _DirectPeers:
     def __init__(self) -> None:
         self.other: EngineReplica | None = None
 
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int) -> Placement:
+    async def reserve(self, request: EngineRequest, num_prompt_blocks: int, to=None) -> Placement:
+        assert to is None or to.replica_id == self.other.replica_id
         return await self.other.reserve(request, num_prompt_blocks)
 
-    def abort(self, request_id: str, replica_id: str) -> None:
+    def abort(self, request_id: str, replica_id: str, pool: str | None = None) -> None:
         asyncio.ensure_future(self.other.abort(request_id, replica_id))
 
     def any_running(self) -> bool:
@@ -370,3 +371,44 @@ def test_a_colocated_replica_keeps_its_role(tiny_llama_dir):
     finally:
         replica.loop.stop()
         engine.close()
+
+
+def test_a_busy_decode_replica_sheds_sequences_by_kv_to_one_that_took_the_role(home_pair):
+    """#38: the prefill replica takes the decode role while the decode replica runs six streams;
+    the decode replica sheds half of its share to it, by KV, the ones with the most to make first
+    and each once at most: each shed stream ends with ``Moved`` naming the replica and its pool,
+    reads on there with the tokens it would have had (greedy and seeded), and every block is
+    accounted for after."""
+    prefill, decode = home_pair
+    params = [SamplingParams(temperature=0.0, max_tokens=60 + 4 * index, min_tokens=60 + 4 * index) for index in range(3)]
+    params += [SamplingParams(temperature=0.8, max_tokens=60 + 4 * index, min_tokens=60 + 4 * index, seed=index) for index in range(3, 5)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20))  # too little left to be worth a move
+    prompts = [list(range(100 + index, 140 + index)) for index in range(len(params))]
+
+    async def run():
+        undisturbed = [
+            (await _read(await _placed(decode, EngineRequest(f"alone-{index}", prompt, param))))[0]
+            for index, (prompt, param) in enumerate(zip(prompts, params))
+        ]
+        assert await prefill.take_role("decode", "p") == "decode"
+        streams = [await _placed(decode, EngineRequest(f"s{index}", prompt, param)) for index, (prompt, param) in enumerate(zip(prompts, params))]
+        read = [list((await anext(stream)).token_ids) for stream in streams]
+        shed = await decode.shed("prefill", "p", 3, "d")
+        again = await decode.shed("prefill", "p", 3, "d")  # those left: the short one, and two
+        moves = {}
+        for index, stream in enumerate(streams):
+            token_ids, moved = await _read(stream)
+            read[index] += token_ids
+            if moved is not None:
+                moves[index] = (moved.replica_id, moved.pool)
+                read[index] += (await _read(prefill.attach(f"s{index}", "p")))[0]
+        return undisturbed, shed, again, read, moves, await _settled(prefill), await _settled(decode)
+
+    undisturbed, shed, again, read, moves, prefill_state, decode_state = asyncio.run(run())
+    assert read == undisturbed
+    assert shed == 3 and set(moves) >= {4, 3, 2}  # the most to make first
+    assert 5 not in moves and all(where == ("p", "prefill") for where in moves.values())
+    assert again <= 2 and len(moves) == shed + again
+    assert prefill_state == ({}, prefill.engine.num_blocks) and decode_state == ({}, decode.engine.num_blocks)
+    for replica in home_pair:
+        replica.engine.check_integrity()

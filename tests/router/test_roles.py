@@ -56,9 +56,11 @@ def test_prefill_short_while_a_decode_replica_idles_takes_it_and_the_last_decode
     assert plan([queued, decoding], SETTINGS, TTFT_S, TPOT_S) == []  # min_decode: 1
 
 
-def test_a_replica_away_goes_back_first_and_comes_home_when_neither_role_is_short():
+def test_a_replica_away_goes_back_first_and_comes_home_when_its_role_can_spare_it():
     away = member("prefill", "p", role="decode", num_running=1, tpot_s=0.05)
     home = member("decode", "d", num_running=1, tpot_s=0.05)
+    assert plan([away, home], SETTINGS, TTFT_S, TPOT_S) == []  # both decode: decode cannot spare one
+    home = member("decode", "d")
     assert [(change.replica_id, change.role, change.reason) for change in plan([away, home], SETTINGS, TTFT_S, TPOT_S)] == [
         ("p", "prefill", "home")
     ]
@@ -67,6 +69,27 @@ def test_a_replica_away_goes_back_first_and_comes_home_when_neither_role_is_shor
     idle_away = member("prefill", "p", role="decode", prefill_tokens_per_s=1000.0)
     changes = plan([idle_away, queued], SETTINGS, TTFT_S, TPOT_S)
     assert [(change.replica_id, change.role) for change in changes] == [("p", "prefill")]
+    # ... even with sequences of its own, which it finishes in its home role.
+    busy_away = member("prefill", "p", role="decode", num_running=3, prefill_tokens_per_s=1000.0)
+    busy_home = member("decode", "d", num_running=3, prefill_tokens_per_s=1000.0, new_prompt_tokens_pending=6000)
+    assert [(change.replica_id, change.role) for change in plan([busy_away, busy_home], SETTINGS, TTFT_S, TPOT_S)] == [("p", "prefill")]
+
+
+def test_an_idle_prefill_replica_serves_decode_while_decode_is_busy_and_load_evens_out():
+    from duet.router.roles import shed_plan
+
+    lend = RoleSettings(lend_idle=True)
+    busy = member("decode", "d", num_running=6, tpot_s=0.15)
+    changes = plan([_idle_prefill(), busy], lend, TTFT_S, TPOT_S)
+    assert [(change.replica_id, change.role, change.reason) for change in changes] == [("p", "decode", "prefill_idle")]
+    assert plan([_idle_prefill(), busy], SETTINGS, TTFT_S, TPOT_S) == []  # not lent by default
+    assert plan([_idle_prefill(), member("decode", "d", num_running=6, tpot_s=0.08)], lend, TTFT_S, TPOT_S) == []  # well in time
+    assert plan([member("prefill", "p", num_running=1, prompt_tokens_pending=100), busy], lend, TTFT_S, TPOT_S) == []
+    assert plan([_idle_prefill(), member("decode", "d", num_running=1)], lend, TTFT_S, TPOT_S) == []
+    away = member("prefill", "p", role="decode")
+    busiest, least, count = shed_plan([away, busy])
+    assert (busiest.replica_id, least.replica_id, count) == ("d", "p", 3)
+    assert shed_plan([member("prefill", "p", role="decode", num_running=4), busy]) is None
 
 
 class _Pools:
@@ -199,3 +222,31 @@ def test_a_pools_router_passes_by_a_replica_serving_the_other_role_unless_none_i
     choose([home, away], None, rank, "decode")
     choose([away], None, rank, "decode")  # the role nobody else serves: tried all the same
     assert ranked == [["d1"], ["d2"]]
+
+
+def test_a_sequence_shed_to_a_replica_of_the_prefill_pool_is_read_on_there():
+    from duet.messages import Moved
+
+    class _Shedding(_Pool):
+        def _attach(self, request_id: str, replica_id: str):
+            self.calls.append(("attach", replica_id))
+
+            async def items():
+                yield TokenDelta(request_id, [7])
+                yield Moved("p", [7], "prefill")
+
+            return items()
+
+    from duet.router.balance import StageBalancer
+
+    pools = _Pools(prefill=[make_stats("prefill", "p")], decode=[make_stats("decode", "d")])
+    prefill, decode = _Pool("prefill"), _Shedding("decode")
+    local = StageBalancer(lambda pool: None, lambda pool: 0, 0, TTFT_S, TPOT_S)  # no prefill replica: every context local
+    orchestrator = pd.Orchestrator(prefill, decode, 16, local, roles=RoleView(pools.members, lambda pool: 1))
+
+    async def run():
+        return [delta.token_ids async for delta in orchestrator.run("s", [1, 2, 3], SamplingParams(max_tokens=2))]
+
+    assert asyncio.run(run()) == [[7], [9]]
+    assert decode.calls == [("reserve", None), ("attach", "decode-ranked")] and prefill.calls == [("attach", "p")]
+    assert orchestrator.migrations == {"kv": 1, "recompute": 0}
