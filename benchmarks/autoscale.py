@@ -7,7 +7,8 @@ each sending its next request when its last one ended. Twice a second it reads `
 and the target of each pool's policy. It prints goodput per phase (requests that met the TTFT
 and TPOT SLO, per second of the phase) and the requests that failed (there should be none), and
 plots a timeline PNG: replicas per pool, offered and completed requests per second, and TTFT
-and TPOT p90 per window.
+and TPOT p90 per window, above them each replica's role (the one it serves: its pool's, or the
+other's, ``duet.router.roles``) and threads.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Sample:
     at: float
     running: dict[str, int]  # replicas reporting, per pool
     target: dict[str, int]  # the policy's latest target, per pool
+    roles: dict[str, list] = dataclasses.field(default_factory=dict)  # replica id -> [pool, role it serves, threads]
 
 
 @dataclasses.dataclass
@@ -67,6 +69,10 @@ async def _watch(client, url: str, origin: float, samples: list[Sample], stop: a
                 time.perf_counter() - origin,
                 {pool: len(info["stats"]) for pool, info in pools.items()},
                 {pool: (info.get("autoscaler") or {}).get("target", len(info["stats"])) for pool, info in pools.items()},
+                {
+                    stats["replica_id"]: [pool, stats.get("stage", pool), stats.get("threads", 0)]
+                    for pool, info in pools.items() for stats in info["stats"]
+                },
             ))
         except Exception:  # noqa: BLE001 - a missed sample is a gap in the plot
             pass
@@ -139,14 +145,48 @@ def _p90(values: list[float]) -> float:
     return sorted(values)[min(len(values) - 1, int(0.9 * len(values)))] if values else 0.0
 
 
+ROLE_COLORS = {"prefill": "C0", "decode": "C1", "colocated": "C2"}
+
+
+def role_segments(samples: list[Sample]) -> dict[str, list[tuple[float, float, str]]]:
+    """Per replica (``pool threads replica``), the spans of time it served each role: from one
+    sample that saw it to the next."""
+    segments: dict[str, list[tuple[float, float, str]]] = {}
+    for sample, following in zip(samples, samples[1:]):
+        for replica_id, (pool, role, threads) in sample.roles.items():
+            label = f"{pool} {replica_id[:8]} ({threads} thr)"
+            spans = segments.setdefault(label, [])
+            if spans and spans[-1][2] == role and abs(spans[-1][1] - sample.at) < 1e-9:
+                spans[-1] = (spans[-1][0], following.at, role)
+            else:
+                spans.append((sample.at, following.at, role))
+    return segments
+
+
+def _plot_roles(axis, samples: list[Sample]) -> None:
+    from matplotlib.patches import Patch
+
+    segments = role_segments(samples)
+    for row, (label, spans) in enumerate(sorted(segments.items())):
+        for role in ROLE_COLORS:
+            bars = [(start, end - start) for start, end, served in spans if served == role]
+            if bars:
+                axis.broken_barh(bars, (row - 0.35, 0.7), color=ROLE_COLORS[role])
+    axis.set_yticks(range(len(segments)), sorted(segments), fontsize=7)
+    axis.set_ylabel("role served")
+    axis.legend(handles=[Patch(color=color, label=role) for role, color in ROLE_COLORS.items()], fontsize=8, loc="upper right")
+
+
 def plot(sent: list[Sent], samples: list[Sample], bounds: dict, window_s: float, path: str) -> None:
     end = max([s.at for s in samples] + [item.start + item.result.e2e for item in sent] + [0.0])
     windows = [index * window_s for index in range(int(end // window_s) + 1)]
-    with saved_figure(path, figsize=(11, 9), what="timeline", nrows=3, ncols=1, sharex=True) as (figure, axes):
-        for axis in axes:
+    with saved_figure(path, figsize=(11, 12), what="timeline", nrows=4, ncols=1, sharex=True) as (figure, every_axis):
+        _plot_roles(every_axis[0], samples)
+        axes = every_axis[1:]
+        for axis in every_axis:
             for index, (name, (began, finish)) in enumerate(bounds.items()):
                 axis.axvspan(began, finish, color=f"C{index}", alpha=0.08)
-                if axis is axes[0]:
+                if axis is every_axis[0]:
                     axis.text((began + finish) / 2, 0.05, name, ha="center", transform=axis.get_xaxis_transform())
         pools = sorted({pool for sample in samples for pool in sample.running})
         for index, pool in enumerate(pools):

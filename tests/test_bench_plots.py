@@ -32,3 +32,18 @@ def test_saved_figure_writes_nothing_when_drawing_fails(tmp_path, capsys):
     assert not path.exists()
     assert capsys.readouterr().out == ""
     assert not plt.fignum_exists(number)
+
+
+def test_the_autoscale_timeline_shows_each_replicas_role_as_it_moves(tmp_path, capsys):
+    from duet.benchmarks.autoscale import Sample, plot, role_segments
+
+    roles = [("prefill", "decode"), ("decode", "decode"), ("decode", "decode"), ("prefill", "decode")]
+    samples = [
+        Sample(float(at), {"prefill": 1, "decode": 1}, {"prefill": 1, "decode": 1}, {"p1": ["prefill", first, 1], "d1": ["decode", second, 1]})
+        for at, (first, second) in enumerate(roles)
+    ]
+    segments = role_segments(samples)
+    assert segments["prefill p1 (1 thr)"] == [(0.0, 1.0, "prefill"), (1.0, 3.0, "decode")]
+    assert segments["decode d1 (1 thr)"] == [(0.0, 3.0, "decode")]
+    plot([], samples, {"idle": (0.0, 3.0)}, 1.0, str(tmp_path / "timeline.png"))
+    assert (tmp_path / "timeline.png").stat().st_size > 0
