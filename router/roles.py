@@ -28,10 +28,11 @@ from the replicas' reports (``plan``, at most one change a round) and asks the r
 - **back home**: a replica away whose role is spare (and not short) returns, one a round.
 
 Replicas serving decode even out: when the busiest runs ``SHED_GAP`` sequences more than the
-least busy (one that just took the role, say), the keeper has it ``shed`` half the difference
-to it by KV (``decode_node.migration.Migration.shed``: those with the most to make first, each
-once at most), once per ``hold_s``: the streams end with ``Moved`` naming the replica and its
-pool, and their routers read on there. This is what lets the prefill replica's core finish the
+least busy and one of them serves away from home (one that just took the role, say), the
+keeper has it ``shed`` half the difference to it by KV
+(``decode_node.migration.Migration.shed``: those with the most to make first, each once at
+most), once per ``hold_s``: the streams end with ``Moved`` naming the replica and its pool, and
+their routers read on there. This is what lets a prefill replica's core help finish the
 streams left when arrivals stop (the drain).
 """
 
@@ -221,14 +222,16 @@ def plan(members: list[Member], settings: RoleSettings, ttft_s: float, tpot_s: f
 
 def shed_plan(members: list[Member]) -> tuple[Member, Member, int] | None:
     """Sequences to move between two replicas serving decode (the busiest to the least busy,
-    half their difference in running sequences) when they differ by ``SHED_GAP`` or more."""
+    half their difference in running sequences) when they differ by ``SHED_GAP`` or more and
+    one of them serves away from home (it took the role, or goes home soon); replicas of the
+    decode pool alone are evened out where sequences are placed (``KVCapacityRouter``)."""
     decoding = [member for member in members if member.role == "decode" and member.stats is not None and member.stats.worker_failure is None]
     if len(decoding) < 2:
         return None
     busiest = max(decoding, key=lambda member: member.stats.scheduler.num_running)
     least = min(decoding, key=lambda member: member.stats.scheduler.num_running)
     gap = busiest.stats.scheduler.num_running - least.stats.scheduler.num_running
-    return (busiest, least, gap // 2) if gap >= SHED_GAP else None
+    return (busiest, least, gap // 2) if gap >= SHED_GAP and (busiest.away or least.away) else None
 
 
 class RoleKeeper:

@@ -90,6 +90,7 @@ def test_an_idle_prefill_replica_serves_decode_while_decode_is_busy_and_load_eve
     busiest, least, count = shed_plan([away, busy])
     assert (busiest.replica_id, least.replica_id, count) == ("d", "p", 3)
     assert shed_plan([member("prefill", "p", role="decode", num_running=4), busy]) is None
+    assert shed_plan([member("decode", "d2"), busy]) is None  # the decode pool's own: evened out where placed
 
 
 class _Pools:
