@@ -198,8 +198,11 @@ def _kill_replica(ray, app: str, pool: str, replica_id: str | None = None) -> st
     return actors[0]["name"].rsplit("#", 1)[1]
 
 
-def _recomputed(url: str) -> float:
-    return sum(value for labels, value in metric(url, "duet:migrations_total").items() if 'how="recompute"' in labels)
+
+def _moved(url: str) -> float:
+    """Sequences moved between replicas, recomputed or by KV (a busy replica sheds some by KV to
+    one that took the decode role: ``duet.router.roles``)."""
+    return sum(metric(url, "duet:migrations_total").values())
 
 
 def test_a_decode_replica_killed_mid_stream_its_streams_go_on_on_another(cluster, tiny_offline, ray_driver):
@@ -210,7 +213,7 @@ def test_a_decode_replica_killed_mid_stream_its_streams_go_on_on_another(cluster
     url = cluster.stress_url
     rng = random.Random(3)
     prompts = [random_prompt(rng, 24) for _ in range(4)]
-    recomputed_before = _recomputed(url)
+    moved_before = _moved(url)
 
     async def streams_then_kill():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -228,7 +231,8 @@ def test_a_decode_replica_killed_mid_stream_its_streams_go_on_on_another(cluster
     for (status, tokens, errors), want in zip(results, expected):
         assert (status, errors) == (200, [])
         assert tokens == want
-    assert _recomputed(url) - recomputed_before >= num_killed
+    # Each sequence on the killed replica went on elsewhere: recomputed, or shed by KV just before.
+    assert _moved(url) - moved_before >= num_killed
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and len(cluster_replicas(url, "decode")) < 2:
         time.sleep(1)  # Serve replaces the dead replica
