@@ -52,7 +52,7 @@ from duet.errors import (
 )
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
 from duet.router.balance import Choice, StageBalancer
-from duet.router.roles import Member, RoleView
+from duet.router.roles import RoleView, away_or_home
 from duet.router.serve_internals import new_call_context, replica_running
 from duet.router.sequence import Action, Failure, Phase, Sequence, TooManyMigrations
 from duet.router.waiting import ROOM_WAIT_S, WaitingRoom
@@ -249,7 +249,7 @@ class Orchestrator:
         members = self.roles.serving("decode")
         if not members:
             return (None, None) if self.roles.serving("prefill") else (self.decode_pool, None)
-        return _away_or_home(members, self.decode_pool, lambda member: member.load)
+        return away_or_home(members, self.decode_pool, lambda member: member.load)
 
     def prefill_target(self) -> tuple[str, str | None]:
         """Where a context is computed for the decode replica that reserved its blocks: the
@@ -260,7 +260,7 @@ class Orchestrator:
         members = self.roles.serving("prefill")
         if not members:
             return "prefill", None
-        return _away_or_home(members, "prefill", _prompt_tokens_pending)
+        return away_or_home(members, "prefill", lambda member: member.prompt_tokens_pending)
 
     async def _pinned(self, call):
         response = call()
@@ -292,22 +292,6 @@ class Orchestrator:
 
 def _pin(replica_id: str | None) -> dict:
     return {} if replica_id is None else {"replica_id": replica_id}
-
-
-def _prompt_tokens_pending(member: Member) -> int:
-    return member.stats.scheduler.prompt_tokens_pending if member.stats is not None else 0
-
-
-def _away_or_home(members: list[Member], home: str, load) -> tuple[str, str | None]:
-    """The least loaded replica serving away from its pool, pinned, when it is less loaded
-    than every one at home (or none is); else ``home``, whose router ranks."""
-    away = [member for member in members if member.away]
-    at_home = [load(member) for member in members if not member.away]
-    if away:
-        best = min(away, key=load)
-        if not at_home or load(best) < min(at_home):
-            return best.pool, best.replica_id
-    return home, None
 
 
 class _DecodeStream:

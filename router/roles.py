@@ -91,6 +91,10 @@ class Member:
             return 0
         return self.stats.scheduler.num_running + self.stats.scheduler.num_waiting
 
+    @property
+    def prompt_tokens_pending(self) -> int:
+        return self.stats.scheduler.prompt_tokens_pending if self.stats is not None else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Change:
@@ -99,6 +103,19 @@ class Change:
     role: str
     reason: str
     urgent: bool = False  # taken without waiting out the replica's hold
+
+
+def away_or_home(members: list[Member], home: str, load: Callable[[Member], int]) -> tuple[str, str | None]:
+    """Where a call of the role ``members`` serve goes: ``(pool, replica_id)`` of the least
+    loaded replica serving it away from its pool, when it is less loaded than every one at home
+    (or none is); else ``(home, None)``, whose request router ranks."""
+    away = [member for member in members if member.away]
+    at_home = [load(member) for member in members if not member.away]
+    if away:
+        best = min(away, key=load)
+        if not at_home or load(best) < min(at_home):
+            return best.pool, best.replica_id
+    return home, None
 
 
 class RoleView:

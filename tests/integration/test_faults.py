@@ -198,7 +198,6 @@ def _kill_replica(ray, app: str, pool: str, replica_id: str | None = None) -> st
     return actors[0]["name"].rsplit("#", 1)[1]
 
 
-
 def _moved(url: str) -> float:
     """Sequences moved between replicas, recomputed or by KV (a busy replica sheds some by KV to
     one that took the decode role: ``duet.router.roles``)."""
