@@ -70,7 +70,8 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
 class RouterIngress:
     """The client API's handlers (``duet.cluster.admin.DuetIngress`` is the deployment).
     ``prefill`` is None when colocated; ``api_keys``: the client keys, any one of which a
-    request must bear (none: open)."""
+    request must bear (none: open); ``roles``: the application's ``roles`` section (None:
+    each pool serves its own role)."""
 
     def __init__(
         self,
@@ -103,10 +104,9 @@ class RouterIngress:
         self.app_name = serve.get_replica_context().app_name
         balancer = view = self.role_keeper = None
         if prefill is not None:
-            settings = RoleSettings(**(roles or {}))
-            if settings.move:  # the balancer's 'pools' are the replicas serving each role
+            if roles is not None and roles["move"]:  # the balancer's 'pools' are the replicas serving each role
                 view = RoleView(pool_members, pool_size)
-                self.role_keeper = RoleKeeper(view, self.pools, settings, ttft_s, tpot_s, new_call_context)
+                self.role_keeper = RoleKeeper(view, self.pools, RoleSettings(**roles), ttft_s, tpot_s, new_call_context)
             # Without adaptivity, the static threshold decides alone: no stats to read.
             stats = (lambda pool: None) if not adaptive_local_prefill else view.stats if view is not None else pool_stats
             balancer = StageBalancer(stats, pool_size if view is None else view.size, local_prefill_threshold, ttft_s, tpot_s)

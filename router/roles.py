@@ -62,14 +62,16 @@ ROLES = ("prefill", "decode")
 
 @dataclasses.dataclass(frozen=True)
 class RoleSettings:
-    """``move``: roles follow load (off: each replica serves its pool's role only);
-    ``lend_idle``: an idle prefill replica serves a busy decode role too (see ``plan``)."""
+    """The application's ``roles`` section (its defaults and checks are
+    ``duet.cluster.config.RoleSettings``'): ``move``: roles follow load (off: each replica
+    serves its pool's role only); ``lend_idle``: an idle prefill replica serves a busy decode
+    role too (see ``plan``)."""
 
-    move: bool = True
-    lend_idle: bool = False
-    min_prefill: int = 0
-    min_decode: int = 1
-    hold_s: float = 5.0
+    move: bool
+    lend_idle: bool
+    min_prefill: int
+    min_decode: int
+    hold_s: float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,10 +94,9 @@ def reported_stats(replica) -> ReplicaStats | None:
 
 def pool_stats(pool: str) -> list[ReplicaStats] | None:
     """The last stats of each running replica of a pool; None before the pool was first called."""
-    router = _router(pool)
-    if router is None:
+    if _router(pool) is None:
         return None
-    return [stats for replica in router.curr_replicas.values() if (stats := reported_stats(replica)) is not None]
+    return [stats for _, stats in pool_members(pool) if stats is not None]
 
 
 def pool_members(pool: str) -> list[tuple[str, ReplicaStats | None]]:

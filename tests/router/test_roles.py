@@ -5,6 +5,7 @@ sends each role's calls. Reports are made as replicas make them; no Serve."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import duet.router.pd as pd
@@ -14,7 +15,7 @@ from duet.sampling_params import SamplingParams
 from tests.router.fake_serve import make_stats
 
 TTFT_S, TPOT_S = 2.0, 0.2
-SETTINGS = RoleSettings()
+SETTINGS = RoleSettings(move=True, lend_idle=False, min_prefill=0, min_decode=1, hold_s=5.0)  # the config's defaults
 
 
 def member(pool: str, replica_id: str, role: str | None = None, **stats) -> Member:
@@ -44,8 +45,8 @@ def test_a_busy_prefill_pool_or_its_minimum_keeps_its_replica():
     slow = member("decode", "d", num_running=8, tpot_s=0.35)
     busy = member("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=800)
     assert plan([busy, slow], SETTINGS, TTFT_S, TPOT_S) == []
-    assert plan([_idle_prefill(), slow], RoleSettings(min_prefill=1), TTFT_S, TPOT_S) == []
-    assert plan([_idle_prefill(), slow], RoleSettings(move=False), TTFT_S, TPOT_S) == []
+    assert plan([_idle_prefill(), slow], dataclasses.replace(SETTINGS, min_prefill=1), TTFT_S, TPOT_S) == []
+    assert plan([_idle_prefill(), slow], dataclasses.replace(SETTINGS, move=False), TTFT_S, TPOT_S) == []
 
 
 def test_prefill_short_while_a_decode_replica_idles_takes_it_and_the_last_decode_replica_stays():
@@ -78,7 +79,7 @@ def test_a_replica_away_goes_back_first_and_comes_home_when_its_role_can_spare_i
 def test_an_idle_prefill_replica_serves_decode_while_decode_is_busy_and_load_evens_out():
     from duet.router.roles import shed_plan
 
-    lend = RoleSettings(lend_idle=True)
+    lend = dataclasses.replace(SETTINGS, lend_idle=True)
     busy = member("decode", "d", num_running=6, tpot_s=0.15)
     changes = plan([_idle_prefill(), busy], lend, TTFT_S, TPOT_S)
     assert [(change.replica_id, change.role, change.reason) for change in changes] == [("p", "decode", "prefill_idle")]
