@@ -11,11 +11,11 @@ def _chat(args: argparse.Namespace) -> int:
     """A model that cannot be found or a setting the engine refuses is one line, with what to type."""
     from duet import LLM, SamplingParams
     from duet.config import ConfigError
-    from duet.models.loader import ModelNotFoundError
+    from duet.errors import CheckpointError
 
     try:
         llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
-    except ModelNotFoundError as error:
+    except CheckpointError as error:
         print(
             f"duet chat: {error}; pass --model smollm2 (fetched on first use) or the path of a local Hugging Face "
             "model directory (config.json and *.safetensors)",

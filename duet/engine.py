@@ -41,13 +41,16 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         from transformers import AutoTokenizer
 
-        from duet.models.loader import max_positions, read_arch, resolve_model_path
+        from duet.models.loader import generation_eos_ids, max_positions, read_arch, resolve_model_path
 
         self.args = args
         model_path = resolve_model_path(args.model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self._tokenizer_path = str(model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
+        # generation_config.json's other EOS ids (Qwen and Gemma have several) end a sequence as
+        # stop tokens do, unless it ignores EOS (as vLLM does).
+        self.extra_eos_token_ids = tuple(token_id for token_id in generation_eos_ids(model_path) if token_id != self.eos_token_id)
         self.model_config = read_arch(model_path)
         self.dtype = resolve_dtype(args.dtype, args.device)
         self.scheduler_config = args.scheduler_config(max_positions(model_path))
@@ -176,6 +179,10 @@ class LLMEngine:
                 params = dataclasses.replace(params, max_tokens=max_tokens)
         else:  # computed here up to its first token, decoded elsewhere: that is what must fit here
             self.validate(request.prompt_token_ids, dataclasses.replace(params, max_tokens=1, min_tokens=0))
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.extra_eos_token_ids)))
+            if stops != params.stop_token_ids:
+                params = dataclasses.replace(params, stop_token_ids=stops)
         queued = Request(
             request.request_id, request.prompt_token_ids, params, self.eos_token_id,
             output_token_ids=request.output_token_ids, kv_send=request.kv_send,

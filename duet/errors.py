@@ -41,3 +41,15 @@ class RequestFailedError(RuntimeError):
 
 class WorkerDiedError(RuntimeError):
     """A worker of the engine (one of its ranks) is gone: no step can run until the replica is replaced."""
+
+
+class CheckpointError(ValueError):
+    """A model that cannot be loaded; the message names the path, the tensor or the config field."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """A checkpoint duet does not run: its architecture, or a part its config asks for."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint that disagrees with itself: a missing tensor, or a shape its config does not give."""

@@ -165,6 +165,86 @@ def make_tiny_mixtral(target: Path, tokenizer_dir: Path, seed: int = 0, **overri
     return target
 
 
+# Each family's tiny shape: (its transformers config and model class names, the config's settings).
+# Head dims and GQA ratios differ from SmolLM2's (64, 3:1) and from each other.
+TINY_FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": (
+        "Qwen3Config", "Qwen3ForCausalLM",
+        dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    ),
+    "qwen3-tied": (
+        "Qwen3Config", "Qwen3ForCausalLM",
+        dict(hidden_size=48, intermediate_size=64, num_attention_heads=8, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True),
+    ),
+    "mistral": (
+        "MistralConfig", "MistralForCausalLM",
+        dict(hidden_size=96, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, sliding_window=None),
+    ),
+    "phi3": (
+        "Phi3Config", "Phi3ForCausalLM",
+        dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, pad_token_id=0, sliding_window=None),
+    ),
+    "llama3-rope": (
+        "LlamaConfig", "LlamaForCausalLM",
+        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, rope_parameters=dict(
+            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        )),
+    ),
+    "yarn": (
+        "LlamaConfig", "LlamaForCausalLM",
+        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
+            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=256,
+        )),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3-moe-normed": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, decoder_sparse_step=2,
+        ),
+    ),
+}
+
+
+def make_tiny_model(
+    target: Path, tokenizer_dir: Path, family: str, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
+    """A random-weight checkpoint of one of ``TINY_FAMILIES``, saved by transformers itself with the
+    tokenizer of ``tokenizer_dir`` (in shards of ``max_shard_size``, with their index, if given)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    config_name, model_name, shape = TINY_FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    settings = dict(
+        vocab_size=len(tokenizer), num_hidden_layers=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )
+    settings.update(shape)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**settings)).float()
+    with torch.no_grad():
+        if settings["tie_word_embeddings"]:  # the layers' outputs grow, or the input embedding drowns them
+            for name, weight in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    weight.mul_(8.0)
+        else:
+            model.lm_head.weight.mul_(8.0)  # no near-ties among greedy choices
+    model.save_pretrained(str(target), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    tokenizer.save_pretrained(str(target))
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer_dir)

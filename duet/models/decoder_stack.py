@@ -7,8 +7,8 @@ tensors as ``LlamaForCausalLM.run_layers``' loop, with each product's path chose
 loop's; only the loop's Python (module calls, splits, views, ~300 of them a step) is gone,
 and the GIL with it while the layers run. Prompt chunks keep the Python loop (their Python
 is a small share of their step; their attention is ``cpu_ops``' prompt kernel), as do models
-whose layers are not plain Llama ones (tensor-parallel ranks, MoE), GPU models, and every
-model where the C++ kernels are unavailable.
+whose layers are not plain Llama ones (tensor-parallel ranks, MoE, Qwen's q/k/v biases and
+q/k norms), GPU models, and every model where the C++ kernels are unavailable.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class DecoderStack:
             if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
                 return None
             if type(layer.mlp) is not LlamaMLP or any(type(n) is not RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+                return None
+            if layer.self_attn.qkv_bias is not None or layer.self_attn.q_norm is not None:  # Qwen's parts: Python
                 return None
             if any(type(linear) is not Linear for linear in _linears(layer)):
                 return None

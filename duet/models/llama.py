@@ -1,4 +1,10 @@
-"""Llama-family decoder reading and writing the paged KV cache.
+"""The decoder every architecture duet runs is built from, reading and writing the paged KV cache.
+
+A Llama is the plain case; the other families configure its parts through ``LlamaArch``
+(``duet.models.architectures`` reads each family's config): q/k/v biases (Qwen 2), per-head
+q/k RMSNorm and a ``head_dim`` of its own (Qwen 3), scaled RoPE (Llama 3's ``rope_scaling``),
+a sliding window no sequence reaches (Mistral, Phi-3: sequences are capped at the window),
+fused checkpoint tensors (Phi-3) and, in ``duet.models.mixtral``, experts (Mixtral, Qwen 3 MoE).
 
 The model sees one flat batch of tokens (every sequence's new tokens back to back) and
 returns logits only for the rows the sampler needs.
@@ -7,11 +13,12 @@ returns logits only for the rows the sampler needs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 from torch import nn
 
+from duet.errors import UnsupportedCheckpointError
 from duet.kernels import AttentionMetadata, paged_attention
 from duet.kernels.fused import add_rms_norm, rms_norm, rope_and_write_kv, silu_and_mul
 from duet.models.decoder_stack import DecoderStack
@@ -21,7 +28,8 @@ from duet.models.module import Module
 
 @dataclass(frozen=True)
 class LlamaArch:
-    """The shape of a Llama checkpoint, read from its Hugging Face config."""
+    """The shape of a checkpoint and the parts its family configures (``from_hf_config`` reads
+    a Llama's; ``duet.models.architectures`` every supported family's)."""
 
     vocab_size: int
     hidden_size: int
@@ -34,15 +42,30 @@ class LlamaArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    _: KW_ONLY  # the family's parts (a Llama has none of them)
+    qkv_bias: bool = False  # q, k and v projections with biases (Qwen 2)
+    qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen 3)
+    # RoPE's inverse frequencies and the factor on its cos/sin tables, where the config scales
+    # them (``rope_scaling``: llama3, linear, yarn); None: the plain frequencies of ``rope_theta``.
+    rope_inv_freq: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0
+    sliding_window: int | None = None  # each token sees this many keys at most (itself included)
+    checkpoint_names: str = "llama"  # how the checkpoint names its tensors (``loader._fusion_plan``)
+
+    @property
+    def max_sequence_len(self) -> int:
+        """The longest sequence duet computes exactly: the position table's, and no longer than
+        a sliding window (a window no sequence reaches is full attention; windowed attention in
+        the paged cache is not built)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @classmethod
-    def from_hf_config(cls, config) -> LlamaArch:
+    def from_hf_config(cls, config, **parts) -> LlamaArch:
+        """The shape from a transformers config; ``parts`` set the family's parts."""
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported yet")
         theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        parts = {**_rope_scaling(config, rope), **parts}
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -55,7 +78,27 @@ class LlamaArch:
             rope_theta=float(theta),
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            **parts,
         )
+
+
+# RoPE scalings whose tables are fixed per position (``dynamic`` changes them as a sequence grows,
+# ``longrope`` by its length: neither is built).
+_ROPE_SCALINGS = ("linear", "llama3", "yarn")
+
+
+def _rope_scaling(config, rope: dict) -> dict:
+    """The ``rope_inv_freq`` and ``rope_attention_factor`` of a scaled RoPE, computed by
+    transformers' own functions for its type (the frequencies are the checkpoint's definition)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", None):
+        return {}
+    if rope_type not in _ROPE_SCALINGS:
+        raise UnsupportedCheckpointError(f"config.json's rope scaling {rope_type!r} is not supported: duet runs {('default', *_ROPE_SCALINGS)}")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return {"rope_inv_freq": tuple(inv_freq.float().tolist()), "rope_attention_factor": float(factor)}
 
 
 class RMSNorm(Module):
@@ -72,14 +115,22 @@ class RMSNorm(Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE tables (fp32), indexed by position."""
+    """Rotate-half RoPE tables (fp32), indexed by position: ``arch``'s frequencies (scaled, or
+    those of its ``rope_theta``) and the factor on its tables."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, arch: LlamaArch, max_positions: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        head_dim = arch.head_dim
+        if arch.rope_inv_freq is not None:
+            inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32)
+        else:
+            inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos().contiguous(), persistent=False)
-        self.register_buffer("sin", freqs.sin().contiguous(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if arch.rope_attention_factor != 1.0:
+            cos, sin = cos * arch.rope_attention_factor, sin * arch.rope_attention_factor
+        self.register_buffer("cos", cos.contiguous(), persistent=False)
+        self.register_buffer("sin", sin.contiguous(), persistent=False)
 
 
 class LlamaAttention(Module):
@@ -93,10 +144,20 @@ class LlamaAttention(Module):
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, arch.hidden_size)
+        size = self.q_size + 2 * self.kv_size
+        self.qkv_bias = nn.Parameter(torch.zeros(size), requires_grad=False) if arch.qkv_bias else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # per head, on rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -107,10 +168,13 @@ class LlamaAttention(Module):
 
 
 class LlamaMLP(Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    """SwiGLU: gate and up projections fused (gate's rows first), then down."""
+
+    def __init__(self, arch: LlamaArch, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+        intermediate_size = intermediate_size or arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, arch.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -139,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions)
+        self.rotary = RotaryEmbedding(arch, max_positions)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)

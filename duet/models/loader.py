@@ -8,20 +8,20 @@ from pathlib import Path
 
 import torch
 
+from duet.errors import CheckpointError, DamagedCheckpointError, UnsupportedCheckpointError
+from duet.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, model_class
 from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
-from duet.models.mixtral import MixtralArch, MixtralForCausalLM
+from duet.models.mixtral import MixtralArch
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
-ARCHITECTURES = {"LlamaForCausalLM": (LlamaArch, LlamaForCausalLM), "MixtralForCausalLM": (MixtralArch, MixtralForCausalLM)}
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 logger = logging.getLogger(__name__)
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(CheckpointError):
     """The model name is neither a known alias nor a Hugging Face model directory."""
 
 
@@ -41,14 +41,29 @@ def resolve_model_path(model: str) -> Path:
 
 
 def max_positions(path: Path) -> int:
-    """The longest sequence the model's config allows."""
-    return int(json.loads((path / "config.json").read_text()).get("max_position_embeddings", 2048))
+    """The longest sequence duet computes for the model exactly (``LlamaArch.max_sequence_len``)."""
+    return read_arch(path).max_sequence_len
+
+
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """The EOS ids of the checkpoint's ``generation_config.json`` (none without one)."""
+    config_path = path / "generation_config.json"
+    if not config_path.is_file():
+        return ()
+    eos = json.loads(config_path.read_text()).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # the shards it names (a repository may ship other files too: Mistral's consolidated one)
+        files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{path} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
@@ -59,7 +74,8 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
     """Each of duet's parameters and the Hugging Face tensors it is made of (rows concatenated:
-    q/k/v and gate/up projections are fused)."""
+    q/k/v and gate/up projections are fused; Phi-3 ships them fused), by the family's names
+    (``arch.checkpoint_names``)."""
     plan = {
         "embed_tokens.weight": ["model.embed_tokens.weight"],
         "norm.weight": ["model.norm.weight"],
@@ -71,22 +87,46 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         out = f"layers.{layer}."
         plan[out + "input_layernorm.weight"] = [prefix + "input_layernorm.weight"]
         plan[out + "post_attention_layernorm.weight"] = [prefix + "post_attention_layernorm.weight"]
-        plan[out + "self_attn.qkv_proj.weight"] = [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
+        fused = arch.checkpoint_names == "phi3"
+        plan[out + "self_attn.qkv_proj.weight"] = (
+            [attn + "qkv_proj.weight"] if fused else [attn + f"{name}_proj.weight" for name in "qkv"]
+        )
         plan[out + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
-        if isinstance(arch, MixtralArch):
-            experts = [f"{prefix}block_sparse_moe.experts.{expert}." for expert in range(arch.num_experts)]
-            plan[out + "mlp.gate.weight"] = [prefix + "block_sparse_moe.gate.weight"]
-            plan[out + "mlp.w13"] = [expert + name for expert in experts for name in ("w1.weight", "w3.weight")]
-            plan[out + "mlp.w2"] = [expert + "w2.weight" for expert in experts]
+        if arch.qkv_bias:
+            plan[out + "self_attn.qkv_bias"] = [attn + f"{name}_proj.bias" for name in "qkv"]
+        if arch.qk_norm:
+            plan[out + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
+            plan[out + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        if isinstance(arch, MixtralArch) and arch.is_sparse(layer):
+            mixtral = arch.checkpoint_names == "mixtral"
+            moe = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            experts = [f"{moe}experts.{expert}." for expert in range(arch.num_experts)]
+            plan[out + "mlp.gate.weight"] = [moe + "gate.weight"]
+            plan[out + "mlp.w13"] = [expert + f"{name}.weight" for expert in experts for name in (gate, up)]
+            plan[out + "mlp.w2"] = [expert + f"{down}.weight" for expert in experts]
             continue
-        plan[out + "mlp.gate_up_proj.weight"] = [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        plan[out + "mlp.gate_up_proj.weight"] = (
+            [mlp + "gate_up_proj.weight"] if fused else [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+        )
         plan[out + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
     return plan
 
 
-def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to duet's modules, fusing q/k/v and gate/up projections."""
-    return {name: torch.cat([state[part] for part in parts]) for name, parts in _fusion_plan(arch).items()}
+def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch, path: Path) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face tensors to duet's modules, fusing q/k/v and gate/up projections; a
+    tensor the plan needs and the checkpoint lacks is named."""
+    fused = {}
+    for name, parts in _fusion_plan(arch).items():
+        missing = [part for part in parts if part not in state]
+        if missing:
+            raise DamagedCheckpointError(f"{path}: tensor {missing[0]} is missing ({len(missing)} of the {len(parts)} that make {name})")
+        try:
+            fused[name] = torch.cat([state[part] for part in parts])
+        except RuntimeError:
+            shapes = ", ".join(f"{part} {tuple(state[part].shape)}" for part in parts)
+            raise DamagedCheckpointError(f"{path}: the tensors that make {name} disagree in shape: {shapes}") from None
+    return fused
 
 
 def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
@@ -144,19 +184,21 @@ def _attach_gguf(model: LlamaForCausalLM, path: Path, backend) -> None:
 
 
 def read_arch(path: Path) -> LlamaArch:
-    """The model's shape from its config alone (no weights): what sizes the KV cache."""
+    """The model's shape from its config alone (no weights): what sizes the KV cache. An
+    architecture or a config part duet does not run is refused, named."""
     from transformers import AutoConfig
 
     raw_config = json.loads((path / "config.json").read_text())
     architectures = [a for a in raw_config.get("architectures") or [] if a in ARCHITECTURES]
     if not architectures:
-        raise ModelNotFoundError(
-            f"{path}: architecture {raw_config.get('architectures')} is not supported; duet runs {SUPPORTED_ARCHITECTURES}"
+        raise UnsupportedCheckpointError(
+            f"{path}: architecture {raw_config.get('architectures')} is not supported; duet runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if raw_config.get("attention_bias") or raw_config.get("mlp_bias"):
-        raise ModelNotFoundError(f"{path}: Llama variants with projection biases are not supported yet")
-    arch_class, _ = ARCHITECTURES[architectures[0]]
-    return arch_class.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    read, _ = ARCHITECTURES[architectures[0]]
+    try:
+        return read(AutoConfig.from_pretrained(str(path)))
+    except UnsupportedCheckpointError as error:
+        raise UnsupportedCheckpointError(f"{path} ({architectures[0]}): {error}") from None
 
 
 def load_model(
@@ -166,15 +208,20 @@ def load_model(
     with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_backend``),
     or with its linear weights quantized to blocks (``int8``, ``int4``: ``duet.models.quantize``)."""
     arch = read_arch(path)
-    model_class = MixtralForCausalLM if isinstance(arch, MixtralArch) else LlamaForCausalLM
     with torch.device("meta"):
-        model = model_class(arch, max_positions)
+        model = model_class(arch)(arch, max_positions)
     model = model.to_empty(device=device)
-    state = _fused_state_dict(_read_state_dict(path), arch)
+    state = _fused_state_dict(_read_state_dict(path), arch, path)
     for name, param in model.named_parameters():
-        param.data = state.pop(name).to(device=device, dtype=dtype).contiguous()
+        tensor = state.pop(name)
+        if tensor.shape != param.shape:
+            parts = ", ".join(_fusion_plan(arch)[name])
+            raise DamagedCheckpointError(
+                f"{path}: {parts} has shape {tuple(tensor.shape)} where config.json gives {tuple(param.shape)}"
+            )
+        param.data = tensor.to(device=device, dtype=dtype).contiguous()
     # Buffers built under the meta device hold no values: build the RoPE table for real.
-    model.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions).to(device)
+    model.rotary = RotaryEmbedding(arch, max_positions).to(device)
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, quantization))
         return model.eval()

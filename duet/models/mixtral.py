@@ -1,8 +1,10 @@
-"""Mixtral-style mixture of experts: a Llama whose MLP is a router over ``num_experts`` SwiGLU
-experts, of which each token takes its ``num_experts_per_tok`` best, weighted.
+"""Mixture of experts (Mixtral, Qwen 3 MoE): a decoder whose sparse layers' MLP is a router over
+``num_experts`` SwiGLU experts, of which each token takes its ``num_experts_per_tok`` best,
+weighted; Qwen 3 MoE keeps a dense MLP in some layers (``sparse_layers``).
 
-The routing is transformers' (``MixtralTopKRouter``): softmax of the router's logits in fp32,
-top-k, the k weights renormalised to sum to one; and so is the sum: a token's weighted expert
+The routing is transformers' (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``): softmax of the
+router's logits in fp32, top-k, the k weights renormalised to sum to one where the family
+does (``norm_topk_prob``); and so is the sum: a token's weighted expert
 outputs are added into zeros in the experts' index order. With expert parallelism each rank
 holds a contiguous range of experts (``local_experts``) and returns the sum of its own, which
 the ranks then add (``duet.models.tensor_parallel``): a token's two experts on two ranks sum
@@ -13,7 +15,7 @@ projection, and the ranks' parts are added (the sum's order differs from one pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from torch import nn
 
 from duet.kernels.fused import silu_and_mul
 from duet.models.linear import Linear
-from duet.models.llama import LlamaArch, LlamaForCausalLM
+from duet.models.llama import LlamaArch, LlamaForCausalLM, LlamaMLP
 from duet.models.module import Module
 
 
@@ -31,11 +33,18 @@ class MixtralArch(LlamaArch):
 
     num_experts: int
     num_experts_per_tok: int
+    _: KW_ONLY
+    norm_topk_prob: bool = True  # the top-k weights renormalised to sum to one
+    sparse_layers: tuple[int, ...] | None = None  # the layers with experts (None: every one)
+    dense_intermediate_size: int = 0  # the dense MLP's features in the other layers
 
     @classmethod
-    def from_hf_config(cls, config) -> MixtralArch:
-        llama = LlamaArch.from_hf_config(config)
+    def from_hf_config(cls, config, **parts) -> MixtralArch:
+        llama = LlamaArch.from_hf_config(config, checkpoint_names="mixtral", **parts)
         return cls(**vars(llama), num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok)
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers is None or layer in self.sparse_layers
 
 
 class MixtralMoE(Module):
@@ -44,6 +53,7 @@ class MixtralMoE(Module):
     def __init__(self, arch: MixtralArch) -> None:
         super().__init__()
         self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
         self.hidden_size = arch.hidden_size
         self.intermediate_size = arch.intermediate_size
         self.local_experts = range(arch.num_experts)
@@ -74,7 +84,8 @@ class MixtralMoE(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights /= weights.sum(dim=-1, keepdim=True)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
         w13 = self.w13.view(len(self.local_experts), 2 * self.intermediate_size, self.hidden_size)
         w2 = self.w2.view(len(self.local_experts), self.hidden_size, self.intermediate_size)
@@ -88,9 +99,9 @@ class MixtralMoE(Module):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    """The Llama decoder with each layer's MLP a ``MixtralMoE``."""
+    """The decoder with each sparse layer's MLP a ``MixtralMoE`` (the others' a dense one)."""
 
     def __init__(self, arch: MixtralArch, max_positions: int) -> None:
         super().__init__(arch, max_positions)
-        for layer in self.layers:
-            layer.mlp = MixtralMoE(arch)
+        for index, layer in enumerate(self.layers):
+            layer.mlp = MixtralMoE(arch) if arch.is_sparse(index) else LlamaMLP(arch, arch.dense_intermediate_size)

@@ -196,11 +196,18 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
     q_rows = slice(heads.q_heads.start * head_dim, heads.q_heads.stop * head_dim)
     k_rows = _offset(slice(heads.kv_heads.start * head_dim, heads.kv_heads.stop * head_dim), arch.num_heads * head_dim)
     v_rows = _offset(k_rows, arch.num_kv_heads * head_dim)
-    unit = BLOCK if arch.intermediate_size % (BLOCK * world_size) == 0 else 1  # keeps GGUF blocks whole
-    features = split_range(arch.intermediate_size, world_size, rank, unit)
+
+    def features_of(size: int) -> slice:
+        unit = BLOCK if size % (BLOCK * world_size) == 0 else 1  # keeps GGUF blocks whole
+        return split_range(size, world_size, rank, unit)
+
+    features = features_of(arch.intermediate_size)
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         attention.qkv_proj = shard_linear(attention.qkv_proj, [q_rows, k_rows, v_rows])
+        if attention.qkv_bias is not None:
+            bias = torch.cat([attention.qkv_bias[rows] for rows in (q_rows, k_rows, v_rows)]).contiguous()
+            attention.qkv_bias = nn.Parameter(bias, requires_grad=False)
         attention.o_proj = SummedOverRanks(shard_linear(attention.o_proj, [slice(None)], q_rows), group)
         attention.num_heads, attention.num_kv_heads = heads.num_heads, heads.num_kv_heads
         attention.q_size, attention.kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
@@ -212,8 +219,10 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
                 mlp.keep_features(range(features.start, features.stop))
             layer.mlp = SummedOverRanks(mlp, group)
             continue
-        mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [features, _offset(features, arch.intermediate_size)])
-        mlp.down_proj = SummedOverRanks(shard_linear(mlp.down_proj, [slice(None)], features), group)
+        size = mlp.down_proj.in_features  # a dense layer of a MoE model has its own width
+        dense = features_of(size)
+        mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [dense, _offset(dense, size)])
+        mlp.down_proj = SummedOverRanks(shard_linear(mlp.down_proj, [slice(None)], dense), group)
     vocab = [split_range(arch.vocab_size, world_size, index) for index in range(world_size)]
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[vocab[rank]].contiguous(), vocab[rank].start, group)
     model.lm_head = VocabParallelLMHead(shard_linear(model.lm_head, [vocab[rank]]), [part.stop - part.start for part in vocab], group)
