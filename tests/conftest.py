@@ -245,6 +245,46 @@ def make_tiny_model(
     return target
 
 
+def make_compressed_checkpoint(
+    source: Path, target: Path, num_bits: int = 4, group_size: int | None = 32, dtype=torch.float32, symmetric: bool = True
+) -> Path:
+    """``source`` quantized as llm-compressor leaves a W4A16 / W8A16 checkpoint: compressed-tensors
+    itself applies the scheme, computes each group's scale from its min and max (as its min-max
+    observer does), packs the codes (``pack-quantized``) and writes ``quantization_config``.
+    ``group_size=None`` gives a scale per output channel; the scales take ``dtype``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    args = QuantizationArgs(
+        num_bits=num_bits, type="int", symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size,
+    )
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"],
+        quantization_status=QuantizationStatus.INITIALIZED,
+    )
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "weight_scale"):
+                weight = module.weight
+                groups = weight.view(weight.shape[0], -1, group_size or weight.shape[1])
+                scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+                module.weight_scale.copy_(scale.view_as(module.weight_scale))
+                if hasattr(module, "weight_zero_point"):
+                    module.weight_zero_point.copy_(zero_point.view_as(module.weight_zero_point))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(str(target))
+    compressor.update_config(str(target))
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(target))
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer_dir)

@@ -105,7 +105,8 @@ class Linear(Module):
         ``weight`` dequantized (and rounded to bf16, for a bf16 model)."""
         self.gguf = weight
         # The blocks' device, not the float weight's: that is on meta where the blocks are the weight.
-        self._block_rows = _gguf_float_max_rows(weight.ops, self.weight.dtype, weight.codes.device.type)
+        dtype = torch.float32 if self.weight is None else self.weight.dtype  # None: the blocks alone are the weight
+        self._block_rows = _gguf_float_max_rows(weight.ops, dtype, weight.codes.device.type)
         self._lay_out_panels()
 
     def _lay_out_panels(self) -> None:

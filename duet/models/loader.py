@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,6 +15,7 @@ from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
 from duet.models.mixtral import MixtralArch
+from duet.models.packed import is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
@@ -113,11 +115,15 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
     return plan
 
 
-def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch, path: Path) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to duet's modules, fusing q/k/v and gate/up projections; a
-    tensor the plan needs and the checkpoint lacks is named."""
+def _fused_state_dict(
+    state: dict[str, torch.Tensor], arch: LlamaArch, path: Path, skip: set[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face tensors to duet's modules, fusing q/k/v and gate/up projections (all
+    but ``skip``); a tensor the plan needs and the checkpoint lacks is named."""
     fused = {}
     for name, parts in _fusion_plan(arch).items():
+        if name in skip:
+            continue
         missing = [part for part in parts if part not in state]
         if missing:
             raise DamagedCheckpointError(f"{path}: tensor {missing[0]} is missing ({len(missing)} of the {len(parts)} that make {name})")
@@ -127,6 +133,31 @@ def _fused_state_dict(state: dict[str, torch.Tensor], arch: LlamaArch, path: Pat
             shapes = ", ".join(f"{part} {tuple(state[part].shape)}" for part in parts)
             raise DamagedCheckpointError(f"{path}: the tensors that make {name} disagree in shape: {shapes}") from None
     return fused
+
+
+def _packed_linears(
+    model: LlamaForCausalLM, state: dict[str, torch.Tensor], path: Path, device: str, quantization: str | None
+) -> dict[str, object]:
+    """The Linears whose weights the checkpoint ships packed (``duet.models.packed``), by module
+    name, as blocks on ``device``: none for a float checkpoint."""
+    scheme = read_scheme(path)
+    if scheme is None:
+        return {}
+    if quantization is not None:
+        raise QuantizationError(f"{path} ships quantized ({scheme.num_bits}-bit weights): quantization={quantization!r} does not apply; leave it unset")
+    plan = _fusion_plan(model.arch)
+    ops = _block_kernels(device, f"the checkpoint's {scheme.num_bits}-bit weights")
+    packed = {}
+    for name, linear in model.named_modules():
+        if isinstance(linear, Linear) and is_packed(state, plan[f"{name}.weight"]):
+            weight = packed_weight(state, plan[f"{name}.weight"], scheme, path, ops)
+            packed[name] = dataclasses.replace(weight, codes=weight.codes.to(device), scales=weight.scales.to(device))
+    covered = {part for name in packed for part in plan[f"{name}.weight"]}
+    stray = sorted(name[: -len("_packed")] for name in state if name.endswith("_packed") and name[: -len("_packed")] not in covered)
+    if stray:
+        raise UnsupportedCheckpointError(f"{path}: {stray[0]} ships packed, and duet computes it from floats only (quantized experts are not built)")
+    logger.info("%s: %d linear weights kept as their packed %d-bit codes", path, len(packed), scheme.num_bits)
+    return packed
 
 
 def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
@@ -210,8 +241,17 @@ def load_model(
     arch = read_arch(path)
     with torch.device("meta"):
         model = model_class(arch)(arch, max_positions)
+    raw_state = _read_state_dict(path)
+    packed = _packed_linears(model, raw_state, path, device, quantization)
+    for name in packed:  # their blocks are their weights: no float copy is ever allocated
+        model.get_submodule(name).weight = None
     model = model.to_empty(device=device)
-    state = _fused_state_dict(_read_state_dict(path), arch, path)
+    state = _fused_state_dict(raw_state, arch, path, skip={f"{name}.weight" for name in packed})
+    del raw_state
+    for name, weight in packed.items():
+        linear = model.get_submodule(name)
+        linear.attach_gguf(weight)
+        linear.keep_blocks_only()
     for name, param in model.named_parameters():
         tensor = state.pop(name)
         if tensor.shape != param.shape:
@@ -223,10 +263,10 @@ def load_model(
     # Buffers built under the meta device hold no values: build the RoPE table for real.
     model.rotary = RotaryEmbedding(arch, max_positions).to(device)
     if quantization in LOAD_TIME_QUANTIZATIONS:
-        quantize_linears(model, quantization, _block_kernels(device, quantization))
+        quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
         return model.eval()
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.weight is not None:
             module.pack_for_cpu()
     backend = _gguf_backend(path, dtype, device, quantization)
     if backend is not None:
@@ -235,7 +275,8 @@ def load_model(
 
 
 def _block_kernels(device: str, quantization: str):
-    """The kernels that multiply by GGUF blocks on ``device``: C++ on CPU, Triton on a GPU."""
+    """The kernels that multiply by GGUF blocks on ``device``: C++ on CPU, Triton on a GPU
+    (``quantization`` says what needs them, for the error)."""
     if device != "cpu":
         from duet.kernels import triton_gguf
 
@@ -245,7 +286,7 @@ def _block_kernels(device: str, quantization: str):
     backend = cpu_ops.load_gguf()
     if backend is None:
         raise QuantizationError(
-            f"quantization={quantization!r} runs on duet's C++ kernels, which are off (DUET_CPU_OPS=0) or did not build here"
+            f"{quantization} computes on duet's C++ kernels, which are off (DUET_CPU_OPS=0) or did not build here"
         )
     return backend
 

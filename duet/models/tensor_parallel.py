@@ -110,7 +110,10 @@ def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None
     features of ``linear``; its GGUF blocks too where the columns fall on block boundaries (a
     weight kept as blocks alone must have them there)."""
     if linear.weight is None:
-        blocks = linear.gguf.shard(rows, columns)
+        try:
+            blocks = linear.gguf.shard(rows, columns)
+        except ValueError as error:
+            raise ConfigError(f"a weight kept as blocks alone splits by whole blocks only: {error}; choose another tensor_parallel_size") from None
         with torch.device("meta"):
             shard = Linear(blocks.in_features, blocks.codes.shape[0])
         shard.attach_gguf(blocks)
@@ -197,9 +200,11 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
     k_rows = _offset(slice(heads.kv_heads.start * head_dim, heads.kv_heads.stop * head_dim), arch.num_heads * head_dim)
     v_rows = _offset(k_rows, arch.num_kv_heads * head_dim)
 
-    def features_of(size: int) -> slice:
-        unit = BLOCK if size % (BLOCK * world_size) == 0 else 1  # keeps GGUF blocks whole
-        return split_range(size, world_size, rank, unit)
+    def features_of(size: int, blocks_only: bool = False) -> slice:
+        """Even parts that keep GGUF blocks whole where they can; weights that are blocks alone
+        (quantized, or shipped packed) split by whole blocks, evenly or not."""
+        whole_blocks = size % (BLOCK * world_size) == 0 or (blocks_only and size % BLOCK == 0)
+        return split_range(size, world_size, rank, BLOCK if whole_blocks else 1)
 
     features = features_of(arch.intermediate_size)
     for layer in model.layers:
@@ -220,7 +225,7 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
             layer.mlp = SummedOverRanks(mlp, group)
             continue
         size = mlp.down_proj.in_features  # a dense layer of a MoE model has its own width
-        dense = features_of(size)
+        dense = features_of(size, blocks_only=mlp.down_proj.weight is None)
         mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [dense, _offset(dense, size)])
         mlp.down_proj = SummedOverRanks(shard_linear(mlp.down_proj, [slice(None)], dense), group)
     vocab = [split_range(arch.vocab_size, world_size, index) for index in range(world_size)]

@@ -1,0 +1,139 @@
+"""Checkpoints whose linear weights ship quantized (llm-compressor's compressed-tensors
+``pack-quantized``: W4A16 and W8A16), kept in their packed form and computed by duet's block
+kernels (``kernels.gguf``), never dequantized to a resident float copy.
+
+compressed-tensors packs a weight's signed ``num_bits`` codes ``q``, offset to unsigned
+``u = q + 2^(bits-1)``, densely into int32 words along the input features (code ``i`` of each
+32 at bits ``bits * i``), beside a scale ``s`` per group of ``group_size`` input features (or
+per output channel); its weight is ``q * s``. Each group of a multiple of 32 features becomes
+32-weight blocks of the kernels' own layouts, exactly:
+
+- 4 bits: Q4_1 blocks of codes ``u`` (0..15) with scale ``d = s`` and min ``m = -8 s`` (exact:
+  a power of two times ``s``); the kernels' fused ``d * u + m`` rounds ``s * (u - 8) = q * s``
+  once, as compressed-tensors' own ``q * s`` does.
+- 8 bits: Q8_0 blocks of codes ``q`` (int8) with scale ``s``: ``q * s``, rounded once.
+
+Symmetric schemes alone (an asymmetric min ``-(2^(bits-1) + z) s`` is not exact in fp32 for every
+scale), groups of a multiple of 32 features or whole channels, no activation ordering, and
+no quantized activations (W8A8) yet: each is refused at load, naming the field.
+
+Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
+dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
+computes on those very weights, an fp32 one on ``q * s`` unrounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
+from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
+
+FORMATS = ("pack-quantized",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedScheme:
+    """One checkpoint's weight quantization, as its ``quantization_config`` says."""
+
+    num_bits: int
+    group_size: int | None  # None: a scale per output channel
+
+    @property
+    def qtype(self) -> int:
+        return Q4_1 if self.num_bits == 4 else Q8_0
+
+
+def read_scheme(path: Path) -> PackedScheme | None:
+    """The checkpoint's packed scheme from ``config.json``'s ``quantization_config`` (None for a
+    float checkpoint); a scheme duet does not compute exactly is refused, naming the field."""
+    config = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if config is None:
+        return None
+
+    def refuse(field: str, value, wanted: str):
+        raise UnsupportedCheckpointError(f"{path}: quantization_config's {field}={value!r} is not supported: duet reads {wanted}")
+
+    method = config.get("quant_method")
+    if method != "compressed-tensors":
+        refuse("quant_method", method, "'compressed-tensors' checkpoints (GPTQ, AWQ and others are not built yet)")
+    groups = config.get("config_groups") or {}
+    if not groups:
+        refuse("config_groups", groups, "one group of quantized weights")
+    weights = [group.get("weights") for group in groups.values()]
+    if any(weight != weights[0] for weight in weights):
+        refuse("config_groups", sorted(groups), "one weight scheme for every group")
+    for name, group in groups.items():
+        group_format = group.get("format") or config.get("format")
+        if group_format not in FORMATS:
+            refuse(f"config_groups.{name}.format", group_format, f"{', '.join(FORMATS)}")
+        if group.get("input_activations") is not None:
+            refuse(f"config_groups.{name}.input_activations", "...", "weight-only schemes (W4A16, W8A16)")
+    args = weights[0] or {}
+    checks = (
+        ("type", args.get("type"), args.get("type") == "int", "'int'"),
+        ("num_bits", args.get("num_bits"), args.get("num_bits") in (4, 8), "4 or 8"),
+        ("symmetric", args.get("symmetric"), args.get("symmetric") is True, "true"),
+        ("strategy", args.get("strategy"), args.get("strategy") in ("group", "channel"), "'group' or 'channel'"),
+        ("actorder", args.get("actorder"), args.get("actorder") in (None, False), "none"),
+        ("dynamic", args.get("dynamic"), not args.get("dynamic"), "false"),
+    )
+    for field, value, ok, wanted in checks:
+        if not ok:
+            refuse(f"weights.{field}", value, wanted)
+    group_size = args.get("group_size") if args.get("strategy") == "group" else None
+    if group_size is not None and (group_size <= 0 or group_size % BLOCK):
+        refuse("weights.group_size", group_size, f"a multiple of {BLOCK}")
+    return PackedScheme(args["num_bits"], group_size)
+
+
+def is_packed(state: dict[str, torch.Tensor], parts: list[str]) -> bool:
+    """Whether the Hugging Face weights ``parts`` (``x.weight``) ship packed; all or none must."""
+    packed = [f"{part}_packed" in state for part in parts]
+    if any(packed) and not all(packed):
+        raise DamagedCheckpointError(f"of {', '.join(parts)}, only some ship packed: they are computed as one product")
+    return packed[0]
+
+
+def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed weight's unsigned codes ``[out, in]`` (uint8) and its scales per 32-weight block
+    ``[out, in / 32]`` (fp32)."""
+    for suffix in ("_packed", "_scale"):
+        if part + suffix not in state:
+            raise DamagedCheckpointError(f"{path}: tensor {part}{suffix} is missing")
+    packed = state[part + "_packed"]
+    shape = state.get(part + "_shape")
+    out_features = packed.shape[0]
+    in_features = int(shape[1]) if shape is not None else packed.shape[1] * 32 // scheme.num_bits
+    if packed.dtype != torch.int32 or packed.shape[1] * 32 != in_features * scheme.num_bits:
+        raise DamagedCheckpointError(
+            f"{path}: {part}_packed is {packed.dtype} {tuple(packed.shape)}, not {scheme.num_bits}-bit codes of {in_features} features in int32 words"
+        )
+    if in_features % BLOCK:
+        raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not a multiple of {BLOCK}")
+    per_word = 32 // scheme.num_bits
+    shifts = torch.arange(per_word, dtype=torch.int32) * scheme.num_bits
+    codes = ((packed.unsqueeze(-1) >> shifts) & ((1 << scheme.num_bits) - 1)).reshape(out_features, in_features)
+    scale = state[part + "_scale"].float()
+    group = scheme.group_size or in_features
+    if scale.shape != (out_features, in_features // group):
+        raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, in_features // group)}")
+    return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1)
+
+
+def packed_weight(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops) -> GGUFWeight:
+    """The weight made of ``parts``' rows (a fused q/k/v or gate/up product), as blocks for ``ops``."""
+    codes, scales = zip(*(_codes(state, part, scheme, path) for part in parts))
+    codes, scales = torch.cat(codes), torch.cat(scales)
+    out_features, in_features = codes.shape
+    blocks = codes.view(out_features, in_features // BLOCK, BLOCK)
+    if scheme.num_bits == 4:
+        words = q4_1_words(blocks[..., :16] | (blocks[..., 16:] << 4))  # Q4_1's byte order: weight j low, 16 + j high
+        block_scales = torch.stack([scales, -8.0 * scales], dim=-1)
+        return GGUFWeight(words.reshape(out_features, -1).contiguous(), block_scales.reshape(out_features, -1).contiguous(), Q4_1, in_features, ops)
+    signed = (blocks.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+    return GGUFWeight(signed.reshape(out_features, -1).contiguous(), scales.contiguous(), Q8_0, in_features, ops)

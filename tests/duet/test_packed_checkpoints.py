@@ -1,0 +1,145 @@
+"""Checkpoints that ship quantized, written by compressed-tensors as llm-compressor writes them
+(``pack-quantized`` W4A16 and W8A16), kept in their packed form: every packed weight computes
+from blocks that dequantize to compressed-tensors' own dequantization bit for bit, greedy
+output equals transformers running the same checkpoint, no float copy of a packed weight is
+kept, and schemes duet does not compute exactly are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from duet import LLM, SamplingParams
+from duet.errors import UnsupportedCheckpointError
+from duet.models.linear import Linear
+from duet.models.quantize import QuantizationError
+from tests.conftest import make_compressed_checkpoint, make_tiny_model
+from tests.reference import compare_to_reference, hf_greedy
+
+pytest.importorskip("compressed_tensors")  # the writer: in the test extras
+
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
+NEW_TOKENS = 10
+# (family, bits, group size: None for a scale per channel, shape overrides): groups of 128 need
+# 128-wide inputs.
+SCHEMES = {
+    "qwen3-w4-g32": ("qwen3", 4, 32, {}),
+    "qwen3-w4-channel": ("qwen3", 4, None, {}),
+    "llama-w4-g128": ("llama3-rope", 4, 128, dict(hidden_size=128, intermediate_size=256)),
+    "qwen3-w8-g32": ("qwen3", 8, 32, {}),
+    "phi3-w8-channel": ("phi3", 8, None, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            family, bits, group_size, shape = SCHEMES[name]
+            root = tmp_path_factory.mktemp(name)
+            source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
+            path = make_compressed_checkpoint(source, root / "packed", bits, group_size)
+            made[name] = (path, hf_greedy(path, PROMPTS, NEW_TOKENS))
+        return made[name]
+
+    return get
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+
+
+def _reference_weights(path) -> dict[str, torch.Tensor]:
+    """Each packed weight as compressed-tensors' own code dequantizes it."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file
+
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    args = QuantizationArgs(**config["config_groups"]["group_0"]["weights"])
+    state = load_file(str(path / "model.safetensors"))
+    weights = {}
+    for name in state:
+        if name.endswith(".weight_packed"):
+            base = name[: -len("_packed")]
+            codes = unpack_from_int32(state[name], args.num_bits, torch.Size(state[base + "_shape"].tolist()))
+            weights[base] = dequantize(codes, state[base + "_scale"], args=args)
+    return weights
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(checkpoints, name):
+    path, references = checkpoints(name)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    tokens = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
+    for index, (got, reference) in enumerate(zip(tokens, references)):
+        assert compare_to_reference(got, reference, f"{name}, prompt {index}") is None
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel"])
+def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
+    """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows."""
+    from duet.models.loader import _fusion_plan, load_model
+
+    path, _ = checkpoints(name)
+    model = load_model(path, torch.float32, "cpu", 256)
+    reference = _reference_weights(path)
+    plan = _fusion_plan(model.arch)
+    checked = 0
+    for module_name, linear in model.named_modules():
+        if not isinstance(linear, Linear) or module_name == "lm_head":
+            continue
+        assert linear.weight is None and linear.packed_weight is None, f"{module_name} keeps a float weight"
+        expected = torch.cat([reference[part] for part in plan[f"{module_name}.weight"]]).float()
+        assert torch.equal(linear.gguf.dequantize(), expected), module_name
+        checked += 1
+    assert checked == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
+    assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
+
+
+def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(checkpoints, tmp_path, tiny_tokenizer_dir):
+    source = make_tiny_model(tmp_path / "float", tiny_tokenizer_dir, "qwen3")
+    asymmetric = make_compressed_checkpoint(source, tmp_path / "asym", 4, 32, symmetric=False)
+    with pytest.raises(UnsupportedCheckpointError, match="weights.symmetric=False is not supported"):
+        LLM(model=str(asymmetric), num_kv_blocks=16)
+    path, _ = checkpoints("qwen3-w4-g32")
+    config = json.loads((path / "config.json").read_text())
+    edits = {
+        "weights.group_size=16": lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16),
+        "input_activations='...' is not supported: duet reads weight-only": lambda q: q["config_groups"]["group_0"].update(
+            input_activations={"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}
+        ),
+        "quant_method='gptq' is not supported": lambda q: q.update(quant_method="gptq"),
+        "weights.actorder='group' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"),
+    }
+    for message, edit in edits.items():
+        edited = tmp_path / message.split("=")[0].replace(" ", "")
+        edited.mkdir()
+        for file in path.iterdir():
+            (edited / file.name).symlink_to(file)
+        changed = json.loads(json.dumps(config))
+        edit(changed["quantization_config"])
+        (edited / "config.json").unlink()
+        (edited / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(UnsupportedCheckpointError, match=message.replace("(", r"\(").replace(".", r"\.")):
+            LLM(model=str(edited), num_kv_blocks=16)
+    with pytest.raises(QuantizationError, match="ships quantized .4-bit weights.: quantization='int8' does not apply"):
+        LLM(model=str(path), num_kv_blocks=16, quantization="int8")
+
+
+@pytest.mark.slow
+def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, checkpoints):
+    path, references = checkpoints("qwen3-w4-g32")
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        tokens = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
+        for index, (got, reference) in enumerate(zip(tokens, references)):
+            assert compare_to_reference(got, reference, f"W4 at TP=2, prompt {index}") is None
+    finally:
+        llm.engine.close()
