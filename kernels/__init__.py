@@ -40,10 +40,20 @@ def paged_attention(
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
+    """Causal attention over paged KV; with ``window``, each query sees its last ``window`` keys
+    (itself included); with ``softcap``, scores become ``softcap * tanh(score / softcap)``. A
+    step whose every sequence is within the window computes as without one; the masks of a
+    window reached and the caps run in torch (the C++ and Triton kernels have neither)."""
+    if softcap is not None or (window is not None and metadata.max_seq_len > window):
+        attend = lambda *args: paged_attention_torch(*args, window=window, softcap=softcap)  # noqa: E731
+    else:
+        attend = _attend
     if is_quantized(key_cache):  # the query is in the cache's basis already (rope_and_write_kv)
-        return rotate(_attend(query, key_cache, value_cache, metadata, scale))
-    return _attend(query, key_cache, value_cache, metadata, scale)
+        return rotate(attend(query, key_cache, value_cache, metadata, scale))
+    return attend(query, key_cache, value_cache, metadata, scale)
 
 
 def _attend(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:

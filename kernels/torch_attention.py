@@ -40,6 +40,8 @@ def paged_attention_torch(
     metadata: AttentionMetadata,
     scale: float,
     native_ops=None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` (``[num_tokens, num_heads, head_dim]``) over paged KV.
 
@@ -47,7 +49,12 @@ def paged_attention_torch(
     (the C++ CPU kernels), else to one padded batch of torch matmuls; prompt chunks go to
     ``native_ops.prompt_attention`` (tiles of query rows against chunks of keys), or one by
     one to ``scaled_dot_product_attention`` where it declines the head size or is not given.
+    A ``window`` (each query sees keys less than ``window`` positions back) or a ``softcap``
+    (scores ``softcap * tanh(score / softcap)``, as transformers' Gemma computes them) is
+    computed here in torch alone, on the query's device.
     """
+    if window is not None or softcap is not None:
+        native_ops = None
     output = torch.empty_like(query)
     short = [i for i, q_len in enumerate(metadata.query_lens) if q_len <= MAX_BATCHED_QUERY_LEN]
     if short and native_ops is not None:
@@ -56,7 +63,7 @@ def paged_attention_torch(
             metadata.query_start_loc, short, scale,
         )
     elif short:
-        _attend_short_queries(query, key_cache, value_cache, metadata, scale, short, output)
+        _attend_short_queries(query, key_cache, value_cache, metadata, scale, short, output, window, softcap)
     if len(short) < metadata.num_seqs:
         short_set = set(short)
         chunks = [seq for seq in range(metadata.num_seqs) if seq not in short_set]
@@ -66,7 +73,7 @@ def paged_attention_torch(
         ):
             starts = metadata.query_start_loc.tolist()
             for seq in chunks:
-                _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, starts[seq], output)
+                _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, starts[seq], output, window, softcap)
     return output
 
 
@@ -83,7 +90,11 @@ def _compute_dtype(cache: torch.Tensor, query: torch.Tensor) -> torch.dtype:
     return query.dtype if is_quantized(cache) else cache.dtype
 
 
-def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, output) -> None:
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, output, window=None, softcap=None) -> None:
     """All short-query sequences at once: one gather, two batched matmuls, one softmax."""
     num_kv_heads, _, block_size, _ = key_cache.shape
     head_dim = head_dim_of(key_cache)
@@ -114,16 +125,19 @@ def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, 
     # [seqs * max_q, heads, d] -> [kv_heads, seqs, max_q * group, d]
     q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
     q = q.reshape(num_kv_heads, num_seqs, max_q * group, head_dim).to(dtype)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    scores = _capped(torch.matmul(q, keys.transpose(-1, -2)).float() * scale, softcap)
 
-    key_pos = torch.arange(num_blocks * block_size)
-    seq_lens_t = torch.tensor(seq_lens)
-    if max_q == 1:
+    device = query.device
+    key_pos = torch.arange(num_blocks * block_size, device=device)
+    seq_lens_t = torch.tensor(seq_lens, device=device)
+    if max_q == 1 and window is None:
         visible = key_pos[None, :] < seq_lens_t[:, None]
         visible = visible[:, None, :]
     else:
-        q_pos = seq_lens_t[:, None] - torch.tensor(query_lens)[:, None] + torch.arange(max_q)[None, :]
+        q_pos = seq_lens_t[:, None] - torch.tensor(query_lens, device=device)[:, None] + torch.arange(max_q, device=device)[None, :]
         visible = key_pos[None, None, :] <= q_pos[:, :, None]
+        if window is not None:
+            visible &= key_pos[None, None, :] > q_pos[:, :, None] - window
         visible = visible.repeat_interleave(group, dim=1)
     scores.masked_fill_(~visible[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
@@ -134,11 +148,12 @@ def _attend_short_queries(query, key_cache, value_cache, metadata, scale, seqs, 
         output.copy_(out)
         return
     keep = torch.tensor([j < q_len for q_len in query_lens for j in range(max_q)])
-    output[rows.view(-1)[keep]] = out[keep]
+    output[rows.view(-1).to(device)[keep.to(device)]] = out[keep.to(device)]
 
 
-def _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, start, output) -> None:
-    """A prompt chunk: SDPA over its cached context plus itself, causal from its offset."""
+def _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, start, output, window=None, softcap=None) -> None:
+    """A prompt chunk: SDPA over its cached context plus itself, causal from its offset (with a
+    window or a cap, the same by explicit matmuls and softmax)."""
     block_size = key_cache.shape[2]
     dtype = _compute_dtype(key_cache, query)
     q_len = metadata.query_lens[seq]
@@ -149,6 +164,19 @@ def _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, st
     values = _gather_blocks(value_cache, table, num_blocks, dtype)[:, 0, :seq_len]
     q = query[start : start + q_len].transpose(0, 1).to(dtype)  # [heads, q_len, d]
     context = seq_len - q_len
+    if window is not None or softcap is not None:
+        device = query.device
+        q_pos = torch.arange(context, seq_len, device=device)[:, None]
+        key_pos = torch.arange(seq_len, device=device)[None, :]
+        visible = key_pos <= q_pos
+        if window is not None:
+            visible &= key_pos > q_pos - window
+        group = q.shape[0] // keys.shape[0]
+        scores = torch.matmul(q, keys.repeat_interleave(group, dim=0).transpose(-1, -2)).float() * scale
+        scores = _capped(scores, softcap).masked_fill(~visible[None], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values.repeat_interleave(group, dim=0))
+        output[start : start + q_len] = out.transpose(0, 1).to(output.dtype)
+        return
     if context == 0:
         out = torch.nn.functional.scaled_dot_product_attention(
             q[None], keys[None], values[None], is_causal=True, scale=scale, enable_gqa=True

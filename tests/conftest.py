@@ -205,6 +205,30 @@ TINY_FAMILIES = {
             head_dim=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1],
         ),
     ),
+    "gemma2": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=4,
+            sliding_window=24, query_pre_attn_scalar=24, attn_logit_softcapping=0.02, final_logit_softcapping=3.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1, head_dim=32, num_hidden_layers=3,
+            sliding_window=24, query_pre_attn_scalar=32, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mistral-windowed": (
+        "MistralConfig", "MistralForCausalLM",
+        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=20),
+    ),
     "qwen3-moe-normed": (
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         dict(

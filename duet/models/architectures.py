@@ -23,9 +23,67 @@ def _common(config) -> None:
     _check(config, "hidden_act", getattr(config, "hidden_act", "silu") == "silu", "'silu' (SwiGLU) MLPs")
 
 
-def _window(config) -> int | None:
-    """Qwen's window applies only with ``use_sliding_window``."""
-    return config.sliding_window if getattr(config, "use_sliding_window", False) else None
+def _layer_windows(config) -> tuple[int | None, ...] | None:
+    """Each layer's window, where the config gives one: by ``layer_types`` where it has them
+    (Qwen's windowed layers, Gemma's alternation), else on every layer (Mistral, Phi-3)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return (window,) * config.num_hidden_layers
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types)
+    return windows if any(windows) else None
+
+
+def _default_inv_freq(config, theta: float) -> tuple[float, ...]:
+    """RoPE's plain inverse frequencies, as transformers computes them (fp32)."""
+    import torch
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return tuple((1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))).tolist())
+
+
+def _rope_of(config, layer_type: str) -> tuple[tuple[float, ...], float]:
+    """The inverse frequencies and table factor of one layer type's RoPE (Gemma 3's two)."""
+    rope = config.rope_parameters[layer_type]
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return _default_inv_freq(config, rope["rope_theta"]), 1.0
+    if kind not in ("linear", "llama3", "yarn"):
+        raise UnsupportedCheckpointError(f"config.json's rope scaling {kind!r} ({layer_type}) is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", layer_type=layer_type)
+    return tuple(inv_freq.float().tolist()), float(factor)
+
+
+def _gemma_parts(config) -> dict:
+    """What Gemma 2 and 3 share: scaled embeddings, (1 + w) norms, norms around both blocks,
+    GeGLU, their query scale, soft-caps, windowed layers."""
+    _check(config, "hidden_activation", config.hidden_activation == "gelu_pytorch_tanh", "'gelu_pytorch_tanh' (GeGLU)")
+    _check(config, "attention_bias", not getattr(config, "attention_bias", False), "projections without biases")
+    _check(
+        config, "use_bidirectional_attention", not getattr(config, "use_bidirectional_attention", False), "causal attention"
+    )
+    return dict(
+        layer_windows=_layer_windows(config), norm_offset=True, embed_scale=config.hidden_size**0.5, sandwich_norms=True,
+        activation="gelu_tanh", query_scale=config.query_pre_attn_scalar**-0.5, attn_softcap=config.attn_logit_softcapping,
+        final_softcap=config.final_logit_softcapping, checkpoint_names="gemma",
+    )
+
+
+def _gemma2(config) -> LlamaArch:
+    return LlamaArch.from_hf_config(config, **_gemma_parts(config))
+
+
+def _gemma3(config) -> LlamaArch:
+    (global_freq, factor), (local_freq, local_factor) = _rope_of(config, "full_attention"), _rope_of(config, "sliding_attention")
+    _check(config, "rope_parameters", local_factor == 1.0, "a windowed layers' RoPE without a table factor")
+    return LlamaArch.from_hf_config(
+        config, qk_norm=True, rope_inv_freq=global_freq, rope_attention_factor=factor, local_rope_inv_freq=local_freq,
+        **_gemma_parts(config),
+    )
 
 
 def _llama(config) -> LlamaArch:
@@ -37,19 +95,19 @@ def _llama(config) -> LlamaArch:
 
 def _qwen2(config) -> LlamaArch:
     _common(config)
-    return LlamaArch.from_hf_config(config, qkv_bias=True, sliding_window=_window(config))
+    return LlamaArch.from_hf_config(config, qkv_bias=True, layer_windows=_layer_windows(config))
 
 
 def _qwen3(config) -> LlamaArch:
     _common(config)
     return LlamaArch.from_hf_config(
-        config, qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True, sliding_window=_window(config)
+        config, qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True, layer_windows=_layer_windows(config)
     )
 
 
 def _mistral(config) -> LlamaArch:
     _common(config)
-    return LlamaArch.from_hf_config(config, sliding_window=getattr(config, "sliding_window", None))
+    return LlamaArch.from_hf_config(config, layer_windows=_layer_windows(config))
 
 
 def _phi3(config) -> LlamaArch:
@@ -57,12 +115,12 @@ def _phi3(config) -> LlamaArch:
     rope = getattr(config, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     _check(config, "partial_rotary_factor", factor in (None, 1.0), "RoPE over whole heads (1.0)")
-    return LlamaArch.from_hf_config(config, sliding_window=getattr(config, "sliding_window", None), checkpoint_names="phi3")
+    return LlamaArch.from_hf_config(config, layer_windows=_layer_windows(config), checkpoint_names="phi3")
 
 
 def _mixtral(config) -> MixtralArch:
     _common(config)
-    return MixtralArch.from_hf_config(config, sliding_window=getattr(config, "sliding_window", None))
+    return MixtralArch.from_hf_config(config, layer_windows=_layer_windows(config))
 
 
 def _qwen3_moe(config) -> MixtralArch:
@@ -74,7 +132,7 @@ def _qwen3_moe(config) -> MixtralArch:
     )
     base = LlamaArch.from_hf_config(
         config, qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True,
-        sliding_window=_window(config), checkpoint_names="qwen3_moe",
+        layer_windows=_layer_windows(config), checkpoint_names="qwen3_moe",
     )
     return MixtralArch(
         **{**vars(base), "intermediate_size": config.moe_intermediate_size},
@@ -92,6 +150,8 @@ ARCHITECTURES: dict[str, tuple[Callable[[object], LlamaArch], type[LlamaForCausa
     "Phi3ForCausalLM": (_phi3, LlamaForCausalLM),
     "MixtralForCausalLM": (_mixtral, MixtralForCausalLM),
     "Qwen3MoeForCausalLM": (_qwen3_moe, MixtralForCausalLM),
+    "Gemma2ForCausalLM": (_gemma2, LlamaForCausalLM),
+    "Gemma3ForCausalLM": (_gemma3, LlamaForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

@@ -3,8 +3,10 @@
 A Llama is the plain case; the other families configure its parts through ``LlamaArch``
 (``duet.models.architectures`` reads each family's config): q/k/v biases (Qwen 2), per-head
 q/k RMSNorm and a ``head_dim`` of its own (Qwen 3), scaled RoPE (Llama 3's ``rope_scaling``),
-a sliding window no sequence reaches (Mistral, Phi-3: sequences are capped at the window),
-fused checkpoint tensors (Phi-3) and, in ``duet.models.mixtral``, experts (Mixtral, Qwen 3 MoE).
+sliding windows per layer (Mistral, Phi-3, Gemma), fused checkpoint tensors (Phi-3), Gemma's
+scaled embeddings, (1 + w) norms (added at load), norms around both blocks, GeGLU, its own
+query scale, soft-capped scores and logits, and a RoPE of its own for windowed layers; and, in
+``duet.models.mixtral``, experts (Mixtral, Qwen 3 MoE).
 
 The model sees one flat batch of tokens (every sequence's new tokens back to back) and
 returns logits only for the rows the sampler needs.
@@ -16,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from duet.errors import UnsupportedCheckpointError
 from duet.kernels import AttentionMetadata, paged_attention
-from duet.kernels.fused import add_rms_norm, rms_norm, rope_and_write_kv, silu_and_mul
+from duet.kernels.fused import add_rms_norm, greedy_argmax, rms_norm, rope_and_write_kv, silu_and_mul
 from duet.models.decoder_stack import DecoderStack
 from duet.models.linear import Linear
 from duet.models.module import Module
@@ -49,15 +52,27 @@ class LlamaArch:
     # them (``rope_scaling``: llama3, linear, yarn); None: the plain frequencies of ``rope_theta``.
     rope_inv_freq: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0
-    sliding_window: int | None = None  # each token sees this many keys at most (itself included)
+    # Each layer's window (a token sees its last ``window`` keys, itself included), None for a
+    # layer of full attention; None: no windows.
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_inv_freq: tuple[float, ...] | None = None  # windowed layers' RoPE (Gemma 3), else the global one
     checkpoint_names: str = "llama"  # how the checkpoint names its tensors (``loader._fusion_plan``)
+    # Gemma's parts.
+    norm_offset: bool = False  # the checkpoint's norm weights w scale by 1 + w
+    embed_scale: float | None = None  # embeddings times this (rounded to the weights' dtype)
+    sandwich_norms: bool = False  # norms after attention and around the MLP too
+    activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_scale: float | None = None  # scores' scale (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # scores become cap * tanh(score / cap)
+    final_softcap: float | None = None  # logits likewise
 
     @property
     def max_sequence_len(self) -> int:
-        """The longest sequence duet computes exactly: the position table's, and no longer than
-        a sliding window (a window no sequence reaches is full attention; windowed attention in
-        the paged cache is not built)."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        """The longest sequence the position table holds."""
+        return self.max_position_embeddings
+
+    def window(self, layer: int) -> int | None:
+        return None if self.layer_windows is None else self.layer_windows[layer]
 
     @classmethod
     def from_hf_config(cls, config, **parts) -> LlamaArch:
@@ -118,30 +133,33 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE tables (fp32), indexed by position: ``arch``'s frequencies (scaled, or
     those of its ``rope_theta``) and the factor on its tables."""
 
-    def __init__(self, arch: LlamaArch, max_positions: int) -> None:
+    def __init__(self, arch: LlamaArch, max_positions: int, local: bool = False) -> None:
         super().__init__()
         head_dim = arch.head_dim
-        if arch.rope_inv_freq is not None:
-            inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32)
+        scaled = arch.local_rope_inv_freq if local else arch.rope_inv_freq
+        if scaled is not None:
+            inv_freq = torch.tensor(scaled, dtype=torch.float32)
         else:
             inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
-        if arch.rope_attention_factor != 1.0:
+        if arch.rope_attention_factor != 1.0 and not local:
             cos, sin = cos * arch.rope_attention_factor, sin * arch.rope_attention_factor
         self.register_buffer("cos", cos.contiguous(), persistent=False)
         self.register_buffer("sin", sin.contiguous(), persistent=False)
 
 
 class LlamaAttention(Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, layer: int = 0) -> None:
         super().__init__()
+        self.window = arch.window(layer)
+        self.softcap = arch.attn_softcap
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.query_scale or arch.head_dim**-0.5
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, arch.hidden_size)
         size = self.q_size + 2 * self.kv_size
@@ -163,37 +181,58 @@ class LlamaAttention(Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         rope_and_write_kv(q, k, v, positions, rotary.cos, rotary.sin, key_cache, value_cache, metadata.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale, self.window, self.softcap)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 
 class LlamaMLP(Module):
-    """SwiGLU: gate and up projections fused (gate's rows first), then down."""
+    """SwiGLU (GeGLU with ``activation="gelu_tanh"``): gate and up projections fused (gate's rows
+    first), then down."""
 
     def __init__(self, arch: LlamaArch, intermediate_size: int | None = None) -> None:
         super().__init__()
         intermediate_size = intermediate_size or arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, arch.hidden_size)
+        self.gelu = arch.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(Module):
     """Pre-norm block. It takes the normalised input and the residual stream, and returns
     the MLP output for the next norm to add in (norm and residual add are fused)."""
 
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch)
+        self.self_attn = LlamaAttention(arch, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
 
     def forward(self, x, residual, positions, rotary, kv_cache, metadata) -> torch.Tensor:
         attn_out = self.self_attn(x, positions, rotary, kv_cache, metadata)
         return self.mlp(self.post_attention_layernorm(attn_out, residual))
+
+
+class SandwichDecoderLayer(LlamaDecoderLayer):
+    """Gemma's block: the attention's output normalised before it joins the residual stream, and
+    the MLP between a norm of its own and one after it (whose output the next norm adds in)."""
+
+    def __init__(self, arch: LlamaArch, layer: int = 0) -> None:
+        super().__init__(arch, layer)
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, residual, positions, rotary, kv_cache, metadata) -> torch.Tensor:
+        attn_out = self.self_attn(x, positions, rotary, kv_cache, metadata)
+        residual.add_(self.post_attention_layernorm(attn_out))
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -204,7 +243,10 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary = RotaryEmbedding(arch, max_positions)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        # Windowed layers' own RoPE (Gemma 3), or None: every layer takes ``rotary``.
+        self.local_rotary = RotaryEmbedding(arch, max_positions, local=True) if arch.local_rope_inv_freq is not None else None
+        layer_class = SandwichDecoderLayer if arch.sandwich_norms else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_class(arch, index) for index in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
         self.use_decoder_stack = True  # False: every step's layers run in Python (tests compare the two)
@@ -229,13 +271,27 @@ class LlamaForCausalLM(nn.Module):
         Given fewer ``kv_caches`` than layers, only that many first layers run, followed by the
         final norm and LM head: the layer-skip draft.
         """
-        residual = self.embed_tokens(input_ids)
+        residual = self.embed(input_ids)
         x = self.layers[0].input_layernorm(residual)
         mlp_out = self.run_layers(x, residual, positions, kv_caches, metadata, on_layer_done)
         hidden = self.norm(mlp_out, residual)[logits_indices]
-        if excluded_token_ids is not None:
+        if excluded_token_ids is not None and self.arch.final_softcap is None:
             return self.lm_head.argmax(hidden, excluded_token_ids)
-        return self.lm_head(hidden).float()
+        logits = self.logits(hidden)
+        return logits if excluded_token_ids is None else greedy_argmax(logits, excluded_token_ids)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: the tokens' embeddings (times Gemma's scale)."""
+        residual = self.embed_tokens(input_ids)
+        if self.arch.embed_scale is not None:
+            residual = residual * torch.tensor(self.arch.embed_scale).to(residual.dtype)  # fp32 first, as transformers
+        return residual
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final norm's rows (soft-capped where the family caps them)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def run_layers(self, x, residual, positions, kv_caches, metadata, on_layer_done=None) -> torch.Tensor:
         """The first ``len(kv_caches)`` layers, from the first one's normalised input ``x`` and
@@ -243,13 +299,15 @@ class LlamaForCausalLM(nn.Module):
         norm (or the next pipeline stage) to add in. A step of short queries runs them in one
         C++ call (``decoder_stack``) where the model allows, to the same bits."""
         stack = self.decoder_stack() if on_layer_done is None and kv_caches else None
-        if stack is not None and stack.takes(x, metadata):
+        windows = [window for window in self.arch.layer_windows or () if window is not None]
+        if stack is not None and stack.takes(x, metadata) and (not windows or metadata.max_seq_len <= min(windows)):
             return stack.run(x, residual, positions, kv_caches, metadata)
         mlp_out = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if mlp_out is not None:
                 x = layer.input_layernorm(mlp_out, residual)
-            mlp_out = layer(x, residual, positions, self.rotary, kv_cache, metadata)
+            windowed = self.local_rotary is not None and layer.self_attn.window is not None
+            mlp_out = layer(x, residual, positions, self.local_rotary if windowed else self.rotary, kv_cache, metadata)
             if on_layer_done is not None:
                 on_layer_done(index)
         return mlp_out

@@ -89,6 +89,9 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         out = f"layers.{layer}."
         plan[out + "input_layernorm.weight"] = [prefix + "input_layernorm.weight"]
         plan[out + "post_attention_layernorm.weight"] = [prefix + "post_attention_layernorm.weight"]
+        if arch.sandwich_norms:
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                plan[out + f"{norm}.weight"] = [prefix + f"{norm}.weight"]
         fused = arch.checkpoint_names == "phi3"
         plan[out + "self_attn.qkv_proj.weight"] = (
             [attn + "qkv_proj.weight"] if fused else [attn + f"{name}_proj.weight" for name in "qkv"]
@@ -259,9 +262,13 @@ def load_model(
             raise DamagedCheckpointError(
                 f"{path}: {parts} has shape {tuple(tensor.shape)} where config.json gives {tuple(param.shape)}"
             )
+        if arch.norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, added in fp32 as transformers does
+            tensor = 1.0 + tensor.float()
         param.data = tensor.to(device=device, dtype=dtype).contiguous()
-    # Buffers built under the meta device hold no values: build the RoPE table for real.
+    # Buffers built under the meta device hold no values: build the RoPE tables for real.
     model.rotary = RotaryEmbedding(arch, max_positions).to(device)
+    if model.local_rotary is not None:
+        model.local_rotary = RotaryEmbedding(arch, max_positions, local=True).to(device)
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
         return model.eval()

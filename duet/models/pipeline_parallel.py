@@ -59,7 +59,7 @@ class PipelineStage(nn.Module):
         ``received``: the same, from the stage before)."""
         model = self.model
         if self.first:
-            residual = model.embed_tokens(input_ids)
+            residual = model.embed(input_ids)
             x = model.layers[0].input_layernorm(residual)
         else:
             mlp_out, residual = received[0], received[1].clone()
@@ -67,4 +67,4 @@ class PipelineStage(nn.Module):
         mlp_out = model.run_layers(x, residual, positions, kv_caches, metadata, on_layer_done)
         if not self.last:
             return torch.stack([mlp_out, residual])
-        return model.lm_head(model.norm(mlp_out, residual)[logits_indices]).float()
+        return model.logits(model.norm(mlp_out, residual)[logits_indices])

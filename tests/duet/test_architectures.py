@@ -50,16 +50,19 @@ def _check(outputs, references, label: str) -> list[list[int]]:
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_each_family_matches_transformers_batched_with_chunked_prompts(checkpoints, family):
     """Guards each family's parts: Qwen 2's q/k/v biases, Qwen 3's per-head q/k norms and head
-    dims of their own (tied embeddings, 8:1 GQA), Mistral's head_dim, Phi-3's fused tensors,
-    Llama 3's and YaRN's scaled RoPE, Qwen 3 MoE's unnormalised and normalised top-k and its
-    dense layers; the 70-token prompt is computed in chunks of 32 beside the others' decoding."""
+    dims of their own (tied embeddings, 8:1 GQA), Mistral's head_dim and window, Phi-3's fused
+    tensors, Llama 3's and YaRN's scaled RoPE, Qwen 3 MoE's unnormalised and normalised top-k
+    and its dense layers, Gemma 2's soft-capped scores and logits, (1 + w) norms around both
+    blocks, GeGLU and alternating windows, Gemma 3's q/k norms and two RoPEs (linear-scaled
+    global); the 70-token prompt (past every window) is computed in chunks of 32 beside the
+    others' decoding."""
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     _check(llm.generate(PROMPTS, _greedy()), references, family)
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3-moe", "gemma2"])
 def test_ngram_speculation_keeps_each_family_exact(checkpoints, family):
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM)
@@ -82,20 +85,25 @@ def test_the_layers_run_in_python_where_the_cpp_stack_lacks_the_family_parts(che
         assert (stack is not None) == (takes_stack and cpu_ops.load() is not None and cpu_ops.load_gguf() is not None), family
 
 
-def test_a_sliding_window_caps_sequences_at_the_window(tmp_path, tiny_tokenizer_dir):
-    """Attention over a window no sequence reaches is full attention: a Mistral whose window is
-    48 serves sequences up to 48 tokens, with transformers' tokens, and refuses a longer limit."""
-    path = make_tiny_model(tmp_path / "mistral", tiny_tokenizer_dir, "mistral", sliding_window=48)
-    assert read_arch(path).max_sequence_len == 48
-    prompts = [list(range(100, 130)), [3, 4, 5]]
-    references = hf_greedy(path, prompts, NEW_TOKENS)
-    llm = LLM(model=str(path), num_kv_blocks=64)
-    assert llm.engine.scheduler_config.max_model_len == 48
-    _check(llm.generate(prompts, _greedy()), references, "mistral with a window")
-    with pytest.raises(ConfigError, match="exceeds the model's maximum of 48 positions"):
-        LLM(model=str(path), num_kv_blocks=64, max_model_len=64)
+def test_sliding_windows_past_the_window_with_cached_prefixes_and_drafts(checkpoints, tmp_path, tiny_tokenizer_dir):
+    """Layers with a window see their last ``window`` keys once a sequence is longer (Mistral's
+    20, Gemma 3's 24 on two of its three layers): prompts and decodes past the window, a prompt
+    whose first 48 tokens are cached (longer than the window), and n-gram drafts verified past
+    it, each with transformers' tokens. Qwen's window applies only with ``use_sliding_window``."""
+    for family in ("mistral-windowed", "gemma3"):
+        path, _ = checkpoints(family)
+        assert read_arch(path).max_sequence_len == 1024
+        shared = list(range(200, 248))
+        prompts = [shared + [5, 6, 7], shared + [9, 10], [11, 12, 13, 11, 12, 13, 11, 12, 13] * 4]
+        references = hf_greedy(path, prompts, 2 * NEW_TOKENS)
+        params = SamplingParams(temperature=0.0, max_tokens=2 * NEW_TOKENS, min_tokens=2 * NEW_TOKENS)
+        for label, settings in (("cached prefix", {}), ("n-gram drafts", {"speculative_config": NGRAM})):
+            llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, **settings)
+            outputs = [llm.generate([prompt], params)[0] for prompt in prompts]  # one at a time: the second hits the cache
+            _check(outputs, references, f"{family}, {label}")
+            llm.engine.check_integrity()
     qwen = make_tiny_model(tmp_path / "qwen2", tiny_tokenizer_dir, "qwen2", sliding_window=40, use_sliding_window=False)
-    assert read_arch(qwen).max_sequence_len == 1024  # Qwen's window applies only with use_sliding_window
+    assert read_arch(qwen).layer_windows is None
 
 
 def _edit_config(path, **changes) -> None:
@@ -135,10 +143,10 @@ def test_damaged_checkpoints_fail_at_load_naming_the_tensor(tmp_path, tiny_token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "gemma2"])
 def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
     """Each rank holds its heads' rows of the q/k/v biases and the whole per-head norms; a MoE's
-    dense layer splits its own width."""
+    dense layer splits its own width; Gemma 2's soft-capped, windowed heads split as any."""
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
