@@ -1,6 +1,7 @@
-"""A Qwen 3 and a Qwen 3 MoE checkpoint served by PD over HTTP (prompts computed on the prefill
-pool, their KV shipped, decoded with n-gram speculation): every client gets transformers' greedy
-tokens on the same weights, and no block leaks."""
+"""A Qwen 3, a Qwen 3 MoE and a Gemma 3 checkpoint (windows of 24 tokens: every prompt is past
+them) served by PD over HTTP (prompts computed on the prefill pool, their KV shipped, decoded
+with n-gram speculation): every client gets transformers' greedy tokens on the same weights, and
+no block leaks."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _pd_app(model_dir: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe", "gemma3"])
 def test_a_family_served_by_pd_over_http_gives_transformers_tokens(cluster, deploy, smollm2_dir, tmp_path, family):
     model_dir = make_tiny_model(tmp_path / family, smollm2_dir, family)
     references = hf_greedy(model_dir, PROMPTS, NEW_TOKENS)
