@@ -22,7 +22,9 @@ registered only by a declarative deploy (``serve deploy``, the REST API): ``serv
 ``duet up`` uses, has no way to set it.
 
 The rules (``decide``), per pool, from its target (not its running count: replicas starting
-are counted):
+are counted). A replica away from home (``duet.router.roles``) counts for the role it serves,
+load and capacity: each role is sized from the replicas serving it, and its pool's target is
+that less the replicas it borrowed, plus those it lent (``_by_role``).
 
 - prefill: replicas for the prompt backlog, at ``prompt_tokens_per_replica`` each (default: what
   one replica computes in half the TTFT target, at its measured speed); the backlog counts the
@@ -66,7 +68,7 @@ logger = logging.getLogger("ray.serve")
 # What a replica reports to its pool's policy (Serve keeps float series per name).
 METRICS = (
     "prompt_tokens_pending", "new_prompt_tokens_pending", "prefill_tokens_per_s", "ttft_s", "num_running", "num_decode_waiting",
-    "num_decoding_blocks", "num_blocks", "tpot_s", "output_tokens_per_s",
+    "num_decoding_blocks", "num_blocks", "tpot_s", "output_tokens_per_s", "away",
 )
 LOW_LOAD = 0.5  # a pool shrinks when one replica fewer would run below this fraction of each target
 DEFAULT_PROMPT_TOKENS_PER_REPLICA = 2048  # before any replica measured its prompt speed
@@ -75,8 +77,9 @@ START_GRACE_S = 60.0  # a pool does not shrink while the replicas of its last ch
 VIEW_TTL_S = 10.0  # a pool's view (or a router's waiting report) not posted for this long is left out of decisions
 
 
-def autoscaling_metrics(stats: EngineStats) -> dict[str, float]:
-    """A replica's ``METRICS``, from its engine's stats."""
+def autoscaling_metrics(stats: EngineStats, away: bool = False) -> dict[str, float]:
+    """A replica's ``METRICS``, from its engine's stats; ``away``: it serves the other pool's role
+    (``duet.router.roles``)."""
     scheduler, load = stats.scheduler, stats.load
     metrics = {
         "prompt_tokens_pending": scheduler.prompt_tokens_pending,
@@ -89,6 +92,7 @@ def autoscaling_metrics(stats: EngineStats) -> dict[str, float]:
         "num_blocks": stats.kv.num_blocks,
         "tpot_s": load.tpot_s,
         "output_tokens_per_s": load.output_tokens_per_s,
+        "away": away,
     }
     return {name: float(metrics[name]) for name in METRICS}
 
@@ -169,20 +173,47 @@ def decide(
     its bounds, at once. Views of stages without targets (another deployment's pools) are left
     out."""
     views = {stage: view for stage, view in views.items() if stage in targets}
+    roles, moved = _by_role(views)
     decisions = {}
     for stage in ("decode", "colocated"):
         if stage in views:
-            decisions[stage] = _decode(views[stage], targets[stage])
+            decisions[stage] = _decode(roles[stage], targets[stage])
     if "prefill" in views:
         decode = decisions.get("decode")
         decode_short = decode is not None and decode.target > decode.current
-        decisions["prefill"] = _prefill(views["prefill"], targets["prefill"], views.get("decode"), decode_short, waiting_tokens)
+        decisions["prefill"] = _prefill(roles["prefill"], targets["prefill"], roles.get("decode"), decode_short, waiting_tokens)
+    for stage, shift in moved.items():  # back from the role's replicas to the pool's own
+        decision = decisions[stage]
+        decisions[stage] = dataclasses.replace(decision, current=decision.current - shift, target=max(0, decision.target - shift))
     for stage, decision in decisions.items():
         pin = (pins or {}).get(stage)
         if pin is not None:
             decision = dataclasses.replace(decision, target=pin, reason="pinned")
         decisions[stage] = _bounded(decision, views[stage], targets[stage], now)
     return decisions
+
+
+def _by_role(views: dict[str, PoolView]) -> tuple[dict[str, PoolView], dict[str, int]]:
+    """Each PD role's view: the replicas serving it, whichever pool is their home (a replica
+    away from home reports ``away``: its load is the other role's, its capacity too), with the
+    target counting them; and, per pool, how many more replicas serve its role than it owns.
+    A pool's decision is made for its role, then less that difference: a role short of capacity
+    is first answered by the replica it borrowed (a flip before a new replica), and the pool
+    that lent one keeps room for it."""
+    if "prefill" not in views or "decode" not in views:
+        return views, {}
+    prefill, decode = views["prefill"], views["decode"]
+    # Serve averages each metric over its look-back window: away for most of it counts as away.
+    lent = {stage: [replica for replica in view.replicas if replica.get("away", 0.0) >= 0.5] for stage, view in views.items()}
+    kept = {stage: [replica for replica in view.replicas if replica.get("away", 0.0) < 0.5] for stage, view in views.items()}
+    moved = {"prefill": len(lent["decode"]) - len(lent["prefill"]), "decode": len(lent["prefill"]) - len(lent["decode"])}
+    roles = dict(views)
+    for stage, other, view in (("prefill", "decode", prefill), ("decode", "prefill", decode)):
+        num_running = None if view.num_running is None else view.num_running + moved[stage]
+        roles[stage] = dataclasses.replace(
+            view, target=view.target + moved[stage], replicas=kept[stage] + lent[other], num_running=num_running,
+        )
+    return roles, moved
 
 
 def _prefill(view: PoolView, targets: Targets, decode: PoolView | None, decode_short: bool, waiting_tokens: float) -> Decision:

@@ -244,6 +244,9 @@ class EngineReplica:
             raise ReplicaFullError(f"replica {self.replica_id} lost a worker ({self.engine.worker_failure})")
 
     async def _leave_when_departed(self, departed: asyncio.Event) -> None:
+        """Once this replica has left its pool's set (scaled down, replaced), move its decoding
+        sequences away by KV, whatever its home: a prefill replica serving decode moves its
+        streams as a decode replica does (its prompts in flight finish here, refused none)."""
         await departed.wait()
         self.draining = True
         await self.migration.leave(self.home)
@@ -290,7 +293,7 @@ class EngineReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """This replica's load as the pools' autoscaling policies read it (``duet.cluster.autoscale``)."""
-        return autoscaling_metrics(self.engine.stats())
+        return autoscaling_metrics(self.engine.stats(), away=self.role.stage != self.home)
 
     def __del__(self) -> None:
         """Serve stops the replica once its calls ended (or its patience did): let the KV still
@@ -344,7 +347,7 @@ class ServeReplica(EngineReplica):
         if core_sharing is not None:
             engine.core_lease = CoreLease(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])
         super().__init__(replica_id, role_, engine, peers)
-        if role_.stage != "prefill":
+        if self.migration is not None:  # a prefill replica of a PD application may be serving decode when it leaves
             self._spawn(self._leave_when_departed(watch_departure(replica_id)))
         sharing = ", sharing the machine's cores in turns" if core_sharing is not None else ""
         logger.info("%s replica %s ready with %d threads%s", role, replica_id, num_threads, sharing)

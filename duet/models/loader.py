@@ -43,7 +43,7 @@ def resolve_model_path(model: str) -> Path:
 
 
 def max_positions(path: Path) -> int:
-    """The longest sequence duet computes for the model exactly (``LlamaArch.max_sequence_len``)."""
+    """The longest sequence the model's position table holds (``LlamaArch.max_sequence_len``)."""
     return read_arch(path).max_sequence_len
 
 

@@ -270,3 +270,28 @@ def test_contexts_waiting_in_the_routers_grow_the_prefill_pool_until_their_repor
     quiet = one_prompt | {"ttft_s": 0.5}
     assert prefill(_context("waiting", "prefill", {"p1": quiet}, 4, later))[0] == 3  # down, one step at a time
     assert prefill._last.numbers["router_waiting"] == 0
+
+
+def test_a_replica_away_from_home_counts_for_the_role_it_serves():
+    """A prefill replica serving decode (``duet.router.roles``): its decoding KV, its TPOT and its
+    blocks are decode's, not prefill's. The prefill pool, with one replica left on prompts,
+    keeps the one it lent rather than shrinking by it; decode's need is met by the lent replica
+    first, and only a need past it asks for a new decode replica."""
+    away = {"num_decoding_blocks": 500.0, "num_blocks": BLOCKS, "tpot_s": 0.02, "num_decode_waiting": 0.0, "away": 1.0}
+    prefill = prefill_view(2, [100])
+    prefill = dataclasses.replace(prefill, replicas=[prefill.replicas[0], away])
+    decisions = decide({"prefill": prefill, "decode": decode_view(1, [500])}, TARGETS, NOW)
+    assert (decisions["prefill"].current, decisions["prefill"].target, decisions["prefill"].reason) == (2, 2, "steady")
+    # 1000 blocks on the two replicas serving decode, at 50% of 1000 each: what they serve now.
+    assert (decisions["decode"].current, decisions["decode"].target, decisions["decode"].reason) == (1, 1, "steady")
+    assert decisions["decode"].numbers["kv_used_blocks"] == 1000
+    # Counted as home, the idle-looking prefill pool would shrink, by the replica serving decode, say.
+    home = dataclasses.replace(prefill, replicas=[prefill.replicas[0], away | {"away": 0.0}])
+    assert decide({"prefill": home, "decode": decode_view(1, [500])}, TARGETS, NOW)["prefill"].reason == "low_load"
+    # The lent replica's TPOT past the target is decode's breach: one more decode replica.
+    slow = dataclasses.replace(prefill, replicas=[prefill.replicas[0], away | {"tpot_s": 0.5}])
+    grown = decide({"prefill": slow, "decode": decode_view(1, [500])}, TARGETS, NOW)["decode"]
+    assert (grown.current, grown.target, grown.reason) == (1, 2, "tpot")
+    # A replica away for under half of Serve's look-back window still counts as home.
+    brief = dataclasses.replace(prefill, replicas=[prefill.replicas[0], away | {"away": 0.3}])
+    assert decide({"prefill": brief, "decode": decode_view(1, [500])}, TARGETS, NOW)["decode"].numbers["kv_used_blocks"] == 500

@@ -412,3 +412,45 @@ def test_a_busy_decode_replica_sheds_sequences_by_kv_to_one_that_took_the_role(h
     assert prefill_state == ({}, prefill.engine.num_blocks) and decode_state == ({}, decode.engine.num_blocks)
     for replica in home_pair:
         replica.engine.check_integrity()
+
+
+def test_a_prefill_replica_serving_decode_moves_its_streams_when_it_leaves_its_pool(home_pair):
+    """#38: Serve stops a prefill replica (a scale-down, a replacement) while it serves decode:
+    its streams move by KV to the decode pool, end here with ``Moved``, and read on there with
+    the tokens they would have had (greedy and seeded); it refuses new sequences meanwhile, and
+    every block is accounted for after."""
+    from duet.errors import ReplicaFullError
+
+    prefill, decode = home_pair
+    prompt = list(range(100, 150))
+    params = {
+        "greedy": SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40),
+        "seeded": SamplingParams(temperature=0.8, max_tokens=40, min_tokens=40, seed=3),
+    }
+
+    async def run():
+        undisturbed = {name: (await _read(await _placed(decode, EngineRequest(f"alone-{name}", prompt, p))))[0] for name, p in params.items()}
+        assert await prefill.take_role("decode", "p") == "decode"
+        streams = {name: await _placed(prefill, EngineRequest(name, prompt, p)) for name, p in params.items()}
+        read = {name: list((await anext(stream)).token_ids) for name, stream in streams.items()}
+        departed = asyncio.Event()
+        departed.set()
+        leaving = asyncio.create_task(prefill._leave_when_departed(departed))
+        moves = {}
+        for name, stream in streams.items():
+            token_ids, moved = await _read(stream)
+            await stream.aclose()  # the router closes a stream that told it of a move
+            read[name] += token_ids
+            moves[name] = None if moved is None else moved.replica_id
+            read[name] += (await _read(decode.attach(name, "d")))[0]
+        await asyncio.wait_for(leaving, 10)
+        with pytest.raises(ReplicaFullError, match="leaving its pool"):
+            await prefill.reserve(EngineRequest("late", prompt, params["greedy"]))
+        return undisturbed, read, moves, await _settled(prefill), await _settled(decode)
+
+    undisturbed, read, moves, prefill_state, decode_state = asyncio.run(run())
+    assert moves == {"greedy": "d", "seeded": "d"}
+    assert read == undisturbed
+    assert prefill_state == ({}, prefill.engine.num_blocks) and decode_state == ({}, decode.engine.num_blocks)
+    for replica in home_pair:
+        replica.engine.check_integrity()
