@@ -240,15 +240,25 @@ def plan(members: list[Member], settings: RoleSettings, ttft_s: float, tpot_s: f
 
 
 def shed_plan(members: list[Member]) -> tuple[Member, Member, int] | None:
-    """Sequences to move between two replicas serving decode (the busiest to the least busy,
-    half their difference in running sequences) when they differ by ``SHED_GAP`` or more and
-    one of them serves away from home (it took the role, or goes home soon); replicas of the
-    decode pool alone are evened out where sequences are placed (``KVCapacityRouter``)."""
-    decoding = [member for member in members if member.role == "decode" and member.stats is not None and member.stats.worker_failure is None]
+    """Sequences to move by KV: first every decoding sequence left on a replica now serving
+    prefill (a decode replica that took the prefill role, a prefill replica gone home) to the
+    least busy replica serving decode, so its core goes to prompts; else between two replicas
+    serving decode (the busiest to the least busy, half their difference in running sequences)
+    when they differ by ``SHED_GAP`` or more and one of them serves away from home (it took the
+    role, or goes home soon); replicas of the decode pool alone are evened out where sequences
+    are placed (``KVCapacityRouter``)."""
+    healthy = [member for member in members if member.stats is not None and member.stats.worker_failure is None]
+    decoding = [member for member in healthy if member.role == "decode"]
+    if not decoding:
+        return None
+    least = min(decoding, key=lambda member: member.stats.scheduler.num_running)
+    leftovers = [member for member in healthy if member.role == "prefill" and member.stats.scheduler.num_decoding_blocks > 0]
+    if leftovers:  # its prompts in flight cannot move and stay (``Migration.shed`` takes decoding sequences)
+        source = max(leftovers, key=lambda member: member.stats.scheduler.num_decoding_blocks)
+        return source, least, source.stats.scheduler.num_running
     if len(decoding) < 2:
         return None
     busiest = max(decoding, key=lambda member: member.stats.scheduler.num_running)
-    least = min(decoding, key=lambda member: member.stats.scheduler.num_running)
     gap = busiest.stats.scheduler.num_running - least.stats.scheduler.num_running
     return (busiest, least, gap // 2) if gap >= SHED_GAP and (busiest.away or least.away) else None
 

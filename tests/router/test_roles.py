@@ -94,6 +94,22 @@ def test_an_idle_prefill_replica_serves_decode_while_decode_is_busy_and_load_eve
     assert shed_plan([member("decode", "d2"), busy]) is None  # the decode pool's own: evened out where placed
 
 
+def test_decoding_sequences_left_on_a_replica_serving_prefill_move_to_the_least_busy_decoder():
+    """#38: a decode replica that took the prefill role (or a prefill replica gone home) still
+    decodes what it held: those sequences move by KV to the least busy replica serving decode,
+    before any evening out, so its core goes to prompts; with none serving decode they stay."""
+    from duet.router.roles import shed_plan
+
+    took_prefill = member("decode", "d1", role="prefill", num_running=5, num_decoding_blocks=40)
+    busy, idle = member("decode", "d2", num_running=6), member("prefill", "p", role="decode", num_running=1)
+    busiest, least, count = shed_plan([took_prefill, busy, idle])
+    assert (busiest.replica_id, least.replica_id, count) == ("d1", "p", 5)
+    gone_home = member("prefill", "p2", num_running=2, num_decoding_blocks=8)
+    assert [m.replica_id for m in shed_plan([gone_home, busy])[:2]] == ["p2", "d2"]
+    assert shed_plan([member("decode", "d1", role="prefill", num_running=5, num_decoding_blocks=0), busy]) is None  # prompts alone
+    assert shed_plan([took_prefill]) is None
+
+
 class _Pools:
     """Both pools' running replicas and reports, as ``serve_internals.pool_members`` gives them."""
 
