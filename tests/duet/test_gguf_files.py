@@ -1,0 +1,81 @@
+"""GGUF files as llama.cpp writes them, for each architecture duet converts (Llama, Qwen 2,
+Qwen 3), written by gguf's own writer from tiny random models: ``model=`` names the file, it is
+converted once into the cache, its Q8_0 projections compute from their blocks, its tokenizer and
+chat template come from the file, and greedy output equals transformers loading the same file
+(its own GGUF reader: an oracle of the conversion, names, RoPE rows and all)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duet import LLM, SamplingParams
+from duet.errors import UnsupportedCheckpointError
+from duet.kernels import cpu_ops
+from duet.models.linear import Linear
+from tests.conftest import write_tiny_gguf
+
+pytest.importorskip("accelerate")  # transformers reads a GGUF file only with it (the test extras have it)
+
+PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33]
+NEW_TOKENS = 10
+
+
+def _transformers_greedy(gguf_path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+# transformers' GGUF reader takes Qwen 3's head_dim from its config's default (128), not the
+# file's key_length: the tiny Qwen 3 has that head_dim (its hidden size over its heads is 16).
+SHAPES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}}
+
+
+@pytest.mark.parametrize("family", list(SHAPES))
+def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family):
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, **SHAPES[family])
+    references = _transformers_greedy(path, PROMPTS)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    assert [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)] == references
+    llm.engine.check_integrity()
+    if cpu_ops.load_gguf() is not None:  # the projections compute from the file's Q8_0 blocks
+        model = llm.engine.executor.worker.runner.model
+        projections = [module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name]
+        assert projections and all(linear.gguf is not None and linear.gguf.qtype == 8 for linear in projections)
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ours = llm.get_tokenizer()
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+    assert ours.encode("Hello there, world") == theirs.encode("Hello there, world")
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 1
+    LLM(model=str(path), num_kv_blocks=16)  # the second load reads the converted directory
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 1
+
+
+def test_a_gguf_file_of_another_architecture_is_refused_naming_it(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedCheckpointError, match="GGUF architecture 'mamba' is not supported; duet converts llama, qwen2, qwen3"):
+        LLM(model=str(path), num_kv_blocks=16)
