@@ -12,15 +12,16 @@ def _chat(args: argparse.Namespace) -> int:
     from duet import LLM, SamplingParams
     from duet.config import ConfigError
     from duet.errors import CheckpointError
+    from duet.models.loader import ModelNotFoundError
 
     try:
         llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len)
-    except CheckpointError as error:
-        print(
-            f"duet chat: {error}; pass --model smollm2 (fetched on first use) or the path of a local Hugging Face "
-            "model directory (config.json and *.safetensors) or a .gguf file",
-            file=sys.stderr,
-        )
+    except CheckpointError as error:  # not found, or a checkpoint duet does not run (the error names what)
+        hint = (
+            "; pass --model smollm2 (fetched on first use), the path of a local Hugging Face model directory "
+            "(config.json and *.safetensors) or a .gguf file"
+        ) if isinstance(error, ModelNotFoundError) else ""
+        print(f"duet chat: {error}{hint}", file=sys.stderr)
         return 1
     except ConfigError as error:
         print(f"duet chat: {error}", file=sys.stderr)

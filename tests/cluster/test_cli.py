@@ -183,6 +183,16 @@ def test_chat_with_a_model_that_is_not_there_says_what_to_type(capsys, tmp_path)
     assert "--model smollm2" in error and "Hugging Face model directory" in error
 
 
+def test_chat_with_a_model_duet_does_not_run_names_its_architecture(capsys, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    assert main(["chat", "--model", str(tmp_path), "hi"]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "Traceback" not in error
+    assert "architecture ['GPT2LMHeadModel'] is not supported; duet runs LlamaForCausalLM" in error
+
+
 @pytest.fixture
 def ray_auth_env(monkeypatch, tmp_path):
     """No ray imported yet, no mode set, and the token (if any) in tmp_path/auth_token."""
