@@ -8,7 +8,8 @@ beside them rather than between them, so that a step never converts a scale. The
 C++ on CPU (``csrc/gguf_ops.cpp``), Triton on a GPU (``triton_gguf.py``) — dequantize each
 block in registers, to the very floats gguf's own dequantizer gives, and multiply in fp32.
 
-K-quants come in super-blocks of 256 weights whose 32- or 16-weight sub-blocks have integer
+A Q4_0 block (fp16 ``d``, codes ``q``: ``d * (q - 8)``) becomes a Q4_1 block with min ``-8 d``,
+exact, its codes as they are. K-quants come in super-blocks of 256 weights whose 32- or 16-weight sub-blocks have integer
 scales of a super-block scale; ``from_blocks`` rewrites them into the kernels' 32-weight
 blocks, exactly: a Q4_K sub-block's ``d * sc`` and ``dmin * m`` are fp16 times 6-bit integers,
 exact in fp32, so it becomes a Q4_1 block (codes, scale ``d * sc``, min ``-dmin * m``: gguf's
@@ -26,13 +27,14 @@ import dataclasses
 import gguf
 import torch
 
-Q4_1 = 3  # GGML's type ids
+Q4_0 = 2  # GGML's type ids
+Q4_1 = 3
 Q8_0 = 8
 Q4_K = 12
 Q6_K = 14
-_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), then code bytes
+_LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), then code bytes
 _KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q6_K: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
-TYPES = frozenset({Q4_1, Q8_0, Q4_K, Q6_K})  # what the kernels read (K-quants rewritten at load)
+TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K, Q6_K})  # what the kernels read (Q4_0 and K-quants rewritten at load)
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
 SUPER_BLOCK = 256  # weights of a K-quant super-block
@@ -101,7 +103,9 @@ class GGUFWeight:
     def from_blocks(cls, blocks: torch.Tensor, qtype: int, in_features: int, ops) -> GGUFWeight:
         """From the file's rows of blocks (uint8 ``[out_features, blocks * block bytes]``)."""
         if qtype not in TYPES:
-            raise ValueError(f"GGUF type {qtype} is not supported (Q4_1 = {Q4_1}, Q8_0 = {Q8_0}, Q4_K = {Q4_K}, Q6_K = {Q6_K})")
+            raise ValueError(
+                f"GGUF type {qtype} is not supported (Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q8_0 = {Q8_0}, Q4_K = {Q4_K}, Q6_K = {Q6_K})"
+            )
         block, per_block = _K_LAYOUTS[qtype] if qtype in _K_LAYOUTS else (BLOCK, 2 * _LAYOUTS[qtype][0] + _LAYOUTS[qtype][1])
         if in_features % block or blocks.dim() != 2 or blocks.shape[1] != in_features // block * per_block:
             raise ValueError(f"GGUF blocks of shape {tuple(blocks.shape)} do not hold rows of {in_features} weights of type {qtype}")
@@ -113,6 +117,8 @@ class GGUFWeight:
         num_scales = _LAYOUTS[qtype][0]
         scales = rows[..., : 2 * num_scales].contiguous().view(torch.float16).float()
         codes = rows[..., 2 * num_scales :]
+        if qtype == Q4_0:  # d * (q - 8): a Q4_1 block with min -8 d, exact (a power of two times d)
+            scales, qtype = torch.cat([scales, -8.0 * scales], dim=-1), Q4_1
         if qtype == Q4_1:
             codes = q4_1_words(codes)
         return cls(codes.reshape(blocks.shape[0], -1).contiguous(), scales.reshape(blocks.shape[0], -1), qtype, in_features, ops)

@@ -372,10 +372,10 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0, **overrides) -> Path:
+def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0, projections: str = "Q8_0", **overrides) -> Path:
     """One of ``TINY_FAMILIES`` (``llama3-rope`` aside: Llama, Qwen 2, Qwen 3) written as
     llama.cpp's converter writes a GGUF file, with gguf's own writer: its architecture's
-    metadata keys, projections in Q8_0 (gguf's quantizer), the embedding in F16, norms and biases
+    metadata keys, projections in ``projections`` (Q8_0, Q4_0: gguf's quantizer), the embedding in F16, norms and biases
     in F32, a Llama's Q/K rows interleaved for its RoPE, and the tokenizer (byte-level BPE: its
     tokens, types, merges, special ids and chat template) from ``tokenizer_dir``."""
     import gguf
@@ -430,7 +430,8 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = interleave(value, heads if "q_proj" in name else kv_heads)
         if value.ndim == 2 and "embed" not in name:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = getattr(gguf.GGMLQuantizationType, projections)
+            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         elif value.ndim == 2:
             writer.add_tensor(gguf_name, value.astype(np.float16))
         else:

@@ -41,19 +41,21 @@ def _transformers_greedy(gguf_path, prompts: list[list[int]]) -> list[list[int]]
 SHAPES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}}
 
 
-@pytest.mark.parametrize("family", list(SHAPES))
-def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family):
+@pytest.mark.parametrize(("family", "projections"), [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0")])
+def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family, projections):
+    """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1 blocks."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, **SHAPES[family])
+    path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **SHAPES[family])
     references = _transformers_greedy(path, PROMPTS)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     assert [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)] == references
     llm.engine.check_integrity()
-    if cpu_ops.load_gguf() is not None:  # the projections compute from the file's Q8_0 blocks
+    if cpu_ops.load_gguf() is not None:  # the projections compute from the file's blocks
         model = llm.engine.executor.worker.runner.model
-        projections = [module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name]
-        assert projections and all(linear.gguf is not None and linear.gguf.qtype == 8 for linear in projections)
+        linears = [module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name]
+        qtype = {"Q8_0": 8, "Q4_0": 3}[projections]
+        assert linears and all(linear.gguf is not None and linear.gguf.qtype == qtype for linear in linears)
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)

@@ -134,6 +134,18 @@ def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(nam
         GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 500, OPS)
 
 
+def test_q4_0_blocks_are_rewritten_to_q4_1_blocks_that_dequantize_bit_for_bit():
+    """A Q4_0 block's ``d * (q - 8)`` is a Q4_1 block's ``d * q + m`` with ``m = -8 d``, exactly."""
+    rows = torch.randn(40, 256, generator=torch.Generator().manual_seed(4)).numpy()
+    blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_0)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0).astype(np.float32).reshape(40, 256))
+    weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(gguf.GGMLQuantizationType.Q4_0), 256, OPS)
+    assert weight.qtype == 3
+    assert torch.equal(weight.dequantize(), reference)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_malformed_weights_are_refused_with_a_reason():
     weight, _ = quantized(4, 64, TYPES["Q4_1"])
     with pytest.raises(RuntimeError, match="do not hold"):
