@@ -45,10 +45,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention over paged KV; with ``window``, each query sees its last ``window`` keys
     (itself included); with ``softcap``, scores become ``softcap * tanh(score / softcap)``. A
-    step whose every sequence is within the window computes as without one; the masks of a
-    window reached and the caps run in torch (the C++ and Triton kernels have neither)."""
+    step whose every sequence is within the window computes as without one. On CPU a window
+    reached is masked by the C++ kernel of short queries (decode, verification) and in torch
+    for prompt chunks; caps, and windows on a GPU (the Triton kernels have neither), in torch."""
     if softcap is not None or (window is not None and metadata.max_seq_len > window):
-        attend = lambda *args: paged_attention_torch(*args, window=window, softcap=softcap)  # noqa: E731
+        native_ops = None if query.is_cuda else cpu_ops.load()
+        attend = lambda *args: paged_attention_torch(*args, native_ops=native_ops, window=window, softcap=softcap)  # noqa: E731
     else:
         attend = _attend
     if is_quantized(key_cache):  # the query is in the cache's basis already (rope_and_write_kv)

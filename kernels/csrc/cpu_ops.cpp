@@ -18,11 +18,15 @@
 
 namespace {
 
+// The first key a query row sees: with a sliding window (window > 0) of `window` keys, itself
+// included, the last `window` of the `visible` ones.
+inline int64_t first_key(int64_t visible, int64_t window) { return window > 0 ? std::max<int64_t>(0, visible - window) : 0; }
+
 // Causal attention over paged KV for every query row of the sequences seq_ids names, the
 // tensors as PagedCall (kv_rows.h) reads them; for any head size and group.
 template <typename scalar_t, typename Rows>
 void paged_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
-                            double scale) {
+                            double scale, int64_t window) {
   using cache_t = typename Rows::cache_t;
   const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads, group = call.group;
 
@@ -38,14 +42,15 @@ void paged_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item / num_kv_heads], row = item_row[item / num_kv_heads];
       const int64_t h = item % num_kv_heads;
-      const int64_t visible = call.context_len(s) + (row - call.starts[s]) + 1;
+      const int64_t end_key = call.context_len(s) + (row - call.starts[s]) + 1, first = first_key(end_key, window);
+      const int64_t visible = end_key - first;
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* src = call.query_at(row, h * group + g);
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_float(src[d]) * scale_f;
       }
       scores.resize(group * visible);
       for (int64_t t = 0; t < visible; ++t) {
-        const cache_t* k = call.k_ptr + call.kv_offset(s, h, t);
+        const cache_t* k = call.k_ptr + call.kv_offset(s, h, first + t);
         const float k_scale = Rows::scale(k, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
@@ -68,7 +73,7 @@ void paged_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& c
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < visible; ++t) {
-        const cache_t* v = call.v_ptr + call.kv_offset(s, h, t);
+        const cache_t* v = call.v_ptr + call.kv_offset(s, h, first + t);
         const float v_scale = Rows::scale(v, head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * visible + t] * v_scale;
@@ -138,7 +143,7 @@ inline vf transpose_sum(vf* p) {
 
 template <typename scalar_t, typename Rows, int DV>
 void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
-                             double scale) {
+                             double scale, int64_t window) {
   using cache_t = typename Rows::cache_t;
   const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads;
   const int group = static_cast<int>(call.group);
@@ -156,7 +161,7 @@ void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item / num_kv_heads], row = item_row[item / num_kv_heads];
       const int64_t h = item % num_kv_heads;
-      const int64_t visible = call.context_len(s) + (row - call.starts[s]) + 1;
+      const int64_t visible = call.context_len(s) + (row - call.starts[s]) + 1, first = first_key(visible, window);
       for (int g = 0; g < group; ++g) {
         const scalar_t* src = call.query_at(row, h * group + g);
         for (int j = 0; j < DV; ++j) {
@@ -173,7 +178,7 @@ void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
       // the block table. The next chunk's rows lie wherever the table put them, where the
       // hardware prefetchers cannot guess: they are asked for while this chunk computes.
       int64_t offsets[2][kLanes];
-      int64_t block = 0, slot = 0;  // where the next token to place lies
+      int64_t block = first / call.block_size, slot = first % call.block_size;  // where the next token to place lies
       auto place = [&](int64_t* into, int64_t count) {
         for (int64_t t = 0; t < count; ++t) {
           into[t] = table[block] * call.block_stride + slot * call.token_stride;
@@ -183,8 +188,8 @@ void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
           }
         }
       };
-      place(offsets[0], std::min<int64_t>(kLanes, visible));
-      for (int64_t t0 = 0, current = 0; t0 < visible; t0 += kLanes, current ^= 1) {
+      place(offsets[0], std::min<int64_t>(kLanes, visible - first));
+      for (int64_t t0 = first, current = 0; t0 < visible; t0 += kLanes, current ^= 1) {
         const int n = static_cast<int>(std::min<int64_t>(kLanes, visible - t0));
         const int64_t* rows = offsets[current];
         int64_t* next = offsets[current ^ 1];
@@ -368,7 +373,7 @@ namespace duet_cpu {
 
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                     std::vector<int64_t> seq_ids, double scale) {
+                     std::vector<int64_t> seq_ids, double scale, int64_t window) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");
@@ -379,11 +384,11 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
       const PagedCall<scalar_t, typename Rows::cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                              query_start_loc);
       if (group <= kMaxGroup && head_dim == 64)
-        decode_attention_kernel<scalar_t, Rows, 64 / kLanes>(call, seq_ids, scale);
+        decode_attention_kernel<scalar_t, Rows, 64 / kLanes>(call, seq_ids, scale, window);
       else if (group <= kMaxGroup && head_dim == 128)
-        decode_attention_kernel<scalar_t, Rows, 128 / kLanes>(call, seq_ids, scale);
+        decode_attention_kernel<scalar_t, Rows, 128 / kLanes>(call, seq_ids, scale, window);
       else
-        paged_attention_kernel<scalar_t, Rows>(call, seq_ids, scale);
+        paged_attention_kernel<scalar_t, Rows>(call, seq_ids, scale, window);
     });
   });
 }

@@ -8,9 +8,10 @@
 
 namespace duet_cpu {
 
+// window > 0: each query row sees its last `window` keys (itself included), a sliding window.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                     std::vector<int64_t> seq_ids, double scale);
+                     std::vector<int64_t> seq_ids, double scale, int64_t window);
 // Attention for prompt chunks (prompt_attention.cpp), with paged_attention's arguments; false,
 // having done nothing, where head_dim is not a multiple of its tiles' width.
 bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,

@@ -121,7 +121,7 @@ class DecoderStack {
       timed(kAttention, [&] {
         attended = torch::empty_like(q);
         paged_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens, query_start_loc,
-                        seq_ids, scale_);
+                        seq_ids, scale_, /*window=*/0);  // a windowed model's steps past its window keep the Python loop
         if (rotation) attended = torch::matmul(attended, *rotation);  // out of the cache's basis
       });
       torch::Tensor attn_out = linear(attended.view({tokens, q_size}), layer.o);

@@ -41,7 +41,7 @@ def _metadata(query_lens, seq_lens, block_size, num_blocks, generator):
     )
 
 
-def _reference_attention(query, key_cache, value_cache, md, scale):
+def _reference_attention(query, key_cache, value_cache, md, scale, window=None, softcap=None):
     num_kv_heads, _, block_size, _ = key_cache.shape
     group = query.shape[1] // num_kv_heads
     out = torch.empty_like(query, dtype=torch.float64)
@@ -53,8 +53,12 @@ def _reference_attention(query, key_cache, value_cache, md, scale):
         values = value_cache[:, blocks, positions % block_size].double().repeat_interleave(group, 0)
         q = query[start : start + q_len].double().transpose(0, 1)
         scores = q @ keys.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(s_len - q_len, s_len)
         scores.masked_fill_(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if window is not None:
+            scores.masked_fill_(positions[None, None, :] <= q_pos[None, :, None] - window, float("-inf"))
         out[start : start + q_len] = (scores.softmax(-1) @ values).transpose(0, 1)
     return out
 
@@ -83,6 +87,30 @@ def test_paged_attention_matches_reference(impl, case, heads):
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
     got = paged_attention_torch(query, key_cache, value_cache, md, 0.125, native_ops=NATIVE if impl == "cpp" else None)
     torch.testing.assert_close(got.double(), _reference_attention(query, key_cache, value_cache, md, 0.125), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("head_dim", [64, 32])  # the vector kernel's, and the generic one's
+@pytest.mark.parametrize(("window", "softcap"), [(7, None), (20, None), (1, None), (12, 0.5), (None, 0.3)])
+def test_windowed_and_soft_capped_attention_matches_reference(impl, case, head_dim, window, softcap):
+    """Guards sliding windows (each row sees its last ``window`` keys, from a start inside a
+    block, across blocks, the query alone at 1) and soft-capped scores, dispatched as the model
+    calls them: decode rows and spans through the C++ kernel, chunks and caps in torch."""
+    from duet.kernels import paged_attention
+
+    generator = torch.Generator().manual_seed(1)
+    query_lens, seq_lens = CASES[case]
+    md = _metadata(query_lens, seq_lens, 16, 24, generator)
+    key_cache = torch.randn(3, 24, 16, head_dim, generator=generator)
+    value_cache = torch.randn(3, 24, 16, head_dim, generator=generator)
+    query = torch.randn(sum(query_lens), 9, head_dim, generator=generator)
+    if impl == "cpp":
+        got = paged_attention(query, key_cache, value_cache, md, 0.125, window, softcap)
+    else:
+        got = paged_attention_torch(query, key_cache, value_cache, md, 0.125, window=window, softcap=softcap)
+    expected = _reference_attention(query, key_cache, value_cache, md, 0.125, window, softcap)
+    torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=1e-4)
 
 
 def _rising_keys(query_lens, seq_lens, heads, head_dim, block_size, dtype, seed):
