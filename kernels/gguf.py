@@ -9,15 +9,15 @@ C++ on CPU (``csrc/gguf_ops.cpp``), Triton on a GPU (``triton_gguf.py``) — deq
 block in registers, to the very floats gguf's own dequantizer gives, and multiply in fp32.
 
 A Q4_0 block (fp16 ``d``, codes ``q``: ``d * (q - 8)``) becomes a Q4_1 block with min ``-8 d``,
-exact, its codes as they are. K-quants come in super-blocks of 256 weights whose 32- or 16-weight sub-blocks have integer
-scales of a super-block scale; ``from_blocks`` rewrites them into the kernels' 32-weight
-blocks, exactly: a Q4_K sub-block's ``d * sc`` and ``dmin * m`` are fp16 times 6-bit integers,
-exact in fp32, so it becomes a Q4_1 block (codes, scale ``d * sc``, min ``-dmin * m``: gguf's
-``d * sc * q - dmin * m`` rounds once, as the kernels' fma does); a Q6_K block of 32 keeps its
-codes less 32 as int8 and the fp32 scales ``d * sc`` of its two halves (``Q6_K``'s layout in
-the kernels: fp16 times int8 times a 6-bit code is exact in fp32). The codes stay 4- and
-6-bit values; only their container widens (Q4_K: 0.75 byte a weight against 0.5625 in the
-file; Q6_K: 1.25 against 0.82).
+exact, its codes as they are. K-quants come in super-blocks of 256 weights whose 32- or
+16-weight sub-blocks have integer scales of a super-block scale; ``from_blocks`` rewrites them
+into the kernels' 32-weight blocks, exactly: a Q4_K sub-block's ``d * sc`` and ``dmin * m`` are
+fp16 times 6-bit integers, exact in fp32, so it becomes a Q4_1 block (codes, scale ``d * sc``,
+min ``-dmin * m``: gguf's ``d * sc * q - dmin * m`` rounds once, as the kernels' fma does); a
+Q6_K block of 32 keeps its codes less 32 as int8 and the fp32 scales ``d * sc`` of its two
+halves (``Q6_K``'s layout in the kernels: fp16 times int8 times a 6-bit code is exact in fp32).
+The codes stay 4- and 6-bit values; only their container widens (Q4_K: 0.75 byte a weight
+against 0.5625 in the file; Q6_K: 1.25 against 0.82).
 """
 
 from __future__ import annotations
