@@ -56,7 +56,10 @@ class DecoderStack:
             return None
         attention = layers[0].self_attn
         plans = [
-            (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(linear.plan() for linear in _linears(layer)))
+            (
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(linear.plan() for linear in _linears(layer)),
+                layer.self_attn.window or 0,
+            )
             for layer in layers
         ]
         native = ops.DecoderStack(

@@ -299,8 +299,7 @@ class LlamaForCausalLM(nn.Module):
         norm (or the next pipeline stage) to add in. A step of short queries runs them in one
         C++ call (``decoder_stack``) where the model allows, to the same bits."""
         stack = self.decoder_stack() if on_layer_done is None and kv_caches else None
-        windows = [window for window in self.arch.layer_windows or () if window is not None]
-        if stack is not None and stack.takes(x, metadata) and (not windows or metadata.max_seq_len <= min(windows)):
+        if stack is not None and stack.takes(x, metadata):
             return stack.run(x, residual, positions, kv_caches, metadata)
         mlp_out = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

@@ -38,6 +38,7 @@ struct LinearPlan {
 struct LayerPlan {
   torch::Tensor input_norm, post_norm;
   LinearPlan qkv, o, gate_up, down;
+  int64_t window;  // its sliding window (0: none), as paged_attention takes it
 };
 
 using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, std::optional<torch::Tensor>,
@@ -87,9 +88,9 @@ class DecoderStack {
         gguf_dequantize_(op<Dequantize>("duet_gguf::dequantize")),
         linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")) {
     for (const auto& layer : layers) {
-      TORCH_CHECK(layer.size() == 6, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down)");
-      layers_.push_back({layer[0].cast<torch::Tensor>(), layer[1].cast<torch::Tensor>(),
-                         linear_plan(layer[2]), linear_plan(layer[3]), linear_plan(layer[4]), linear_plan(layer[5])});
+      TORCH_CHECK(layer.size() == 7, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down, window)");
+      layers_.push_back({layer[0].cast<torch::Tensor>(), layer[1].cast<torch::Tensor>(), linear_plan(layer[2]),
+                         linear_plan(layer[3]), linear_plan(layer[4]), linear_plan(layer[5]), layer[6].cast<int64_t>()});
     }
   }
 
@@ -121,7 +122,7 @@ class DecoderStack {
       timed(kAttention, [&] {
         attended = torch::empty_like(q);
         paged_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens, query_start_loc,
-                        seq_ids, scale_, /*window=*/0);  // a windowed model's steps past its window keep the Python loop
+                        seq_ids, scale_, layer.window);
         if (rotation) attended = torch::matmul(attended, *rotation);  // out of the cache's basis
       });
       torch::Tensor attn_out = linear(attended.view({tokens, q_size}), layer.o);
