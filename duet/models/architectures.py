@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from duet.errors import UnsupportedCheckpointError
-from duet.models.llama import LlamaArch, LlamaForCausalLM
+from duet.models.llama import LlamaArch, LlamaForCausalLM, rope_scaling
 from duet.models.mixtral import MixtralArch, MixtralForCausalLM
 
 
@@ -36,28 +36,6 @@ def _layer_windows(config) -> tuple[int | None, ...] | None:
     return windows if any(windows) else None
 
 
-def _default_inv_freq(config, theta: float) -> tuple[float, ...]:
-    """RoPE's plain inverse frequencies, as transformers computes them (fp32)."""
-    import torch
-
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return tuple((1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))).tolist())
-
-
-def _rope_of(config, layer_type: str) -> tuple[tuple[float, ...], float]:
-    """The inverse frequencies and table factor of one layer type's RoPE (Gemma 3's two)."""
-    rope = config.rope_parameters[layer_type]
-    kind = rope.get("rope_type", "default")
-    if kind == "default":
-        return _default_inv_freq(config, rope["rope_theta"]), 1.0
-    if kind not in ("linear", "llama3", "yarn"):
-        raise UnsupportedCheckpointError(f"config.json's rope scaling {kind!r} ({layer_type}) is not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", layer_type=layer_type)
-    return tuple(inv_freq.float().tolist()), float(factor)
-
-
 def _gemma_parts(config) -> dict:
     """What Gemma 2 and 3 share: scaled embeddings, (1 + w) norms, norms around both blocks,
     GeGLU, their query scale, soft-caps, windowed layers."""
@@ -78,11 +56,12 @@ def _gemma2(config) -> LlamaArch:
 
 
 def _gemma3(config) -> LlamaArch:
-    (global_freq, factor), (local_freq, local_factor) = _rope_of(config, "full_attention"), _rope_of(config, "sliding_attention")
-    _check(config, "rope_parameters", local_factor == 1.0, "a windowed layers' RoPE without a table factor")
+    """Two RoPEs: the global layers' (scaled or not), the windowed layers' plain one."""
+    full, local = config.rope_parameters["full_attention"], config.rope_parameters["sliding_attention"]
+    _check(config, "rope_parameters", local.get("rope_type", "default") == "default", "plain RoPE on the windowed layers")
     return LlamaArch.from_hf_config(
-        config, qk_norm=True, rope_inv_freq=global_freq, rope_attention_factor=factor, local_rope_inv_freq=local_freq,
-        **_gemma_parts(config),
+        config, qk_norm=True, rope_theta=float(full["rope_theta"]), **rope_scaling(config, full, "full_attention"),
+        local_rope_theta=float(local["rope_theta"]), **_gemma_parts(config),
     )
 
 

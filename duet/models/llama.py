@@ -55,7 +55,7 @@ class LlamaArch:
     # Each layer's window (a token sees its last ``window`` keys, itself included), None for a
     # layer of full attention; None: no windows.
     layer_windows: tuple[int | None, ...] | None = None
-    local_rope_inv_freq: tuple[float, ...] | None = None  # windowed layers' RoPE (Gemma 3), else the global one
+    local_rope_theta: float | None = None  # windowed layers' own plain RoPE (Gemma 3); None: the global one
     checkpoint_names: str = "llama"  # how the checkpoint names its tensors (``loader._fusion_plan``)
     # Gemma's parts.
     norm_offset: bool = False  # the checkpoint's norm weights w scale by 1 + w
@@ -80,8 +80,7 @@ class LlamaArch:
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         theta = rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        parts = {**_rope_scaling(config, rope), **parts}
-        return cls(
+        shape = dict(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -93,8 +92,8 @@ class LlamaArch:
             rope_theta=float(theta),
             max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            **parts,
         )
+        return cls(**{**shape, **rope_scaling(config, rope), **parts})
 
 
 # RoPE scalings whose tables are fixed per position (``dynamic`` changes them as a sequence grows,
@@ -102,9 +101,11 @@ class LlamaArch:
 _ROPE_SCALINGS = ("linear", "llama3", "yarn")
 
 
-def _rope_scaling(config, rope: dict) -> dict:
-    """The ``rope_inv_freq`` and ``rope_attention_factor`` of a scaled RoPE, computed by
-    transformers' own functions for its type (the frequencies are the checkpoint's definition)."""
+def rope_scaling(config, rope: dict, layer_type: str | None = None) -> dict:
+    """The ``rope_inv_freq`` and ``rope_attention_factor`` of a scaled RoPE (``rope``: the
+    config's RoPE parameters, of ``layer_type`` where they are per layer type), computed by
+    transformers' own functions for its type (the frequencies are the checkpoint's definition);
+    none for a plain one."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in ("default", None):
         return {}
@@ -112,7 +113,7 @@ def _rope_scaling(config, rope: dict) -> dict:
         raise UnsupportedCheckpointError(f"config.json's rope scaling {rope_type!r} is not supported: duet runs {('default', *_ROPE_SCALINGS)}")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **({"layer_type": layer_type} if layer_type else {}))
     return {"rope_inv_freq": tuple(inv_freq.float().tolist()), "rope_attention_factor": float(factor)}
 
 
@@ -131,16 +132,18 @@ class RMSNorm(Module):
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE tables (fp32), indexed by position: ``arch``'s frequencies (scaled, or
-    those of its ``rope_theta``) and the factor on its tables."""
+    those of its ``rope_theta``) and the factor on its tables; ``local``: its windowed layers'
+    (plain, of ``local_rope_theta``)."""
 
     def __init__(self, arch: LlamaArch, max_positions: int, local: bool = False) -> None:
         super().__init__()
         head_dim = arch.head_dim
-        scaled = arch.local_rope_inv_freq if local else arch.rope_inv_freq
+        scaled = None if local else arch.rope_inv_freq
         if scaled is not None:
             inv_freq = torch.tensor(scaled, dtype=torch.float32)
         else:
-            inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            theta = arch.local_rope_theta if local else arch.rope_theta
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         if arch.rope_attention_factor != 1.0 and not local:
@@ -244,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary = RotaryEmbedding(arch, max_positions)
         # Windowed layers' own RoPE (Gemma 3), or None: every layer takes ``rotary``.
-        self.local_rotary = RotaryEmbedding(arch, max_positions, local=True) if arch.local_rope_inv_freq is not None else None
+        self.local_rotary = RotaryEmbedding(arch, max_positions, local=True) if arch.local_rope_theta is not None else None
         layer_class = SandwichDecoderLayer if arch.sandwich_norms else LlamaDecoderLayer
         self.layers = nn.ModuleList(layer_class(arch, index) for index in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
