@@ -16,11 +16,15 @@ class Reference:
     top2_gaps: list[float]  # logit(best) - logit(second) at each generated position
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32) -> list[Reference]:
-    """transformers ``generate(do_sample=False)`` one prompt at a time (no padding effects)."""
+def hf_greedy(
+    model_dir, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32, gguf_file: str | None = None
+) -> list[Reference]:
+    """transformers ``generate(do_sample=False)`` one prompt at a time (no padding effects), on the
+    checkpoint in ``model_dir`` (its GGUF file ``gguf_file``, read by transformers' own reader)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs).eval()
     references = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -55,3 +59,13 @@ def compare_to_reference(got: list[int], reference: Reference, label: str) -> st
             return f"{label}: split from transformers at token {position} where its top-2 gap is {gap:.1e}"
     assert len(got) == len(reference.token_ids), f"{label}: {len(got)} tokens, transformers {len(reference.token_ids)}"
     return None
+
+
+def check_outputs(outputs, references: list[Reference], label: str) -> list[list[int]]:
+    """Each request's tokens (``RequestOutput``s, as ``LLM.generate`` gives them) against its
+    reference (``compare_to_reference``); the tokens."""
+    tokens = [output.outputs[0].token_ids for output in outputs]
+    assert len(tokens) == len(references)
+    for index, (got, reference) in enumerate(zip(tokens, references)):
+        assert compare_to_reference(got, reference, f"{label}, prompt {index}") is None
+    return tokens

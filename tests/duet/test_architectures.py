@@ -15,7 +15,7 @@ from duet.config import ConfigError
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.models.loader import read_arch
 from tests.conftest import TINY_FAMILIES, make_tiny_model
-from tests.reference import compare_to_reference, hf_greedy
+from tests.reference import check_outputs, hf_greedy
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3, "adaptive": False}
@@ -40,13 +40,6 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
 
-def _check(outputs, references, label: str) -> list[list[int]]:
-    tokens = [output.outputs[0].token_ids for output in outputs]
-    for index, (got, reference) in enumerate(zip(tokens, references)):
-        assert compare_to_reference(got, reference, f"{label}, prompt {index}") is None
-    return tokens
-
-
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_each_family_matches_transformers_batched_with_chunked_prompts(checkpoints, family):
     """Guards each family's parts: Qwen 2's q/k/v biases, Qwen 3's per-head q/k norms and head
@@ -58,7 +51,7 @@ def test_each_family_matches_transformers_batched_with_chunked_prompts(checkpoin
     others' decoding."""
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
-    _check(llm.generate(PROMPTS, _greedy()), references, family)
+    check_outputs(llm.generate(PROMPTS, _greedy()), references, family)
     llm.engine.check_integrity()
 
 
@@ -66,7 +59,7 @@ def test_each_family_matches_transformers_batched_with_chunked_prompts(checkpoin
 def test_ngram_speculation_keeps_each_family_exact(checkpoints, family):
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM)
-    _check(llm.generate(PROMPTS, _greedy()), references, f"{family} with n-gram drafts")
+    check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} with n-gram drafts")
     llm.engine.check_integrity()
 
 
@@ -100,7 +93,7 @@ def test_sliding_windows_past_the_window_with_cached_prefixes_and_drafts(checkpo
         for label, settings in (("cached prefix", {}), ("n-gram drafts", {"speculative_config": NGRAM})):
             llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, **settings)
             outputs = [llm.generate([prompt], params)[0] for prompt in prompts]  # one at a time: the second hits the cache
-            _check(outputs, references, f"{family}, {label}")
+            check_outputs(outputs, references, f"{family}, {label}")
             llm.engine.check_integrity()
     qwen = make_tiny_model(tmp_path / "qwen2", tiny_tokenizer_dir, "qwen2", sliding_window=40, use_sliding_window=False)
     assert read_arch(qwen).layer_windows is None
@@ -150,7 +143,7 @@ def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
-        _check(llm.generate(PROMPTS, _greedy()), references, f"{family} at TP=2")
+        check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} at TP=2")
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
@@ -182,4 +175,4 @@ def test_a_sharded_checkpoint_loads_from_its_shards(checkpoints, tmp_path, tiny_
     path = make_tiny_model(tmp_path / "sharded", tiny_tokenizer_dir, "qwen3", max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256)
-    _check(llm.generate(PROMPTS, _greedy()), references, "qwen3 from shards")
+    check_outputs(llm.generate(PROMPTS, _greedy()), references, "qwen3 from shards")

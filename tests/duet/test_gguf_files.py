@@ -9,34 +9,19 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 
 from duet import LLM, SamplingParams
 from duet.errors import UnsupportedCheckpointError
 from duet.kernels import cpu_ops
 from duet.models.linear import Linear
 from tests.conftest import write_tiny_gguf
+from tests.reference import check_outputs, hf_greedy
 
 # transformers reads a GGUF file only with accelerate (the test extras have it); found, not imported.
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate is not installed")
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33]
 NEW_TOKENS = 10
-
-
-def _transformers_greedy(gguf_path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            generated = model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
-                max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
 
 
 # transformers' GGUF reader takes Qwen 3's head_dim from its config's default (128), not the
@@ -49,10 +34,10 @@ def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, m
     """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1 blocks."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
     path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **SHAPES[family])
-    references = _transformers_greedy(path, PROMPTS)
+    references = hf_greedy(tmp_path, PROMPTS, NEW_TOKENS, gguf_file=path.name)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    assert [output.outputs[0].token_ids for output in llm.generate(PROMPTS, params)] == references
+    check_outputs(llm.generate(PROMPTS, params), references, f"{family} from {projections} GGUF")
     llm.engine.check_integrity()
     if cpu_ops.load_gguf() is not None:  # the projections compute from the file's blocks
         model = llm.engine.executor.worker.runner.model

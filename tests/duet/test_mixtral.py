@@ -9,7 +9,7 @@ import pytest
 from duet import LLM, SamplingParams
 from duet.config import ConfigError
 from tests.conftest import make_tiny_mixtral
-from tests.reference import compare_to_reference, hf_greedy
+from tests.reference import check_outputs, hf_greedy
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 
@@ -28,18 +28,11 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
 
 
-def _check(outputs, references) -> list[list[int]]:
-    tokens = [output.outputs[0].token_ids for output in outputs]
-    for index, (got, reference) in enumerate(zip(tokens, references)):
-        assert compare_to_reference(got, reference, f"prompt {index}") is None
-    return tokens
-
-
 def test_mixtral_routes_and_sums_experts_as_transformers_does(mixtral_dir, references):
     """Guards the router (fp32 softmax, top-2, renormalised), the experts' fused w1/w3 rows, and
     the sum in expert order, batched with chunked prompts."""
     llm = LLM(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
-    _check(llm.generate(PROMPTS, _greedy()), references)
+    check_outputs(llm.generate(PROMPTS, _greedy()), references, "mixtral")
     llm.engine.check_integrity()
 
 
@@ -58,7 +51,7 @@ def test_ep2_matches_transformers_and_one_process(ray_cluster, mixtral_dir, refe
     settings = dict(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     ep2 = LLM(**settings, tensor_parallel_size=2, enable_expert_parallel=True)
     try:
-        tokens = _check(ep2.generate(PROMPTS, _greedy()), references)
+        tokens = check_outputs(ep2.generate(PROMPTS, _greedy()), references, "mixtral")
         ep2.engine.check_integrity()
         held = [
             ray.get(worker.__ray_call__.remote(lambda worker: list(worker.runner.model.layers[0].mlp.module.local_experts)))
@@ -79,7 +72,7 @@ def test_tp2_without_expert_parallelism_splits_every_expert_and_matches_transfor
     settings = dict(model=str(mixtral_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     tp2 = LLM(**settings, tensor_parallel_size=2)
     try:
-        _check(tp2.generate(PROMPTS, _greedy()), references)
+        check_outputs(tp2.generate(PROMPTS, _greedy()), references, "mixtral")
         tp2.engine.check_integrity()
         held = [
             ray.get(worker.__ray_call__.remote(lambda worker: (

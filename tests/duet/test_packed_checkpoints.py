@@ -17,7 +17,7 @@ from duet.errors import UnsupportedCheckpointError
 from duet.models.linear import Linear
 from duet.models.quantize import QuantizationError
 from tests.conftest import make_compressed_checkpoint, make_tiny_model
-from tests.reference import compare_to_reference, hf_greedy
+from tests.reference import check_outputs, hf_greedy
 
 # The writer, in the test extras. Found, not imported: it imports triton, which must not be
 # imported before tests/kernels/test_triton_kernels.py chooses Triton's interpreter.
@@ -79,9 +79,7 @@ def _reference_weights(path) -> dict[str, torch.Tensor]:
 def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(checkpoints, name):
     path, references = checkpoints(name)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
-    tokens = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
-    for index, (got, reference) in enumerate(zip(tokens, references)):
-        assert compare_to_reference(got, reference, f"{name}, prompt {index}") is None
+    check_outputs(llm.generate(PROMPTS, _greedy()), references, name)
     llm.engine.check_integrity()
 
 
@@ -141,8 +139,6 @@ def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, check
     path, references = checkpoints("qwen3-w4-g32")
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
-        tokens = [output.outputs[0].token_ids for output in llm.generate(PROMPTS, _greedy())]
-        for index, (got, reference) in enumerate(zip(tokens, references)):
-            assert compare_to_reference(got, reference, f"W4 at TP=2, prompt {index}") is None
+        check_outputs(llm.generate(PROMPTS, _greedy()), references, "W4 at TP=2")
     finally:
         llm.engine.close()
