@@ -96,6 +96,8 @@ def build_app(args: dict) -> serve.Application:
         max_body_bytes=router.max_body_bytes,
         api_keys=router.client_keys(),
         roles=None if colocated else config.roles.model_dump(),
+        tool_call_parser=router.tool_call_parser,
+        reasoning_parser=router.reasoning_parser,
         autoscaled={
             stage: (scaling["min_replicas"], scaling["max_replicas"])
             for stage, pool in pools.items() if (scaling := pool.serve_autoscaling(stage)) is not None

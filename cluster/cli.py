@@ -109,7 +109,9 @@ def _down(args: argparse.Namespace) -> int:
 
 
 EVAL_CHECKS = ("ppl",)
-BENCH_SUITES = ("offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured")
+BENCH_SUITES = (
+    "offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured", "tools",
+)
 
 
 def _run_suite(module: str, argv: list[str]) -> int | None:

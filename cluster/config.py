@@ -185,6 +185,14 @@ class RouterSettings(_Strict):
     max_migrations: int = Field(
         default=3, ge=0, description="moves between decode replicas a sequence may make; one more fails it with an error event"
     )
+    tool_call_parser: Literal["auto", "hermes"] = Field(
+        default="auto",
+        description="how tool calls are written: auto (Hermes' <tool_call> where the chat template writes them or renders no tools), hermes (always)",
+    )
+    reasoning_parser: Literal["auto", "think", "none"] = Field(
+        default="auto",
+        description="part <think>...</think> from content as reasoning_content: auto (where the chat template writes </think>), think (always), none",
+    )
 
     @model_validator(mode="after")
     def _keys_valid(self) -> RouterSettings:

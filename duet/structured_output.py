@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from duet import reasoning
 from duet.errors import InvalidRequestError
 
 # Compact JSON as Python's json.dumps writes it: a model may not pad its output with whitespace
@@ -52,7 +53,8 @@ class StructuredOutputs:
     ``json``: a JSON schema (a dict, or its text; kept as compact text, the key its compiled
     grammar is cached under). ``json_object``: any JSON object. ``regex``: the whole output matches it
     (Rust regex syntax: no look-around, no backreferences). ``choice``: the output is one of
-    these strings. ``grammar``: Lark, or GBNF/EBNF with ``root ::= ...``.
+    these strings. ``grammar``: Lark, or GBNF/EBNF with ``root ::= ...``. ``reasoning``: where
+    the output starts in or before its reasoning (``duet.reasoning``), which is left free.
     """
 
     json: str | dict | None = None
@@ -60,8 +62,11 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning: str | None = None  # the constraint applies after the reasoning (duet.reasoning's modes)
 
     def __post_init__(self) -> None:
+        if self.reasoning is not None and self.reasoning not in reasoning.MODES:
+            raise StructuredOutputsError(f"reasoning must be one of {', '.join(reasoning.MODES)} or None, got {self.reasoning!r}")
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputsError(
@@ -98,8 +103,10 @@ class StructuredOutputs:
         return getattr(self, self.kind)
 
     def grammar_text(self) -> str:
-        """llguidance's grammar for this constraint (cached by its text)."""
-        return compiled_grammar(self.kind, self.text)
+        """llguidance's grammar for this constraint (cached by its text), after the reasoning
+        where it has one."""
+        grammar = compiled_grammar(self.kind, self.text)
+        return grammar if self.reasoning is None else reasoning.after_reasoning(grammar, self.reasoning)
 
     def check_tokens(self, tokenizer) -> None:
         """Raise ``StructuredOutputsError`` if the constraint names tokens the model's tokenizer

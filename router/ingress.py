@@ -10,6 +10,7 @@ endpoints (``/duet/...``, their own key) and makes the Serve ingress of both.
 """
 
 import asyncio
+import dataclasses
 import hmac
 import math
 import time
@@ -23,6 +24,7 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from duet import reasoning
 from duet.errors import InvalidRequestError
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError, QueueWaitError
 from duet.router.balance import StageBalancer
@@ -94,12 +96,16 @@ class RouterIngress:
         max_body_bytes: int,
         api_keys: list[str],
         roles: dict | None = None,
+        tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
     ) -> None:
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
         self.api_keys = [key.encode() for key in api_keys]
         self.tokenizer = RouterTokenizer(model_dir)
+        self.tool_call_parser = tool_call_parser
+        self.splits_reasoning = reasoning_parser == "think" or (reasoning_parser == "auto" and self.tokenizer.thinks)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.app_name = serve.get_replica_context().app_name
         balancer = view = self.role_keeper = None
@@ -167,14 +173,33 @@ class RouterIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
-        messages = [message.template_dict() for message in body.messages]
         try:
-            encoded = [await asyncio.to_thread(self.tokenizer.encode_chat, messages)]
+            # Checking the tools' schemas takes milliseconds each: off the loop that streams every response.
+            messages, tools, reads_calls = await asyncio.to_thread(self._conversation, body) if body.tools else self._conversation(body)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
+        if reads_calls and self.tokenizer.renders_tools and not (self.tokenizer.writes_hermes_calls or self.tool_call_parser == "hermes"):
+            raise bad_request(
+                "this model's chat template writes tool calls in a format duet does not read (it reads Hermes' <tool_call>); "
+                "set the router's tool_call_parser: hermes if the model writes them so, or send tool_choice: none",
+                "tools",
+            )
+        try:
+            text = await asyncio.to_thread(self.tokenizer.render_chat, messages, tools, body.chat_template_kwargs)
         except ChatTemplateError as error:
             raise bad_request(str(error), "messages") from None
-        return await self._generate(body, encoded, body.effective_max_tokens, body.num_logprobs, chat=True)
+        encoded = [await asyncio.to_thread(self.tokenizer.encode_chat_text, text)]
+        reasoning_mode = reasoning.start_mode(text) if self.splits_reasoning else None
+        return await self._generate(
+            body, encoded, body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=reads_calls, reasoning_mode=reasoning_mode
+        )
 
     # -- the request pipeline
+
+    @staticmethod
+    def _conversation(body: ChatCompletionRequest) -> tuple[list[dict], list, bool]:
+        """The messages for the template, the tools, and whether calls are read from the output."""
+        return body.conversation(), body.function_tools(), body.tool_mode() is not None
 
     def _authorize(self, request: Request) -> None:
         if self.api_keys and not bearer_matches(request, self.api_keys):
@@ -219,12 +244,16 @@ class RouterIngress:
                 raise bad_request("prompt must be a string, a list of strings, or lists of token ids", "prompt")
         return encoded
 
-    def _sequences(self, body, encoded: list[list[int]], max_tokens: int | None, logprobs: int | None) -> list[SequenceSpec]:
+    def _sequences(
+        self, body, encoded: list[list[int]], max_tokens: int | None, logprobs: int | None, reasoning_mode: str | None = None
+    ) -> list[SequenceSpec]:
         sequences = []
         for prompt_index, prompt_token_ids in enumerate(encoded):
             try:
                 budget = fit_to_context(len(prompt_token_ids), max_tokens, self.max_model_len)
                 params = body.sampling_params(budget, logprobs)
+                if params.structured_outputs is not None and reasoning_mode is not None:
+                    params = dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=reasoning_mode))
                 if params.structured_outputs is not None:
                     params.structured_outputs.check_tokens(self.tokenizer.grammar_tokenizer())
             except InvalidRequestError as error:
@@ -248,12 +277,16 @@ class RouterIngress:
             self.metrics.rejected.labels(self.model_id, "503").inc()
             raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 
-    async def _generate(self, body, encoded, max_tokens, logprobs, chat: bool) -> Response:
-        if body.response_format is not None or body.structured_outputs is not None:
+    async def _generate(
+        self, body, encoded, max_tokens, logprobs, chat: bool, reads_calls: bool = False, reasoning_mode: str | None = None
+    ) -> Response:
+        """``reads_calls``: tool calls are read from the output; ``reasoning_mode``: its reasoning is
+        parted from its content, and its constraint applies after it (``duet.reasoning``)."""
+        if body.response_format is not None or body.structured_outputs is not None or reads_calls:
             # Checking a new constraint takes milliseconds: off the loop that streams every response.
-            sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs)
+            sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs, reasoning_mode)
         else:
-            sequences = self._sequences(body, encoded, max_tokens, logprobs)
+            sequences = self._sequences(body, encoded, max_tokens, logprobs, reasoning_mode)
         self._check_pools()
         arrival = time.monotonic()
         try:
@@ -268,7 +301,9 @@ class RouterIngress:
         admitted = Admitted(self.admission, len(sequences))
         self.metrics.queue_time.observe(queued_s)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None, body.return_token_ids)
+        builder = ResponseBuilder(
+            request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None, body.return_token_ids, reads_calls, reasoning_mode
+        )
         run = Run(self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival)
         if body.stream:
             # The status goes out with the first chunk: wait for the first output, so that a

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from duet.detokenizer import TextDelta
+from duet.reasoning import ReasoningSplitter
+from duet.tool_calls import ToolCallParser
 
 MIN_LOGPROB = -9999.0
 
@@ -47,12 +49,30 @@ class Choice:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
+def _calls_finish(finish_reason: str | None) -> str | None:
+    """A sequence that ended after its calls ended for them (OpenAI's ``tool_calls``); one cut
+    off (``length``) or aborted says so."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class ResponseBuilder:
     """Builds one request's bodies; ``chat`` picks the chat completion shapes."""
 
     def __init__(
-        self, request_id: str, model: str, chat: bool, token_text: Callable[[int], str], want_logprobs: bool, want_token_ids: bool
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        token_text: Callable[[int], str],
+        want_logprobs: bool,
+        want_token_ids: bool,
+        reads_calls: bool = False,
+        reasoning_mode: str | None = None,
     ) -> None:
+        self.reads_calls = reads_calls  # tool calls are read out of the text (duet.tool_calls)
+        self.reasoning_mode = reasoning_mode  # reasoning is parted from content (duet.reasoning)
+        self._parsers: dict[int, ToolCallParser] = {}
+        self._splitters: dict[int, ReasoningSplitter] = {}
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -85,7 +105,9 @@ class ResponseBuilder:
         body = {"index": choice.index, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
         logprobs = self._logprobs(choice.logprobs, 0) if self.want_logprobs else None
         if self.chat:
-            body["message"] = {"role": "assistant", "content": choice.text}
+            body["message"], finish_reason = self._read(choice.index, choice.text, choice.finish_reason, whole=True)
+            body["message"] = {"role": "assistant"} | body["message"]
+            body["finish_reason"] = finish_reason
         else:
             body["text"] = choice.text
         body["logprobs"] = logprobs
@@ -96,7 +118,9 @@ class ResponseBuilder:
     def chunk(self, index: int, delta: TextDelta, first: bool, text_offset: int) -> dict:
         choice = {"index": index, "finish_reason": delta.finish_reason}
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            choice["delta"], choice["finish_reason"] = self._read(index, delta.text, delta.finish_reason, whole=False)
+            if first:
+                choice["delta"] = {"role": "assistant"} | choice["delta"]
         else:
             choice["text"] = delta.text
         if self.want_logprobs:
@@ -110,6 +134,31 @@ class ResponseBuilder:
             "model": self.model,
             "choices": [choice],
         }
+
+    def _read(self, index: int, text: str, finish_reason: str | None, whole: bool) -> tuple[dict, str | None]:
+        """A chat message's fields (``whole``), or a chunk's delta, from the output's text: its
+        reasoning parted from its content, and its tool calls read out of the content, where the
+        request has them; with the finish reason they make."""
+        if not (self.reasoning_mode or self.reads_calls):
+            return {"content": text}, finish_reason
+        final = whole or finish_reason is not None
+        fields, reasoning = {}, None
+        if self.reasoning_mode:
+            splitter = ReasoningSplitter(self.reasoning_mode) if whole else self._splitters.setdefault(index, ReasoningSplitter(self.reasoning_mode))
+            reasoning, text = splitter.feed(text, final)
+            if reasoning or whole:
+                fields["reasoning_content"] = reasoning or None
+        calls = []
+        if self.reads_calls:
+            parser = ToolCallParser() if whole else self._parsers.setdefault(index, ToolCallParser())
+            text, deltas = parser.feed(text, final)
+            calls = parser.finished_calls if whole else deltas
+            if final and parser.finished_calls:
+                finish_reason = _calls_finish(finish_reason)
+        fields["content"] = text or (None if whole or reasoning or calls else "")
+        if calls:
+            fields["tool_calls"] = [call.to_dict() for call in calls]
+        return fields, finish_reason
 
     def usage_chunk(self, usage: dict) -> dict:
         return {

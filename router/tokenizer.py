@@ -8,9 +8,11 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from duet import reasoning, tool_calls
 
 
 class ChatTemplateError(ValueError):
@@ -39,6 +41,7 @@ class RouterTokenizer:
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._template = None
+        self.renders_tools = self.writes_hermes_calls = self.thinks = False
         if source:
             # The same sandbox and whitespace settings as transformers' apply_chat_template.
             environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -46,6 +49,9 @@ class RouterTokenizer:
             environment.globals["raise_exception"] = _raise_exception
             environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = environment.from_string(source)
+            self.renders_tools = "tools" in meta.find_undeclared_variables(environment.parse(source))
+            self.writes_hermes_calls = tool_calls.OPEN in source
+            self.thinks = reasoning.CLOSE in source  # a reasoning model's template (Qwen 3, DeepSeek-R1 style)
 
     @property
     def backend(self) -> Tokenizer:
@@ -55,14 +61,31 @@ class RouterTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=True).ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[tool_calls.Tool] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        return self.encode_chat_text(self.render_chat(messages, tools, template_kwargs))
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """A rendered conversation's tokens (the template wrote its special tokens)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render_chat(self, messages: list[dict], tools: list[tool_calls.Tool] | None = None, template_kwargs: dict | None = None) -> str:
+        """A conversation rendered by the chat template, with ``tools`` where given: passed to a
+        template that renders tools, written into the messages (``tool_calls.hermes_messages``)
+        for one that does not. ``template_kwargs``: the request's own template variables."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        has_tool_turns = any(message.get("tool_calls") or message["role"] == "tool" for message in messages)
+        variables = dict(template_kwargs or {})
+        if self.renders_tools:
+            if tools:
+                variables["tools"] = [tool.template_dict() for tool in tools]
+        elif tools or has_tool_turns:
+            messages = tool_calls.hermes_messages(messages, tools or [])
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+            text = self._template.render(**variables | {"messages": messages, "add_generation_prompt": True} | self._special)
         except (TemplateError, TypeError, ValueError) as error:  # a template's own error, or a value it cannot take
             raise ChatTemplateError(f"the chat template rejected the conversation: {error}") from error
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return text
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)

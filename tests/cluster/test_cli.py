@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from duet.cluster import deploy, operate
-from duet.cluster.cli import main, scale_replicas, scaled_message
+from duet.cluster.cli import BENCH_SUITES, main, scale_replicas, scaled_message
 from duet.cluster.deploy import DeployError
 from duet.cluster.operate import format_status, kv_dtype_shown
 
@@ -35,8 +35,7 @@ def test_a_suites_help_is_its_own(capsys, argv, usage, own_option):
     assert "`duet bench SUITE --help`" not in printed  # not the parent's help
 
 
-@pytest.mark.parametrize("suite", ["offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel",
-                                   "soak", "grammar", "structured"])
+@pytest.mark.parametrize("suite", BENCH_SUITES)
 def test_every_suite_names_itself_in_its_usage(capsys, suite):
     with pytest.raises(SystemExit):
         main(["bench", suite, "--help"])

@@ -1,0 +1,155 @@
+"""Tool calling over HTTP with the official ``openai`` client's loop (call, run the function, send
+its result, get the answer), streamed through the client's stream helper and not: SmolLM2
+through PD (its template renders no tools: duet writes them into the messages), and a tiny
+Qwen 3 with a Hermes-style template (its own tool rendering) through PD with n-gram drafts.
+Every call parses and validates against its function's schema."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import make_tiny_model
+from tests.integration.client import settled
+from duet.benchmarks.tool_schemas import random_tools
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CHOICES = ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3, "adaptive": False}
+
+
+def _ask(client: openai.OpenAI, model: str, messages: list, stream: bool, **fields):
+    """One turn as the client's user code sees it: the final message, however it was sent."""
+    if stream:
+        with client.chat.completions.stream(model=model, messages=messages, **fields) as events:
+            for _ in events:
+                pass
+            try:
+                return events.get_final_completion().choices[0]
+            except openai.LengthFinishReasonError as cut:  # the helper's way to say max_tokens ran out
+                return cut.completion.choices[0]
+    return client.chat.completions.create(model=model, messages=messages, **fields).choices[0]
+
+
+def _tool_loop(client: openai.OpenAI, model: str, choice, stream: bool, temperature: float = 0.0) -> list:
+    """The loop: ask with the tool, run each call, send the results back, get the answer."""
+    messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    first = _ask(
+        client, model, messages, stream, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False, max_tokens=96,
+        temperature=temperature, seed=1,
+    )
+    calls = first.message.tool_calls or []
+    if choice != "auto":
+        assert calls and first.finish_reason == "tool_calls", first
+    for call in calls:
+        assert call.type == "function" and call.id and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    if not calls:
+        assert first.finish_reason in ("stop", "length") and first.message.content is not None
+        return calls
+    messages.append(first.message.model_dump())  # as the client gives it back, its empty fields and the stream's call indices included
+    for call in calls:
+        city = json.loads(call.function.arguments)["city"]
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": city, "celsius": 21})})
+    answer = _ask(client, model, messages, stream, tools=[WEATHER], tool_choice="none", max_tokens=24, temperature=0)
+    assert answer.finish_reason in ("stop", "length") and answer.message.content and not answer.message.tool_calls
+    return calls
+
+
+@pytest.fixture(scope="module")
+def hermes_url(cluster, ray_driver, tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny Qwen 3 with a Hermes-style template, served by PD (n-gram drafts on decode)."""
+    from ray import serve
+
+    import httpx
+    from duet.cluster.app import build_app
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("hermes"), tiny_tokenizer_dir, "qwen3", max_position_embeddings=2048)
+    shutil.copy(Path(__file__).parents[1] / "fixtures" / "hermes" / "chat_template.jinja", model_dir / "chat_template.jinja")
+    args = {
+        "model_id": "tiny-hermes", "model": str(model_dir), "mode": "pd",
+        "engine": {"max_model_len": 2048, "num_kv_blocks": 1024, "max_num_seqs": 16},
+        "prefill": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}},
+        "decode": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1, "speculative_config": NGRAM}},
+        "router": {"ray_actor_options": {"num_cpus": 0}},
+    }
+    serve.run(build_app(args), name="hermes", route_prefix="/hermes")
+    url = f"{cluster.url}/hermes"
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    yield url
+    serve.delete("hermes")
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", CHOICES, ids=["auto", "required", "named"])
+def test_the_tool_loop_on_a_hermes_template(hermes_url, choice, stream):
+    _tool_loop(_client(hermes_url), "tiny-hermes", choice, stream, temperature=1.0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", CHOICES, ids=["auto", "required", "named"])
+def test_the_tool_loop_on_smollm2_through_pd(cluster, choice, stream):
+    calls = _tool_loop(cluster.client(), "smollm2", choice, stream)
+    if choice != "auto":
+        assert json.loads(calls[0].function.arguments)["city"]
+
+
+def test_random_schemas_over_http_every_call_validates(hermes_url, cluster):
+    """48 requests of random tools, half greedy and half sampled, half streamed: every call the
+    client reads validates, and the replicas hold no block after."""
+    rng, client, num_calls = random.Random(3), _client(hermes_url), 0
+    for index in range(48):
+        tools = random_tools(rng, rng.randint(1, 3))
+        choice = ["required", "auto", {"type": "function", "function": {"name": tools[0]["function"]["name"]}}][index % 3]
+        messages = [{"role": "user", "content": f"Call something ({index})."}]
+        answer = _ask(
+            client, "tiny-hermes", messages, index % 2 == 1, tools=tools, tool_choice=choice, max_tokens=160,
+            temperature=[0.0, 1.0][index % 4 // 2], seed=index,
+        )
+        schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+        calls = answer.message.tool_calls or []
+        if answer.finish_reason == "length" and calls:  # a stream shows the call max_tokens cut off as far as it got
+            calls = calls[:-1]
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            num_calls += 1
+    assert num_calls >= 32
+    assert settled(cluster, hermes_url)["ok"]
+
+
+def test_bad_tools_get_a_400_naming_the_field(cluster):
+    client = cluster.client()
+    bad = [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}}}]}, "tools.0.function.parameters"),
+        ({"tools": [WEATHER], "messages": [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]}, "messages.0.tool_call_id"),
+    ]
+    for fields, param in bad:
+        body = {"messages": [{"role": "user", "content": "hi"}]} | fields
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="smollm2", max_tokens=4, **body)
+        assert refused.value.body["param"] == param, refused.value.body

@@ -1,0 +1,226 @@
+"""Tool calls at the router: the grammar (what it lets through and what it stops), the parser
+(whole and streamed), the request's checks (each a 400 naming its field), the conversation as
+chat templates render it, and the response shapes OpenAI's clients read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from duet.errors import InvalidRequestError
+from duet.router.protocol import ChatCompletionRequest
+from duet.router.responses import Choice, ResponseBuilder
+from duet.router.tokenizer import RouterTokenizer
+from duet.detokenizer import TextDelta
+from duet.structured_output import StructuredOutputs
+from duet.tool_calls import Tool, ToolCallParser, parse_output, tool_grammar
+
+WEATHER = Tool(
+    "get_weather",
+    {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]},
+    "The weather in a city",
+)
+ADD = Tool("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]})
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+HERMES_TEMPLATE = Path(__file__).parents[1] / "fixtures" / "hermes" / "chat_template.jinja"
+
+
+def _accepts(grammar: str, text: str, tokenizer_dir: Path) -> bool:
+    tokenizer = llguidance.LLTokenizer((tokenizer_dir / "tokenizer.json").read_text())
+    matcher = llguidance.LLMatcher(tokenizer, StructuredOutputs(grammar=grammar).grammar_text())
+    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(
+    "choice, parallel, text, accepted",
+    [
+        ("auto", True, "Plain text, even with a < or <tool in it.", True),
+        ("auto", True, "Let me look.\n" + CALL, True),
+        ("auto", True, CALL + "\n" + ADD_CALL, True),
+        ("auto", False, CALL + "\n" + ADD_CALL, False),  # one call at most
+        ("auto", True, CALL + "\nand text after", False),  # the output ends after its calls
+        ("auto", True, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', False),  # no such tool
+        ("auto", True, '<tool_call>\n{"name": "add", "arguments": {"a": "one", "b": 2}}\n</tool_call>', False),  # a string for an integer
+        ("auto", True, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', False),  # b is required
+        ("required", True, CALL, True),
+        ("required", True, "Text first.\n" + CALL, False),
+        ("required", True, "", False),
+        ("add", True, ADD_CALL, True),  # a named function: that one, once
+        ("add", True, CALL, False),
+        ("add", True, ADD_CALL + "\n" + ADD_CALL, False),
+    ],
+)
+def test_the_grammar_admits_only_whole_calls_of_the_tools(tiny_tokenizer_dir, choice, parallel, text, accepted):
+    assert _accepts(tool_grammar([WEATHER, ADD], choice, parallel), text, tiny_tokenizer_dir) is accepted
+
+
+def test_the_parser_reads_content_and_calls_the_same_whole_and_in_any_pieces():
+    """Streamed deltas (the name with the id first, then argument pieces) put together equal the
+    whole output's calls, wherever the text is cut, braces and quotes inside strings included."""
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ri}s {", "n": [1, {"a": "]"}]}}\n</tool_call>\n' + ADD_CALL
+    content, calls = parse_output(text)
+    assert content == "Checking.\n"
+    assert [(call.name, call.arguments) for call in calls] == [
+        ("get_weather", '{"city": "Pa\\"ri}s {", "n": [1, {"a": "]"}]}'), ("add", '{"a": 1, "b": 2}'),
+    ]
+    for size in range(1, 12):
+        parser, streamed_content, streamed = ToolCallParser(), "", {}
+        pieces = [text[start:start + size] for start in range(0, len(text), size)]
+        for position, piece in enumerate(pieces):
+            more, deltas = parser.feed(piece, final=position == len(pieces) - 1)
+            streamed_content += more
+            for delta in deltas:
+                if delta.id is not None:
+                    assert delta.index not in streamed and delta.name == calls[delta.index].name
+                    streamed[delta.index] = ""
+                streamed[delta.index] += delta.arguments
+        assert streamed_content == content
+        assert [streamed[index] for index in sorted(streamed)] == [call.arguments for call in calls]
+
+
+def test_text_that_only_looks_like_a_call_is_content():
+    assert parse_output("a <tool_ caller <tool") == ("a <tool_ caller <tool", [])
+    # Cut by max_tokens: a call without its end is left out, the text before it kept.
+    assert parse_output("Hm.\n" + CALL[:-5]) == ("Hm.\n", [])
+    assert parse_output("Hm.\n<tool_call>\n{\"na") == ('Hm.\n<tool_call>\n{"na', [])
+    content, calls = parse_output(CALL)
+    assert content is None and [call.name for call in calls] == ["get_weather"]
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields)
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD.parameters}}]
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools.0.function.parameters"),
+        (
+            {"tools": TOOLS + [{"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)"}}}}}]},
+            "tools.1.function.parameters",
+        ),
+        ({"tools": TOOLS + TOOLS}, "tools"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)
+def test_a_request_whose_tools_cannot_be_used_is_refused_naming_the_field(fields, param):
+    request = _chat(**fields)
+    with pytest.raises(InvalidRequestError) as refused:
+        request.function_tools()
+        request.constraint()
+    assert refused.value.param == param
+
+
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ([{"role": "user", "content": "hi"}, {"role": "tool", "content": "3", "tool_call_id": "call_1"}], "messages.1.tool_call_id"),
+        (
+            [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": "{1"}}]}],
+            "messages.0.tool_calls.0.function.arguments",
+        ),
+        ([{"role": "user", "content": None}], "messages.0.content"),
+    ],
+)
+def test_a_conversation_whose_tool_turns_do_not_fit_is_refused_naming_the_field(messages, param):
+    with pytest.raises(InvalidRequestError) as refused:
+        _chat(messages=messages).conversation()
+    assert refused.value.param == param
+
+
+def test_tool_choice_decides_what_is_read_from_the_output():
+    assert _chat().tool_mode() is None and _chat().constraint() is None
+    assert _chat(tools=TOOLS).tool_mode() == "auto"  # OpenAI's default once there are tools
+    assert _chat(tools=TOOLS, tool_choice="none").tool_mode() is None
+    assert _chat(tools=TOOLS, tool_choice="none", response_format={"type": "json_object"}).constraint().json_object
+    named = _chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=True)
+    assert named.constraint().grammar == tool_grammar([ADD], "add", False)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "1 + 2?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+    {"role": "tool", "content": "3", "tool_call_id": "c1"},
+]
+
+
+def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them(tmp_path, tiny_tokenizer_dir):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer_dir / name, tmp_path)
+    shutil.copy(HERMES_TEMPLATE, tmp_path / "chat_template.jinja")
+    from transformers import AutoTokenizer
+
+    request = _chat(messages=CONVERSATION, tools=TOOLS)
+    tokenizer = RouterTokenizer(tmp_path)
+    assert tokenizer.renders_tools and tokenizer.writes_hermes_calls
+    expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        request.conversation(), tools=[tool.template_dict() for tool in request.function_tools()], add_generation_prompt=True, tokenize=False
+    )
+    rendered = tokenizer.backend.decode(tokenizer.encode_chat(request.conversation(), request.function_tools()), skip_special_tokens=False)
+    assert rendered == expected
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in rendered and "<tool_response>\n3\n" in rendered
+
+
+def test_a_template_without_tools_gets_them_written_into_the_messages(tiny_tokenizer_dir):
+    """SmolLM2's template knows only roles and text: the tools go into the system turn, the
+    calls into the assistant's text, the results into a user turn, all in the format the grammar
+    makes the model write."""
+    tokenizer = RouterTokenizer(tiny_tokenizer_dir)
+    assert not tokenizer.renders_tools
+    request = _chat(messages=CONVERSATION, tools=TOOLS)
+    rendered = tokenizer.backend.decode(tokenizer.encode_chat(request.conversation(), request.function_tools()), skip_special_tokens=False)
+    system, user, assistant, result = rendered.split("<|im_end|>\n")[:4]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and json.dumps(TOOLS[0]) in system
+    assert user == "<|im_start|>user\n1 + 2?"
+    assert assistant == '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert result == "<|im_start|>user\n<tool_response>\n3\n</tool_response>"
+
+
+def _builder() -> ResponseBuilder:
+    return ResponseBuilder("chatcmpl-1", "m", True, str, False, False, reads_calls=True)
+
+
+def test_a_response_carries_the_calls_in_openais_shape():
+    body = _builder().response([Choice(0, ["Sure.\n" + CALL], [1, 2], "stop")], {})["choices"][0]
+    assert body["finish_reason"] == "tool_calls"
+    assert body["message"]["content"] == "Sure.\n"
+    (call,) = body["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}
+    cut = _builder().response([Choice(0, [CALL[:40]], [1], "length")], {})["choices"][0]
+    assert cut["finish_reason"] == "length" and "tool_calls" not in cut["message"]
+
+
+def test_stream_chunks_add_up_to_the_calls_as_openais_client_reads_them():
+    """The id, type and name come once, with the call's first argument text; later chunks carry
+    argument pieces by index; the last chunk's finish_reason is tool_calls."""
+    builder, text = _builder(), "Ok.\n" + CALL + "\n" + ADD_CALL
+    pieces = [text[start:start + 7] for start in range(0, len(text), 7)]
+    chunks = [
+        builder.chunk(0, TextDelta(piece, [], None, "stop" if position == len(pieces) - 1 else None, None), position == 0, 0)["choices"][0]
+        for position, piece in enumerate(pieces)
+    ]
+    assert chunks[0]["delta"]["role"] == "assistant" and chunks[-1]["finish_reason"] == "tool_calls"
+    content = "".join(chunk["delta"].get("content") or "" for chunk in chunks)
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for piece in chunk["delta"].get("tool_calls", []):
+            if "id" in piece:
+                assert piece["index"] not in calls and piece["type"] == "function"
+                calls[piece["index"]] = {"id": piece["id"], "name": piece["function"]["name"], "arguments": ""}
+            calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
+    assert content == "Ok.\n"
+    assert [(call["name"], json.loads(call["arguments"])) for call in calls.values()] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2}),
+    ]
