@@ -11,7 +11,8 @@ first function by name), greedy or sampled, half of them streamed. A call is val
 name is one of the request's functions and its arguments parse as JSON and validate against
 that function's schema (jsonschema). Counted per server: calls, valid calls, calls that do not
 parse, that parse but break their schema, that name no function; ``required`` or named requests
-answered without a call; requests cut by ``max_tokens`` (their last call is not counted);
+that ended without a call; requests cut by ``max_tokens`` (their last call, whole or not, is
+not counted: a stream shows a cut call as far as it got);
 requests refused or failed (any HTTP error).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +71,7 @@ def judge(request: dict, choice) -> Counter:
     if choice.finish_reason == "length":
         counts["cut_by_max_tokens"] += 1
         calls = calls[:-1]
-    if request["tool_choice"] != "auto" and not choice.message.tool_calls:
+    elif request["tool_choice"] != "auto" and not calls:
         counts["missing_call"] += 1
     for call in calls:
         counts["calls"] += 1
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the counts here")
     args = parser.parse_args(argv)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the openai client's request lines
     drawn = requests(args.requests, [float(value) for value in args.temperatures.split(",")], args.seed, args.bounded)
     servers = {"duet": (args.url, args.model)}
     if args.peer_url:

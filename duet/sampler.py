@@ -51,6 +51,8 @@ class SamplingMetadata:
     # [rows, longest] token ids padded with vocab_size (a bin that is counted, then dropped).
     prompt_token_ids: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None
+    # (row indices, token ids, biases) of the rows' logit_bias; None when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -179,6 +181,12 @@ def _add_penalty_tensors(
     prompts = prompt_token_ids if uses_prompt else [[] for _ in params]
     metadata.prompt_token_ids = _pad(prompts, vocab_size, device)
     metadata.output_token_ids = _pad(output_token_ids, vocab_size, device)
+    biased = [(row, token_id, value) for row, p in enumerate(params) for token_id, value in p.logit_bias if token_id < vocab_size]
+    if biased:
+        rows, token_ids, values = zip(*biased)
+        metadata.logit_bias = (
+            torch.tensor(rows, device=device), torch.tensor(token_ids, device=device), torch.tensor(values, dtype=torch.float32, device=device)
+        )
 
 
 def _pad(token_ids: list[list[int]], pad_id: int, device: torch.device | str) -> torch.Tensor:
@@ -195,7 +203,8 @@ def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Repetition, then frequency, then presence penalty, as vLLM applies them; returns new logits.
+    """Repetition, then frequency, then presence penalty, as vLLM applies them, then each row's
+    logit bias; returns new logits.
 
     Repetition covers tokens seen in prompt or output: positive logits are divided by the
     penalty, the others multiplied. Frequency subtracts penalty x count in the output; presence
@@ -208,13 +217,17 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     repetition = torch.where(seen, metadata.repetition_penalties.unsqueeze(1), 1.0)
     logits = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = logits - metadata.frequency_penalties.unsqueeze(1) * output_counts
-    return logits - metadata.presence_penalties.unsqueeze(1) * in_output
+    logits = logits - metadata.presence_penalties.unsqueeze(1) * in_output
+    if metadata.logit_bias is not None:
+        rows, token_ids, values = metadata.logit_bias
+        logits = logits.index_put((rows, token_ids), values, accumulate=True)
+    return logits
 
 
 class Sampler:
     """Picks one token per logits row.
 
-    Order: forbidden tokens to -inf, penalties (greedy rows too), then argmax for greedy rows;
+    Order: forbidden tokens to -inf, penalties and logit biases (greedy rows too), then argmax for greedy rows;
     random rows go through temperature, min_p, top-k, top-p and an exponential race that draws
     from the row's own generator when its request has a seed. Logprobs come from the logits as
     given (a constrained row's arrive masked).

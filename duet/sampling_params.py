@@ -91,6 +91,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # Added to the token's logit before sampling (OpenAI's -100 to 100), as (token id, bias)
+    # pairs in id order; given as a dict (the API's form) it is made into these.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +101,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(token_id), float(value)) for token_id, value in bias)))
         self._validate()
 
     def _validate(self) -> None:
@@ -150,6 +155,16 @@ class SamplingParams:
                 f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
             ),
             (
+                "logit_bias",
+                all(0 <= token_id <= INT64_MAX and -100.0 <= value <= 100.0 for token_id, value in self.logit_bias),
+                "logit_bias maps token ids to biases in [-100, 100]",
+            ),
+            (
+                "logit_bias",
+                len(self.logit_bias) <= MAX_STOP_TOKEN_IDS,
+                f"logit_bias takes at most {MAX_STOP_TOKEN_IDS} tokens, got {len(self.logit_bias)}",
+            ),
+            (
                 "ignore_eos",
                 not (self.ignore_eos and self.structured_outputs is not None),
                 "ignore_eos cannot be combined with structured_outputs: a complete constrained output ends at EOS",
@@ -176,7 +191,9 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        """Whether the request changes logits itself (penalties, a logit bias): its rows take the
+        sampler's penalty path, and it is not speculated."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or bool(self.logit_bias)
 
     @property
     def effective_top_k(self) -> int:

@@ -31,8 +31,10 @@ from duet.router.balance import StageBalancer
 from duet.router.errors import ApiError, api_error_from, bad_request
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator
-from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, parse_json_object, read_body
-from duet.router.responses import ResponseBuilder, error_body, sse
+from duet.router.protocol import (
+    BodyTooLargeError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_json_object, read_body,
+)
+from duet.router.responses import ResponseBuilder, best_choices, error_body, sse
 from duet.router.roles import RoleKeeper, RoleSettings, RoleView
 from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
@@ -167,8 +169,14 @@ class RouterIngress:
                 f"the request has {len(prompts)} prompts; this server takes at most {self.max_prompts_per_request} per request",
                 "prompt",
             )
+        try:
+            body.check_best_of()
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
         encoded = await asyncio.to_thread(self._encode_prompts, prompts)
-        return await self._generate(body, encoded, body.max_tokens, body.logprobs, chat=False)
+        # best_of ranks sequences by the log-probability of their tokens: they carry theirs.
+        logprobs = body.logprobs if body.num_sequences == body.n else max(body.logprobs or 0, 0)
+        return await self._generate(body, encoded, body.max_tokens, logprobs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -193,6 +201,28 @@ class RouterIngress:
         return await self._generate(
             body, encoded, body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=reads_calls, reasoning_mode=reasoning_mode
         )
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._parse(request, TokenizeRequest)
+        try:
+            chat = body.chat()
+            if chat is None:
+                tokens = await asyncio.to_thread(self.tokenizer.encode, body.prompt, body.add_special_tokens)
+            else:
+                messages, tools, _ = await asyncio.to_thread(self._conversation, chat)
+                tokens = await asyncio.to_thread(self.tokenizer.encode_chat, messages, tools, chat.chat_template_kwargs)
+        except (InvalidRequestError, ChatTemplateError) as error:
+            raise bad_request(str(error), getattr(error, "param", "messages")) from None
+        return JSONResponse({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._parse(request, DetokenizeRequest)
+        vocab_size = self.tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        if any(not 0 <= token < vocab_size for token in body.tokens):
+            raise bad_request(f"tokens: every id must be in [0, {vocab_size})", "tokens")
+        return JSONResponse({"prompt": self.tokenizer.backend.decode(body.tokens, skip_special_tokens=False)})
 
     # -- the request pipeline
 
@@ -258,8 +288,8 @@ class RouterIngress:
                     params.structured_outputs.check_tokens(self.tokenizer.grammar_tokenizer())
             except InvalidRequestError as error:
                 raise bad_request(str(error), error.param) from None
-            for index in range(body.n):
-                choice = prompt_index * body.n + index
+            for index in range(body.num_sequences):
+                choice = prompt_index * body.num_sequences + index
                 sequences.append(SequenceSpec(choice, prompt_index, params.choice(index)))
         return sequences
 
@@ -301,8 +331,9 @@ class RouterIngress:
         admitted = Admitted(self.admission, len(sequences))
         self.metrics.queue_time.observe(queued_s)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        want_logprobs = (body.num_logprobs if chat else body.logprobs) is not None
         builder = ResponseBuilder(
-            request_id, self.model_id, chat, self.tokenizer.token_text, logprobs is not None, body.return_token_ids, reads_calls, reasoning_mode
+            request_id, self.model_id, chat, self.tokenizer.token_text, want_logprobs, body.return_token_ids, reads_calls, reasoning_mode
         )
         run = Run(self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival)
         if body.stream:
@@ -328,7 +359,8 @@ class RouterIngress:
             raise api_error_from(error) from None
         finally:
             admitted.release()
-        return JSONResponse(builder.response(run.choices, run.usage(builder)))
+        choices = run.choices if body.num_sequences == body.n else best_choices(run.choices, body.n, body.num_sequences)
+        return JSONResponse(builder.response(choices, run.usage(builder)))
 
     async def _stream(self, run: Run, deltas, first, builder: ResponseBuilder, include_usage: bool, admitted: Admitted):
         """The SSE body: ``first`` (the first of ``run``'s ``deltas``, None if it had none), then the rest."""

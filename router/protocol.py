@@ -114,6 +114,7 @@ _API_FORMS = {
     "stop": (str | list[str] | None, None),
     "stop_token_ids": (list[int] | None, None),
     "structured_outputs": (StructuredOutputsFields | None, None),
+    "logit_bias": (dict[int, float] | None, None),
 }
 # Limits the API checks as it parses (a 400 naming the field), beyond the engine's own checks.
 _API_LIMITS = {"logprobs": {"ge": 0, "le": 20}}
@@ -183,6 +184,11 @@ class _SamplingFields(_EngineFields):
         return n
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences run per prompt (``n``; more with a completion's ``best_of``)."""
+        return self.n
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -193,6 +199,18 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: Literal[False] = False
     suffix: None = None
+    best_of: int | None = Field(default=None, ge=1, le=16)  # sequences sampled per prompt; the n of highest log-probability are returned
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences run per prompt: ``best_of`` where given, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
+    def check_best_of(self) -> None:
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError(f"best_of={self.best_of} must be at least n={self.n}", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise InvalidRequestError("best_of cannot be streamed: the best are known only once all have finished", "best_of")
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
@@ -378,3 +396,28 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): a prompt's tokens, or a conversation's as the chat endpoint
+    renders it (``messages``, with ``tools`` and ``chat_template_kwargs``)."""
+
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict | None = None
+
+    def chat(self) -> ChatCompletionRequest | None:
+        """The conversation as a chat request (None for a prompt); a 400 unless exactly one is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give prompt or messages, not both", "prompt" if self.prompt is not None else "messages")
+        if self.messages is None:
+            return None
+        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs)
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    tokens: list[int]

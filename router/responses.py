@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -47,6 +48,17 @@ class Choice:
             self.logprobs.extend(zip(delta.token_ids, delta.logprobs))
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def best_choices(choices: list[Choice], n: int, best_of: int) -> list[Choice]:
+    """Of each prompt's ``best_of`` sequences (its consecutive run of choices), the ``n`` whose
+    tokens have the highest total log-probability, numbered as ``n`` choices per prompt."""
+    best = []
+    for first in range(0, len(choices), best_of):
+        ranked = sorted(choices[first:first + best_of], key=lambda choice: -sum(top[token] for token, top in choice.logprobs))
+        for rank, choice in enumerate(ranked[:n]):
+            best.append(dataclasses.replace(choice, index=first // best_of * n + rank))
+    return best
 
 
 def _calls_finish(finish_reason: str | None) -> str | None:

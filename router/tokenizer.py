@@ -58,15 +58,15 @@ class RouterTokenizer:
         """The ``tokenizers`` tokenizer, for incremental detokenization."""
         return self._tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(self, messages: list[dict], tools: list[tool_calls.Tool] | None = None, template_kwargs: dict | None = None) -> list[int]:
         return self.encode_chat_text(self.render_chat(messages, tools, template_kwargs))
 
     def encode_chat_text(self, text: str) -> list[int]:
         """A rendered conversation's tokens (the template wrote its special tokens)."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self.encode(text, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict], tools: list[tool_calls.Tool] | None = None, template_kwargs: dict | None = None) -> str:
         """A conversation rendered by the chat template, with ``tools`` where given: passed to a

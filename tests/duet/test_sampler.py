@@ -7,7 +7,7 @@ import torch
 
 from duet import sampler as sampler_module
 from duet.sampler import Sampler, apply_penalties, build_sampling_metadata, make_generator
-from duet.sampling_params import SamplingParams
+from duet.sampling_params import SamplingParams, SamplingParamsError
 
 VOCAB = 32
 NUM_SAMPLES = 20_000
@@ -189,6 +189,27 @@ def test_penalties_change_greedy_choice():
     params = [SamplingParams(temperature=0.0, frequency_penalty=1.0)]
     metadata = _metadata(params, outputs=[[2]], vocab_size=4)
     assert Sampler()(torch.tensor([[0.0, 0.0, 3.0, 2.5]]), metadata).sampled_token_ids == [3]
+
+
+def test_logit_bias_adds_to_each_rows_own_tokens_after_the_penalties():
+    """OpenAI's logit_bias, given as the API's dict: +100 makes a token the greedy choice, -100
+    rules it out; ids past the logits are ignored; another row is untouched."""
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=0.25, logit_bias={"4": 100, 3: -100.0, 40: 5}),
+        SamplingParams(temperature=0.0),
+    ]
+    assert params[0].logit_bias == ((3, -100.0), (4, 100.0), (40, 5.0))
+    metadata = _metadata(params, outputs=[[1, 3, 3], [3]], vocab_size=6)
+    biased = apply_penalties(torch.tensor([PENALTY_LOGITS] * 2), metadata)
+    assert biased.tolist() == [[2.0, -1.25, 0.5, -97.25, 100.0, -2.0], PENALTY_LOGITS]
+    assert Sampler()(torch.tensor([PENALTY_LOGITS] * 2), metadata).sampled_token_ids == [4, 3]
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {-1: 1.0}, {token_id: 1.0 for token_id in range(1025)}])
+def test_a_logit_bias_out_of_range_is_refused(bias):
+    with pytest.raises(SamplingParamsError) as refused:
+        SamplingParams(logit_bias=bias)
+    assert refused.value.param == "logit_bias"
 
 
 def test_forbidden_tokens_never_sampled_even_greedy():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from duet.benchmarks.prompts import PARITY_NEW_TOKENS
+from tests.integration.conftest import MAX_MODEL_LEN
 from tests.reference import compare_to_reference
 
 pytestmark = pytest.mark.slow
@@ -122,3 +123,52 @@ def test_logprobs_name_the_sampled_tokens(cluster):
     assert "".join(logprobs.tokens) == response.choices[0].text
     for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert logprob <= 0 and top[token] == logprob and max(top.values()) == logprob  # greedy takes the top one
+
+
+def test_tokenize_and_detokenize_agree_with_what_the_endpoints_count(cluster):
+    """vLLM's /tokenize and /detokenize: a chat's tokens are the ones its completion is charged for."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tokenized = httpx.post(f"{cluster.url}/tokenize", json={"model": "smollm2", "messages": messages}, headers=headers, timeout=60).json()
+    completion = cluster.client().chat.completions.create(model="smollm2", messages=messages, max_tokens=2, temperature=0)
+    assert tokenized["count"] == len(tokenized["tokens"]) == completion.usage.prompt_tokens
+    assert tokenized["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(f"{cluster.url}/detokenize", json={"model": "smollm2", "tokens": tokenized["tokens"]}, headers=headers, timeout=60).json()
+    assert text["prompt"].endswith("What is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    plain = httpx.post(f"{cluster.url}/tokenize", json={"model": "smollm2", "prompt": "Paris"}, headers=headers, timeout=60).json()
+    assert plain["count"] == len(plain["tokens"]) >= 1
+    both = httpx.post(f"{cluster.url}/tokenize", json={"model": "smollm2", "prompt": "a", "messages": messages}, headers=headers, timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["pd", "colocated"])
+def test_logit_bias_steers_every_token_through_the_pools(cluster, colocated):
+    """+100 on one token makes it every greedy choice, on the prefill replica's first token and
+    the decode replica's after it (the request is not speculated); -100 keeps the greedy token out."""
+    client = cluster.client(colocated)
+    plain = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    first = plain.choices[0].model_extra["token_ids"][0]
+    steered = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=6, temperature=0, logit_bias={"1234": 100},
+        extra_body={"return_token_ids": True, "min_tokens": 6},
+    )
+    assert steered.choices[0].model_extra["token_ids"] == [1234] * 6
+    banned = client.completions.create(
+        model="smollm2", prompt="The capital of France is", max_tokens=1, temperature=0, logit_bias={str(first): -100},
+        extra_body={"return_token_ids": True},
+    )
+    assert banned.choices[0].model_extra["token_ids"] != [first]
+
+
+def test_best_of_returns_the_most_likely_of_its_seeded_sequences(cluster):
+    """best_of=3 runs the three sequences n=3 would (seeds seed, seed+1, seed+2) and returns the
+    one whose tokens have the highest total log-probability."""
+    client = cluster.client()
+    fields = dict(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5)
+    three = client.completions.create(n=3, logprobs=0, **fields).choices
+    totals = [sum(choice.logprobs.token_logprobs) for choice in three]
+    best = client.completions.create(best_of=3, **fields)
+    assert [choice.text for choice in best.choices] == [three[totals.index(max(totals))].text]
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == sum(len(choice.logprobs.tokens) for choice in three)
