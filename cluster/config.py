@@ -185,9 +185,9 @@ class RouterSettings(_Strict):
     max_migrations: int = Field(
         default=3, ge=0, description="moves between decode replicas a sequence may make; one more fails it with an error event"
     )
-    tool_call_parser: Literal["auto", "hermes"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
         default="auto",
-        description="how tool calls are written: auto (Hermes' <tool_call> where the chat template writes them or renders no tools), hermes (always)",
+        description="how the model writes tool calls: auto (from its chat template; Hermes' where it renders no tools), hermes, llama3_json",
     )
     reasoning_parser: Literal["auto", "think", "none"] = Field(
         default="auto",

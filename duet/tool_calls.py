@@ -1,18 +1,23 @@
-"""Tool calls (OpenAI's ``tools``) in the Hermes format: the grammar that makes every call valid
-by construction, the messages that carry tools to a chat template without tool support, and
-the parser that reads calls out of the output, whole or as it streams.
+"""Tool calls (OpenAI's ``tools``): the grammar that makes every call valid by construction,
+the messages that carry tools to a chat template without tool support, and the parser that
+reads calls out of the output, whole or as it streams.
 
-The format is the one Qwen 2.5/3 and Hermes models are trained on, and the one duet writes into
-templates that do not render tools: optional text, then calls, one after another::
+Two formats, each as its models are trained to write it (``ToolFormat``):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- ``hermes`` (Qwen 2.5/3, Hermes; and the one duet writes into templates that render no tools):
+  optional text, then calls, one after another::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+- ``llama3_json`` (Llama 3.1-3.3): the whole output is text, or calls from its first character,
+  separated by ``"; "``: ``{"name": "get_weather", "parameters": {"city": "Paris"}}``.
 
 The grammar (``tool_grammar``) lets the model write text until it opens a call (``auto``), or
-opens one at once (``required``, a named function); from ``<tool_call>`` on, the call is one of
-the tools' JSON schemas, name first, in compact JSON; after the last call the output ends.
-Importable without torch: the router builds the grammar and parses the text.
+opens one at once (``required``, a named function); from there on the call is one of the tools'
+JSON schemas, name first, in compact JSON; after the last call the output ends. Importable
+without torch: the router builds the grammar and parses the text.
 """
 
 from __future__ import annotations
@@ -22,13 +27,42 @@ import uuid
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-# What follows OPEN, up to the name, and what follows the name, up to the arguments: the
-# grammar's compact JSON with ", " and ": " (structured_output.JSON_OPTIONS).
-_NAME_PREFIX, _ARGUMENTS_PREFIX = '\n{"name": "', '", "arguments": '
-_CALL_END = "}\n" + CLOSE
-_NEXT_CALL = "\n" + OPEN
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model family writes its calls: ``opener`` before the first, ``separator`` between
+    two, ``call_end`` after each call's JSON object, and the key its arguments go under. With
+    ``text_first``, text may come before the calls; without, the output is text or calls from
+    its first character (and text never starts like a call)."""
+
+    name: str
+    opener: str
+    separator: str
+    call_end: str
+    arguments_key: str
+    text_first: bool
+    name_prefix: str = '{"name": "'
+
+    @property
+    def arguments_prefix(self) -> str:
+        return f'", "{self.arguments_key}": '
+
+
+HERMES = ToolFormat("hermes", OPEN + "\n", "\n" + OPEN + "\n", "\n" + CLOSE, "arguments", text_first=True)
+LLAMA3_JSON = ToolFormat("llama3_json", "", "; ", "", "parameters", text_first=False)
+FORMATS = {style.name: style for style in (HERMES, LLAMA3_JSON)}
+
+
+def template_format(source: str) -> ToolFormat | None:
+    """The format a chat template that renders tools writes calls in (None: one duet does not read)."""
+    if OPEN in source:
+        return HERMES
+    if "<|python_tag|>" in source or '"parameters": ' in source:
+        return LLAMA3_JSON
+    return None
 
 SYSTEM_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -55,34 +89,37 @@ class Tool:
         return {"type": "function", "function": function}
 
 
-def call_schema(tool: Tool) -> dict:
+def call_schema(tool: Tool, style: ToolFormat = HERMES) -> dict:
     """The JSON schema of one call of ``tool``: its name, then arguments that fit its schema."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, style.arguments_key: tool.parameters},
+        "required": ["name", style.arguments_key],
         "additionalProperties": False,
     }
 
 
-def tool_grammar(tools: list[Tool], choice: str, parallel: bool) -> str:
-    """The llguidance (Lark) grammar of an output under ``choice``: ``auto`` (text, or text then
-    calls), ``required`` (calls only) or a tool's name (one call of it). ``parallel``: more than
-    one call may follow each other."""
+def tool_grammar(tools: list[Tool], choice: str, parallel: bool, style: ToolFormat = HERMES) -> str:
+    """The llguidance (Lark) grammar of an output under ``choice``: ``auto`` (text, or calls
+    where the format allows them), ``required`` (calls only) or a tool's name (one call of it).
+    ``parallel``: more than one call may follow each other."""
     if choice not in ("auto", "required"):
         tools, parallel = [tool for tool in tools if tool.name == choice], False
-    schemas = [call_schema(tool) for tool in tools]
+    schemas = [call_schema(tool, style) for tool in tools]
     schema = (schemas[0] if len(schemas) == 1 else {"anyOf": schemas}) | {"x-guidance": JSON_STYLE}
-    calls = 'call ("\\n<tool_call>" call)*' if parallel else "call"
-    start = "TEXT | head calls" if choice == "auto" else '"<tool_call>" calls'
-    return "\n".join([
-        f"start: {start}",
-        # Text that never opens a call (the lexer then takes the lazy head, which ends at the first one).
-        "TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>(?s:.*))/",
-        "head[lazy]: /(?s:.*)<tool_call>/",
-        f"calls: {calls}",
-        f'call: "\\n" %json {json.dumps(schema)} "\\n</tool_call>"',
-    ])
+    calls = f"call ({json.dumps(style.separator)} call)*" if parallel else "call"
+    call = f"call: %json {json.dumps(schema)}" + (f" {json.dumps(style.call_end)}" if style.call_end else "")
+    if style.text_first:
+        start = f'TEXT | head {json.dumps(style.opener[len(OPEN):])} calls' if choice == "auto" else f"{json.dumps(style.opener)} calls"
+        text = [
+            # Text that never opens a call (the lexer then takes the lazy head, which ends at the first one).
+            "TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>(?s:.*))/",
+            "head[lazy]: /(?s:.*)<tool_call>/",
+        ]
+    else:
+        start = "TEXT | calls" if choice == "auto" else "calls"
+        text = ["TEXT: /([^{](?s:.*))?/"]  # text never starts as a call does
+    return "\n".join([f"start: {start}", *text, f"calls: {calls}", call])
 
 
 def system_prompt(tools: list[Tool]) -> str:
@@ -155,15 +192,17 @@ class CallDelta:
 
 
 class ToolCallParser:
-    """Reads content and calls out of an output given piece by piece (``feed``). Text that may
-    be the start of ``<tool_call>`` is held back until it is known not to be. Output the grammar
-    would not produce (a call cut off by ``max_tokens`` or a stop string aside) is kept as
-    content from where it departs from the format."""
+    """Reads content and calls out of an output given piece by piece (``feed``), in ``style``'s
+    format. Text that may be the start of a call is held back until it is known not to be.
+    Output the grammar would not produce (a call cut off by ``max_tokens`` or a stop string
+    aside) is kept as content from where it departs from the format."""
 
-    def __init__(self) -> None:
+    def __init__(self, style: ToolFormat = HERMES) -> None:
+        self.style = style
         self.calls: list[ToolCall] = []
         self._pending = ""
-        self._state = "text"  # text, head, name, arguments, end, between
+        self._state = "text" if style.text_first else "start"  # start, plain, text, name, arguments, end, between
+        self._marker = ""  # the text that opened the call being read
         self._depth = 0
         self._in_string = self._escaped = False
 
@@ -174,10 +213,9 @@ class ToolCallParser:
         deltas: dict[int, CallDelta] = {}
         while self._step(content, deltas, final):
             pass
-        if final:  # what is left was not a whole call: content (a cut call's close aside)
-            restore = {"head": OPEN, "name": OPEN + _NAME_PREFIX}.get(self._state, "")
+        if final:  # what is left was not a whole call: content (a cut call's end aside)
             if self._state != "end":
-                content.append(restore + self._pending)
+                content.append((self._marker if self._state == "name" else "") + self._pending)
             self._pending = ""
         return "".join(content), list(deltas.values())
 
@@ -187,36 +225,46 @@ class ToolCallParser:
 
     def _step(self, content: list[str], deltas: dict[int, CallDelta], final: bool) -> bool:
         """Advance through the pending text; False once it needs more."""
-        pending = self._pending
+        style, pending = self.style, self._pending
+        if self._state == "start":  # calls only from the first character, or none
+            marker = style.opener + style.name_prefix
+            if marker.startswith(pending) and not final:
+                return False
+            self._state = "plain"
+            if pending.startswith(marker):
+                self._pending, self._state, self._marker = pending[len(marker):], "name", marker
+            return True
+        if self._state == "plain":
+            content.append(pending)
+            self._pending = ""
+            return False
         if self._state in ("text", "between"):
-            marker = OPEN if self._state == "text" else _NEXT_CALL
+            marker = (style.opener if self._state == "text" else style.separator) + style.name_prefix
             at = pending.find(marker)
             if at >= 0:
                 content.append(pending[:at])
-                self._pending, self._state = pending[at + len(marker):], "head"
+                self._pending, self._state, self._marker = pending[at + len(marker):], "name", marker
                 return True
             keep = 0 if final else partial_suffix(pending, marker)
             content.append(pending[: len(pending) - keep])
             self._pending = pending[len(pending) - keep:]
             return False
-        if self._state == "head":
-            return self._expect(_NAME_PREFIX, "name", content, restore=OPEN)
         if self._state == "name":
             end = pending.find('"')
-            if end < 0 or len(pending) < end + len(_ARGUMENTS_PREFIX):
+            if end < 0 or len(pending) < end + len(style.arguments_prefix):
                 return False
-            if not pending.startswith(_ARGUMENTS_PREFIX, end):
-                return self._depart(content, OPEN + _NAME_PREFIX)
+            if not pending.startswith(style.arguments_prefix, end):
+                return self._depart(content, self._marker)
             call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", pending[:end])
             self.calls.append(call)
             deltas[call.index] = CallDelta(call.index, "", call.id, call.name)
-            self._pending, self._state = pending[end + len(_ARGUMENTS_PREFIX):], "arguments"
+            self._pending, self._state = pending[end + len(style.arguments_prefix):], "arguments"
             self._depth, self._in_string, self._escaped = 0, False, False
             return True
         if self._state == "arguments":
             return self._scan_arguments(content, deltas)
         if self._state == "end":
-            if not self._expect(_CALL_END, "between", content, restore=""):
+            if not self._expect("}" + style.call_end, "between", content):
                 return False
             self.calls[-1].complete = True
             return True
@@ -255,14 +303,12 @@ class ToolCallParser:
             self._state = "end"
         return done
 
-    def _expect(self, prefix: str, state: str, content: list[str], restore: str) -> bool:
+    def _expect(self, prefix: str, state: str, content: list[str]) -> bool:
         pending = self._pending
-        if len(pending) < len(prefix):
-            if prefix.startswith(pending):
-                return False
-            return self._depart(content, restore)
+        if prefix.startswith(pending) and len(pending) < len(prefix):
+            return False
         if not pending.startswith(prefix):
-            return self._depart(content, restore)
+            return self._depart(content, "")
         self._pending, self._state = pending[len(prefix):], state
         return True
 
@@ -282,8 +328,8 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def parse_output(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_output(text: str, style: ToolFormat = HERMES) -> tuple[str | None, list[ToolCall]]:
     """An output's content (None where there is none) and its whole calls."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(style)
     content, _ = parser.feed(text, final=True)
     return (content or None), parser.finished_calls

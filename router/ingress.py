@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duet import reasoning
 from duet.errors import InvalidRequestError
+from duet.tool_calls import FORMATS, HERMES, ToolFormat
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError, QueueWaitError
 from duet.router.balance import StageBalancer
 from duet.router.errors import ApiError, api_error_from, bad_request
@@ -106,7 +107,7 @@ class RouterIngress:
         self.max_body_bytes = max_body_bytes
         self.api_keys = [key.encode() for key in api_keys]
         self.tokenizer = RouterTokenizer(model_dir)
-        self.tool_call_parser = tool_call_parser
+        self.tool_format = self.tokenizer.tool_format if tool_call_parser == "auto" else FORMATS[tool_call_parser]
         self.splits_reasoning = reasoning_parser == "think" or (reasoning_parser == "auto" and self.tokenizer.thinks)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.app_name = serve.get_replica_context().app_name
@@ -183,13 +184,15 @@ class RouterIngress:
         body = await self._parse(request, ChatCompletionRequest)
         try:
             # Checking the tools' schemas takes milliseconds each: off the loop that streams every response.
-            messages, tools, reads_calls = await asyncio.to_thread(self._conversation, body) if body.tools else self._conversation(body)
+            messages, tools, reads_calls = (
+                await asyncio.to_thread(self._conversation, body, self.tool_format) if body.tools else self._conversation(body)
+            )
         except InvalidRequestError as error:
             raise bad_request(str(error), error.param) from None
-        if reads_calls and self.tokenizer.renders_tools and not (self.tokenizer.writes_hermes_calls or self.tool_call_parser == "hermes"):
+        if reads_calls and self.tool_format is None:
             raise bad_request(
-                "this model's chat template writes tool calls in a format duet does not read (it reads Hermes' <tool_call>); "
-                "set the router's tool_call_parser: hermes if the model writes them so, or send tool_choice: none",
+                "this model's chat template writes tool calls in a format duet does not read (it reads hermes and llama3_json); "
+                "set the router's tool_call_parser to the one the model writes, or send tool_choice: none",
                 "tools",
             )
         try:
@@ -199,7 +202,8 @@ class RouterIngress:
         encoded = [await asyncio.to_thread(self.tokenizer.encode_chat_text, text)]
         reasoning_mode = reasoning.start_mode(text) if self.splits_reasoning else None
         return await self._generate(
-            body, encoded, body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=reads_calls, reasoning_mode=reasoning_mode
+            body, encoded, body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=self.tool_format if reads_calls else None,
+            reasoning_mode=reasoning_mode,
         )
 
     @app.post("/tokenize")
@@ -227,9 +231,10 @@ class RouterIngress:
     # -- the request pipeline
 
     @staticmethod
-    def _conversation(body: ChatCompletionRequest) -> tuple[list[dict], list, bool]:
-        """The messages for the template, the tools, and whether calls are read from the output."""
-        return body.conversation(), body.function_tools(), body.tool_mode() is not None
+    def _conversation(body: ChatCompletionRequest, tool_format: ToolFormat | None = None) -> tuple[list[dict], list, bool]:
+        """The messages for the template, the tools (their schemas checked as ``tool_format``
+        writes calls), and whether calls are read from the output."""
+        return body.conversation(), body.function_tools(tool_format or HERMES), body.tool_mode() is not None
 
     def _authorize(self, request: Request) -> None:
         if self.api_keys and not bearer_matches(request, self.api_keys):
@@ -275,13 +280,19 @@ class RouterIngress:
         return encoded
 
     def _sequences(
-        self, body, encoded: list[list[int]], max_tokens: int | None, logprobs: int | None, reasoning_mode: str | None = None
+        self,
+        body,
+        encoded: list[list[int]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        reasoning_mode: str | None = None,
+        tool_format: ToolFormat | None = None,
     ) -> list[SequenceSpec]:
         sequences = []
         for prompt_index, prompt_token_ids in enumerate(encoded):
             try:
                 budget = fit_to_context(len(prompt_token_ids), max_tokens, self.max_model_len)
-                params = body.sampling_params(budget, logprobs)
+                params = body.sampling_params(budget, logprobs, tool_format) if tool_format else body.sampling_params(budget, logprobs)
                 if params.structured_outputs is not None and reasoning_mode is not None:
                     params = dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=reasoning_mode))
                 if params.structured_outputs is not None:
@@ -308,13 +319,13 @@ class RouterIngress:
             raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 
     async def _generate(
-        self, body, encoded, max_tokens, logprobs, chat: bool, reads_calls: bool = False, reasoning_mode: str | None = None
+        self, body, encoded, max_tokens, logprobs, chat: bool, reads_calls: ToolFormat | None = None, reasoning_mode: str | None = None
     ) -> Response:
-        """``reads_calls``: tool calls are read from the output; ``reasoning_mode``: its reasoning is
+        """``reads_calls``: tool calls in this format are read from the output; ``reasoning_mode``: its reasoning is
         parted from its content, and its constraint applies after it (``duet.reasoning``)."""
         if body.response_format is not None or body.structured_outputs is not None or reads_calls:
             # Checking a new constraint takes milliseconds: off the loop that streams every response.
-            sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs, reasoning_mode)
+            sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs, reasoning_mode, reads_calls)
         else:
             sequences = self._sequences(body, encoded, max_tokens, logprobs, reasoning_mode)
         self._check_pools()

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from duet.errors import InvalidRequestError
 from duet.sampling_params import SamplingParams
 from duet.structured_output import StructuredOutputs, StructuredOutputsError
-from duet.tool_calls import EMPTY_PARAMETERS, Tool, call_schema, tool_grammar
+from duet.tool_calls import EMPTY_PARAMETERS, HERMES, Tool, ToolFormat, call_schema, tool_grammar
 
 # A JSON string escape that may decode to half of a UTF-16 surrogate pair.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -145,15 +145,16 @@ class _SamplingFields(_EngineFields):
     return_token_ids: bool = False  # vLLM's extension: each choice also carries its token ids
     response_format: ResponseFormat | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, tool_format: ToolFormat = HERMES) -> SamplingParams:
         """The engine's settings for each of the ``n`` sequences (the router fans ``n`` out),
         with the endpoint's ``max_tokens`` (fitted to the context) and ``logprobs``."""
         settings = {field.name: getattr(self, field.name) for field in dataclasses.fields(SamplingParams)}
-        own = {"n": 1, "max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": self.constraint()}
+        own = {"n": 1, "max_tokens": max_tokens, "logprobs": logprobs, "structured_outputs": self.constraint(tool_format)}
         return SamplingParams(**settings | own)
 
-    def constraint(self) -> StructuredOutputs | None:
-        """The output's constraint, from ``response_format`` or ``structured_outputs`` (not both)."""
+    def constraint(self, tool_format: ToolFormat = HERMES) -> StructuredOutputs | None:
+        """The output's constraint, from ``response_format`` or ``structured_outputs`` (not both);
+        a chat request's tools' in ``tool_format`` where it reads calls."""
         response_format = self.response_format
         if response_format is not None and response_format.type == "text":
             response_format = None
@@ -324,7 +325,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
-    def function_tools(self) -> list[Tool]:
+    def function_tools(self, tool_format: ToolFormat = HERMES) -> list[Tool]:
         """``tools`` as the engine's ``Tool``s, each schema checked (a 400 naming the one refused)."""
         tools = []
         for index, definition in enumerate(self.tools or []):
@@ -334,7 +335,7 @@ class ChatCompletionRequest(_SamplingFields):
                 raise StructuredOutputsError(f"{param}: a function's parameters are a JSON schema of type object", param)
             tool = Tool(function.name, parameters, function.description)
             try:
-                StructuredOutputs(json=call_schema(tool))
+                StructuredOutputs(json=call_schema(tool, tool_format))
             except StructuredOutputsError as error:
                 raise StructuredOutputsError(f"{param}: {error}", param) from None
             tools.append(tool)
@@ -357,13 +358,13 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return None if choice == "none" else choice or "auto"
 
-    def constraint(self) -> StructuredOutputs | None:
+    def constraint(self, tool_format: ToolFormat = HERMES) -> StructuredOutputs | None:
         mode = self.tool_mode()
         if mode is None:
             return super().constraint()
         if self.response_format is not None and self.response_format.type != "text" or self.structured_outputs is not None:
             raise StructuredOutputsError("give tool calls or response_format/structured_outputs, not both", "tool_choice")
-        return StructuredOutputs(grammar=tool_grammar(self.function_tools(), mode, self.parallel_tool_calls))
+        return StructuredOutputs(grammar=tool_grammar(self.function_tools(tool_format), mode, self.parallel_tool_calls, tool_format))
 
     def conversation(self) -> list[dict]:
         """The messages as the chat template takes them, each tool result checked to answer a

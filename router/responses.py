@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from duet.detokenizer import TextDelta
 from duet.reasoning import ReasoningSplitter
-from duet.tool_calls import ToolCallParser
+from duet.tool_calls import ToolCallParser, ToolFormat
 
 MIN_LOGPROB = -9999.0
 
@@ -78,10 +78,10 @@ class ResponseBuilder:
         token_text: Callable[[int], str],
         want_logprobs: bool,
         want_token_ids: bool,
-        reads_calls: bool = False,
+        reads_calls: ToolFormat | None = None,
         reasoning_mode: str | None = None,
     ) -> None:
-        self.reads_calls = reads_calls  # tool calls are read out of the text (duet.tool_calls)
+        self.reads_calls = reads_calls  # the format tool calls are read out of the text in (duet.tool_calls)
         self.reasoning_mode = reasoning_mode  # reasoning is parted from content (duet.reasoning)
         self._parsers: dict[int, ToolCallParser] = {}
         self._splitters: dict[int, ReasoningSplitter] = {}
@@ -162,7 +162,7 @@ class ResponseBuilder:
                 fields["reasoning_content"] = reasoning or None
         calls = []
         if self.reads_calls:
-            parser = ToolCallParser() if whole else self._parsers.setdefault(index, ToolCallParser())
+            parser = ToolCallParser(self.reads_calls) if whole else self._parsers.setdefault(index, ToolCallParser(self.reads_calls))
             text, deltas = parser.feed(text, final)
             calls = parser.finished_calls if whole else deltas
             if final and parser.finished_calls:

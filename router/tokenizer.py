@@ -41,7 +41,8 @@ class RouterTokenizer:
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._template = None
-        self.renders_tools = self.writes_hermes_calls = self.thinks = False
+        self.renders_tools = self.thinks = False
+        self.tool_format: tool_calls.ToolFormat | None = tool_calls.HERMES  # how the model writes calls (None: a format duet does not read)
         if source:
             # The same sandbox and whitespace settings as transformers' apply_chat_template.
             environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -50,7 +51,8 @@ class RouterTokenizer:
             environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = environment.from_string(source)
             self.renders_tools = "tools" in meta.find_undeclared_variables(environment.parse(source))
-            self.writes_hermes_calls = tool_calls.OPEN in source
+            if self.renders_tools:  # else duet writes the tools in, in Hermes' format
+                self.tool_format = tool_calls.template_format(source)
             self.thinks = reasoning.CLOSE in source  # a reasoning model's template (Qwen 3, DeepSeek-R1 style)
 
     @property

@@ -13,7 +13,7 @@ import pytest
 from duet.router.protocol import ChatCompletionRequest
 from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
-from duet.tool_calls import ToolCallParser
+from duet.tool_calls import HERMES, LLAMA3_JSON, ToolCallParser
 from duet.benchmarks.tool_schemas import random_tools
 
 
@@ -36,11 +36,11 @@ def _request(rng: random.Random, index: int) -> ChatCompletionRequest:
     })
 
 
-def _streamed(text: str, rng: random.Random) -> tuple[str, dict[int, dict]]:
+def _streamed(text: str, rng: random.Random, style) -> tuple[str, dict[int, dict]]:
     """What a client puts together from the stream's deltas, the text cut at random places."""
     cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) if len(text) > 1 else []
     pieces = [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
-    parser, content, calls = ToolCallParser(), "", {}
+    parser, content, calls = ToolCallParser(style), "", {}
     for position, piece in enumerate(pieces):
         more, deltas = parser.feed(piece, final=position == len(pieces) - 1)
         content += more
@@ -50,17 +50,19 @@ def _streamed(text: str, rng: random.Random) -> tuple[str, dict[int, dict]]:
     return content, calls
 
 
-def test_every_generated_call_parses_and_validates_against_its_schema(tiny_llm, tiny_tokenizer_dir):
+@pytest.mark.parametrize("style, num_requests, min_calls", [(HERMES, 192, 200), (LLAMA3_JSON, 64, 60)], ids=["hermes", "llama3_json"])
+def test_every_generated_call_parses_and_validates_against_its_schema(tiny_llm, tiny_tokenizer_dir, style, num_requests, min_calls):
     """Over 200 calls of random schemas (nested objects, enums, arrays, required fields) under
     ``required``, a named function and ``auto``, greedy and sampled: each is one of the request's
-    functions with arguments its schema accepts, read the same whole and streamed."""
+    functions with arguments its schema accepts, read the same whole and streamed (and so in
+    Llama 3's format)."""
     rng = random.Random(7)
     tokenizer = RouterTokenizer(tiny_tokenizer_dir)
-    requests = [_request(rng, index) for index in range(192)]
-    prompts = [tokenizer.encode_chat(request.conversation(), request.function_tools()) for request in requests]
-    params = [request.sampling_params(256, None) for request in requests]
+    requests = [_request(rng, index) for index in range(num_requests)]
+    prompts = [tokenizer.encode_chat(request.conversation(), request.function_tools(style)) for request in requests]
+    params = [request.sampling_params(256, None, style) for request in requests]
     outputs = tiny_llm.generate(prompts, params)
-    builder = ResponseBuilder("chatcmpl-test", "tiny", True, tokenizer.token_text, False, False, reads_calls=True)
+    builder = ResponseBuilder("chatcmpl-test", "tiny", True, tokenizer.token_text, False, False, reads_calls=style)
     num_calls = 0
     for request, output in zip(requests, outputs):
         completion = output.outputs[0]
@@ -79,10 +81,10 @@ def test_every_generated_call_parses_and_validates_against_its_schema(tiny_llm, 
             assert len(calls) <= 1
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
-        content, streamed = _streamed(completion.text, rng)
+        content, streamed = _streamed(completion.text, rng, style)
         assert (content or None) == body["message"]["content"]
         # A stream shows a call cut off by max_tokens as far as it got; the whole response leaves it out.
         assert [streamed[index] for index in sorted(streamed)][: len(calls)] == [call["function"] for call in calls]
         assert len(streamed) <= len(calls) + (completion.finish_reason == "length")
         num_calls += len(calls)
-    assert num_calls >= 200
+    assert num_calls >= min_calls

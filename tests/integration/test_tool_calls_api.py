@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pytest
 
+from duet.benchmarks.tool_schemas import random_tools
 from tests.conftest import make_tiny_model
 from tests.integration.client import settled
-from duet.benchmarks.tool_schemas import random_tools
 
 pytestmark = pytest.mark.slow
 
@@ -76,28 +76,47 @@ def _tool_loop(client: openai.OpenAI, model: str, choice, stream: bool, temperat
     return calls
 
 
-@pytest.fixture(scope="module")
-def hermes_url(cluster, ray_driver, tmp_path_factory, tiny_tokenizer_dir):
-    """A tiny Qwen 3 with a Hermes-style template, served by PD (n-gram drafts on decode)."""
+def _deploy(cluster, tmp_path_factory, tokenizer_dir, name: str, family: str, template: str, mode: str) -> str:
+    """A tiny checkpoint of ``family`` with the test template ``template``, served as ``name``."""
     from ray import serve
 
     import httpx
     from duet.cluster.app import build_app
 
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("hermes"), tiny_tokenizer_dir, "qwen3", max_position_embeddings=2048)
-    shutil.copy(Path(__file__).parents[1] / "fixtures" / "hermes" / "chat_template.jinja", model_dir / "chat_template.jinja")
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(name), tokenizer_dir, family, max_position_embeddings=2048)
+    shutil.copy(Path(__file__).parents[1] / "fixtures" / template / "chat_template.jinja", model_dir / "chat_template.jinja")
     args = {
-        "model_id": "tiny-hermes", "model": str(model_dir), "mode": "pd",
+        "model_id": name, "model": str(model_dir), "mode": mode,
         "engine": {"max_model_len": 2048, "num_kv_blocks": 1024, "max_num_seqs": 16},
-        "prefill": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}},
-        "decode": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1, "speculative_config": NGRAM}},
+        "decode": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}},
         "router": {"ray_actor_options": {"num_cpus": 0}},
     }
-    serve.run(build_app(args), name="hermes", route_prefix="/hermes")
-    url = f"{cluster.url}/hermes"
+    if mode == "pd":
+        args["prefill"] = {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}}
+        args["decode"]["engine"]["speculative_config"] = NGRAM
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    url = f"{cluster.url}/{name}"
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200
-    yield url
-    serve.delete("hermes")
+    return url
+
+
+@pytest.fixture(scope="module")
+def hermes_url(cluster, ray_driver, tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny Qwen 3 with a Hermes-style template, served by PD (n-gram drafts on decode)."""
+    from ray import serve
+
+    yield _deploy(cluster, tmp_path_factory, tiny_tokenizer_dir, "tiny-hermes", "qwen3", "hermes", "pd")
+    serve.delete("tiny-hermes")
+
+
+@pytest.fixture(scope="module")
+def llama3_url(cluster, ray_driver, tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny Llama 3 (its RoPE scaling) with a Llama 3.1-style template (calls as JSON with
+    "parameters"), colocated."""
+    from ray import serve
+
+    yield _deploy(cluster, tmp_path_factory, tiny_tokenizer_dir, "tiny-llama3", "llama3-rope", "llama3_json", "colocated")
+    serve.delete("tiny-llama3")
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -108,6 +127,11 @@ def _client(url: str) -> openai.OpenAI:
 @pytest.mark.parametrize("choice", CHOICES, ids=["auto", "required", "named"])
 def test_the_tool_loop_on_a_hermes_template(hermes_url, choice, stream):
     _tool_loop(_client(hermes_url), "tiny-hermes", choice, stream, temperature=1.0)
+
+
+@pytest.mark.parametrize("stream, choice", [(False, "required"), (True, CHOICES[2])], ids=["required-whole", "named-streamed"])
+def test_the_tool_loop_on_a_llama3_template(llama3_url, choice, stream):
+    _tool_loop(_client(llama3_url), "tiny-llama3", choice, stream, temperature=1.0)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

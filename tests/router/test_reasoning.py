@@ -12,7 +12,7 @@ from duet.detokenizer import TextDelta
 from duet.reasoning import INSIDE, OPTIONAL, ReasoningSplitter, start_mode
 from duet.router.responses import Choice, ResponseBuilder
 from duet.structured_output import StructuredOutputs, StructuredOutputsError
-from duet.tool_calls import Tool, tool_grammar
+from duet.tool_calls import HERMES, Tool, tool_grammar
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"], "additionalProperties": False}
 
@@ -83,7 +83,7 @@ def test_tool_calls_and_regexes_compose_with_reasoning(tiny_tokenizer_dir):
 
 def test_responses_carry_reasoning_content_apart_and_calls_after_it():
     text = '<think>\nThe user wants f.\n</think>\n\nCalling.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-    builder = ResponseBuilder("chatcmpl-1", "m", True, str, False, False, reads_calls=True, reasoning_mode=OPTIONAL)
+    builder = ResponseBuilder("chatcmpl-1", "m", True, str, False, False, reads_calls=HERMES, reasoning_mode=OPTIONAL)
     message = builder.response([Choice(0, [text], [1], "stop")], {})["choices"][0]["message"]
     assert message["reasoning_content"] == "\nThe user wants f.\n" and message["content"] == "\n\nCalling.\n"
     assert [call["function"] for call in message["tool_calls"]] == [{"name": "f", "arguments": '{"a": 1}'}]

@@ -17,7 +17,7 @@ from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
 from duet.detokenizer import TextDelta
 from duet.structured_output import StructuredOutputs
-from duet.tool_calls import Tool, ToolCallParser, parse_output, tool_grammar
+from duet.tool_calls import HERMES, LLAMA3_JSON, Tool, ToolCallParser, parse_output, tool_grammar
 
 WEATHER = Tool(
     "get_weather",
@@ -28,6 +28,7 @@ ADD = Tool("add", {"type": "object", "properties": {"a": {"type": "integer"}, "b
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 HERMES_TEMPLATE = Path(__file__).parents[1] / "fixtures" / "hermes" / "chat_template.jinja"
+LLAMA3_TEMPLATE = Path(__file__).parents[1] / "fixtures" / "llama3_json" / "chat_template.jinja"
 
 
 def _accepts(grammar: str, text: str, tokenizer_dir: Path) -> bool:
@@ -59,17 +60,40 @@ def test_the_grammar_admits_only_whole_calls_of_the_tools(tiny_tokenizer_dir, ch
     assert _accepts(tool_grammar([WEATHER, ADD], choice, parallel), text, tiny_tokenizer_dir) is accepted
 
 
-def test_the_parser_reads_content_and_calls_the_same_whole_and_in_any_pieces():
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+LLAMA_ADD = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+
+
+@pytest.mark.parametrize(
+    "choice, parallel, text, accepted",
+    [
+        ("auto", True, "It is sunny; no call needed {really}.", True),
+        ("auto", True, "", True),
+        ("auto", True, LLAMA_CALL, True),
+        ("auto", True, LLAMA_CALL + "; " + LLAMA_ADD, True),
+        ("auto", False, LLAMA_CALL + "; " + LLAMA_ADD, False),
+        ("auto", True, "Sure. " + LLAMA_CALL, True),  # text: the call is not read, and the text is free
+        ("auto", True, '{"answer": 42}', False),  # text never starts as a call does
+        ("auto", True, '{"name": "add", "arguments": {"a": 1, "b": 2}}', False),  # Llama's key is parameters
+        ("required", True, "Sure. " + LLAMA_CALL, False),
+        ("add", True, LLAMA_ADD, True),
+        ("add", True, LLAMA_CALL, False),
+    ],
+)
+def test_llama3_json_calls_are_the_whole_output_from_its_first_character(tiny_tokenizer_dir, choice, parallel, text, accepted):
+    assert _accepts(tool_grammar([WEATHER, ADD], choice, parallel, LLAMA3_JSON), text, tiny_tokenizer_dir) is accepted
+
+
+@pytest.mark.parametrize("style, text", [(HERMES, None), (LLAMA3_JSON, LLAMA_CALL + "; " + LLAMA_ADD)])
+def test_the_parser_reads_content_and_calls_the_same_whole_and_in_any_pieces(style, text):
     """Streamed deltas (the name with the id first, then argument pieces) put together equal the
     whole output's calls, wherever the text is cut, braces and quotes inside strings included."""
-    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ri}s {", "n": [1, {"a": "]"}]}}\n</tool_call>\n' + ADD_CALL
-    content, calls = parse_output(text)
-    assert content == "Checking.\n"
-    assert [(call.name, call.arguments) for call in calls] == [
-        ("get_weather", '{"city": "Pa\\"ri}s {", "n": [1, {"a": "]"}]}'), ("add", '{"a": 1, "b": 2}'),
-    ]
+    if text is None:
+        text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ri}s {", "n": [1, {"a": "]"}]}}\n</tool_call>\n' + ADD_CALL
+    content, calls = parse_output(text, style)
+    assert [call.name for call in calls] == ["get_weather", "add"] and json.loads(calls[1].arguments) == {"a": 1, "b": 2}
     for size in range(1, 12):
-        parser, streamed_content, streamed = ToolCallParser(), "", {}
+        parser, streamed_content, streamed = ToolCallParser(style), "", {}
         pieces = [text[start:start + size] for start in range(0, len(text), size)]
         for position, piece in enumerate(pieces):
             more, deltas = parser.feed(piece, final=position == len(pieces) - 1)
@@ -79,8 +103,24 @@ def test_the_parser_reads_content_and_calls_the_same_whole_and_in_any_pieces():
                     assert delta.index not in streamed and delta.name == calls[delta.index].name
                     streamed[delta.index] = ""
                 streamed[delta.index] += delta.arguments
-        assert streamed_content == content
+        assert (streamed_content or None) == content
         assert [streamed[index] for index in sorted(streamed)] == [call.arguments for call in calls]
+
+
+def test_hermes_content_before_the_calls_and_arguments_as_written():
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ri}s {", "n": [1, {"a": "]"}]}}\n</tool_call>\n' + ADD_CALL
+    content, calls = parse_output(text)
+    assert content == "Checking.\n"
+    assert [(call.name, call.arguments) for call in calls] == [
+        ("get_weather", '{"city": "Pa\\"ri}s {", "n": [1, {"a": "]"}]}'), ("add", '{"a": 1, "b": 2}'),
+    ]
+
+
+def test_llama3_json_text_is_content_and_a_call_only_from_the_first_character():
+    assert parse_output("Sure. " + LLAMA_CALL, LLAMA3_JSON) == ("Sure. " + LLAMA_CALL, [])
+    assert parse_output('{"answer": 42}', LLAMA3_JSON) == ('{"answer": 42}', [])
+    content, calls = parse_output(LLAMA_CALL, LLAMA3_JSON)
+    assert content is None and [(call.name, call.arguments) for call in calls] == [("get_weather", '{"city": "Paris", "unit": "c"}')]
 
 
 def test_text_that_only_looks_like_a_call_is_content():
@@ -163,13 +203,31 @@ def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them(tmp
 
     request = _chat(messages=CONVERSATION, tools=TOOLS)
     tokenizer = RouterTokenizer(tmp_path)
-    assert tokenizer.renders_tools and tokenizer.writes_hermes_calls
+    assert tokenizer.renders_tools and tokenizer.tool_format is HERMES
     expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
         request.conversation(), tools=[tool.template_dict() for tool in request.function_tools()], add_generation_prompt=True, tokenize=False
     )
     rendered = tokenizer.backend.decode(tokenizer.encode_chat(request.conversation(), request.function_tools()), skip_special_tokens=False)
     assert rendered == expected
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in rendered and "<tool_response>\n3\n" in rendered
+
+
+def test_a_llama3_template_is_read_as_llama3_json(tmp_path, tiny_tokenizer_dir):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer_dir / name, tmp_path)
+    shutil.copy(LLAMA3_TEMPLATE, tmp_path / "chat_template.jinja")
+    from transformers import AutoTokenizer
+
+    request = _chat(messages=CONVERSATION, tools=TOOLS)
+    tokenizer = RouterTokenizer(tmp_path)
+    assert tokenizer.renders_tools and tokenizer.tool_format is LLAMA3_JSON
+    expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        request.conversation(), tools=[tool.template_dict() for tool in request.function_tools()], add_generation_prompt=True, tokenize=False
+    )
+    rendered = tokenizer.render_chat(request.conversation(), request.function_tools())
+    assert rendered == expected and '<|im_start|>assistant\n{"name": "add", "parameters": {"a": 1, "b": 2}}<|im_end|>' in rendered
+    body = ResponseBuilder("c", "m", True, str, False, False, reads_calls=LLAMA3_JSON).response([Choice(0, [LLAMA_ADD], [1], "stop")], {})
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
 
 
 def test_a_template_without_tools_gets_them_written_into_the_messages(tiny_tokenizer_dir):
@@ -188,7 +246,7 @@ def test_a_template_without_tools_gets_them_written_into_the_messages(tiny_token
 
 
 def _builder() -> ResponseBuilder:
-    return ResponseBuilder("chatcmpl-1", "m", True, str, False, False, reads_calls=True)
+    return ResponseBuilder("chatcmpl-1", "m", True, str, False, False, reads_calls=HERMES)
 
 
 def test_a_response_carries_the_calls_in_openais_shape():
