@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from duet.benchmarks.plots import saved_figure
-from duet.benchmarks.serve import SAFE_TOKEN_RANGE, RequestResult, _one_request
+from duet.benchmarks.serve import RequestResult, _one_request
+from duet.benchmarks.workloads import SAFE_TOKEN_RANGE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import re
 import statistics
 import time
 
-from duet.benchmarks.serve import SAFE_TOKEN_RANGE
+from duet.benchmarks.workloads import SAFE_TOKEN_RANGE
 
 
 async def _stream(client, url: str, model: str, prompt: list[int], max_tokens: int, times: list[float]) -> str:

@@ -1,8 +1,11 @@
 """``duet bench serve``: a serving benchmark in the spirit of ``vllm bench serve``.
 
-Requests arrive as a Poisson process at ``--rate``; prompts are random token ids of
-``--input-len`` tokens (``--shared-prefix`` of them common to all requests in the
-shared-prefix workload) and each generates exactly ``--output-len`` tokens (EOS ignored).
+Sessions arrive as a Poisson process at ``--rate``, each of one request or, in the
+``multiturn`` workload, of several sent one after another (``duet.benchmarks.workloads``):
+random token ids of ``--input-len`` tokens (``--shared-prefix`` of them common to all requests
+in the shared-prefix workload), or ShareGPT's conversations through the model's chat template;
+each request generates exactly its output tokens (``--output-len``, or the recorded reply's
+length capped at ``--sharegpt-output-cap``; EOS ignored).
 Per request it measures TTFT, the time to the second token (in PD mode, when the decode
 replica's first decode step is out: the prompt's KV had to arrive first), TPOT (time per
 output token after the first), ITL (gaps between streamed tokens) and end-to-end latency, and prints p50/p90/p99 with throughput
@@ -33,13 +36,15 @@ from pathlib import Path
 from tqdm import tqdm
 
 from duet.benchmarks.plots import saved_figure
-
-SAFE_TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary of SmolLM2's tokenizer, no special tokens
+from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, WORKLOADS, TurnSpec, random_sessions, sharegpt_sessions
 
 
 @dataclass
 class RequestResult:
     ok: bool
+    turn: int = 0  # its place in its session (0: the first)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the server's prefix cache (as its usage reports)
     sent_s: float = 0.0  # seconds after the run's first request
     ttft: float = 0.0
     tt2t: float = 0.0  # time to the second token
@@ -66,18 +71,14 @@ class Summary:
     drain_s: float  # from the last request's sending to the run's end (the last completion)
     percentiles: dict[str, dict[str, float]]
     requests: list[dict[str, float | bool]]  # each one's send time (s), whether it completed, TTFT, TPOT, end to end (ms), in sending order
-
-
-def make_prompts(num: int, input_len: int, shared_prefix: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(shared_prefix)]
-    return [prefix + [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(input_len - shared_prefix)] for _ in range(num)]
+    # First turns and later turns apart: TTFT p50 (ms) and the share of prompt tokens found cached.
+    turns: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 async def _one_request(client, url: str, model: str, prompt: list[int], output_len: int, api_key: str | None) -> RequestResult:
     body = {
         "model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len, "ignore_eos": True,
-        "temperature": 0.0, "stream": True, "return_token_ids": True,
+        "temperature": 0.0, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True},
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.perf_counter()
@@ -95,6 +96,11 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
                 if "error" in chunk:
                     result.error = chunk["error"]["message"]
                     return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                if not chunk.get("choices"):
+                    continue
                 tokens = len(chunk["choices"][0].get("token_ids") or [])
                 if not tokens:
                     continue
@@ -116,31 +122,41 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
     return result
 
 
-async def run_load(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float, seed: int, api_key: str | None, label: str):
+async def run_load(
+    url: str, model: str, sessions: list[list[TurnSpec]], rate: float, think_time_s: float, seed: int, api_key: str | None, label: str
+):
+    """Sessions arriving at ``rate`` a second (Poisson; 0: all at once), each turn sent once the
+    one before it ended and ``think_time_s`` passed; the results of every request, in sending order."""
     import httpx
 
     rng = random.Random(seed)
-    progress = tqdm(total=len(prompts), desc=label, unit="req", leave=False)
+    progress = tqdm(total=sum(map(len, sessions)), desc=label, unit="req", leave=False)
+    results: list[RequestResult] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
 
-        async def tracked(prompt):
-            sent_s = time.perf_counter() - start
-            result = await _one_request(client, url, model, prompt, output_len, api_key)
-            result.sent_s = sent_s
-            progress.update(1)
-            return result
+        async def session(turns: list[TurnSpec]) -> None:
+            for index, turn in enumerate(turns):
+                if index:
+                    await asyncio.sleep(think_time_s)
+                sent_s = time.perf_counter() - start
+                result = await _one_request(client, url, model, turn.prompt, turn.output_len, api_key)
+                result.sent_s, result.turn = sent_s, index
+                results.append(result)
+                progress.update(1)
+                if not result.ok:
+                    break  # a session whose turn failed goes no further
 
         # Warm up the path (and the prefix cache's bookkeeping) with one request outside the measurement.
         await _one_request(client, url, model, [SAFE_TOKEN_RANGE[0]] * 8, 4, api_key)
         tasks = []
         start = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(tracked(prompt)))
+        for turns in sessions:
+            tasks.append(asyncio.create_task(session(turns)))
             await asyncio.sleep(rng.expovariate(rate) if rate > 0 else 0)
-        results = await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     progress.close()
-    return results, duration
+    return sorted(results, key=lambda result: result.sent_s), duration
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -175,8 +191,19 @@ def summarise(config: str, workload: str, results: list[RequestResult], duration
             "e2e_ms": _percentiles([r.e2e * 1e3 for r in ok]),
         },
         requests=[
-            {"sent_s": r.sent_s, "ok": r.ok, "ttft_ms": r.ttft * 1e3, "tpot_ms": r.tpot * 1e3, "e2e_ms": r.e2e * 1e3} for r in results
+            {"sent_s": r.sent_s, "ok": r.ok, "turn": r.turn, "ttft_ms": r.ttft * 1e3, "tpot_ms": r.tpot * 1e3, "e2e_ms": r.e2e * 1e3,
+             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens}
+            for r in results
         ],
+        turns={
+            name: {
+                "requests": len(group),
+                "ttft_p50_ms": _percentiles([r.ttft * 1e3 for r in group])["p50"],
+                "prefix_hit_rate": ratio(sum(r.cached_tokens for r in group), sum(r.prompt_tokens for r in group)),
+            }
+            for name, group in (("first", [r for r in ok if r.turn == 0]), ("later", [r for r in ok if r.turn > 0]))
+            if group
+        },
     )
 
 
@@ -256,7 +283,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--shared-prefix", type=int, default=192, help="common prefix tokens in the shared-prefix workload")
-    parser.add_argument("--workloads", default="random,shared-prefix")
+    parser.add_argument("--workloads", default="random,shared-prefix", help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--tokenizer", default="smollm2", help="the model (alias or directory) whose chat template renders ShareGPT")
+    parser.add_argument("--sharegpt-output-cap", type=int, default=128, help="most output tokens of a ShareGPT turn")
+    parser.add_argument("--turns", type=int, default=4, help="most turns of a multiturn session (--num-requests sessions)")
+    parser.add_argument("--think-time-s", type=float, default=0.0, help="pause before each later turn of a session")
+    parser.add_argument("--max-context", type=int, default=2048, help="a ShareGPT turn's prompt and output fit in this")
     parser.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -267,11 +299,22 @@ def main(argv: list[str] | None = None) -> None:
     if bool(args.config) == bool(args.url):
         parser.error("give one or more --config files, or --url of a running server")
 
-    workloads = {
-        "random": 0,
-        "shared-prefix": args.shared_prefix,
-    }
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    if unknown := [name for name in chosen if name not in WORKLOADS]:
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+
+    def sessions(workload: str, seed: int) -> list[list[TurnSpec]]:
+        if workload in ("random", "shared-prefix"):
+            prefix = args.shared_prefix if workload == "shared-prefix" else 0
+            return random_sessions(args.num_requests, args.input_len, args.output_len, prefix, seed)
+        from duet.benchmarks.sharegpt import load_conversations
+        from duet.models.loader import resolve_model_path
+        from duet.router.tokenizer import RouterTokenizer
+
+        tokenizer = RouterTokenizer(resolve_model_path(args.tokenizer))
+        turns = 1 if workload == "sharegpt" else args.turns
+        return sharegpt_sessions(tokenizer, load_conversations(), args.num_requests, turns, args.sharegpt_output_cap, args.max_context, seed)
+
     rates = [float(rate) for rate in args.rate.split(",")]
     summaries = []
     targets = [(Path(config).stem, config) for config in args.config] or [(args.name, None)]
@@ -284,12 +327,12 @@ def main(argv: list[str] | None = None) -> None:
             url = up(config).urls[0]
         try:
             for (index, rate), workload in itertools.product(enumerate(rates), chosen):
-                # Fresh prompts at each rate: none finds the last rate's in the prefix cache.
-                seed = args.seed + 1000 * index
-                prompts = make_prompts(args.num_requests, args.input_len, workloads[workload], seed)
+                # Fresh prompts at each rate: none finds the last rate's in the prefix cache (nor,
+                # for multiturn sessions, the sharegpt workload's first turns).
+                seed = args.seed + 1000 * index + (500 if workload == "multiturn" else 0)
                 label = workload if len(rates) == 1 else f"{workload}@{rate:g}/s"
                 results, duration = asyncio.run(
-                    run_load(url, args.model, prompts, args.output_len, rate, seed, args.api_key, f"{name}/{label}")
+                    run_load(url, args.model, sessions(workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}")
                 )
                 summary = summarise(name, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                 summaries.append(summary)
@@ -299,9 +342,15 @@ def main(argv: list[str] | None = None) -> None:
             if config is not None:
                 down()
     print()
-    print(f"{args.num_requests} requests at {args.rate}/s, {args.input_len} prompt + {args.output_len} output tokens; "
+    print(f"{args.num_requests} requests (sessions) at {args.rate}/s, {args.input_len} prompt + {args.output_len} output tokens (random); "
           f"SLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
     print(format_table(summaries))
+    for summary in summaries:
+        if "later" in summary.turns or summary.turns.get("first", {}).get("prefix_hit_rate", 0) > 0:
+            print(f"{summary.config} {summary.workload}: " + "; ".join(
+                f"{name} turns: {turn['requests']} ok, TTFT p50 {turn['ttft_p50_ms']:.0f} ms, prefix hit rate {turn['prefix_hit_rate']:.2f}"
+                for name, turn in summary.turns.items()
+            ))
     ratios = format_ratios(summaries)
     if ratios:
         print(ratios)

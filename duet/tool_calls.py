@@ -64,6 +64,7 @@ def template_format(source: str) -> ToolFormat | None:
         return LLAMA3_JSON
     return None
 
+
 SYSTEM_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"

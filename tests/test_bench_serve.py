@@ -32,3 +32,44 @@ def test_autoscale_phases_take_a_rate_or_a_closed_loop():
     assert parse_phases("prompts:120:c6:1400:1,gen:60:2.5:32:256") == [
         Phase("prompts", 120.0, 0.0, 1400, 1, concurrency=6), Phase("gen", 60.0, 2.5, 32, 256),
     ]
+
+
+def test_a_cut_off_sharegpt_file_keeps_its_whole_conversations():
+    """The PyPI package's ShareGPT JSON ends in the middle of an entry: the list is closed after
+    the last whole one."""
+    from duet.benchmarks.sharegpt import whole_entries
+
+    whole = '[\n  {"id": "a", "conversations": []},\n  {"id": "b", "conversations": [{"from": "human", "value": "x]"}]}\n]'
+    assert whole_entries(whole) == ([{"id": "a", "conversations": []}, {"id": "b", "conversations": [{"from": "human", "value": "x]"}]}], True)
+    cut = whole[: whole.index('"value"') + 12]
+    assert whole_entries(cut) == ([{"id": "a", "conversations": []}], False)
+
+
+def test_multiturn_sessions_send_the_recorded_history_through_the_chat_template(tiny_tokenizer_dir):
+    """Turn k's prompt is turns 1..k-1 (the recorded replies as the assistant's) and message k,
+    rendered as the chat endpoint renders them; its output is the recorded reply's length, capped;
+    a session stops before the turn that would not fit the context."""
+    from duet.benchmarks.workloads import sharegpt_sessions
+    from duet.router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer(tiny_tokenizer_dir)
+    turns = [("Hi there", "Hello! " * 3), ("Tell me a long story", "Once " * 200), ("And then?", "The end.")]
+    conversation = [{"from": who, "value": text} for message, reply in turns for who, text in (("human", message), ("gpt", reply))]
+    (session,) = sharegpt_sessions(tokenizer, [conversation, [{"from": "gpt", "value": "no human first"}]], 1, 3, 64, 10_000, 0)
+    history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! " * 3}, {"role": "user", "content": "Tell me a long story"}]
+    assert [turn.prompt for turn in session] == [tokenizer.encode_chat(history[:1]), tokenizer.encode_chat(history), session[2].prompt]
+    assert session[2].prompt[: len(session[1].prompt)] == session[1].prompt  # each turn extends the last
+    assert [turn.output_len for turn in session] == [len(tokenizer.encode("Hello! " * 3, add_special_tokens=False)), 64, 4]
+    short = sharegpt_sessions(tokenizer, [conversation], 1, 3, 64, len(session[1].prompt) + 63, 0)
+    assert [len(s) for s in short] == [1]
+
+
+def test_later_turns_are_summarised_apart_with_their_prefix_hits():
+    results = [
+        RequestResult(ok=True, turn=0, ttft=0.4, e2e=1.0, output_tokens=5, prompt_tokens=100, cached_tokens=0),
+        RequestResult(ok=True, turn=1, ttft=0.1, e2e=0.5, output_tokens=5, prompt_tokens=200, cached_tokens=150),
+        RequestResult(ok=True, turn=2, ttft=0.2, e2e=0.5, output_tokens=5, prompt_tokens=300, cached_tokens=250),
+    ]
+    turns = summarise("pd", "multiturn", results, duration=3.0, slo_ttft=2.0, slo_tpot=0.2).turns
+    assert turns["first"] == {"requests": 1, "ttft_p50_ms": pytest.approx(400.0), "prefix_hit_rate": 0.0}
+    assert turns["later"]["requests"] == 2 and turns["later"]["prefix_hit_rate"] == pytest.approx(400 / 500)
