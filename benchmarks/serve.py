@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", action="append", default=[], help="a config to bring up and measure (repeat to compare)")
     parser.add_argument("--url", default=None, help="measure a running server instead of --config")
     parser.add_argument("--name", default="server", help="what to call the server of --url in the results")
+    parser.add_argument("--peer-url", default=None, help="another OpenAI server given the same schedule after the rest (vLLM's, say)")
+    parser.add_argument("--peer-name", default="peer", help="what to call it in the results")
+    parser.add_argument("--peer-model", default=None, help="its model name (default: --model)")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument(
@@ -317,9 +320,11 @@ def main(argv: list[str] | None = None) -> None:
 
     rates = [float(rate) for rate in args.rate.split(",")]
     summaries = []
-    targets = [(Path(config).stem, config) for config in args.config] or [(args.name, None)]
-    for name, config in targets:
-        url = args.url
+    # (name, config to bring up, or the URL and model of a running server)
+    targets = [(Path(config).stem, config, None, args.model) for config in args.config] or [(args.name, None, args.url, args.model)]
+    if args.peer_url:
+        targets.append((args.peer_name, None, args.peer_url, args.peer_model or args.model))
+    for name, config, url, model in targets:
         if config is not None:
             from duet.cluster.deploy import down, up
 
@@ -332,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                 seed = args.seed + 1000 * index + (500 if workload == "multiturn" else 0)
                 label = workload if len(rates) == 1 else f"{workload}@{rate:g}/s"
                 results, duration = asyncio.run(
-                    run_load(url, args.model, sessions(workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}")
+                    run_load(url, model, sessions(workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}")
                 )
                 summary = summarise(name, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                 summaries.append(summary)

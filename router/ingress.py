@@ -26,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duet import reasoning
 from duet.errors import InvalidRequestError
-from duet.tool_calls import FORMATS, HERMES, ToolFormat
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError, QueueWaitError
 from duet.router.balance import StageBalancer
 from duet.router.errors import ApiError, api_error_from, bad_request
@@ -41,6 +40,7 @@ from duet.router.serve_internals import live_replicas, new_call_context, pool_me
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
 from duet.sampling_params import fit_to_context
+from duet.tool_calls import FORMATS, HERMES, ToolFormat
 
 app = FastAPI(title="duet", docs_url=None, redoc_url=None)
 
@@ -214,7 +214,7 @@ class RouterIngress:
             if chat is None:
                 tokens = await asyncio.to_thread(self.tokenizer.encode, body.prompt, body.add_special_tokens)
             else:
-                messages, tools, _ = await asyncio.to_thread(self._conversation, chat)
+                messages, tools, _ = await asyncio.to_thread(self._conversation, chat, self.tool_format)
                 tokens = await asyncio.to_thread(self.tokenizer.encode_chat, messages, tools, chat.chat_template_kwargs)
         except (InvalidRequestError, ChatTemplateError) as error:
             raise bad_request(str(error), getattr(error, "param", "messages")) from None
@@ -292,7 +292,7 @@ class RouterIngress:
         for prompt_index, prompt_token_ids in enumerate(encoded):
             try:
                 budget = fit_to_context(len(prompt_token_ids), max_tokens, self.max_model_len)
-                params = body.sampling_params(budget, logprobs, tool_format) if tool_format else body.sampling_params(budget, logprobs)
+                params = body.sampling_params(budget, logprobs, tool_format or HERMES)
                 if params.structured_outputs is not None and reasoning_mode is not None:
                     params = dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=reasoning_mode))
                 if params.structured_outputs is not None:
@@ -321,8 +321,9 @@ class RouterIngress:
     async def _generate(
         self, body, encoded, max_tokens, logprobs, chat: bool, reads_calls: ToolFormat | None = None, reasoning_mode: str | None = None
     ) -> Response:
-        """``reads_calls``: tool calls in this format are read from the output; ``reasoning_mode``: its reasoning is
-        parted from its content, and its constraint applies after it (``duet.reasoning``)."""
+        """``reads_calls``: tool calls in this format are read from the output; ``reasoning_mode``:
+        its reasoning is parted from its content, and its constraint applies after it
+        (``duet.reasoning``)."""
         if body.response_format is not None or body.structured_outputs is not None or reads_calls:
             # Checking a new constraint takes milliseconds: off the loop that streams every response.
             sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs, reasoning_mode, reads_calls)
