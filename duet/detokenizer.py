@@ -139,6 +139,7 @@ class TextDelta:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta, where asked for
 
 
 @dataclass
@@ -152,6 +153,7 @@ class SequenceText:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def start(cls, tokenizer: Tokenizer, params: SamplingParams) -> SequenceText:
@@ -181,4 +183,8 @@ class SequenceText:
             self.finish_reason, self.stop_reason = "stop", stop
         elif delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        return TextDelta(self.detokenizer.take_text(self.finished), kept, logprobs, self.finish_reason, self.stop_reason)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        return TextDelta(
+            self.detokenizer.take_text(self.finished), kept, logprobs, self.finish_reason, self.stop_reason, delta.prompt_logprobs
+        )

@@ -68,6 +68,7 @@ class LLMEngine:
         self.num_blocks = cache_config.num_blocks(self.kv_bytes_per_block)
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()
+        self.pipeline_parallel_size = args.pipeline_parallel_size
         worker_config = WorkerConfig(
             model_path=str(model_path),
             dtype=str(self.dtype).removeprefix("torch."),
@@ -98,6 +99,7 @@ class LLMEngine:
             self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
+        self._prompt_logprobs: dict[str, list] = {}  # per request: its prompt tokens' top logprobs, until its first token
         self.load = LoadTracker()
         # The machine's cores in turns with the other engines on it (``duet.cores``); the host sets it.
         self.core_lease = None
@@ -148,6 +150,10 @@ class LLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         max_tokens = fit_to_context(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        if params.prompt_logprobs is not None and self.pipeline_parallel_size > 1:
+            raise InvalidRequestError(
+                "prompt_logprobs are not computed with pipeline parallelism (pipeline_parallel_size > 1)", "prompt_logprobs"
+            )
         self.check_constraint(params)
         # A request may also hold slots for the draft tokens it writes past its last one.
         lookahead = self.scheduler.num_lookahead_tokens
@@ -191,6 +197,8 @@ class LLMEngine:
             raise InvalidRequestError("this engine has no KV connector: it cannot receive prompt KV")
         if params.logprobs is not None:
             self._logprobs[request.request_id] = []
+        if params.prompt_logprobs is not None and not request.kv_receive and not request.output_token_ids:
+            self._prompt_logprobs[request.request_id] = []
         if not request.kv_receive:
             self.scheduler.add_request(queued)
             return None
@@ -213,12 +221,14 @@ class LLMEngine:
         if not self.scheduler.migrate(request_id, destination):
             return False
         self._logprobs.pop(request_id, None)  # all reported before it was frozen
+        self._prompt_logprobs.pop(request_id, None)
         return True
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks come back (once no transfer uses them)."""
         self.scheduler.abort(request_id)
         self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -250,6 +260,10 @@ class LLMEngine:
             for request_id, logprobs in zip(runner_output.request_ids, runner_output.logprobs):
                 if request_id in self._logprobs:
                     self._logprobs[request_id].extend(logprobs)
+        for request_id, (position, entries) in runner_output.prompt_logprobs.items():
+            scored = self._prompt_logprobs.get(request_id)
+            if scored is not None and position <= len(scored) < position + len(entries):  # a prompt computed again (preempted) is scored once
+                scored.extend(entries[len(scored) - position:])
         return [self._delta(request) for request in changed]
 
     def _observe_load(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
@@ -280,11 +294,16 @@ class LLMEngine:
         if request.request_id in self._logprobs:
             pending = self._logprobs[request.request_id]
             logprobs, pending[:] = pending[: len(new_tokens)], []
+        prompt_logprobs = None
+        if new_tokens and request.request_id in self._prompt_logprobs:  # with the first token
+            prompt_logprobs = [None, *self._prompt_logprobs.pop(request.request_id)]
         if request.is_finished:
             self._logprobs.pop(request.request_id, None)
+            self._prompt_logprobs.pop(request.request_id, None)
         return TokenDelta(
             request.request_id, new_tokens, logprobs, request.is_finished, request.finish_reason, request.stop_reason,
             request.num_cached_tokens, request.error, kv_lost=request.error is not None and request.finish_reason == "kv_lost",
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _recover(self, scheduler_output, error: Exception) -> list[TokenDelta]:

@@ -60,9 +60,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, as blocks and a token count.
 
-        The last prompt token is never served from cache: its logits are needed to sample.
+        The last prompt token is never served from cache: its logits are needed to sample; nor
+        is any token of a request that asks for its prompt's logprobs.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_cached_tokens = request.num_tokens - 1
         hashes = self._block_hashes(request, max_cached_tokens)

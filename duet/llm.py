@@ -122,4 +122,7 @@ class _Request:
             for index, sequence in enumerate(self.sequences)
         ]
         num_cached = min(self.num_cached_tokens.values(), default=0)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, True, num_cached, self.metrics)
+        prompt_logprobs = self.sequences[0].prompt_logprobs if self.sequences else None
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, completions, True, num_cached, self.metrics, prompt_logprobs
+        )

@@ -89,6 +89,9 @@ class TokenDelta:
     num_cached_tokens: int = 0
     error: str | None = None
     kv_lost: bool = False
+    # With the first token of a request that asked for them: each prompt token's top logprobs
+    # (its own among them) after the tokens before it; None for the first, which has none.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 # Replicas report their stats every 0.5 s, even mid-step; one silent this long is taken for dead.

@@ -17,7 +17,7 @@ from duet.kernels.kv_quant import row_width
 from duet.model_inputs import BatchInputs, Span, build_batch
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.runner_state import CachedRequestState
-from duet.sampler import Sampler, advance_generator, build_sampling_metadata, make_generator
+from duet.sampler import Sampler, advance_generator, build_sampling_metadata, make_generator, top_logprobs
 from duet.spec_decode.decoder import SpeculativeDecoder
 from duet.spec_decode.proposers import ModelProposer, NgramProposer
 
@@ -95,11 +95,12 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput, request_ids: list[str] | None = None
-    ) -> tuple[BatchInputs, torch.Tensor, list[str]]:
+    ) -> tuple[BatchInputs, torch.Tensor, list[str], list[tuple[str, int, int]]]:
         """The flat batch (of ``request_ids``, default the step's), the rows to compute logits for,
-        and the requests those rows belong to (one row each, or one per draft token plus one for a
-        request verifying drafts)."""
-        spans, logits_rows, row_owners = [], [], []
+        the requests the sampling rows belong to (one row each, or one per draft token plus one
+        for a request verifying drafts), and after them one row per prompt position whose next
+        prompt token a request scores (``prompt_logprobs``): (request, position, that token)."""
+        spans, logits_rows, row_owners, scored, scored_rows = [], [], [], [], []
         offset = 0
         scheduled = scheduler_output.num_scheduled_tokens
         for request_id in scheduled if request_ids is None else request_ids:
@@ -109,13 +110,27 @@ class ModelRunner:
             start = state.num_computed_tokens
             end = start + num_tokens - len(drafts)
             spans.append(Span(state.token_slice(start, end) + drafts, start, state.block_ids))
+            if state.sampling_params.prompt_logprobs is not None:
+                prompt = state.prompt_token_ids
+                for position in range(start, min(end, len(prompt) - 1)):
+                    scored_rows.append(offset + position - start)
+                    scored.append((request_id, position, prompt[position + 1]))
             offset += num_tokens
             if end == state.num_tokens:
                 num_rows = len(drafts) + 1
                 logits_rows.extend(range(offset - num_rows, offset))
                 row_owners.extend([request_id] * num_rows)
         batch = build_batch(spans, self.block_size, self.device)
-        return batch, torch.tensor(logits_rows, dtype=torch.long, device=self.device), row_owners
+        return batch, torch.tensor(logits_rows + scored_rows, dtype=torch.long, device=self.device), row_owners, scored
+
+    def _prompt_logprobs(self, logits: torch.Tensor, scored: list[tuple[str, int, int]]) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """Each scoring request's first scored position and its prompt tokens' top logprobs."""
+        nums = [self.requests[request_id].sampling_params.prompt_logprobs for request_id, _, _ in scored]
+        entries = top_logprobs(logits.float().log_softmax(dim=-1), [token for _, _, token in scored], nums)
+        out: dict[str, tuple[int, list[dict[int, float]]]] = {}
+        for (request_id, position, _), entry in zip(scored, entries):
+            out.setdefault(request_id, (position, []))[1].append(entry)
+        return out
 
     def _forbidden_token_ids(self, state: CachedRequestState) -> tuple[int, ...]:
         """Tokens the request may not take next: EOS and its stop token ids before ``min_tokens``."""
@@ -159,20 +174,25 @@ class ModelRunner:
         if not request_ids:
             return RunnerOutput([], [])
         started = time.perf_counter()
-        batch, logits_rows, row_owners = self._prepare_inputs(scheduler_output)
+        batch, logits_rows, row_owners, scored = self._prepare_inputs(scheduler_output)
         spec_token_ids = scheduler_output.scheduled_spec_token_ids
         masks = self._start_masks(row_owners, spec_token_ids)
-        excluded = self._greedy_exclusions(row_owners, spec_token_ids, masks)
+        excluded = None if scored else self._greedy_exclusions(row_owners, spec_token_ids, masks)
         out = self.model(
             batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done, excluded,
         )
+        prompt_logprobs = {}
+        if scored:
+            out, prompt_logprobs = out[: len(row_owners)], self._prompt_logprobs(out[len(row_owners):], scored)
         if excluded is not None:  # out: each row's greedy token
             sampled, logprobs = {request_id: [token_id] for request_id, token_id in zip(row_owners, out.tolist())}, {}
             self._record(sampled)
         else:
             sampled, logprobs = self._sample(out, row_owners, spec_token_ids, masks)
         self._advance(scheduler_output, sampled)
-        return self._output(request_ids, sampled, logprobs, self._propose(scheduler_output, sampled, started))
+        output = self._output(request_ids, sampled, logprobs, self._propose(scheduler_output, sampled, started))
+        output.prompt_logprobs = prompt_logprobs
+        return output
 
     def _advance(self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Count the step's tokens as computed, but for the drafts verification rejected."""

@@ -133,6 +133,9 @@ class RunnerOutput:
     kv_results: list[KVTransferResult] = field(default_factory=list)
     # Requests that cannot go on (their constraint failed), and why: they fail alone.
     errors: dict[str, str] = field(default_factory=dict)
+    # Per request asking for them: the first prompt position this step's chunk scored, and the
+    # top logprobs of each prompt token after it (``SamplingParams.prompt_logprobs``).
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,3 +165,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # first_token_time, finished_time (monotonic)
+    # Each prompt token's top logprobs after the tokens before it (None for the first), where asked for.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

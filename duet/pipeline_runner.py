@@ -34,12 +34,12 @@ class PipelineRunner(ModelRunner):
         num_parts, num_requests = min(self.group.num_stages, len(request_ids)), len(request_ids)
         parts = [request_ids[index * num_requests // num_parts : (index + 1) * num_requests // num_parts] for index in range(num_parts)]
         prepared = [self._prepare_inputs(scheduler_output, part) for part in parts]
-        row_owners = [owner for _, _, owners in prepared for owner in owners]
+        row_owners = [owner for _, _, owners, _ in prepared for owner in owners]
         spec_token_ids = scheduler_output.scheduled_spec_token_ids
         # The last stage samples: its masks fill beside its forward passes (on a GPU).
         masks = self._start_masks(row_owners, spec_token_ids) if self.stage.last else None
         logits, sends = [], []
-        for index, (batch, logits_rows, _) in enumerate(prepared):
+        for index, (batch, logits_rows, _, _) in enumerate(prepared):
             received = None
             if not self.stage.first:
                 shape = (2, batch.input_ids.shape[0], self.stage.arch.hidden_size)

@@ -347,17 +347,22 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 def _gather_logprobs(
     raw_logprobs: torch.Tensor, sampled_token_ids: list[int], metadata: SamplingMetadata
 ) -> list[dict[int, float] | None]:
-    top_values, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)
-    sampled_values = raw_logprobs.gather(
-        1, torch.tensor(sampled_token_ids, device=raw_logprobs.device).unsqueeze(1)
-    ).squeeze(1)
-    top_values, top_ids, sampled_values = top_values.tolist(), top_ids.tolist(), sampled_values.tolist()
+    return top_logprobs(raw_logprobs, sampled_token_ids, metadata.num_logprobs)
+
+
+def top_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], nums: list[int | None]) -> list[dict[int, float] | None]:
+    """Per row of ``raw_logprobs`` (log-softmaxed logits): the ``nums[row]`` most likely tokens'
+    logprobs and ``token_ids[row]``'s own (None where ``nums[row]`` is None)."""
+    most = max((num for num in nums if num is not None), default=0)
+    top_values, top_ids = raw_logprobs.topk(most, dim=-1)
+    own = raw_logprobs.gather(1, torch.tensor(token_ids, device=raw_logprobs.device).unsqueeze(1)).squeeze(1)
+    top_values, top_ids, own = top_values.tolist(), top_ids.tolist(), own.tolist()
     logprobs: list[dict[int, float] | None] = []
-    for row, num in enumerate(metadata.num_logprobs):
+    for row, num in enumerate(nums):
         if num is None:
             logprobs.append(None)
             continue
         row_logprobs = dict(zip(top_ids[row][:num], top_values[row][:num]))
-        row_logprobs.setdefault(sampled_token_ids[row], sampled_values[row])
+        row_logprobs.setdefault(token_ids[row], own[row])
         logprobs.append(row_logprobs)
     return logprobs

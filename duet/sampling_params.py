@@ -94,6 +94,10 @@ class SamplingParams:
     # Added to the token's logit before sampling (OpenAI's -100 to 100), as (token id, bias)
     # pairs in id order; given as a dict (the API's form) it is made into these.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # The log-probability of each prompt token after the ones before it, with this many of the
+    # most likely tokens there (vLLM's); the prompt is then computed whole, not read from the
+    # prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +131,11 @@ class SamplingParams:
                 f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
             ),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
             (
@@ -181,9 +190,10 @@ class SamplingParams:
 
     def choice(self, index: int) -> SamplingParams:
         """Completion ``index`` of the ``n``: one completion, seeded with ``seed + index`` (wrapped
-        into 64 bits) so that each completion has its own reproducible stream."""
+        into 64 bits) so that each completion has its own reproducible stream. Only the first
+        computes the prompt's logprobs (the others read the prompt from the prefix cache)."""
         seed = None if self.seed is None else (self.seed + index - INT64_MIN) % 2**64 + INT64_MIN
-        return dataclasses.replace(self, n=1, seed=seed)
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def greedy(self) -> bool:

@@ -177,7 +177,8 @@ class RouterIngress:
         encoded = await asyncio.to_thread(self._encode_prompts, prompts)
         # best_of ranks sequences by the log-probability of their tokens: they carry theirs.
         logprobs = body.logprobs if body.num_sequences == body.n else max(body.logprobs or 0, 0)
-        return await self._generate(body, encoded, body.max_tokens, logprobs, chat=False)
+        echo_prompts = [(self._prompt_text(prompt, ids), ids) for prompt, ids in zip(prompts, encoded)] if body.echo else None
+        return await self._generate(body, encoded, body.max_tokens, logprobs, chat=False, echo_prompts=echo_prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -268,6 +269,15 @@ class RouterIngress:
         except ValueError as error:
             raise bad_request(str(error)) from None
 
+    def _prompt_text(self, prompt: str | list[int], token_ids: list[int]) -> str:
+        """A prompt as text, to echo: as sent, or its tokens' (none where one is not a token id:
+        the engine refuses that prompt with a 400)."""
+        if isinstance(prompt, str):
+            return prompt
+        if not all(0 <= token_id < self.tokenizer.backend.get_vocab_size(with_added_tokens=True) for token_id in token_ids):
+            return ""
+        return self.tokenizer.backend.decode(token_ids, skip_special_tokens=False)
+
     def _encode_prompts(self, prompts: list) -> list[list[int]]:
         encoded = []
         for prompt in prompts:
@@ -301,7 +311,10 @@ class RouterIngress:
                 raise bad_request(str(error), error.param) from None
             for index in range(body.num_sequences):
                 choice = prompt_index * body.num_sequences + index
-                sequences.append(SequenceSpec(choice, prompt_index, params.choice(index)))
+                sequence_params = params.choice(index)
+                if getattr(body, "echo", False):  # each streamed choice echoes its prompt with its logprobs
+                    sequence_params = dataclasses.replace(sequence_params, prompt_logprobs=params.prompt_logprobs)
+                sequences.append(SequenceSpec(choice, prompt_index, sequence_params))
         return sequences
 
     def _check_pools(self) -> None:
@@ -319,11 +332,19 @@ class RouterIngress:
             raise ApiError(503, f"the {name} pool has no healthy replica; retry later", "service_unavailable", retry_after=5)
 
     async def _generate(
-        self, body, encoded, max_tokens, logprobs, chat: bool, reads_calls: ToolFormat | None = None, reasoning_mode: str | None = None
+        self,
+        body,
+        encoded,
+        max_tokens,
+        logprobs,
+        chat: bool,
+        reads_calls: ToolFormat | None = None,
+        reasoning_mode: str | None = None,
+        echo_prompts: list[tuple[str, list[int]]] | None = None,
     ) -> Response:
         """``reads_calls``: tool calls in this format are read from the output; ``reasoning_mode``:
         its reasoning is parted from its content, and its constraint applies after it
-        (``duet.reasoning``)."""
+        (``duet.reasoning``); ``echo_prompts``: each prompt's text and tokens go before its output."""
         if body.response_format is not None or body.structured_outputs is not None or reads_calls:
             # Checking a new constraint takes milliseconds: off the loop that streams every response.
             sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs, reasoning_mode, reads_calls)
@@ -345,7 +366,8 @@ class RouterIngress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         want_logprobs = (body.num_logprobs if chat else body.logprobs) is not None
         builder = ResponseBuilder(
-            request_id, self.model_id, chat, self.tokenizer.token_text, want_logprobs, body.return_token_ids, reads_calls, reasoning_mode
+            request_id, self.model_id, chat, self.tokenizer.token_text, want_logprobs, body.return_token_ids, reads_calls, reasoning_mode,
+            echo_prompts, body.n,
         )
         run = Run(self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival)
         if body.stream:
@@ -383,9 +405,10 @@ class RouterIngress:
                 item = first
                 while item is not None:
                     index, delta = item
-                    yield sse(builder.chunk(index, delta, not started[index], text_offsets[index]))
+                    chunk = builder.chunk(index, delta, not started[index], text_offsets[index])
+                    yield sse(chunk)
                     started[index] = True
-                    text_offsets[index] += len(delta.text)
+                    text_offsets[index] += len(chunk["choices"][0].get("text", delta.text))  # an echoed prompt's included
                     item = await anext(deltas, None)
             if include_usage:
                 yield sse(builder.usage_chunk(run.usage(builder)))

@@ -117,7 +117,7 @@ _API_FORMS = {
     "logit_bias": (dict[int, float] | None, None),
 }
 # Limits the API checks as it parses (a 400 naming the field), beyond the engine's own checks.
-_API_LIMITS = {"logprobs": {"ge": 0, "le": 20}}
+_API_LIMITS = {"logprobs": {"ge": 0, "le": 20}, "prompt_logprobs": {"ge": 0, "le": 20}}
 
 
 def _engine_fields() -> dict:
@@ -198,7 +198,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt before the output (with its logprobs where logprobs are asked for)
     suffix: None = None
     best_of: int | None = Field(default=None, ge=1, le=16)  # sequences sampled per prompt; the n of highest log-probability are returned
 
@@ -206,6 +206,12 @@ class CompletionRequest(_SamplingFields):
     def num_sequences(self) -> int:
         """Sequences run per prompt: ``best_of`` where given, else ``n``."""
         return self.n if self.best_of is None else self.best_of
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, tool_format: ToolFormat = HERMES) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, tool_format)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:  # an echoed prompt's logprobs
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def check_best_of(self) -> None:
         if self.best_of is not None and self.best_of < self.n:

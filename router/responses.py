@@ -33,6 +33,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[tuple[int, dict[int, float]]] = field(default_factory=list)  # (token id, top logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # where the request asked for them
 
     @property
     def text(self) -> str:
@@ -48,6 +49,8 @@ class Choice:
             self.logprobs.extend(zip(delta.token_ids, delta.logprobs))
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 def best_choices(choices: list[Choice], n: int, best_of: int) -> list[Choice]:
@@ -55,9 +58,11 @@ def best_choices(choices: list[Choice], n: int, best_of: int) -> list[Choice]:
     tokens have the highest total log-probability, numbered as ``n`` choices per prompt."""
     best = []
     for first in range(0, len(choices), best_of):
-        ranked = sorted(choices[first:first + best_of], key=lambda choice: -sum(top[token] for token, top in choice.logprobs))
+        group = choices[first:first + best_of]
+        prompt_logprobs = next((choice.prompt_logprobs for choice in group if choice.prompt_logprobs is not None), None)
+        ranked = sorted(group, key=lambda choice: -sum(top[token] for token, top in choice.logprobs))
         for rank, choice in enumerate(ranked[:n]):
-            best.append(dataclasses.replace(choice, index=first // best_of * n + rank))
+            best.append(dataclasses.replace(choice, index=first // best_of * n + rank, prompt_logprobs=prompt_logprobs))
     return best
 
 
@@ -80,7 +85,12 @@ class ResponseBuilder:
         want_token_ids: bool,
         reads_calls: ToolFormat | None = None,
         reasoning_mode: str | None = None,
+        echo_prompts: list[tuple[str, list[int]]] | None = None,
+        n: int = 1,
     ) -> None:
+        # A completion's ``echo``: each prompt's text and tokens, before its ``n`` choices' own.
+        self.echo_prompts = echo_prompts
+        self.n = n
         self.reads_calls = reads_calls  # the format tool calls are read out of the text in (duet.tool_calls)
         self.reasoning_mode = reasoning_mode  # reasoning is parted from content (duet.reasoning)
         self._parsers: dict[int, ToolCallParser] = {}
@@ -104,25 +114,36 @@ class ResponseBuilder:
         }
 
     def response(self, choices: list[Choice], usage: dict) -> dict:
-        return {
+        # A prompt's logprobs come with its first sequence only (the others read the prompt from the cache).
+        by_prompt = {choice.index // self.n: choice.prompt_logprobs for choice in choices if choice.prompt_logprobs is not None}
+        body = {
             "id": self.request_id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
-            "choices": [self._choice(choice) for choice in choices],
+            "choices": [self._choice(choice, by_prompt.get(choice.index // self.n)) for choice in choices],
             "usage": usage,
         }
+        if self.chat and by_prompt:  # vLLM's place for a chat's
+            body["prompt_logprobs"] = self._prompt_logprobs(by_prompt[0])
+        return body
 
-    def _choice(self, choice: Choice) -> dict:
+    def _choice(self, choice: Choice, prompt_logprobs: list[dict[int, float] | None] | None = None) -> dict:
         body = {"index": choice.index, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
-        logprobs = self._logprobs(choice.logprobs, 0) if self.want_logprobs else None
+        entries = choice.logprobs
         if self.chat:
             body["message"], finish_reason = self._read(choice.index, choice.text, choice.finish_reason, whole=True)
             body["message"] = {"role": "assistant"} | body["message"]
             body["finish_reason"] = finish_reason
         else:
             body["text"] = choice.text
-        body["logprobs"] = logprobs
+            if self.echo_prompts is not None:
+                prompt_text, prompt_ids = self.echo_prompts[choice.index // self.n]
+                body["text"] = prompt_text + choice.text
+                entries = list(zip(prompt_ids, prompt_logprobs or [None] * len(prompt_ids))) + entries
+            if prompt_logprobs is not None:
+                body["prompt_logprobs"] = self._prompt_logprobs(prompt_logprobs)
+        body["logprobs"] = self._logprobs(entries, 0) if self.want_logprobs else None
         if self.want_token_ids:
             body["token_ids"] = choice.token_ids
         return body
@@ -135,8 +156,15 @@ class ResponseBuilder:
                 choice["delta"] = {"role": "assistant"} | choice["delta"]
         else:
             choice["text"] = delta.text
+        entries = list(zip(delta.token_ids, delta.logprobs or []))
+        if not self.chat and first and self.echo_prompts is not None:
+            prompt_text, prompt_ids = self.echo_prompts[index // self.n]
+            choice["text"] = prompt_text + delta.text
+            entries = list(zip(prompt_ids, delta.prompt_logprobs or [None] * len(prompt_ids))) + entries
+        if delta.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(delta.prompt_logprobs)
         if self.want_logprobs:
-            choice["logprobs"] = self._logprobs(list(zip(delta.token_ids, delta.logprobs or [])), text_offset)
+            choice["logprobs"] = self._logprobs(entries, text_offset)
         if self.want_token_ids:
             choice["token_ids"] = delta.token_ids
         return {
@@ -182,17 +210,31 @@ class ResponseBuilder:
             "usage": usage,
         }
 
-    def _logprobs(self, entries: list[tuple[int, dict[int, float]]], text_offset: int) -> dict:
+    def _prompt_logprobs(self, entries: list[dict[int, float] | None]) -> list[dict | None]:
+        """vLLM's shape: per prompt token, None for the first, else its top tokens by id."""
+        return [
+            None if top is None else {
+                str(token_id): {"logprob": max(logprob, MIN_LOGPROB), "decoded_token": self.token_text(token_id)}
+                for token_id, logprob in top.items()
+            }
+            for top in entries
+        ]
+
+    def _logprobs(self, entries: list[tuple[int, dict[int, float] | None]], text_offset: int) -> dict:
+        """``entries``: (token id, its top logprobs; None for an echoed prompt's first token)."""
         # A token a constraint forbids has logprob -inf, which JSON cannot carry: -9999.0, as vLLM sends.
-        entries = [(token_id, {other: max(logprob, MIN_LOGPROB) for other, logprob in top.items()}) for token_id, top in entries]
+        entries = [
+            (token_id, None if top is None else {other: max(logprob, MIN_LOGPROB) for other, logprob in top.items()})
+            for token_id, top in entries
+        ]
         if self.chat:
             return {"content": [self._chat_logprob(token_id, top) for token_id, top in entries]}
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, top in entries:
             text = self.token_text(token_id)
             tokens.append(text)
-            token_logprobs.append(top.get(token_id))
-            top_logprobs.append({self.token_text(other): logprob for other, logprob in top.items()})
+            token_logprobs.append(None if top is None else top.get(token_id))
+            top_logprobs.append(None if top is None else {self.token_text(other): logprob for other, logprob in top.items()})
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

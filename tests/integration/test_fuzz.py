@@ -28,6 +28,7 @@ FIELDS = [
     "model", "prompt", "messages", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "max_tokens", "max_completion_tokens",
     "logprobs", "top_logprobs", "echo", "suffix", "stream", "stream_options", "user", "return_token_ids", "skip_special_tokens",
+    "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "best_of", "prompt_logprobs", "chat_template_kwargs",
 ]
 NUMBERS = st.one_of(
     st.integers(-(2**70), 2**70),
@@ -52,7 +53,21 @@ MESSAGES = st.lists(
     }),
     max_size=4,
 )
+TOOLS = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "no spaces"])}, optional={
+            "parameters": st.one_of(JSON, st.just({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})),
+        })},
+    ),
+    max_size=3,
+)
 SPECIAL = {
+    "tools": TOOLS,
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]),
+        st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "x"])})}),
+    ),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(-5, 60000).map(str), st.text(max_size=4)), NUMBERS, max_size=4),
     "model": st.one_of(st.just("tiny"), SCALARS),
     "prompt": PROMPTS,
     "messages": MESSAGES,

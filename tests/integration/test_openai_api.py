@@ -172,3 +172,38 @@ def test_best_of_returns_the_most_likely_of_its_seeded_sequences(cluster):
     best = client.completions.create(best_of=3, **fields)
     assert [choice.text for choice in best.choices] == [three[totals.index(max(totals))].text]
     assert best.choices[0].logprobs is None and best.usage.completion_tokens == sum(len(choice.logprobs.tokens) for choice in three)
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["pd", "colocated"])
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(cluster, colocated, smollm2_dir):
+    """echo=True with logprobs gives the prompt's tokens and their logprobs before the output's
+    (the first prompt token has none), through the prefill pool too; prompt_logprobs gives the
+    same numbers in vLLM's shape."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    response = cluster.client(colocated).completions.create(
+        model="smollm2", prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True, extra_body={"return_token_ids": True},
+    )
+    choice = response.choices[0]
+    assert choice.text.startswith(prompt)
+    num_prompt = response.usage.prompt_tokens
+    token_logprobs = choice.logprobs.token_logprobs
+    assert len(token_logprobs) == num_prompt + 2 and token_logprobs[0] is None
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == num_prompt
+    ids = httpx_tokenize(cluster, prompt)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for position in range(1, num_prompt):
+        assert token_logprobs[position] == pytest.approx(expected[position - 1, ids[position]].item(), abs=2e-3)
+        assert prompt_logprobs[position][str(ids[position])]["logprob"] == token_logprobs[position]
+
+
+def httpx_tokenize(cluster, prompt: str) -> list[int]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    return httpx.post(f"{cluster.url}/tokenize", json={"model": "smollm2", "prompt": prompt}, headers=headers, timeout=60).json()["tokens"]
