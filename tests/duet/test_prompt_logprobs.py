@@ -31,9 +31,10 @@ def _check(prompt_logprobs, prompt, reference, top):
         assert set(expected.topk(top).indices.tolist()) <= set(entry) and len(entry) <= top + 1
 
 
+@pytest.mark.slow  # an engine per chunking, and transformers: tens of seconds
 @pytest.mark.parametrize("chunk", [16, 512], ids=["chunked-by-16", "whole"])
 def test_prompt_logprobs_are_transformers_whatever_the_chunking(tiny_llama_dir, reference, chunk):
-    llm = LLM(model=str(tiny_llama_dir), max_model_len=512, max_num_batched_tokens=max(chunk, 64) if chunk > 64 else chunk)
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=512, max_num_batched_tokens=chunk)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))
     for prompt, output, expected in zip(PROMPTS, outputs, reference):
         _check(output.prompt_logprobs, prompt, expected, 2)
@@ -43,6 +44,7 @@ def test_prompt_logprobs_are_transformers_whatever_the_chunking(tiny_llama_dir, 
     assert again.num_cached_tokens > 0 and again.prompt_logprobs is None
 
 
+@pytest.mark.slow
 def test_only_the_first_of_n_scores_the_prompt_and_a_preempted_prompt_is_scored_once(tiny_llama_dir, reference):
     """Eight blocks of 16 tokens hold one 70-token prompt and little else: sequences preempt each
     other mid-prompt, and a prompt computed again must not repeat or lose a position."""
