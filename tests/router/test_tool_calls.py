@@ -195,39 +195,37 @@ CONVERSATION = [
 ]
 
 
-def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them(tmp_path, tiny_tokenizer_dir):
+@pytest.mark.parametrize(
+    "template, style, call",
+    [
+        (HERMES_TEMPLATE, HERMES, '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'),
+        (LLAMA3_TEMPLATE, LLAMA3_JSON, '<|im_start|>assistant\n{"name": "add", "parameters": {"a": 1, "b": 2}}<|im_end|>'),
+    ],
+    ids=["hermes", "llama3_json"],
+)
+def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them(tmp_path, tiny_tokenizer_dir, template, style, call):
+    """The format is read from the template, and the rendering (tools, earlier calls, their
+    results) is transformers' own."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_tokenizer_dir / name, tmp_path)
-    shutil.copy(HERMES_TEMPLATE, tmp_path / "chat_template.jinja")
+    shutil.copy(template, tmp_path / "chat_template.jinja")
     from transformers import AutoTokenizer
 
     request = _chat(messages=CONVERSATION, tools=TOOLS)
     tokenizer = RouterTokenizer(tmp_path)
-    assert tokenizer.renders_tools and tokenizer.tool_format is HERMES
-    expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
-        request.conversation(), tools=[tool.template_dict() for tool in request.function_tools()], add_generation_prompt=True, tokenize=False
-    )
-    rendered = tokenizer.backend.decode(tokenizer.encode_chat(request.conversation(), request.function_tools()), skip_special_tokens=False)
-    assert rendered == expected
-    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in rendered and "<tool_response>\n3\n" in rendered
-
-
-def test_a_llama3_template_is_read_as_llama3_json(tmp_path, tiny_tokenizer_dir):
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_tokenizer_dir / name, tmp_path)
-    shutil.copy(LLAMA3_TEMPLATE, tmp_path / "chat_template.jinja")
-    from transformers import AutoTokenizer
-
-    request = _chat(messages=CONVERSATION, tools=TOOLS)
-    tokenizer = RouterTokenizer(tmp_path)
-    assert tokenizer.renders_tools and tokenizer.tool_format is LLAMA3_JSON
+    assert tokenizer.renders_tools and tokenizer.tool_format is style
     expected = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
         request.conversation(), tools=[tool.template_dict() for tool in request.function_tools()], add_generation_prompt=True, tokenize=False
     )
     rendered = tokenizer.render_chat(request.conversation(), request.function_tools())
-    assert rendered == expected and '<|im_start|>assistant\n{"name": "add", "parameters": {"a": 1, "b": 2}}<|im_end|>' in rendered
+    assert rendered == expected and call in rendered
+    assert tokenizer.backend.decode(tokenizer.encode_chat(request.conversation(), request.function_tools()), skip_special_tokens=False) == rendered
+
+
+def test_a_reply_in_llama3_json_carries_its_calls():
     body = ResponseBuilder("c", "m", True, str, False, False, reads_calls=LLAMA3_JSON).response([Choice(0, [LLAMA_ADD], [1], "stop")], {})
     assert body["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert body["choices"][0]["finish_reason"] == "tool_calls" and body["choices"][0]["message"]["content"] is None
 
 
 def test_a_template_without_tools_gets_them_written_into_the_messages(tiny_tokenizer_dir):
