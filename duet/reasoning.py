@@ -10,6 +10,7 @@ generation prompt with ``<think>``), has none when the prompt closed it (Qwen 3 
 
 from __future__ import annotations
 
+import functools
 import json
 
 from duet.tool_calls import partial_suffix
@@ -30,6 +31,7 @@ def start_mode(prompt_text: str) -> str | None:
     return OPTIONAL
 
 
+@functools.lru_cache(maxsize=256)
 def after_reasoning(grammar: str, mode: str) -> str:
     """``grammar`` (llguidance's, as ``structured_output.compiled_grammar`` makes it: a JSON
     list of grammars or Lark text) applied after the reasoning: any text up to ``</think>``

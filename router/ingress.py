@@ -10,7 +10,6 @@ endpoints (``/duet/...``, their own key) and makes the Serve ingress of both.
 """
 
 import asyncio
-import dataclasses
 import hmac
 import math
 import time
@@ -24,23 +23,22 @@ from pydantic import ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from duet import reasoning
 from duet.errors import InvalidRequestError
 from duet.router.admission import AdmissionQueue, Admitted, QueueFullError, QueueWaitError
 from duet.router.balance import StageBalancer
 from duet.router.errors import ApiError, api_error_from, bad_request
 from duet.router.metrics import RouterMetrics
 from duet.router.pd import Orchestrator
-from duet.router.protocol import (
-    BodyTooLargeError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_json_object, read_body,
-)
+from duet.router.chat import ChatRenderer
+from duet.router.chat_request import ChatCompletionRequest, TokenizeRequest
+from duet.router.protocol import BodyTooLargeError, CompletionRequest, DetokenizeRequest, parse_json_object, read_body
 from duet.router.responses import ResponseBuilder, best_choices, error_body, sse
 from duet.router.roles import RoleKeeper, RoleSettings, RoleView
 from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
-from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
+from duet.router.tokenizer import RouterTokenizer
 from duet.sampling_params import fit_to_context
-from duet.tool_calls import FORMATS, HERMES, ToolFormat
+from duet.tool_calls import HERMES, ToolFormat
 
 app = FastAPI(title="duet", docs_url=None, redoc_url=None)
 
@@ -107,8 +105,7 @@ class RouterIngress:
         self.max_body_bytes = max_body_bytes
         self.api_keys = [key.encode() for key in api_keys]
         self.tokenizer = RouterTokenizer(model_dir)
-        self.tool_format = self.tokenizer.tool_format if tool_call_parser == "auto" else FORMATS[tool_call_parser]
-        self.splits_reasoning = reasoning_parser == "think" or (reasoning_parser == "auto" and self.tokenizer.thinks)
+        self.chat = ChatRenderer(self.tokenizer, tool_call_parser, reasoning_parser)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.app_name = serve.get_replica_context().app_name
         balancer = view = self.role_keeper = None
@@ -177,34 +174,21 @@ class RouterIngress:
         encoded = await asyncio.to_thread(self._encode_prompts, prompts)
         # best_of ranks sequences by the log-probability of their tokens: they carry theirs.
         logprobs = body.logprobs if body.num_sequences == body.n else max(body.logprobs or 0, 0)
-        echo_prompts = [(self._prompt_text(prompt, ids), ids) for prompt, ids in zip(prompts, encoded)] if body.echo else None
+        echo_prompts = None
+        if body.echo:  # each prompt as sent, or its tokens' text (none where one is not a token id: the engine refuses it)
+            echo_prompts = [(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids) or "", ids) for prompt, ids in zip(prompts, encoded)]
         return await self._generate(body, encoded, body.max_tokens, logprobs, chat=False, echo_prompts=echo_prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         try:
-            # Checking the tools' schemas takes milliseconds each: off the loop that streams every response.
-            messages, tools, reads_calls = (
-                await asyncio.to_thread(self._conversation, body, self.tool_format) if body.tools else self._conversation(body)
-            )
+            prompt = await asyncio.to_thread(self.chat.prompt, body)
         except InvalidRequestError as error:
             raise bad_request(str(error), error.param) from None
-        if reads_calls and self.tool_format is None:
-            raise bad_request(
-                "this model's chat template writes tool calls in a format duet does not read (it reads hermes and llama3_json); "
-                "set the router's tool_call_parser to the one the model writes, or send tool_choice: none",
-                "tools",
-            )
-        try:
-            text = await asyncio.to_thread(self.tokenizer.render_chat, messages, tools, body.chat_template_kwargs)
-        except ChatTemplateError as error:
-            raise bad_request(str(error), "messages") from None
-        encoded = [await asyncio.to_thread(self.tokenizer.encode_chat_text, text)]
-        reasoning_mode = reasoning.start_mode(text) if self.splits_reasoning else None
         return await self._generate(
-            body, encoded, body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=self.tool_format if reads_calls else None,
-            reasoning_mode=reasoning_mode,
+            body, [prompt.token_ids], body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=prompt.reads_calls,
+            reasoning_mode=prompt.reasoning_mode,
         )
 
     @app.post("/tokenize")
@@ -215,27 +199,20 @@ class RouterIngress:
             if chat is None:
                 tokens = await asyncio.to_thread(self.tokenizer.encode, body.prompt, body.add_special_tokens)
             else:
-                messages, tools, _ = await asyncio.to_thread(self._conversation, chat, self.tool_format)
-                tokens = await asyncio.to_thread(self.tokenizer.encode_chat, messages, tools, chat.chat_template_kwargs)
-        except (InvalidRequestError, ChatTemplateError) as error:
-            raise bad_request(str(error), getattr(error, "param", "messages")) from None
+                tokens = self.tokenizer.encode_chat_text(await asyncio.to_thread(self.chat.render, chat))
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
         return JSONResponse({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens, "token_strs": None})
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         body = await self._parse(request, DetokenizeRequest)
-        vocab_size = self.tokenizer.backend.get_vocab_size(with_added_tokens=True)
-        if any(not 0 <= token < vocab_size for token in body.tokens):
-            raise bad_request(f"tokens: every id must be in [0, {vocab_size})", "tokens")
-        return JSONResponse({"prompt": self.tokenizer.backend.decode(body.tokens, skip_special_tokens=False)})
+        text = self.tokenizer.decode(body.tokens)
+        if text is None:
+            raise bad_request(f"tokens: every id must be in [0, {self.tokenizer.vocab_size})", "tokens")
+        return JSONResponse({"prompt": text})
 
     # -- the request pipeline
-
-    @staticmethod
-    def _conversation(body: ChatCompletionRequest, tool_format: ToolFormat | None = None) -> tuple[list[dict], list, bool]:
-        """The messages for the template, the tools (their schemas checked as ``tool_format``
-        writes calls), and whether calls are read from the output."""
-        return body.conversation(), body.function_tools(tool_format or HERMES), body.tool_mode() is not None
 
     def _authorize(self, request: Request) -> None:
         if self.api_keys and not bearer_matches(request, self.api_keys):
@@ -269,15 +246,6 @@ class RouterIngress:
         except ValueError as error:
             raise bad_request(str(error)) from None
 
-    def _prompt_text(self, prompt: str | list[int], token_ids: list[int]) -> str:
-        """A prompt as text, to echo: as sent, or its tokens' (none where one is not a token id:
-        the engine refuses that prompt with a 400)."""
-        if isinstance(prompt, str):
-            return prompt
-        if not all(0 <= token_id < self.tokenizer.backend.get_vocab_size(with_added_tokens=True) for token_id in token_ids):
-            return ""
-        return self.tokenizer.backend.decode(token_ids, skip_special_tokens=False)
-
     def _encode_prompts(self, prompts: list) -> list[list[int]]:
         encoded = []
         for prompt in prompts:
@@ -302,19 +270,14 @@ class RouterIngress:
         for prompt_index, prompt_token_ids in enumerate(encoded):
             try:
                 budget = fit_to_context(len(prompt_token_ids), max_tokens, self.max_model_len)
-                params = body.sampling_params(budget, logprobs, tool_format or HERMES)
-                if params.structured_outputs is not None and reasoning_mode is not None:
-                    params = dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=reasoning_mode))
+                params = body.sampling_params(budget, logprobs, tool_format or HERMES, reasoning_mode)
                 if params.structured_outputs is not None:
                     params.structured_outputs.check_tokens(self.tokenizer.grammar_tokenizer())
             except InvalidRequestError as error:
                 raise bad_request(str(error), error.param) from None
             for index in range(body.num_sequences):
                 choice = prompt_index * body.num_sequences + index
-                sequence_params = params.choice(index)
-                if getattr(body, "echo", False):  # each streamed choice echoes its prompt with its logprobs
-                    sequence_params = dataclasses.replace(sequence_params, prompt_logprobs=params.prompt_logprobs)
-                sequences.append(SequenceSpec(choice, prompt_index, sequence_params))
+                sequences.append(SequenceSpec(choice, prompt_index, body.sequence_params(params, index)))
         return sequences
 
     def _check_pools(self) -> None:

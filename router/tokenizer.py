@@ -89,6 +89,16 @@ class RouterTokenizer:
             raise ChatTemplateError(f"the chat template rejected the conversation: {error}") from error
         return text
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        """The tokens' text, special tokens included (None where one is not a token id)."""
+        if not all(0 <= token_id < self.vocab_size for token_id in token_ids):
+            return None
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 

@@ -10,7 +10,7 @@ import random
 import jsonschema
 import pytest
 
-from duet.router.protocol import ChatCompletionRequest
+from duet.router.chat_request import ChatCompletionRequest
 from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
 from duet.tool_calls import HERMES, LLAMA3_JSON, ToolCallParser

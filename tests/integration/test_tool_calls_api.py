@@ -78,9 +78,9 @@ def _tool_loop(client: openai.OpenAI, model: str, choice, stream: bool, temperat
 
 def _deploy(cluster, tmp_path_factory, tokenizer_dir, name: str, family: str, template: str, mode: str) -> str:
     """A tiny checkpoint of ``family`` with the test template ``template``, served as ``name``."""
+    import httpx
     from ray import serve
 
-    import httpx
     from duet.cluster.app import build_app
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp(name), tokenizer_dir, family, max_position_embeddings=2048)

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from duet.router.protocol import BodyTooLargeError, ChatCompletionRequest, CompletionRequest, read_body
+from duet.router.chat_request import ChatCompletionRequest
+from duet.router.protocol import BodyTooLargeError, CompletionRequest, read_body
 from duet.sampling_params import SamplingParams, SamplingParamsError
 
 

@@ -12,7 +12,7 @@ import llguidance
 import pytest
 
 from duet.errors import InvalidRequestError
-from duet.router.protocol import ChatCompletionRequest
+from duet.router.chat_request import ChatCompletionRequest
 from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
 from duet.detokenizer import TextDelta
@@ -280,3 +280,22 @@ def test_stream_chunks_add_up_to_the_calls_as_openais_client_reads_them():
     assert [(call["name"], json.loads(call["arguments"])) for call in calls.values()] == [
         ("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2}),
     ]
+
+
+def test_a_template_writing_calls_in_another_format_is_refused_naming_tools(tmp_path, tiny_tokenizer_dir):
+    """A template that renders tools but writes calls neither way duet reads (Mistral's
+    ``[TOOL_CALLS]``) gets a 400 before generation, unless the router names the format."""
+    from duet.router.chat import ChatRenderer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer_dir / name, tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+        "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
+    )
+    request = _chat(tools=TOOLS)
+    with pytest.raises(InvalidRequestError) as refused:
+        ChatRenderer(RouterTokenizer(tmp_path)).prompt(request)
+    assert refused.value.param == "tools"
+    assert ChatRenderer(RouterTokenizer(tmp_path), tool_call_parser="hermes").prompt(request).reads_calls is HERMES
+    assert ChatRenderer(RouterTokenizer(tmp_path)).prompt(_chat(tools=TOOLS, tool_choice="none")).reads_calls is None
