@@ -185,9 +185,9 @@ class RouterSettings(_Strict):
     max_migrations: int = Field(
         default=3, ge=0, description="moves between decode replicas a sequence may make; one more fails it with an error event"
     )
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         default="auto",
-        description="how the model writes tool calls: auto (from its chat template; Hermes' where it renders no tools), hermes, llama3_json",
+        description="how the model writes tool calls: auto (from its chat template; Hermes' where it renders no tools), hermes, llama3_json, mistral",
     )
     reasoning_parser: Literal["auto", "think", "none"] = Field(
         default="auto",

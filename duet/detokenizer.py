@@ -27,9 +27,13 @@ class IncrementalDetokenizer:
     far: the text is joined once, when read (``text``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop_str_in_output: bool, skip_special_tokens: bool):
+    def __init__(
+        self, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop_str_in_output: bool, skip_special_tokens: bool,
+        skipped_ids: frozenset[int] | None = None,
+    ):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._skipped_ids = skipped_ids if skip_special_tokens else None  # which special tokens to skip, where not all
         self._ids: list[int] = []
         self._prefix_offset = self._read_offset = 0  # the window: ids[prefix_offset:], its text out up to read_offset
         self._prefix_text = ""  # the decode of ids[prefix_offset:read_offset]
@@ -71,6 +75,8 @@ class IncrementalDetokenizer:
         return None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._skipped_ids is not None:
+            return self._tokenizer.decode([i for i in ids if i not in self._skipped_ids], skip_special_tokens=False)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _next_piece(self, final: bool) -> str:
@@ -156,8 +162,12 @@ class SequenceText:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
-    def start(cls, tokenizer: Tokenizer, params: SamplingParams) -> SequenceText:
-        detokenizer = IncrementalDetokenizer(tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens)
+    def start(cls, tokenizer: Tokenizer, params: SamplingParams, skipped_ids: frozenset[int] | None = None) -> SequenceText:
+        """``skipped_ids``: the special tokens that ``skip_special_tokens`` leaves out, where not
+        all (a tool-call format's marker token is kept)."""
+        detokenizer = IncrementalDetokenizer(
+            tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens, skipped_ids
+        )
         return cls(detokenizer, logprobs=[] if params.logprobs is not None else None)
 
     @property

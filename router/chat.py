@@ -10,7 +10,7 @@ from duet import reasoning
 from duet.errors import InvalidRequestError
 from duet.router.chat_request import ChatCompletionRequest
 from duet.router.tokenizer import ChatTemplateError, RouterTokenizer
-from duet.tool_calls import FORMATS, HERMES, ToolFormat
+from duet.tool_calls import FORMATS, HERMES, ToolFormat, short_call_ids
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: RouterTokenizer, tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
-        self.tool_format = tokenizer.tool_format if tool_call_parser == "auto" else FORMATS[tool_call_parser]
+        self.tool_format = tokenizer.tool_format if tool_call_parser == "auto" else tokenizer.own_format(FORMATS[tool_call_parser])
         self.splits_reasoning = reasoning_parser == "think" or (reasoning_parser == "auto" and tokenizer.thinks)
 
     def prompt(self, body: ChatCompletionRequest) -> ChatPrompt:
@@ -36,7 +36,7 @@ class ChatRenderer:
         reads_calls = body.tool_mode() is not None
         if reads_calls and self.tool_format is None:
             raise InvalidRequestError(
-                "this model's chat template writes tool calls in a format duet does not read (it reads hermes and llama3_json); "
+                "this model's chat template writes tool calls in a format duet does not read (it reads hermes, llama3_json and mistral); "
                 "set the router's tool_call_parser to the one the model writes, or send tool_choice: none",
                 "tools",
             )
@@ -50,6 +50,8 @@ class ChatRenderer:
         """The conversation and its tools (their schemas checked as the model writes calls) as
         the chat template renders them."""
         messages, tools = body.conversation(), body.function_tools(self.tool_format or HERMES)
+        if self.tool_format is not None and self.tool_format.short_ids:
+            messages = short_call_ids(messages)
         try:
             return self.tokenizer.render_chat(messages, tools, body.chat_template_kwargs)
         except ChatTemplateError as error:

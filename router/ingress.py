@@ -332,7 +332,9 @@ class RouterIngress:
             request_id, self.model_id, chat, self.tokenizer.token_text, want_logprobs, body.return_token_ids, reads_calls, reasoning_mode,
             echo_prompts, body.n,
         )
-        run = Run(self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival)
+        run = Run(
+            self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival, self.tokenizer.skipped_ids(reads_calls)
+        )
         if body.stream:
             # The status goes out with the first chunk: wait for the first output, so that a
             # request refused or failed before it (a bad token id, no room in time) gets its

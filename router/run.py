@@ -39,7 +39,9 @@ class Run:
         encoded: list[list[int]],
         sequences: list[SequenceSpec],
         arrival: float,
+        skipped_ids: frozenset[int] | None = None,
     ) -> None:
+        """``skipped_ids``: the special tokens the outputs' text leaves out, where not all."""
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -47,6 +49,7 @@ class Run:
         self.encoded = encoded
         self.sequences = sequences
         self.arrival = arrival
+        self.skipped_ids = skipped_ids
         self.choices = [Choice(sequence.choice_index) for sequence in sequences]
         self.num_cached_tokens = 0
 
@@ -85,7 +88,7 @@ class Run:
         new_call_context()
         prompt = self.encoded[sequence.prompt_index]
         sequence_id = f"{self.request_id}-{sequence.choice_index}"
-        text = SequenceText.start(self.tokenizer.backend, sequence.params)
+        text = SequenceText.start(self.tokenizer.backend, sequence.params, self.skipped_ids)
         last = None
         try:
             async with aclosing(self.orchestrator.run(sequence_id, prompt, sequence.params)) as deltas:

@@ -38,11 +38,14 @@ class RouterTokenizer:
         self._grammar_tokenizer = None
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         self._special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.special_tokens = {  # text to id, of the tokens that skip_special_tokens drops
+            token.content: token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items() if token.special
+        }
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._template = None
         self.renders_tools = self.thinks = False
-        self.tool_format: tool_calls.ToolFormat | None = tool_calls.HERMES  # how the model writes calls (None: a format duet does not read)
+        self.tool_format: tool_calls.ToolFormat | None = self.own_format(tool_calls.HERMES)  # how the model writes calls (None: a format duet does not read)
         if source:
             # The same sandbox and whitespace settings as transformers' apply_chat_template.
             environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -52,8 +55,20 @@ class RouterTokenizer:
             self._template = environment.from_string(source)
             self.renders_tools = "tools" in meta.find_undeclared_variables(environment.parse(source))
             if self.renders_tools:  # else duet writes the tools in, in Hermes' format
-                self.tool_format = tool_calls.template_format(source)
+                self.tool_format = self.own_format(tool_calls.template_format(source))
             self.thinks = reasoning.CLOSE in source  # a reasoning model's template (Qwen 3, DeepSeek-R1 style)
+
+    def own_format(self, style: tool_calls.ToolFormat | None) -> tool_calls.ToolFormat | None:
+        """``style`` with its marker as this tokenizer has it (a special token, or text)."""
+        return style.with_marker_token(self.special_tokens) if style is not None else None
+
+    def skipped_ids(self, reads_calls: tool_calls.ToolFormat | None) -> frozenset[int] | None:
+        """The special tokens an output's text leaves out while its calls are read in
+        ``reads_calls`` (None: all of them, as ``skip_special_tokens`` does): all but the
+        format's marker, where that is one."""
+        if reads_calls is None or reads_calls.marker_token is None:
+            return None
+        return frozenset(self.special_tokens.values()) - {reads_calls.marker_token}
 
     @property
     def backend(self) -> Tokenizer:

@@ -89,6 +89,23 @@ def tiny_tokenizer_dir() -> Path:
     return TINY_TOKENIZER_DIR
 
 
+MISTRAL_CONTROL_TOKENS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+
+
+@pytest.fixture(scope="session")
+def mistral_tokenizer_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """The small tokenizer with Mistral's control tokens added as special tokens (as Mistral
+    7B v0.3's has them) and a Mistral-style chat template (``tests/fixtures/mistral/``)."""
+    from transformers import AutoTokenizer
+
+    target = tmp_path_factory.mktemp("mistral-tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_CONTROL_TOKENS})
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures" / "mistral" / "chat_template.jinja").read_text()
+    tokenizer.save_pretrained(str(target))
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_tokenizer_dir):
     """transformers' view of the small tokenizer (the tiny models')."""

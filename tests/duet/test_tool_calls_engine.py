@@ -13,7 +13,8 @@ import pytest
 from duet.router.chat_request import ChatCompletionRequest
 from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
-from duet.tool_calls import HERMES, LLAMA3_JSON, ToolCallParser
+from duet.detokenizer import IncrementalDetokenizer
+from duet.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, ToolCallParser
 from duet.benchmarks.tool_schemas import random_tools
 
 
@@ -24,6 +25,16 @@ def tiny_llm(tmp_path_factory, tiny_tokenizer_dir):
     from tests.conftest import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny-tools"), tiny_tokenizer_dir, max_position_embeddings=2048)
+    return LLM(model=str(model_dir), max_model_len=2048, num_kv_blocks=4096, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def mistral_llm(tmp_path_factory, mistral_tokenizer_dir):
+    """A tiny Llama whose tokenizer has Mistral's ``[TOOL_CALLS]`` as a special token."""
+    from duet import LLM
+    from tests.conftest import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path_factory.mktemp("tiny-mistral-tools"), mistral_tokenizer_dir, max_position_embeddings=2048)
     return LLM(model=str(model_dir), max_model_len=2048, num_kv_blocks=4096, max_num_seqs=64)
 
 
@@ -50,22 +61,41 @@ def _streamed(text: str, rng: random.Random, style) -> tuple[str, dict[int, dict
     return content, calls
 
 
-@pytest.mark.parametrize("style, num_requests, min_calls", [(HERMES, 192, 200), (LLAMA3_JSON, 64, 60)], ids=["hermes", "llama3_json"])
-def test_every_generated_call_parses_and_validates_against_its_schema(tiny_llm, tiny_tokenizer_dir, style, num_requests, min_calls):
+def _text(tokenizer: RouterTokenizer, token_ids: list[int], style) -> str:
+    """An output's text as the router makes it while reading calls in ``style``."""
+    detokenizer = IncrementalDetokenizer(tokenizer.backend, (), False, True, tokenizer.skipped_ids(style))
+    detokenizer.add_tokens(token_ids)
+    detokenizer.finish()
+    return detokenizer.text
+
+
+@pytest.mark.parametrize(
+    "llm, tokenizer_dir, style, num_requests, min_calls",
+    [
+        ("tiny_llm", "tiny_tokenizer_dir", HERMES, 192, 200),
+        ("tiny_llm", "tiny_tokenizer_dir", LLAMA3_JSON, 64, 60),
+        ("mistral_llm", "mistral_tokenizer_dir", MISTRAL, 64, 60),
+    ],
+    ids=["hermes", "llama3_json", "mistral"],
+)
+def test_every_generated_call_parses_and_validates_against_its_schema(request, llm, tokenizer_dir, style, num_requests, min_calls):
     """Over 200 calls of random schemas (nested objects, enums, arrays, required fields) under
     ``required``, a named function and ``auto``, greedy and sampled: each is one of the request's
     functions with arguments its schema accepts, read the same whole and streamed (and so in
-    Llama 3's format)."""
+    Llama 3's format, and in Mistral's after its special ``[TOOL_CALLS]`` token)."""
     rng = random.Random(7)
-    tokenizer = RouterTokenizer(tiny_tokenizer_dir)
+    tokenizer = RouterTokenizer(request.getfixturevalue(tokenizer_dir))
+    style = tokenizer.own_format(style)
+    assert (style.marker_token is not None) is (style.name == "mistral")
     requests = [_request(rng, index) for index in range(num_requests)]
-    prompts = [tokenizer.encode_chat(request.conversation(), request.function_tools(style)) for request in requests]
-    params = [request.sampling_params(256, None, style) for request in requests]
-    outputs = tiny_llm.generate(prompts, params)
+    prompts = [tokenizer.encode_chat(body.conversation(), body.function_tools(style)) for body in requests]
+    params = [body.sampling_params(256, None, style) for body in requests]
+    outputs = request.getfixturevalue(llm).generate(prompts, params)
     builder = ResponseBuilder("chatcmpl-test", "tiny", True, tokenizer.token_text, False, False, reads_calls=style)
     num_calls = 0
     for request, output in zip(requests, outputs):
         completion = output.outputs[0]
+        completion.text = _text(tokenizer, completion.token_ids, style)
         choice = Choice(0, [completion.text], list(completion.token_ids), completion.finish_reason)
         body = builder.response([choice], {})["choices"][0]
         schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in request.model_dump()["tools"]}

@@ -1,7 +1,8 @@
 """Tool calling over HTTP with the official ``openai`` client's loop (call, run the function, send
 its result, get the answer), streamed through the client's stream helper and not: SmolLM2
-through PD (its template renders no tools: duet writes them into the messages), and a tiny
-Qwen 3 with a Hermes-style template (its own tool rendering) through PD with n-gram drafts.
+through PD (its template renders no tools: duet writes them into the messages), a tiny Qwen 3
+with a Hermes-style template (its own tool rendering) and a tiny Mistral with Mistral's
+(``[TOOL_CALLS]`` a special token) through PD with n-gram drafts, and a tiny Llama 3 colocated.
 Every call parses and validates against its function's schema."""
 
 from __future__ import annotations
@@ -119,6 +120,16 @@ def llama3_url(cluster, ray_driver, tmp_path_factory, tiny_tokenizer_dir):
     serve.delete("tiny-llama3")
 
 
+@pytest.fixture(scope="module")
+def mistral_url(cluster, ray_driver, tmp_path_factory, mistral_tokenizer_dir):
+    """A tiny Mistral whose tokenizer has ``[TOOL_CALLS]`` as a special token, with a Mistral
+    v0.3-style template, served by PD (n-gram drafts on decode)."""
+    from ray import serve
+
+    yield _deploy(cluster, tmp_path_factory, mistral_tokenizer_dir, "tiny-mistral", "mistral", "mistral", "pd")
+    serve.delete("tiny-mistral")
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -132,6 +143,27 @@ def test_the_tool_loop_on_a_hermes_template(hermes_url, choice, stream):
 @pytest.mark.parametrize("stream, choice", [(False, "required"), (True, CHOICES[2])], ids=["required-whole", "named-streamed"])
 def test_the_tool_loop_on_a_llama3_template(llama3_url, choice, stream):
     _tool_loop(_client(llama3_url), "tiny-llama3", choice, stream, temperature=1.0)
+
+
+@pytest.mark.parametrize("stream, choice", [(False, "required"), (True, CHOICES[2])], ids=["required-whole", "named-streamed"])
+def test_the_tool_loop_on_a_mistral_template(mistral_url, choice, stream):
+    """Mistral's calls follow its special ``[TOOL_CALLS]`` token, which the output's text keeps
+    for the parser; their ids are the 9 characters its template takes back."""
+    calls = _tool_loop(_client(mistral_url), "tiny-mistral", choice, stream, temperature=1.0)
+    assert all(len(call.id) == 9 and call.id.isalnum() for call in calls)
+
+
+def test_a_mistral_template_takes_call_ids_another_server_made(mistral_url):
+    """A history whose call ids are OpenAI's shape (which Mistral's template refuses) is
+    rendered with ids made to fit, the same for each call and its result."""
+    foreign = {"id": "call_9d1f0c2e8b7a4f6e93c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [foreign]},
+        {"role": "tool", "tool_call_id": foreign["id"], "content": '{"celsius": 3}'},
+    ]
+    answer = _client(mistral_url).chat.completions.create(model="tiny-mistral", messages=messages, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -17,7 +17,7 @@ from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
 from duet.detokenizer import TextDelta
 from duet.structured_output import StructuredOutputs
-from duet.tool_calls import HERMES, LLAMA3_JSON, Tool, ToolCallParser, parse_output, tool_grammar
+from duet.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, Tool, ToolCallParser, parse_output, short_call_ids, tool_grammar
 
 WEATHER = Tool(
     "get_weather",
@@ -32,9 +32,10 @@ LLAMA3_TEMPLATE = Path(__file__).parents[1] / "fixtures" / "llama3_json" / "chat
 
 
 def _accepts(grammar: str, text: str, tokenizer_dir: Path) -> bool:
+    """Whether the grammar takes ``text`` as the tokenizer splits it (special tokens as themselves)."""
     tokenizer = llguidance.LLTokenizer((tokenizer_dir / "tokenizer.json").read_text())
     matcher = llguidance.LLMatcher(tokenizer, StructuredOutputs(grammar=grammar).grammar_text())
-    return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+    return matcher.consume_tokens(RouterTokenizer(tokenizer_dir).encode(text, add_special_tokens=False)) and matcher.is_accepting()
 
 
 @pytest.mark.parametrize(
@@ -84,7 +85,37 @@ def test_llama3_json_calls_are_the_whole_output_from_its_first_character(tiny_to
     assert _accepts(tool_grammar([WEATHER, ADD], choice, parallel, LLAMA3_JSON), text, tiny_tokenizer_dir) is accepted
 
 
-@pytest.mark.parametrize("style, text", [(HERMES, None), (LLAMA3_JSON, LLAMA_CALL + "; " + LLAMA_ADD)])
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}]'
+MISTRAL_BOTH = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 1, "b": 2}}]'
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["marker-token", "marker-text"])
+@pytest.mark.parametrize(
+    "choice, parallel, text, accepted",
+    [
+        ("auto", True, "Plain text, [TOOL and [ brackets.", True),
+        ("auto", True, MISTRAL_CALL, True),
+        ("auto", True, "Let me look. " + MISTRAL_BOTH, True),
+        ("auto", False, MISTRAL_BOTH, False),  # one call at most
+        ("auto", True, MISTRAL_CALL + " and text after", False),  # the output ends after its calls
+        ("auto", True, MISTRAL_CALL[:-1], False),  # the list closes
+        ("auto", True, '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]', False),  # b is required
+        ("required", True, MISTRAL_BOTH, True),
+        ("required", True, "Text first. " + MISTRAL_CALL, False),
+        ("add", True, '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]', True),
+        ("add", True, MISTRAL_CALL, False),
+    ],
+)
+def test_mistral_calls_are_one_list_after_its_marker_token_or_text(mistral_tokenizer_dir, tiny_tokenizer_dir, special, choice, parallel, text, accepted):
+    """Where ``[TOOL_CALLS]`` is a special token (Mistral's tokenizers) the grammar names it,
+    since no text makes it; where it is text, text stops short of it, as Hermes' does."""
+    tokenizer_dir = mistral_tokenizer_dir if special else tiny_tokenizer_dir
+    style = RouterTokenizer(tokenizer_dir).own_format(MISTRAL)
+    assert (style.marker_token is not None) is special
+    assert _accepts(tool_grammar([WEATHER, ADD], choice, parallel, style), text, tokenizer_dir) is accepted
+
+
+@pytest.mark.parametrize("style, text", [(HERMES, None), (LLAMA3_JSON, LLAMA_CALL + "; " + LLAMA_ADD), (MISTRAL, "Sure. " + MISTRAL_BOTH)])
 def test_the_parser_reads_content_and_calls_the_same_whole_and_in_any_pieces(style, text):
     """Streamed deltas (the name with the id first, then argument pieces) put together equal the
     whole output's calls, wherever the text is cut, braces and quotes inside strings included."""
@@ -121,6 +152,24 @@ def test_llama3_json_text_is_content_and_a_call_only_from_the_first_character():
     assert parse_output('{"answer": 42}', LLAMA3_JSON) == ('{"answer": 42}', [])
     content, calls = parse_output(LLAMA_CALL, LLAMA3_JSON)
     assert content is None and [(call.name, call.arguments) for call in calls] == [("get_weather", '{"city": "Paris", "unit": "c"}')]
+
+
+def test_mistral_calls_have_ids_its_templates_take_and_the_list_end_is_not_content():
+    content, calls = parse_output("Sure. " + MISTRAL_BOTH, MISTRAL)
+    assert content == "Sure. " and [call.name for call in calls] == ["get_weather", "add"]
+    assert all(len(call.id) == 9 and call.id.isalnum() for call in calls)
+    assert parse_output("[TOOL_CALLS] [{\"name\": \"add\", \"arg", MISTRAL) == ("[TOOL_CALLS] [{\"name\": \"add\", \"arg", [])
+
+
+def test_call_ids_become_nine_letters_or_digits_the_same_for_a_call_and_its_result():
+    messages = short_call_ids(CONVERSATION + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "abcDEF123", "type": "function", "function": {"name": "add", "arguments": {}}}]},
+        {"role": "tool", "content": "0", "tool_call_id": "abcDEF123"},
+    ])
+    short = messages[2]["tool_calls"][0]["id"]
+    assert len(short) == 9 and short.isalnum() and messages[3]["tool_call_id"] == short
+    assert messages[4]["tool_calls"][0]["id"] == messages[5]["tool_call_id"] == "abcDEF123"  # already fit: kept
+    assert CONVERSATION[2]["tool_calls"][0]["id"] == "c1"  # the request's own messages untouched
 
 
 def test_text_that_only_looks_like_a_call_is_content():
@@ -222,6 +271,35 @@ def test_a_template_that_renders_tools_gets_them_as_transformers_passes_them(tmp
     assert tokenizer.backend.decode(tokenizer.encode_chat(request.conversation(), request.function_tools()), skip_special_tokens=False) == rendered
 
 
+def test_a_mistral_template_gets_tools_and_short_ids_and_its_marker_is_kept_in_the_output(mistral_tokenizer_dir):
+    """Mistral's template renders tools itself and refuses ids that are not 9 letters or digits:
+    the ids of earlier calls are made to fit, and the rendering is transformers' own. The
+    output's text keeps the ``[TOOL_CALLS]`` token (other special tokens are skipped) so that the
+    calls are read from it."""
+    from transformers import AutoTokenizer
+
+    from duet.detokenizer import IncrementalDetokenizer
+    from duet.router.chat import ChatRenderer
+
+    tokenizer = RouterTokenizer(mistral_tokenizer_dir)
+    renderer = ChatRenderer(tokenizer)
+    assert tokenizer.renders_tools and renderer.tool_format == tokenizer.own_format(MISTRAL)
+    request = _chat(messages=CONVERSATION, tools=TOOLS)
+    expected = AutoTokenizer.from_pretrained(str(mistral_tokenizer_dir)).apply_chat_template(
+        short_call_ids(request.conversation()), tools=[tool.template_dict() for tool in request.function_tools()],
+        add_generation_prompt=True, tokenize=False,
+    )
+    assert renderer.render(request) == expected and '"arguments": {"a": 1, "b": 2}, "id": "' in expected
+    prompt = renderer.prompt(request)
+    assert prompt.reads_calls.marker_token == tokenizer.special_tokens["[TOOL_CALLS]"]
+    output = tokenizer.encode(MISTRAL_CALL, add_special_tokens=False) + [tokenizer.special_tokens["<|im_end|>"]]
+    detokenizer = IncrementalDetokenizer(tokenizer.backend, (), False, True, tokenizer.skipped_ids(prompt.reads_calls))
+    detokenizer.add_tokens(output)
+    detokenizer.finish()
+    assert detokenizer.text == MISTRAL_CALL  # the marker kept, the end of sequence not
+    assert tokenizer.skipped_ids(HERMES) is None  # no special marker: skip_special_tokens as asked
+
+
 def test_a_reply_in_llama3_json_carries_its_calls():
     body = ResponseBuilder("c", "m", True, str, False, False, reads_calls=LLAMA3_JSON).response([Choice(0, [LLAMA_ADD], [1], "stop")], {})
     assert body["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
@@ -283,8 +361,8 @@ def test_stream_chunks_add_up_to_the_calls_as_openais_client_reads_them():
 
 
 def test_a_template_writing_calls_in_another_format_is_refused_naming_tools(tmp_path, tiny_tokenizer_dir):
-    """A template that renders tools but writes calls neither way duet reads (Mistral's
-    ``[TOOL_CALLS]``) gets a 400 before generation, unless the router names the format."""
+    """A template that renders tools but shows no call in a format duet reads gets a 400
+    before generation, unless the router names the format."""
     from duet.router.chat import ChatRenderer
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
