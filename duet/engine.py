@@ -32,6 +32,12 @@ from duet.scheduler import Scheduler
 from duet.structured_output import grammar_tokenizer
 from duet.worker import WorkerConfig, kv_bytes_per_block
 
+# A step that computed nothing and changed nothing (every request waits for KV on its way in or
+# out) waits this long before the next: the loop would otherwise spin a core, about 50,000 empty
+# steps a second, away from the prefill computing that KV on the same machine. A transfer that
+# ends meanwhile is seen at most this much later.
+IDLE_STEP_WAIT_S = 0.001
+
 logger = logging.getLogger(__name__)
 
 
@@ -256,6 +262,8 @@ class LLMEngine:
             return self._recover(scheduler_output, failure)
         self._observe_load(scheduler_output, runner_output, seconds)
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not changed and scheduler_output.total_num_scheduled_tokens == 0 and not runner_output.kv_results:
+            time.sleep(IDLE_STEP_WAIT_S)
         if runner_output.logprobs is not None:
             for request_id, logprobs in zip(runner_output.request_ids, runner_output.logprobs):
                 if request_id in self._logprobs:

@@ -76,12 +76,13 @@ class EngineProcess:
     def abort_request(self, request_id: str) -> None:
         self.conn.send(("abort", request_id))
 
-    def receive(self) -> TokenDelta | None:
-        """The next delta if one is waiting; None if not, or if the process died."""
+    def receive(self, timeout_s: float = 0.0) -> TokenDelta | None:
+        """The next delta if one is waiting (or comes within ``timeout_s``); None if not, or if
+        the process died."""
         if self._deltas:
             return self._deltas.popleft()
         try:
-            return self.conn.recv()[1] if self.conn.poll(0) else None
+            return self.conn.recv()[1] if self.conn.poll(timeout_s) else None
         except (EOFError, OSError):
             return None
 

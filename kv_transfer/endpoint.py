@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import queue
 import threading
 
@@ -21,7 +22,7 @@ import torch
 
 from duet.kv_transfer.group import PairGroup
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import layer_runs, packed_shape
+from duet.kv_transfer.wire import TARGET_MESSAGE_BYTES, layer_runs, packed_shape
 from duet.outputs import KVTransferResult
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ STREAM_START_TIMEOUT_S = 600.0
 # gone (it died, or its replica stopped). Two timeouts failed a transfer queued behind a stalled
 # one, now and then, where a new pair was on its way (one full run in two on a 2-core Xeon).
 QUEUED_START_TIMEOUTS = 4
+# A pair's thread keeps its two run buffers from one transfer to the next up to this size each
+# (a fresh one is written page by page: about 1 ms per 8 MiB of page faults on the wire's path);
+# a longer run's (one layer of a very long prompt) are the transfer's own.
+KEPT_BUFFER_BYTES = 4 * TARGET_MESSAGE_BYTES
 
 
 class TransferEndpoint:
@@ -63,6 +68,7 @@ class TransferEndpoint:
         self._results: queue.SimpleQueue[KVTransferResult] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
+        self._local = threading.local()  # each pair thread's run buffers
 
     def report(self, result: KVTransferResult) -> None:
         self._results.put(result)
@@ -113,10 +119,17 @@ class TransferEndpoint:
     def buffers(self, runs: list[tuple[int, int]], num_blocks: int, num_heads: int) -> list[torch.Tensor]:
         """For each of a transfer's layer ``runs`` (of ``num_heads`` KV heads), a view of one of
         two buffers in turn: run i+1 is on its way while run i is handled. Runs are equal but for
-        a shorter last one."""
+        a shorter last one. The buffers are the calling pair thread's, kept for its next
+        transfer (up to ``KEPT_BUFFER_BYTES``): a pair moves one transfer at a time."""
         shape = packed_shape(self.kv_cache, *runs[0], num_blocks, num_heads)
-        buffers = [torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device) for _ in range(2)]
-        return [buffers[index % 2][: end - start] for index, (start, end) in enumerate(runs)]
+        size = math.prod(shape)
+        held = getattr(self._local, "buffers", None)
+        if held is None or held[0].numel() < size:
+            held = [torch.empty(size, dtype=self.kv_cache.dtype, device=self.kv_cache.device) for _ in range(2)]
+            if size * self.kv_cache.element_size() <= KEPT_BUFFER_BYTES:
+                self._local.buffers = held
+        whole = [buffer[:size].view(shape) for buffer in held]
+        return [whole[index % 2][: end - start] for index, (start, end) in enumerate(runs)]
 
     def close(self) -> None:
         """Stop the threads (each notices at once unless it is mid-transfer)."""

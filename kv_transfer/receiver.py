@@ -270,9 +270,9 @@ class KVReceiver(TransferEndpoint):
         work = group.recv(received[0], FIRST_LAYER_TAG)
         for index, (start, end) in enumerate(runs):
             self.wait(work, f"layers {layers[0] + start}-{layers[0] + end - 1} of transfer {transfer_id}")
-            checksums.append(checksum(received[index]))
-            if index + 1 < len(runs):
+            if index + 1 < len(runs):  # into the other buffer, while this one is checked and put in place
                 work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
+            checksums.append(checksum(received[index]))
             if job is not None and mismatch is None:
                 unpack_layers(self.kv_cache, here + start, here + end, job.block_ids, received[index], self.local_heads(heads))
         trailer = torch.zeros(3 + len(runs), dtype=torch.int64, device=self.kv_cache.device)  # NCCL moves GPU tensors only

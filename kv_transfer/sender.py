@@ -213,6 +213,7 @@ class _SenderPair:
         num_bytes = 0
         checksums = []
         faults = owner.faults
+        staged = owner.buffers(runs, job.num_blocks, job.heads[1] - job.heads[0])
         in_flight = None  # (work, buffer): one run on the wire while the next is packed
         for index, (start, end) in enumerate(runs):
             if valid:
@@ -220,11 +221,13 @@ class _SenderPair:
                     block_ids = job.progress.wait_for(here + end, owner.timeout_s)
                 except (TransferCancelled, TimeoutError) as error:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
-            packed = pack_layers(owner.kv_cache, here + start, here + end, block_ids, heads)
-            checksums.append(checksum(packed))
-            if faults is not None and index == 0:
+            packed = pack_layers(owner.kv_cache, here + start, here + end, block_ids, heads, out=staged[index])
+            if faults is not None and index == 0:  # the checksum of the run before the fault flips a bit
+                checksums.append(checksum(packed))
                 faults.corrupt(packed)
             work = group.send(packed, FIRST_LAYER_TAG + index)
+            if len(checksums) == index:  # read while the wire reads it too (the trailer carries it)
+                checksums.append(checksum(packed))
             if in_flight is not None:
                 owner.wait(in_flight[0], f"layers before {job.layers[0] + start} of transfer {job.transfer_id}")
             in_flight = (work, packed)

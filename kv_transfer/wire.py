@@ -33,10 +33,15 @@ def packed_shape(kv_cache: torch.Tensor, start: int, end: int, num_blocks: int, 
     return (end - start, two, num_heads or num_kv_heads, num_blocks, block_size, head_dim)
 
 
-def pack_layers(kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], heads: slice = slice(None)) -> torch.Tensor:
-    """Gather ``block_ids`` of layers ``start:end`` (of the cache's ``heads``) into one contiguous tensor."""
+def pack_layers(
+    kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], heads: slice = slice(None), out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gather ``block_ids`` of layers ``start:end`` (of the cache's ``heads``) into one contiguous
+    tensor: ``out`` where given (of ``packed_shape``)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    return kv_cache[start:end, :, heads].index_select(3, index)
+    if out is None:
+        return kv_cache[start:end, :, heads].index_select(3, index)
+    return torch.index_select(kv_cache[start:end, :, heads], 3, index, out=out)
 
 
 def unpack_layers(

@@ -229,3 +229,21 @@ def test_a_prefill_engine_takes_a_prompt_whose_output_would_not_fit_its_own_cach
     assert (run.tokens, run.lost) == ([output.outputs[0].token_ids for output in colocated], [])
     decode.check_integrity()
     decode.close()
+
+
+def test_an_engine_whose_requests_all_wait_for_kv_waits_between_steps(tiny_llama_dir):
+    """While every request waits for its prompt's KV, a step computes nothing: the engine waits
+    ``IDLE_STEP_WAIT_S`` before the next instead of spinning a core away from the prefill (it
+    made some 50,000 empty steps a second). The wait is a floor, whatever the machine's speed."""
+    from duet.engine import IDLE_STEP_WAIT_S
+
+    decode = _decode(tiny_llama_dir, "decode-idle")
+    decode.add_request(EngineRequest("waits", PROMPTS[1], SamplingParams(max_tokens=4), kv_receive=True))
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.2:
+        decode.step()
+        steps += 1
+    assert decode.has_unfinished_requests()
+    assert steps <= 0.2 / IDLE_STEP_WAIT_S + 1
+    decode.abort_request("waits")
+    decode.close()
