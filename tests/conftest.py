@@ -386,11 +386,12 @@ _GGUF_LAYER_NAMES = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
 }
 
 
 def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0, projections: str = "Q8_0", **overrides) -> Path:
-    """One of ``TINY_FAMILIES`` (``llama3-rope`` aside: Llama, Qwen 2, Qwen 3) written as
+    """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Phi-3) written as
     llama.cpp's converter writes a GGUF file, with gguf's own writer: its architecture's
     metadata keys, projections in ``projections`` (Q8_0, Q4_0: gguf's quantizer), the embedding in F16, norms and biases
     in F32, a Llama's Q/K rows interleaved for its RoPE, and the tokenizer (byte-level BPE: its
@@ -424,6 +425,8 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
+    if arch == "phi3":
+        writer.add_rope_dimension_count(head_dim)
     tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -435,6 +438,8 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
     writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    if config.get("pad_token_id") is not None:
+        writer.add_pad_token_id(config["pad_token_id"])
     writer.add_chat_template((tokenizer_dir / "chat_template.jinja").read_text())
     for name, value in state.items():
         if name.startswith("model.layers."):

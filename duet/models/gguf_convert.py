@@ -55,6 +55,9 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Phi-3's projections stay fused in its files, as in its Hugging Face checkpoints: q, k and v
+# rows in one tensor, and the MLP's gate and up rows in one under ``ffn_up``.
+_FUSED_LAYER_TENSORS = _LAYER_TENSORS | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 
 def cache_root() -> Path:
@@ -104,6 +107,7 @@ GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
 
 
@@ -131,11 +135,11 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, kind = stem.split(".", 2)
-        mapped = _LAYER_TENSORS.get(kind)
+        mapped = (_FUSED_LAYER_TENSORS if arch == "phi3" else _LAYER_TENSORS).get(kind)
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GLOBAL_TENSORS.get(stem)
     return f"{mapped}.{suffix}" if mapped else None
@@ -177,6 +181,8 @@ def _hf_config(fields: dict, vocab_size: int, tied: bool) -> dict:
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    if arch == "phi3":
+        config["sliding_window"] = fields.get("phi3.attention.sliding_window")
     return config
 
 
@@ -209,9 +215,13 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     permuted = GGUF_ARCHITECTURES[arch][2]
     num_heads = fields[f"{arch}.attention.head_count"]
     num_kv_heads = fields.get(f"{arch}.attention.head_count_kv", num_heads)
+    if any(tensor.name.startswith("rope_factors") for tensor in reader.tensors):
+        from duet.errors import UnsupportedCheckpointError
+
+        raise UnsupportedCheckpointError(f"{gguf_path.name}: long-context RoPE factors (rope_factors_*) from a GGUF file are not supported")
     tensors, blocks, block_types = {}, {}, {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
         heads = num_heads if name.endswith("q_proj.weight") else num_kv_heads if name.endswith("k_proj.weight") else None

@@ -1,5 +1,5 @@
 """GGUF files as llama.cpp writes them, for each architecture duet converts (Llama, Qwen 2,
-Qwen 3), written by gguf's own writer from tiny random models: ``model=`` names the file, it is
+Qwen 3, Phi-3 with its fused projections), written by gguf's own writer from tiny random models: ``model=`` names the file, it is
 converted once into the cache, its Q8_0 projections compute from their blocks, its tokenizer and
 chat template come from the file, and greedy output equals transformers loading the same file
 (its own GGUF reader: an oracle of the conversion, names, RoPE rows and all)."""
@@ -26,10 +26,12 @@ NEW_TOKENS = 10
 
 # transformers' GGUF reader takes Qwen 3's head_dim from its config's default (128), not the
 # file's key_length: the tiny Qwen 3 has that head_dim (its hidden size over its heads is 16).
-SHAPES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}}
+SHAPES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}, "phi3": {}}
 
 
-@pytest.mark.parametrize(("family", "projections"), [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0")])
+@pytest.mark.parametrize(
+    ("family", "projections"), [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0")]
+)
 def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family, projections):
     """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1 blocks."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
@@ -67,5 +69,5 @@ def test_a_gguf_file_of_another_architecture_is_refused_naming_it(tmp_path, monk
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedCheckpointError, match="GGUF architecture 'mamba' is not supported; duet converts llama, qwen2, qwen3"):
+    with pytest.raises(UnsupportedCheckpointError, match="GGUF architecture 'mamba' is not supported; duet converts llama, qwen2, qwen3, phi3"):
         LLM(model=str(path), num_kv_blocks=16)
