@@ -87,31 +87,31 @@ def test_every_generated_call_parses_and_validates_against_its_schema(request, l
     tokenizer = RouterTokenizer(request.getfixturevalue(tokenizer_dir))
     style = tokenizer.own_format(style)
     assert (style.marker_token is not None) is (style.name == "mistral")
-    requests = [_request(rng, index) for index in range(num_requests)]
-    prompts = [tokenizer.encode_chat(body.conversation(), body.function_tools(style)) for body in requests]
-    params = [body.sampling_params(256, None, style) for body in requests]
+    chats = [_request(rng, index) for index in range(num_requests)]
+    prompts = [tokenizer.encode_chat(chat.conversation(), chat.function_tools(style)) for chat in chats]
+    params = [chat.sampling_params(256, None, style) for chat in chats]
     outputs = request.getfixturevalue(llm).generate(prompts, params)
     builder = ResponseBuilder("chatcmpl-test", "tiny", True, tokenizer.token_text, False, False, reads_calls=style)
     num_calls = 0
-    for request, output in zip(requests, outputs):
+    for chat, output in zip(chats, outputs):
         completion = output.outputs[0]
-        completion.text = _text(tokenizer, completion.token_ids, style)
-        choice = Choice(0, [completion.text], list(completion.token_ids), completion.finish_reason)
+        text = _text(tokenizer, completion.token_ids, style)  # as the router reads it: Mistral's marker kept
+        choice = Choice(0, [text], list(completion.token_ids), completion.finish_reason)
         body = builder.response([choice], {})["choices"][0]
-        schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in request.model_dump()["tools"]}
+        schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in chat.model_dump()["tools"]}
         calls = body["message"].get("tool_calls", [])
         # A random model may repeat parallel calls until max_tokens: the whole ones are returned.
         assert body["finish_reason"] == ("tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason)
-        if request.tool_choice != "auto":
-            assert calls, completion.text
-        if request.tool_mode() not in ("auto", "required"):
-            assert [call["function"]["name"] for call in calls] == [request.tool_mode()]
+        if chat.tool_choice != "auto":
+            assert calls, text
+        if chat.tool_mode() not in ("auto", "required"):
+            assert [call["function"]["name"] for call in calls] == [chat.tool_mode()]
             assert body["finish_reason"] == "tool_calls"
-        if not request.parallel_tool_calls:
+        if not chat.parallel_tool_calls:
             assert len(calls) <= 1
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
-        content, streamed = _streamed(completion.text, rng, style)
+        content, streamed = _streamed(text, rng, style)
         assert (content or None) == body["message"]["content"]
         # A stream shows a call cut off by max_tokens as far as it got; the whole response leaves it out.
         assert [streamed[index] for index in sorted(streamed)][: len(calls)] == [call["function"] for call in calls]

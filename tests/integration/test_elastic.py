@@ -30,6 +30,8 @@ pytestmark = pytest.mark.slow
 
 SMALL_POOL = {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}}
 LONG_ARRAY = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 150, "maxItems": 150}
+# A tool whose one call is long (its arguments hold LONG_ARRAY): the call is under way when it moves.
+LONG_CALL_TOOL = {"type": "object", "properties": {"values": LONG_ARRAY}, "required": ["values"], "additionalProperties": False}
 
 
 def _moves_app(max_migrations: int) -> dict:
@@ -118,6 +120,7 @@ def _migrations(url: str) -> dict[str, float]:
 
 def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluster, tiny_offline, deploy):
     from duet import SamplingParams, StructuredOutputs
+    from duet.tool_calls import Tool, parse_output, tool_grammar
 
     url = deploy("moves", _moves_app(max_migrations=3))
     for wrong, field in (({"pool": "prefill", "replicas": 2}, "pool"), ({"pool": "decode", "replicas": 0}, "replicas")):
@@ -155,13 +158,26 @@ def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluste
              "structured_outputs": {"json": LONG_ARRAY}}
         )
 
+    # A tool call made valid by construction (the grammar a chat request with tools gets, in
+    # Hermes' format), moved mid-call: its grammar's state goes with it.
+    call_grammar = tool_grammar([Tool("record", LONG_CALL_TOOL)], "required", False)
+    prompt = random_prompt(rng, 50)
+    params = SamplingParams(max_tokens=850, temperature=0.0, structured_outputs=StructuredOutputs(grammar=call_grammar))
+    expected.append(tiny_offline.llm.generate([prompt], params)[0].outputs[0])
+    bodies.append(
+        {"model": "tiny", "prompt": prompt, "max_tokens": 850, "return_token_ids": True, "stream": True, "temperature": 0.0,
+         "structured_outputs": {"grammar": call_grammar}}
+    )
+
     results = _streams_scaled_down_midway(url, bodies)
 
     for (text, tokens, errors), want in zip(results, expected):
         assert errors == []
         assert (text, tokens) == (want.text, want.token_ids)
-    for text, _, _ in results[len(cases) :]:
+    for text, _, _ in results[len(cases) : -1]:
         assert len(json.loads(text)) == LONG_ARRAY["minItems"]
+    _, (call,) = parse_output(results[-1][0])
+    assert call.name == "record" and len(json.loads(call.arguments)["values"]) == LONG_ARRAY["minItems"]
     migrations = _migrations(url)
     assert migrations["kv"] >= 1 and migrations["recompute"] == 0, migrations
     assert len(_running(url, "decode")) == 1

@@ -89,11 +89,14 @@ def _deploy(cluster, tmp_path_factory, tokenizer_dir, name: str, family: str, te
     args = {
         "model_id": name, "model": str(model_dir), "mode": mode,
         "engine": {"max_model_len": 2048, "num_kv_blocks": 1024, "max_num_seqs": 16},
-        "decode": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}},
+        # A hundredth of a CPU each: the session's other applications hold most of the test
+        # cluster's two, and three of these stay up together (a replica that cannot be placed
+        # holds serve.run for good).
+        "decode": {"ray_actor_options": {"num_cpus": 0.01}, "engine": {"num_threads": 1}},
         "router": {"ray_actor_options": {"num_cpus": 0}},
     }
     if mode == "pd":
-        args["prefill"] = {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}}
+        args["prefill"] = {"ray_actor_options": {"num_cpus": 0.01}, "engine": {"num_threads": 1}}
         args["decode"]["engine"]["speculative_config"] = NGRAM
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
     url = f"{cluster.url}/{name}"
