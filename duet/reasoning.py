@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 
-from duet.tool_calls import partial_suffix
+from duet.tool_call_parser import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 INSIDE, OPTIONAL = "inside", "optional"

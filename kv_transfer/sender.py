@@ -222,11 +222,12 @@ class _SenderPair:
                 except (TransferCancelled, TimeoutError) as error:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
             packed = pack_layers(owner.kv_cache, here + start, here + end, block_ids, heads, out=staged[index])
-            if faults is not None and index == 0:  # the checksum of the run before the fault flips a bit
+            corrupting = faults is not None and index == 0
+            if corrupting:  # the run's checksum is taken before the fault flips a bit
                 checksums.append(checksum(packed))
                 faults.corrupt(packed)
             work = group.send(packed, FIRST_LAYER_TAG + index)
-            if len(checksums) == index:  # read while the wire reads it too (the trailer carries it)
+            if not corrupting:  # read while the wire reads it too (the trailer carries it)
                 checksums.append(checksum(packed))
             if in_flight is not None:
                 owner.wait(in_flight[0], f"layers before {job.layers[0] + start} of transfer {job.transfer_id}")

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from duet.detokenizer import TextDelta
 from duet.reasoning import ReasoningSplitter
-from duet.tool_calls import ToolCallParser, ToolFormat
+from duet.tool_call_parser import ToolCallParser
+from duet.tool_calls import ToolFormat
 
 MIN_LOGPROB = -9999.0
 

@@ -14,7 +14,8 @@ from duet.router.chat_request import ChatCompletionRequest
 from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
 from duet.detokenizer import IncrementalDetokenizer
-from duet.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, ToolCallParser
+from duet.tool_call_parser import ToolCallParser
+from duet.tool_calls import HERMES, LLAMA3_JSON, MISTRAL
 from duet.benchmarks.tool_schemas import random_tools
 
 

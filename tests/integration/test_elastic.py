@@ -120,7 +120,8 @@ def _migrations(url: str) -> dict[str, float]:
 
 def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluster, tiny_offline, deploy):
     from duet import SamplingParams, StructuredOutputs
-    from duet.tool_calls import Tool, parse_output, tool_grammar
+    from duet.tool_call_parser import parse_output
+    from duet.tool_calls import Tool, tool_grammar
 
     url = deploy("moves", _moves_app(max_migrations=3))
     for wrong, field in (({"pool": "prefill", "replicas": 2}, "pool"), ({"pool": "decode", "replicas": 0}, "replicas")):

@@ -17,7 +17,8 @@ from duet.router.responses import Choice, ResponseBuilder
 from duet.router.tokenizer import RouterTokenizer
 from duet.detokenizer import TextDelta
 from duet.structured_output import StructuredOutputs
-from duet.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, Tool, ToolCallParser, parse_output, short_call_ids, tool_grammar
+from duet.tool_call_parser import ToolCallParser, parse_output
+from duet.tool_calls import HERMES, LLAMA3_JSON, MISTRAL, Tool, short_call_ids, tool_grammar
 
 WEATHER = Tool(
     "get_weather",
