@@ -1,6 +1,7 @@
-"""KV transfer throughput against a raw send/recv of one tensor of the same size.
+"""KV transfer throughput against a raw send/recv of one tensor of the same size; and what the
+second KV tier (``kv_offload``) takes to restore a prompt's blocks.
 
-    python -m duet.benchmarks.transfer [--json out.json] [--plot out.png]
+    python -m duet.benchmarks.transfer [--json out.json] [--plot out.png] [--tier-only]
 
 Two processes on this machine (gloo on CPU, NCCL between GPUs), SmolLM2's KV layout
 (30 layers, 3 KV heads of 64, fp32, blocks of 16), each computing on half of the machine's
@@ -152,6 +153,35 @@ def measure_overlap(repeats: int = 2) -> dict:
     return {"tokens": OVERLAP_TOKENS, "prefill_s": min(timings["prefill"]), "streamed_s": min(timings["streamed"])}
 
 
+def measure_tier(path: str | None = None) -> list[dict]:
+    """Milliseconds to restore each prompt length's blocks from a ``KVTierStore`` (host memory,
+    or a file under ``path``) into the pool, on ``THREADS`` threads: into consecutive blocks
+    (one copy per run, as a prompt's blocks mostly are) and into scattered ones (one per block);
+    best of ``REPEATS``."""
+    from duet.kv_tier import KVTierStore
+    from duet.outputs import KVTierOps
+
+    torch.set_num_threads(THREADS)
+    cache = _cache()
+    store = KVTierStore(cache, NUM_BLOCKS, path)
+    store.apply(KVTierOps(saves=[(block, block) for block in range(NUM_BLOCKS)]))
+    records = []
+    for tokens in TOKENS:
+        num_blocks = tokens // BLOCK
+        layouts = {"runs": list(range(num_blocks)), "scattered": list(range(num_blocks))[::-1]}
+        record = {"tokens": tokens, "kv_bytes": num_blocks * cache[:, :, :, 0].numel() * cache.element_size()}
+        for name, blocks in layouts.items():
+            ops = KVTierOps(loads=list(zip(range(NUM_BLOCKS - num_blocks, NUM_BLOCKS), blocks)))
+            best = float("inf")
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                store.apply(ops)
+                best = min(best, time.perf_counter() - start)
+            record[f"{name}_ms"] = best * 1e3
+        records.append(record)
+    return records
+
+
 def _time_one(prefill, decode, request_id, prompt, params, streamed) -> float:
     """Submit to KV (and first token) on the decode engine; without ``streamed``, submit to the
     prefill engine's first token."""
@@ -186,7 +216,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench transfer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the records to this JSON file")
     parser.add_argument("--plot", help="also plot GB/s against prompt length to this PNG file")
+    parser.add_argument("--tier-only", action="store_true", help="only the second KV tier's restore times")
+    parser.add_argument("--tier-path", help="a folder: time a disk tier there, beside the host-memory one")
     args = parser.parse_args(argv)
+    tiers = {"host memory": measure_tier()} | ({f"disk ({args.tier_path})": measure_tier(args.tier_path)} if args.tier_path else {})
+    print(f"\nsecond KV tier: restoring a prompt's blocks, SmolLM2 layout, {THREADS} thread(s), best of {REPEATS}")
+    print(f"{'tier':>24} {'tokens':>7} {'KV MB':>8} {'runs ms':>8} {'scattered ms':>13}")
+    for name, rows in tiers.items():
+        for r in rows:
+            print(f"{name:>24} {r['tokens']:7d} {r['kv_bytes'] / 1e6:8.1f} {r['runs_ms']:8.1f} {r['scattered_ms']:13.1f}")
+    if args.tier_only:
+        return
     from tqdm import tqdm
 
     with tqdm(total=len(TOKENS) + 1, desc="transfer benchmark", unit="stage") as bar:

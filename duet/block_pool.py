@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -55,11 +55,13 @@ class BlockPool:
     A block is in use (``ref_cnt > 0``, possibly shared by several requests) or free. Free
     blocks wait in a queue, least recently freed first; a free block that holds a full,
     hashed block of some prefix stays findable in the prefix cache until the queue hands
-    it out again (lazy eviction).
+    it out again (lazy eviction). ``on_evict`` sees each cached block as the queue hands it
+    out, its hash and tokens still on it (a second KV tier keeps its KV: ``duet.kv_tier``).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, on_evict: Callable[[KVCacheBlock], None] | None = None) -> None:
         self.num_blocks = num_blocks
+        self.on_evict = on_evict
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((block_id, None) for block_id in range(num_blocks))
@@ -123,6 +125,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block)
         self.uncache([block])
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:

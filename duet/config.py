@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +105,14 @@ class SchedulerConfig:
             )
 
 
+def _known_settings(cls, name: str, settings: dict) -> dict:
+    """``settings`` if each is a field of the dataclass ``cls``; a ``ConfigError`` naming the others."""
+    unknown = sorted(set(settings) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{name}: unknown settings {unknown}; known are {sorted(cls.__dataclass_fields__)}")
+    return settings
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
 
 
@@ -160,10 +170,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, settings: dict) -> SpeculativeConfig:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ConfigError(f"speculative_config: unknown settings {unknown}; known are {sorted(known)}")
+        _known_settings(cls, "speculative_config", settings)
         if "method" not in settings or "num_speculative_tokens" not in settings:
             raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
         return cls(**settings)
@@ -192,10 +199,60 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, settings: dict) -> KVTransferConfig:
-        unknown = sorted(set(settings) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ConfigError(f"kv_transfer_config: unknown settings {unknown}; known are {sorted(cls.__dataclass_fields__)}")
-        return cls(**settings)
+        return cls(**_known_settings(cls, "kv_transfer_config", settings))
+
+
+KV_OFFLOAD_TIERS = ("cpu", "disk")
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """A second KV tier behind the paged pool (``duet.kv_tier``), from the ``kv_offload`` dict:
+    ``tier`` cpu (host memory) or disk (a file under ``path``), ``size_gib`` per rank."""
+
+    tier: str = "cpu"
+    size_gib: float = 1.0
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier not in KV_OFFLOAD_TIERS:
+            raise ConfigError(f"kv_offload.tier={self.tier!r}: use one of {', '.join(KV_OFFLOAD_TIERS)}")
+        if not isinstance(self.size_gib, (int, float)) or isinstance(self.size_gib, bool) or self.size_gib <= 0:
+            raise ConfigError(f"kv_offload.size_gib must be a positive number, got {self.size_gib!r}")
+        if (self.tier == "disk") != (self.path is not None):
+            raise ConfigError("kv_offload.path (a folder for the tier's file) is required for, and only for, tier 'disk'")
+
+    def check_fits(self) -> None:
+        """A ``ConfigError`` naming the setting unless the tier fits where it goes on this node:
+        its size in the memory available, or its folder writable with room for it."""
+        size = self.size_gib * 2**30
+        if self.tier == "cpu":
+            available = _available_memory_bytes()
+            if available is not None and size > available:
+                raise ConfigError(
+                    f"kv_offload.size_gib={self.size_gib} does not fit this node's available memory ({available / 2**30:.1f} GiB)"
+                )
+            return
+        if not os.path.isdir(self.path) or not os.access(self.path, os.W_OK | os.X_OK):
+            raise ConfigError(f"kv_offload.path={self.path!r} is not a folder this process can write")
+        free = shutil.disk_usage(self.path).free
+        if size > free:
+            raise ConfigError(f"kv_offload.size_gib={self.size_gib} does not fit the {free / 2**30:.1f} GiB free under {self.path}")
+
+    @classmethod
+    def from_dict(cls, settings: dict) -> KVOffloadConfig:
+        return cls(**_known_settings(cls, "kv_offload", settings))
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 EXECUTOR_BACKENDS = {"uni": "duet.executor:UniprocExecutor", "ray": "duet.cluster.ray_executor:RayExecutor"}
@@ -234,6 +291,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     speculative_config: dict | None = None
     kv_transfer_config: dict | None = None
+    kv_offload: dict | None = None  # a second KV tier: {tier: cpu | disk, size_gib: N, path: folder}
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False  # a mixture of experts' ranks hold whole experts (else a share of each)
@@ -273,6 +331,11 @@ class EngineArgs:
         self.cache_config()
         self.speculative()
         self.kv_transfer()
+        offload = self.kv_offload_config()
+        if offload is not None:
+            if not self.enable_prefix_caching:
+                raise ConfigError("kv_offload keeps blocks the prefix cache evicts: it needs enable_prefix_caching")
+            offload.check_fits()
 
     @property
     def world_size(self) -> int:
@@ -288,6 +351,9 @@ class EngineArgs:
 
     def kv_transfer(self) -> KVTransferConfig | None:
         return None if self.kv_transfer_config is None else KVTransferConfig.from_dict(self.kv_transfer_config)
+
+    def kv_offload_config(self) -> KVOffloadConfig | None:
+        return None if self.kv_offload is None else KVOffloadConfig.from_dict(self.kv_offload)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gib, self.enable_prefix_caching)

@@ -21,6 +21,7 @@ from duet.block_pool import BlockIntegrityError
 from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype, resolve_kv_cache_dtype
 from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
+from duet.kv_tier import KVTier, tier_capacity_blocks
 from duet.load import LoadTracker
 from duet.messages import CoreStats, EngineRequest, EngineStats, KVDestination, TokenDelta
 from duet.models.pipeline_parallel import stage_layers
@@ -72,6 +73,8 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.kv_bytes_per_block = kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, self.kv_dtype)
         self.num_blocks = cache_config.num_blocks(self.kv_bytes_per_block)
+        kv_offload = args.kv_offload_config()
+        tier_blocks = 0 if kv_offload is None else tier_capacity_blocks(kv_offload, self.kv_bytes_per_block)
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()
         self.pipeline_parallel_size = args.pipeline_parallel_size
@@ -89,13 +92,16 @@ class LLMEngine:
             speculative_config=self.speculative_config,
             draft_model_path=self._check_draft_model(model_path),
             kv_transfer=self.kv_transfer_config,
+            kv_offload=kv_offload,
+            kv_tier_blocks=tier_blocks,
             world_size=world_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
         )
         self.executor = import_object(args.executor())(worker_config)
         self.kv_endpoints = self.executor.kv_endpoints()
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        tier = None if kv_offload is None else KVTier(tier_blocks)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cache_config.enable_prefix_caching, tier)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             self.scheduler_config.max_num_seqs,

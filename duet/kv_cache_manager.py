@@ -1,19 +1,24 @@
-"""Which blocks each request holds; prefix-cache lookups. Hides the pool from the scheduler."""
+"""Which blocks each request holds; prefix-cache lookups, in the pool and in a second tier behind
+it (``duet.kv_tier``). Hides both from the scheduler."""
 
 from __future__ import annotations
 
 from duet.block_pool import BlockIntegrityError, BlockPool, KVCacheBlock, hash_block_tokens
+from duet.kv_tier import KVTier, TierBlock
 from duet.messages import KVCacheStats
+from duet.outputs import KVTierOps
 from duet.request import Request
 
 
 class KVCacheManager:
     """Maps requests to block lists and keeps their full blocks published in the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, tier: KVTier | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.tier = tier if enable_caching else None
+        on_evict = None if self.tier is None else lambda block: tier.save(block.block_id, block.block_hash, block.token_ids)
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_to_hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -31,12 +36,17 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def is_cached(self, block_hash: int) -> bool:
-        """Whether a block of this hash is in the prefix cache."""
-        return self.block_pool.is_cached(block_hash)
+        """Whether a block of this hash is in the prefix cache (the pool or the tier)."""
+        return self.block_pool.is_cached(block_hash) or (self.tier is not None and block_hash in self.tier)
+
+    def take_tier_ops(self) -> KVTierOps:
+        """The copies the workers make between the pool and the tier before the coming step."""
+        return KVTierOps() if self.tier is None else self.tier.take_ops()
 
     def stats(self, kv_cache_dtype: str, kv_dtype: str, kv_bytes_per_block: int) -> KVCacheStats:
         """Its blocks and prefix cache lookups, with what the engine made its blocks hold: the
-        dtype setting, the dtype it resolved to, and a block's bytes."""
+        dtype setting, the dtype it resolved to, and a block's bytes; and its tier's blocks."""
+        tier = self.tier
         return KVCacheStats(
             num_free_blocks=self.num_free_blocks,
             num_blocks=self.block_pool.num_blocks,
@@ -46,6 +56,10 @@ class KVCacheManager:
             kv_cache_dtype=kv_cache_dtype,
             kv_dtype=kv_dtype,
             kv_bytes_per_block=kv_bytes_per_block,
+            tier_capacity_blocks=0 if tier is None else tier.capacity_blocks,
+            tier_blocks=0 if tier is None else tier.num_blocks,
+            tier_saved_blocks=0 if tier is None else tier.num_saved,
+            tier_restored_blocks=0 if tier is None else tier.num_restored,
         )
 
     def _block_hashes(self, request: Request, num_tokens: int) -> list[int]:
@@ -57,8 +71,9 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[index * bs : (index + 1) * bs]))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request, as blocks and a token count.
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock | TierBlock], int]:
+        """The longest cached prefix of the request, as blocks (the pool's, or the tier's hits to
+        be copied back) and a token count.
 
         The last prompt token is never served from cache: its logits are needed to sample; nor
         is any token of a request that asks for its prompt's logprobs.
@@ -70,7 +85,10 @@ class KVCacheManager:
         blocks = []
         bs = self.block_size
         for index, block_hash in enumerate(hashes):
-            block = self.block_pool.get_cached_block(block_hash, request.all_token_ids[index * bs : (index + 1) * bs])
+            token_ids = request.all_token_ids[index * bs : (index + 1) * bs]
+            block = self.block_pool.get_cached_block(block_hash, token_ids)
+            if block is None and self.tier is not None:
+                block = self.tier.lookup(block_hash, token_ids)
             if block is None:
                 break
             blocks.append(block)
@@ -86,27 +104,39 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list[KVCacheBlock | TierBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Give the request room for ``num_new_tokens`` more tokens of KV, or return None.
 
         ``new_computed_blocks`` are prefix-cache hits found by ``get_computed_blocks`` for a
-        request not yet holding blocks; their tokens count as computed.
+        request not yet holding blocks; their tokens count as computed. A tier hit takes a new
+        block, which the coming step's copies fill before its forward.
         """
         computed = new_computed_blocks or []
+        pool_hits = [block for block in computed if isinstance(block, KVCacheBlock)]
+        tier_hits = [block for block in computed if isinstance(block, TierBlock)]
         held = self.req_to_blocks.get(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
         total_tokens = num_computed_tokens + num_new_tokens
-        num_required = -(-total_tokens // self.block_size) - len(held) - len(computed)
+        num_required = -(-total_tokens // self.block_size) - len(held) - len(pool_hits)
         # Hits sitting in the free queue stop being allocatable once touched.
-        num_evictable_hits = sum(1 for block in computed if block.ref_cnt == 0)
+        num_evictable_hits = sum(1 for block in pool_hits if block.ref_cnt == 0)
         if num_required > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
-        self.block_pool.touch(computed)
+        self.block_pool.touch(pool_hits)
+        if tier_hits:
+            self.tier.pin(tier_hits)  # before the evictions below save into the tier
         new_blocks = self.block_pool.get_new_blocks(max(num_required, 0))
+        fresh = iter(new_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        blocks.extend(computed)
-        blocks.extend(new_blocks)
+        for hit in computed:
+            if isinstance(hit, TierBlock):
+                block = next(fresh)
+                self.tier.restore(hit, block.block_id)
+                blocks.append(block)
+            else:
+                blocks.append(hit)
+        blocks.extend(fresh)
         self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
         return new_blocks
 

@@ -124,6 +124,11 @@ class KVCacheStats:
     kv_cache_dtype: str  # the setting ("auto": the model's dtype)
     kv_dtype: str  # the dtype the KV cache is in (bfloat16, int8, ...)
     kv_bytes_per_block: int  # across this replica's layers, K and V
+    # The second tier (``kv_offload``): blocks it can hold and holds, blocks written and restored.
+    tier_capacity_blocks: int
+    tier_blocks: int
+    tier_saved_blocks: int
+    tier_restored_blocks: int
 
     @property
     def kv_usage(self) -> float:

@@ -42,6 +42,18 @@ class KVConnectorMetadata:
 
 
 @dataclass
+class KVTierOps:
+    """One step's copies between the pool and the second KV tier (``duet.kv_tier``): ``saves``
+    (pool block, slot) first, then ``loads`` (slot, pool block), before the step's forward."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+@dataclass
 class KVTransferResult:
     """How a transfer ended, as the workers report it. A received one carries the first token
     the prefill replica sampled; ``cancelled``: its request was aborted, not a failure."""
@@ -107,6 +119,7 @@ class SchedulerOutput:
     # Draft tokens to verify, per request; they are the last of its scheduled tokens.
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     kv_connector: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
+    kv_tier: KVTierOps = field(default_factory=KVTierOps)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

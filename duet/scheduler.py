@@ -238,7 +238,8 @@ class Scheduler(SequenceMoves):
         finished, self._finished_ids = self._finished_ids, set()
         self._runner_known -= preempted
         return SchedulerOutput(
-            new_requests, cached_requests, num_scheduled, finished, preempted, spec_tokens, self.kv_connector.take_metadata()
+            new_requests, cached_requests, num_scheduled, finished, preempted, spec_tokens, self.kv_connector.take_metadata(),
+            self.kv_cache_manager.take_tier_ops(),
         )
 
     def _preempt(self, request: Request) -> None:

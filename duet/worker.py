@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from duet.config import KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype, resolve_kv_cache_dtype
+from duet.config import KVOffloadConfig, KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype, resolve_kv_cache_dtype
+from duet.kv_tier import KVTierStore
 from duet.messages import KVEndpoint
 from duet.outputs import RunnerOutput, SchedulerOutput
 
@@ -35,6 +36,8 @@ class WorkerConfig:
     speculative_config: SpeculativeConfig | None = None
     draft_model_path: str | None = None
     kv_transfer: KVTransferConfig | None = None
+    kv_offload: KVOffloadConfig | None = None  # a second KV tier of ``kv_tier_blocks`` blocks
+    kv_tier_blocks: int = 0
     rank: int = 0
     world_size: int = 1  # tensor_parallel_size x pipeline_parallel_size
     pipeline_parallel_size: int = 1
@@ -126,6 +129,9 @@ class Worker:
             from duet.kernels import cpu_ops
 
             cpu_ops.load()  # compile (once per machine) now, not inside the first step
+        self.kv_tier = None
+        if config.kv_offload is not None:
+            self.kv_tier = KVTierStore(self.runner.kv_cache, config.kv_tier_blocks, config.kv_offload.path)
         self.kv_connector = None
         if config.kv_transfer is not None:
             self.kv_connector = import_object(config.kv_transfer.connector)(self.runner.kv_cache, arch, config)
@@ -134,6 +140,8 @@ class Worker:
         return None if self.kv_connector is None else self.kv_connector.endpoint
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if scheduler_output.kv_tier:  # first: blocks this step's transfers and forward write or read
+            self.kv_tier.apply(scheduler_output.kv_tier)
         connector = self.kv_connector
         if connector is None:
             return self.runner.execute(scheduler_output)

@@ -77,6 +77,8 @@ class _PoolCollector:
                 "KV cache bytes a token takes on the replica: K and V of its layers (quantized rows with their scales).",
                 lambda s: s.kv.kv_bytes_per_block / s.kv.block_size if s.kv.block_size else 0,
             ),
+            "duet:kv_offload_blocks": ("KV blocks the second tier (kv_offload) holds.", lambda s: s.kv.tier_blocks),
+            "duet:kv_offload_capacity_blocks": ("KV blocks the second tier can hold (0: none).", lambda s: s.kv.tier_capacity_blocks),
             "duet:spec_decode_mean_accepted_length": (
                 "Tokens emitted per verified draft since start (accepted drafts plus one); 0 before any.",
                 lambda s: s.spec.mean_accepted_length,
@@ -86,6 +88,10 @@ class _PoolCollector:
             "vllm:num_preemptions": ("Preemptions by recompute.", lambda s: s.scheduler.num_preemptions),
             "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", lambda s: s.kv.prefix_cache_queries),
             "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", lambda s: s.kv.prefix_cache_hits),
+            "duet:kv_offload_saved_blocks": ("Evicted KV blocks written to the second tier.", lambda s: s.kv.tier_saved_blocks),
+            "duet:kv_offload_restored_blocks": (
+                "KV blocks copied back from the second tier instead of recomputed.", lambda s: s.kv.tier_restored_blocks,
+            ),
             "duet:kv_transfer_bytes": ("KV bytes sent (prefill) or received (decode).", lambda s: s.transfer.bytes),
             "duet:kv_transfers": ("KV transfers completed.", lambda s: s.transfer.transfers),
             "duet:kv_transfer_failures": ("KV transfers that failed.", lambda s: s.transfer.failures),

@@ -55,6 +55,10 @@ def test_local_configs_listen_on_loopback_only():
         ({"decode": {"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}}, "autoscaling_config:"),
         ({"slo": {"ttft_ms": 0}}, "slo.ttft_ms"),
         ({"router": {"max_migrations": -1}}, "router.max_migrations"),
+        ({"engine": {"kv_offload": {"tier": "disk", "path": "/nonexistent/tier"}}}, "kv_offload.path='/nonexistent/tier' is not a folder"),
+        ({"prefill": {"engine": {"kv_offload": {"size_gib": 1 << 20}}}}, "prefill.engine: kv_offload.size_gib=1048576 does not fit"),
+        ({"engine": {"kv_offload": {"tier": "cpu", "size_gib": 1, "path": "/tmp"}}}, "kv_offload.path (a folder for the tier's file)"),
+        ({"engine": {"kv_offload": {}, "enable_prefix_caching": False}}, "kv_offload keeps blocks the prefix cache evicts"),
     ],
 )
 def test_bad_args_fail_with_a_readable_message(args, message):

@@ -95,7 +95,7 @@ def cluster_config(port: int, tiny_model_dir: str) -> dict:
         "model_id": "smollm2",
         "model": "smollm2",
         "mode": "pd",
-        "engine": _engine(),
+        "engine": _engine() | {"kv_offload": {"tier": "cpu", "size_gib": 0.05}},  # a second KV tier behind both pools
         "prefill": _pool(),
         # The PD application decodes with n-gram speculation; the colocated one without.
         "decode": _pool(local_prefill_threshold=16) | {"engine": {"num_threads": 1, "speculative_config": NGRAM}},

@@ -54,6 +54,10 @@ def test_metrics_carry_vllm_names_and_a_stage_label(cluster):
     assert any('stage="prefill"' in labels and value > 0 for labels, value in hits.items())
     sent = _metric_values(cluster, "duet:kv_transfer_bytes_total")
     assert any('stage="decode"' in labels and value > 0 for labels, value in sent.items())
+    tiers = _metric_values(cluster, "duet:kv_offload_capacity_blocks")  # kv_offload reached both pools' engines
+    assert {stage for stage in ("prefill", "decode") if any(f'stage="{stage}"' in labels and value > 0 for labels, value in tiers.items())} == {
+        "prefill", "decode",
+    }
 
 
 def test_speculation_on_the_decode_pool_is_exact_and_counted(cluster):

@@ -16,7 +16,7 @@ def make_stats(stage: str = "decode", replica_id: str = "r", **fields) -> Replic
     named as in the part that has it (``num_free_blocks``: the KV cache's) or the report's own."""
     parts = {
         "scheduler": SchedulerStats(0, 0, 0, 0, 0, 0, 0),
-        "kv": KVCacheStats(100, 100, 16, 0, 0, "auto", "bfloat16", 0),
+        "kv": KVCacheStats(100, 100, 16, 0, 0, "auto", "bfloat16", 0, 0, 0, 0, 0),
         "transfer": TransferStats(0, 0, 0, 0, 0.0, 0),
         "load": LoadStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
         "spec": SpecStats(0, 0, 0, []),

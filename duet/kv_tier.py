@@ -1,0 +1,157 @@
+"""A second KV tier behind the paged pool (``kv_offload``): blocks the prefix cache evicts are
+copied into a bounded store in host memory (or a file), and a prompt whose prefix misses the
+pool but hits the tier gets those blocks copied back instead of recomputed.
+
+The scheduler's side (``KVTier``) knows which chained block hashes the tier holds and in which
+slot, least recently used first, and decides every copy. The workers' side (``KVTierStore``)
+carries a step's copies out before that step's forward and before its KV transfers start:
+saves first, then loads. So an evicted block is saved before anything overwrites it, and a
+restored block holds its KV before anything reads it. A slot a step loads from is pinned until
+the step's copies are handed out, so no save of the same step takes it. The tier is inclusive: a
+restored block keeps its slot, and evicting it from the pool again writes nothing.
+
+Exact: the store holds the pool's bytes in the pool's dtype, so a restored prefix yields the
+tokens a recomputed one would. A restore costs the step a copy (about 46 MB for 1,000 of
+SmolLM2's fp32 tokens), where a recompute costs it the prompt's forward.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from duet.config import ConfigError, KVOffloadConfig
+from duet.outputs import KVTierOps
+
+
+@dataclass(frozen=True)
+class TierBlock:
+    """A prefix-cache hit in the tier, not in the pool: its KV comes back from ``slot``."""
+
+    block_hash: int
+    slot: int
+
+
+class KVTier:
+    """The tier's index: chained block hash -> (slot, the block's tokens), least recently used
+    first. Tokens are kept so that a hit is checked token by token, as the pool's are."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ConfigError("kv_offload.size_gib holds no KV block; give it at least one block's bytes")
+        self.capacity_blocks = capacity_blocks
+        self._entries: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()
+        self._free_slots = list(range(capacity_blocks - 1, -1, -1))
+        self._pinned: set[int] = set()
+        self._ops = KVTierOps()
+        self.num_saved = 0  # blocks written to the tier
+        self.num_restored = 0  # blocks copied back into the pool
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._entries
+
+    def lookup(self, block_hash: int, token_ids: Sequence[int]) -> TierBlock | None:
+        entry = self._entries.get(block_hash)
+        if entry is None or entry[1] != tuple(token_ids):
+            return None
+        return TierBlock(block_hash, entry[0])
+
+    def save(self, block_id: int, block_hash: int, token_ids: Sequence[int]) -> None:
+        """Keep the KV of a block the pool evicts. Nothing is written for a hash the tier holds
+        (it becomes the most recently used), nor when every slot is pinned by this step's loads."""
+        if block_hash in self._entries:
+            self._entries.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return
+        self._entries[block_hash] = (slot, tuple(token_ids))
+        self._ops.saves.append((block_id, slot))
+        self.num_saved += 1
+
+    def pin(self, hits: Sequence[TierBlock]) -> None:
+        """Keep these hits' slots for this step: call before the pool evicts (and so saves) for
+        the blocks they are restored into."""
+        self._pinned.update(hit.slot for hit in hits)
+
+    def restore(self, hit: TierBlock, block_id: int) -> None:
+        """Copy a pinned hit into the pool's ``block_id`` at the start of the coming step."""
+        self._entries.move_to_end(hit.block_hash)
+        self._ops.loads.append((hit.slot, block_id))
+        self.num_restored += 1
+
+    def take_ops(self) -> KVTierOps:
+        """The step's copies, for the workers; the pins end with them."""
+        ops, self._ops = self._ops, KVTierOps()
+        self._pinned.clear()
+        return ops
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, (slot, _) in self._entries.items():  # least recently used first
+            if slot not in self._pinned:
+                del self._entries[block_hash]
+                return slot
+        return None
+
+
+def tier_capacity_blocks(config: KVOffloadConfig, bytes_per_block: int) -> int:
+    """How many of this rank's blocks ``config.size_gib`` holds, once the store is checked to
+    fit where it goes (``KVOffloadConfig.check_fits``)."""
+    config.check_fits()
+    return int(config.size_gib * 2**30) // bytes_per_block
+
+
+class KVTierStore:
+    """A worker's tier: one tensor shaped like its KV cache with ``capacity_blocks`` in place of
+    the pool's blocks, in host memory (pinned when the cache is on a GPU) or mapped from a file
+    under ``path`` that is unlinked at once (nothing is left behind, even by a crash)."""
+
+    def __init__(self, kv_cache: torch.Tensor, capacity_blocks: int, path: str | None = None) -> None:
+        self.kv_cache = kv_cache
+        shape = list(kv_cache.shape)
+        shape[3] = capacity_blocks  # [layers, 2, kv_heads, blocks, block_size, width]
+        if path is None:
+            self.store = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
+        else:
+            numel = 1
+            for size in shape:
+                numel *= size
+            handle, file_name = tempfile.mkstemp(prefix="duet-kv-tier-", suffix=".bin", dir=path)
+            try:
+                os.ftruncate(handle, numel * kv_cache.element_size())
+                self.store = torch.from_file(file_name, shared=True, size=numel, dtype=kv_cache.dtype).view(shape)
+            finally:
+                os.close(handle)
+                os.unlink(file_name)
+
+    def apply(self, ops: KVTierOps) -> None:
+        _copy_runs(self.store, self.kv_cache, ops.saves)
+        _copy_runs(self.kv_cache, self.store, [(slot, block_id) for slot, block_id in ops.loads])
+
+
+def _copy_runs(destination: torch.Tensor, source: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """``destination[..., d, :, :] = source[..., s, :, :]`` for each ``(s, d)`` in order, along the
+    blocks dimension, a run of consecutive pairs at a time: one strided copy per run, no
+    temporary (a thousand of SmolLM2's tokens in about 4 ms here, against 27 by gather and scatter)."""
+    index = 0
+    while index < len(pairs):
+        start_source, start_destination = pairs[index]
+        end = index + 1
+        while end < len(pairs) and pairs[end] == (start_source + end - index, start_destination + end - index):
+            end += 1
+        length = end - index
+        destination[:, :, :, start_destination : start_destination + length].copy_(
+            source[:, :, :, start_source : start_source + length], non_blocking=destination.is_cuda or source.is_cuda
+        )
+        index = end

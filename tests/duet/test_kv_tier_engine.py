@@ -1,0 +1,60 @@
+"""The second KV tier in an engine: conversations whose earlier turns were evicted from a small
+pool come back from the tier, and give bit for bit what a pool large enough to keep them gives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from duet import LLM, SamplingParams
+from tests.conftest import TINY_VOCAB
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+TURN_TOKENS = 16
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=TURN_TOKENS, min_tokens=TURN_TOKENS, logprobs=2)
+
+
+def _conversations(llm: LLM, sessions: int = 5, turns: int = 3) -> list[list[tuple[list[int], dict]]]:
+    """Each session's turns, one request at a time (so every engine batches them the same): the
+    history, then the new user tokens, as a chat client sends them."""
+    rng = random.Random(7)
+    histories = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(60, 90))] for _ in range(sessions)]
+    outputs = [[] for _ in range(sessions)]
+    for _ in range(turns):
+        for session, history in enumerate(histories):
+            output = llm.generate([history], _greedy())[0].outputs[0]
+            outputs[session].append((output.token_ids, output.logprobs))
+            history += output.token_ids + [rng.randrange(3, TINY_VOCAB) for _ in range(12)]
+    return outputs
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk", "cpu+ngram"])
+def test_evicted_turns_come_back_from_the_tier_bit_for_bit(tiny_llama_dir, tmp_path, tier):
+    """Five sessions of about 7 blocks each a turn against a pool of 16 blocks: every later
+    turn's history was evicted by the other sessions. The tier restores it, and each turn's
+    tokens and logprobs equal those of a pool that kept everything."""
+    settings = {"speculative_config": NGRAM} if tier.endswith("ngram") else {}
+    offload = {"tier": "disk", "size_gib": 0.05, "path": str(tmp_path)} if tier == "disk" else {"tier": "cpu", "size_gib": 0.05}
+    kept = _conversations(LLM(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512, **settings))
+    small = LLM(model=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512, kv_offload=offload, **settings)
+    assert _conversations(small) == kept
+    stats = small.engine.kv_cache_manager.stats("auto", "float32", 0)
+    assert stats.tier_restored_blocks >= 4 * 2 * 4  # four sessions' later turns, at least 4 blocks each
+    assert stats.tier_saved_blocks >= stats.tier_blocks > 0
+    small.engine.check_integrity()
+
+
+def test_without_the_tier_the_small_pool_recomputes_the_same_tokens(tiny_llama_dir):
+    """The oracle the tier is measured against: the same conversations on the small pool alone
+    (every later turn recomputed) give the same tokens."""
+    kept = _conversations(LLM(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512))
+    small = LLM(model=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512)
+    recomputed = _conversations(small)
+    assert [[tokens for tokens, _ in turns] for turns in recomputed] == [[tokens for tokens, _ in turns] for turns in kept]
+    assert small.engine.kv_cache_manager.block_pool.num_evictions > 0
