@@ -270,6 +270,28 @@ def plot(summaries: list[Summary], path: str) -> None:
         axes[3].legend(fontsize=7)
 
 
+def plot_turns(summaries: list[Summary], path: str) -> None:
+    """Sessions' runs by turn: TTFT p50 and the share of prompt tokens found cached, a line per
+    config and workload (a conversation's later turns are where a prefix cache, and a second KV
+    tier behind it, pay)."""
+    with saved_figure(path, figsize=(11, 4), ncols=2, what="turns plot") as (figure, (ttft_axis, hit_axis)):
+        for s in summaries:
+            ok = [r for r in s.requests if r["ok"]]
+            turns = sorted({r["turn"] for r in ok})
+            by_turn = [[r for r in ok if r["turn"] == turn] for turn in turns]
+            label = f"{s.config} {s.workload}"
+            ttft_axis.plot([t + 1 for t in turns], [_percentiles([r["ttft_ms"] for r in group])["p50"] for group in by_turn], marker="o", label=label)
+            hit_axis.plot(
+                [t + 1 for t in turns],
+                [ratio(sum(r["cached_tokens"] for r in group), sum(r["prompt_tokens"] for r in group)) for group in by_turn],
+                marker="o", label=label,
+            )
+        for axis, title in ((ttft_axis, "TTFT p50 (ms) by turn"), (hit_axis, "prompt tokens found cached, by turn")):
+            axis.set_xlabel("turn")
+            axis.set_title(title)
+            axis.legend(fontsize=7)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=[], help="a config to bring up and measure (repeat to compare)")
@@ -363,3 +385,5 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps([asdict(s) for s in summaries], indent=2))
     if args.plot:
         plot(summaries, args.plot)
+        if any(len({r["turn"] for r in s.requests}) > 1 for s in summaries):
+            plot_turns(summaries, str(Path(args.plot).with_suffix("")) + "-turns.png")

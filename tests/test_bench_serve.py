@@ -73,3 +73,16 @@ def test_later_turns_are_summarised_apart_with_their_prefix_hits():
     turns = summarise("pd", "multiturn", results, duration=3.0, slo_ttft=2.0, slo_tpot=0.2).turns
     assert turns["first"] == {"requests": 1, "ttft_p50_ms": pytest.approx(400.0), "prefix_hit_rate": 0.0}
     assert turns["later"]["requests"] == 2 and turns["later"]["prefix_hit_rate"] == pytest.approx(400 / 500)
+
+
+def test_sessions_are_plotted_by_turn(tmp_path, capsys):
+    from duet.benchmarks.serve import plot_turns
+
+    results = [
+        RequestResult(ok=True, turn=turn, ttft=0.1 * (turn + 1), e2e=1.0, output_tokens=5, prompt_tokens=100, cached_tokens=30 * turn)
+        for turn in range(3)
+    ]
+    summary = summarise("pd", "multiturn", results, duration=3.0, slo_ttft=2.0, slo_tpot=0.2)
+    plot_turns([summary], str(tmp_path / "turns.png"))
+    assert (tmp_path / "turns.png").stat().st_size > 0
+    assert "turns plot written to" in capsys.readouterr().out
