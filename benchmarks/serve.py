@@ -286,7 +286,9 @@ def plot_turns(summaries: list[Summary], path: str) -> None:
                 [ratio(sum(r["cached_tokens"] for r in group), sum(r["prompt_tokens"] for r in group)) for group in by_turn],
                 marker="o", label=label,
             )
+        turns = sorted({r["turn"] + 1 for s in summaries for r in s.requests})
         for axis, title in ((ttft_axis, "TTFT p50 (ms) by turn"), (hit_axis, "prompt tokens found cached, by turn")):
+            axis.set_xticks(turns)
             axis.set_xlabel("turn")
             axis.set_title(title)
             axis.legend(fontsize=7)
