@@ -142,8 +142,8 @@ class KVTierStore:
 
 def _copy_runs(destination: torch.Tensor, source: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """``destination[..., d, :, :] = source[..., s, :, :]`` for each ``(s, d)`` in order, along the
-    blocks dimension, a run of consecutive pairs at a time: one strided copy per run, no
-    temporary (a thousand of SmolLM2's tokens in about 4 ms here, against 27 by gather and scatter)."""
+    blocks dimension, a run of consecutive pairs at a time: one strided copy per run and no
+    temporary, where a gather and a scatter would write every byte twice more."""
     index = 0
     while index < len(pairs):
         start_source, start_destination = pairs[index]

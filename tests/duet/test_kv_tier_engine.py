@@ -44,7 +44,7 @@ def test_evicted_turns_come_back_from_the_tier_bit_for_bit(tiny_llama_dir, tmp_p
     kept = _conversations(LLM(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512, **settings))
     small = LLM(model=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512, kv_offload=offload, **settings)
     assert _conversations(small) == kept
-    stats = small.engine.kv_cache_manager.stats("auto", "float32", 0)
+    stats = small.engine.stats().kv
     assert stats.tier_restored_blocks >= 4 * 2 * 4  # four sessions' later turns, at least 4 blocks each
     assert stats.tier_saved_blocks >= stats.tier_blocks > 0
     small.engine.check_integrity()
@@ -53,8 +53,27 @@ def test_evicted_turns_come_back_from_the_tier_bit_for_bit(tiny_llama_dir, tmp_p
 def test_without_the_tier_the_small_pool_recomputes_the_same_tokens(tiny_llama_dir):
     """The oracle the tier is measured against: the same conversations on the small pool alone
     (every later turn recomputed) give the same tokens."""
-    kept = _conversations(LLM(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512))
+    kept_llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512)
+    kept = _conversations(kept_llm)
     small = LLM(model=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512)
     recomputed = _conversations(small)
     assert [[tokens for tokens, _ in turns] for turns in recomputed] == [[tokens for tokens, _ in turns] for turns in kept]
-    assert small.engine.kv_cache_manager.block_pool.num_evictions > 0
+    assert small.engine.stats().kv.prefix_cache_hits < kept_llm.engine.stats().kv.prefix_cache_hits / 2  # recomputed
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_each_rank_keeps_its_own_share_of_the_tier(ray_cluster, tiny_llama_dir, layout):
+    """Ranks as Ray actors, each with its heads (TP) or its layers (PP) in its own store: the
+    scheduler's copies name the same slots on every rank, and the restored turns are exact."""
+    kept_llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512, **layout)
+    try:
+        kept = _conversations(kept_llm, sessions=4, turns=2)
+    finally:
+        kept_llm.engine.close()
+    small = LLM(model=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512, kv_offload={"tier": "cpu", "size_gib": 0.05}, **layout)
+    try:
+        assert _conversations(small, sessions=4, turns=2) == kept
+        assert small.engine.stats().kv.tier_restored_blocks >= 4  # at least the first session came back
+        small.engine.check_integrity()
+    finally:
+        small.engine.close()
