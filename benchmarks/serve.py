@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from duet.benchmarks.plots import saved_figure
+from duet.benchmarks.serve_plots import watch_kv
 from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, WORKLOADS, TurnSpec, random_sessions, sharegpt_sessions
 
 
@@ -73,6 +73,8 @@ class Summary:
     requests: list[dict[str, float | bool]]  # each one's send time (s), whether it completed, TTFT, TPOT, end to end (ms), in sending order
     # First turns and later turns apart: TTFT p50 (ms) and the share of prompt tokens found cached.
     turns: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The server's KV blocks in use and in its second tier, per stage, sampled once a second.
+    kv_timeline: list[dict] = field(default_factory=list)
 
 
 async def _one_request(client, url: str, model: str, prompt: list[int], output_len: int, api_key: str | None) -> RequestResult:
@@ -123,10 +125,12 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
 
 
 async def run_load(
-    url: str, model: str, sessions: list[list[TurnSpec]], rate: float, think_time_s: float, seed: int, api_key: str | None, label: str
+    url: str, model: str, sessions: list[list[TurnSpec]], rate: float, think_time_s: float, seed: int, api_key: str | None, label: str,
+    kv_samples: list[dict] | None = None,
 ):
     """Sessions arriving at ``rate`` a second (Poisson; 0: all at once), each turn sent once the
-    one before it ended and ``think_time_s`` passed; the results of every request, in sending order."""
+    one before it ended and ``think_time_s`` passed; the results of every request, in sending order.
+    ``kv_samples`` (if given) gets the server's KV blocks, in its pools and its second tier, once a second."""
     import httpx
 
     rng = random.Random(seed)
@@ -150,11 +154,16 @@ async def run_load(
         await _one_request(client, url, model, [SAFE_TOKEN_RANGE[0]] * 8, 4, api_key)
         tasks = []
         start = time.perf_counter()
+        stop = asyncio.Event()
+        watch = None if kv_samples is None else asyncio.create_task(watch_kv(client, url, start, kv_samples, stop))
         for turns in sessions:
             tasks.append(asyncio.create_task(session(turns)))
             await asyncio.sleep(rng.expovariate(rate) if rate > 0 else 0)
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        stop.set()
+        if watch is not None:
+            await watch
     progress.close()
     return sorted(results, key=lambda result: result.sent_s), duration
 
@@ -250,50 +259,6 @@ def format_ratios(summaries: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def plot(summaries: list[Summary], path: str) -> None:
-    labels = [f"{s.config}\n{s.workload}" for s in summaries]
-    # Wider with more bars; labels slanted so that neighbours' never overlap.
-    with saved_figure(path, figsize=(max(18, 2 * len(summaries)), 5), ncols=4) as (figure, axes):
-        for axis, metric, title in zip(axes[:3], ("ttft_ms", "tpot_ms", "e2e_ms"), ("TTFT (ms)", "TPOT (ms)", "end-to-end (ms)")):
-            width = 0.27
-            for offset, quantile in enumerate(("p50", "p90", "p99")):
-                xs = [i + (offset - 1) * width for i in range(len(summaries))]
-                axis.bar(xs, [s.percentiles[metric][quantile] for s in summaries], width, label=quantile)
-            axis.set_xticks(range(len(summaries)), labels, fontsize=7, rotation=45, ha="right")
-            axis.set_title(title)
-            axis.legend(fontsize=7)
-        xs = range(len(summaries))
-        axes[3].bar([x - 0.2 for x in xs], [s.request_throughput for s in summaries], 0.4, label="throughput (req/s)")
-        axes[3].bar([x + 0.2 for x in xs], [s.goodput for s in summaries], 0.4, label="goodput (req/s)")
-        axes[3].set_xticks(list(xs), labels, fontsize=7, rotation=45, ha="right")
-        axes[3].set_title("throughput and goodput")
-        axes[3].legend(fontsize=7)
-
-
-def plot_turns(summaries: list[Summary], path: str) -> None:
-    """Sessions' runs by turn: TTFT p50 and the share of prompt tokens found cached, a line per
-    config and workload (a conversation's later turns are where a prefix cache, and a second KV
-    tier behind it, pay)."""
-    with saved_figure(path, figsize=(11, 4), ncols=2, what="turns plot") as (figure, (ttft_axis, hit_axis)):
-        for s in summaries:
-            ok = [r for r in s.requests if r["ok"]]
-            turns = sorted({r["turn"] for r in ok})
-            by_turn = [[r for r in ok if r["turn"] == turn] for turn in turns]
-            label = f"{s.config} {s.workload}"
-            ttft_axis.plot([t + 1 for t in turns], [_percentiles([r["ttft_ms"] for r in group])["p50"] for group in by_turn], marker="o", label=label)
-            hit_axis.plot(
-                [t + 1 for t in turns],
-                [ratio(sum(r["cached_tokens"] for r in group), sum(r["prompt_tokens"] for r in group)) for group in by_turn],
-                marker="o", label=label,
-            )
-        turns = sorted({r["turn"] + 1 for s in summaries for r in s.requests})
-        for axis, title in ((ttft_axis, "TTFT p50 (ms) by turn"), (hit_axis, "prompt tokens found cached, by turn")):
-            axis.set_xticks(turns)
-            axis.set_xlabel("turn")
-            axis.set_title(title)
-            axis.legend(fontsize=7)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=[], help="a config to bring up and measure (repeat to compare)")
@@ -360,10 +325,12 @@ def main(argv: list[str] | None = None) -> None:
                 # for multiturn sessions, the sharegpt workload's first turns).
                 seed = args.seed + 1000 * index + (500 if workload == "multiturn" else 0)
                 label = workload if len(rates) == 1 else f"{workload}@{rate:g}/s"
+                kv_samples: list[dict] = []
                 results, duration = asyncio.run(
-                    run_load(url, model, sessions(workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}")
+                    run_load(url, model, sessions(workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}", kv_samples)
                 )
                 summary = summarise(name, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+                summary.kv_timeline = kv_samples
                 summaries.append(summary)
                 errors = {r.error for r in results if not r.ok}
                 print(f"{name}/{label}: {summary.num_requests - summary.failed}/{summary.num_requests} ok" + (f", errors: {sorted(errors)[:3]}" if errors else ""), flush=True)
@@ -386,6 +353,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(s) for s in summaries], indent=2))
     if args.plot:
+        from duet.benchmarks.serve_plots import plot, plot_kv, plot_turns
+
         plot(summaries, args.plot)
+        stem = str(Path(args.plot).with_suffix(""))
         if any(len({r["turn"] for r in s.requests}) > 1 for s in summaries):
-            plot_turns(summaries, str(Path(args.plot).with_suffix("")) + "-turns.png")
+            plot_turns(summaries, stem + "-turns.png")
+        plot_kv(summaries, stem + "-kv.png")

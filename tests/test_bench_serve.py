@@ -76,7 +76,7 @@ def test_later_turns_are_summarised_apart_with_their_prefix_hits():
 
 
 def test_sessions_are_plotted_by_turn(tmp_path, capsys):
-    from duet.benchmarks.serve import plot_turns
+    from duet.benchmarks.serve_plots import plot_kv, plot_turns
 
     results = [
         RequestResult(ok=True, turn=turn, ttft=0.1 * (turn + 1), e2e=1.0, output_tokens=5, prompt_tokens=100, cached_tokens=30 * turn)
@@ -86,3 +86,32 @@ def test_sessions_are_plotted_by_turn(tmp_path, capsys):
     plot_turns([summary], str(tmp_path / "turns.png"))
     assert (tmp_path / "turns.png").stat().st_size > 0
     assert "turns plot written to" in capsys.readouterr().out
+    summary.kv_timeline = [{"t": float(t), "pool": {"prefill": 10.0 * t}, "tier": {"prefill": 5.0 * t}} for t in range(4)]
+    plot_kv([summary], str(tmp_path / "kv.png"))
+    assert (tmp_path / "kv.png").stat().st_size > 0
+
+
+def test_kv_samples_sum_each_stages_replicas_from_the_metrics():
+    import asyncio
+
+    from duet.benchmarks.serve_plots import watch_kv
+
+    text = "\n".join([
+        'duet:kv_cache_blocks{model_name="m",stage="prefill",replica="a"} 100.0',
+        'duet:kv_cache_blocks{model_name="m",stage="decode",replica="b"} 200.0',
+        'duet:kv_cache_blocks{model_name="m",stage="decode",replica="c"} 200.0',
+        'vllm:kv_cache_usage_perc{model_name="m",stage="prefill",replica="a"} 0.5',
+        'vllm:kv_cache_usage_perc{model_name="m",stage="decode",replica="b"} 0.25',
+        'vllm:kv_cache_usage_perc{model_name="m",stage="decode",replica="c"} 0.5',
+        'duet:kv_offload_blocks{model_name="m",stage="prefill",replica="a"} 30.0',
+    ])
+
+    class Client:
+        async def get(self, url, timeout):
+            stop.set()
+            return type("Response", (), {"text": text})()
+
+    samples, stop = [], asyncio.Event()
+    asyncio.run(watch_kv(Client(), "http://127.0.0.1:1", 0.0, samples, stop))
+    assert len(samples) == 1
+    assert samples[0]["pool"] == {"prefill": 50.0, "decode": 150.0} and samples[0]["tier"] == {"prefill": 30.0, "decode": 0.0}
