@@ -99,6 +99,10 @@ def format_status(report: dict) -> str:
                 f"{pool:<10} {stats['replica_id']:<10} {stats.get('stage', pool):<8} {stats['num_running']:>7} {stats['num_waiting']:>7} "
                 f"{stats['kv_usage']:>8.1%} {str(stats['num_free_blocks']) + '/' + str(stats['num_blocks']):>12} "
                 f"{kv_dtype_shown(stats):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9} {cores_shown(stats):>8}"
+                + (
+                    f"  tier: {stats['tier_blocks']}/{stats['tier_capacity_blocks']} blocks, {stats['tier_restored_blocks']} restored"
+                    if stats.get("tier_capacity_blocks") else ""
+                )
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
                 + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )

@@ -14,8 +14,12 @@ class BlockIntegrityError(AssertionError):
 # The parent of a prompt's first block. Not None: hash(None) differs between processes
 # before Python 3.12, and routers compare these hashes across replicas.
 ROOT_HASH = 0
-# How many leading blocks of a prompt the prefill replicas report and the router matches.
-ROUTING_PREFIX_BLOCKS = 4
+# The depths (in blocks) at which a prompt's chained hash stands for its prefix in routing: the
+# first four blocks, every power of two to 64, then every 64 blocks. A chained hash names the
+# whole prefix before it, so a replica holding a long shared prefix (a system prompt, a
+# conversation's history) is found from a few hashes a prompt, not one per block.
+ROUTING_DEPTHS_DENSE = 4
+ROUTING_DEPTHS_STRIDE = 64
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -26,16 +30,25 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
 
 
-def leading_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
-    """Chained hashes of a prompt's first full blocks (at most ``max_blocks``), as the cache keys them.
+def routing_depth(depth: int) -> bool:
+    """Whether a prefix of ``depth`` full blocks is one that routing names (``ROUTING_DEPTHS_*``)."""
+    if depth <= ROUTING_DEPTHS_DENSE:
+        return depth >= 1
+    if depth <= ROUTING_DEPTHS_STRIDE:
+        return depth & (depth - 1) == 0
+    return depth % ROUTING_DEPTHS_STRIDE == 0
 
-    Routers compare these with what replicas report to send a prompt where its prefix is cached.
-    """
+
+def routing_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of a prompt's full blocks at the routing depths, shallowest first, as
+    the cache keys them: replicas report which of these they hold, and the router sends a prompt
+    to the replica holding the deepest of its own."""
     hashes: list[int] = []
     parent = None
-    for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
+    for index in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[index * block_size : (index + 1) * block_size])
+        if routing_depth(index + 1):
+            hashes.append(parent)
     return hashes
 
 

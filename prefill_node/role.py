@@ -3,20 +3,21 @@
 A prefill replica runs the engine on sequences the router sends with a ``kv_send``
 destination: it computes the prompt (prefix cache, chunked), streams its KV to the decode
 replica that reserved it, and answers with the first token. It loads no speculative draft
-(nothing is decoded here), and it reports the leading block hashes of the prompts it holds in
-its prefix cache, so the router can send a prompt where its prefix already is.
+(nothing is decoded here), and it reports the routing hashes of the prompts it holds in its
+prefix cache (``duet.block_pool.routing_block_hashes``: a few depths of each prompt's chain), so
+the router can send a prompt where the longest part of it already is.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
+from duet.block_pool import routing_block_hashes
 from duet.errors import InvalidRequestError
 from duet.messages import EngineRequest
 
-# How many prompts' leading blocks the replica recalls.
-MAX_REPORTED_PREFIXES = 512
+# How many routing hashes the replica recalls (a prompt has 4-12; a conversation's turns share theirs).
+MAX_REPORTED_PREFIXES = 2048
 
 
 class PrefillRole:
@@ -33,7 +34,7 @@ class PrefillRole:
     def admit(self, request: EngineRequest, block_size: int) -> None:
         if request.kv_send is None:
             raise InvalidRequestError("a prefill replica computes prompts whose KV goes to a decode replica (kv_send)")
-        for block_hash in leading_block_hashes(request.prompt_token_ids, block_size, ROUTING_PREFIX_BLOCKS):
+        for block_hash in routing_block_hashes(request.prompt_token_ids, block_size):
             self._prefixes[block_hash] = None
             self._prefixes.move_to_end(block_hash)
         while len(self._prefixes) > MAX_REPORTED_PREFIXES:

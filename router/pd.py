@@ -40,7 +40,7 @@ from contextlib import aclosing
 
 from ray.exceptions import RayActorError
 
-from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
+from duet.block_pool import routing_block_hashes
 from duet.errors import (
     InvalidRequestError,
     KVTransferFailedError,
@@ -228,7 +228,7 @@ class Orchestrator:
             context = request.prompt_token_ids + sequence.token_ids[:-1]
             request = EngineRequest(request_id, context, _FILL_PARAMS)
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
-        hashes = leading_block_hashes(request.prompt_token_ids, self.block_size, ROUTING_PREFIX_BLOCKS)
+        hashes = routing_block_hashes(request.prompt_token_ids, self.block_size)
         pool, pinned = self.prefill_target()
         new_call_context()
         stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, **_pin(pinned))

@@ -242,3 +242,17 @@ def test_the_cli_imports_no_ray_before_duet_up_sets_the_loopback_variable():
     code = "import sys, duet.cluster.cli, duet.cluster.deploy; print('ray' in sys.modules)"
     answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert answer.stdout.strip() == "False", answer.stderr
+
+
+def test_status_shows_a_replicas_second_kv_tier_where_it_has_one():
+    stats = {
+        "stage": "prefill", "replica_id": "abc", "num_running": 0, "num_waiting": 0, "kv_usage": 0.5, "num_free_blocks": 5, "num_blocks": 10,
+        "kv_cache_dtype": "auto", "kv_dtype": "float32", "transfers": 0, "num_preemptions": 0, "age_s": 0.1,
+        "integrity_failures": 0, "threads": 1, "shared_cores": False,
+        "tier_capacity_blocks": 1000, "tier_blocks": 250, "tier_saved_blocks": 300, "tier_restored_blocks": 40,
+    }
+    report = {"url": "u", "model": "m", "pools": {"prefill": {"replicas": 1, "stats": [stats]}},
+              "admission": {"running_sequences": 0, "queued_requests": 0}}
+    assert format_status(report).splitlines()[2].endswith("tier: 250/1000 blocks, 40 restored")
+    stats["tier_capacity_blocks"] = 0
+    assert "tier" not in format_status(report).splitlines()[2]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from duet.block_pool import ROUTING_PREFIX_BLOCKS, leading_block_hashes
+from duet.block_pool import routing_block_hashes
 from duet.cluster.autoscale import METRICS
 from duet.cluster.operate import format_status
 from duet.cluster.replica import EngineReplica
@@ -213,7 +213,7 @@ def test_a_seeded_sequence_moved_by_kv_while_speculating_goes_on_as_if_it_had_st
 STATUS_KEYS = {
     "stage", "replica_id", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "block_size", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "kv_cache_dtype", "kv_dtype", "kv_bytes_per_block", "kv_usage",
-    "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_position", "transfer_bytes",
+    "tier_capacity_blocks", "tier_blocks", "tier_saved_blocks", "tier_restored_blocks", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_position", "transfer_bytes",
     "transfers", "transfer_failures", "transfers_cancelled", "transfer_seconds", "pending_transfers", "prompt_tokens_pending",
     "new_prompt_tokens_pending", "num_decoding_blocks", "num_decode_waiting", "prefill_tokens_per_s", "tokens_per_s",
     "tpot_s", "decode_only_tpot_s", "ttft_s", "output_tokens_per_s", "threads", "shared_cores", "lease_wait_s",
@@ -257,7 +257,7 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
     assert [_unfilled(type(part)) for part in parts] == [[]] * len(parts) and _unfilled(ReplicaStats) == []
     assert (stats.stage, stats.replica_id, stats.worker_failure, stats.integrity_failures) == ("prefill", "prefill-test", None, 0)
     assert abs(time.time() - stats.reported_at) < 60
-    assert stats.prefix_hashes == leading_block_hashes(prompt, engine.block_size, ROUTING_PREFIX_BLOCKS)
+    assert stats.prefix_hashes == routing_block_hashes(prompt, engine.block_size)
     assert (stats.scheduler.num_running, stats.scheduler.num_waiting, stats.scheduler.prompt_tokens_pending) == (0, 0, 0)
     kv = stats.kv
     assert (kv.num_free_blocks, kv.num_blocks, kv.block_size, kv.kv_cache_dtype) == (64, 64, engine.block_size, "auto")

@@ -595,6 +595,9 @@ def test_a_prompt_one_token_short_of_its_end_is_not_frozen_for_a_move(make_sched
 
 
 def _hash_of(token_ids: list[int], num_blocks: int) -> int:
-    from duet.block_pool import leading_block_hashes
+    from duet.block_pool import hash_block_tokens
 
-    return leading_block_hashes(token_ids, BLOCK_SIZE, num_blocks)[-1]
+    parent = None
+    for index in range(num_blocks):
+        parent = hash_block_tokens(parent, token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
+    return parent

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from duet.block_pool import leading_block_hashes
+from duet.block_pool import routing_block_hashes
 from duet.router.routing import choose, rank_by_capacity, rank_by_prefix
 from tests.router.fake_serve import make_stats
 
@@ -17,16 +17,38 @@ def _replica(name: str, **stats) -> SimpleNamespace:
 
 def test_prefill_prefers_the_replica_holding_the_longest_leading_prefix():
     prompt = list(range(100))
-    hashes = leading_block_hashes(prompt, 16, 4)
+    hashes = routing_block_hashes(prompt, 16)
     cold, warm, partial = _replica("cold"), _replica("warm", prefix_hashes=hashes), _replica("partial", prefix_hashes=hashes[:1])
     ranks = rank_by_prefix([cold, partial, warm], {"cold": 0, "warm": 2, "partial": 0}, hashes, imbalance_threshold=4)
     assert ranks[0] == [warm]
 
 
 def test_prefill_falls_back_to_the_least_loaded_when_the_warm_replica_is_swamped():
-    hashes = leading_block_hashes(list(range(64)), 16, 4)
+    hashes = routing_block_hashes(list(range(64)), 16)
     cold, warm = _replica("cold"), _replica("warm", prefix_hashes=hashes)
     assert rank_by_prefix([warm, cold], {"cold": 0, "warm": 9}, hashes, imbalance_threshold=4)[0] == [cold]
+
+
+def test_routing_hashes_name_a_long_prompt_at_a_few_depths_of_its_chain():
+    """Guards the router that matched a prompt's first four blocks only: conversations sharing
+    a system prompt of four blocks or more all looked alike, and a session's later turn went to
+    any replica rather than the one holding its history."""
+    from duet.block_pool import hash_block_tokens, routing_depth
+
+    assert [depth for depth in range(1, 300) if routing_depth(depth)] == [1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256]
+    prompt = list(range(3000))
+    chain, parent = [], None
+    for index in range(len(prompt) // 16):
+        parent = hash_block_tokens(parent, prompt[index * 16 : (index + 1) * 16])
+        chain.append(parent)
+    assert routing_block_hashes(prompt, 16) == [chain[depth - 1] for depth in (1, 2, 3, 4, 8, 16, 32, 64, 128)]
+    system = list(range(5000, 5000 + 16 * 40))  # a 40-block system prompt every session shares
+    session_a, session_b = system + list(range(100, 600)), system + list(range(700, 1200))
+    holder_a = _replica("a", prefix_hashes=routing_block_hashes(session_a, 16))
+    holder_b = _replica("b", prefix_hashes=routing_block_hashes(session_b, 16))
+    next_turn_b = session_b + list(range(2000, 2100))
+    ranks = rank_by_prefix([holder_a, holder_b], {"a": 0, "b": 0}, routing_block_hashes(next_turn_b, 16), imbalance_threshold=4)
+    assert ranks[0] == [holder_b]
 
 
 def test_decode_prefers_room_for_the_prompt_then_fewer_running_then_more_free_blocks():
