@@ -90,7 +90,7 @@ def plot_turns(summaries: list, path: str) -> None:
 
 def plot_kv(summaries: list, path: str) -> None:
     """Each run's KV blocks in use in the pools and held in the second tier over time, per stage."""
-    runs = [s for s in summaries if s.kv_timeline]
+    runs = [s for s in summaries if any(sample["pool"] for sample in s.kv_timeline)]  # another server reports none
     if not runs:
         return
     with saved_figure(path, figsize=(5 * len(runs), 3.5), ncols=len(runs), squeeze=False, what="KV plot") as (figure, axes):

@@ -16,7 +16,7 @@ from duet.block_pool import routing_block_hashes
 from duet.errors import InvalidRequestError
 from duet.messages import EngineRequest
 
-# How many routing hashes the replica recalls (a prompt has 4-12; a conversation's turns share theirs).
+# How many routing hashes the replica recalls (9 for a 2,048-token prompt; a conversation's turns share theirs).
 MAX_REPORTED_PREFIXES = 2048
 
 
