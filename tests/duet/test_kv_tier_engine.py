@@ -64,7 +64,10 @@ def test_without_the_tier_the_small_pool_recomputes_the_same_tokens(tiny_llama_d
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 def test_each_rank_keeps_its_own_share_of_the_tier(ray_cluster, tiny_llama_dir, layout):
     """Ranks as Ray actors, each with its heads (TP) or its layers (PP) in its own store: the
-    scheduler's copies name the same slots on every rank, and the restored turns are exact."""
+    scheduler's copies name the same slots on every rank, and the restored turns give the same
+    tokens. Logprobs are compared to 1e-4, not bit for bit: each engine's ranks are new processes,
+    and each process picks its product kernels by timing them (``duet.models.linear``), so two
+    engines' ranks may add in another order (#45); in one process the choice is shared."""
     kept_llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=512, max_model_len=512, **layout)
     try:
         kept = _conversations(kept_llm, sessions=4, turns=2)
@@ -72,7 +75,13 @@ def test_each_rank_keeps_its_own_share_of_the_tier(ray_cluster, tiny_llama_dir, 
         kept_llm.engine.close()
     small = LLM(model=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512, kv_offload={"tier": "cpu", "size_gib": 0.05}, **layout)
     try:
-        assert _conversations(small, sessions=4, turns=2) == kept
+        restored = _conversations(small, sessions=4, turns=2)
+        assert [[tokens for tokens, _ in turns] for turns in restored] == [[tokens for tokens, _ in turns] for turns in kept]
+        for turns, kept_turns in zip(restored, kept):
+            for (_, logprobs), (_, kept_logprobs) in zip(turns, kept_turns):
+                for position, kept_position in zip(logprobs, kept_logprobs):
+                    assert position.keys() == kept_position.keys()
+                    assert all(abs(position[token] - kept_position[token]) < 1e-4 for token in position)
         assert small.engine.stats().kv.tier_restored_blocks >= 4  # at least the first session came back
         small.engine.check_integrity()
     finally:
