@@ -239,6 +239,10 @@ class KVOffloadConfig:
         if size > free:
             raise ConfigError(f"kv_offload.size_gib={self.size_gib} does not fit the {free / 2**30:.1f} GiB free under {self.path}")
 
+    def num_blocks(self, bytes_per_block: int) -> int:
+        """The blocks of ``bytes_per_block`` (one rank's) that ``size_gib`` holds."""
+        return int(self.size_gib * 2**30) // bytes_per_block
+
     @classmethod
     def from_dict(cls, settings: dict) -> KVOffloadConfig:
         return cls(**_known_settings(cls, "kv_offload", settings))

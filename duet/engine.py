@@ -21,7 +21,7 @@ from duet.block_pool import BlockIntegrityError
 from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype, resolve_kv_cache_dtype
 from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
-from duet.kv_tier import KVTier, tier_capacity_blocks
+from duet.kv_tier import KVTier
 from duet.load import LoadTracker
 from duet.messages import CoreStats, EngineRequest, EngineStats, KVDestination, TokenDelta
 from duet.models.pipeline_parallel import stage_layers
@@ -74,7 +74,7 @@ class LLMEngine:
         self.kv_bytes_per_block = kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, self.kv_dtype)
         self.num_blocks = cache_config.num_blocks(self.kv_bytes_per_block)
         kv_offload = args.kv_offload_config()
-        tier_blocks = 0 if kv_offload is None else tier_capacity_blocks(kv_offload, self.kv_bytes_per_block)
+        tier_blocks = 0 if kv_offload is None else kv_offload.num_blocks(self.kv_bytes_per_block)  # fit checked by EngineArgs
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()
         self.pipeline_parallel_size = args.pipeline_parallel_size

@@ -16,8 +16,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, tier: KVTier | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.tier = tier if enable_caching else None
-        on_evict = None if self.tier is None else lambda block: tier.save(block.block_id, block.block_hash, block.token_ids)
+        self.tier = tier
+        on_evict = None if tier is None else lambda block: tier.save(block.block_id, block.block_hash, block.token_ids)
         self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._req_to_hashes: dict[str, list[int]] = {}

@@ -17,6 +17,7 @@ SmolLM2's fp32 tokens), where a recompute costs it the prompt's forward.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from duet.config import ConfigError, KVOffloadConfig
+from duet.config import ConfigError
 from duet.outputs import KVTierOps
 
 
@@ -105,13 +106,6 @@ class KVTier:
         return None
 
 
-def tier_capacity_blocks(config: KVOffloadConfig, bytes_per_block: int) -> int:
-    """How many of this rank's blocks ``config.size_gib`` holds, once the store is checked to
-    fit where it goes (``KVOffloadConfig.check_fits``)."""
-    config.check_fits()
-    return int(config.size_gib * 2**30) // bytes_per_block
-
-
 class KVTierStore:
     """A worker's tier: one tensor shaped like its KV cache with ``capacity_blocks`` in place of
     the pool's blocks, in host memory (pinned when the cache is on a GPU) or mapped from a file
@@ -124,9 +118,7 @@ class KVTierStore:
         if path is None:
             self.store = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
         else:
-            numel = 1
-            for size in shape:
-                numel *= size
+            numel = math.prod(shape)
             handle, file_name = tempfile.mkstemp(prefix="duet-kv-tier-", suffix=".bin", dir=path)
             try:
                 os.ftruncate(handle, numel * kv_cache.element_size())
@@ -137,7 +129,7 @@ class KVTierStore:
 
     def apply(self, ops: KVTierOps) -> None:
         _copy_runs(self.store, self.kv_cache, ops.saves)
-        _copy_runs(self.kv_cache, self.store, [(slot, block_id) for slot, block_id in ops.loads])
+        _copy_runs(self.kv_cache, self.store, ops.loads)
 
 
 def _copy_runs(destination: torch.Tensor, source: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

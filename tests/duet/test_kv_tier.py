@@ -6,7 +6,7 @@ import torch
 
 from duet.config import ConfigError, KVOffloadConfig
 from duet.kv_cache_manager import KVCacheManager
-from duet.kv_tier import KVTier, KVTierStore, TierBlock, tier_capacity_blocks
+from duet.kv_tier import KVTier, KVTierStore, TierBlock
 from duet.outputs import KVTierOps
 from duet.request import Request
 from duet.sampling_params import SamplingParams
@@ -124,9 +124,9 @@ def test_settings_that_cannot_work_fail_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="unknown settings"):
         KVOffloadConfig.from_dict({"tier": "cpu", "size": 1})
     with pytest.raises(ConfigError, match="kv_offload.size_gib"):
-        tier_capacity_blocks(KVOffloadConfig(size_gib=1 << 20), 4096)  # a petabyte of host memory
+        KVOffloadConfig(size_gib=1 << 20).check_fits()  # a petabyte of host memory
     with pytest.raises(ConfigError, match="kv_offload.path"):
-        tier_capacity_blocks(KVOffloadConfig(tier="disk", path=str(tmp_path / "missing")), 4096)
+        KVOffloadConfig(tier="disk", path=str(tmp_path / "missing")).check_fits()
     with pytest.raises(ConfigError, match="kv_offload.size_gib"):
-        tier_capacity_blocks(KVOffloadConfig(tier="disk", size_gib=1 << 20, path=str(tmp_path)), 4096)
-    assert tier_capacity_blocks(KVOffloadConfig(size_gib=1 / 1024), 4096) == 256
+        KVOffloadConfig(tier="disk", size_gib=1 << 20, path=str(tmp_path)).check_fits()
+    assert KVOffloadConfig(size_gib=1 / 1024).num_blocks(4096) == 256
