@@ -44,6 +44,12 @@ STREAM_START_TIMEOUT_S = 600.0
 # gone (it died, or its replica stopped). Two timeouts failed a transfer queued behind a stalled
 # one, now and then, where a new pair was on its way (one full run in two on a 2-core Xeon).
 QUEUED_START_TIMEOUTS = 4
+# While it has transfers queued for a receiver, a sender says so this often; a receiver that
+# has not heard from the sender of a queued transfer for SENDER_SILENT_S takes it for gone (its
+# process died: a killed prefill replica's queued transfers fail in seconds, not in
+# QUEUED_START_TIMEOUTS timeouts, and their requests are recomputed).
+SENDER_ALIVE_S = 1.0
+SENDER_SILENT_S = 10.0
 # A pair's thread keeps its two run buffers from one transfer to the next up to this size each
 # (a fresh one is written page by page: about 1 ms per 8 MiB of page faults on the wire's path);
 # a longer run's (one layer of a very long prompt) are the transfer's own.

@@ -3,8 +3,9 @@ and receives each announced transfer straight into the blocks its engine reserve
 
 An expected transfer waits for its sender to queue it (``queued``: up to the expectation's
 timeout, long, since a prompt may wait behind others on its prefill replica), then to announce it
-(``send``: within ``QUEUED_START_TIMEOUTS`` of the pair's timeout from being queued); one not
-announced in time fails, and its router recomputes it.
+(``send``: within ``QUEUED_START_TIMEOUTS`` of the pair's timeout from being queued, its sender
+saying it is still queued there at least every ``SENDER_SILENT_S``: ``alive``); one not
+announced in time, or whose sender fell silent, fails, and its router recomputes it.
 
 One listener thread reads the channel in order and hands each transfer to its pair's thread
 (one per sender and pair key, started on the pair's first announcement: no sender needs to be
@@ -36,6 +37,7 @@ from duet.kv_transfer.endpoint import (
     FIRST_LAYER_TAG,
     NO_TOKEN,
     QUEUED_START_TIMEOUTS,
+    SENDER_SILENT_S,
     TRAILER_TAG,
     TransferEndpoint,
 )
@@ -66,6 +68,7 @@ class _Expected:
     transfer_id: int
     block_ids: list[int]
     deadline: float  # for its (next) part to be announced
+    heard: float | None = None  # when its sender last said it was queued there (None: not yet)
     cancelled: bool = False
     num_cells_in: int = 0  # (KV head, layer) pairs received so far
     parts_active: int = 0
@@ -89,7 +92,7 @@ class KVReceiver(TransferEndpoint):
         self._expected: dict[int, _Expected] = {}  # not announced yet
         self._active: dict[int, _Expected] = {}  # being received
         self._cancelled: dict[int, float] = {}  # cancelled before any announcement: when
-        self._queued: dict[int, float] = {}  # queued by its sender, not expected here (yet): when
+        self._queued: dict[int, tuple[float, float]] = {}  # queued by its sender, not expected here (yet): when, when last heard of
         self._pairs: dict[str, queue.SimpleQueue] = {}  # pair key -> its thread's inbox
         self.start_thread(self._listen, "kv-listener")
 
@@ -99,11 +102,11 @@ class KVReceiver(TransferEndpoint):
         only then may the blocks be reused."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._lock:
-            queued = self._queued.pop(transfer_id, None)
-            if queued is not None:
-                deadline = min(deadline, queued + QUEUED_START_TIMEOUTS * self.timeout_s)
+            queued_at, heard = self._queued.pop(transfer_id, (None, None))
+            if queued_at is not None:
+                deadline = min(deadline, queued_at + QUEUED_START_TIMEOUTS * self.timeout_s)
             if self._cancelled.pop(transfer_id, None) is None:
-                self._expected[transfer_id] = _Expected(transfer_id, list(block_ids), deadline)
+                self._expected[transfer_id] = _Expected(transfer_id, list(block_ids), deadline, heard)
                 self._lock.notify_all()
                 return
         self.report(KVTransferResult(transfer_id, False, error="cancelled", cancelled=True))
@@ -129,20 +132,27 @@ class KVReceiver(TransferEndpoint):
         (a transfer's first part, or a next part of one partly in)."""
         now = time.monotonic()
         with self._lock:
-            overdue = [job for job in self._expected.values() if job.deadline <= now]
+            overdue, silent = [], []
+            for job in self._expected.values():
+                if job.heard is not None and now - job.heard > SENDER_SILENT_S:
+                    silent.append(job)
+                elif job.deadline <= now:
+                    overdue.append(job)
             overdue += [job for job in self._active.values() if job.parts_active == 0 and job.deadline <= now]
-            for job in overdue:
+            for job in overdue + silent:
                 self._expected.pop(job.transfer_id, None)
                 self._active.pop(job.transfer_id, None)
                 self._cancelled[job.transfer_id] = now
             for transfer_id, when in list(self._cancelled.items()):
                 if now - when > _CANCELLED_MEMORY_S:
                     del self._cancelled[transfer_id]
-            for transfer_id, when in list(self._queued.items()):  # notices of transfers already in, mostly
+            for transfer_id, (when, _) in list(self._queued.items()):  # notices of transfers already in, mostly
                 if now - when > QUEUED_START_TIMEOUTS * self.timeout_s:
                     del self._queued[transfer_id]
         for job in overdue:
             self.report(KVTransferResult(job.transfer_id, False, error="its KV was not announced in time"))
+        for job in silent:
+            self.report(KVTransferResult(job.transfer_id, False, error="its sender fell silent before announcing it"))
         return super().poll()
 
     def wake_threads(self) -> None:
@@ -162,6 +172,8 @@ class KVReceiver(TransferEndpoint):
                 self._inbox(message[1]).put((int(message[2]), int(message[3]), heads, layers))
             elif kind == "queued":
                 self._sender_queued(int(message[1]))
+            elif kind == "alive":
+                self._sender_alive([int(word) for word in message[1:]])
             elif kind == "cancel":
                 self._sender_gave_up(int(message[1]), aborted=message[2] == "aborted")
             elif kind == "close":
@@ -183,8 +195,20 @@ class KVReceiver(TransferEndpoint):
             job = self._expected.get(transfer_id)
             if job is not None:
                 job.deadline = min(job.deadline, now + QUEUED_START_TIMEOUTS * self.timeout_s)
+                job.heard = now
             elif transfer_id not in self._active and transfer_id not in self._cancelled:
-                self._queued[transfer_id] = now
+                self._queued[transfer_id] = (now, now)
+
+    def _sender_alive(self, transfer_ids: list[int]) -> None:
+        """Their sender still has them queued: it is alive."""
+        now = time.monotonic()
+        with self._lock:
+            for transfer_id in transfer_ids:
+                job = self._expected.get(transfer_id)
+                if job is not None:
+                    job.heard = now
+                elif transfer_id in self._queued:
+                    self._queued[transfer_id] = (self._queued[transfer_id][0], now)
 
     def _sender_gave_up(self, transfer_id: int, aborted: bool) -> None:
         error = "the prefill replica aborted the request" if aborted else "the prefill replica gave the transfer up"

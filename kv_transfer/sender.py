@@ -1,9 +1,10 @@
 """The sending side (a prefill worker): ships requests' KV to the receivers that expect it.
 
 A transfer is made known to its receiver the moment it is queued (``queued <id>`` on the
-receiver's channel, posted by one notice thread): from then the receiver gives it a bounded time
-to start, so a sender that dies with transfers still queued leaves no receiver waiting for
-good. One pair per receiver endpoint, with a thread that picks whichever of its transfers has
+receiver's channel, posted by that receiver's notice thread), and while any is queued for it the
+thread says so again every ``SENDER_ALIVE_S`` (``alive <id> ...``): the receiver gives a queued
+transfer a bounded time to start, and fails it sooner once its sender falls silent, so a sender
+that dies with transfers still queued leaves no receiver waiting long. One pair per receiver endpoint, with a thread that picks whichever of its transfers has
 its first run of layers computed (a long prompt queued first does not hold up a short one), then
 announces it on the receiver's channel, with the ranges of the model's KV heads and layers it
 carries, and sends it whole. A transfer may go in parts, a range of heads and layers to each of
@@ -28,6 +29,7 @@ from duet.kv_transfer.endpoint import (
     FIRST_LAYER_TAG,
     NO_TOKEN,
     PAIR_IDLE_S,
+    SENDER_ALIVE_S,
     TRAILER_TAG,
     TransferEndpoint,
 )
@@ -68,7 +70,7 @@ class KVSender(TransferEndpoint):
         self._pairs: dict[KVEndpoint, _SenderPair] = {}
         self._generation: dict[KVEndpoint, int] = {}
         self._jobs: dict[tuple[int, KVEndpoint], _Send] = {}
-        self._notices: queue.SimpleQueue[tuple[KVEndpoint, int]] | None = None
+        self._notifiers: dict[KVEndpoint, _Notifier] = {}
         self.faults = TransferFaults.from_env()
 
     def send(
@@ -91,25 +93,11 @@ class KVSender(TransferEndpoint):
         """Tell the receiver at once that the transfer is queued here, off this thread (the
         caller is a step of the engine; the pair's thread may be busy with another transfer)."""
         with self._lock:
-            if self._notices is None:
-                self._notices = queue.SimpleQueue()
-                self.start_thread(self._post_notices, "kv-notices")
-        self._notices.put((endpoint, transfer_id))
-
-    def _post_notices(self) -> None:
-        channels: dict[KVEndpoint, Channel] = {}
-        while not self.closed.is_set():
-            try:
-                endpoint, transfer_id = self._notices.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            try:
-                if endpoint not in channels:
-                    channels[endpoint] = Channel(connect_store(endpoint, self.timeout_s))
-                channels[endpoint].post("queued", transfer_id)
-            except Exception as error:  # the receiver is gone: the transfer fails on its pair
-                channels.pop(endpoint, None)
-                logger.warning("could not tell %s:%d of transfer %d: %s", endpoint.host, endpoint.port, transfer_id, error)
+            notifier = self._notifiers.get(endpoint)
+            if notifier is None:
+                notifier = self._notifiers[endpoint] = _Notifier(self, endpoint)
+                self.start_thread(notifier.run, f"kv-notices-{endpoint.host}:{endpoint.port}")
+            notifier.notices.put(transfer_id)
 
     def _queue(self, job: _Send, endpoint: KVEndpoint) -> None:
         job.endpoint = endpoint
@@ -139,6 +127,47 @@ class KVSender(TransferEndpoint):
     def _wake_pairs(self) -> None:
         with self._lock:
             self._lock.notify_all()
+
+
+class _Notifier:
+    """One receiver's notices from this sender, in a thread of their own (a receiver that went
+    away holds up only its own): each transfer as it is queued for it, and every
+    ``SENDER_ALIVE_S`` the ids of all those still here; retired once idle for ``PAIR_IDLE_S``."""
+
+    def __init__(self, owner: KVSender, endpoint: KVEndpoint) -> None:
+        self.owner = owner
+        self.endpoint = endpoint
+        self.notices: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        owner = self.owner
+        channel = None
+        last_alive = idle_since = time.monotonic()
+        while not owner.closed.is_set():
+            try:
+                messages = [("queued", self.notices.get(timeout=SENDER_ALIVE_S))]
+            except queue.Empty:
+                messages = []
+            now = time.monotonic()
+            with owner._lock:
+                here = [transfer_id for transfer_id, endpoint in owner._jobs if endpoint == self.endpoint]
+                if here or messages:
+                    idle_since = now
+                elif now - idle_since > PAIR_IDLE_S and self.notices.empty():
+                    del owner._notifiers[self.endpoint]  # under the lock: no notice can reach it any more
+                    return
+            if here and now - last_alive >= SENDER_ALIVE_S:
+                messages.append(("alive", *here))
+                last_alive = now
+            for words in messages:
+                try:
+                    if channel is None:
+                        channel = Channel(connect_store(self.endpoint, owner.timeout_s))
+                    channel.post(*words)
+                except Exception as error:  # the receiver is gone: its transfers fail on their pair
+                    channel = None
+                    host, port = self.endpoint.host, self.endpoint.port
+                    logger.warning("could not tell %s:%d of %d transfers %s: %s", host, port, len(words) - 1, words[0], error)
 
 
 class _SenderPair:

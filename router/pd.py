@@ -25,8 +25,9 @@ the sequence fails with a 503 error event. If the prefill replica fails before t
 token, the prompt is computed on a decode replica; a lost prompt KV is recomputed too
 (``on_transfer_failure: recompute``) or fails the sequence (``fail``); the KV of a sequence
 already moved or started over is recomputed whatever the policy. A transfer's wait is bounded
-from the moment its sender queues it (``duet.kv_transfer.receiver``): a prefill replica killed
-with transfers still queued leaves no sequence waiting for good.
+from the moment its sender queues it, and ends soon after its sender falls silent
+(``duet.kv_transfer.receiver``): a prefill replica killed with transfers still queued leaves no
+sequence waiting long.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from duet.kv_connector import TransferCounters
-from duet.kv_transfer.endpoint import QUEUED_START_TIMEOUTS, STREAM_START_TIMEOUT_S
+from duet.kv_transfer import receiver as receiver_module
+from duet.kv_transfer.endpoint import QUEUED_START_TIMEOUTS, SENDER_ALIVE_S, STREAM_START_TIMEOUT_S
 from duet.kv_transfer.progress import LayerProgress
 from duet.kv_transfer.receiver import KVReceiver
 from duet.kv_transfer.sender import KVSender
@@ -128,6 +129,7 @@ def start_sender():
         processes.append(process)
         return parent
 
+    start.processes = processes  # for a test that kills one
     yield start
     for process in processes:
         process.join(30)
@@ -354,6 +356,32 @@ def test_a_transfer_queued_and_never_announced_fails_within_its_window(start_sen
         receiver.close()
     assert results == {1: (False, "its KV was not announced in time")}
     assert QUEUED_START_TIMEOUTS * receiver.timeout_s <= waited < 15
+
+
+@pytest.mark.slow  # a sender in a process of its own: seconds
+def test_a_queued_transfer_fails_soon_after_its_sender_dies(start_sender, monkeypatch):
+    """Guards a client left waiting 120 s in CI after its prefill replica was killed: the prompt's
+    first token had been answered, its transfer was queued behind others, and the receiver gave
+    it QUEUED_START_TIMEOUTS of the pair's timeout to be announced. A sender says every
+    SENDER_ALIVE_S which transfers it still has queued: while it lives the transfer waits (its
+    layers may come), once it is killed the receiver fails it within SENDER_SILENT_S."""
+    silent_s = 4 * SENDER_ALIVE_S
+    monkeypatch.setattr(receiver_module, "SENDER_SILENT_S", silent_s)
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=30)
+    conn = start_sender()
+    try:
+        receiver.expect(1, [0], STREAM_START_TIMEOUT_S)
+        conn.send(("stream", 1, 1, receiver.endpoint))
+        alive = _wait_results(receiver, 1, timeout_s=2 * silent_s)
+        start_sender.processes[-1].kill()
+        killed = time.monotonic()
+        results = _wait_results(receiver, 1, timeout_s=QUEUED_START_TIMEOUTS * receiver.timeout_s)
+        waited = time.monotonic() - killed
+    finally:
+        receiver.close()
+    assert alive == {}
+    assert results == {1: (False, "its sender fell silent before announcing it")}
+    assert waited < QUEUED_START_TIMEOUTS * receiver.timeout_s / 4  # its sender's silence, not the queued window
 
 
 @pytest.mark.slow  # a sender in a process of its own: seconds
