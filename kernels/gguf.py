@@ -14,10 +14,11 @@ exact, its codes as they are. K-quants come in super-blocks of 256 weights whose
 into the kernels' 32-weight blocks, exactly: a Q4_K sub-block's ``d * sc`` and ``dmin * m`` are
 fp16 times 6-bit integers, exact in fp32, so it becomes a Q4_1 block (codes, scale ``d * sc``,
 min ``-dmin * m``: gguf's ``d * sc * q - dmin * m`` rounds once, as the kernels' fma does); a
+Q5_K block the same with its 5-bit codes a byte each (``Q5_K``'s layout in the kernels); a
 Q6_K block of 32 keeps its codes less 32 as int8 and the fp32 scales ``d * sc`` of its two
 halves (``Q6_K``'s layout in the kernels: fp16 times int8 times a 6-bit code is exact in fp32).
-The codes stay 4- and 6-bit values; only their container widens (Q4_K: 0.75 byte a weight
-against 0.5625 in the file; Q6_K: 1.25 against 0.82).
+The codes stay 4-, 5- and 6-bit values; only their container widens (Q4_K: 0.75 byte a weight
+against 0.5625 in the file; Q5_K: 1.25 against 0.6875; Q6_K: 1.25 against 0.82).
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ Q4_0 = 2  # GGML's type ids
 Q4_1 = 3
 Q8_0 = 8
 Q4_K = 12
+Q5_K = 13
 Q6_K = 14
 _LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), then code bytes
-_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q6_K: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
-TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K, Q6_K})  # what the kernels read (Q4_0 and K-quants rewritten at load)
+_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
+TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K})  # what the kernels read (Q4_0 and K-quants rewritten at load)
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
 SUPER_BLOCK = 256  # weights of a K-quant super-block
-_K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
+_K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
 
 
 def q4_1_words(codes: torch.Tensor) -> torch.Tensor:
@@ -52,9 +54,10 @@ def q4_1_words(codes: torch.Tensor) -> torch.Tensor:
     return words.view(torch.uint8)
 
 
-def _from_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks ``[out, n, 144]`` (fp16 d and dmin, 12 bytes of 6-bit scales and mins,
-    128 of nibbles) as Q4_1 codes and fp32 scales (``d * sc``, ``-dmin * m``) of 8n blocks."""
+def _k_scales_and_low_codes(rows: torch.Tensor, codes_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of Q4_K or Q5_K super-blocks ``[out, n, bytes]`` (fp16 d and dmin, 12 bytes of 6-bit
+    scales and mins, ..., 128 bytes of nibbles from ``codes_at``): the fp32 scales of their 8n
+    blocks (``d * sc``, ``-dmin * m``: both exact) and the blocks' 4-bit codes, ``[out, 8n, 32]``."""
     out, n = rows.shape[:2]
     d = rows[..., 0:2].contiguous().view(torch.float16).float()
     dmin = rows[..., 2:4].contiguous().view(torch.float16).float()
@@ -62,11 +65,30 @@ def _from_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         torch.from_numpy(part).to(rows.device).view(out, n, 8).float()
         for part in gguf.quants.Q4_K.get_scale_min(rows[..., 4:16].reshape(-1, 12).cpu().numpy())
     )
-    scales = torch.stack([d * sc, -(dmin * mins)], dim=-1)  # [out, n, 8, 2], both exact
-    nibbles = rows[..., 16:].reshape(out, n, 4, 1, 32)
+    scales = torch.stack([d * sc, -(dmin * mins)], dim=-1).reshape(out, -1).contiguous()  # [out, n, 8, 2]
+    nibbles = rows[..., codes_at : codes_at + 128].reshape(out, n, 4, 1, 32)
     codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(out, n * 8, 32)  # sub-block 2i low, 2i + 1 high
+    return scales, codes
+
+
+def _from_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks ``[out, n, 144]`` (fp16 d and dmin, 12 bytes of 6-bit scales and mins,
+    128 of nibbles) as Q4_1 codes and fp32 scales (``d * sc``, ``-dmin * m``) of 8n blocks."""
+    scales, codes = _k_scales_and_low_codes(rows, 16)
     q4_1_bytes = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1's own byte order: weight j low, 16 + j high
-    return q4_1_words(q4_1_bytes).reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
+    return q4_1_words(q4_1_bytes).reshape(rows.shape[0], -1).contiguous(), scales
+
+
+def _from_q5_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_K super-blocks ``[out, n, 176]`` (as Q4_K's, with 32 bytes of fifth bits before the
+    nibbles: block j's is bit j of each) as 8n blocks of 32 codes (0-31, a byte each) and fp32
+    scales (``d * sc``, ``-dmin * m``)."""
+    out, n = rows.shape[:2]
+    scales, low = _k_scales_and_low_codes(rows, 48)
+    bits = torch.arange(8, dtype=torch.uint8, device=rows.device).view(1, 1, 8, 1)
+    high = (rows[..., 16:48].reshape(out, n, 1, 32) >> bits) & 0x01  # [out, n, 8 blocks, 32]
+    codes = low | (high.reshape(out, n * 8, 32) << 4)
+    return codes.reshape(out, -1).contiguous(), scales
 
 
 def _from_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,15 +125,16 @@ class GGUFWeight:
     def from_blocks(cls, blocks: torch.Tensor, qtype: int, in_features: int, ops) -> GGUFWeight:
         """From the file's rows of blocks (uint8 ``[out_features, blocks * block bytes]``)."""
         if qtype not in TYPES:
-            raise ValueError(
-                f"GGUF type {qtype} is not supported (Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q8_0 = {Q8_0}, Q4_K = {Q4_K}, Q6_K = {Q6_K})"
-            )
+            supported = f"Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q8_0 = {Q8_0}, Q4_K = {Q4_K}, Q5_K = {Q5_K}, Q6_K = {Q6_K}"
+            raise ValueError(f"GGUF type {qtype} is not supported ({supported})")
         block, per_block = _K_LAYOUTS[qtype] if qtype in _K_LAYOUTS else (BLOCK, 2 * _LAYOUTS[qtype][0] + _LAYOUTS[qtype][1])
         if in_features % block or blocks.dim() != 2 or blocks.shape[1] != in_features // block * per_block:
             raise ValueError(f"GGUF blocks of shape {tuple(blocks.shape)} do not hold rows of {in_features} weights of type {qtype}")
         rows = blocks.reshape(blocks.shape[0], in_features // block, per_block)
         if qtype == Q4_K:
             return cls(*_from_q4_k(rows), Q4_1, in_features, ops)
+        if qtype == Q5_K:
+            return cls(*_from_q5_k(rows), Q5_K, in_features, ops)
         if qtype == Q6_K:
             return cls(*_from_q6_k(rows), Q6_K, in_features, ops)
         num_scales = _LAYOUTS[qtype][0]

@@ -332,28 +332,32 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 
 def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int = 0):
-    """Random Q4_K or Q6_K super-blocks (gguf's quantizer makes none): random codes and integer
-    scales under fp16 super-block scales up to ``magnitude``; ``[rows, cols / 256 * bytes]`` uint8."""
+    """Random Q4_K, Q5_K or Q6_K super-blocks (gguf's quantizer makes none): random codes and
+    integer scales under fp16 super-block scales up to ``magnitude``; ``[rows, cols / 256 * bytes]``
+    uint8."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    q4_k = qtype == gguf.GGMLQuantizationType.Q4_K
-    blocks = rng.integers(0, 256, (rows, cols // 256, 144 if q4_k else 210), dtype=np.uint8)
+    with_min = qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K)
+    blocks = rng.integers(0, 256, (rows, cols // 256, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][1]), dtype=np.uint8)
     scales = (rng.random((rows, cols // 256, 2)) * magnitude).astype(np.float16).view(np.uint8)
-    if q4_k:
+    if with_min:
         blocks[..., 0:4] = scales  # d, dmin
     else:
         blocks[..., 208:210] = scales[..., :2]  # d
     return blocks.reshape(rows, -1)
 
 
-def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, k_quants: bool = False, **overrides) -> Path:
+def make_tiny_gguf_llama(
+    target: Path, tokenizer_dir: Path, seed: int = 0, k_quants: bool = False, k_quant: str = "Q4_K", **overrides
+) -> Path:
     """A tiny random Llama as a GGUF conversion leaves it (see ``duet.models.gguf_convert``): its
     projections quantized to Q4_1 and its embedding and LM head to Q8_0 by gguf's own quantizer,
     the float weights replaced by their dequantization, and the blocks kept beside them. With
     ``k_quants`` (sizes multiples of 256), as a Q4_K_M file has them instead: q, k, v, gate and
-    up Q4_K, o, down and the LM head Q6_K (random super-blocks: gguf quantizes to neither)."""
+    up Q4_K (``k_quant``: Q5_K for a Q5_K_M file's), o, down and the LM head Q6_K (random
+    super-blocks: gguf quantizes to none of them)."""
     import gguf
     from safetensors.torch import load_file, save_file
 
@@ -367,8 +371,9 @@ def make_tiny_gguf_llama(target: Path, tokenizer_dir: Path, seed: int = 0, k_qua
             continue
         if k_quants and "embed" not in name:
             q4_k = any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
-            qtype = gguf.GGMLQuantizationType.Q4_K if q4_k else gguf.GGMLQuantizationType.Q6_K
-            quantized = k_quant_blocks(*weight.shape, int(qtype), magnitude=0.0004 if q4_k else 0.00005, seed=len(blocks))
+            qtype = gguf.GGMLQuantizationType[k_quant] if q4_k else gguf.GGMLQuantizationType.Q6_K
+            magnitude = (0.0004 if k_quant == "Q4_K" else 0.0001) if q4_k else 0.00005  # Q5_K's codes reach 31
+            quantized = k_quant_blocks(*weight.shape, int(qtype), magnitude=magnitude, seed=len(blocks))
         else:
             qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
             quantized = gguf.quants.quantize(weight.numpy(), qtype)
@@ -393,7 +398,8 @@ _GGUF_LAYER_NAMES = {
 def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0, projections: str = "Q8_0", **overrides) -> Path:
     """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Phi-3) written as
     llama.cpp's converter writes a GGUF file, with gguf's own writer: its architecture's
-    metadata keys, projections in ``projections`` (Q8_0, Q4_0: gguf's quantizer), the embedding in F16, norms and biases
+    metadata keys, projections in ``projections`` (Q8_0, Q4_0: gguf's quantizer; Q5_K: random
+    super-blocks, its sizes multiples of 256), the embedding in F16, norms and biases
     in F32, a Llama's Q/K rows interleaved for its RoPE, and the tokenizer (byte-level BPE: its
     tokens, types, merges, special ids and chat template) from ``tokenizer_dir``."""
     import gguf
@@ -453,7 +459,11 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
             value = interleave(value, heads if "q_proj" in name else kv_heads)
         if value.ndim == 2 and "embed" not in name:
             qtype = getattr(gguf.GGMLQuantizationType, projections)
-            writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+            if projections.endswith("_K"):  # gguf quantizes to no K-quant
+                blocks = k_quant_blocks(*value.shape, int(qtype), magnitude=0.0001, seed=len(gguf_name) + value.shape[0])
+                writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+            else:
+                writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         elif value.ndim == 2:
             writer.add_tensor(gguf_name, value.astype(np.float16))
         else:

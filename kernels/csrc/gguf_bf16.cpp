@@ -111,9 +111,7 @@ bool bf16_by_panels(const Weights& w, int64_t M, int64_t panel_min_rows) {
 }
 
 void bf16_products(const uint16_t* x, int64_t M, int64_t K, int64_t qtype, const Weights& w, float* out, int64_t N, bool panels) {
-  if (qtype == kQ4_1) matmul_any<kQ4_1>(x, M, K, w, out, N, panels);
-  else if (qtype == kQ6_K) matmul_any<kQ6_K>(x, M, K, w, out, N, panels);
-  else matmul_any<kQ8_0>(x, M, K, w, out, N, panels);
+  with_qtype(qtype, [&](auto type) { matmul_any<decltype(type)::value>(x, M, K, w, out, N, panels); });
 }
 
 }  // namespace duet_gguf

@@ -25,10 +25,11 @@ namespace duet_gguf {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_1 = 3;  // GGML's type ids
 constexpr int64_t kQ8_0 = 8;
+constexpr int64_t kQ5_K = 13;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes 0-31, d and m
 constexpr int64_t kQ6_K = 14;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes less 32
 
 // Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
-// Q6_K: 32 int8, the scales of weights 0-15 and 16-31).
+// Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31).
 constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
 constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 ? 1 : 2; }
 
@@ -80,6 +81,13 @@ struct Isa {
     for (int i = 0; i < 2; ++i) {
       const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), d);
+    }
+  }
+  static void q5_k(const uint8_t* codes, const float* scales, V* w) {
+    const V d = _mm512_set1_ps(scales[0]), m = _mm512_set1_ps(scales[1]);
+    for (int i = 0; i < 2; ++i) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+      w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qs)), d, m);
     }
   }
   static void q6_k(const uint8_t* codes, const float* scales, V* w) {
@@ -139,6 +147,13 @@ struct Isa {
       w[i] = _mm256_mul_ps(widen(qs, true), d);
     }
   }
+  static void q5_k(const uint8_t* codes, const float* scales, V* w) {
+    const V d = _mm256_set1_ps(scales[0]), m = _mm256_set1_ps(scales[1]);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
+      w[i] = _mm256_fmadd_ps(widen(qs, false), d, m);
+    }
+  }
   static void q6_k(const uint8_t* codes, const float* scales, V* w) {
     for (int i = 0; i < 4; ++i) {
       const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
@@ -170,6 +185,9 @@ struct Isa {
   }
   static void q8_0(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = scales[0] * static_cast<float>(static_cast<int8_t>(codes[j]));
+  }
+  static void q5_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = scales[0] * static_cast<float>(codes[j]) + scales[1];
   }
   static void q6_k(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = scales[j / 16] * static_cast<float>(static_cast<int8_t>(codes[j]));
@@ -245,21 +263,33 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   const uint8_t* codes = w.codes + (n * w.num_blocks + b) * code_bytes(QType);
   const float* scales = w.scales + (n * w.num_blocks + b) * num_scales(QType);
   if constexpr (QType == kQ4_1) Isa::q4_1(codes, scales, out);
+  else if constexpr (QType == kQ5_K) Isa::q5_k(codes, scales, out);
   else if constexpr (QType == kQ6_K) Isa::q6_k(codes, scales, out);
   else Isa::q8_0(codes, scales, out);
 }
 
+// f(std::integral_constant<int64_t, qtype>) for a qtype the kernels read (checked() has checked it).
+template <typename F>
+inline void with_qtype(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
+    case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
+    default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
+  }
+}
+
 // The panel layout (gguf_ops.cpp's gguf_panel_layout) holds panels of 32 output features: per
 // block, the 32 features' codes of each k side by side (Q4_1: 16 bytes a k, byte j holding
-// feature j's code in its low nibble and feature 16 + j's in its high one; Q8_0 and Q6_K: 32
-// int8 a k), then their scales side by side ([num_scales][32]). AVX-512's panels read it.
+// feature j's code in its low nibble and feature 16 + j's in its high one; Q8_0, Q5_K and Q6_K:
+// 32 bytes a k), then their scales side by side ([num_scales][32]). AVX-512's panels read it.
 constexpr int64_t kPanelWidth = 32;
 constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
 
 #if defined(__AVX512F__)
 
 // Block b of panel p, k by k: row(k, features 0-15's weights at k, features 16-31's), exactly
-// the weights dequant gives (Q4_1: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact).
+// the weights dequant gives (Q4_1 and Q5_K: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact).
 template <int64_t QType, typename Row>
 inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
   const uint8_t* codes = w.panel_codes + (p * w.num_blocks + b) * kBlock * panel_code_bytes(QType);
@@ -272,6 +302,15 @@ inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 16)));
       row(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low)), d0, m0),
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), d1, m1));
+    }
+  } else if constexpr (QType == kQ5_K) {
+    const __m512 d0 = _mm512_loadu_ps(scales), d1 = _mm512_loadu_ps(scales + 16);
+    const __m512 m0 = _mm512_loadu_ps(scales + 32), m1 = _mm512_loadu_ps(scales + 48);
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + 16));
+      row(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), d0, m0),
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), d1, m1));
     }
   } else {
     for (int64_t k = 0; k < kBlock; ++k) {
@@ -394,8 +433,8 @@ void products_by_panels(const typename Panels::X* x, int64_t M, int64_t K, const
 #endif
 
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ6_K, "GGUF type ", qtype,
-              " is not supported (Q4_1 = 3, Q8_0 = 8, Q6_K = 14)");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K, "GGUF type ", qtype,
+              " is not supported (Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
   const int64_t num_blocks = in_features / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&

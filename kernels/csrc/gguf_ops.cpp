@@ -7,9 +7,9 @@
 // fp16 scale times a 4- or 8-bit integer), and Q4_1's "+ m" rounds once, as gguf's does (an
 // fma rounds d * q + m once too, and d * q has nothing to round). Only the bytes read shrink:
 // 0.75 byte a weight for Q4_1 and 1.125 for Q8_0, against 4 for fp32. (K-quants arrive rewritten
-// into these blocks: Q4_K as Q4_1, Q6_K as int8 codes with a scale per 16.) A decode step of a few
-// rows reads every weight once and computes little with it: its speed is the speed of reading
-// the weights, which is what this buys.
+// into these blocks: Q4_K as Q4_1, Q5_K as a byte a code with Q4_1's d and m, Q6_K as int8
+// codes with a scale per 16.) A decode step of a few rows reads every weight once and computes
+// little with it: its speed is the speed of reading the weights, which is what this buys.
 //
 // Built apart from cpu_ops.cpp, without -ffast-math: nothing may reassociate the dequantization.
 // The widest vectors this CPU has are chosen at build time (-march=native on this machine):
@@ -183,17 +183,16 @@ void matmul(const float* x, int64_t M, int64_t K, const Weights& w, float* out, 
 }
 
 void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
-  if (qtype == kQ4_1) matmul<kQ4_1>(x, M, K, w, out, N, panels);
-  else if (qtype == kQ6_K) matmul<kQ6_K>(x, M, K, w, out, N, panels);
-  else matmul<kQ8_0>(x, M, K, w, out, N, panels);
+  with_qtype(qtype, [&](auto type) { matmul<decltype(type)::value>(x, M, K, w, out, N, panels); });
 }
 
 
 // The panel layout of N x K weights (N a multiple of 32), for AVX-512's panels: per panel of 32
 // features and block, the codes k by k (Q4_1: 16 bytes a k, byte j holding feature j's code in
-// its low nibble and feature 16 + j's in its high one; Q8_0 and Q6_K: 32 int8 a k, one a
-// feature), then the 32 features' scales side by side ([num_scales][32]: Q4_1's d then m, Q6_K's
-// two halves). The same codes and scales, rearranged: a product from them is the same weights'.
+// its low nibble and feature 16 + j's in its high one; Q8_0, Q5_K and Q6_K: 32 bytes a k, one a
+// feature), then the 32 features' scales side by side ([num_scales][32]: Q4_1's and Q5_K's d
+// then m, Q6_K's two halves). The same codes and scales, rearranged: a product from them is the
+// same weights'.
 std::vector<torch::Tensor> gguf_panel_layout(torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t in_features) {
   constexpr int64_t kWidth = kPanelWidth;
   const Weights w = checked(codes, scales, qtype, in_features);
@@ -385,9 +384,7 @@ torch::Tensor gguf_dequantize(torch::Tensor codes, torch::Tensor scales, int64_t
     Isa::V v[kVecs];
     for (int64_t n = begin; n < end; ++n)
       for (int64_t b = 0; b < w.num_blocks; ++b) {
-        if (qtype == kQ4_1) dequant<kQ4_1>(w, n, b, v);
-        else if (qtype == kQ6_K) dequant<kQ6_K>(w, n, b, v);
-        else dequant<kQ8_0>(w, n, b, v);
+        with_qtype(qtype, [&](auto type) { dequant<decltype(type)::value>(w, n, b, v); });
         for (int i = 0; i < kVecs; ++i) Isa::store(o + n * in_features + b * kBlock + i * Isa::kLanes, v[i]);
       }
   });

@@ -27,15 +27,19 @@ NEW_TOKENS = 10
 # transformers' GGUF reader takes Qwen 3's head_dim from its config's default (128), not the
 # file's key_length: the tiny Qwen 3 has that head_dim (its hidden size over its heads is 16).
 SHAPES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}, "phi3": {}}
+K_QUANT_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}  # rows of 256
 
 
 @pytest.mark.parametrize(
-    ("family", "projections"), [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0")]
+    ("family", "projections"),
+    [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"), ("llama", "Q5_K")],
 )
 def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family, projections):
-    """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1 blocks."""
+    """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1
+    blocks, Q5_K ones as blocks of a byte a code."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **SHAPES[family])
+    shape = SHAPES[family] | (K_QUANT_SHAPE if projections.endswith("_K") else {})
+    path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **shape)
     references = hf_greedy(tmp_path, PROMPTS, NEW_TOKENS, gguf_file=path.name)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
@@ -44,7 +48,7 @@ def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, m
     if cpu_ops.load_gguf() is not None:  # the projections compute from the file's blocks
         model = llm.engine.executor.worker.runner.model
         linears = [module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name]
-        qtype = {"Q8_0": 8, "Q4_0": 3}[projections]
+        qtype = {"Q8_0": 8, "Q4_0": 3, "Q5_K": 13}[projections]
         assert linears and all(linear.gguf is not None and linear.gguf.qtype == qtype for linear in linears)
     from transformers import AutoTokenizer
 

@@ -72,13 +72,17 @@ def test_the_kv_write_on_the_gpu_stores_each_token_and_skips_padding():
     assert torch.equal(key_cache, expected_key) and torch.equal(value_cache, expected_value)
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K])
+@pytest.mark.parametrize(
+    "qtype",
+    [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+     gguf.GGMLQuantizationType.Q6_K],
+)
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_triton_gguf_products_on_the_gpu_use_ggufs_weights_bit_for_bit(qtype, rows):
     from duet.kernels import triton_gguf
     from tests.conftest import k_quant_blocks
 
-    k_quant = qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
+    k_quant = qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
     out_features, in_features = 96, 512
     if k_quant:
         blocks = k_quant_blocks(out_features, in_features, int(qtype), magnitude=0.001)

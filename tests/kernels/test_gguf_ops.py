@@ -71,15 +71,15 @@ def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, r
         torch.testing.assert_close(odd.matmul(x), (x.double() @ odd_weights.double().T).float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", [*TYPES, "Q6_K"])
+@pytest.mark.parametrize("name", [*TYPES, "Q5_K", "Q6_K"])
 def test_the_panel_layout_dequantizes_to_the_same_weights(name):
     """Panels of the panel layout hold exactly the weights the blocks dequantize to: a product of
     one-hot rows from the panels (each output is then one weight times 1, plus zeros) is the
     dequantized weight, bit for bit, for every qtype the kernels read."""
     if not OPS.panels_need_layout():
         pytest.skip("this CPU's panels read the codes themselves")
-    if name == "Q6_K":
-        qtype = int(gguf.GGMLQuantizationType.Q6_K)
+    if name in ("Q5_K", "Q6_K"):
+        qtype = int(gguf.GGMLQuantizationType[name])
         weight = GGUFWeight.from_blocks(torch.from_numpy(k_quant_blocks(64, 256, qtype, magnitude=0.0001)), qtype, 256, OPS)
     else:
         weight, _ = quantized(64, 256, TYPES[name], seed=3)
@@ -115,19 +115,27 @@ def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follow
         OPS.set_panel_min_rows(0)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(name):
-    """Q4_K becomes Q4_1 blocks (scale d * sc, min -dmin * m), Q6_K int8 blocks with a scale per
-    16: both dequantize to gguf's own floats exactly, and multiply as float matmuls over them."""
+    """Q4_K becomes Q4_1 blocks (scale d * sc, min -dmin * m), Q5_K blocks of a byte a code with
+    the same scale and min, Q6_K int8 blocks with a scale per 16: each dequantizes to gguf's own
+    floats exactly, and multiplies as float matmuls over them."""
     qtype = getattr(gguf.GGMLQuantizationType, name)
     blocks = k_quant_blocks(48, 512, int(qtype), magnitude=0.002 if name == "Q4_K" else 0.0001)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(48, 512))
     weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 512, OPS)
-    assert weight.qtype == {"Q4_K": 3, "Q6_K": 14}[name]
+    assert weight.qtype == {"Q4_K": 3, "Q5_K": 13, "Q6_K": 14}[name]
     assert torch.equal(weight.dequantize(), reference)
     for rows in (1, 3, 20):  # tiles of rows, and panels
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
+    if OPS.has_bf16():  # bf16 rows read the same weights rounded to bf16, by tiles and by panels
+        one_hot = torch.eye(512, dtype=torch.bfloat16)[:40]
+        weight.lay_out_panels()
+        layouts = [(cpu_ops.NEVER,)] + ([(1, weight.panel_codes, weight.panel_scales)] if weight.panel_codes is not None else [])
+        for way in layouts:
+            products = OPS.gguf_matmul_bf16(one_hot, weight.codes, weight.scales, weight.qtype, *way)
+            assert torch.equal(products, reference.to(torch.bfloat16).float()[:, :40].T)
     shard = weight.shard([slice(5, 20)], slice(256, 512))
     assert torch.equal(shard.dequantize(), reference[5:20, 256:])
     with pytest.raises(ValueError, match="do not hold rows of 500"):
