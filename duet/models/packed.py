@@ -12,10 +12,14 @@ per output channel); its weight is ``q * s``. Each group of a multiple of 32 fea
   a power of two times ``s``); the kernels' fused ``d * u + m`` rounds ``s * (u - 8) = q * s``
   once, as compressed-tensors' own ``q * s`` does.
 - 8 bits: Q8_0 blocks of codes ``q`` (int8) with scale ``s``: ``q * s``, rounded once.
+- 4 bits with a zero point ``z`` per group (asymmetric: AWQ's scheme, ``W4A16_ASYM``): its
+  weight is ``(q - z) * s``, and ``q - z`` (-15..15) is an int8 code: Q8_0 blocks of those codes
+  with scale ``s``, rounded once as compressed-tensors' own is. (A Q4_1 min ``-(8 + z) s`` would
+  round where the weight does not.) A byte a code, not half: 1.125 bytes a weight resident.
 
-Symmetric schemes alone (an asymmetric min ``-(2^(bits-1) + z) s`` is not exact in fp32 for every
-scale), groups of a multiple of 32 features or whole channels, no activation ordering, and
-no quantized activations (W8A8) yet: each is refused at load, naming the field.
+Groups of a multiple of 32 features or whole channels, no activation ordering, no 8-bit zero
+points (``q - z`` spans 9 bits), and no quantized activations (W8A8) yet: each is refused at
+load, naming the field.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
@@ -42,10 +46,11 @@ class PackedScheme:
 
     num_bits: int
     group_size: int | None  # None: a scale per output channel
+    symmetric: bool = True  # False: a zero point per group too (4 bits)
 
     @property
     def qtype(self) -> int:
-        return Q4_1 if self.num_bits == 4 else Q8_0
+        return Q4_1 if self.num_bits == 4 and self.symmetric else Q8_0
 
 
 def read_scheme(path: Path) -> PackedScheme | None:
@@ -77,7 +82,7 @@ def read_scheme(path: Path) -> PackedScheme | None:
     checks = (
         ("type", args.get("type"), args.get("type") == "int", "'int'"),
         ("num_bits", args.get("num_bits"), args.get("num_bits") in (4, 8), "4 or 8"),
-        ("symmetric", args.get("symmetric"), args.get("symmetric") is True, "true"),
+        ("symmetric", args.get("symmetric"), args.get("symmetric") is True or args.get("num_bits") == 4, "true (false: 4 bits only)"),
         ("strategy", args.get("strategy"), args.get("strategy") in ("group", "channel"), "'group' or 'channel'"),
         ("actorder", args.get("actorder"), args.get("actorder") in (None, False), "none"),
         ("dynamic", args.get("dynamic"), not args.get("dynamic"), "false"),
@@ -88,7 +93,7 @@ def read_scheme(path: Path) -> PackedScheme | None:
     group_size = args.get("group_size") if args.get("strategy") == "group" else None
     if group_size is not None and (group_size <= 0 or group_size % BLOCK):
         refuse("weights.group_size", group_size, f"a multiple of {BLOCK}")
-    return PackedScheme(args["num_bits"], group_size)
+    return PackedScheme(args["num_bits"], group_size, args.get("symmetric") is not False)
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str]) -> bool:
@@ -100,9 +105,9 @@ def is_packed(state: dict[str, torch.Tensor], parts: list[str]) -> bool:
 
 
 def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """A packed weight's unsigned codes ``[out, in]`` (uint8) and its scales per 32-weight block
-    ``[out, in / 32]`` (fp32)."""
-    for suffix in ("_packed", "_scale"):
+    """A packed weight's unsigned codes ``[out, in]`` (uint8; asymmetric: ``q - z``, int8) and
+    its scales per 32-weight block ``[out, in / 32]`` (fp32)."""
+    for suffix in ("_packed", "_scale") + (() if scheme.symmetric else ("_zero_point",)):
         if part + suffix not in state:
             raise DamagedCheckpointError(f"{path}: tensor {part}{suffix} is missing")
     packed = state[part + "_packed"]
@@ -122,7 +127,25 @@ def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path
     group = scheme.group_size or in_features
     if scale.shape != (out_features, in_features // group):
         raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, in_features // group)}")
-    return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1)
+    if scheme.symmetric:
+        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1)
+    zero = _zero_points(state[part + "_zero_point"], out_features, in_features // group, part, path)
+    signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
+    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1)
+
+
+def _zero_points(packed: torch.Tensor, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:
+    """4-bit zero points ``[out, groups]`` (signed, as the codes are), which compressed-tensors
+    packs along the output features: word ``w`` of a group holds features ``8w .. 8w + 7``."""
+    num_words = -(-out_features // 8)
+    if packed.dtype != torch.int32 or packed.shape != (num_words, num_groups):
+        raise DamagedCheckpointError(
+            f"{path}: {part}_zero_point is {packed.dtype} {tuple(packed.shape)}, not 4-bit zero points of {out_features} features "
+            f"packed in int32 words {(num_words, num_groups)}"
+        )
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    unsigned = (packed.T.unsqueeze(-1) >> shifts) & 0x0F  # [groups, words, 8]
+    return unsigned.reshape(num_groups, -1)[:, :out_features].T.to(torch.int16) - 8
 
 
 def packed_weight(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops) -> GGUFWeight:
@@ -131,6 +154,8 @@ def packed_weight(state: dict[str, torch.Tensor], parts: list[str], scheme: Pack
     codes, scales = torch.cat(codes), torch.cat(scales)
     out_features, in_features = codes.shape
     blocks = codes.view(out_features, in_features // BLOCK, BLOCK)
+    if not scheme.symmetric:  # q - z as int8 codes, Q8_0 blocks
+        return GGUFWeight(blocks.view(torch.uint8).reshape(out_features, -1).contiguous(), scales.contiguous(), Q8_0, in_features, ops)
     if scheme.num_bits == 4:
         words = q4_1_words(blocks[..., :16] | (blocks[..., 16:] << 4))  # Q4_1's byte order: weight j low, 16 + j high
         block_scales = torch.stack([scales, -8.0 * scales], dim=-1)

@@ -1,5 +1,5 @@
 """Checkpoints that ship quantized, written by compressed-tensors as llm-compressor writes them
-(``pack-quantized`` W4A16 and W8A16), kept in their packed form: every packed weight computes
+(``pack-quantized`` W4A16, W4A16_ASYM as AWQ leaves it, and W8A16), kept in their packed form: every packed weight computes
 from blocks that dequantize to compressed-tensors' own dequantization bit for bit, greedy
 output equals transformers running the same checkpoint, no float copy of a packed weight is
 kept, and schemes duet does not compute exactly are refused naming the field."""
@@ -25,14 +25,16 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") i
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NEW_TOKENS = 10
-# (family, bits, group size: None for a scale per channel, shape overrides): groups of 128 need
-# 128-wide inputs.
+# (family, bits, group size: None for a scale per channel, shape overrides[, symmetric]): groups
+# of 128 need 128-wide inputs.
 SCHEMES = {
     "qwen3-w4-g32": ("qwen3", 4, 32, {}),
     "qwen3-w4-channel": ("qwen3", 4, None, {}),
     "llama-w4-g128": ("llama3-rope", 4, 128, dict(hidden_size=128, intermediate_size=256)),
     "qwen3-w8-g32": ("qwen3", 8, 32, {}),
     "phi3-w8-channel": ("phi3", 8, None, {}),
+    "llama-w4-g128-asym": ("llama3-rope", 4, 128, dict(hidden_size=128, intermediate_size=256), False),  # AWQ's
+    "qwen3-w4-channel-asym": ("qwen3", 4, None, {}, False),
 }
 
 
@@ -42,11 +44,14 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
 
     def get(name: str):
         if name not in made:
-            family, bits, group_size, shape = SCHEMES[name]
+            family, bits, group_size, shape, *symmetric = SCHEMES[name]
             root = tmp_path_factory.mktemp(name)
             source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-            path = make_compressed_checkpoint(source, root / "packed", bits, group_size)
-            made[name] = (path, hf_greedy(path, PROMPTS, NEW_TOKENS))
+            path = make_compressed_checkpoint(source, root / "packed", bits, group_size, symmetric=all(symmetric))
+            # transformers loads no packed zero points (it expects them unpacked): an asymmetric
+            # checkpoint's reference is transformers on its weights as compressed-tensors dequantizes them.
+            reference = path if all(symmetric) else _dequantized_twin(path, root / "dequantized")
+            made[name] = (path, hf_greedy(reference, PROMPTS, NEW_TOKENS))
         return made[name]
 
     return get
@@ -70,9 +75,37 @@ def _reference_weights(path) -> dict[str, torch.Tensor]:
     for name in state:
         if name.endswith(".weight_packed"):
             base = name[: -len("_packed")]
-            codes = unpack_from_int32(state[name], args.num_bits, torch.Size(state[base + "_shape"].tolist()))
-            weights[base] = dequantize(codes, state[base + "_scale"], args=args)
+            shape = torch.Size(state[base + "_shape"].tolist())
+            codes = unpack_from_int32(state[name], args.num_bits, shape)
+            zero_point = None
+            if base + "_zero_point" in state:  # packed along the output features
+                zero_shape = (shape[0], state[base + "_scale"].shape[1])
+                zero_point = unpack_from_int32(state[base + "_zero_point"], args.num_bits, zero_shape, packed_dim=0)
+            weights[base] = dequantize(codes, state[base + "_scale"], zero_point, args=args)
     return weights
+
+
+def _dequantized_twin(path, target):
+    """The checkpoint as a float one: each packed weight replaced by compressed-tensors' own
+    dequantization of it (a lossless reference: those are the weights)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path / "model.safetensors"))
+    weights = _reference_weights(path)
+    packed = tuple(f"{name}_" for name in weights)  # x.weight_packed, x.weight_scale, ...
+    floats = {name: tensor for name, tensor in state.items() if not name.startswith(packed)}
+    floats |= {name: weight.contiguous() for name, weight in weights.items()}
+    target.mkdir()
+    for file in path.iterdir():
+        if file.name not in ("model.safetensors", "config.json"):
+            shutil.copy(file, target / file.name)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (target / "config.json").write_text(json.dumps(config))
+    save_file(floats, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -83,9 +116,10 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel"])
+@pytest.mark.parametrize("name", ["qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym"])
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
-    """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows."""
+    """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows; a zero
+    point's codes ``q - z`` are int8 blocks (Q8_0), a symmetric 4-bit scheme's Q4_1 blocks."""
     from duet.models.loader import _fusion_plan, load_model
 
     path, _ = checkpoints(name)
@@ -99,6 +133,7 @@ def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is
         assert linear.weight is None and linear.packed_weight is None, f"{module_name} keeps a float weight"
         expected = torch.cat([reference[part] for part in plan[f"{module_name}.weight"]]).float()
         assert torch.equal(linear.gguf.dequantize(), expected), module_name
+        assert linear.gguf.qtype == (3 if name.startswith(("qwen3-w4", "llama-w4")) and not name.endswith("asym") else 8)
         checked += 1
     assert checked == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
     assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
@@ -106,7 +141,7 @@ def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is
 
 def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(checkpoints, tmp_path, tiny_tokenizer_dir):
     source = make_tiny_model(tmp_path / "float", tiny_tokenizer_dir, "qwen3")
-    asymmetric = make_compressed_checkpoint(source, tmp_path / "asym", 4, 32, symmetric=False)
+    asymmetric = make_compressed_checkpoint(source, tmp_path / "asym", 8, 32, symmetric=False)  # q - z spans 9 bits
     with pytest.raises(UnsupportedCheckpointError, match="weights.symmetric=False is not supported"):
         LLM(model=str(asymmetric), num_kv_blocks=16)
     path, _ = checkpoints("qwen3-w4-g32")
