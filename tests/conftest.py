@@ -392,21 +392,24 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",  # Qwen 3 MoE's
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 
 
 def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0, projections: str = "Q8_0", **overrides) -> Path:
-    """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Phi-3) written as
+    """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Qwen 3 MoE, Phi-3) written as
     llama.cpp's converter writes a GGUF file, with gguf's own writer: its architecture's
     metadata keys, projections in ``projections`` (Q8_0, Q4_0: gguf's quantizer; Q5_K: random
-    super-blocks, its sizes multiples of 256), the embedding in F16, norms and biases
+    super-blocks, its sizes multiples of 256), a MoE layer's experts stacked in one tensor per
+    projection (quantized so too) and its router in F32, the embedding in F16, norms and biases
     in F32, a Llama's Q/K rows interleaved for its RoPE, and the tokenizer (byte-level BPE: its
     tokens, types, merges, special ids and chat template) from ``tokenizer_dir``."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
 
-    arch = family
+    arch = {"qwen3-moe": "qwen3moe"}.get(family, family)
     source_dir = path.parent / f"{path.stem}-source"
     if family == "llama":
         source = make_tiny_llama(source_dir, tokenizer_dir, seed, **overrides)
@@ -414,6 +417,9 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
         source = make_tiny_model(source_dir, tokenizer_dir, family, seed, **overrides)
     config = json.loads((source / "config.json").read_text())
     state = {name: tensor.float().numpy() for name, tensor in load_file(str(source / "model.safetensors")).items()}
+    for name in [name for name in state if ".mlp.experts.0." in name]:  # stacked: [experts, out, in]
+        per_expert = [state.pop(name.replace(".experts.0.", f".experts.{e}.")) for e in range(config["num_local_experts"])]
+        state[name.replace(".experts.0.", ".experts.")] = np.stack(per_expert)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
 
@@ -433,6 +439,10 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
     writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
     if arch == "phi3":
         writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -457,14 +467,14 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
                          "lm_head.weight": "output.weight"}[name]
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = interleave(value, heads if "q_proj" in name else kv_heads)
-        if value.ndim == 2 and "embed" not in name:
+        if value.ndim >= 2 and "embed" not in name and not name.endswith("mlp.gate.weight"):
             qtype = getattr(gguf.GGMLQuantizationType, projections)
             if projections.endswith("_K"):  # gguf quantizes to no K-quant
                 blocks = k_quant_blocks(*value.shape, int(qtype), magnitude=0.0001, seed=len(gguf_name) + value.shape[0])
                 writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
             else:
                 writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        elif value.ndim == 2:
+        elif "embed" in name:
             writer.add_tensor(gguf_name, value.astype(np.float16))
         else:
             writer.add_tensor(gguf_name, value.astype(np.float32))

