@@ -80,6 +80,7 @@ def build_app(args: dict) -> serve.Application:
         prefill,
         decode,
         model_id=config.model_id,
+        lora_names=sorted(decode_engine.lora_modules or {}),
         model_dir=model_dir,
         max_model_len=max_model_len,
         block_size=decode_engine.block_size,

@@ -324,6 +324,7 @@ def check_pools_exchange_kv(prefill, decode) -> None:
         "dtype": (resolve_dtype(prefill.dtype, prefill.device), resolve_dtype(decode.dtype, decode.device)),
         "kv_cache_dtype": tuple(resolve_kv_cache_dtype(pool.kv_cache_dtype, resolve_dtype(pool.dtype, pool.device)) for pool in (prefill, decode)),
         "device": (prefill.device.split(":")[0], decode.device.split(":")[0]),
+        "lora_modules": (prefill.lora_modules or {}, decode.lora_modules or {}),  # a prompt's KV is computed with its adapter
     }
     for name, (theirs, ours) in pairs.items():
         if theirs != ours:

@@ -11,6 +11,7 @@ import importlib
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -301,6 +302,8 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # a mixture of experts' ranks hold whole experts (else a share of each)
     # None: in this process for one rank, Ray actors for several.
     distributed_executor_backend: str | None = None
+    lora_modules: dict | None = None  # LoRA adapters requests may name: {name: PEFT adapter folder} (duet.lora)
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -335,6 +338,14 @@ class EngineArgs:
         self.cache_config()
         self.speculative()
         self.kv_transfer()
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in self.lora_modules.items()):
+                raise ConfigError("lora_modules must map adapter names to PEFT adapter folders")
+            if self.world_size > 1:
+                raise ConfigError("LoRA adapters with tensor or pipeline parallelism are not built yet: use one rank")
+            for name, path in self.lora_modules.items():
+                if not (Path(path) / "adapter_config.json").is_file():
+                    raise ConfigError(f"lora_modules.{name}: no PEFT adapter at {path} (its adapter_config.json)")
         offload = self.kv_offload_config()
         if offload is not None:
             if not self.enable_prefix_caching:

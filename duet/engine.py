@@ -97,7 +97,10 @@ class LLMEngine:
             world_size=world_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
+            lora_modules=tuple((args.lora_modules or {}).items()),
+            max_lora_rank=args.max_lora_rank,
         )
+        self.lora_names = frozenset(args.lora_modules or {})
         self.executor = import_object(args.executor())(worker_config)
         self.kv_endpoints = self.executor.kv_endpoints()
         tier = None if kv_offload is None else KVTier(tier_blocks)
@@ -190,6 +193,8 @@ class LLMEngine:
         destination to hand the prefill replica is returned (``ReplicaFullError`` if no room)."""
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.lora is not None and request.lora not in self.lora_names:
+            raise InvalidRequestError(f"no LoRA adapter {request.lora!r} here; this engine has {sorted(self.lora_names) or 'none'}")
         params = request.params
         if request.kv_send is None:
             max_tokens = self.validate(request.prompt_token_ids, params)
@@ -203,7 +208,7 @@ class LLMEngine:
                 params = dataclasses.replace(params, stop_token_ids=stops)
         queued = Request(
             request.request_id, request.prompt_token_ids, params, self.eos_token_id,
-            output_token_ids=request.output_token_ids, kv_send=request.kv_send,
+            output_token_ids=request.output_token_ids, kv_send=request.kv_send, lora=request.lora,
         )
         if request.kv_receive and self.kv_transfer_config is None:
             raise InvalidRequestError("this engine has no KV connector: it cannot receive prompt KV")

@@ -39,9 +39,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order. A prompt is text or a list of token ids;
-        each of its ``n`` completions is a sequence of its own in the engine."""
+        each of its ``n`` completions is a sequence of its own in the engine. ``lora``: the
+        LoRA adapter (a name in ``lora_modules``) of every prompt, or of each; None: the base."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -52,11 +54,14 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
         requests = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, adapter in zip(prompts, params_list, loras):
             text = prompt if isinstance(prompt, str) else None
             token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
-            requests.append(_Request(str(next(self._ids)), text, token_ids, params))
+            requests.append(_Request(str(next(self._ids)), text, token_ids, params, adapter))
         return self._run(requests)
 
     def chat(
@@ -81,7 +86,7 @@ class LLM:
             for request in requests:
                 for index in range(request.params.n):
                     sequence_id = f"{request.request_id}#{index}"
-                    engine.add_request(EngineRequest(sequence_id, request.prompt_token_ids, request.params.choice(index)))
+                    engine.add_request(EngineRequest(sequence_id, request.prompt_token_ids, request.params.choice(index), lora=request.lora))
                     sequences[sequence_id] = (request, SequenceText.start(tokenizer, request.params))
                     request.sequences.append(sequences[sequence_id][1])
             unfinished = set(sequences)
@@ -107,8 +112,11 @@ class LLM:
 class _Request:
     """A prompt and its ``n`` sequences, gathered into one ``RequestOutput``."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None
+    ) -> None:
         self.request_id = request_id
+        self.lora = lora
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params

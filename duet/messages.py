@@ -60,6 +60,7 @@ class EngineRequest:
     lost); the engine recomputes their KV and goes on from them. ``kv_send``: a prefill
     replica's request: ship the prompt's KV there and stop after the first token. ``kv_receive``:
     a decode replica's request whose prompt KV (and first token) come from a prefill replica.
+    ``lora``: the LoRA adapter it runs with (``duet.lora``), None for the base model.
     """
 
     request_id: str
@@ -68,6 +69,7 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     kv_send: KVDestination | None = None
     kv_receive: bool = False
+    lora: str | None = None
 
 
 @dataclass

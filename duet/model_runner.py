@@ -14,6 +14,7 @@ import torch
 from duet.config import SpeculativeConfig
 from duet.grammar_masks import GrammarMasks, MaskJob
 from duet.kernels.kv_quant import row_width
+from duet.lora import LoRAAdapter, LoRAStep, applied
 from duet.model_inputs import BatchInputs, Span, build_batch
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.runner_state import CachedRequestState
@@ -48,6 +49,7 @@ class ModelRunner:
         self.vocab_size = arch.vocab_size
         self.kv_cache, self.kv_caches = allocate_kv_cache(arch, num_blocks, block_size, kv_dtype, device)
         self.requests: dict[str, CachedRequestState] = {}
+        self.loras: dict[str, LoRAAdapter] = {}  # the adapters requests may name (``add_lora``)
         self.sampler = Sampler()
         self.grammar = None
         if tokenizer_path is not None:
@@ -86,6 +88,7 @@ class ModelRunner:
                 list(new.block_ids),
                 new.num_computed_tokens,
                 generator,
+                new.lora,
             )
         for cached in scheduler_output.cached_requests:
             state = self.requests[cached.request_id]
@@ -122,6 +125,26 @@ class ModelRunner:
                 row_owners.extend([request_id] * num_rows)
         batch = build_batch(spans, self.block_size, self.device)
         return batch, torch.tensor(logits_rows + scored_rows, dtype=torch.long, device=self.device), row_owners, scored
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Let requests name ``adapter``: its modules' updates apply to their rows."""
+        self.loras[adapter.name] = adapter
+        for name, module in self.model.named_modules():
+            if name in adapter.weights:
+                module.lora_name = name
+
+    def _lora_step(self, scheduler_output: SchedulerOutput) -> LoRAStep | None:
+        """The step's flat rows by adapter (``_prepare_inputs``' order), or None if no row has one."""
+        rows: dict[str, list[int]] = {}
+        offset = 0
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            lora = self.requests[request_id].lora
+            if lora is not None:
+                rows.setdefault(lora, []).extend(range(offset, offset + num_tokens))
+            offset += num_tokens
+        if not rows:
+            return None
+        return LoRAStep([(self.loras[name], torch.tensor(ids, dtype=torch.long, device=self.device)) for name, ids in rows.items()])
 
     def _prompt_logprobs(self, logits: torch.Tensor, scored: list[tuple[str, int, int]]) -> dict[str, tuple[int, list[dict[int, float]]]]:
         """Each scoring request's first scored position and its prompt tokens' top logprobs."""
@@ -178,9 +201,10 @@ class ModelRunner:
         spec_token_ids = scheduler_output.scheduled_spec_token_ids
         masks = self._start_masks(row_owners, spec_token_ids)
         excluded = None if scored else self._greedy_exclusions(row_owners, spec_token_ids, masks)
-        out = self.model(
-            batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done, excluded,
-        )
+        with applied(self._lora_step(scheduler_output)):
+            out = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done, excluded,
+            )
         prompt_logprobs = {}
         if scored:
             out, prompt_logprobs = out[: len(row_owners)], self._prompt_logprobs(out[len(row_owners):], scored)

@@ -93,6 +93,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora: str | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass

@@ -45,8 +45,10 @@ class Request:
         output_token_ids: list[int] | None = None,
         kv_send: KVDestination | None = None,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora = lora  # its LoRA adapter's name (None: the base model)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

@@ -21,6 +21,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    lora: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:

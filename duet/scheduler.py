@@ -226,6 +226,7 @@ class Scheduler(SequenceMoves):
                         sampling_params=request.sampling_params,
                         block_ids=self.kv_cache_manager.block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
+                        lora=request.lora,
                     )
                 )
                 self._runner_known.add(request_id)

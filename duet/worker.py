@@ -38,6 +38,8 @@ class WorkerConfig:
     kv_transfer: KVTransferConfig | None = None
     kv_offload: KVOffloadConfig | None = None  # a second KV tier of ``kv_tier_blocks`` blocks
     kv_tier_blocks: int = 0
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter folder) of each adapter requests may name
+    max_lora_rank: int = 64
     rank: int = 0
     world_size: int = 1  # tensor_parallel_size x pipeline_parallel_size
     pipeline_parallel_size: int = 1
@@ -125,6 +127,10 @@ class Worker:
             self.runner = ModelRunner(model, *runner_args, tokenizer_path=config.model_path)
         else:
             self.runner = PipelineRunner(model, self.pipeline, *runner_args, tokenizer_path=config.model_path)
+        for name, path in config.lora_modules:
+            from duet.lora import load_adapter
+
+            self.runner.add_lora(load_adapter(name, path, model, config.max_lora_rank))
         if config.device == "cpu":
             from duet.kernels import cpu_ops
 

@@ -81,6 +81,7 @@ class RouterIngress:
         prefill,
         decode,
         model_id: str,
+        lora_names: list[str],
         model_dir: str,
         max_model_len: int,
         block_size: int,
@@ -101,6 +102,7 @@ class RouterIngress:
         reasoning_parser: str = "auto",
     ) -> None:
         self.model_id = model_id
+        self.lora_names = frozenset(lora_names)  # what else a request's model may name: an adapter (duet.lora)
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
         self.api_keys = [key.encode() for key in api_keys]
@@ -153,7 +155,8 @@ class RouterIngress:
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "duet", "max_model_len": self.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [card | {"id": name, "parent": self.model_id} for name in sorted(self.lora_names)]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -227,8 +230,9 @@ class RouterIngress:
             first = error.errors()[0]
             param = ".".join(str(part) for part in first["loc"]) or None
             raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
-        if body.model != self.model_id:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_id!r}", "not_found_error", "model")
+        if body.model != self.model_id and body.model not in self.lora_names:
+            served = ", ".join(repr(name) for name in (self.model_id, *sorted(self.lora_names)))
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {served}", "not_found_error", "model")
         return body
 
     async def _json_object(self, request: Request) -> dict:
@@ -329,11 +333,12 @@ class RouterIngress:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         want_logprobs = (body.num_logprobs if chat else body.logprobs) is not None
         builder = ResponseBuilder(
-            request_id, self.model_id, chat, self.tokenizer.token_text, want_logprobs, body.return_token_ids, reads_calls, reasoning_mode,
+            request_id, body.model, chat, self.tokenizer.token_text, want_logprobs, body.return_token_ids, reads_calls, reasoning_mode,
             echo_prompts, body.n,
         )
         run = Run(
-            self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival, self.tokenizer.skipped_ids(reads_calls)
+            self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival, self.tokenizer.skipped_ids(reads_calls),
+            lora=None if body.model == self.model_id else body.model,
         )
         if body.stream:
             # The status goes out with the first chunk: wait for the first output, so that a

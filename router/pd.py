@@ -41,7 +41,7 @@ from contextlib import aclosing
 
 from ray.exceptions import RayActorError
 
-from duet.block_pool import routing_block_hashes
+from duet.block_pool import cache_salt, routing_block_hashes
 from duet.errors import (
     InvalidRequestError,
     KVTransferFailedError,
@@ -101,10 +101,13 @@ class Orchestrator:
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
 
-    async def run(self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        """The sequence's deltas, wherever it runs; started over elsewhere each time it must
-        (``duet.router.sequence`` decides)."""
-        sequence = Sequence(EngineRequest(sequence_id, prompt_token_ids, params), self.max_migrations, self.on_transfer_failure)
+    async def run(
+        self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None
+    ) -> AsyncIterator[TokenDelta]:
+        """The sequence's deltas (with LoRA adapter ``lora``), wherever it runs; started over
+        elsewhere each time it must (``duet.router.sequence`` decides)."""
+        request = EngineRequest(sequence_id, prompt_token_ids, params, lora=lora)
+        sequence = Sequence(request, self.max_migrations, self.on_transfer_failure)
         moved_to = moved = moved_pool = None
         while True:
             stream = None
@@ -227,9 +230,9 @@ class Orchestrator:
         request = sequence.request
         if sequence.token_ids:
             context = request.prompt_token_ids + sequence.token_ids[:-1]
-            request = EngineRequest(request_id, context, _FILL_PARAMS)
+            request = EngineRequest(request_id, context, _FILL_PARAMS, lora=request.lora)
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
-        hashes = routing_block_hashes(request.prompt_token_ids, self.block_size)
+        hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, cache_salt(request.lora))
         pool, pinned = self.prefill_target()
         new_call_context()
         stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, **_pin(pinned))

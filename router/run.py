@@ -40,8 +40,10 @@ class Run:
         sequences: list[SequenceSpec],
         arrival: float,
         skipped_ids: frozenset[int] | None = None,
+        lora: str | None = None,
     ) -> None:
-        """``skipped_ids``: the special tokens the outputs' text leaves out, where not all."""
+        """``skipped_ids``: the special tokens the outputs' text leaves out, where not all;
+        ``lora``: the LoRA adapter every sequence runs with (None: the base model)."""
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -50,6 +52,7 @@ class Run:
         self.sequences = sequences
         self.arrival = arrival
         self.skipped_ids = skipped_ids
+        self.lora = lora
         self.choices = [Choice(sequence.choice_index) for sequence in sequences]
         self.num_cached_tokens = 0
 
@@ -91,7 +94,7 @@ class Run:
         text = SequenceText.start(self.tokenizer.backend, sequence.params, self.skipped_ids)
         last = None
         try:
-            async with aclosing(self.orchestrator.run(sequence_id, prompt, sequence.params)) as deltas:
+            async with aclosing(self.orchestrator.run(sequence_id, prompt, sequence.params, self.lora)) as deltas:
                 async for delta in deltas:
                     now = time.monotonic()
                     if last is not None and delta.token_ids:

@@ -25,6 +25,9 @@ fraction of the product there. Rows of another dtype (bf16) go through the kerne
 
 An LM head whose rows only need their greedy token (``argmax``) skips writing its logits: for
 SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a step).
+
+Where a step has rows with LoRA adapters (``duet.lora``), each adapter's low-rank update is
+added to its rows after the base product, whichever path computed it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from duet.config import cpu_has_fast_bf16
 from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
+from duet.lora import current_step as current_lora_step
 from duet.models.module import Module
 
 logger = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ class Linear(Module):
         self._packed_rows = (0, -1)
         self.gguf: GGUFWeight | None = None
         self._block_rows = -1  # products of up to this many rows read the GGUF blocks (none: not even empty ones)
+        self.lora_name: str | None = None  # its module name where LoRA adapters may update it (``duet.lora``)
 
     def pack_for_cpu(self) -> None:
         """Reorder the weight for oneDNN once, if this CPU and dtype benefit."""
@@ -127,6 +132,11 @@ class Linear(Module):
         self._lay_out_panels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        step = None if self.lora_name is None else current_lora_step()
+        return y if step is None else step.apply(self.lora_name, x, y)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # quantized at load time
             if x.shape[0] > self._block_rows:
                 return F.linear(x, self.gguf.dequantize().to(x.dtype))

@@ -25,6 +25,7 @@ from duet.errors import UnsupportedCheckpointError
 from duet.kernels import AttentionMetadata, paged_attention
 from duet.kernels.fused import add_rms_norm, greedy_argmax, rms_norm, rope_and_write_kv, silu_and_mul
 from duet.models.decoder_stack import DecoderStack
+from duet.lora import current_step as current_lora_step
 from duet.models.linear import Linear
 from duet.models.module import Module
 
@@ -300,8 +301,9 @@ class LlamaForCausalLM(nn.Module):
         """The first ``len(kv_caches)`` layers, from the first one's normalised input ``x`` and
         the residual stream (added into in place): the last layer's MLP output, for the next
         norm (or the next pipeline stage) to add in. A step of short queries runs them in one
-        C++ call (``decoder_stack``) where the model allows, to the same bits."""
-        stack = self.decoder_stack() if on_layer_done is None and kv_caches else None
+        C++ call (``decoder_stack``) where the model allows and no row has a LoRA adapter, to the
+        same bits."""
+        stack = self.decoder_stack() if on_layer_done is None and kv_caches and current_lora_step() is None else None
         if stack is not None and stack.takes(x, metadata):
             return stack.run(x, residual, positions, kv_caches, metadata)
         mlp_out = None

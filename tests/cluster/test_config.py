@@ -129,6 +129,7 @@ def test_duet_up_exits_non_zero_with_the_reason_before_touching_ray(tmp_path, ca
     [
         ({"decode": {"engine": {"block_size": 32}}}, "prefill.engine.block_size=16 but decode.engine.block_size=32"),
         ({"prefill": {"engine": {"dtype": "bfloat16"}}}, "prefill.engine.dtype=bfloat16 but decode.engine.dtype=float32"),
+        ({"decode": {"engine": {"lora_modules": {"sql": "/adapters/sql"}}}}, "prefill.engine.lora_modules={} but decode.engine.lora_modules="),
     ],
 )
 def test_pools_that_could_not_exchange_kv_are_refused_at_deploy_time(args, message):

@@ -1,0 +1,182 @@
+"""LoRA adapters (PEFT's format) applied beside the base weights, per request, in one batch.
+
+An adapter is a PEFT directory: ``adapter_config.json`` and ``adapter_model.safetensors``, with
+``A [r, in]`` and ``B [out, r]`` for each projection it targets, scaled by ``lora_alpha / r``
+(``/ sqrt(r)`` with rsLoRA). duet's fused products (q/k/v, gate/up) take their parts' adapters as
+one: ``A`` the parts' rows stacked, ``B`` block-diagonal by part (a part the adapter leaves out
+is zeros), the scale folded into ``B``. A step's rows of each adapter get ``x A^T B^T`` added to
+the base product, which every row shares (``LoRAStep``, the step's rows by adapter, set around
+the forward: ``Linear`` reads it). No adapter is merged into the weights.
+
+A request names its adapter (``EngineRequest.lora``); the prefix cache keys its blocks by that
+name (``duet.block_pool.cache_salt``), so two adapters, or an adapter and the base, never share KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from duet.config import ConfigError
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
+_PREFIX = "base_model.model."
+
+
+class LoRAError(ConfigError):
+    """An adapter that cannot be applied to this model, with the reason."""
+
+
+@dataclass
+class LoRAWeights:
+    """One Linear's update: ``x @ a.T @ b.T`` (the scale folded into ``b``)."""
+
+    a: torch.Tensor  # [rank of every part, in_features]
+    b: torch.Tensor  # [out_features, rank of every part]
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    weights: dict[str, LoRAWeights]  # by duet module name (``layers.0.self_attn.qkv_proj``)
+
+
+def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapter:
+    """The adapter at ``path`` for ``model`` (a loaded ``LlamaForCausalLM``), checked against
+    it: a ``LoRAError`` names what does not fit (rank, targets, shapes, an unreadable path)."""
+    from duet.models.loader import _fusion_plan
+    from duet.models.linear import Linear
+
+    path = Path(path)
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+        from safetensors.torch import load_file
+
+        state = load_file(str(path / "adapter_model.safetensors"))
+    except (OSError, ValueError) as error:
+        raise LoRAError(f"adapter {name!r}: cannot read a PEFT adapter at {path} ({error})") from None
+    rank, scaling = _check_config(name, config, max_rank)
+    plan = _fusion_plan(model.arch)
+    weights, used = {}, set()
+    for module_name, linear in model.named_modules():
+        if not isinstance(linear, Linear) or module_name == "lm_head" or f"{module_name}.weight" not in plan:
+            continue
+        parts = plan[f"{module_name}.weight"]
+        rows = _part_rows(model.arch, linear.out_features, len(parts))
+        found = [_part(name, state, part, linear.in_features, part_rows, used) for part, part_rows in zip(parts, rows)]
+        if not any(found):
+            continue
+        a = torch.cat([part[0] if part else torch.zeros(0, linear.in_features) for part in found])
+        b = torch.zeros(linear.out_features, a.shape[0])
+        row = column = 0
+        for part, part_rows in zip(found, rows):
+            if part:
+                b[row : row + part_rows, column : column + part[1].shape[1]] = part[1] * scaling
+                column += part[1].shape[1]
+            row += part_rows
+        dtype = linear.weight.dtype if linear.weight is not None else torch.float32
+        weights[module_name] = LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+    unused = sorted(set(state) - used)
+    if unused:
+        raise LoRAError(f"adapter {name!r}: {unused[0]} targets a module this model lacks or duet does not adapt ({len(unused)} such tensors)")
+    if not weights:
+        raise LoRAError(f"adapter {name!r} at {path} holds no LoRA weights")
+    return LoRAAdapter(name, str(path), rank, weights)
+
+
+def _check_config(name: str, config: dict, max_rank: int) -> tuple[int, float]:
+    """The adapter's rank and scale, from what ``adapter_config.json`` says; what duet does not
+    apply exactly is refused, naming the field."""
+
+    def refuse(field: str, value, wanted: str):
+        raise LoRAError(f"adapter {name!r}: {field}={value!r} is not supported: duet applies {wanted}")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        refuse("peft_type", config.get("peft_type"), "LORA")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        refuse("r", rank, "a positive rank")
+    if rank > max_rank:
+        raise LoRAError(f"adapter {name!r}: rank {rank} is above max_lora_rank={max_rank}")
+    for field, ok, wanted in (
+        ("bias", config.get("bias", "none") == "none", "'none'"),
+        ("use_dora", not config.get("use_dora"), "false"),
+        ("fan_in_fan_out", not config.get("fan_in_fan_out"), "false"),
+        ("modules_to_save", not config.get("modules_to_save"), "none"),
+        ("rank_pattern", not config.get("rank_pattern"), "one rank for every module"),
+        ("alpha_pattern", not config.get("alpha_pattern"), "one lora_alpha for every module"),
+    ):
+        if not ok:
+            refuse(field, config.get(field), wanted)
+    alpha = config.get("lora_alpha", rank)
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return rank, scaling
+
+
+def _part_rows(arch, out_features: int, num_parts: int) -> list[int]:
+    """The output rows of each part of a fused product (q, k, v; gate, up), or of a lone one."""
+    if num_parts == 3:
+        return [arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim]
+    if num_parts == 2:
+        return [out_features // 2, out_features // 2]
+    return [out_features]
+
+
+def _part(name: str, state: dict, part: str, in_features: int, rows: int, used: set) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One checkpoint projection's ``(A, B)`` in the adapter (None: it leaves the part out)."""
+    base = _PREFIX + part.removesuffix(".weight")
+    keys = (f"{base}.lora_A.weight", f"{base}.lora_B.weight")
+    if not any(key in state for key in keys):
+        return None
+    if not all(key in state for key in keys):
+        raise LoRAError(f"adapter {name!r}: {base} has one of lora_A and lora_B, not both")
+    a, b = (state[key].float() for key in keys)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[0] != rows or a.shape[0] != b.shape[1]:
+        raise LoRAError(
+            f"adapter {name!r}: {base} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, where this model's "
+            f"projection takes {in_features} features to {rows}: an adapter of another base model"
+        )
+    used.update(keys)
+    return a, b
+
+
+@dataclass
+class LoRAStep:
+    """A forward's rows by adapter: ``(adapter, row indices)`` for each adapter some row uses."""
+
+    groups: list[tuple[LoRAAdapter, torch.Tensor]]
+
+    def apply(self, module_name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base product of ``x``) with each adapter's update added to its rows."""
+        for adapter, rows in self.groups:
+            weights = adapter.weights.get(module_name)
+            if weights is None:
+                continue
+            update = (x.index_select(0, rows) @ weights.a.T) @ weights.b.T
+            y = y.index_add(0, rows, update.to(y.dtype))
+        return y
+
+
+_STEP: contextvars.ContextVar[LoRAStep | None] = contextvars.ContextVar("duet_lora_step", default=None)
+
+
+def current_step() -> LoRAStep | None:
+    return _STEP.get()
+
+
+@contextlib.contextmanager
+def applied(step: LoRAStep | None):
+    """Run the forward inside with ``step``'s adapters on their rows."""
+    token = _STEP.set(step)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)

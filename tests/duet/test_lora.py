@@ -1,0 +1,124 @@
+"""LoRA adapters written by PEFT itself, applied per request beside the base weights: in one
+batch with each other and with base requests, greedy output equals transformers on the base
+model with that adapter merged by PEFT; adapters and the base never share prefix-cached KV;
+adapters that do not fit are refused at load, naming the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+
+import pytest
+import torch
+
+from duet import LLM, SamplingParams
+from duet.config import ConfigError
+from duet.errors import InvalidRequestError
+from duet.lora import LoRAError
+from tests.conftest import TINY_VOCAB, make_tiny_llama
+from tests.reference import check_outputs, hf_greedy
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+
+NEW_TOKENS = 12
+# name: (rank, alpha, targets, rsLoRA)
+ADAPTERS = {
+    "attention": (8, 16, ["q_proj", "v_proj"], False),
+    "everywhere": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+}
+
+
+def make_adapter(base_dir, target, rank: int, alpha: int, targets: list[str], rslora: bool, seed: int):
+    """A PEFT LoRA adapter of ``base_dir``'s model, its A and B both random (PEFT's own init
+    leaves B at zero: an adapter that changes nothing), saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(0.5)
+    peft_model.save_pretrained(str(target))
+    return target
+
+
+def merged_model(base_dir, adapter_dir, target):
+    """transformers' base model with the adapter merged by PEFT, saved as a plain checkpoint."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().save_pretrained(str(target))
+    AutoTokenizer.from_pretrained(str(base_dir)).save_pretrained(str(target))
+    return target
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_llama(root / "base", tiny_tokenizer_dir, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
+    adapters, references = {}, {None: hf_greedy(base, prompts, NEW_TOKENS)}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        adapters[name] = make_adapter(base, root / name, rank, alpha, targets, rslora, seed)
+        references[name] = hf_greedy(merged_model(base, adapters[name], root / f"{name}-merged"), prompts, NEW_TOKENS)
+        assert [ref.token_ids for ref in references[name]] != [ref.token_ids for ref in references[None]]  # it changes the output
+    return base, adapters, prompts, references
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
+def test_adapters_and_the_base_in_one_batch_match_peft_merged(lora_setup, speculative):
+    """Every prompt under every adapter and the base, all in one batch (the same prompts: a
+    prefix cache shared across adapters would hand one adapter another's KV), then each again
+    alone after the others (prefix-cache hits on its own KV)."""
+    base, adapters, prompts, references = lora_setup
+    extra = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}} if speculative else {}
+    llm = LLM(model=str(base), lora_modules={name: str(path) for name, path in adapters.items()}, num_kv_blocks=256, **extra)
+    names = [None, *ADAPTERS]
+    batch = [(prompt, name) for name in names for prompt in prompts]
+    random.Random(5).shuffle(batch)
+    outputs = llm.generate([prompt for prompt, _ in batch], _greedy(), lora=[name for _, name in batch])
+    for (prompt, name), output in zip(batch, outputs):
+        check_outputs([output], [references[name][prompts.index(prompt)]], f"adapter {name}")
+    for name in names:
+        check_outputs(llm.generate(prompts, _greedy(), lora=name), references[name], f"adapter {name} again")
+    llm.engine.check_integrity()
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter 'missing'"):
+        llm.generate(prompts[:1], _greedy(), lora="missing")
+
+
+def test_adapters_that_do_not_fit_are_refused_naming_the_reason(lora_setup, tmp_path, tiny_tokenizer_dir):
+    base, adapters, _, _ = lora_setup
+    with pytest.raises(LoRAError, match="rank 8 is above max_lora_rank=4"):
+        LLM(model=str(base), lora_modules={"attention": str(adapters["attention"])}, max_lora_rank=4, num_kv_blocks=16)
+    other = make_tiny_llama(tmp_path / "other", tiny_tokenizer_dir, hidden_size=96, intermediate_size=128)
+    foreign = make_adapter(other, tmp_path / "foreign", 4, 8, ["q_proj"], False, 0)
+    with pytest.raises(LoRAError, match="an adapter of another base model"):
+        LLM(model=str(base), lora_modules={"foreign": str(foreign)}, num_kv_blocks=16)
+    with pytest.raises(ConfigError, match="lora_modules.nowhere: no PEFT adapter at"):
+        LLM(model=str(base), lora_modules={"nowhere": str(tmp_path / "nowhere")}, num_kv_blocks=16)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{}")
+    with pytest.raises(LoRAError, match="cannot read a PEFT adapter"):
+        LLM(model=str(base), lora_modules={"broken": str(broken)}, num_kv_blocks=16)
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    for file in adapters["attention"].iterdir():
+        (dora / file.name).symlink_to(file)
+    (dora / "adapter_config.json").unlink()
+    (dora / "adapter_config.json").write_text(json.dumps(json.loads((adapters["attention"] / "adapter_config.json").read_text()) | {"use_dora": True}))
+    with pytest.raises(LoRAError, match="use_dora=True is not supported"):
+        LLM(model=str(base), lora_modules={"dora": str(dora)}, num_kv_blocks=16)
+    with pytest.raises(ConfigError, match="not built yet"):
+        LLM(model=str(base), lora_modules={"attention": str(adapters["attention"])}, tensor_parallel_size=2)
