@@ -25,7 +25,6 @@ import torch
 
 from duet.config import ConfigError
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 _PREFIX = "base_model.model."
 
 
@@ -82,8 +81,9 @@ def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapt
                 b[row : row + part_rows, column : column + part[1].shape[1]] = part[1] * scaling
                 column += part[1].shape[1]
             row += part_rows
+        held = linear.weight if linear.weight is not None else linear.gguf.codes  # blocks alone compute in fp32
         dtype = linear.weight.dtype if linear.weight is not None else torch.float32
-        weights[module_name] = LoRAWeights(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+        weights[module_name] = LoRAWeights(a.to(held.device, dtype).contiguous(), b.to(held.device, dtype).contiguous())
     unused = sorted(set(state) - used)
     if unused:
         raise LoRAError(f"adapter {name!r}: {unused[0]} targets a module this model lacks or duet does not adapt ({len(unused)} such tensors)")
@@ -160,7 +160,7 @@ class LoRAStep:
             weights = adapter.weights.get(module_name)
             if weights is None:
                 continue
-            update = (x.index_select(0, rows) @ weights.a.T) @ weights.b.T
+            update = (x.index_select(0, rows).to(weights.a.dtype) @ weights.a.T) @ weights.b.T
             y = y.index_add(0, rows, update.to(y.dtype))
         return y
 

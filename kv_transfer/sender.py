@@ -4,12 +4,13 @@ A transfer is made known to its receiver the moment it is queued (``queued <id>`
 receiver's channel, posted by that receiver's notice thread), and while any is queued for it the
 thread says so again every ``SENDER_ALIVE_S`` (``alive <id> ...``): the receiver gives a queued
 transfer a bounded time to start, and fails it sooner once its sender falls silent, so a sender
-that dies with transfers still queued leaves no receiver waiting long. One pair per receiver endpoint, with a thread that picks whichever of its transfers has
-its first run of layers computed (a long prompt queued first does not hold up a short one), then
-announces it on the receiver's channel, with the ranges of the model's KV heads and layers it
-carries, and sends it whole. A transfer may go in parts, a range of heads and layers to each of
-several receivers (tensor-parallel ranks, pipeline stages): each part is reported on its own. A pair that broke fails the
-transfer under way; the others move, once, to a new pair (a new key, a new group).
+that dies with transfers still queued leaves no receiver waiting long. One pair per receiver
+endpoint, with a thread that picks whichever of its transfers has its first run of layers
+computed (a long prompt queued first does not hold up a short one), then announces it on the
+receiver's channel, with the ranges of the model's KV heads and layers it carries, and sends it
+whole. A transfer may go in parts, a range of heads and layers to each of several receivers
+(tensor-parallel ranks, pipeline stages): each part is reported on its own. A pair that broke
+fails the transfer under way; the others move, once, to a new pair (a new key, a new group).
 """
 
 from __future__ import annotations

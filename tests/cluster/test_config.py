@@ -129,7 +129,6 @@ def test_duet_up_exits_non_zero_with_the_reason_before_touching_ray(tmp_path, ca
     [
         ({"decode": {"engine": {"block_size": 32}}}, "prefill.engine.block_size=16 but decode.engine.block_size=32"),
         ({"prefill": {"engine": {"dtype": "bfloat16"}}}, "prefill.engine.dtype=bfloat16 but decode.engine.dtype=float32"),
-        ({"decode": {"engine": {"lora_modules": {"sql": "/adapters/sql"}}}}, "prefill.engine.lora_modules={} but decode.engine.lora_modules="),
     ],
 )
 def test_pools_that_could_not_exchange_kv_are_refused_at_deploy_time(args, message):
@@ -138,6 +137,17 @@ def test_pools_that_could_not_exchange_kv_are_refused_at_deploy_time(args, messa
     with pytest.raises(AppConfigError) as error:
         parse_args(args)
     assert message in str(error.value) and "the pools exchange KV blocks" in str(error.value)
+
+
+def test_pools_with_different_lora_adapters_are_refused_at_deploy_time(tmp_path):
+    """A prompt's KV is computed with its adapter on the prefill pool: both pools must hold it."""
+    (tmp_path / "sql").mkdir()
+    (tmp_path / "sql" / "adapter_config.json").write_text("{}")
+    with pytest.raises(AppConfigError) as error:
+        parse_args({"decode": {"engine": {"lora_modules": {"sql": str(tmp_path / "sql")}}}})
+    assert "prefill.engine.lora_modules={} but decode.engine.lora_modules=" in str(error.value)
+    with pytest.raises(AppConfigError, match="lora_modules.sql: no PEFT adapter at"):
+        parse_args({"engine": {"lora_modules": {"sql": str(tmp_path / "missing")}}})
 
 
 def test_engine_settings_are_the_engines_own_fields_and_defaults():
