@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -30,16 +31,14 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
 
 
-def cache_salt(lora: str | None) -> str | None:
-    """What a request's chain of block hashes starts from: its LoRA adapter's name (``duet.lora``),
-    or nothing (the base model)."""
-    return None if lora is None else f"lora:{lora}"
-
-
-def chain_root(salt: str | None) -> int | None:
-    """The parent of a chain's first block: none for the base model's KV, a hash of ``salt`` for
-    KV computed otherwise (``cache_salt``), which then shares no block with any other chain."""
-    return None if salt is None else hash((ROOT_HASH, salt))
+def chain_root(lora: str | None) -> int | None:
+    """The parent of a chain's first block: none for the base model's KV, a hash of the LoRA
+    adapter's name for KV computed with it (``duet.lora``), which then shares no block with any
+    other chain. Of the name's bytes, not of the string: a string's hash differs from process to
+    process, and the router and the replicas must agree on a prefix's hashes."""
+    if lora is None:
+        return None
+    return hash((ROOT_HASH, int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "little")))
 
 
 def routing_depth(depth: int) -> bool:
@@ -51,12 +50,12 @@ def routing_depth(depth: int) -> bool:
     return depth % ROUTING_DEPTHS_STRIDE == 0
 
 
-def routing_block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+def routing_block_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
     """The chained hashes of a prompt's full blocks at the routing depths, shallowest first, as
-    the cache keys them (``salt``: see ``chain_root``): replicas report which of these they hold,
+    the cache keys them (``lora``: see ``chain_root``): replicas report which of these they hold,
     and the router sends a prompt to the replica holding the deepest of its own."""
     hashes: list[int] = []
-    parent = chain_root(salt)
+    parent = chain_root(lora)
     for index in range(len(token_ids) // block_size):
         parent = hash_block_tokens(parent, token_ids[index * block_size : (index + 1) * block_size])
         if routing_depth(index + 1):

@@ -3,7 +3,7 @@ it (``duet.kv_tier``). Hides both from the scheduler."""
 
 from __future__ import annotations
 
-from duet.block_pool import BlockIntegrityError, BlockPool, KVCacheBlock, cache_salt, chain_root, hash_block_tokens
+from duet.block_pool import BlockIntegrityError, BlockPool, KVCacheBlock, chain_root, hash_block_tokens
 from duet.kv_tier import KVTier, TierBlock
 from duet.messages import KVCacheStats
 from duet.outputs import KVTierOps
@@ -67,7 +67,7 @@ class KVCacheManager:
         hashes = self._req_to_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for index in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else chain_root(cache_salt(request.lora))
+            parent = hashes[-1] if hashes else chain_root(request.lora)
             hashes.append(hash_block_tokens(parent, request.all_token_ids[index * bs : (index + 1) * bs]))
         return hashes
 

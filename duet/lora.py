@@ -9,7 +9,7 @@ the base product, which every row shares (``LoRAStep``, the step's rows by adapt
 the forward: ``Linear`` reads it). No adapter is merged into the weights.
 
 A request names its adapter (``EngineRequest.lora``); the prefix cache keys its blocks by that
-name (``duet.block_pool.cache_salt``), so two adapters, or an adapter and the base, never share KV.
+name (``duet.block_pool.chain_root``), so two adapters, or an adapter and the base, never share KV.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ class LoRAWeights:
 @dataclass
 class LoRAAdapter:
     name: str
-    path: str
-    rank: int
     weights: dict[str, LoRAWeights]  # by duet module name (``layers.0.self_attn.qkv_proj``)
 
 
@@ -62,14 +60,14 @@ def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapt
         state = load_file(str(path / "adapter_model.safetensors"))
     except (OSError, ValueError) as error:
         raise LoRAError(f"adapter {name!r}: cannot read a PEFT adapter at {path} ({error})") from None
-    rank, scaling = _check_config(name, config, max_rank)
+    scaling = _check_config(name, config, max_rank)
     plan = _fusion_plan(model.arch)
     weights, used = {}, set()
     for module_name, linear in model.named_modules():
         if not isinstance(linear, Linear) or module_name == "lm_head" or f"{module_name}.weight" not in plan:
             continue
         parts = plan[f"{module_name}.weight"]
-        rows = _part_rows(model.arch, linear.out_features, len(parts))
+        rows = _part_rows(model, module_name, linear.out_features, len(parts))
         found = [_part(name, state, part, linear.in_features, part_rows, used) for part, part_rows in zip(parts, rows)]
         if not any(found):
             continue
@@ -89,11 +87,11 @@ def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapt
         raise LoRAError(f"adapter {name!r}: {unused[0]} targets a module this model lacks or duet does not adapt ({len(unused)} such tensors)")
     if not weights:
         raise LoRAError(f"adapter {name!r} at {path} holds no LoRA weights")
-    return LoRAAdapter(name, str(path), rank, weights)
+    return LoRAAdapter(name, weights)
 
 
-def _check_config(name: str, config: dict, max_rank: int) -> tuple[int, float]:
-    """The adapter's rank and scale, from what ``adapter_config.json`` says; what duet does not
+def _check_config(name: str, config: dict, max_rank: int) -> float:
+    """The adapter's scale, from what ``adapter_config.json`` says; what duet does not
     apply exactly is refused, naming the field."""
 
     def refuse(field: str, value, wanted: str):
@@ -118,13 +116,14 @@ def _check_config(name: str, config: dict, max_rank: int) -> tuple[int, float]:
             refuse(field, config.get(field), wanted)
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, scaling
+    return scaling
 
 
-def _part_rows(arch, out_features: int, num_parts: int) -> list[int]:
+def _part_rows(model, module_name: str, out_features: int, num_parts: int) -> list[int]:
     """The output rows of each part of a fused product (q, k, v; gate, up), or of a lone one."""
     if num_parts == 3:
-        return [arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim]
+        attention = model.get_submodule(module_name.rsplit(".", 1)[0])
+        return [attention.q_size, attention.kv_size, attention.kv_size]
     if num_parts == 2:
         return [out_features // 2, out_features // 2]
     return [out_features]

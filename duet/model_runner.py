@@ -135,6 +135,8 @@ class ModelRunner:
 
     def _lora_step(self, scheduler_output: SchedulerOutput) -> LoRAStep | None:
         """The step's flat rows by adapter (``_prepare_inputs``' order), or None if no row has one."""
+        if not self.loras:
+            return None
         rows: dict[str, list[int]] = {}
         offset = 0
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():

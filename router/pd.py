@@ -41,7 +41,7 @@ from contextlib import aclosing
 
 from ray.exceptions import RayActorError
 
-from duet.block_pool import cache_salt, routing_block_hashes
+from duet.block_pool import routing_block_hashes
 from duet.errors import (
     InvalidRequestError,
     KVTransferFailedError,
@@ -232,7 +232,7 @@ class Orchestrator:
             context = request.prompt_token_ids + sequence.token_ids[:-1]
             request = EngineRequest(request_id, context, _FILL_PARAMS, lora=request.lora)
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
-        hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, cache_salt(request.lora))
+        hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, request.lora)
         pool, pinned = self.prefill_target()
         new_call_context()
         stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, **_pin(pinned))

@@ -86,3 +86,22 @@ def test_a_replica_refuses_a_call_pinned_to_another():
     ReplicaGoneError.check("abc", "abc")
     with pytest.raises(ReplicaGoneError, match="replica dead is gone"):
         ReplicaGoneError.check("dead", "abc")
+
+
+def test_an_adapters_routing_hashes_are_its_own_and_the_same_in_every_process():
+    """Guards prefix affinity for LoRA requests: the router and the replicas hash a prompt in
+    different processes (each with its own string hash seed), and an adapter's KV is not the
+    base's, so its chain starts elsewhere."""
+    import os
+    import subprocess
+    import sys
+
+    prompt = list(range(64))
+    code = "from duet.block_pool import routing_block_hashes; print(routing_block_hashes(list(range(64)), 16, 'sql'))"
+    seen = {
+        subprocess.run([sys.executable, "-c", code], env=os.environ | {"PYTHONHASHSEED": seed}, capture_output=True, text=True, check=True).stdout
+        for seed in ("1", "2")
+    }
+    assert seen == {f"{routing_block_hashes(prompt, 16, 'sql')}\n"}
+    base, sql, chat = (set(routing_block_hashes(prompt, 16, lora)) for lora in (None, "sql", "chat"))
+    assert not base & sql and not sql & chat
