@@ -1,11 +1,17 @@
 """The operators' endpoints beside the client API, and the router's Serve deployment class.
 
-``/duet/status``, ``/duet/scale`` and ``/duet/integrity`` are one FastAPI router of their own
-with their own key: a client key (``router.api_key``) never pins a pool's size. The rule:
+``/duet/status``, ``/duet/scale`` and ``/duet/integrity``, and vLLM's ``/v1/load_lora_adapter``
+and ``/v1/unload_lora_adapter``, take their own key: a client key (``router.api_key``) never
+pins a pool's size nor changes what the cluster serves. The rule:
 
 - ``admin_api_key`` set: every admin call must bear it;
 - no ``admin_api_key`` and no client keys: open, as the client API is (a local cluster);
 - client keys but no ``admin_api_key``: refused (403), naming the setting to add.
+
+A LoRA adapter loaded here is checked on a replica of each pool first (a 400 says why it does
+not fit, and nothing served changes), then listed on the board (``duet.cluster.board``), which
+every router replica reads each ``LORA_REFRESH_S``. Replicas load an adapter when a request
+first names it; one unloaded stays in their memory until evicted, named by no new request.
 
 ``DuetIngress`` is ``RouterIngress`` (``duet.router.ingress``, the client API) plus these
 routes, and the class ``duet.cluster.app`` deploys.
@@ -19,17 +25,19 @@ import threading
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 
 from duet.cluster.board import ActorBoard
-from duet.router.errors import ApiError, bad_request
+from duet.router.errors import ApiError, api_error_from, bad_request
 from duet.router.ingress import RouterIngress, app, bearer_matches
 from duet.router.serve_internals import keep_replica_on_loopback, live_replicas, new_call_context, pool_size, pool_stats, replica_ids
 
 logger = logging.getLogger(__name__)
 admin = APIRouter(prefix="/duet")
 WAITING_REPORT_S = 1.0  # how often a router reports its waiting contexts to an autoscaled prefill pool's policy
+LORA_REFRESH_S = 1.0  # how often a router reads the LoRA adapters served (loaded or unloaded through another router replica)
+LORA_CHECK_TIMEOUT_S = 60.0  # a replica's check of an adapter to load (it reads the adapter's weights)
 
 
 def admin_refusal(request: Request, admin_keys: list[bytes], has_client_keys: bool) -> ApiError | None:
@@ -48,14 +56,18 @@ def admin_refusal(request: Request, admin_keys: list[bytes], has_client_keys: bo
 
 class DuetIngress(RouterIngress):
     """The router: the client API and the admin routes. ``autoscaled``: each autoscaled pool's
-    ``(min_replicas, max_replicas)``."""
+    ``(min_replicas, max_replicas)``; ``lora_registry``: this deployment's key for its adapters on the board."""
 
-    def __init__(self, *args, autoscaled: dict[str, tuple[int, int]], admin_api_key: str | None, **kwargs) -> None:
+    def __init__(self, *args, autoscaled: dict[str, tuple[int, int]], admin_api_key: str | None, lora_registry: str, **kwargs) -> None:
         keep_replica_on_loopback()  # before Serve starts this replica's gRPC server
         super().__init__(*args, **kwargs)
         self.autoscaled = {pool: tuple(bounds) for pool, bounds in autoscaled.items()}
         self.admin_keys = [] if admin_api_key is None else [admin_api_key.encode()]
         self.board = ActorBoard()
+        self.lora_registry = lora_registry
+        self._lora_lock = threading.Lock()
+        self._lora_edits = 0  # loads and unloads made here: a read of the board begun before one is stale
+        threading.Thread(target=self._refresh_loras, name="lora-refresh", daemon=True).start()
         waiting_room = self.orchestrator.waiting_room
         if waiting_room is not None and "prefill" in self.autoscaled:
             router_id = serve.get_replica_context().replica_id.unique_id
@@ -74,6 +86,24 @@ class DuetIngress(RouterIngress):
                 except Exception as error:  # noqa: BLE001 - the next report may reach it
                     logger.warning("could not report the waiting contexts to the autoscaler board: %r", error)
                 reported = tokens
+
+    def _refresh_loras(self) -> None:
+        """Serve the adapters the board lists, every ``LORA_REFRESH_S``."""
+        while True:
+            try:
+                edits = self._lora_edits
+                loras = self.board.loras(self.lora_registry, self.lora_modules)
+                with self._lora_lock:
+                    if edits == self._lora_edits:
+                        self.loras = loras
+            except Exception as error:  # noqa: BLE001 - served as before; the next read may reach it
+                logger.warning("could not read the LoRA adapters served from the board: %r", error)
+            time.sleep(LORA_REFRESH_S)
+
+    def _set_loras(self, loras: dict[str, str]) -> None:
+        with self._lora_lock:
+            self._lora_edits += 1
+            self.loras = loras
 
     def _autoscaler(self) -> dict[str, dict]:
         """The latest decision of each autoscaled pool's policy (none while the board is out of reach)."""
@@ -157,6 +187,49 @@ class DuetIngress(RouterIngress):
         for (pool, replica_id), result in zip(targets, results):
             report[pool][replica_id] = result
         return JSONResponse({"ok": all(result == "ok" for result in results), "pools": report})
+
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Serve a LoRA adapter (vLLM's route: ``{"lora_name": ..., "lora_path": ...}``), once a
+        replica of each pool has checked it against the model."""
+        self._authorize_admin(request)
+        payload = await self._json_object(request)
+        name, path = _field(payload, "lora_name"), _field(payload, "lora_path")
+        if name == self.model_id:
+            raise bad_request(f"lora_name {name!r} is the base model's name", "lora_name")
+        if name in self.loras:
+            raise bad_request(f"the LoRA adapter {name!r} has already been loaded", "lora_name")
+        for pool, handle in self.pools.items():
+            new_call_context()
+            try:
+                await asyncio.wait_for(handle.check_lora.remote(name, path), LORA_CHECK_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ApiError(503, f"the {pool} pool did not check the adapter within {LORA_CHECK_TIMEOUT_S:.0f} s", "service_unavailable", retry_after=5) from None
+            except Exception as error:  # noqa: BLE001 - why it does not fit (400), or the pool's failure
+                raise api_error_from(error) from None
+        if not await asyncio.to_thread(self.board.set_lora, self.lora_registry, name, path, self.lora_modules):
+            raise bad_request(f"the LoRA adapter {name!r} has already been loaded", "lora_name")
+        self._set_loras(self.loras | {name: path})
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Serve a LoRA adapter no more (``{"lora_name": ...}``): requests naming it get a 404;
+        those running finish with it."""
+        self._authorize_admin(request)
+        name = _field(await self._json_object(request), "lora_name")
+        if not await asyncio.to_thread(self.board.set_lora, self.lora_registry, name, None, self.lora_modules):
+            raise ApiError(404, f"the LoRA adapter {name!r} cannot be found", "not_found_error", "lora_name")
+        self._set_loras({served: path for served, path in self.loras.items() if served != name})
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def _field(payload: dict, name: str) -> str:
+    value = payload.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request(f"{name} must be a non-empty string", name)
+    return value
 
 
 app.include_router(admin)

@@ -9,6 +9,7 @@ fixed ``num_replicas``.
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 from ray import serve
@@ -80,7 +81,8 @@ def build_app(args: dict) -> serve.Application:
         prefill,
         decode,
         model_id=config.model_id,
-        lora_names=sorted(decode_engine.lora_modules or {}),
+        lora_modules=dict(decode_engine.lora_modules or {}),
+        lora_registry=uuid.uuid4().hex,  # this deployment's adapters on the board, whatever a former one loaded
         model_dir=model_dir,
         max_model_len=max_model_len,
         block_size=decode_engine.block_size,

@@ -1,6 +1,7 @@
 """The autoscalers' shared board: per application, each pool's latest view (what its policy saw
 at its last tick), each pool's latest decision (for ``/metrics`` and ``duet status``) and the
-operators' pins (``duet scale``).
+operators' pins (``duet scale``); per deployment of an application, the LoRA adapters its
+routers serve (``/v1/load_lora_adapter``), the same on every router replica.
 
 It lives in a named, detached Ray actor (``BOARD_NAME`` in namespace ``duet``), the one place
 the pools' policies, the router and the CLI all reach: the policies run in Serve's controller,
@@ -34,6 +35,24 @@ class Board:
         self._decisions: dict[str, dict[str, dict]] = {}
         self._pins: dict[str, dict[str, dict]] = {}
         self._waiting: dict[str, dict[str, dict]] = {}
+        self._loras: dict[str, dict[str, str]] = {}
+
+    def loras(self, key: str, configured: dict[str, str]) -> dict[str, str]:
+        """The adapters a deployment's routers serve, name: folder (``key``: the deployment's;
+        ``configured``: those its config names, served until unloaded)."""
+        return dict(self._loras.setdefault(key, dict(configured)))
+
+    def set_lora(self, key: str, name: str, path: str | None, configured: dict[str, str]) -> bool:
+        """Serve adapter ``name`` from ``path`` (None: serve it no more); False if it was already
+        served (a load) or was not (an unload), which changes nothing."""
+        loras = self._loras.setdefault(key, dict(configured))
+        if (path is None) != (name in loras):
+            return False
+        if path is None:
+            del loras[name]
+        else:
+            loras[name] = path
+        return True
 
     def post(self, app_name: str, stage: str, view) -> tuple[dict, dict[str, dict], dict[str, dict]]:
         """Post a pool's view; every view of the application, its pins and its routers' waiting
@@ -120,6 +139,16 @@ class ActorBoard:
         import ray
 
         return ray.get(self._board().published.remote(app_name, list(stages)), timeout=READ_TIMEOUT_S)
+
+    def loras(self, key: str, configured: dict[str, str]) -> dict[str, str]:
+        import ray
+
+        return ray.get(self._board().loras.remote(key, configured), timeout=READ_TIMEOUT_S)
+
+    def set_lora(self, key: str, name: str, path: str | None, configured: dict[str, str]) -> bool:
+        import ray
+
+        return ray.get(self._board().set_lora.remote(key, name, path, configured), timeout=READ_TIMEOUT_S)
 
     def pin(self, app_name: str, stage: str, replicas: int | None) -> None:
         import ray

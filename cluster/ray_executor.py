@@ -106,6 +106,12 @@ class RayExecutor:
     def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
         return () if self._endpoints[0] is None else self._endpoints
 
+    def check_lora(self, name: str, path: str) -> None:
+        """LoRA adapters are applied on one rank only (``EngineArgs`` refuses them in a config)."""
+        from duet.lora import LoRAError
+
+        raise LoRAError(f"adapter {name!r}: LoRA adapters with tensor or pipeline parallelism are not built yet")
+
     def forget(self, request_ids) -> None:
         self._gather([worker.forget.remote(request_ids) for worker in self.workers])
 

@@ -67,7 +67,7 @@ class _ServePeers:
     async def reserve(self, request: EngineRequest, num_prompt_blocks: int, to: Target | None = None) -> Placement:
         new_call_context()  # the moves' calls overlap (an abort, the next move)
         if to is None:
-            call = self._pools[self._stage].reserve.remote(request, num_prompt_blocks=num_prompt_blocks)
+            call = self._pools[self._stage].reserve.remote(request, num_prompt_blocks=num_prompt_blocks, lora=request.lora)
         else:
             call = self._pools[to.pool].reserve.remote(request, num_prompt_blocks=num_prompt_blocks, replica_id=to.replica_id)
         return await asyncio.wait_for(call, MOVE_CALL_TIMEOUT_S)
@@ -106,10 +106,10 @@ class EngineReplica:
             self.migration = Migration(replica_id, engine, self.loop, self._streams, peers, by_kv)
 
     async def generate(
-        self, request: EngineRequest, prefix_hashes: list[int] | None = None, replica_id: str | None = None
+        self, request: EngineRequest, prefix_hashes: list[int] | None = None, replica_id: str | None = None, lora: str | None = None
     ) -> AsyncIterator[TokenDelta]:
         """The prefill role's call: compute the prompt, stream its KV to ``request.kv_send``, and
-        answer with the first token. ``prefix_hashes`` is a hint for the pool's request router;
+        answer with the first token. ``prefix_hashes`` and ``lora`` (its adapter) are hints for the pool's request router;
         ``replica_id`` pins the call to this replica. The decode role places sequences by
         ``reserve`` and ``attach``."""
         if replica_id is not None:
@@ -122,12 +122,14 @@ class EngineReplica:
             async for item in items:
                 yield item
 
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int = 0, replica_id: str | None = None) -> Placement:
+    async def reserve(
+        self, request: EngineRequest, num_prompt_blocks: int = 0, replica_id: str | None = None, lora: str | None = None
+    ) -> Placement:
         """The decode role's call: place a sequence here, add it to the engine (its blocks
         reserved, for KV from elsewhere when ``kv_receive``) and answer where it runs and where
         its KV goes. Its outputs wait for ``attach``; nobody attaching within
-        ``ATTACH_TIMEOUT_S`` drops it. ``num_prompt_blocks`` is a hint for the pool's request
-        router; ``replica_id`` pins the call to this replica."""
+        ``ATTACH_TIMEOUT_S`` drops it. ``num_prompt_blocks`` and ``lora`` (its adapter) are
+        hints for the pool's request router; ``replica_id`` pins the call to this replica."""
         if replica_id is not None:
             ReplicaGoneError.check(replica_id, self.replica_id)
         self._check_role("decode")
@@ -143,6 +145,8 @@ class EngineReplica:
         its KV is to be sent when it comes from elsewhere."""
         if request.params.structured_outputs is not None:  # its slow first checks, off the engine thread
             await asyncio.to_thread(self.engine.check_constraint, request.params)
+        if request.lora is not None:  # an adapter not seen before is read to be checked: off the engine thread too
+            await asyncio.to_thread(self.engine.check_lora, request.lora, request.lora_path)
         stream = Stream(request, self.loop.subscribe(request.request_id))
         try:
             return stream, await self.loop.call(self.engine.add_request, request)
@@ -153,6 +157,11 @@ class EngineReplica:
             self.loop.unsubscribe(request.request_id)
             self.loop.call_soon(self.engine.abort_request, request.request_id)
             raise
+
+    async def check_lora(self, name: str, path: str) -> None:
+        """Check a LoRA adapter against this replica's model before the router serves it
+        (``InvalidRequestError``: why it does not fit)."""
+        await asyncio.to_thread(self.engine.check_lora, name, path)
 
     async def attach(self, request_id: str, replica_id: str) -> AsyncIterator[TokenDelta | Moved]:
         """Stream a sequence placed here by ``reserve``, from its first token made here."""

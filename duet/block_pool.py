@@ -31,14 +31,16 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
 
 
-def chain_root(lora: str | None) -> int | None:
+def chain_root(lora: str | None, lora_path: str | None = None) -> int | None:
     """The parent of a chain's first block: none for the base model's KV, a hash of the LoRA
-    adapter's name for KV computed with it (``duet.lora``), which then shares no block with any
-    other chain. Of the name's bytes, not of the string: a string's hash differs from process to
-    process, and the router and the replicas must agree on a prefix's hashes."""
+    adapter's name and folder for KV computed with it (``duet.lora``), which then shares no
+    block with any other chain (nor with an adapter unloaded, then loaded under its name from
+    another folder). Of their bytes, not of the strings: a string's hash differs from process
+    to process, and the router and the replicas must agree on a prefix's hashes."""
     if lora is None:
         return None
-    return hash((ROOT_HASH, int.from_bytes(hashlib.blake2b(lora.encode(), digest_size=8).digest(), "little")))
+    identity = lora.encode() + b"\0" + (lora_path or "").encode()
+    return hash((ROOT_HASH, int.from_bytes(hashlib.blake2b(identity, digest_size=8).digest(), "little")))
 
 
 def routing_depth(depth: int) -> bool:
@@ -50,12 +52,12 @@ def routing_depth(depth: int) -> bool:
     return depth % ROUTING_DEPTHS_STRIDE == 0
 
 
-def routing_block_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
+def routing_block_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None, lora_path: str | None = None) -> list[int]:
     """The chained hashes of a prompt's full blocks at the routing depths, shallowest first, as
-    the cache keys them (``lora``: see ``chain_root``): replicas report which of these they hold,
+    the cache keys them (``lora``, ``lora_path``: see ``chain_root``): replicas report which of these they hold,
     and the router sends a prompt to the replica holding the deepest of its own."""
     hashes: list[int] = []
-    parent = chain_root(lora)
+    parent = chain_root(lora, lora_path)
     for index in range(len(token_ids) // block_size):
         parent = hash_block_tokens(parent, token_ids[index * block_size : (index + 1) * block_size])
         if routing_depth(index + 1):

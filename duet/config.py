@@ -304,6 +304,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     lora_modules: dict | None = None  # LoRA adapters requests may name: {name: PEFT adapter folder} (duet.lora)
     max_lora_rank: int = 64
+    max_loras: int = 4  # LoRA adapters held at once; another is loaded in place of the least recently used
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -338,6 +339,8 @@ class EngineArgs:
         self.cache_config()
         self.speculative()
         self.kv_transfer()
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ConfigError(f"max_loras must be a positive integer, got {self.max_loras!r}")
         if self.lora_modules is not None:
             if not isinstance(self.lora_modules, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in self.lora_modules.items()):
                 raise ConfigError("lora_modules must map adapter names to PEFT adapter folders")

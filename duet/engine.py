@@ -18,11 +18,12 @@ import time
 import torch
 
 from duet.block_pool import BlockIntegrityError
-from duet.config import ConfigError, EngineArgs, import_object, resolve_dtype, resolve_kv_cache_dtype
+from duet.config import EngineArgs, import_object, resolve_dtype, resolve_kv_cache_dtype
 from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.kv_tier import KVTier
 from duet.load import LoadTracker
+from duet.lora import LoRAError, LoRASlots
 from duet.messages import CoreStats, EngineRequest, EngineStats, KVDestination, TokenDelta
 from duet.models.pipeline_parallel import stage_layers
 from duet.models.tensor_parallel import check_layout
@@ -30,6 +31,7 @@ from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.request import Request
 from duet.sampling_params import SamplingParams, fit_to_context
 from duet.scheduler import Scheduler
+from duet.spec_decode.draft_check import check_draft_model
 from duet.structured_output import grammar_tokenizer
 from duet.worker import WorkerConfig, kv_bytes_per_block
 
@@ -90,7 +92,7 @@ class LLMEngine:
             seed=args.seed,
             kv_cache_dtype=args.kv_cache_dtype,
             speculative_config=self.speculative_config,
-            draft_model_path=self._check_draft_model(model_path),
+            draft_model_path=check_draft_model(self.speculative_config, self.model_config, self.tokenizer, self.eos_token_id, model_path),
             kv_transfer=self.kv_transfer_config,
             kv_offload=kv_offload,
             kv_tier_blocks=tier_blocks,
@@ -99,9 +101,10 @@ class LLMEngine:
             enable_expert_parallel=args.enable_expert_parallel,
             lora_modules=tuple((args.lora_modules or {}).items()),
             max_lora_rank=args.max_lora_rank,
+            max_loras=args.max_loras,
         )
-        self.lora_names = frozenset(args.lora_modules or {})
         self.executor = import_object(args.executor())(worker_config)
+        self.loras = LoRASlots(args.max_loras, args.lora_modules or {}, self.executor.check_lora)
         self.kv_endpoints = self.executor.kv_endpoints()
         tier = None if kv_offload is None else KVTier(tier_blocks)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cache_config.enable_prefix_caching, tier)
@@ -112,6 +115,7 @@ class LLMEngine:
             self.max_model_len,
             self.scheduler_config.enable_chunked_prefill,
             self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
+            self.loras,
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self._prompt_logprobs: dict[str, list] = {}  # per request: its prompt tokens' top logprobs, until its first token
@@ -126,36 +130,6 @@ class LLMEngine:
             self.kv_bytes_per_block, self.max_model_len, args.tensor_parallel_size,
             args.pipeline_parallel_size,
         )
-
-    def _check_draft_model(self, model_path) -> str | None:
-        """Check the speculative config against the target; the draft's path for ``draft_model``."""
-        from transformers import AutoTokenizer
-
-        from duet.models.loader import read_arch, resolve_model_path
-
-        config = self.speculative_config
-        arch = self.model_config
-        if config is None or config.method == "ngram":
-            return None
-        if config.method == "layer_skip":
-            if config.num_draft_layers >= arch.num_layers:
-                raise ConfigError(
-                    f"speculative_config.num_draft_layers={config.num_draft_layers} must be below the "
-                    f"target's {arch.num_layers} layers"
-                )
-            return None
-        draft_path = resolve_model_path(config.model)
-        draft_tokenizer = AutoTokenizer.from_pretrained(str(draft_path))
-        if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab() or draft_tokenizer.eos_token_id != self.eos_token_id:
-            raise ConfigError(
-                f"the draft model {config.model!r} does not share the target's tokenizer ({model_path.name}); "
-                "speculative decoding needs a draft with the same vocabulary"
-            )
-        draft_arch = read_arch(draft_path)
-        if draft_arch.vocab_size != arch.vocab_size:
-            raise ConfigError(f"the draft model's output has {draft_arch.vocab_size} logits but the target's has {arch.vocab_size}")
-        logger.info("draft model %s: %d layers, hidden size %d", draft_path.name, draft_arch.num_layers, draft_arch.hidden_size)
-        return str(draft_path)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request fits; return its effective max_tokens."""
@@ -188,13 +162,20 @@ class LLMEngine:
             tokenizer = grammar_tokenizer(self._tokenizer_path, self.model_config.vocab_size, self.eos_token_id)
             params.structured_outputs.check_tokens(tokenizer)
 
+    def check_lora(self, name: str, path: str | None) -> str:
+        """The folder of LoRA adapter ``name`` (``path``, or the configured one), checked
+        against the model the first time (loading it: a replica runs this off its engine thread first)."""
+        try:
+            return self.loras.resolve(name, path)
+        except LoRAError as error:
+            raise InvalidRequestError(str(error), "model") from None
+
     def add_request(self, request: EngineRequest) -> KVDestination | None:
         """Queue a sequence. With ``kv_receive`` its prompt's blocks are reserved now and the
         destination to hand the prefill replica is returned (``ReplicaFullError`` if no room)."""
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        if request.lora is not None and request.lora not in self.lora_names:
-            raise InvalidRequestError(f"no LoRA adapter {request.lora!r} here; this engine has {sorted(self.lora_names) or 'none'}")
+        lora_path = None if request.lora is None else self.check_lora(request.lora, request.lora_path)
         params = request.params
         if request.kv_send is None:
             max_tokens = self.validate(request.prompt_token_ids, params)
@@ -208,7 +189,7 @@ class LLMEngine:
                 params = dataclasses.replace(params, stop_token_ids=stops)
         queued = Request(
             request.request_id, request.prompt_token_ids, params, self.eos_token_id,
-            output_token_ids=request.output_token_ids, kv_send=request.kv_send, lora=request.lora,
+            output_token_ids=request.output_token_ids, kv_send=request.kv_send, lora=request.lora, lora_path=lora_path,
         )
         if request.kv_receive and self.kv_transfer_config is None:
             raise InvalidRequestError("this engine has no KV connector: it cannot receive prompt KV")
@@ -357,6 +338,7 @@ class LLMEngine:
             load=self.load.stats(),
             spec=scheduler.spec_stats.stats(),
             cores=self._core_stats(),
+            lora=self.loras.stats(),
             worker_failure=self.worker_failure,
         )
 

@@ -23,6 +23,10 @@ class UniprocExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute(scheduler_output)
 
+    def check_lora(self, name: str, path: str) -> None:
+        """Raise ``duet.lora.LoRAError`` if the adapter at ``path`` does not fit the model."""
+        self.worker.load_lora(name, path)
+
     def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
         """Each rank's KV receiver, in rank order (empty without a KV connector)."""
         endpoint = self.worker.kv_endpoint()

@@ -39,11 +39,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        lora: str | Sequence[str | None] | None = None,
+        lora: str | tuple[str, str] | list[str | tuple[str, str] | None] | None = None,
     ) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order. A prompt is text or a list of token ids;
         each of its ``n`` completions is a sequence of its own in the engine. ``lora``: the
-        LoRA adapter (a name in ``lora_modules``) of every prompt, or of each; None: the base."""
+        LoRA adapter of every prompt, or a list of each's (None: the base): a name in
+        ``lora_modules``, or ``(name, folder)``, which the engine loads when it is first used."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -54,7 +55,7 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, (str, tuple)) else list(lora)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
         requests = []
@@ -84,9 +85,10 @@ class LLM:
         sequences: dict[str, tuple[_Request, SequenceText]] = {}
         try:
             for request in requests:
+                name, path = (request.lora, None) if not isinstance(request.lora, tuple) else request.lora
                 for index in range(request.params.n):
                     sequence_id = f"{request.request_id}#{index}"
-                    engine.add_request(EngineRequest(sequence_id, request.prompt_token_ids, request.params.choice(index), lora=request.lora))
+                    engine.add_request(EngineRequest(sequence_id, request.prompt_token_ids, request.params.choice(index), lora=name, lora_path=path))
                     sequences[sequence_id] = (request, SequenceText.start(tokenizer, request.params))
                     request.sequences.append(sequences[sequence_id][1])
             unfinished = set(sequences)
@@ -113,7 +115,7 @@ class _Request:
     """A prompt and its ``n`` sequences, gathered into one ``RequestOutput``."""
 
     def __init__(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, lora: str | tuple[str, str] | None = None
     ) -> None:
         self.request_id = request_id
         self.lora = lora

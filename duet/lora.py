@@ -8,8 +8,12 @@ is zeros), the scale folded into ``B``. A step's rows of each adapter get ``x A^
 the base product, which every row shares (``LoRAStep``, the step's rows by adapter, set around
 the forward: ``Linear`` reads it). No adapter is merged into the weights.
 
-A request names its adapter (``EngineRequest.lora``); the prefix cache keys its blocks by that
-name (``duet.block_pool.chain_root``), so two adapters, or an adapter and the base, never share KV.
+A request names its adapter (``EngineRequest.lora``) and where it lies (``lora_path``: an
+engine that does not hold it loads it from there); the prefix cache keys its blocks by both
+(``duet.block_pool.chain_root``), so two adapters, or an adapter and the base, never share KV.
+An engine holds at most ``max_loras`` adapters (``LoRASlots``): a request whose adapter is not
+held waits until one held is used by no running request, which is unloaded, least recently
+used first. The worker loads and unloads as the step's ``lora_ops`` say, before its forward.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import contextlib
 import contextvars
 import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from duet.config import ConfigError
+from duet.messages import LoRAStats
 
 _PREFIX = "base_model.model."
 
@@ -179,3 +185,64 @@ def applied(step: LoRAStep | None):
         yield
     finally:
         _STEP.reset(token)
+
+
+class LoRASlots:
+    """The engine's side: the adapters its worker holds, at most ``max_loras``, in order of last
+    use, and the loads and unloads the next step carries to the worker. ``configured``: the
+    adapters named in the engine's config (requests may name these without a path), the worker
+    holding the first ``max_loras`` from the start. ``check``: the executor's check of an
+    adapter it has not seen (raises ``LoRAError``)."""
+
+    def __init__(self, max_loras: int, configured: dict[str, str], check) -> None:
+        self.max_loras = max_loras
+        self.configured = dict(configured)
+        self._check = check
+        self._checked = set(self.configured.items())  # the worker checked these at start
+        self.held: OrderedDict[str, str] = OrderedDict(list(self.configured.items())[:max_loras])  # name: path
+        self.ops: list[tuple[str, str | None]] = []  # (name, path) a load, (name, None) an unload: the next step's
+        self.num_loads = self.num_evictions = 0
+
+    def resolve(self, name: str, path: str | None) -> str:
+        """The folder of a request's adapter ``name`` (``path``, or the configured one), checked
+        the first time it is seen: ``LoRAError`` names what does not fit."""
+        path = path if path is not None else self.configured.get(name)
+        if path is None:
+            raise LoRAError(f"no LoRA adapter {name!r} here; this engine has {sorted(self.configured) or 'none'}")
+        if (name, path) not in self._checked:
+            self._check(name, path)
+            self._checked.add((name, path))
+        return path
+
+    def admit(self, name: str, path: str, running) -> bool:
+        """Whether a request with adapter ``name`` at ``path`` may run now, beside ``running``
+        (requests): held already, or loaded in place of one no running request uses."""
+        if self.held.get(name) == path:
+            self.held.move_to_end(name)
+            return True
+        in_use = {request.lora for request in running}
+        if name in self.held:  # another folder under the same name: loaded again once unused
+            if name in in_use:
+                return False
+            self._unload(name)
+        if len(self.held) >= self.max_loras:
+            victim = next((held for held in self.held if held not in in_use), None)
+            if victim is None:
+                return False
+            self._unload(victim)
+            self.num_evictions += 1
+        self.held[name] = path
+        self.ops.append((name, path))
+        self.num_loads += 1
+        return True
+
+    def _unload(self, name: str) -> None:
+        del self.held[name]
+        self.ops.append((name, None))
+
+    def take_ops(self) -> list[tuple[str, str | None]]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def stats(self) -> LoRAStats:
+        return LoRAStats(held=list(self.held), max_loras=self.max_loras, loads=self.num_loads, evictions=self.num_evictions)

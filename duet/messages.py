@@ -60,7 +60,9 @@ class EngineRequest:
     lost); the engine recomputes their KV and goes on from them. ``kv_send``: a prefill
     replica's request: ship the prompt's KV there and stop after the first token. ``kv_receive``:
     a decode replica's request whose prompt KV (and first token) come from a prefill replica.
-    ``lora``: the LoRA adapter it runs with (``duet.lora``), None for the base model.
+    ``lora``: the LoRA adapter it runs with (``duet.lora``), None for the base model;
+    ``lora_path``: its folder, which an engine that does not hold it loads it from (None: an
+    adapter named in the engine's config).
     """
 
     request_id: str
@@ -70,6 +72,7 @@ class EngineRequest:
     kv_send: KVDestination | None = None
     kv_receive: bool = False
     lora: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass
@@ -173,6 +176,17 @@ class CoreStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """The LoRA adapters an engine holds (``duet.lora.LoRASlots``), least recently used first,
+    and how many it loaded and evicted (to load another, ``max_loras`` being held)."""
+
+    held: list[str]
+    max_loras: int
+    loads: int
+    evictions: int
+
+
+@dataclass(frozen=True)
 class SpecStats:
     """Speculative decoding (``SpecDecodingStats.stats``): drafts (one request's proposal
     verified in one step), their tokens, those accepted, and per position the drafts whose
@@ -199,12 +213,14 @@ class EngineStats:
     load: LoadStats
     spec: SpecStats
     cores: CoreStats
+    lora: LoRAStats
     worker_failure: str | None  # a worker died: the engine cannot step any more
 
 
 # The parts of a report, by field name: what ``ReplicaStats.from_dict`` rebuilds.
 _PARTS = {
     "scheduler": SchedulerStats, "kv": KVCacheStats, "transfer": TransferStats, "load": LoadStats, "spec": SpecStats, "cores": CoreStats,
+    "lora": LoRAStats,
 }
 
 
@@ -222,6 +238,7 @@ class ReplicaStats:
     load: LoadStats
     spec: SpecStats
     cores: CoreStats
+    lora: LoRAStats
     worker_failure: str | None  # a worker died: the replica refuses work until Serve replaces it
     integrity_failures: int  # idle KV bookkeeping checks that failed (a leak, logged)
     prefix_hashes: list[int]  # a prefill replica's recalled prompt prefixes still in its prefix cache
@@ -233,7 +250,7 @@ class ReplicaStats:
     ) -> ReplicaStats:
         return cls(
             stage=stage, replica_id=replica_id, scheduler=engine.scheduler, kv=engine.kv, transfer=engine.transfer,
-            load=engine.load, spec=engine.spec, cores=engine.cores, worker_failure=engine.worker_failure, integrity_failures=integrity_failures,
+            load=engine.load, spec=engine.spec, cores=engine.cores, lora=engine.lora, worker_failure=engine.worker_failure, integrity_failures=integrity_failures,
             prefix_hashes=prefix_hashes, reported_at=time.time(),
         )
 
@@ -268,6 +285,9 @@ class ReplicaStats:
             "spec_num_draft_tokens": spec.num_draft_tokens,
             "spec_num_accepted_tokens": spec.num_accepted_tokens,
             "spec_accepted_per_position": list(spec.accepted_per_position),
+            "loras": list(self.lora.held),
+            "lora_loads": self.lora.loads,
+            "lora_evictions": self.lora.evictions,
             "worker_failure": self.worker_failure,
             "integrity_failures": self.integrity_failures,
             "prefix_hashes": list(self.prefix_hashes),

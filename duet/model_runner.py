@@ -146,6 +146,9 @@ class ModelRunner:
             offset += num_tokens
         if not rows:
             return None
+        missing = sorted(set(rows) - set(self.loras))
+        if missing:  # its load failed (its folder changed since the engine checked it): its requests fail
+            raise RuntimeError(f"LoRA adapter {missing[0]!r} is not loaded here: its load from its folder failed")
         return LoRAStep([(self.loras[name], torch.tensor(ids, dtype=torch.long, device=self.device)) for name, ids in rows.items()])
 
     def _prompt_logprobs(self, logits: torch.Tensor, scored: list[tuple[str, int, int]]) -> dict[str, tuple[int, list[dict[int, float]]]]:

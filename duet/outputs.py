@@ -121,6 +121,8 @@ class SchedulerOutput:
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     kv_connector: KVConnectorMetadata = field(default_factory=KVConnectorMetadata)
     kv_tier: KVTierOps = field(default_factory=KVTierOps)
+    # LoRA adapters to load (name, folder) and unload (name, None), in order, before the forward.
+    lora_ops: list[tuple[str, str | None]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -46,9 +46,11 @@ class Request:
         kv_send: KVDestination | None = None,
         arrival_time: float | None = None,
         lora: str | None = None,
+        lora_path: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.lora = lora  # its LoRA adapter's name (None: the base model)
+        self.lora_path = lora_path  # the adapter's folder
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from duet.kv_cache_manager import KVCacheManager
 from duet.kv_connector import KVConnectorScheduler
@@ -25,6 +26,9 @@ from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, Schedu
 from duet.request import Request, RequestStatus
 from duet.scheduler_moves import SequenceMoves
 from duet.spec_decode.stats import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from duet.lora import LoRASlots
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +44,10 @@ class Scheduler(SequenceMoves):
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         num_lookahead_tokens: int = 0,
+        loras: LoRASlots | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.loras = loras  # the LoRA adapters the worker holds (None: the engine serves none)
         self.kv_connector = KVConnectorScheduler(kv_cache_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -137,6 +143,8 @@ class Scheduler(SequenceMoves):
         # requests whose prompt KV was computed elsewhere
         while self.prefilled and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and not self.suspects:
             request = self.prefilled[0]
+            if not self._adapter_held(request):
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new + self._lookahead(request, num_new)) is None:
                 break
@@ -146,11 +154,16 @@ class Scheduler(SequenceMoves):
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        # waiting requests, in arrival order, while nothing had to be preempted
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
+        # waiting requests, in arrival order, while nothing had to be preempted; those whose
+        # LoRA adapter cannot be held yet wait for a running one to finish, the others go on
+        skipped = 0
+        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[skipped]
             if not self._may_run(request):
                 break
+            if not self._adapter_held(request):
+                skipped += 1
+                continue
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -199,6 +212,10 @@ class Scheduler(SequenceMoves):
         """While a failed step's requests are being rerun, only the first of them runs."""
         return not self.suspects or request.request_id == self.suspects[0]
 
+    def _adapter_held(self, request: Request) -> bool:
+        """Whether the worker holds, or loads this step, the request's LoRA adapter."""
+        return request.lora is None or self.loras.admit(request.lora, request.lora_path, self.running)
+
     def _lookahead(self, request: Request, num_new: int, num_computed: int | None = None) -> int:
         """Slots to reserve past this step's tokens: the proposer drafts after a request's step
         reaches its last token, and writes draft KV there (never past ``max_model_len``)."""
@@ -240,7 +257,7 @@ class Scheduler(SequenceMoves):
         self._runner_known -= preempted
         return SchedulerOutput(
             new_requests, cached_requests, num_scheduled, finished, preempted, spec_tokens, self.kv_connector.take_metadata(),
-            self.kv_cache_manager.take_tier_ops(),
+            self.kv_cache_manager.take_tier_ops(), [] if self.loras is None else self.loras.take_ops(),
         )
 
     def _preempt(self, request: Request) -> None:

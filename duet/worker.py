@@ -8,15 +8,18 @@ shard of it (``duet.models.tensor_parallel``) and talks to the others over a pro
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from duet.config import KVOffloadConfig, KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype, resolve_kv_cache_dtype
+from duet.config import ConfigError, KVOffloadConfig, KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype, resolve_kv_cache_dtype
 from duet.kv_tier import KVTierStore
 from duet.messages import KVEndpoint
 from duet.outputs import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class WorkerConfig:
     kv_tier_blocks: int = 0
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter folder) of each adapter requests may name
     max_lora_rank: int = 64
+    max_loras: int = 4  # the first of lora_modules held from the start (the others are checked, then loaded when used)
     rank: int = 0
     world_size: int = 1  # tensor_parallel_size x pipeline_parallel_size
     pipeline_parallel_size: int = 1
@@ -127,10 +131,10 @@ class Worker:
             self.runner = ModelRunner(model, *runner_args, tokenizer_path=config.model_path)
         else:
             self.runner = PipelineRunner(model, self.pipeline, *runner_args, tokenizer_path=config.model_path)
-        for name, path in config.lora_modules:
-            from duet.lora import load_adapter
-
-            self.runner.add_lora(load_adapter(name, path, model, config.max_lora_rank))
+        for index, (name, path) in enumerate(config.lora_modules):
+            adapter = self.load_lora(name, path)  # checked now, whether held or not
+            if index < config.max_loras:
+                self.runner.add_lora(adapter)
         if config.device == "cpu":
             from duet.kernels import cpu_ops
 
@@ -145,7 +149,20 @@ class Worker:
     def kv_endpoint(self) -> KVEndpoint | None:
         return None if self.kv_connector is None else self.kv_connector.endpoint
 
+    def load_lora(self, name: str, path: str):
+        """The adapter at ``path``, checked against this model (``duet.lora.LoRAError``: why it does not fit)."""
+        from duet.lora import load_adapter
+
+        return load_adapter(name, path, self.runner.model, self.config.max_lora_rank)
+
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        for name, path in scheduler_output.lora_ops:  # the engine's loads and unloads (``duet.lora.LoRASlots``)
+            self.runner.loras.pop(name, None)
+            if path is not None:
+                try:
+                    self.runner.add_lora(self.load_lora(name, path))
+                except ConfigError as error:  # changed since the engine checked it: its requests fail, not the step's others
+                    logger.error("could not load LoRA adapter %r from %s: %s", name, path, error)
         if scheduler_output.kv_tier:  # first: blocks this step's transfers and forward write or read
             self.kv_tier.apply(scheduler_output.kv_tier)
         connector = self.kv_connector

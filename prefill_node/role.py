@@ -34,7 +34,7 @@ class PrefillRole:
     def admit(self, request: EngineRequest, block_size: int) -> None:
         if request.kv_send is None:
             raise InvalidRequestError("a prefill replica computes prompts whose KV goes to a decode replica (kv_send)")
-        for block_hash in routing_block_hashes(request.prompt_token_ids, block_size, request.lora):
+        for block_hash in routing_block_hashes(request.prompt_token_ids, block_size, request.lora, request.lora_path):
             self._prefixes[block_hash] = None
             self._prefixes.move_to_end(block_hash)
         while len(self._prefixes) > MAX_REPORTED_PREFIXES:

@@ -81,7 +81,7 @@ class RouterIngress:
         prefill,
         decode,
         model_id: str,
-        lora_names: list[str],
+        lora_modules: dict[str, str],
         model_dir: str,
         max_model_len: int,
         block_size: int,
@@ -102,7 +102,8 @@ class RouterIngress:
         reasoning_parser: str = "auto",
     ) -> None:
         self.model_id = model_id
-        self.lora_names = frozenset(lora_names)  # what else a request's model may name: an adapter (duet.lora)
+        self.lora_modules = dict(lora_modules)  # the config's LoRA adapters (duet.lora), name: folder
+        self.loras = dict(lora_modules)  # those a request's model may name now (``duet.cluster.admin`` loads and unloads)
         self.max_model_len = max_model_len
         self.max_body_bytes = max_body_bytes
         self.api_keys = [key.encode() for key in api_keys]
@@ -155,7 +156,7 @@ class RouterIngress:
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         card = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "duet", "max_model_len": self.max_model_len}
-        adapters = [card | {"id": name, "parent": self.model_id} for name in sorted(self.lora_names)]
+        adapters = [card | {"id": name, "root": path, "parent": self.model_id} for name, path in sorted(self.loras.items())]
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     @app.post("/v1/completions")
@@ -230,10 +231,18 @@ class RouterIngress:
             first = error.errors()[0]
             param = ".".join(str(part) for part in first["loc"]) or None
             raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
-        if body.model != self.model_id and body.model not in self.lora_names:
-            served = ", ".join(repr(name) for name in (self.model_id, *sorted(self.lora_names)))
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {served}", "not_found_error", "model")
+        self._adapter(body.model)
         return body
+
+    def _adapter(self, model: str) -> tuple[str, str] | None:
+        """The LoRA adapter ``model`` names, name and folder (None: the base model); else OpenAI's 404."""
+        if model == self.model_id:
+            return None
+        path = self.loras.get(model)
+        if path is None:
+            served = ", ".join(repr(name) for name in (self.model_id, *sorted(self.loras)))
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", "not_found_error", "model")
+        return model, path
 
     async def _json_object(self, request: Request) -> dict:
         """The body, read within ``max_body_bytes`` (413 past it), as a JSON object (400 if not one)."""
@@ -317,6 +326,7 @@ class RouterIngress:
             sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs, reasoning_mode, reads_calls)
         else:
             sequences = self._sequences(body, encoded, max_tokens, logprobs, reasoning_mode)
+        lora = self._adapter(body.model)
         self._check_pools()
         arrival = time.monotonic()
         try:
@@ -338,7 +348,7 @@ class RouterIngress:
         )
         run = Run(
             self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival, self.tokenizer.skipped_ids(reads_calls),
-            lora=None if body.model == self.model_id else body.model,
+            lora=lora,
         )
         if body.stream:
             # The status goes out with the first chunk: wait for the first output, so that a

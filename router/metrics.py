@@ -44,6 +44,10 @@ class RouterMetrics:
         self.success = Counter(
             "vllm:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"], registry=self.registry
         )
+        lora_labels = ["model_name", "lora_name"]
+        self.lora_requests = Counter("duet:lora_requests", "Requests finished, by the LoRA adapter they named.", lora_labels, registry=self.registry)
+        self.lora_prompt_tokens = Counter("duet:lora_prompt_tokens", "Prompt tokens, by LoRA adapter.", lora_labels, registry=self.registry)
+        self.lora_generation_tokens = Counter("duet:lora_generation_tokens", "Tokens generated, by LoRA adapter.", lora_labels, registry=self.registry)
         self.rejected = Counter(
             "duet:requests_rejected", "Requests refused, by HTTP status.", ["model_name", "status"], registry=self.registry
         )
@@ -79,6 +83,7 @@ class _PoolCollector:
             ),
             "duet:kv_offload_blocks": ("KV blocks the second tier (kv_offload) holds.", lambda s: s.kv.tier_blocks),
             "duet:kv_offload_capacity_blocks": ("KV blocks the second tier can hold (0: none).", lambda s: s.kv.tier_capacity_blocks),
+            "duet:lora_adapters_loaded": ("LoRA adapters the replica holds (at most its max_loras).", lambda s: len(s.lora.held)),
             "duet:spec_decode_mean_accepted_length": (
                 "Tokens emitted per verified draft since start (accepted drafts plus one); 0 before any.",
                 lambda s: s.spec.mean_accepted_length,
@@ -98,6 +103,8 @@ class _PoolCollector:
             "duet:kv_transfers_cancelled": ("KV transfers given up because their request was aborted.", lambda s: s.transfer.cancelled),
             "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, announcement to acknowledgement.", lambda s: s.transfer.seconds),
             "duet:kv_integrity_failures": ("Idle KV bookkeeping checks that failed (blocks leaked).", lambda s: s.integrity_failures),
+            "duet:lora_loads": ("LoRA adapters loaded after start (first use, or again after eviction).", lambda s: s.lora.loads),
+            "duet:lora_evictions": ("LoRA adapters unloaded to load another, max_loras being held.", lambda s: s.lora.evictions),
             "vllm:spec_decode_num_drafts": ("Draft proposals verified (one per request per step).", lambda s: s.spec.num_drafts),
             "vllm:spec_decode_num_draft_tokens": ("Draft tokens verified.", lambda s: s.spec.num_draft_tokens),
             "vllm:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", lambda s: s.spec.num_accepted_tokens),

@@ -102,11 +102,12 @@ class Orchestrator:
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
 
     async def run(
-        self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None
+        self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None = None
     ) -> AsyncIterator[TokenDelta]:
-        """The sequence's deltas (with LoRA adapter ``lora``), wherever it runs; started over
-        elsewhere each time it must (``duet.router.sequence`` decides)."""
-        request = EngineRequest(sequence_id, prompt_token_ids, params, lora=lora)
+        """The sequence's deltas (with LoRA adapter ``lora``: its name and folder), wherever it
+        runs; started over elsewhere each time it must (``duet.router.sequence`` decides)."""
+        name, path = lora or (None, None)
+        request = EngineRequest(sequence_id, prompt_token_ids, params, lora=name, lora_path=path)
         sequence = Sequence(request, self.max_migrations, self.on_transfer_failure)
         moved_to = moved = moved_pool = None
         while True:
@@ -230,12 +231,12 @@ class Orchestrator:
         request = sequence.request
         if sequence.token_ids:
             context = request.prompt_token_ids + sequence.token_ids[:-1]
-            request = EngineRequest(request_id, context, _FILL_PARAMS, lora=request.lora)
+            request = EngineRequest(request_id, context, _FILL_PARAMS, lora=request.lora, lora_path=request.lora_path)
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
-        hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, request.lora)
+        hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, request.lora, request.lora_path)
         pool, pinned = self.prefill_target()
         new_call_context()
-        stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, **_pin(pinned))
+        stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, lora=request.lora, **_pin(pinned))
         try:
             async for delta in stream:
                 return None if sequence.token_ids else delta
@@ -360,7 +361,7 @@ class _DecodeStream:
             else:
                 new_call_context()  # an abort of an earlier placement may still be on its way
                 handle = self.orchestrator.handles[pool]
-                self._call = handle.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks, **_pin(pinned))
+                self._call = handle.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, **_pin(pinned))
                 try:
                     placement = await self._call
                 except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone

@@ -9,6 +9,10 @@ pinned to that replica: it concerns state only that replica holds. When
 that replica is gone the call goes to any live one, which refuses it at once
 (``ReplicaGoneError``): waiting for a replica that will never come back would hold the call,
 and Serve's routing loop with it, forever.
+
+A call for a LoRA adapter (``lora`` keyword) counts a replica that holds it (its report's
+``lora.held``) as ``ADAPTER_LOAD_CREDIT`` requests less busy than it is: held adapters draw
+their requests without loading them anew, where that does not crowd one replica.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from duet.messages import ReplicaStats
 from duet.router.serve_internals import departed, register_router, reported_stats
+
+ADAPTER_LOAD_CREDIT = 2
 
 class _PoolRouter(RequestRouter):
     """Pins calls that name a replica; ranks the others with ``rank``."""
@@ -46,6 +52,10 @@ class _PoolRouter(RequestRouter):
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
         raise NotImplementedError
 
+    def _loads(self, candidates: list[RunningReplica], kwargs: dict) -> dict:
+        """Each candidate's load by replica id, as ranking weighs it (see ``adapter_loads``)."""
+        return adapter_loads(candidates, {replica.replica_id: self._load(replica) for replica in candidates}, kwargs.get("lora"))
+
     def _load(self, replica: RunningReplica) -> int:
         """Requests in flight on the replica as Serve counts them (fresher than the stats)."""
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
@@ -65,7 +75,7 @@ class PrefixAffinityRouter(_PoolRouter):
         self.imbalance_threshold = imbalance_threshold
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
-        loads = {replica.replica_id: self._load(replica) for replica in candidates}
+        loads = self._loads(candidates, kwargs)
         return rank_by_prefix(candidates, loads, kwargs.get("prefix_hashes") or [], self.imbalance_threshold)
 
 
@@ -86,7 +96,7 @@ class KVCapacityRouter(_PoolRouter):
     fewest running sequences first, most free blocks breaking ties."""
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
-        loads = {replica.replica_id: self._load(replica) for replica in candidates}
+        loads = self._loads(candidates, kwargs)
         return rank_by_capacity(candidates, loads, kwargs.get("num_prompt_blocks", 0))
 
 
@@ -119,6 +129,14 @@ def choose(
     if role is not None:
         working = [replica for replica in working if (stats := reported_stats(replica)) is None or stats.stage == role] or working
     return rank(working or candidates, kwargs)
+
+
+def adapter_loads(candidates: list[RunningReplica], loads: dict, lora: str | None) -> dict:
+    """``loads`` with ``ADAPTER_LOAD_CREDIT`` off each replica that reported holding ``lora``."""
+    if lora is None:
+        return loads
+    holders = {replica.replica_id for replica in candidates if (stats := reported_stats(replica)) is not None and lora in stats.lora.held}
+    return {replica_id: load - ADAPTER_LOAD_CREDIT if replica_id in holders else load for replica_id, load in loads.items()}
 
 
 def rank_by_prefix(

@@ -40,10 +40,10 @@ class Run:
         sequences: list[SequenceSpec],
         arrival: float,
         skipped_ids: frozenset[int] | None = None,
-        lora: str | None = None,
+        lora: tuple[str, str] | None = None,
     ) -> None:
         """``skipped_ids``: the special tokens the outputs' text leaves out, where not all;
-        ``lora``: the LoRA adapter every sequence runs with (None: the base model)."""
+        ``lora``: the LoRA adapter every sequence runs with, its name and folder (None: the base model)."""
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -77,10 +77,16 @@ class Run:
                     self.choices[index].add(delta)
                     yield index, delta
             metrics.e2e.observe(time.monotonic() - self.arrival)
-            metrics.prompt_tokens.inc(sum(len(prompt) for prompt in self.encoded))
+            prompt_tokens, generated = sum(len(prompt) for prompt in self.encoded), sum(len(choice.token_ids) for choice in self.choices)
+            metrics.prompt_tokens.inc(prompt_tokens)
+            metrics.generation_tokens.inc(generated)
             for choice in self.choices:
-                metrics.generation_tokens.inc(len(choice.token_ids))
                 metrics.success.labels(metrics.model_name, choice.finish_reason or "abort").inc()
+            if self.lora is not None:
+                labels = (metrics.model_name, self.lora[0])
+                metrics.lora_requests.labels(*labels).inc()
+                metrics.lora_prompt_tokens.labels(*labels).inc(prompt_tokens)
+                metrics.lora_generation_tokens.labels(*labels).inc(generated)
         finally:
             for task in tasks:
                 task.cancel()

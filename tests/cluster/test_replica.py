@@ -18,7 +18,7 @@ from duet.config import EngineArgs
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
 from duet.llm import LLM
-from duet.messages import EngineRequest, KVDestination, Moved, Placement, ReplicaStats
+from duet.messages import EngineRequest, KVDestination, LoRAStats, Moved, Placement, ReplicaStats
 from duet.prefill_node.role import PrefillRole
 from duet.sampling_params import SamplingParams
 
@@ -217,7 +217,7 @@ STATUS_KEYS = {
     "transfers", "transfer_failures", "transfers_cancelled", "transfer_seconds", "pending_transfers", "prompt_tokens_pending",
     "new_prompt_tokens_pending", "num_decoding_blocks", "num_decode_waiting", "prefill_tokens_per_s", "tokens_per_s",
     "tpot_s", "decode_only_tpot_s", "ttft_s", "output_tokens_per_s", "threads", "shared_cores", "lease_wait_s",
-    "integrity_failures", "worker_failure",
+    "integrity_failures", "worker_failure", "loras", "lora_loads", "lora_evictions",
     "prefix_hashes", "reported_at",
 }
 
@@ -253,7 +253,7 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
 
     stats = ReplicaStats.from_dict(report)
     assert stats.to_dict() == report and ReplicaStats.from_dict(stats.to_dict()) == stats
-    parts = [stats.scheduler, stats.kv, stats.transfer, stats.load, stats.spec]
+    parts = [stats.scheduler, stats.kv, stats.transfer, stats.load, stats.spec, stats.lora]
     assert [_unfilled(type(part)) for part in parts] == [[]] * len(parts) and _unfilled(ReplicaStats) == []
     assert (stats.stage, stats.replica_id, stats.worker_failure, stats.integrity_failures) == ("prefill", "prefill-test", None, 0)
     assert abs(time.time() - stats.reported_at) < 60
@@ -268,6 +268,7 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
     spec = stats.spec
     assert 0 < spec.num_drafts and spec.num_accepted_tokens <= spec.num_draft_tokens and spec.mean_accepted_length >= 1
     assert sum(spec.accepted_per_position) == spec.num_accepted_tokens
+    assert stats.lora == LoRAStats(held=[], max_loras=4, loads=0, evictions=0)
 
     assert list(metrics) == list(METRICS) and metrics["num_blocks"] == 64.0
     assert metrics["prefill_tokens_per_s"] == stats.load.prefill_tokens_per_s

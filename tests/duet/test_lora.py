@@ -122,3 +122,62 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_reason(lora_setup, tmp_
         LLM(model=str(base), lora_modules={"dora": str(dora)}, num_kv_blocks=16)
     with pytest.raises(ConfigError, match="not built yet"):
         LLM(model=str(base), lora_modules={"attention": str(adapters["attention"])}, tensor_parallel_size=2)
+
+
+# Eight adapters of several ranks and targets, for an engine that holds four at a time.
+MANY_TARGETS = (["q_proj", "v_proj"], ["k_proj", "o_proj"], ["gate_proj", "down_proj"], ["q_proj", "up_proj", "o_proj"])
+
+
+@pytest.fixture(scope="module")
+def many_adapters(lora_setup, tmp_path_factory):
+    base, _, prompts, _ = lora_setup
+    root = tmp_path_factory.mktemp("many")
+    adapters, references = {}, {}
+    for index in range(8):
+        name = f"tune{index}"
+        adapters[name] = make_adapter(base, root / name, 2 << (index % 3), 8, list(MANY_TARGETS[index % 4]), index % 2 == 1, 10 + index)
+        references[name] = hf_greedy(merged_model(base, adapters[name], root / f"{name}-merged"), prompts, NEW_TOKENS)
+    return adapters, references
+
+
+def test_eight_adapters_round_robin_with_four_held_each_answer_with_its_own(lora_setup, many_adapters):
+    """Every prompt under each of 8 adapters, interleaved in one submission, with ``max_loras=4``:
+    the engine holds at most four, loads the others in place of those no running request
+    uses, and every output is its own adapter's."""
+    base, _, prompts, _ = lora_setup
+    adapters, references = many_adapters
+    names = list(adapters)
+    llm = LLM(model=str(base), lora_modules={name: str(path) for name, path in adapters.items()}, max_loras=4, num_kv_blocks=256)
+    assert llm.engine.stats().lora.held == names[:4]
+    batch = [(prompt, names[index % 8]) for index, prompt in enumerate(prompts * 8)]
+    outputs = llm.generate([prompt for prompt, _ in batch], _greedy(), lora=[name for _, name in batch])
+    for (prompt, name), output in zip(batch, outputs):
+        check_outputs([output], [references[name][prompts.index(prompt)]], f"adapter {name}")
+    stats = llm.engine.stats().lora
+    assert len(stats.held) == 4 and stats.max_loras == 4
+    assert stats.loads >= 4 and stats.evictions == stats.loads  # every load past the first four evicted one
+    assert len(llm.engine.executor.worker.runner.loras) == 4
+    llm.engine.check_integrity()
+
+
+def test_adapters_loaded_at_run_time_by_folder_and_refused_without_disturbing_others(lora_setup, many_adapters, tmp_path, tiny_tokenizer_dir):
+    """An adapter named with its folder is loaded when first used; the same name from another
+    folder is another adapter (its own KV, never the first's cached blocks); one that does not
+    fit is refused, naming why, and the adapters held go on answering."""
+    base, adapters, prompts, references = lora_setup
+    many, many_references = many_adapters
+    llm = LLM(model=str(base), lora_modules={"attention": str(adapters["attention"])}, max_loras=2, num_kv_blocks=256)
+    check_outputs(llm.generate(prompts, _greedy(), lora=("late", str(many["tune3"]))), many_references["tune3"], "loaded by folder")
+    check_outputs(llm.generate(prompts, _greedy(), lora=("late", str(many["tune5"]))), many_references["tune5"], "same name, other folder")
+    other = make_tiny_llama(tmp_path / "other", tiny_tokenizer_dir, hidden_size=96, intermediate_size=128)
+    foreign = make_adapter(other, tmp_path / "foreign", 4, 8, ["q_proj"], False, 0)
+    with pytest.raises(InvalidRequestError, match="an adapter of another base model"):
+        llm.generate(prompts[:1], _greedy(), lora=("foreign", str(foreign)))
+    with pytest.raises(InvalidRequestError, match="rank 8 is above max_lora_rank=4"):
+        LLM(model=str(base), max_lora_rank=4, num_kv_blocks=16).generate(prompts[:1], _greedy(), lora=("big", str(adapters["attention"])))
+    with pytest.raises(InvalidRequestError, match="cannot read a PEFT adapter"):
+        llm.generate(prompts[:1], _greedy(), lora=("nowhere", str(tmp_path / "nowhere")))
+    check_outputs(llm.generate(prompts, _greedy(), lora="attention"), references["attention"], "held before the refusals")
+    check_outputs(llm.generate(prompts, _greedy(), lora=("late", str(many["tune5"]))), many_references["tune5"], "held before the refusals")
+    assert llm.engine.stats().lora.held == ["attention", "late"]
+    llm.engine.check_integrity()

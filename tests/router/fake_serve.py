@@ -7,7 +7,7 @@ import dataclasses
 import time
 from types import SimpleNamespace
 
-from duet.messages import CoreStats, KVCacheStats, LoadStats, ReplicaStats, SchedulerStats, SpecStats, TransferStats
+from duet.messages import CoreStats, KVCacheStats, LoadStats, LoRAStats, ReplicaStats, SchedulerStats, SpecStats, TransferStats
 from duet.router import serve_internals
 
 
@@ -21,6 +21,7 @@ def make_stats(stage: str = "decode", replica_id: str = "r", **fields) -> Replic
         "load": LoadStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
         "spec": SpecStats(0, 0, 0, []),
         "cores": CoreStats(1, False, 0.0),
+        "lora": LoRAStats([], 4, 0, 0),
     }
     own = dict(worker_failure=None, integrity_failures=0, prefix_hashes=[], reported_at=time.time())
     for name, value in fields.items():

@@ -12,6 +12,7 @@ def test_every_replica_metric_reads_its_value_from_the_typed_report():
         num_preemptions=3, prefix_cache_queries=40, prefix_cache_hits=16, bytes=4096, transfers=2, failures=1, cancelled=1,
         seconds=0.5, pending=4, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6, accepted_per_position=[4, 2, 0],
         integrity_failures=1, tier_capacity_blocks=64, tier_blocks=40, tier_saved_blocks=50, tier_restored_blocks=7,
+        held=["a", "b"], loads=5, evictions=3,
     )
     families = {family.name: family for family in _PoolCollector("m", lambda: {"decode": [stats]}).collect()}
     values = {name: family.samples[0].value for name, family in families.items() if family.samples}
@@ -25,6 +26,7 @@ def test_every_replica_metric_reads_its_value_from_the_typed_report():
         "vllm:spec_decode_num_accepted_tokens": 6, "duet:pool_replicas": 1,
         "vllm:spec_decode_num_accepted_tokens_per_pos": 4, "duet:kv_offload_blocks": 40, "duet:kv_offload_capacity_blocks": 64,
         "duet:kv_offload_saved_blocks": 50, "duet:kv_offload_restored_blocks": 7,
+        "duet:lora_adapters_loaded": 2, "duet:lora_loads": 5, "duet:lora_evictions": 3,
     }
     assert families["vllm:cache_config_info"].samples[0].labels == {
         "model_name": "m", "stage": "decode", "replica": "d", "cache_dtype": "auto", "block_size": "16", "num_gpu_blocks": "100",

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from duet.block_pool import routing_block_hashes
-from duet.router.routing import choose, rank_by_capacity, rank_by_prefix
+from duet.router.routing import ADAPTER_LOAD_CREDIT, adapter_loads, choose, rank_by_capacity, rank_by_prefix
 from tests.router.fake_serve import make_stats
 
 
@@ -58,6 +58,16 @@ def test_decode_prefers_room_for_the_prompt_then_fewer_running_then_more_free_bl
     idle_big = _replica("idle-big", num_free_blocks=80)
     ranks = rank_by_capacity([full, busy, idle_small, idle_big], {"full": 0, "busy": 5, "idle-small": 1, "idle-big": 1}, 10)
     assert [rank[0].replica_id for rank in ranks] == ["idle-big", "idle-small", "busy", "full"]
+
+
+def test_a_replica_holding_the_calls_adapter_is_preferred_unless_busier_by_more_than_the_credit():
+    holder, other = _replica("holder", num_free_blocks=50, held=["sql"]), _replica("other", num_free_blocks=90)
+    for busier, expected in ((ADAPTER_LOAD_CREDIT - 1, "holder"), (ADAPTER_LOAD_CREDIT + 1, "other")):
+        loads = adapter_loads([holder, other], {"holder": busier, "other": 0}, "sql")
+        assert rank_by_capacity([holder, other], loads, 10)[0][0].replica_id == expected
+        assert rank_by_prefix([holder, other], loads, [], imbalance_threshold=4)[0][0].replica_id == expected
+    assert adapter_loads([holder, other], {"holder": 1, "other": 0}, None) == {"holder": 1, "other": 0}
+    assert adapter_loads([holder, other], {"holder": 1, "other": 0}, "chat") == {"holder": 1, "other": 0}
 
 
 def test_a_call_pinned_to_a_gone_replica_goes_to_a_live_one_and_every_round_backs_off():
