@@ -58,7 +58,9 @@ def _timed_parts():
     ]
 
 
-KERNEL_PARTS = ("products", "LM head argmax", "attention", "RoPE + KV write", "norms", "activation", "sampler", "prepare inputs")
+KERNEL_PARTS = (
+    "products", "LM head argmax", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates", "sampler", "prepare inputs",
+)
 
 
 @contextmanager

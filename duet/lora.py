@@ -6,7 +6,9 @@ An adapter is a PEFT directory: ``adapter_config.json`` and ``adapter_model.safe
 one: ``A`` the parts' rows stacked, ``B`` block-diagonal by part (a part the adapter leaves out
 is zeros), the scale folded into ``B``. A step's rows of each adapter get ``x A^T B^T`` added to
 the base product, which every row shares (``LoRAStep``, the step's rows by adapter, set around
-the forward: ``Linear`` reads it). No adapter is merged into the weights.
+the forward: ``Linear`` and the C++ decoder stack read it). On CPUs one C++ call adds every
+row's update (``kernels/csrc/lora.cpp``); elsewhere torch products per adapter. An adapter is
+kept in the model's dtype. No adapter is merged into the weights.
 
 A request names its adapter (``EngineRequest.lora``) and where it lies (``lora_path``: an
 engine that does not hold it loads it from there); the prefix cache keys its blocks by both
@@ -40,10 +42,10 @@ class LoRAError(ConfigError):
 
 @dataclass
 class LoRAWeights:
-    """One Linear's update: ``x @ a.T @ b.T`` (the scale folded into ``b``)."""
+    """One Linear's update: ``x @ a.T @ bt`` (the scale folded into ``bt``, B transposed)."""
 
     a: torch.Tensor  # [rank of every part, in_features]
-    b: torch.Tensor  # [out_features, rank of every part]
+    bt: torch.Tensor  # [rank of every part, out_features]
 
 
 @dataclass
@@ -85,9 +87,9 @@ def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapt
                 b[row : row + part_rows, column : column + part[1].shape[1]] = part[1] * scaling
                 column += part[1].shape[1]
             row += part_rows
-        held = linear.weight if linear.weight is not None else linear.gguf.codes  # blocks alone compute in fp32
-        dtype = linear.weight.dtype if linear.weight is not None else torch.float32
-        weights[module_name] = LoRAWeights(a.to(held.device, dtype).contiguous(), b.to(held.device, dtype).contiguous())
+        held = linear.weight if linear.weight is not None else linear.gguf.codes
+        dtype = linear.weight.dtype if linear.weight is not None else torch.float32  # the model's (blocks alone compute in fp32)
+        weights[module_name] = LoRAWeights(a.to(held.device, dtype).contiguous(), b.T.to(held.device, dtype).contiguous())
     unused = sorted(set(state) - used)
     if unused:
         raise LoRAError(f"adapter {name!r}: {unused[0]} targets a module this model lacks or duet does not adapt ({len(unused)} such tensors)")
@@ -153,19 +155,46 @@ def _part(name: str, state: dict, part: str, in_features: int, rows: int, used: 
     return a, b
 
 
-@dataclass
-class LoRAStep:
-    """A forward's rows by adapter: ``(adapter, row indices)`` for each adapter some row uses."""
+_NONE = torch.empty(0)  # an adapter's A and B^T where it leaves a module out
 
-    groups: list[tuple[LoRAAdapter, torch.Tensor]]
+
+class LoRAStep:
+    """A forward's rows by adapter: ``adapters`` (those some row uses; a row's slot is its
+    adapter's index, -1 for the base) and ``row_slots`` (int32, a slot per row)."""
+
+    def __init__(self, adapters: list[LoRAAdapter], row_slots: list[int], device) -> None:
+        self.adapters = adapters
+        self.row_slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
+        self._rows = None  # each adapter's row indices, for the torch updates
+        self._ops = None
+        if self.row_slots.device.type == "cpu":
+            from duet.kernels import cpu_ops
+
+            self._ops = cpu_ops.load()
+
+    @property
+    def native(self) -> bool:
+        """Whether the C++ updates serve this step (the decoder stack takes such steps)."""
+        return self._ops is not None
+
+    def weights(self, module_name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The A and B^T of ``module_name`` of each slot's adapter (empty: it leaves it out)."""
+        held = [adapter.weights.get(module_name) for adapter in self.adapters]
+        return [w.a if w is not None else _NONE for w in held], [w.bt if w is not None else _NONE for w in held]
 
     def apply(self, module_name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base product of ``x``) with each adapter's update added to its rows."""
-        for adapter, rows in self.groups:
+        if self._ops is not None:
+            y = y.contiguous()
+            self._ops.lora_add(y, x.contiguous(), self.row_slots, *self.weights(module_name))
+            return y
+        if self._rows is None:
+            self._rows = [(self.row_slots == slot).nonzero().flatten() for slot in range(len(self.adapters))]
+        for adapter, rows in zip(self.adapters, self._rows):
             weights = adapter.weights.get(module_name)
-            if weights is None:
+            if weights is None or rows.numel() == 0:
                 continue
-            update = (x.index_select(0, rows).to(weights.a.dtype) @ weights.a.T) @ weights.b.T
+            update = (x.index_select(0, rows).to(weights.a.dtype) @ weights.a.T) @ weights.bt
             y = y.index_add(0, rows, update.to(y.dtype))
         return y
 

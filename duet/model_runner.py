@@ -137,19 +137,17 @@ class ModelRunner:
         """The step's flat rows by adapter (``_prepare_inputs``' order), or None if no row has one."""
         if not self.loras:
             return None
-        rows: dict[str, list[int]] = {}
-        offset = 0
+        slots: dict[str, int] = {}
+        row_slots: list[int] = []
         for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             lora = self.requests[request_id].lora
-            if lora is not None:
-                rows.setdefault(lora, []).extend(range(offset, offset + num_tokens))
-            offset += num_tokens
-        if not rows:
+            row_slots.extend([-1 if lora is None else slots.setdefault(lora, len(slots))] * num_tokens)
+        if not slots:
             return None
-        missing = sorted(set(rows) - set(self.loras))
+        missing = sorted(set(slots) - set(self.loras))
         if missing:  # its load failed (its folder changed since the engine checked it): its requests fail
             raise RuntimeError(f"LoRA adapter {missing[0]!r} is not loaded here: its load from its folder failed")
-        return LoRAStep([(self.loras[name], torch.tensor(ids, dtype=torch.long, device=self.device)) for name, ids in rows.items()])
+        return LoRAStep([self.loras[name] for name in slots], row_slots, self.device)
 
     def _prompt_logprobs(self, logits: torch.Tensor, scored: list[tuple[str, int, int]]) -> dict[str, tuple[int, list[dict[int, float]]]]:
         """Each scoring request's first scored position and its prompt tokens' top logprobs."""

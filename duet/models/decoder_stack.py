@@ -5,7 +5,8 @@ A decode step (or a speculative verification) runs the layers through ``DecoderS
 tensors as ``LlamaForCausalLM.run_layers``' loop, with each product's path chosen by
 ``Linear.plan()`` as ``Linear.forward`` chooses it, so the outputs are bit for bit the
 loop's; only the loop's Python (module calls, splits, views, ~300 of them a step) is gone,
-and the GIL with it while the layers run. Prompt chunks keep the Python loop (their Python
+and the GIL with it while the layers run. A step with LoRA adapters' rows (``duet.lora``) runs
+here too, each product adding their updates with the same C++ call ``Linear`` makes. Prompt chunks keep the Python loop (their Python
 is a small share of their step; their attention is ``cpu_ops``' prompt kernel), as do models
 whose layers are not plain Llama ones (tensor-parallel ranks, MoE, Qwen's q/k/v biases and
 q/k norms), GPU models, and every model where the C++ kernels are unavailable.
@@ -24,15 +25,17 @@ from duet.models.linear import Linear
 
 if TYPE_CHECKING:
     from duet.kernels import AttentionMetadata
+    from duet.lora import LoRAStep
     from duet.models.llama import LlamaForCausalLM
 
 
 class DecoderStack:
     """The C++ stack over a model's layers (``build``), and when a step may take it."""
 
-    def __init__(self, native, head_dim: int) -> None:
+    def __init__(self, native, head_dim: int, linear_names: list[str]) -> None:
         self.native = native
         self.head_dim = head_dim
+        self.linear_names = linear_names  # each layer's products' module names, in the stack's order (LoRA's keys)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> DecoderStack | None:
@@ -66,21 +69,29 @@ class DecoderStack:
             plans, attention.num_heads, attention.num_kv_heads, attention.head_dim,
             layers[0].input_layernorm.eps, attention.scale, model.rotary.cos, model.rotary.sin,
         )
-        return cls(native, attention.head_dim)
+        names = {module: name for name, module in model.named_modules()}
+        return cls(native, attention.head_dim, [names[linear] for layer in layers for linear in _linears(layer)])
 
     @staticmethod
     def takes(x: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """Whether this step's layers can run here: every query short (the C++ attention's)."""
         return metadata.max_query_len <= MAX_BATCHED_QUERY_LEN and x.device.type == "cpu"
 
-    def run(self, x, residual, positions, kv_caches, metadata: AttentionMetadata) -> torch.Tensor:
-        """``LlamaForCausalLM.run_layers`` for a step it ``takes``."""
+    def run(self, x, residual, positions, kv_caches, metadata: AttentionMetadata, lora: LoRAStep | None = None) -> torch.Tensor:
+        """``LlamaForCausalLM.run_layers`` for a step it ``takes`` (``lora``: the step's adapters, native)."""
         key_caches = [key for key, _ in kv_caches]
         value_caches = [value for _, value in kv_caches]
         out_of_basis = rotation(self.head_dim, x.dtype, x.device) if is_quantized(key_caches[0]) else None
+        slots, a, bt = None, [], []
+        if lora is not None:
+            slots = lora.row_slots
+            for name in self.linear_names[: 4 * len(kv_caches)]:
+                a_list, bt_list = lora.weights(name)
+                a.append(a_list)
+                bt.append(bt_list)
         return self.native.run(
             x, residual, positions, key_caches, value_caches, metadata.slot_mapping, metadata.block_tables,
-            metadata.seq_lens, metadata.query_start_loc, list(range(metadata.num_seqs)), out_of_basis,
+            metadata.seq_lens, metadata.query_start_loc, list(range(metadata.num_seqs)), out_of_basis, slots, a, bt,
         )
 
     def profile(self, on: bool) -> None:

@@ -301,11 +301,13 @@ class LlamaForCausalLM(nn.Module):
         """The first ``len(kv_caches)`` layers, from the first one's normalised input ``x`` and
         the residual stream (added into in place): the last layer's MLP output, for the next
         norm (or the next pipeline stage) to add in. A step of short queries runs them in one
-        C++ call (``decoder_stack``) where the model allows and no row has a LoRA adapter, to the
-        same bits."""
-        stack = self.decoder_stack() if on_layer_done is None and kv_caches and current_lora_step() is None else None
+        C++ call (``decoder_stack``) where the model allows (with LoRA adapters' rows where their
+        updates are C++ too), to the same bits."""
+        lora = current_lora_step()
+        native = lora is None or lora.native
+        stack = self.decoder_stack() if on_layer_done is None and kv_caches and native else None
         if stack is not None and stack.takes(x, metadata):
-            return stack.run(x, residual, positions, kv_caches, metadata)
+            return stack.run(x, residual, positions, kv_caches, metadata, lora)
         mlp_out = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if mlp_out is not None:

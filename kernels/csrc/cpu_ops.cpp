@@ -475,5 +475,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("apply_token_bitmask", &apply_token_bitmask);
+  m.def("lora_add", &lora_add);
   bind_decoder_stack(m);
 }

@@ -21,6 +21,10 @@ void rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, dou
 void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions, torch::Tensor cos,
                     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
+// y[i] += (x[i] A^T) B^T with the A and B^T of row i's adapter slot (lora.cpp); a slot < 0 or an
+// empty A leaves the row as it is.
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor row_slots, const std::vector<torch::Tensor>& a,
+              const std::vector<torch::Tensor>& bt);
 
 // Adds the DecoderStack class (decoder_stack.cpp) to the extension's Python module.
 void bind_decoder_stack(pybind11::module& m);

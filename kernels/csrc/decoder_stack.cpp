@@ -52,8 +52,8 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kNumParts };
-const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation"};
+enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumParts };
+const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
   TORCH_CHECK(t.size() == 10, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
@@ -97,20 +97,30 @@ class DecoderStack {
   // The first len(key_caches) layers from the first one's normalised input x and the residual
   // stream (added into in place): the last layer's MLP output, as LlamaForCausalLM.run_layers.
   // With a quantized cache, ``rotation`` takes attention's output out of the cache's basis.
+  // With ``lora_slots`` (a row's LoRA adapter slot, -1 for none), each product adds its rows'
+  // updates (lora_add) with lora_a[4 * layer + j] and lora_bt[4 * layer + j], j the product's
+  // place in the layer (q/k/v, o, gate/up, down), as Linear.forward does.
   torch::Tensor run(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
                     const std::vector<torch::Tensor>& key_caches, const std::vector<torch::Tensor>& value_caches,
                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
                     torch::Tensor query_start_loc, const std::vector<int64_t>& seq_ids,
-                    std::optional<torch::Tensor> rotation) {
+                    std::optional<torch::Tensor> rotation, std::optional<torch::Tensor> lora_slots,
+                    const std::vector<std::vector<torch::Tensor>>& lora_a, const std::vector<std::vector<torch::Tensor>>& lora_bt) {
     TORCH_CHECK(key_caches.size() == value_caches.size() && key_caches.size() <= layers_.size(),
                 "one key and one value cache per layer run, at most ", layers_.size());
+    TORCH_CHECK(!lora_slots || (lora_a.size() >= 4 * key_caches.size() && lora_bt.size() == lora_a.size()),
+                "an A and a B^T list per product of every layer run");
+    lora_slots_ = lora_slots ? &*lora_slots : nullptr;
+    lora_a_ = &lora_a;
+    lora_bt_ = &lora_bt;
     const int64_t tokens = x.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     torch::Tensor mlp_out;
     for (size_t index = 0; index < key_caches.size(); ++index) {
       const LayerPlan& layer = layers_[index];
       if (mlp_out.defined()) x = add_rms_norm(mlp_out, residual, layer.input_norm);
       // attention
-      torch::Tensor qkv = linear(x, layer.qkv);
+      const size_t lora = 4 * index;
+      torch::Tensor qkv = linear(x, layer.qkv, lora);
       auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
       torch::Tensor q = parts[0].view({tokens, num_heads_, head_dim_});
       torch::Tensor k = parts[1].view({tokens, num_kv_heads_, head_dim_});
@@ -125,16 +135,16 @@ class DecoderStack {
                         seq_ids, scale_, layer.window);
         if (rotation) attended = torch::matmul(attended, *rotation);  // out of the cache's basis
       });
-      torch::Tensor attn_out = linear(attended.view({tokens, q_size}), layer.o);
+      torch::Tensor attn_out = linear(attended.view({tokens, q_size}), layer.o, lora + 1);
       // MLP
       torch::Tensor hidden = add_rms_norm(attn_out, residual, layer.post_norm);
-      torch::Tensor gate_up = linear(hidden, layer.gate_up);
+      torch::Tensor gate_up = linear(hidden, layer.gate_up, lora + 2);
       torch::Tensor activated;
       timed(kActivation, [&] {
         activated = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
         silu_and_mul(activated, gate_up.contiguous());
       });
-      mlp_out = linear(activated, layer.down);
+      mlp_out = linear(activated, layer.down, lora + 3);
     }
     return mlp_out;
   }
@@ -170,8 +180,8 @@ class DecoderStack {
     return out;
   }
 
-  // Linear.forward, path for path.
-  torch::Tensor linear(const torch::Tensor& x, const LinearPlan& plan) {
+  // Linear.forward, path for path; then the LoRA updates of product ``lora`` where a step has them.
+  torch::Tensor linear(const torch::Tensor& x, const LinearPlan& plan, size_t lora) {
     torch::Tensor out;
     timed(kProducts, [&] {
       const int64_t rows = x.size(0);
@@ -192,6 +202,12 @@ class DecoderStack {
         out = at::linear(x, plan.weight);
       }
     });
+    if (lora_slots_ != nullptr) {
+      timed(kLoRA, [&] {
+        out = out.contiguous();
+        lora_add(out, x.contiguous(), *lora_slots_, (*lora_a_)[lora], (*lora_bt_)[lora]);
+      });
+    }
     return out;
   }
 
@@ -202,6 +218,10 @@ class DecoderStack {
   c10::TypedOperatorHandle<BlockProduct> gguf_matmul_, gguf_matmul_bf16_;
   c10::TypedOperatorHandle<Dequantize> gguf_dequantize_;
   c10::TypedOperatorHandle<PackedProduct> linear_packed_;
+  // This run's LoRA updates (run's arguments, alive while it runs; no slots: none).
+  const torch::Tensor* lora_slots_ = nullptr;
+  const std::vector<std::vector<torch::Tensor>>* lora_a_ = nullptr;
+  const std::vector<std::vector<torch::Tensor>>* lora_bt_ = nullptr;
   bool profiling_ = false;
   std::array<double, kNumParts> seconds_{};
 };

@@ -181,3 +181,57 @@ def test_adapters_loaded_at_run_time_by_folder_and_refused_without_disturbing_ot
     check_outputs(llm.generate(prompts, _greedy(), lora=("late", str(many["tune5"]))), many_references["tune5"], "held before the refusals")
     assert llm.engine.stats().lora.held == ["attention", "late"]
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32, torch.bfloat16)])
+def test_the_cpp_update_adds_each_rows_own_adapter_and_leaves_the_others(dtype, weight_dtype):
+    """``lora_add`` against torch: rows of three adapters (one leaving this product out: an empty
+    A), base rows (-1) untouched, more rows of one adapter than a block takes; rows and adapters
+    in fp32 or bf16."""
+    from duet.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("the C++ kernels did not build here")
+    generator = torch.Generator().manual_seed(0)
+    rows, in_features, out_features = 29, 48, 80
+    a = [torch.randn(rank, in_features, generator=generator).to(weight_dtype) for rank in (4, 16)] + [torch.empty(0)]
+    bt = [torch.randn(rank, out_features, generator=generator).to(weight_dtype) for rank in (4, 16)] + [torch.empty(0)]
+    slots = torch.tensor([index % 4 - 1 if index < 12 else 1 for index in range(rows)], dtype=torch.int32)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    y = torch.randn(rows, out_features, generator=generator).to(dtype)
+    expected = y.float().clone()
+    for row, slot in enumerate(slots.tolist()):
+        if slot in (0, 1):
+            expected[row] += (x[row].float() @ a[slot].float().T) @ bt[slot].float()
+    got = y.clone()
+    ops.lora_add(got, x, slots, a, bt)
+    untouched = (slots == -1) | (slots == 2)
+    assert torch.equal(got[untouched], y[untouched])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    else:  # the fp32 sum rounded once (bf16's own tolerance: its last bit may differ)
+        torch.testing.assert_close(got, expected.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decoder_stack_runs_adapters_rows_to_the_loops_bits(lora_setup, dtype):
+    """Decode steps with adapters' rows take the C++ stack, to the Python loop's very bits (in
+    bf16, adapters kept in bf16 too); in fp32 every output is still transformers' with PEFT's merge."""
+    from duet.config import cpu_has_fast_bf16
+    from tests.duet.test_decoder_stack import _check_every_short_step
+
+    if dtype == "bfloat16" and not cpu_has_fast_bf16():
+        pytest.skip("bf16 models take the dequantized float path on CPUs without native bf16")
+    base, adapters, prompts, references = lora_setup
+    llm = LLM(model=str(base), dtype=dtype, lora_modules={name: str(path) for name, path in adapters.items()}, num_kv_blocks=256)
+    model = llm.engine.executor.worker.runner.model
+    if model.decoder_stack() is None:
+        pytest.skip("the C++ kernels did not build here")
+    rows = _check_every_short_step(model)
+    names = [None, *ADAPTERS]
+    outputs = llm.generate(prompts * len(names), _greedy(), lora=[name for name in names for _ in prompts])
+    if dtype == "float32":
+        for index, output in enumerate(outputs):
+            check_outputs([output], [references[names[index // len(prompts)]][index % len(prompts)]], "stack")
+    assert len(rows["stack"]) >= NEW_TOKENS - 1
