@@ -188,7 +188,6 @@ class DuetIngress(RouterIngress):
             report[pool][replica_id] = result
         return JSONResponse({"ok": all(result == "ok" for result in results), "pools": report})
 
-
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
         """Serve a LoRA adapter (vLLM's route: ``{"lora_name": ..., "lora_path": ...}``), once a

@@ -6,10 +6,11 @@ tensors as ``LlamaForCausalLM.run_layers``' loop, with each product's path chose
 ``Linear.plan()`` as ``Linear.forward`` chooses it, so the outputs are bit for bit the
 loop's; only the loop's Python (module calls, splits, views, ~300 of them a step) is gone,
 and the GIL with it while the layers run. A step with LoRA adapters' rows (``duet.lora``) runs
-here too, each product adding their updates with the same C++ call ``Linear`` makes. Prompt chunks keep the Python loop (their Python
-is a small share of their step; their attention is ``cpu_ops``' prompt kernel), as do models
-whose layers are not plain Llama ones (tensor-parallel ranks, MoE, Qwen's q/k/v biases and
-q/k norms), GPU models, and every model where the C++ kernels are unavailable.
+here too, each product adding their updates with the same C++ call ``Linear`` makes. Prompt
+chunks keep the Python loop (their Python is a small share of their step; their attention is
+``cpu_ops``' prompt kernel), as do models whose layers are not plain Llama ones
+(tensor-parallel ranks, MoE, Qwen's q/k/v biases and q/k norms), GPU models, and every model
+where the C++ kernels are unavailable.
 """
 
 from __future__ import annotations

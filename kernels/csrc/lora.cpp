@@ -1,11 +1,13 @@
 // LoRA updates added to a product's rows (duet/lora.py): y[i] += (x[i] A^T) B^T, with A and B
 // those of row i's adapter, every row in one call. An adapter's A is [rank, in] and its B is
-// stored transposed, [rank, out] (its scale folded in), fp32 or bf16 (widened as read; the sums
-// are fp32): row i's rank values are dot
-// products along `in`, then each adds a scaled row of B^T along `out`; both loops vectorise.
-// An adapter's rows go in blocks of kRowBlock, each block reading the adapter's A and B^T once
-// (not once a row: reading them dominated); the blocks are shared out among the threads. x and
-// y are fp32 or bf16 (a bf16 row is widened, updated in fp32 and rounded once).
+// stored transposed, [rank, out] (its scale folded in), fp32 or bf16 (widened as read; sums in
+// fp32). An adapter's rows go in blocks of kRowBlock, each block reading the adapter's A and B^T
+// once (not once a row: reading them is most of the work); the blocks are shared out among the
+// threads. In a block, each row's rank values are dot products along `in`; then the rank terms
+// are added to y: for several rows, kTileRows rows' 32-output chunks summed over the rank in
+// registers (y read and written once, not once per rank term); for one row, B^T streamed rank
+// row by rank row into it. x and y are fp32 or bf16 (a bf16 row is widened, updated in fp32 and
+// rounded once).
 
 #include "cpu_ops.h"
 
@@ -14,6 +16,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -22,6 +26,64 @@ namespace duet_cpu {
 namespace {
 
 constexpr int64_t kRowBlock = 8;  // rows of one adapter that share each read of its A and B^T
+
+constexpr int64_t kTileRows = 4;  // rows whose outputs one pass over B^T's rank rows updates in registers
+
+// Sixteen fp32 lanes as the compiler's generic vectors (one AVX-512 register, two AVX2 ones).
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16f load16(const c10::BFloat16* p) {  // bf16 is fp32's high half
+  v16u16 half;
+  std::memcpy(&half, p, sizeof(half));
+  const v16u32 wide = __builtin_convertvector(half, v16u32) << 16;
+  v16f v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+// ys[r][o] += sum_k t[r * rank + k] * bt[k * out + o] for NR rows: each 32-output chunk of the
+// NR rows is summed over the rank in registers, then written once (y is read and written once,
+// not once per rank term).
+template <int NR, typename weight_t>
+void add_rank_terms(float* const* ys, const float* t, int64_t rank, const weight_t* bt, int64_t out) {
+  int64_t o = 0;
+  for (; o + 32 <= out; o += 32) {
+    v16f low[NR], high[NR];
+    for (int r = 0; r < NR; ++r) {
+      low[r] = load16(ys[r] + o);
+      high[r] = load16(ys[r] + o + 16);
+    }
+    for (int64_t k = 0; k < rank; ++k) {
+      const v16f b_low = load16(bt + k * out + o), b_high = load16(bt + k * out + o + 16);
+      for (int r = 0; r < NR; ++r) {
+        const float tk = t[r * rank + k];
+        low[r] += tk * b_low;
+        high[r] += tk * b_high;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      store16(ys[r] + o, low[r]);
+      store16(ys[r] + o + 16, high[r]);
+    }
+  }
+  for (; o < out; ++o) {
+    for (int r = 0; r < NR; ++r) {
+      float sum = ys[r][o];
+      for (int64_t k = 0; k < rank; ++k) sum += t[r * rank + k] * static_cast<float>(bt[k * out + o]);
+      ys[r][o] = sum;
+    }
+  }
+}
 
 template <typename scalar_t, typename weight_t>
 void lora_add_kernel(torch::Tensor& y, const torch::Tensor& x, const int32_t* slots, const std::vector<torch::Tensor>& a,
@@ -75,13 +137,24 @@ void lora_add_kernel(torch::Tensor& y, const torch::Tensor& x, const int32_t* sl
           t[r * rank + k] = acc;
         }
       }
-      for (int64_t k = 0; k < rank; ++k) {
-        const weight_t* bk = bt_data + k * out;
-        for (int64_t r = 0; r < n; ++r) {
-          const float tk = t[r * rank + k];
-          float* yi = ys[r];
+      if (n == 1) {  // one row: B^T streamed once, rank row by rank row, into the row (in cache throughout)
+        for (int64_t k = 0; k < rank; ++k) {
+          const weight_t* bk = bt_data + k * out;
+          const float tk = t[k];
+          float* yi = ys[0];
 #pragma omp simd
           for (int64_t o = 0; o < out; ++o) yi[o] += tk * static_cast<float>(bk[o]);
+        }
+      } else {
+        for (int64_t r = 0; r < n; r += kTileRows) {
+          const int64_t rows_here = std::min(kTileRows, n - r);
+          const float* tr = t.data() + r * rank;
+          switch (rows_here) {
+            case 4: add_rank_terms<4>(ys + r, tr, rank, bt_data, out); break;
+            case 3: add_rank_terms<3>(ys + r, tr, rank, bt_data, out); break;
+            case 2: add_rank_terms<2>(ys + r, tr, rank, bt_data, out); break;
+            default: add_rank_terms<1>(ys + r, tr, rank, bt_data, out); break;
+          }
         }
       }
       if constexpr (!std::is_same_v<scalar_t, float>) {
