@@ -31,7 +31,7 @@ NEW_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def lora_app(cluster, ray_driver, tmp_path_factory, tiny_tokenizer_dir):
-    """A tiny Llama served by PD with two adapters (replicas holding two at a time), three more
+    """A tiny Llama served by PD with two adapters (replicas holding four at a time), six more
 to load at run time, and the references of a few prompts under each."""
     from ray import serve
 
@@ -48,7 +48,7 @@ to load at run time, and the references of a few prompts under each."""
         references[name] = hf_greedy(merged_model(base, adapters[name], root / f"{name}-merged"), prompts, NEW_TOKENS)
         assert [ref.token_ids for ref in references[name]] != [ref.token_ids for ref in references["tiny-lora"]]
     late = {}
-    for seed, targets in enumerate((["q_proj", "o_proj"], ["gate_proj", "down_proj"], ["k_proj", "v_proj", "up_proj"])):
+    for seed, targets in enumerate((["q_proj", "o_proj"], ["gate_proj", "down_proj"], ["k_proj", "v_proj", "up_proj"]) * 2):
         name = f"late{seed}"
         late[name] = str(make_adapter(base, root / name, 4 << (seed % 2), 8, targets, False, 20 + seed))
         references[name] = hf_greedy(merged_model(base, late[name], root / f"{name}-merged"), prompts, NEW_TOKENS)
@@ -57,7 +57,7 @@ to load at run time, and the references of a few prompts under each."""
     tiny = {"ray_actor_options": {"num_cpus": 0.01}, "engine": {"num_threads": 1}}
     args = {
         "model_id": "tiny-lora", "model": str(base), "mode": "pd",
-        "engine": {"max_model_len": 512, "num_kv_blocks": 512, "max_num_seqs": 16, "lora_modules": adapters, "max_loras": 2},
+        "engine": {"max_model_len": 512, "num_kv_blocks": 512, "max_num_seqs": 16, "lora_modules": adapters, "max_loras": 4},
         "prefill": tiny,
         # Every prompt through the prefill pool, whatever its length.
         "decode": tiny | {"engine": {"num_threads": 1, "speculative_config": NGRAM}, "local_prefill_threshold": 0, "adaptive_local_prefill": False},
@@ -128,12 +128,13 @@ def test_adapters_loaded_at_run_time_are_served_more_than_replicas_hold_and_unlo
     assert response.status_code == 400 and "an adapter of another base model" in response.json()["error"]["message"]
     response = admin.post("/v1/load_lora_adapter", json={"lora_name": "attention", "lora_path": late["late0"]})
     assert response.status_code == 400 and "already been loaded" in response.json()["error"]["message"]
-    for name in ("late0", "late1", "late2"):
+    loaded = [f"late{index}" for index in range(6)]
+    for name in loaded:
         response = admin.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": late[name]})
         assert response.status_code == 200, response.text
-    assert [card["id"] for card in admin.get("/v1/models").json()["data"]] == ["tiny-lora", "attention", "everywhere", "late0", "late1", "late2"]
-    # Five adapters and the base at once, each replica holding two adapters at a time.
-    _run_all(url, prompts, references, ["tiny-lora", "attention", "everywhere", "late0", "late1", "late2"])
+    assert [card["id"] for card in admin.get("/v1/models").json()["data"]] == ["tiny-lora", "attention", "everywhere", *loaded]
+    # Eight adapters, round-robin, and the base at once, each replica holding four adapters at a time.
+    _run_all(url, prompts, references, ["tiny-lora", "attention", "everywhere", *loaded])
     deadline = time.monotonic() + 30  # the replicas report their stats every few seconds
     while True:
         metrics = admin.get("/metrics").text
@@ -141,11 +142,11 @@ def test_adapters_loaded_at_run_time_are_served_more_than_replicas_hold_and_unlo
             break
         assert time.monotonic() < deadline, "no replica reported evicting an adapter"
         time.sleep(1)
-    assert 0 < _metric(metrics, "duet:lora_adapters_loaded") <= 2 * 2
-    for name in ("late0", "late1", "late2", "attention"):
+    assert 0 < _metric(metrics, "duet:lora_adapters_loaded") <= 2 * 4
+    for name in (*loaded, "attention"):
         assert _metric(metrics, "duet:lora_requests_total", lora_name=name) >= len(prompts)
         assert _metric(metrics, "duet:lora_generation_tokens_total", lora_name=name) >= len(prompts) * NEW_TOKENS
-    for name in ("late0", "late1", "late2"):
+    for name in loaded:
         assert admin.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
     assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "late0"}).status_code == 404
     response = admin.post("/v1/completions", json=greedy_body(prompts[0], NEW_TOKENS, model="late1"))
