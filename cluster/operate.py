@@ -103,6 +103,10 @@ def format_status(report: dict) -> str:
                     f"  tier: {stats['tier_blocks']}/{stats['tier_capacity_blocks']} blocks, {stats['tier_restored_blocks']} restored"
                     if stats.get("tier_capacity_blocks") else ""
                 )
+                + (
+                    f"  LoRA: {', '.join(stats['loras'])} ({stats['lora_loads']} loaded, {stats['lora_evictions']} evicted)"
+                    if stats.get("loras") else ""
+                )
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
                 + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )

@@ -256,3 +256,5 @@ def test_status_shows_a_replicas_second_kv_tier_where_it_has_one():
     assert format_status(report).splitlines()[2].endswith("tier: 250/1000 blocks, 40 restored")
     stats["tier_capacity_blocks"] = 0
     assert "tier" not in format_status(report).splitlines()[2]
+    stats |= {"loras": ["sql", "chat"], "lora_loads": 5, "lora_evictions": 3}  # and the LoRA adapters it holds
+    assert format_status(report).splitlines()[2].endswith("LoRA: sql, chat (5 loaded, 3 evicted)")
