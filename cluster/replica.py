@@ -145,7 +145,8 @@ class EngineReplica:
         its KV is to be sent when it comes from elsewhere."""
         if request.params.structured_outputs is not None:  # its slow first checks, off the engine thread
             await asyncio.to_thread(self.engine.check_constraint, request.params)
-        if request.lora is not None:  # an adapter not seen before is read to be checked: off the engine thread too
+        if request.lora is not None and not self.engine.loras.checked(request.lora, request.lora_path):
+            # an adapter not seen before is read to be checked: off the engine thread too
             await asyncio.to_thread(self.engine.check_lora, request.lora, request.lora_path)
         stream = Stream(request, self.loop.subscribe(request.request_id))
         try:

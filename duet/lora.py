@@ -232,6 +232,10 @@ class LoRASlots:
         self.ops: list[tuple[str, str | None]] = []  # (name, path) a load, (name, None) an unload: the next step's
         self.num_loads = self.num_evictions = 0
 
+    def checked(self, name: str, path: str | None) -> bool:
+        """Whether ``resolve`` of this adapter would be a lookup (no load to check it)."""
+        return (name, path if path is not None else self.configured.get(name)) in self._checked
+
     def resolve(self, name: str, path: str | None) -> str:
         """The folder of a request's adapter ``name`` (``path``, or the configured one), checked
         the first time it is seen: ``LoRAError`` names what does not fit."""

@@ -5,8 +5,9 @@ and catches up to ``num_tokens`` within the step's token budget; running request
 first, then waiting ones in arrival order. A request with draft tokens schedules them after
 its own, so verification counts against the same budget.
 
-A step that fails is rolled back (``reset_step``): its requests start over from the prefix
-cache, one at a time, until the one that fails alone is found and failed; the others go on.
+A step that fails is rolled back (``reset_step``, in ``duet.scheduler_recovery``): its
+requests start over from the prefix cache, one at a time, until the one that fails alone is
+found and failed; the others go on.
 
 Prompt KV computed on another replica arrives through the KV connector (``duet.kv_connector``):
 such a request waits, with its blocks reserved, until its KV is in, then joins the batch with
@@ -25,6 +26,7 @@ from duet.messages import SchedulerStats
 from duet.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from duet.request import Request, RequestStatus
 from duet.scheduler_moves import SequenceMoves
+from duet.scheduler_recovery import StepRecovery
 from duet.spec_decode.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SequenceMoves):
+class Scheduler(SequenceMoves, StepRecovery):
     """Decides, each step, which requests compute how many tokens."""
 
     def __init__(
@@ -198,20 +200,6 @@ class Scheduler(SequenceMoves):
             if not self.kv_connector.sending(request):
                 self.kv_connector.start_send(request)
 
-    def _victim(self, request: Request) -> Request:
-        """Who gives way when ``request`` finds no free block: the newest running request; while
-        a failed step's suspect reruns, the newest of the others (held still, they would never
-        free a block for it)."""
-        if self.suspects and request.request_id == self.suspects[0]:
-            others = [running for running in self.running if running is not request]
-            if others:
-                return others[-1]
-        return self.running[-1]
-
-    def _may_run(self, request: Request) -> bool:
-        """While a failed step's requests are being rerun, only the first of them runs."""
-        return not self.suspects or request.request_id == self.suspects[0]
-
     def _adapter_held(self, request: Request) -> bool:
         """Whether the worker holds, or loads this step, the request's LoRA adapter."""
         return request.lora is None or self.loras.admit(request.lora, request.lora_path, self.running)
@@ -280,31 +268,6 @@ class Scheduler(SequenceMoves):
         self.kv_connector.release_or_hold(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
-
-    def reset_step(self, scheduler_output: SchedulerOutput) -> list[Request]:
-        """Roll back a step whose execution failed; return the requests failed for it.
-
-        The runner has forgotten the step's requests. A step that ran one suspect alone fails
-        that request (``FINISHED_ERROR``). Otherwise every request of the step withdraws the
-        blocks the step published before computing them and starts over, as a suspect.
-        """
-        request_ids = [request_id for request_id in scheduler_output.num_scheduled_tokens if request_id in self.requests]
-        self._runner_known -= set(scheduler_output.num_scheduled_tokens)
-        if self.suspects and request_ids == self.suspects[:1]:
-            request = self.requests[request_ids[0]]
-            self.kv_cache_manager.uncache_uncomputed(request)  # or a later prompt reads never-computed KV as a hit
-            self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-            return [request]
-        restarted = [self.requests[request_id] for request_id in request_ids]
-        for request in restarted:
-            self.kv_cache_manager.uncache_uncomputed(request)
-        for request in restarted:
-            if request in self.running:
-                self.running.remove(request)
-            self._restart(request)
-        self.waiting.extendleft(reversed(restarted))
-        self.suspects = [request_id for request_id in request_ids if request_id not in self.suspects] + self.suspects
-        return []
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, stop what is done, take the next drafts
