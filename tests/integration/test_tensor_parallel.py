@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from duet.cluster.config import AppConfigError
-from tests.integration.client import complete, complete_text, greedy_body, metric, random_prompt, settled
+from tests.integration.client import NEW_TOKENS, complete, complete_text, greedy_body, metric, random_prompt, settled
 
 pytestmark = pytest.mark.slow
 
@@ -67,29 +67,37 @@ def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(clust
     assert settled(cluster, url)["ok"]
 
 
-@pytest.mark.parametrize("layout", ["tp2-to-tp1", "tp1-to-tp2"])
-def test_smollm2_across_tensor_parallel_layouts_matches_one_process(cluster, ray_driver, parity_prompts, layout):
-    """The real model's 3 KV heads, split 1 + 2 over two ranks, gathered into one worker's cache
-    on the other side, or split from one into two."""
-    from ray import serve
-
+@pytest.fixture(scope="module")
+def three_kv_heads(tmp_path_factory, smollm2_dir):
+    """A tiny Llama with SmolLM2's tokenizer and 3 KV heads (as SmolLM2 has): two ranks hold
+    1 and 2 of them. Its greedy tokens from one process, by prompt."""
     from duet import LLM, SamplingParams
-    from duet.cluster.app import build_app
+    from tests.conftest import make_tiny_llama
 
-    prompts = parity_prompts[:4]
-    expected = [
-        output.outputs[0].token_ids
-        for output in LLM(model="smollm2", max_model_len=1024).generate(prompts, SamplingParams(temperature=0, max_tokens=12, min_tokens=12))
-    ]
-    app = _app(*LAYOUTS[layout]) | {"model_id": "smollm2", "model": "smollm2"}
-    app["engine"] = {"max_model_len": 1024, "kv_cache_memory_gib": 0.1, "max_num_seqs": 8}
-    serve.run(build_app(app), name="smollm2-tp", route_prefix="/smollm2-tp")
-    try:
-        results = _complete_all(f"{cluster.url}/smollm2-tp", prompts, model="smollm2")
-        assert [tokens for _, tokens, _ in results] == expected
-        assert settled(cluster, f"{cluster.url}/smollm2-tp")["ok"]
-    finally:
-        serve.delete("smollm2-tp")
+    model_dir = make_tiny_llama(
+        tmp_path_factory.mktemp("three-kv-heads"), smollm2_dir, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+    )
+    llm = LLM(model=str(model_dir), max_model_len=1024, num_kv_blocks=1024)
+
+    def tokens(prompts: list[list[int]]) -> list[list[int]]:
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+        return [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+
+    tokens.model_dir = str(model_dir)
+    return tokens
+
+
+@pytest.mark.parametrize("layout", ["tp2-to-tp1", "tp1-to-tp2"])
+def test_uneven_kv_heads_across_tensor_parallel_layouts_match_one_process(cluster, deploy, three_kv_heads, layout):
+    """3 KV heads, split 1 + 2 over two ranks, gathered into one worker's cache on the other
+    side, or split from one into two."""
+    url = deploy(f"uneven-{layout}", _app(*LAYOUTS[layout]) | {"model": three_kv_heads.model_dir})
+    rng = random.Random(6)
+    prompts = [random_prompt(rng, length) for length in (20, 70, 150, 33)]
+    results = _complete_all(url, prompts)
+    assert [status for status, _, _ in results] == [200] * len(prompts), results
+    assert [tokens for _, tokens, _ in results] == three_kv_heads(prompts)
+    assert settled(cluster, url)["ok"]
 
 
 def test_an_application_the_cluster_cannot_hold_is_refused_before_any_actor_starts(cluster, ray_driver):
