@@ -29,13 +29,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config) -> None:
-    """End the process with the session's status once pytest is done, without the interpreter's
-    and the native libraries' own teardown. That teardown sometimes crashed after every test had
-    passed: a segmentation fault after the summary in two of five full runs on the CI's machine
-    kind (one of them CI's own), with no Python thread but tqdm's monitors, no Ray connection and
-    no process group left, and no Python frame in it (faulthandler, kept on through the
-    interpreter's finalization, printed nothing); a run under gdb did not crash. The crash, not
-    the tests, decided the run's status."""
+    """End the process with the session's status once pytest is done, skipping the interpreter's
+    and the native libraries' teardown, which sometimes crashed after every test had passed (a
+    segmentation fault with no Python frame). Its cause is not found yet (docs/design.md, "Not
+    built yet")."""
     if _exit_status is None:  # pytest stopped before the session ran (a usage error)
         return
     sys.stdout.flush()
