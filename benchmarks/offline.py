@@ -1,7 +1,7 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
     duet bench offline [--model smollm2,DIR] [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4]
-                       [--kv-cache-dtype auto,int8,fp8_e4m3] [--lora N [--lora-rank 16]]
+                       [--kv-cache-dtype auto,int8,fp8_e4m3] [--lora N [--lora-rank 16]] [--batch-invariant]
                        [--peer vllm --peer-python VENV/bin/python] [--json out.json] [--plot out.png]
 
 Prints, for SmolLM2-135M-Instruct (or each ``--model``: a checkpoint that ships quantized beside
@@ -14,6 +14,8 @@ setting (``auto``: the engine's default, from the GGUF blocks where that applies
 ``kv_cache_memory_gib``. Machines differ, so the figures that matter are the ratios, measured
 here in the same run. ``--lora N`` also decodes the batch with N LoRA adapters mixed across it
 (and one stream with one), against the base alone on the same engine (``benchmarks/lora.py``).
+``--batch-invariant`` also measures each setting with ``batch_invariant=True`` and puts its
+decode and prefill throughput beside the default's (``duet.models.batch_invariant``).
 
 ``--peer vllm`` also runs vLLM's CPU build on the same prompts and weights in the same run
 (``benchmarks/vllm_peer.py``, with the Python of a virtual environment that has
@@ -127,23 +129,28 @@ def _best(fn, repeats: int) -> float:
 
 def run(
     dtype: str, repeats: int, quantizations: list[str], peer_python: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",),
-    models: tuple[str, ...] = ("smollm2",), lora: tuple[int, int] | None = None,
+    models: tuple[str, ...] = ("smollm2",), lora: tuple[int, int] | None = None, batch_invariant: bool = False,
 ) -> list[Figure]:
-    """``lora``: (adapters, rank) to measure against the base too, or None."""
+    """``lora``: (adapters, rank) to measure against the base too, or None; ``batch_invariant``:
+    each setting in that mode too, against the default."""
     from duet.models.loader import resolve_model_path
 
     model_dir = resolve_model_path(models[0])  # the baselines' model
     settings = [(model, quantization, kv) for model in models for quantization in quantizations for kv in kv_cache_dtypes]
-    stages = 4 * len(settings) + 4 + (peer_python is not None) + (4 if lora else 0)
+    stages = 4 * len(settings) * (1 + batch_invariant) + 4 + (peer_python is not None) + (4 if lora else 0)
     progress = tqdm(total=stages, desc="offline benchmark", unit="stage")
-    measured = {}
+    measured, invariant = {}, {}
     for model, quantization, kv_cache_dtype in settings:
-        ran_on, duet = measure_duet(dtype, None if quantization == "auto" else quantization, repeats, progress, kv_cache_dtype, model)
+        setting = (dtype, None if quantization == "auto" else quantization, repeats, progress, kv_cache_dtype, model)
+        ran_on, duet = measure_duet(*setting)
         label = quantization if kv_cache_dtype == "auto" else f"{quantization}, KV {kv_cache_dtype}"
         if len(models) > 1:
             label = f"{Path(model).name}, {label}"
         measured[f"{label}: {ran_on}"] = duet
         gc.collect()
+        if batch_invariant:
+            invariant[f"{label}: {ran_on}"] = measure_duet(*setting, batch_invariant=True)[1]
+            gc.collect()
 
     # The baseline stays fp32 whatever duet runs in: the targets are ratios to it.
     hf = TransformersBaseline(model_dir, torch.float32)
@@ -197,6 +204,13 @@ def run(
                 duet["kv_blocks"], next(iter(measured.values()))["kv_blocks"], "blocks",
             ),
         ]
+    for label, duet in invariant.items():  # against the default on the same setting, not transformers
+        default, label = measured[label], f"{label}, batch-invariant vs default"
+        figures += [
+            Figure(f"batch {BATCH} x {OUTPUT_TOKENS} tokens [{label}]", total / duet["batch"], total / default["batch"], "tok/s"),
+            Figure(f"single stream, {OUTPUT_TOKENS} tokens [{label}]", OUTPUT_TOKENS / duet["single"], OUTPUT_TOKENS / default["single"], "tok/s"),
+            Figure(f"prefill, {PREFILL_TOKENS}-token prompt [{label}]", PREFILL_TOKENS / duet["prefill"], PREFILL_TOKENS / default["prefill"], "tok/s"),
+        ]
     if adapters is not None:  # against the base on the same engine, not transformers
         label = f"{lora[0]} rank-{lora[1]} LoRA adapters vs the base"
         figures += [
@@ -229,7 +243,8 @@ def run_vllm(python: str, model_dir: Path, dtype: str, repeats: int, prompts: li
 
 
 def measure_duet(
-    dtype: str, quantization: str | None, repeats: int, progress, kv_cache_dtype: str = "auto", model: str = "smollm2"
+    dtype: str, quantization: str | None, repeats: int, progress, kv_cache_dtype: str = "auto", model: str = "smollm2",
+    batch_invariant: bool = False,
 ) -> tuple[str, dict[str, float]]:
     """Seconds for each measure (and the KV blocks), and what the weights were read from (GGUF
     or packed blocks, alone or beside the floats, or floats)."""
@@ -238,7 +253,7 @@ def measure_duet(
 
     llm = LLM(
         model=model, dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH,
-        kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=KV_CACHE_GIB,
+        kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=KV_CACHE_GIB, batch_invariant=batch_invariant,
     )
     model = llm.engine.executor.worker.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -292,7 +307,10 @@ def print_table(figures: list[Figure], dtype: str) -> None:
         if figure.vllm is not None:
             line += f" {figure.vllm:9.1f} {figure.vllm_ratio:8.2f}x"
         print(line)
-    print("(baseline: transformers, except TTFT where it is duet without the prefix-cache hit, and LoRA where it is the base model)")
+    print(
+        "(baseline: transformers, except TTFT where it is duet without the prefix-cache hit, LoRA where it is the base model, "
+        "and batch-invariant where it is the default mode)"
+    )
 
 
 def plot(figures: list[Figure], path: str, dtype: str) -> None:
@@ -321,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes, each measured with every --quantization: auto, int8, fp8_e4m3")
     parser.add_argument("--lora", type=int, default=0, help="also decode with this many LoRA adapters mixed across the batch, against the base")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--batch-invariant", action="store_true", help="also measure each setting with batch_invariant=True, against the default")
     parser.add_argument("--peer", choices=["vllm"], help="also measure vLLM's CPU build on the same prompts and weights")
     parser.add_argument(
         "--peer-python", default=os.environ.get("DUET_VLLM_PYTHON"),
@@ -334,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     figures = run(
         args.dtype, args.repeats, args.quantization.split(","), args.peer_python if args.peer else None,
         tuple(args.kv_cache_dtype.split(",")), tuple(args.model.split(",")), (args.lora, args.lora_rank) if args.lora else None,
+        args.batch_invariant,
     )
     print_table(figures, args.dtype)
     if args.json:

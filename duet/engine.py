@@ -102,6 +102,7 @@ class LLMEngine:
             lora_modules=tuple((args.lora_modules or {}).items()),
             max_lora_rank=args.max_lora_rank,
             max_loras=args.max_loras,
+            batch_invariant=args.batch_invariant,
         )
         self.executor = import_object(args.executor())(worker_config)
         self.loras = LoRASlots(args.max_loras, args.lora_modules or {}, self.executor.check_lora)

@@ -55,6 +55,7 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     collective_timeout_s: float = 60.0
     num_threads: int | None = None
+    batch_invariant: bool = False  # duet.models.batch_invariant
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -113,6 +114,10 @@ class Worker:
             self.group, self.pipeline = _parallel_groups(config)
         if self.group is not None:
             apply_tensor_parallel(model, self.group, config.enable_expert_parallel)
+        if config.batch_invariant:
+            from duet.models.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(model)
         if self.pipeline is not None:
             model = PipelineStage(model, self.pipeline.stage, self.pipeline.num_stages)
         draft = None

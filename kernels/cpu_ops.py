@@ -2,8 +2,9 @@
 ``csrc/cpu_ops.cpp`` (attention, norms, activations), the decoder stack of
 ``csrc/decoder_stack.cpp`` (a model's layers in one call) and the LoRA updates of
 ``csrc/lora.cpp``, ``load_gguf()`` the matmuls over GGUF
-weight blocks of ``csrc/gguf_ops.cpp`` (built apart: without -ffast-math, so that nothing
-reassociates their dequantization; registered as torch operators too, for the decoder stack).
+weight blocks of ``csrc/gguf_ops.cpp`` and the batch-invariant products of
+``csrc/batch_invariant.cpp`` (built apart: without -ffast-math, so that nothing reassociates
+their dequantization or their sums; registered as torch operators too, for the decoder stack).
 
 Each build takes about a minute once per machine (torch caches it under
 ``$TORCH_EXTENSIONS_DIR``). Where no compiler works, or with ``DUET_CPU_OPS=0``, both return
@@ -40,10 +41,10 @@ def load():
 
 @functools.cache
 def load_gguf():
-    """The GGUF block matmuls (fp32, and bf16 where the CPU has AVX512_BF16: ``has_bf16()``), or
-    None when they cannot be built or are switched off. Products of many rows go by panels or by
+    """The GGUF block matmuls (fp32, and bf16 where the CPU has AVX512_BF16: ``has_bf16()``) and
+    the batch-invariant products (``invariant_linear``), or None when they cannot be built or are switched off. Products of many rows go by panels or by
     tiles of rows as this CPU measured faster (``panel_min_rows``, once per process)."""
-    ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp"], [], [])
+    ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp", "batch_invariant.cpp"], [], [])
     if ops is not None:
         ops.set_panel_min_rows(panel_min_rows(ops))
         if ops.has_bf16():

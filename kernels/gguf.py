@@ -120,6 +120,9 @@ class GGUFWeight:
     # The same codes and scales laid out for AVX-512's panels (``lay_out_panels``), or None.
     panel_codes: torch.Tensor | None = None
     panel_scales: torch.Tensor | None = None
+    # Products of at least this many rows go by panels, given the layout (-1: the process's rule;
+    # 1: every product, each output summed over k in one order whatever the rows: batch_invariant).
+    panel_min_rows: int = -1
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, qtype: int, in_features: int, ops) -> GGUFWeight:
@@ -178,10 +181,12 @@ class GGUFWeight:
         have ``has_bf16()``) against the weights rounded to bf16, as a bf16 model holds them,
         accumulated in fp32 and rounded to bf16 once."""
         if x.dtype == torch.bfloat16:
-            products = self.ops.gguf_matmul_bf16(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales)
+            products = self.ops.gguf_matmul_bf16(
+                x, self.codes, self.scales, self.qtype, self.panel_min_rows, self.panel_codes, self.panel_scales
+            )
             return products.to(torch.bfloat16)
         if self.panel_codes is not None:
-            return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype, -1, self.panel_codes, self.panel_scales)
+            return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype, self.panel_min_rows, self.panel_codes, self.panel_scales)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
     def matmul_argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
@@ -190,7 +195,7 @@ class GGUFWeight:
         rows there too)."""
         if self.panel_codes is not None:
             return self.ops.gguf_matmul_argmax(
-                x, self.codes, self.scales, self.qtype, excluded_token_ids, -1, self.panel_codes, self.panel_scales
+                x, self.codes, self.scales, self.qtype, excluded_token_ids, self.panel_min_rows, self.panel_codes, self.panel_scales
             )
         return self.ops.gguf_matmul_argmax(x, self.codes, self.scales, self.qtype, excluded_token_ids)
 

@@ -42,6 +42,7 @@ def paged_attention_torch(
     native_ops=None,
     window: int | None = None,
     softcap: float | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ``query`` (``[num_tokens, num_heads, head_dim]``) over paged KV.
 
@@ -52,8 +53,18 @@ def paged_attention_torch(
     A ``window`` (each query sees keys less than ``window`` positions back) is computed by the
     C++ kernel of short queries, and in torch elsewhere; a ``softcap`` (scores
     ``softcap * tanh(score / softcap)``, as transformers' Gemma computes them) in torch alone, on
-    the query's device.
+    the query's device. ``batch_invariant``: every row, short queries too, goes to
+    ``native_ops.prompt_attention``, which computes each row alone over chunks of keys of fixed
+    size from position 0 (``supports_batch_invariance``).
     """
+    if batch_invariant:
+        output = torch.empty_like(query)
+        if not native_ops.prompt_attention(
+            output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, list(range(metadata.num_seqs)), scale,
+        ):
+            raise ValueError(f"batch-invariant attention does not take heads of {query.shape[-1]}")
+        return output
     if softcap is not None:
         native_ops = None
     output = torch.empty_like(query)
@@ -76,6 +87,14 @@ def paged_attention_torch(
             for seq in chunks:
                 _attend_one_sequence(query, key_cache, value_cache, metadata, scale, seq, starts[seq], output, window, softcap)
     return output
+
+
+def supports_batch_invariance(head_dim: int) -> bool:
+    """Whether ``paged_attention_torch(batch_invariant=True)`` takes heads of ``head_dim`` here."""
+    from duet.kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    return ops is not None and ops.prompt_attention_takes(head_dim)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:

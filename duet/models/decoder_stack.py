@@ -68,7 +68,7 @@ class DecoderStack:
         ]
         native = ops.DecoderStack(
             plans, attention.num_heads, attention.num_kv_heads, attention.head_dim,
-            layers[0].input_layernorm.eps, attention.scale, model.rotary.cos, model.rotary.sin,
+            layers[0].input_layernorm.eps, attention.scale, model.rotary.cos, model.rotary.sin, attention.batch_invariant,
         )
         names = {module: name for name, module in model.named_modules()}
         return cls(native, attention.head_dim, [names[linear] for layer in layers for linear in _linears(layer)])

@@ -26,6 +26,10 @@ fraction of the product there. Rows of another dtype (bf16) go through the kerne
 An LM head whose rows only need their greedy token (``argmax``) skips writing its logits: for
 SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a step).
 
+Under ``batch_invariant`` (``duet.models.batch_invariant``) every product instead sums each
+output over k in one order whatever the row count (``make_batch_invariant``): the GGUF blocks by
+panels for every row count, or a kernel of its own over the float weight.
+
 Where a step has rows with LoRA adapters (``duet.lora``), each adapter's low-rank update is
 added to its rows after the base product, whichever path computed it.
 """
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duet.config import cpu_has_fast_bf16
+from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
@@ -91,6 +96,7 @@ class Linear(Module):
         self.gguf: GGUFWeight | None = None
         self._block_rows = -1  # products of up to this many rows read the GGUF blocks (none: not even empty ones)
         self.lora_name: str | None = None  # its module name where LoRA adapters may update it (``duet.lora``)
+        self.invariant_panels: torch.Tensor | None = None  # batch_invariant: every product's weights
 
     def pack_for_cpu(self) -> None:
         """Reorder the weight for oneDNN once, if this CPU and dtype benefit."""
@@ -123,6 +129,34 @@ class Linear(Module):
         if (ops.bf16_panel_min_rows() if bf16 else ops.panel_min_rows()) <= self._block_rows:
             self.gguf.lay_out_panels()
 
+    def make_batch_invariant(self) -> bool:
+        """Compute every product, whatever its rows, in one order for each output (``duet.models.
+        batch_invariant``): from the GGUF blocks by panels where they have the panel layout (the
+        same arithmetic, a fused multiply-add a k from zero, as on their float weights), else from
+        the float weight laid out for ``invariant_linear``. The other paths' copies are dropped.
+        False, changing nothing, where the weight is blocks alone without a panel layout."""
+        blocks = self.gguf
+        if blocks is not None and self.weight is not None and self.weight.dtype != torch.float32 and not blocks.ops.has_bf16():
+            blocks = None  # bf16 rows the blocks' kernels do not take here
+        if blocks is not None:
+            blocks.lay_out_panels()
+        if blocks is not None and blocks.panel_codes is not None:
+            blocks.panel_min_rows = 1
+            self._block_rows = sys.maxsize
+        elif self.weight is not None:
+            width = cpu_ops.load_gguf().invariant_panel_width()
+            out_features, in_features = self.weight.shape
+            padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=self.weight.dtype)
+            padded[:out_features] = self.weight.detach()
+            self.invariant_panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+            self.gguf = None
+            self._block_rows = -1
+        else:
+            return False
+        self.packed_weight = None
+        self._packed_rows = (0, -1)
+        return True
+
     def keep_blocks_only(self) -> None:
         """Drop the float weight (and its packed copy): the attached blocks are the weight."""
         self.weight = None
@@ -137,6 +171,8 @@ class Linear(Module):
         return y if step is None else step.apply(self.lora_name, x, y)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant_panels is not None:
+            return cpu_ops.load_gguf().invariant_linear(x, self.invariant_panels, self.out_features).to(x.dtype)
         if self.weight is None:  # quantized at load time
             if x.shape[0] > self._block_rows:
                 return F.linear(x, self.gguf.dequantize().to(x.dtype))
@@ -151,14 +187,16 @@ class Linear(Module):
     def plan(self) -> tuple:
         """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
         to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
-        qtype, block_rows, panel_codes, panel_scales)``, None for what this layer lacks."""
+        qtype, block_rows, panel_codes, panel_scales, invariant_panels, out_features,
+        panel_min_rows)``, None for what this layer lacks."""
         blocks = self.gguf
         low, high = self._packed_rows
+        invariant = (self.invariant_panels, self.out_features)
         if blocks is None:
-            return (self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None)
+            return (self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1)
         return (
             self.weight, self.packed_weight, low, high, blocks.codes, blocks.scales, blocks.qtype, self._block_rows,
-            blocks.panel_codes, blocks.panel_scales,
+            blocks.panel_codes, blocks.panel_scales, *invariant, blocks.panel_min_rows,
         )
 
     def argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:

@@ -154,6 +154,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(Module):
+    batch_invariant = False  # True: every row attends as a prompt chunk's (duet.models.batch_invariant)
+
     def __init__(self, arch: LlamaArch, layer: int = 0) -> None:
         super().__init__()
         self.window = arch.window(layer)
@@ -185,7 +187,7 @@ class LlamaAttention(Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         rope_and_write_kv(q, k, v, positions, rotary.cos, rotary.sin, key_cache, value_cache, metadata.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, metadata, self.scale, self.window, self.softcap)
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale, self.window, self.softcap, self.batch_invariant)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

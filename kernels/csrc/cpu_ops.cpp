@@ -471,6 +471,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace duet_cpu;
   m.def("paged_attention", &paged_attention);
   m.def("prompt_attention", &prompt_attention);
+  m.def("prompt_attention_takes", &prompt_attention_takes);
   m.def("rms_norm", &rms_norm);
   m.def("rope_and_cache", &rope_and_cache);
   m.def("silu_and_mul", &silu_and_mul);

@@ -17,6 +17,8 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_c
 bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                       std::vector<int64_t> seq_ids, double scale);
+// Whether prompt_attention takes heads of head_dim.
+bool prompt_attention_takes(int64_t head_dim);
 void rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool add_residual);
 void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions, torch::Tensor cos,
                     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping);

@@ -6,8 +6,9 @@
 // layers a step (on a 2-core AMD EPYC, `duet bench step`: time outside the kernels went from
 // 1.19 to 0.41 ms of a single-stream step, and from 1.86 to 1.03 ms of a batch-32 step). Each product picks its path by row count exactly as
 // Linear.forward does: GGUF blocks (duet_gguf::matmul, another extension's operator, reached
-// through the dispatcher), oneDNN's packed weight, or at::linear. The GIL is released for the
-// whole stack, so a replica's other threads (KV transfer, the event loop) run meanwhile.
+// through the dispatcher), oneDNN's packed weight, or at::linear; under batch_invariant, every
+// product takes batch_invariant.cpp's kernel and every row the prompt attention. The GIL is
+// released for the whole stack, so a replica's other threads (KV transfer, the event loop) run meanwhile.
 
 #include "cpu_ops.h"
 
@@ -32,7 +33,10 @@ struct LinearPlan {
   torch::Tensor codes, scales;  // GGUF blocks, or undefined
   int64_t qtype = 0;
   int64_t block_rows = -1;  // rows up to which the blocks serve the product
+  int64_t panel_min_rows = -1;  // rows from which the blocks go by panels (-1: the process's rule)
   std::optional<torch::Tensor> panel_codes, panel_scales;  // the blocks' panel layout, or none
+  torch::Tensor invariant;  // the weight in batch_invariant.cpp's panels: every product takes them; or undefined
+  int64_t out_features = 0;
 };
 
 struct LayerPlan {
@@ -41,9 +45,10 @@ struct LayerPlan {
   int64_t window;  // its sliding window (0: none), as paged_attention takes it
 };
 
-using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, std::optional<torch::Tensor>,
+using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
                                    std::optional<torch::Tensor>);
 using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
+using InvariantProduct = torch::Tensor(torch::Tensor, torch::Tensor, int64_t);
 using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
                                     c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
 
@@ -56,8 +61,8 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumPart
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 10, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
-                              "panel_codes, panel_scales)");
+  TORCH_CHECK(t.size() == 13, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+                              "panel_codes, panel_scales, invariant_panels, out_features, panel_min_rows)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -72,6 +77,9 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
     plan.panel_codes = t[8].cast<torch::Tensor>();
     plan.panel_scales = t[9].cast<torch::Tensor>();
   }
+  plan.invariant = tensor(10);
+  plan.out_features = t[11].cast<int64_t>();
+  plan.panel_min_rows = t[12].cast<int64_t>();
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
   return plan;
@@ -80,13 +88,14 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
 class DecoderStack {
  public:
   DecoderStack(const std::vector<pybind11::tuple>& layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-               double eps, double scale, torch::Tensor cos, torch::Tensor sin)
+               double eps, double scale, torch::Tensor cos, torch::Tensor sin, bool batch_invariant)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        cos_(std::move(cos)), sin_(std::move(sin)),
+        cos_(std::move(cos)), sin_(std::move(sin)), batch_invariant_(batch_invariant),
         gguf_matmul_(op<BlockProduct>("duet_gguf::matmul")),
         gguf_matmul_bf16_(op<BlockProduct>("duet_gguf::matmul_bf16")),
         gguf_dequantize_(op<Dequantize>("duet_gguf::dequantize")),
-        linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")) {
+        linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")),
+        invariant_linear_(op<InvariantProduct>("duet_gguf::invariant_linear")) {
     for (const auto& layer : layers) {
       TORCH_CHECK(layer.size() == 7, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down, window)");
       layers_.push_back({layer[0].cast<torch::Tensor>(), layer[1].cast<torch::Tensor>(), linear_plan(layer[2]),
@@ -131,8 +140,14 @@ class DecoderStack {
       torch::Tensor attended;
       timed(kAttention, [&] {
         attended = torch::empty_like(q);
-        paged_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens, query_start_loc,
-                        seq_ids, scale_, layer.window);
+        if (batch_invariant_) {  // every row as a prompt chunk's rows are computed (batch_invariant.py)
+          TORCH_CHECK(prompt_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens,
+                                       query_start_loc, seq_ids, scale_),
+                      "batch-invariant attention does not take heads of ", head_dim_);
+        } else {
+          paged_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens, query_start_loc,
+                          seq_ids, scale_, layer.window);
+        }
         if (rotation) attended = torch::matmul(attended, *rotation);  // out of the cache's basis
       });
       torch::Tensor attn_out = linear(attended.view({tokens, q_size}), layer.o, lora + 1);
@@ -185,17 +200,23 @@ class DecoderStack {
     torch::Tensor out;
     timed(kProducts, [&] {
       const int64_t rows = x.size(0);
-      if (!plan.weight.defined()) {  // quantized at load
+      if (plan.invariant.defined()) {
+        out = invariant_linear_.call(x, plan.invariant, plan.out_features).to(x.scalar_type());
+      } else if (!plan.weight.defined()) {  // quantized at load
         if (rows > plan.block_rows)
           out = at::linear(x, gguf_dequantize_.call(plan.codes, plan.scales, plan.qtype, x.size(1)).to(x.scalar_type()));
         else
-          out = gguf_matmul_.call(x.to(torch::kFloat32), plan.codes, plan.scales, plan.qtype, plan.panel_codes, plan.panel_scales)
+          out = gguf_matmul_
+                    .call(x.to(torch::kFloat32), plan.codes, plan.scales, plan.qtype, plan.panel_min_rows, plan.panel_codes,
+                          plan.panel_scales)
                     .to(x.scalar_type());
       } else if (rows <= plan.block_rows) {
         out = x.scalar_type() == torch::kBFloat16
-                  ? gguf_matmul_bf16_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_codes, plan.panel_scales)
+                  ? gguf_matmul_bf16_
+                        .call(x, plan.codes, plan.scales, plan.qtype, plan.panel_min_rows, plan.panel_codes, plan.panel_scales)
                         .to(torch::kBFloat16)
-                  : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_codes, plan.panel_scales);
+                  : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_min_rows, plan.panel_codes,
+                                      plan.panel_scales);
       } else if (plan.packed_low <= rows && rows <= plan.packed_high) {
         out = linear_packed_.call(x, plan.packed, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), "");
       } else {
@@ -215,9 +236,11 @@ class DecoderStack {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
+  bool batch_invariant_;
   c10::TypedOperatorHandle<BlockProduct> gguf_matmul_, gguf_matmul_bf16_;
   c10::TypedOperatorHandle<Dequantize> gguf_dequantize_;
   c10::TypedOperatorHandle<PackedProduct> linear_packed_;
+  c10::TypedOperatorHandle<InvariantProduct> invariant_linear_;
   // This run's LoRA updates (run's arguments, alive while it runs; no slots: none).
   const torch::Tensor* lora_slots_ = nullptr;
   const std::vector<std::vector<torch::Tensor>>* lora_a_ = nullptr;
@@ -231,7 +254,7 @@ class DecoderStack {
 void bind_decoder_stack(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<const std::vector<py::tuple>&, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor>())
+      .def(py::init<const std::vector<py::tuple>&, int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor, bool>())
       .def("run", &DecoderStack::run, py::call_guard<py::gil_scoped_release>())
       .def("set_profiling", &DecoderStack::set_profiling)
       .def("take_times", &DecoderStack::take_times);

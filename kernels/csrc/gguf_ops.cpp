@@ -407,20 +407,26 @@ torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
                                std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales);
 bool has_bf16();
 void set_bf16_panel_min_rows(int64_t rows);
+namespace duet_gguf {
+// batch_invariant.cpp's.
+int64_t invariant_panel_width();
+torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features);
+}  // namespace duet_gguf
 int64_t bf16_panel_min_rows();
 
 // The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to
 // call through the dispatcher, with no Python between.
 TORCH_LIBRARY(duet_gguf, m) {
-  m.def("matmul", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype,
+  m.def("matmul", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows,
                      std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales) {
-    return duet_gguf::gguf_matmul(x, codes, scales, qtype, -1, panel_codes, panel_scales);
+    return duet_gguf::gguf_matmul(x, codes, scales, qtype, panel_min_rows, panel_codes, panel_scales);
   });
-  m.def("matmul_bf16", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype,
+  m.def("matmul_bf16", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows,
                           std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales) {
-    return gguf_matmul_bf16(x, codes, scales, qtype, -1, panel_codes, panel_scales);
+    return gguf_matmul_bf16(x, codes, scales, qtype, panel_min_rows, panel_codes, panel_scales);
   });
   m.def("dequantize", &duet_gguf::gguf_dequantize);
+  m.def("invariant_linear", &duet_gguf::invariant_linear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -439,6 +445,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_panel_min_rows", &bf16_panel_min_rows);
   m.def("has_bf16", &has_bf16);
   m.def("isa", &isa);
+  m.def("invariant_linear", &invariant_linear, "x [M, K] times weights in panels: every output summed over k in one order");
+  m.def("invariant_panel_width", &invariant_panel_width);
   m.def("set_panel_min_rows", &set_panel_min_rows, "Products of at least this many rows go by panels, in this process");
   m.def("panel_min_rows", &panel_min_rows);
 }

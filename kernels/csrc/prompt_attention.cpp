@@ -5,9 +5,10 @@
 // sum of values are small matrix products, done as outer products into registers (a query's or
 // a probability's broadcast times a vector of keys, or of a value's dims), with the softmax
 // online between them: a running max and sum per row, the sum of values rescaled when the max
-// grows. The keys and values a call needs are first unpacked to fp32 once (keys transposed,
-// chunk by chunk), so the products read contiguous floats whatever the cache holds: fp32, bf16,
-// or int8 / fp8 codes with their scales. Items are taken heaviest first by whichever thread is
+// grows. The keys and values are unpacked to fp32 (keys transposed, chunk by chunk), so the
+// products read contiguous floats whatever the cache holds: fp32, bf16, or int8 / fp8 codes with
+// their scales; once for all the items of a sequence of several query tiles, by the item itself
+// for a sequence of one (decode rows under batch_invariant, which all take this kernel). Items are taken heaviest first by whichever thread is
 // free, so a causal prompt's long last rows do not leave one core waiting.
 //
 // torch's SDPA (its CPU flash kernel) took about 3.5 ms a layer on a 512-token SmolLM2 prompt
@@ -86,32 +87,42 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
   const int64_t num_seqs = static_cast<int64_t>(seq_ids.size());
   const int64_t chunk_floats = kKeyChunk * head_dim;
 
-  // keys and values, unpacked: sequence i's chunk c of KV head h at chunk (first[i] + c) * num_kv_heads + h
+  // Key chunk c of KV head h of sequence i (seq_ids' i-th), unpacked to fp32: keys transposed,
+  // values as rows; the slots past the sequence's keys zero.
+  auto unpack = [&](int64_t i, int64_t h, int64_t c, float* key_dst, float* value_dst) {
+    const int64_t s = seq_ids[i], key0 = c * kKeyChunk;
+    const int64_t count = std::min<int64_t>(kKeyChunk, call.lens[s] - key0);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t offset = call.kv_offset(s, h, key0 + t);
+      const cache_t* key = call.k_ptr + offset;
+      const cache_t* value = call.v_ptr + offset;
+      const float key_scale = Rows::scale(key, head_dim), value_scale = Rows::scale(value, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) {
+        key_dst[d * kKeyChunk + t] = Rows::value(key, d) * key_scale;
+        value_dst[t * head_dim + d] = Rows::value(value, d) * value_scale;
+      }
+    }
+    for (int64_t t = count; t < kKeyChunk; ++t)
+      for (int64_t d = 0; d < head_dim; ++d) key_dst[d * kKeyChunk + t] = value_dst[t * head_dim + d] = 0.f;
+  };
+
+  // A sequence of more than one query tile has its keys and values unpacked once for all its
+  // items (chunk c of KV head h at (first[i] + c) * num_kv_heads + h); one of a single tile (a
+  // decode row, a short chunk) has each chunk unpacked by its item as it goes, into its
+  // thread's buffer. Either way a row's arithmetic is the same.
   std::vector<int64_t> first_chunk(num_seqs + 1, 0);
-  for (int64_t i = 0; i < num_seqs; ++i)
-    first_chunk[i + 1] = first_chunk[i] + (call.lens[seq_ids[i]] + kKeyChunk - 1) / kKeyChunk;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const bool shared = call.query_len(seq_ids[i]) > kQueryTile;
+    first_chunk[i + 1] = first_chunk[i] + (shared ? (call.lens[seq_ids[i]] + kKeyChunk - 1) / kKeyChunk : 0);
+  }
   const int64_t num_chunks = first_chunk[num_seqs] * num_kv_heads;
-  std::vector<float> keys(num_chunks * chunk_floats, 0.f), values(num_chunks * chunk_floats, 0.f);
+  std::vector<float> keys(num_chunks * chunk_floats), values(num_chunks * chunk_floats);
   std::vector<int64_t> chunk_seq(first_chunk[num_seqs]);
   for (int64_t i = 0; i < num_seqs; ++i) std::fill(chunk_seq.begin() + first_chunk[i], chunk_seq.begin() + first_chunk[i + 1], i);
-
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t h = index % num_kv_heads, i = chunk_seq[index / num_kv_heads];
-      const int64_t s = seq_ids[i], key0 = (index / num_kv_heads - first_chunk[i]) * kKeyChunk;
-      const int64_t count = std::min<int64_t>(kKeyChunk, call.lens[s] - key0);
-      float* key_dst = keys.data() + index * chunk_floats;
-      float* value_dst = values.data() + index * chunk_floats;
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t offset = call.kv_offset(s, h, key0 + t);
-        const cache_t* key = call.k_ptr + offset;
-        const cache_t* value = call.v_ptr + offset;
-        const float key_scale = Rows::scale(key, head_dim), value_scale = Rows::scale(value, head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          key_dst[d * kKeyChunk + t] = Rows::value(key, d) * key_scale;
-          value_dst[t * head_dim + d] = Rows::value(value, d) * value_scale;
-        }
-      }
+      unpack(i, h, index / num_kv_heads - first_chunk[i], keys.data() + index * chunk_floats, values.data() + index * chunk_floats);
     }
   });
 
@@ -133,6 +144,7 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
     // row r: query head h * group + r % group of the item's token r / group (rows past the
     // last token repeat its position, with a zero query, to fill the last tile)
     std::vector<float> q(max_rows * head_dim), sums(max_rows * head_dim), scores(max_rows * kKeyChunk);
+    std::vector<float> own_keys(chunk_floats), own_values(chunk_floats);  // a single tile's chunk
     std::vector<float> row_max(max_rows), row_sum(max_rows), rescale(max_rows);
     std::vector<int64_t> position(max_rows);
     for (int64_t index = next_item++; index < static_cast<int64_t>(items.size()); index = next_item++) {
@@ -152,10 +164,17 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
         for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] = to_float(src[d]) * scale_f;
       }
       std::fill(sums.begin(), sums.begin() + rows * head_dim, 0.f);
+      const bool shared = first_chunk[item.seq + 1] > first_chunk[item.seq];
       for (int64_t c = 0; c < item.chunks; ++c) {
-        const int64_t chunk = (first_chunk[item.seq] + c) * num_kv_heads + h;
-        const float* chunk_keys = keys.data() + chunk * chunk_floats;
-        const float* chunk_values = values.data() + chunk * chunk_floats;
+        const float* chunk_keys = own_keys.data();
+        const float* chunk_values = own_values.data();
+        if (shared) {
+          const int64_t chunk = (first_chunk[item.seq] + c) * num_kv_heads + h;
+          chunk_keys = keys.data() + chunk * chunk_floats;
+          chunk_values = values.data() + chunk * chunk_floats;
+        } else {
+          unpack(item.seq, h, c, own_keys.data(), own_values.data());
+        }
         for (int64_t r = 0; r < rows; r += kRowTile)
           score_tile(q.data() + r * head_dim, chunk_keys, head_dim, scores.data() + r * kKeyChunk);
         for (int64_t r = 0; r < rows; ++r) {  // the online softmax, this chunk's keys in
@@ -192,10 +211,12 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
 
 namespace duet_cpu {
 
+bool prompt_attention_takes(int64_t head_dim) { return head_dim % kTileWidth == 0; }
+
 bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                       std::vector<int64_t> seq_ids, double scale) {
-  if (query.size(2) % kTileWidth != 0) return false;  // value tiles span a row's dims
+  if (!prompt_attention_takes(query.size(2))) return false;  // value tiles span a row's dims
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");

@@ -107,7 +107,8 @@ def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follow
             forced = OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, rule, *layout)
             assert torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, -1, *layout), forced)
             assert torch.equal(weight.matmul(x), forced)
-            assert torch.equal(torch.ops.duet_gguf.matmul(x, weight.codes, weight.scales, weight.qtype, *layout), forced)
+            assert torch.equal(torch.ops.duet_gguf.matmul(x, weight.codes, weight.scales, weight.qtype, -1, *layout), forced)
+            assert torch.equal(torch.ops.duet_gguf.matmul(x, weight.codes, weight.scales, weight.qtype, rule, *layout), forced)
         assert not torch.equal(OPS.gguf_matmul(x, weight.codes, weight.scales, weight.qtype, 1, *layout), forced)  # two ways, really
     finally:
         OPS.set_panel_min_rows(measured)

@@ -31,6 +31,7 @@ class PDRun:
     tokens: list[list[int] | None]  # per prompt; None when the KV was lost and not recomputed
     num_cached_tokens: list[int]  # per prompt: prefix-cache hits on the prefill side
     lost: list[str] = field(default_factory=list)  # why transfers were lost
+    logprobs: list[list[dict[int, float]]] = field(default_factory=list)  # per prompt, where asked for (first token's too)
 
 
 def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s: float = 600, recompute: bool = True) -> PDRun:
@@ -44,6 +45,7 @@ def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s
         prefill.add_request(EngineRequest(request_id, prompt, params, kv_send=destination))
     first: dict[str, list[int]] = {}
     rest: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    logprobs: dict[str, list[dict[int, float]]] = {request_id: [] for request_id in ids}
     cached: dict[str, int] = {}
     lost_ids: list[str] = []
     run = PDRun([], [])
@@ -54,6 +56,7 @@ def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s
         while (delta := prefill.receive()) is not None:
             assert delta.error is None, delta.error
             first[delta.request_id] = delta.token_ids
+            logprobs[delta.request_id][:0] = delta.logprobs or []
             cached[delta.request_id] = delta.num_cached_tokens
             progressed = True
         for delta in decode.step():
@@ -63,6 +66,7 @@ def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s
                 lost_ids.append(delta.request_id)
                 continue
             rest[delta.request_id] += delta.token_ids
+            logprobs[delta.request_id] += delta.logprobs or []
             if delta.finished:
                 pending.discard(delta.request_id)
         for request_id in list(lost_ids):
@@ -83,4 +87,21 @@ def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s
     assert not pending, f"{len(pending)} requests unfinished after {timeout_s}s"
     run.tokens = [None if rest[i] is None else first.get(i, []) + rest[i] for i in ids]
     run.num_cached_tokens = [cached.get(i, 0) for i in ids]
+    run.logprobs = [logprobs[i] for i in ids]
     return run
+
+
+def finish_moved(target, request_id: str, timeout_s: float = 60) -> tuple[list[int], list[dict[int, float]]]:
+    """Step ``target`` (an engine here) until it has nothing left: the tokens and logprobs it gave
+    ``request_id``, a sequence moved to it (every request's deltas must be error-free)."""
+    tokens, logprobs, deadline = [], [], time.monotonic() + timeout_s
+    while target.has_unfinished_requests() and time.monotonic() < deadline:
+        deltas = target.step()
+        for delta in deltas:
+            assert delta.error is None, delta.error
+            if delta.request_id == request_id:
+                tokens += delta.token_ids
+                logprobs += delta.logprobs or []
+        if not deltas:
+            time.sleep(0.002)  # waiting for the KV: leave the transfer threads the CPU
+    return tokens, logprobs

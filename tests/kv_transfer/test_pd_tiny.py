@@ -14,7 +14,7 @@ from duet.engine import LLMEngine
 from duet.engine_process import EngineProcess
 from duet.errors import InvalidRequestError
 from duet.messages import EngineRequest
-from tests.kv_transfer.pd_harness import doomed_prefill, run_disaggregated
+from tests.kv_transfer.pd_harness import doomed_prefill, finish_moved, run_disaggregated
 from tests.reference import compare_to_reference, hf_greedy
 
 # Lengths 5, 33 and 70 end in partial blocks; 48 fills its last block exactly.
@@ -175,14 +175,7 @@ def test_a_decoding_sequence_migrates_by_kv_and_goes_on_as_if_it_had_not_moved(t
         assert held[: len(streamed)] == streamed and len(held) >= 6
         destination = target.add_request(EngineRequest("m", prompt, params, output_token_ids=held, kv_receive=True))
         assert source.call("migrate", "m", destination) is True
-        rest, deadline = [], time.monotonic() + 60
-        while target.has_unfinished_requests() and time.monotonic() < deadline:
-            deltas = target.step()
-            for delta in deltas:
-                assert delta.error is None, delta.error
-                rest += delta.token_ids
-            if not deltas:
-                time.sleep(0.002)  # waiting for the KV: leave the transfer threads the CPU
+        rest, _ = finish_moved(target, "m")
         assert held + rest == undisturbed
         assert target.stats().transfer.transfers == 1 and target.stats().kv.prefix_cache_queries == 0
         target.check_integrity()

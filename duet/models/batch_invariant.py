@@ -1,0 +1,70 @@
+"""Batch-invariant inference (``batch_invariant: true``): a request's tokens and logprobs, bit for
+bit, whatever shares its steps, however its prompt is chunked and whether its prefix was cached.
+
+A row's values change with the batch wherever a kernel's order of additions depends on the
+batch. Under this mode every computation a token depends on is free of that:
+
+- **Products** (every ``Linear``, the LM head included) sum each output over k in one fixed
+  order, a fused multiply-add a k from zero, whatever the row count, the row's place and the
+  threads, where oneDNN and MKL choose kernels, blockings and splits by the row count
+  (``Linear.make_batch_invariant``): GGUF blocks with AVX-512's panel layout by panels for every
+  row count (as the default takes them from 12 rows or so), other weights through a kernel of
+  their own over the float weight laid out in panels (``kernels/csrc/batch_invariant.cpp``), in
+  place of oneDNN's packed copy.
+- **Attention** of every query row, prompt chunks, decode steps and speculative verification
+  alike, goes through the C++ prompt kernel (``kernels/csrc/prompt_attention.cpp``): a row's
+  scores, online softmax and weighted sum run over the keys in chunks of fixed size from
+  position 0, computed per row, so a row's output is the same in any chunk, any batch, and from
+  cached or recomputed keys.
+- **Norms, RoPE, activations, embeddings** were per row already (``cpu_ops``' kernels are
+  parallel over rows, each row reduced in one order); so is the sampler (per-row softmax, a
+  seeded generator per request).
+
+What is not built yet: GPU models (the Triton path); blocks alone (quantized at load, or a
+GGUF file's) on CPUs without AVX-512; sliding windows and soft caps; mixtures of experts.
+``make_batch_invariant`` refuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from duet.config import ConfigError
+from duet.kernels import cpu_ops
+from duet.kernels.torch_attention import supports_batch_invariance
+from duet.models.linear import Linear
+
+
+def make_batch_invariant(model: nn.Module, what: str = "the model") -> None:
+    """Make every product of ``model`` sum in one order whatever the rows (``Linear.
+    make_batch_invariant``) and every attention row take the prompt kernel; a ``ConfigError``
+    saying why, before changing anything but products already made so, where ``model`` has parts
+    that are not built for it."""
+    from duet.models.llama import LlamaAttention, LlamaForCausalLM
+    from duet.models.mixtral import MixtralMoE
+
+    def refuse(reason: str) -> None:
+        raise ConfigError(f"batch_invariant: {what} {reason}; not built yet")
+
+    if cpu_ops.load_gguf() is None or cpu_ops.load() is None:
+        refuse("needs duet's C++ CPU kernels, which are off (DUET_CPU_OPS=0) or did not build here")
+    if not isinstance(model, LlamaForCausalLM):
+        refuse(f"is a {type(model).__name__}")
+    if any(param.device.type != "cpu" for param in model.parameters()):
+        refuse("is not on the CPU")
+    if model.arch.final_softcap is not None:
+        refuse("soft-caps its logits")
+    for module in model.modules():
+        if isinstance(module, MixtralMoE):
+            refuse("is a mixture of experts")
+        if isinstance(module, LlamaAttention):
+            if module.window is not None or module.softcap is not None:
+                refuse("has sliding windows or soft-capped scores")
+            if not supports_batch_invariance(module.head_dim):
+                refuse(f"has a head size ({module.head_dim}) the C++ prompt attention does not take")
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and not module.make_batch_invariant():
+            refuse(f"keeps {name}'s weights as quantized blocks that this CPU's kernels multiply by tiles of rows alone")
+        elif isinstance(module, LlamaAttention):
+            module.batch_invariant = True
