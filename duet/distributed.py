@@ -113,14 +113,17 @@ class TensorParallelGroup:
     makes the same calls in the same order (each runs the same step on the same inputs).
     ``seconds`` and ``calls`` count the time spent in them (waiting for slower ranks included).
     With ``same_machine`` (CPU ranks on one node), through shared memory where it fits.
-    ``name`` tells apart the groups of one replica's pipeline stages."""
+    ``name`` tells apart the groups of one replica's pipeline stages. With ``ordered_sums``
+    (``batch_invariant``) every sum adds the ranks' parts in rank order whatever the tensor's
+    size, where a ring's order of additions depends on it (past two ranks)."""
 
     def __init__(
         self, store: dist.Store, rank: int, world_size: int, use_cuda: bool, host: str, timeout_s: float, same_machine: bool = False,
-        name: str = "tp",
+        name: str = "tp", ordered_sums: bool = False,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.ordered_sums = ordered_sums
         prefix = dist.PrefixStore(f"duet/{name}", store)
         self.backend, self.group = new_group(prefix, rank, world_size, use_cuda, host, timeout_s)
         self.shared = None
@@ -135,11 +138,17 @@ class TensorParallelGroup:
         started = time.perf_counter()
         if self.shared is not None and self.shared.fits(tensor):
             first, *others = self.shared.exchange(tensor)
-            tensor.copy_(first)
-            for other in others:
-                tensor.add_(other)
+        elif self.ordered_sums and self.world_size > 2:
+            gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            self.group.allgather([gathered], [tensor]).wait()
+            first, *others = gathered
         else:
             self.group.allreduce([tensor]).wait()
+            self._count(started)
+            return tensor
+        tensor.copy_(first)
+        for other in others:
+            tensor.add_(other)
         self._count(started)
         return tensor
 

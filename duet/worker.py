@@ -87,7 +87,8 @@ def _parallel_groups(config: WorkerConfig):
     tensor_group = pipeline = None
     if tensor_parallel_size > 1:
         tensor_group = TensorParallelGroup(
-            store, rank_in_stage, tensor_parallel_size, use_cuda, config.host, timeout_s, config.ranks_share_memory, name=f"tp/{stage}"
+            store, rank_in_stage, tensor_parallel_size, use_cuda, config.host, timeout_s, config.ranks_share_memory, name=f"tp/{stage}",
+            ordered_sums=config.batch_invariant,
         )
     if config.pipeline_parallel_size > 1:
         pipeline = PipelineGroup(store, config.rank, config.world_size, tensor_parallel_size, use_cuda, config.host, timeout_s)
