@@ -26,9 +26,14 @@ fraction of the product there. Rows of another dtype (bf16) go through the kerne
 An LM head whose rows only need their greedy token (``argmax``) skips writing its logits: for
 SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a step).
 
-Under ``batch_invariant`` (``duet.models.batch_invariant``) every product instead sums each
-output over k in one order whatever the row count (``make_batch_invariant``): the GGUF blocks by
-panels for every row count, or a kernel of its own over the float weight.
+A float weight may also be laid out in panels (``kernels/csrc/batch_invariant.cpp``: each output
+summed over k by one fused multiply-add a k, a thread per panel, tiles of rows by outer products),
+which serves fp32 products of up to as many rows as this CPU measured it faster than oneDNN's and
+MKL's paths (``_float_panel_rows``, once per process; on this project's AMD EPYC it took 2.7 ms
+for a set of SmolLM2's products at one row against oneDNN's 5.0 and 6.9 against 9.1 at 32), and
+replaces oneDNN's copy where it serves the rows that copy would. Under ``batch_invariant``
+(``duet.models.batch_invariant``) every product sums each output over k in that one order whatever
+the row count (``make_batch_invariant``): by those panels, or the GGUF blocks by theirs.
 
 Where a step has rows with LoRA adapters (``duet.lora``), each adapter's low-rank update is
 added to its rows after the base product, whichever path computed it.
@@ -46,7 +51,7 @@ from torch import nn
 
 from duet.config import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
-from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
+from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_OUT_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
 from duet.lora import current_step as current_lora_step
@@ -96,20 +101,40 @@ class Linear(Module):
         self.gguf: GGUFWeight | None = None
         self._block_rows = -1  # products of up to this many rows read the GGUF blocks (none: not even empty ones)
         self.lora_name: str | None = None  # its module name where LoRA adapters may update it (``duet.lora``)
-        self.invariant_panels: torch.Tensor | None = None  # batch_invariant: every product's weights
+        # The weight laid out in panels (``kernels/csrc/batch_invariant.cpp``), serving products of
+        # up to ``_panel_rows`` rows: those this CPU measured faster than oneDNN's and MKL's, or
+        # every product under batch_invariant.
+        self.invariant_panels: torch.Tensor | None = None
+        self._panel_rows = 0
 
     def pack_for_cpu(self) -> None:
-        """Reorder the weight for oneDNN once, if this CPU and dtype benefit."""
+        """Lay the weight out once for the paths this CPU and dtype benefit from: panels for the
+        row counts where they measured faster (fp32), oneDNN's reordered weight for the others."""
         rows = _PACKED_ROWS.get(self.weight.dtype)
         if rows is None or self.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return
         if self.weight.dtype == torch.bfloat16 and not cpu_has_fast_bf16():
             return  # oneDNN would emulate bf16 on AVX2-only CPUs; the plain path is the safe one
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
         low, high = rows
         if self.weight.dtype == torch.float32:
             low, high = (1 if _packed_wins(1) else low), (sys.maxsize if _packed_wins(_CHUNK_ROWS) else high)
+            panel_rows = _float_panel_rows()
+            if panel_rows > 0:
+                self._lay_out_float_panels()
+                self._panel_rows = panel_rows
+                low = max(low, panel_rows + 1)
+        if low <= high:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
         self._packed_rows = (low, high)
+
+    def _lay_out_float_panels(self) -> None:
+        if self.invariant_panels is not None:
+            return
+        width = cpu_ops.load_gguf().invariant_panel_width()
+        out_features, in_features = self.weight.shape
+        padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=self.weight.dtype)
+        padded[:out_features] = self.weight.detach()
+        self.invariant_panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
 
     def attach_gguf(self, weight: GGUFWeight) -> None:
         """Serve small products from ``weight``; the float weight stays for the rest and must be
@@ -118,6 +143,8 @@ class Linear(Module):
         # The blocks' device, not the float weight's: that is on meta where the blocks are the weight.
         dtype = torch.float32 if self.weight is None else self.weight.dtype  # None: the blocks alone are the weight
         self._block_rows = _gguf_float_max_rows(weight.ops, dtype, weight.codes.device.type)
+        if 0 < self._panel_rows <= self._block_rows:  # the blocks serve every row count the float panels would
+            self.invariant_panels, self._panel_rows = None, 0
         self._lay_out_panels()
 
     def _lay_out_panels(self) -> None:
@@ -143,12 +170,10 @@ class Linear(Module):
         if blocks is not None and blocks.panel_codes is not None:
             blocks.panel_min_rows = 1
             self._block_rows = sys.maxsize
+            self.invariant_panels, self._panel_rows = None, 0
         elif self.weight is not None:
-            width = cpu_ops.load_gguf().invariant_panel_width()
-            out_features, in_features = self.weight.shape
-            padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=self.weight.dtype)
-            padded[:out_features] = self.weight.detach()
-            self.invariant_panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+            self._lay_out_float_panels()
+            self._panel_rows = sys.maxsize
             self.gguf = None
             self._block_rows = -1
         else:
@@ -158,9 +183,10 @@ class Linear(Module):
         return True
 
     def keep_blocks_only(self) -> None:
-        """Drop the float weight (and its packed copy): the attached blocks are the weight."""
+        """Drop the float weight (and its packed and panel copies): the attached blocks are the weight."""
         self.weight = None
         self.packed_weight = None
+        self.invariant_panels, self._panel_rows = None, 0
         self._packed_rows = (0, -1)
         self._block_rows = GGUF_MAX_ROWS
         self._lay_out_panels()
@@ -171,14 +197,14 @@ class Linear(Module):
         return y if step is None else step.apply(self.lora_name, x, y)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant_panels is not None:
-            return cpu_ops.load_gguf().invariant_linear(x, self.invariant_panels, self.out_features).to(x.dtype)
         if self.weight is None:  # quantized at load time
             if x.shape[0] > self._block_rows:
                 return F.linear(x, self.gguf.dequantize().to(x.dtype))
             return self.gguf.matmul(x.float()).to(x.dtype)
         if x.shape[0] <= self._block_rows:  # blocks attached to a float32 or bfloat16 model
             return self.gguf.matmul(x)
+        if x.shape[0] <= self._panel_rows:
+            return cpu_ops.load_gguf().invariant_linear(x, self.invariant_panels, self.out_features).to(x.dtype)
         low, high = self._packed_rows
         if low <= x.shape[0] <= high:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
@@ -187,11 +213,11 @@ class Linear(Module):
     def plan(self) -> tuple:
         """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
         to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
-        qtype, block_rows, panel_codes, panel_scales, invariant_panels, out_features,
+        qtype, block_rows, panel_codes, panel_scales, invariant_panels, out_features, panel_rows,
         panel_min_rows)``, None for what this layer lacks."""
         blocks = self.gguf
         low, high = self._packed_rows
-        invariant = (self.invariant_panels, self.out_features)
+        invariant = (self.invariant_panels, self.out_features, self._panel_rows)
         if blocks is None:
             return (self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1)
         return (
@@ -208,6 +234,50 @@ class Linear(Module):
         if fused and x.shape[0] <= self._block_rows:
             return self.gguf.matmul_argmax(x, excluded_token_ids)
         return greedy_argmax(self(x).float(), excluded_token_ids)
+
+
+# Row counts at which fp32 products by panels race the other float paths (``_float_panel_rows``),
+# and the margin by which another must win to take over (panels that tie keep the rows: they
+# replace oneDNN's copy where they serve every row count it would, and sum in one order).
+FLOAT_PANEL_ROWS = (1, 32, 128, 512)
+_PANEL_MARGIN = 1.05
+
+
+@functools.cache
+def _float_panel_rows() -> int:
+    """The most fp32 rows a product takes by panels on this CPU: the panels, oneDNN's packed
+    weight and ``F.linear`` are timed at ``FLOAT_PANEL_ROWS``, best of 3 interleaved rounds each
+    way, over 16 weights of a SmolLM2 MLP's shape (56 MB, read from memory as a step reads a
+    model's; 2 of them from 256 rows, where the products are bound by arithmetic); the panels
+    serve every count up to the first where the faster of the others is ``_PANEL_MARGIN`` times
+    faster than they are. 0 where the C++ kernels are unavailable. Once per process, under a
+    second and 170 MB for that moment. On this project's AMD EPYC the others took 1.66x the
+    panels' time at 1 row, 1.17x at 32, 0.98x at 128 and 1.00x at 512."""
+    ops = cpu_ops.load_gguf()
+    if ops is None or not torch.backends.mkldnn.is_available():
+        return 0
+    generator = torch.Generator().manual_seed(2)
+    weights = [torch.randn(SAMPLE_OUT_FEATURES, SAMPLE_IN_FEATURES, generator=generator) for _ in range(16)]
+    lanes = ops.invariant_panel_width()
+    panels = [weight.view(-1, lanes, SAMPLE_IN_FEATURES).transpose(1, 2).contiguous() for weight in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) for weight in weights]
+    chosen = 0
+    for rows in FLOAT_PANEL_ROWS:
+        count = 16 if rows <= 128 else 2
+        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
+        times = best_times(
+            {
+                "panels": lambda: [ops.invariant_linear(x, p, SAMPLE_OUT_FEATURES) for p in panels[:count]],
+                "packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed[:count]],
+                "plain": lambda: [F.linear(x, w) for w in weights[:count]],
+            },
+            rounds=3,
+        )
+        if _PANEL_MARGIN * min(times["packed"], times["plain"]) < times["panels"]:
+            break
+        chosen = rows
+    logger.info("fp32 products of up to %d rows go by panels on this CPU", chosen)
+    return chosen
 
 
 @functools.cache

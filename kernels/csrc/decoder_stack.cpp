@@ -6,9 +6,9 @@
 // layers a step (on a 2-core AMD EPYC, `duet bench step`: time outside the kernels went from
 // 1.19 to 0.41 ms of a single-stream step, and from 1.86 to 1.03 ms of a batch-32 step). Each product picks its path by row count exactly as
 // Linear.forward does: GGUF blocks (duet_gguf::matmul, another extension's operator, reached
-// through the dispatcher), oneDNN's packed weight, or at::linear; under batch_invariant, every
-// product takes batch_invariant.cpp's kernel and every row the prompt attention. The GIL is
-// released for the whole stack, so a replica's other threads (KV transfer, the event loop) run meanwhile.
+// through the dispatcher), the float weight's panels (batch_invariant.cpp), oneDNN's packed
+// weight, or at::linear; under batch_invariant every attention row takes the prompt kernel. The
+// GIL is released for the whole stack, so a replica's other threads (KV transfer, the event loop) run meanwhile.
 
 #include "cpu_ops.h"
 
@@ -35,8 +35,9 @@ struct LinearPlan {
   int64_t block_rows = -1;  // rows up to which the blocks serve the product
   int64_t panel_min_rows = -1;  // rows from which the blocks go by panels (-1: the process's rule)
   std::optional<torch::Tensor> panel_codes, panel_scales;  // the blocks' panel layout, or none
-  torch::Tensor invariant;  // the weight in batch_invariant.cpp's panels: every product takes them; or undefined
+  torch::Tensor invariant;  // the weight in batch_invariant.cpp's panels, or undefined
   int64_t out_features = 0;
+  int64_t panel_rows = 0;  // rows up to which those panels serve the product (past the blocks')
 };
 
 struct LayerPlan {
@@ -61,8 +62,8 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumPart
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 13, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
-                              "panel_codes, panel_scales, invariant_panels, out_features, panel_min_rows)");
+  TORCH_CHECK(t.size() == 14, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+                              "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -79,7 +80,9 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   }
   plan.invariant = tensor(10);
   plan.out_features = t[11].cast<int64_t>();
-  plan.panel_min_rows = t[12].cast<int64_t>();
+  plan.panel_rows = t[12].cast<int64_t>();
+  plan.panel_min_rows = t[13].cast<int64_t>();
+  TORCH_CHECK(plan.panel_rows <= 0 || plan.invariant.defined(), "a linear served by float panels needs them");
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
   return plan;
@@ -200,9 +203,7 @@ class DecoderStack {
     torch::Tensor out;
     timed(kProducts, [&] {
       const int64_t rows = x.size(0);
-      if (plan.invariant.defined()) {
-        out = invariant_linear_.call(x, plan.invariant, plan.out_features).to(x.scalar_type());
-      } else if (!plan.weight.defined()) {  // quantized at load
+      if (!plan.weight.defined()) {  // quantized at load
         if (rows > plan.block_rows)
           out = at::linear(x, gguf_dequantize_.call(plan.codes, plan.scales, plan.qtype, x.size(1)).to(x.scalar_type()));
         else
@@ -217,6 +218,8 @@ class DecoderStack {
                         .to(torch::kBFloat16)
                   : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_min_rows, plan.panel_codes,
                                       plan.panel_scales);
+      } else if (rows <= plan.panel_rows) {
+        out = invariant_linear_.call(x, plan.invariant, plan.out_features).to(x.scalar_type());
       } else if (plan.packed_low <= rows && rows <= plan.packed_high) {
         out = linear_packed_.call(x, plan.packed, std::nullopt, "none", c10::List<std::optional<c10::Scalar>>(), "");
       } else {

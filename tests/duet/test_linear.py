@@ -1,8 +1,9 @@
-"""Linear's row-count rules: a single fp32 row, and a prompt chunk past 128 rows, go to oneDNN's
-packed weight only on a CPU where that measured clearly faster than ``F.linear`` (an AMD EPYC:
-8.1 against 5.1 ms for a SmolLM2 step's products at one row, 2.3-2.8x at 256 to 2,048; a Xeon:
-ties); GGUF blocks serve fp32 products up to the rows this CPU measured them faster than the
-float weights; and every path computes the same product."""
+"""Linear's row-count rules: fp32 products go by the float weight's panels up to the rows this CPU
+measured them faster; past them a single fp32 row, and a prompt chunk past 128 rows, go to
+oneDNN's packed weight only on a CPU where that measured clearly faster than ``F.linear`` (an AMD
+EPYC: 8.1 against 5.1 ms for a SmolLM2 step's products at one row, 2.3-2.8x at 256 to 2,048; a
+Xeon: ties); GGUF blocks serve fp32 products up to the rows this CPU measured them faster than
+the float weights; and every path computes the same product."""
 
 from __future__ import annotations
 
@@ -14,21 +15,27 @@ import torch.nn.functional as F
 
 from duet.kernels import cpu_ops
 from duet.kernels.gguf import GGUFWeight
-from duet.models.linear import _CHUNK_ROWS, GGUF_FLOAT_ROWS, Linear, _gguf_float_max_rows, _packed_wins
+from duet.models.linear import FLOAT_PANEL_ROWS, _CHUNK_ROWS, GGUF_FLOAT_ROWS, Linear, _float_panel_rows, _gguf_float_max_rows, _packed_wins
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
 
-def test_one_fp32_row_and_long_chunks_take_onednn_only_where_it_measured_faster():
+def test_fp32_products_take_panels_then_onednn_only_where_they_measured_faster():
     linear = Linear(256, 96)
     linear.weight.data = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
     linear.pack_for_cpu()
-    _, _, packed_low, packed_high, *_ = linear.plan()
-    assert packed_low == (1 if _packed_wins(1) else 2)
+    panel_rows = _float_panel_rows()
+    assert panel_rows in (0, *FLOAT_PANEL_ROWS) or cpu_ops.load_gguf() is None
+    _, _, packed_low, packed_high, *_, plan_panel_rows, _ = linear.plan()
+    assert plan_panel_rows == panel_rows
+    assert packed_low == max(1 if _packed_wins(1) else 2, panel_rows + 1)
     assert packed_high == (sys.maxsize if _packed_wins(_CHUNK_ROWS) else 128)
+    assert (linear.packed_weight is None) == (packed_low > packed_high)
     for rows in (1, 2, 130, 600):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(linear(x), F.linear(x, linear.weight), rtol=1e-4, atol=1e-4)
+        if rows <= panel_rows:
+            assert torch.equal(linear(x), cpu_ops.load_gguf().invariant_linear(x, linear.invariant_panels, 96))
 
 
 @pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
@@ -47,6 +54,9 @@ def test_gguf_blocks_serve_fp32_products_up_to_the_rows_this_cpu_measured_them_f
     x = torch.randn(limit, cpu_ops.SAMPLE_IN_FEATURES, generator=generator)
     longer = torch.randn(limit + 1, cpu_ops.SAMPLE_IN_FEATURES, generator=generator)
     assert torch.equal(linear(x), blocks.matmul(x))
-    assert torch.equal(linear(longer), torch.ops.mkldnn._linear_pointwise(longer, linear.packed_weight, None, "none", [], ""))
+    if limit + 1 <= linear.plan()[12]:  # the float weight's panels serve the next rows
+        assert torch.equal(linear(longer), ops.invariant_linear(longer, linear.invariant_panels, linear.out_features))
+    else:
+        assert torch.equal(linear(longer), torch.ops.mkldnn._linear_pointwise(longer, linear.packed_weight, None, "none", [], ""))
     for rows in (x, longer):
         torch.testing.assert_close(linear(rows), F.linear(rows, linear.weight), rtol=1e-4, atol=1e-4)
