@@ -57,13 +57,15 @@ class Result:
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Every tensor the model keeps: parameters, buffers, packed copies and quantized blocks."""
+    """Every tensor the model keeps: parameters, buffers, packed and panel copies and quantized blocks."""
     from duet.models.linear import Linear
 
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     for module in model.modules():
         if isinstance(module, Linear):
-            extras = [module.packed_weight] + ([module.gguf.codes, module.gguf.scales] if module.gguf is not None else [])
+            extras = [module.packed_weight, module.invariant_panels]
+            if module.gguf is not None:
+                extras += [module.gguf.codes, module.gguf.scales]
             total += sum(t.numel() * t.element_size() for t in extras if t is not None)
     return total
 

@@ -102,10 +102,10 @@ class Linear(Module):
         self._block_rows = -1  # products of up to this many rows read the GGUF blocks (none: not even empty ones)
         self.lora_name: str | None = None  # its module name where LoRA adapters may update it (``duet.lora``)
         # The weight laid out in panels (``kernels/csrc/batch_invariant.cpp``), serving products of
-        # up to ``_panel_rows`` rows: those this CPU measured faster than oneDNN's and MKL's, or
-        # every product under batch_invariant.
+        # up to ``_panel_rows`` rows (none: not even empty ones): those this CPU measured faster
+        # than oneDNN's and MKL's, or every product under batch_invariant.
         self.invariant_panels: torch.Tensor | None = None
-        self._panel_rows = 0
+        self._panel_rows = -1
 
     def pack_for_cpu(self) -> None:
         """Lay the weight out once for the paths this CPU and dtype benefit from: panels for the
@@ -144,7 +144,7 @@ class Linear(Module):
         dtype = torch.float32 if self.weight is None else self.weight.dtype  # None: the blocks alone are the weight
         self._block_rows = _gguf_float_max_rows(weight.ops, dtype, weight.codes.device.type)
         if 0 < self._panel_rows <= self._block_rows:  # the blocks serve every row count the float panels would
-            self.invariant_panels, self._panel_rows = None, 0
+            self.invariant_panels, self._panel_rows = None, -1
         self._lay_out_panels()
 
     def _lay_out_panels(self) -> None:
@@ -170,7 +170,7 @@ class Linear(Module):
         if blocks is not None and blocks.panel_codes is not None:
             blocks.panel_min_rows = 1
             self._block_rows = sys.maxsize
-            self.invariant_panels, self._panel_rows = None, 0
+            self.invariant_panels, self._panel_rows = None, -1
         elif self.weight is not None:
             self._lay_out_float_panels()
             self._panel_rows = sys.maxsize
@@ -186,7 +186,7 @@ class Linear(Module):
         """Drop the float weight (and its packed and panel copies): the attached blocks are the weight."""
         self.weight = None
         self.packed_weight = None
-        self.invariant_panels, self._panel_rows = None, 0
+        self.invariant_panels, self._panel_rows = None, -1
         self._packed_rows = (0, -1)
         self._block_rows = GGUF_MAX_ROWS
         self._lay_out_panels()

@@ -8,7 +8,8 @@
 // Linear.forward does: GGUF blocks (duet_gguf::matmul, another extension's operator, reached
 // through the dispatcher), the float weight's panels (batch_invariant.cpp), oneDNN's packed
 // weight, or at::linear; under batch_invariant every attention row takes the prompt kernel. The
-// GIL is released for the whole stack, so a replica's other threads (KV transfer, the event loop) run meanwhile.
+// GIL is released for the whole stack, so a replica's other threads (KV transfer, the event
+// loop) run meanwhile.
 
 #include "cpu_ops.h"
 
@@ -37,7 +38,7 @@ struct LinearPlan {
   std::optional<torch::Tensor> panel_codes, panel_scales;  // the blocks' panel layout, or none
   torch::Tensor invariant;  // the weight in batch_invariant.cpp's panels, or undefined
   int64_t out_features = 0;
-  int64_t panel_rows = 0;  // rows up to which those panels serve the product (past the blocks')
+  int64_t panel_rows = -1;  // rows up to which those panels serve the product (past the blocks'; -1: none)
 };
 
 struct LayerPlan {
@@ -82,7 +83,7 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   plan.out_features = t[11].cast<int64_t>();
   plan.panel_rows = t[12].cast<int64_t>();
   plan.panel_min_rows = t[13].cast<int64_t>();
-  TORCH_CHECK(plan.panel_rows <= 0 || plan.invariant.defined(), "a linear served by float panels needs them");
+  TORCH_CHECK(plan.panel_rows < 0 || plan.invariant.defined(), "a linear served by float panels needs them");
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
   return plan;

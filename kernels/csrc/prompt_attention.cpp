@@ -8,8 +8,9 @@
 // grows. The keys and values are unpacked to fp32 (keys transposed, chunk by chunk), so the
 // products read contiguous floats whatever the cache holds: fp32, bf16, or int8 / fp8 codes with
 // their scales; once for all the items of a sequence of several query tiles, by the item itself
-// for a sequence of one (decode rows under batch_invariant, which all take this kernel). Items are taken heaviest first by whichever thread is
-// free, so a causal prompt's long last rows do not leave one core waiting.
+// for a sequence of one (decode rows under batch_invariant, which all take this kernel). Items
+// are taken heaviest first by whichever thread is free, so a causal prompt's long last rows do
+// not leave one core waiting.
 //
 // torch's SDPA (its CPU flash kernel) took about 3.5 ms a layer on a 512-token SmolLM2 prompt
 // here, about 85 GFLOP/s where the cores reach over 400 in a large matmul.

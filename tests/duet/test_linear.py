@@ -27,7 +27,7 @@ def test_fp32_products_take_panels_then_onednn_only_where_they_measured_faster()
     panel_rows = _float_panel_rows()
     assert panel_rows in (0, *FLOAT_PANEL_ROWS) or cpu_ops.load_gguf() is None
     _, _, packed_low, packed_high, *_, plan_panel_rows, _ = linear.plan()
-    assert plan_panel_rows == panel_rows
+    assert plan_panel_rows == (panel_rows if panel_rows > 0 else -1)
     assert packed_low == max(1 if _packed_wins(1) else 2, panel_rows + 1)
     assert packed_high == (sys.maxsize if _packed_wins(_CHUNK_ROWS) else 128)
     assert (linear.packed_weight is None) == (packed_low > packed_high)
@@ -36,6 +36,12 @@ def test_fp32_products_take_panels_then_onednn_only_where_they_measured_faster()
         torch.testing.assert_close(linear(x), F.linear(x, linear.weight), rtol=1e-4, atol=1e-4)
         if rows <= panel_rows:
             assert torch.equal(linear(x), cpu_ops.load_gguf().invariant_linear(x, linear.invariant_panels, 96))
+    # No rows (a step of prompt chunks alone asks the LM head for none): every path takes them,
+    # a Linear without panels too.
+    assert linear(torch.empty(0, 256)).shape == (0, 96)
+    bare = Linear(256, 96)
+    bare.weight.data = linear.weight.data
+    assert bare(torch.empty(0, 256)).shape == (0, 96)
 
 
 @pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")

@@ -371,7 +371,11 @@ def test_a_decode_pool_of_one_killed_a_prefill_replica_takes_the_role_until_the_
             answered_s = time.monotonic() - killed_at
             print(f"\nanswered {answered_s:.1f} s after the only decode replica was killed ({attempt} refused; the answer took "
                   f"{time.monotonic() - sent_at:.1f} s)")
-            stages = _stages(url, "prefill")
+            # The role as the prefill replica last reported it: its stats come every second or
+            # so, and an answer can be quicker than the report (bounded wait).
+            deadline = time.monotonic() + 10
+            while (stages := _stages(url, "prefill")) != ["decode"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
             return killed, answered_s, (status, tokens, errors), stages, await asyncio.gather(*tasks)
 
     killed, answered_s, (status, tokens, errors), stages, streams = asyncio.run(run())

@@ -56,7 +56,7 @@ def run_disaggregated(prefill: EngineProcess, decode, prompts, params, timeout_s
         while (delta := prefill.receive()) is not None:
             assert delta.error is None, delta.error
             first[delta.request_id] = delta.token_ids
-            logprobs[delta.request_id][:0] = delta.logprobs or []
+            logprobs.setdefault(delta.request_id, [])[:0] = delta.logprobs or []
             cached[delta.request_id] = delta.num_cached_tokens
             progressed = True
         for delta in decode.step():
