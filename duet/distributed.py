@@ -136,16 +136,20 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` (contiguous) over the ranks, in place; every rank gets the same bits."""
         started = time.perf_counter()
+        parts = None  # every rank's tensor, to add here in rank order
         if self.shared is not None and self.shared.fits(tensor):
-            first, *others = self.shared.exchange(tensor)
+            parts = self.shared.exchange(tensor)
         elif self.ordered_sums and self.world_size > 2:
-            gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
-            self.group.allgather([gathered], [tensor]).wait()
-            first, *others = gathered
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            self.group.allgather([parts], [tensor]).wait()
         else:
             self.group.allreduce([tensor]).wait()
-            self._count(started)
-            return tensor
+        if parts is not None:
+            tensor.copy_(parts[0])
+            for part in parts[1:]:
+                tensor.add_(part)
+        self._count(started)
+        return tensor
         tensor.copy_(first)
         for other in others:
             tensor.add_(other)

@@ -42,8 +42,9 @@ def load():
 @functools.cache
 def load_gguf():
     """The GGUF block matmuls (fp32, and bf16 where the CPU has AVX512_BF16: ``has_bf16()``) and
-    the batch-invariant products (``invariant_linear``), or None when they cannot be built or are switched off. Products of many rows go by panels or by
-    tiles of rows as this CPU measured faster (``panel_min_rows``, once per process)."""
+    the float weights' panel products (``invariant_linear``), or None when they cannot be built or
+    are switched off. GGUF products of many rows go by panels or by tiles of rows as this CPU
+    measured faster (``panel_min_rows``, once per process)."""
     ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp", "batch_invariant.cpp"], [], [])
     if ops is not None:
         ops.set_panel_min_rows(panel_min_rows(ops))

@@ -36,7 +36,7 @@ from duet.kernels.torch_attention import supports_batch_invariance
 from duet.models.linear import Linear
 
 
-def make_batch_invariant(model: nn.Module, what: str = "the model") -> None:
+def make_batch_invariant(model: nn.Module) -> None:
     """Make every product of ``model`` sum in one order whatever the rows (``Linear.
     make_batch_invariant``) and every attention row take the prompt kernel; a ``ConfigError``
     saying why, before changing anything but products already made so, where ``model`` has parts
@@ -45,7 +45,7 @@ def make_batch_invariant(model: nn.Module, what: str = "the model") -> None:
     from duet.models.mixtral import MixtralMoE
 
     def refuse(reason: str) -> None:
-        raise ConfigError(f"batch_invariant: {what} {reason}; not built yet")
+        raise ConfigError(f"batch_invariant: the model {reason}; not built yet")
 
     if cpu_ops.load_gguf() is None or cpu_ops.load() is None:
         refuse("needs duet's C++ CPU kernels, which are off (DUET_CPU_OPS=0) or did not build here")

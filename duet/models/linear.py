@@ -128,13 +128,8 @@ class Linear(Module):
         self._packed_rows = (low, high)
 
     def _lay_out_float_panels(self) -> None:
-        if self.invariant_panels is not None:
-            return
-        width = cpu_ops.load_gguf().invariant_panel_width()
-        out_features, in_features = self.weight.shape
-        padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=self.weight.dtype)
-        padded[:out_features] = self.weight.detach()
-        self.invariant_panels = padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+        if self.invariant_panels is None:
+            self.invariant_panels = float_panels(self.weight.detach(), cpu_ops.load_gguf().invariant_panel_width())
 
     def attach_gguf(self, weight: GGUFWeight) -> None:
         """Serve small products from ``weight``; the float weight stays for the rest and must be
@@ -236,6 +231,15 @@ class Linear(Module):
         return greedy_argmax(self(x).float(), excluded_token_ids)
 
 
+def float_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """``weight`` ``[out, in]`` as ``invariant_linear`` reads it: ``[ceil(out / width), in, width]``,
+    output features padded with zeros."""
+    out_features, in_features = weight.shape
+    padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+
+
 # Row counts at which fp32 products by panels race the other float paths (``_float_panel_rows``),
 # and the margin by which another must win to take over (panels that tie keep the rows: they
 # replace oneDNN's copy where they serve every row count it would, and sum in one order).
@@ -258,8 +262,7 @@ def _float_panel_rows() -> int:
         return 0
     generator = torch.Generator().manual_seed(2)
     weights = [torch.randn(SAMPLE_OUT_FEATURES, SAMPLE_IN_FEATURES, generator=generator) for _ in range(16)]
-    lanes = ops.invariant_panel_width()
-    panels = [weight.view(-1, lanes, SAMPLE_IN_FEATURES).transpose(1, 2).contiguous() for weight in weights]
+    panels = [float_panels(weight, ops.invariant_panel_width()) for weight in weights]
     packed = [torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) for weight in weights]
     chosen = 0
     for rows in FLOAT_PANEL_ROWS:

@@ -11,7 +11,7 @@
 // tile's rows do not meet: each row's arithmetic is the same whatever the tile's size. The
 // panel (K * kWidth weights) stays in cache across the row tiles, so a decode step reads each
 // weight from memory once. bf16 weights and rows are widened to fp32 exactly (a shift) and
-// summed in fp32, as torch's bf16 products sum them.
+// summed in fp32.
 //
 // Built in the GGUF extension, without -ffast-math: nothing may reassociate the sums.
 

@@ -407,12 +407,12 @@ torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
                                std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales);
 bool has_bf16();
 void set_bf16_panel_min_rows(int64_t rows);
+int64_t bf16_panel_min_rows();
 namespace duet_gguf {
 // batch_invariant.cpp's.
 int64_t invariant_panel_width();
 torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features);
 }  // namespace duet_gguf
-int64_t bf16_panel_min_rows();
 
 // The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to
 // call through the dispatcher, with no Python between.

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 from duet import LLM, SamplingParams
 from duet.config import ConfigError, EngineArgs
-from duet.kernels import cpu_ops
-from duet.models.linear import Linear
 from duet.engine import LLMEngine
+from duet.kernels import cpu_ops
 from duet.messages import EngineRequest
+from duet.models.linear import Linear
 from tests.conftest import make_tiny_gguf_llama, make_tiny_llama
 
 pytestmark = pytest.mark.skipif(cpu_ops.load_gguf() is None or cpu_ops.load() is None, reason="needs duet's C++ CPU kernels")
@@ -68,9 +68,9 @@ def gguf_dir(tmp_path_factory, tiny_tokenizer_dir):
     return make_tiny_gguf_llama(tmp_path_factory.mktemp("tiny-gguf-llama-64"), tiny_tokenizer_dir, **HEADS_OF_64)
 
 
-def _prompts(count: int, seed: int, vocab: int = 200) -> list[list[int]]:
+def _prompts(count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 120))] for _ in range(count)]
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(3, 120))] for _ in range(count)]
 
 
 TARGET = _prompts(1, seed=7)[0][:100] + list(range(10, 60))  # 150 tokens
@@ -142,7 +142,7 @@ def test_blocks_give_a_request_the_same_bits_in_any_batch_and_chunks(model_dir, 
 
 def test_a_prefix_cache_hit_gives_the_same_bits_as_a_miss(model_dir, alone):
     llm = _engine(model_dir)
-    assert _signature(llm.generate([TARGET[:64] + [5, 6, 7]], GREEDY)[0]) is not None  # caches the first 64 tokens' blocks
+    llm.generate([TARGET[:64] + [5, 6, 7]], GREEDY)  # caches the first 64 tokens' blocks
     hit = llm.generate([TARGET], GREEDY)[0]
     assert hit.num_cached_tokens >= 48, hit.num_cached_tokens
     assert _signature(hit) == alone["greedy"]

@@ -12,6 +12,7 @@ import pytest
 
 from duet import LLM, SamplingParams
 from tests.conftest import make_tiny_llama
+from tests.duet.test_batch_invariant import HEADS_OF_64
 from tests.integration.client import random_prompt, settled
 
 pytestmark = pytest.mark.slow
@@ -31,9 +32,7 @@ async def _logprobs(client: httpx.AsyncClient, url: str, body: dict) -> tuple[li
 
 
 def test_a_request_over_pd_gets_the_same_bits_alone_and_amid_other_clients(cluster, deploy, smollm2_dir, tmp_path):
-    model_dir = make_tiny_llama(
-        tmp_path / "heads-64", smollm2_dir, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
-    )
+    model_dir = make_tiny_llama(tmp_path / "heads-64", smollm2_dir, **HEADS_OF_64)
     url = deploy("batch-invariant", {
         "model": str(model_dir),
         "mode": "pd",

@@ -67,20 +67,21 @@ def test_a_sequence_moved_by_its_kv_goes_on_with_the_bits_it_had_alone(model_dir
             target.add_request(EngineRequest(f"t{index}", prompt[::-1], background))
         source.add_request(EngineRequest("m", TARGET, params))
         streamed, logprobs = [], []
-        while len(streamed) < 6:
-            delta = source.receive()
-            if delta is None:
-                time.sleep(0.002)
-            elif delta.request_id == "m":
-                streamed += delta.token_ids
-                logprobs += delta.logprobs or []
+
+        def receive_until(done) -> None:  # the source's deltas of "m", for at most 60 s
+            deadline = time.monotonic() + 60
+            while not done():
+                assert time.monotonic() < deadline, "the source stopped streaming"
+                delta = source.receive()
+                if delta is None:
+                    time.sleep(0.002)
+                elif delta.request_id == "m":
+                    streamed.extend(delta.token_ids)
+                    logprobs.extend(delta.logprobs or [])
+
+        receive_until(lambda: len(streamed) >= 6)
         held = source.call("freeze", "m")
-        while len(logprobs) < len(held):  # tokens sampled before the hold, still on their way
-            delta = source.receive()
-            if delta is None:
-                time.sleep(0.002)
-            elif delta.request_id == "m":
-                logprobs += delta.logprobs or []
+        receive_until(lambda: len(logprobs) >= len(held))  # tokens sampled before the hold, still on their way
         destination = target.add_request(EngineRequest("m", TARGET, params, output_token_ids=held, kv_receive=True))
         assert source.call("migrate", "m", destination) is True
         rest, rest_logprobs = finish_moved(target, "m")
