@@ -25,11 +25,14 @@ class IncrementalDetokenizer:
     out the text that is safe to show: it holds back a tail that could still turn out to be
     the start of a stop string. Every step costs the window and that tail, never the text so
     far: the text is joined once, when read (``text``).
+
+    As in vLLM, a stop string counts only where it ends in the text of a token past the first
+    ``min_tokens`` (it may begin before).
     """
 
     def __init__(
         self, tokenizer: Tokenizer, stop: tuple[str, ...], include_stop_str_in_output: bool, skip_special_tokens: bool,
-        skipped_ids: frozenset[int] | None = None,
+        skipped_ids: frozenset[int] | None = None, min_tokens: int = 0,
     ):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
@@ -39,6 +42,7 @@ class IncrementalDetokenizer:
         self._prefix_text = ""  # the decode of ids[prefix_offset:read_offset]
         self._stop = stop
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
         self._hold_back = max((len(s) for s in stop), default=1) - 1
         self._stops_ending_in: dict[str, list[str]] = {}
         for string in stop:
@@ -107,7 +111,7 @@ class IncrementalDetokenizer:
         self._parts.append(piece)
         self._length += len(piece)
         self._unsent += piece
-        if not self._stop:
+        if not self._stop or self.num_tokens <= self._min_tokens:
             return False
         # A stop string not found before ends in the new piece: check only those end positions,
         # and at each only the stops ending in its character (a search over the whole window
@@ -166,7 +170,7 @@ class SequenceText:
         """``skipped_ids``: the special tokens that ``skip_special_tokens`` leaves out, where not
         all (a tool-call format's marker token is kept)."""
         detokenizer = IncrementalDetokenizer(
-            tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens, skipped_ids
+            tokenizer, params.stop, params.include_stop_str_in_output, params.skip_special_tokens, skipped_ids, params.min_tokens
         )
         return cls(detokenizer, logprobs=[] if params.logprobs is not None else None)
 

@@ -95,3 +95,23 @@ def test_stop_strings_cut_where_the_whole_text_would_be_cut(tokenizer):
         index = whole.find(stop)
         assert sequence.text == whole[: index + (len(stop) if include else 0)], (ids, stop)
         assert "".join(pieces) == sequence.text and sequence.finish_reason == "stop"
+
+
+def test_a_stop_string_counts_only_where_it_ends_past_min_tokens(tokenizer):
+    """As vLLM: the first ``min_tokens`` tokens' text is searched for no stop string; one that
+    begins there and ends in a later token's text stops the output. Guards a stop string met
+    early ending a request that asked for ``min_tokens`` (it ended at 38 of 850)."""
+    ids = tokenizer.encode("ab ab cd ab cd ef", add_special_tokens=False).ids
+    pieces = [tokenizer.decode(ids[: index + 1]) for index in range(len(ids))]
+    whole = pieces[-1]
+    for min_tokens in range(len(ids)):
+        for stop in ("ab", "cd", "b c", "ef"):
+            params = SamplingParams(max_tokens=64, min_tokens=min_tokens, stop=[stop])
+            sequence, _ = _stream(tokenizer, ids, params, random.Random(min_tokens))
+            # The first end of the stop string in text past the first min_tokens tokens' text.
+            searched_from = len(pieces[min_tokens - 1]) if min_tokens else 0
+            ends = [start + len(stop) for start in range(len(whole)) if whole.startswith(stop, start) and start + len(stop) > searched_from]
+            if ends:
+                assert (sequence.text, sequence.finish_reason) == (whole[: ends[0] - len(stop)], "stop"), (min_tokens, stop)
+            else:
+                assert (sequence.text, sequence.finish_reason) == (whole, "length"), (min_tokens, stop)

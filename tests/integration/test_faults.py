@@ -327,7 +327,7 @@ def test_a_stop_string_across_tokens_ends_the_text_where_offline_generation_does
     prompt = list(range(200, 240))
     for attempt in range(20):  # a prompt whose text around the boundary is long enough to cut
         prompt = [token + attempt for token in prompt]
-        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=20))[0].outputs[0]
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
         pieces = [tokenizer.decode(free.token_ids[: index + 1])[len(tokenizer.decode(free.token_ids[:index])):] for index in range(20)]
         if len("".join(pieces[: boundary + 1])) >= 2 and len(pieces[boundary + 1]) >= 2 and "".join(pieces) == free.text:
             stop = _boundary_stop(pieces, boundary)
@@ -335,9 +335,10 @@ def test_a_stop_string_across_tokens_ends_the_text_where_offline_generation_does
                 break
     else:
         pytest.skip("no prompt gave a usable boundary")
-    offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=20, stop=[stop]))[0].outputs[0]
+    # Past EOS by ignore_eos: min_tokens would hold the stop string off too.
+    offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert offline.finish_reason == "stop" and offline.text == free.text[: free.text.index(stop)]
-    body = greedy_body(prompt, 20, stream=stream) | {"stop": [stop]}
+    body = greedy_body(prompt, 20, stream=stream) | {"min_tokens": 0, "ignore_eos": True, "stop": [stop]}
 
     async def ask():
         async with httpx.AsyncClient(timeout=60) as client:
