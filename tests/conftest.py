@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -321,6 +322,26 @@ def make_compressed_checkpoint(
     compressor.update_config(str(target))
     AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(target))
     return target
+
+
+def refusals(path: Path, tmp_path: Path, edits: dict) -> None:
+    """For each ``message: edit``, ``path`` linked file by file into a folder of ``tmp_path`` with
+    its ``quantization_config`` changed by ``edit``: loading it is refused with ``message``."""
+    from duet import LLM
+    from duet.errors import UnsupportedCheckpointError
+
+    config = json.loads((path / "config.json").read_text())
+    for index, (message, edit) in enumerate(edits.items()):
+        edited = tmp_path / f"edited-{index}"
+        edited.mkdir()
+        for file in path.iterdir():
+            if file.name != "config.json":
+                (edited / file.name).symlink_to(file)
+        changed = json.loads(json.dumps(config))
+        edit(changed["quantization_config"])
+        (edited / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(UnsupportedCheckpointError, match=re.escape(message)):
+            LLM(model=str(edited), num_kv_blocks=16)
 
 
 @pytest.fixture(scope="session")

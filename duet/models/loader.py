@@ -157,11 +157,12 @@ def _packed_linears(
     ops = _block_kernels(device, f"the checkpoint's {scheme.num_bits}-bit weights")
     packed = {}
     for name, linear in model.named_modules():
-        if isinstance(linear, Linear) and is_packed(state, plan[f"{name}.weight"]):
+        if isinstance(linear, Linear) and is_packed(state, plan[f"{name}.weight"], scheme):
             weight = packed_weight(state, plan[f"{name}.weight"], scheme, path, ops)
             packed[name] = dataclasses.replace(weight, codes=weight.codes.to(device), scales=weight.scales.to(device))
     covered = {part for name in packed for part in plan[f"{name}.weight"]}
-    stray = sorted(name[: -len("_packed")] for name in state if name.endswith("_packed") and name[: -len("_packed")] not in covered)
+    shipped = {name for name in state if name == scheme.packed_name(name.rsplit(".", 1)[0] + ".weight")}
+    stray = sorted(shipped - {scheme.packed_name(part) for part in covered})
     if stray:
         raise UnsupportedCheckpointError(f"{path}: {stray[0]} ships packed, and duet computes it from floats only (quantized experts are not built)")
     logger.info("%s: %d linear weights kept as their packed %d-bit codes", path, len(packed), scheme.num_bits)

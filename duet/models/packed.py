@@ -1,6 +1,7 @@
 """Checkpoints whose linear weights ship quantized (llm-compressor's compressed-tensors
-``pack-quantized``: W4A16 and W8A16), kept in their packed form and computed by duet's block
-kernels (``kernels.gguf``), never dequantized to a resident float copy.
+``pack-quantized``: W4A16 and W8A16; GPTQ's own format, read by ``duet.models.gptq``), kept in
+their packed form and computed by duet's block kernels (``kernels.gguf``), never dequantized to
+a resident float copy.
 
 compressed-tensors packs a weight's signed ``num_bits`` codes ``q``, offset to unsigned
 ``u = q + 2^(bits-1)``, densely into int32 words along the input features (code ``i`` of each
@@ -36,6 +37,7 @@ import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
+from duet.models.gptq import gptq_codes, gptq_name, read_gptq
 
 FORMATS = ("pack-quantized",)
 
@@ -46,11 +48,12 @@ class PackedScheme:
 
     num_bits: int
     group_size: int | None  # None: a scale per output channel
-    symmetric: bool = True  # False: a zero point per group too (4 bits)
+    symmetric: bool = True  # False: a zero point per group too (4 bits); GPTQ: each weight's zeros say
+    gptq_zero_offset: int | None = None  # a GPTQ checkpoint: what its stored zeros lack (None: compressed-tensors)
 
-    @property
-    def qtype(self) -> int:
-        return Q4_1 if self.num_bits == 4 and self.symmetric else Q8_0
+    def packed_name(self, part: str) -> str:
+        """The tensor that holds ``part``'s (``x.weight``) codes."""
+        return part + "_packed" if self.gptq_zero_offset is None else gptq_name(part, "qweight")
 
 
 def read_scheme(path: Path) -> PackedScheme | None:
@@ -64,8 +67,11 @@ def read_scheme(path: Path) -> PackedScheme | None:
         raise UnsupportedCheckpointError(f"{path}: quantization_config's {field}={value!r} is not supported: duet reads {wanted}")
 
     method = config.get("quant_method")
+    if method == "gptq":
+        bits, group_size, zero_offset = read_gptq(config, path, refuse)
+        return PackedScheme(bits, group_size, symmetric=False, gptq_zero_offset=zero_offset)
     if method != "compressed-tensors":
-        refuse("quant_method", method, "'compressed-tensors' checkpoints (GPTQ, AWQ and others are not built yet)")
+        refuse("quant_method", method, "'compressed-tensors' or 'gptq' checkpoints (AWQ and others are not built yet)")
     groups = config.get("config_groups") or {}
     if not groups:
         refuse("config_groups", groups, "one group of quantized weights")
@@ -96,17 +102,19 @@ def read_scheme(path: Path) -> PackedScheme | None:
     return PackedScheme(args["num_bits"], group_size, args.get("symmetric") is not False)
 
 
-def is_packed(state: dict[str, torch.Tensor], parts: list[str]) -> bool:
+def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:
     """Whether the Hugging Face weights ``parts`` (``x.weight``) ship packed; all or none must."""
-    packed = [f"{part}_packed" in state for part in parts]
+    packed = [scheme.packed_name(part) in state for part in parts]
     if any(packed) and not all(packed):
         raise DamagedCheckpointError(f"of {', '.join(parts)}, only some ship packed: they are computed as one product")
     return packed[0]
 
 
-def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """A packed weight's unsigned codes ``[out, in]`` (uint8; asymmetric: ``q - z``, int8) and
-    its scales per 32-weight block ``[out, in / 32]`` (fp32)."""
+def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """A packed weight's unsigned codes ``[out, in]`` (uint8; asymmetric: ``q - z``, int8), its
+    scales per 32-weight block ``[out, in / 32]`` (fp32), and whether they are symmetric."""
+    if scheme.gptq_zero_offset is not None:
+        return gptq_codes(state, part, scheme.num_bits, scheme.group_size, scheme.gptq_zero_offset, path)
     for suffix in ("_packed", "_scale") + (() if scheme.symmetric else ("_zero_point",)):
         if part + suffix not in state:
             raise DamagedCheckpointError(f"{path}: tensor {part}{suffix} is missing")
@@ -128,10 +136,10 @@ def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path
     if scale.shape != (out_features, in_features // group):
         raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, in_features // group)}")
     if scheme.symmetric:
-        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1)
+        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1), True
     zero = _zero_points(state[part + "_zero_point"], out_features, in_features // group, part, path)
     signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
-    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1)
+    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1), False
 
 
 def _zero_points(packed: torch.Tensor, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:
@@ -149,12 +157,15 @@ def _zero_points(packed: torch.Tensor, out_features: int, num_groups: int, part:
 
 
 def packed_weight(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops) -> GGUFWeight:
-    """The weight made of ``parts``' rows (a fused q/k/v or gate/up product), as blocks for ``ops``."""
-    codes, scales = zip(*(_codes(state, part, scheme, path) for part in parts))
+    """The weight made of ``parts``' rows (a fused q/k/v or gate/up product), as blocks for ``ops``:
+    of symmetric codes where every part's are, else of ``q - z`` (a symmetric part's ``u - 8``)."""
+    codes, scales, symmetric = zip(*(_codes(state, part, scheme, path) for part in parts))
+    if not all(symmetric):
+        codes = [c if not sym else (c.to(torch.int16) - 8).to(torch.int8) for c, sym in zip(codes, symmetric)]
     codes, scales = torch.cat(codes), torch.cat(scales)
     out_features, in_features = codes.shape
     blocks = codes.view(out_features, in_features // BLOCK, BLOCK)
-    if not scheme.symmetric:  # q - z as int8 codes, Q8_0 blocks
+    if not all(symmetric):  # q - z as int8 codes, Q8_0 blocks
         return GGUFWeight(blocks.view(torch.uint8).reshape(out_features, -1).contiguous(), scales.contiguous(), Q8_0, in_features, ops)
     if scheme.num_bits == 4:
         words = q4_1_words(blocks[..., :16] | (blocks[..., 16:] << 4))  # Q4_1's byte order: weight j low, 16 + j high

@@ -1,0 +1,87 @@
+"""GPTQ checkpoints written by GPTQModel itself, as they are published: ``gptq_checkpoint``
+quantizes a float checkpoint with GPTQModel's own GPTQ (calibrated on random token ids) and
+saves it in the format it ships in, then loads it back with GPTQModel's torch kernel and
+writes each quantized linear's weight as that kernel dequantizes it (the reference for the
+format's conventions: packing order, zero offsets, groups).
+
+GPTQModel requires a newer torch than duet pins, and a CUDA one from the index; its CPU path
+needs none of that. So it is installed once, without its dependencies, into a folder of the
+test cache with the few pure-Python ones it imports (``TOOLS``), and runs in a child process
+(this file as a script) whose path starts there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = (
+    "gptqmodel==7.7.0", "pypcre==0.6.4", "logbar==0.4.15", "threadpoolctl==3.8.0", "device-smi==0.5.7", "tokenicer==0.0.14",
+    "defuser==0.0.28",
+)
+
+
+def tools_dir() -> Path:
+    """The folder GPTQModel is installed in (installed on first use)."""
+    cache = Path(os.environ.get("DUET_CACHE_DIR", Path.home() / ".cache" / "duet"))
+    target = cache / "test-tools" / ("-".join(tool.replace("==", "-") for tool in TOOLS[:1]))
+    if not (target / ".complete").exists():
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(target), *TOOLS], check=True,
+            timeout=900,
+        )
+        (target / ".complete").write_text("\n".join(TOOLS))
+    return target
+
+
+def gptq_checkpoint(source: Path, target: Path, reference: Path, bits: int, group_size: int, sym: bool, desc_act: bool) -> Path:
+    """``source`` quantized by GPTQModel into ``target`` (``group_size`` -1: a scale per output
+    channel); its dequantized weights, by GPTQModel's torch kernel, in ``reference``."""
+    settings = dict(source=str(source), target=str(target), reference=str(reference), bits=bits, group_size=group_size, sym=sym,
+                    desc_act=desc_act)
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(tools_dir()), os.environ.get("PYTHONPATH", "")]),
+        "GPTQMODEL_CPU_WORKERS": "2",  # its thread pools want two at least, whatever the machine has
+    }
+    run = subprocess.run(  # in the target's folder: GPTQModel writes its logs to ./logs
+        [sys.executable, __file__, json.dumps(settings)], env=env, cwd=target.parent, capture_output=True, text=True, timeout=900,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(f"GPTQModel failed to write {target}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    return target
+
+
+def _write(settings: dict) -> None:
+    import torch
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = QuantizeConfig(
+        bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"], desc_act=settings["desc_act"],
+        act_group_aware=settings["group_size"] > 0 and not settings["desc_act"],  # its default, where allowed
+    )
+    model = GPTQModel.load(settings["source"], config, device="cpu")
+    vocab = model.model.config.vocab_size
+    calibration = [
+        {"input_ids": torch.randint(3, vocab, (1, 64)), "attention_mask": torch.ones(1, 64, dtype=torch.long)} for _ in range(16)
+    ]
+    model.quantize(calibration, batch_size=1)
+    model.save(settings["target"])
+    del model
+    quantized = GPTQModel.load(settings["target"], device="cpu", backend=BACKEND.GPTQ_TORCH)
+    weights = {}
+    for name, module in quantized.model.named_modules():
+        if isinstance(module, BaseQuantLinear):
+            weights[name + ".weight"] = module.dequantize_weight().T.contiguous().cpu()
+    Path(settings["reference"]).mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(Path(settings["reference"]) / "dequantized.safetensors"))
+
+
+if __name__ == "__main__":
+    _write(json.loads(sys.argv[1]))
