@@ -333,7 +333,7 @@ def refusals(path: Path, tmp_path: Path, edits: dict) -> None:
     config = json.loads((path / "config.json").read_text())
     for index, (message, edit) in enumerate(edits.items()):
         edited = tmp_path / f"edited-{index}"
-        edited.mkdir()
+        edited.mkdir(parents=True)
         for file in path.iterdir():
             if file.name != "config.json":
                 (edited / file.name).symlink_to(file)

@@ -1,7 +1,7 @@
-"""GPTQ checkpoints written by GPTQModel itself, as they are published: ``gptq_checkpoint``
-quantizes a float checkpoint with GPTQModel's own GPTQ (calibrated on random token ids) and
-saves it in the format it ships in, then loads it back with GPTQModel's torch kernel and
-writes each quantized linear's weight as that kernel dequantizes it (the reference for the
+"""GPTQ and AWQ checkpoints written by GPTQModel itself, as they are published:
+``gptq_checkpoint`` quantizes a float checkpoint with GPTQModel's own GPTQ or AWQ (calibrated on
+random token ids) and saves it in the format it ships in (``gptq``; AWQ's ``gemm``), then writes
+each quantized linear's weight as GPTQModel's own code dequantizes it (the reference for the
 format's conventions: packing order, zero offsets, groups).
 
 GPTQModel requires a newer torch than duet pins, and a CUDA one from the index; its CPU path
@@ -27,8 +27,8 @@ TOOLS = (
 def tools_dir() -> Path:
     """The folder GPTQModel is installed in (installed on first use)."""
     cache = Path(os.environ.get("DUET_CACHE_DIR", Path.home() / ".cache" / "duet"))
-    target = cache / "test-tools" / ("-".join(tool.replace("==", "-") for tool in TOOLS[:1]))
-    if not (target / ".complete").exists():
+    target = cache / "test-tools" / "gptqmodel"
+    if not (target / ".complete").exists() or (target / ".complete").read_text() != "\n".join(TOOLS):
         target.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(target), *TOOLS], check=True,
@@ -38,11 +38,13 @@ def tools_dir() -> Path:
     return target
 
 
-def gptq_checkpoint(source: Path, target: Path, reference: Path, bits: int, group_size: int, sym: bool, desc_act: bool) -> Path:
-    """``source`` quantized by GPTQModel into ``target`` (``group_size`` -1: a scale per output
-    channel); its dequantized weights, by GPTQModel's torch kernel, in ``reference``."""
+def gptq_checkpoint(
+    source: Path, target: Path, reference: Path, bits: int, group_size: int, sym: bool, desc_act: bool = False, method: str = "gptq"
+) -> Path:
+    """``source`` quantized by GPTQModel's ``method`` (gptq, awq) into ``target`` (``group_size``
+    -1: a scale per output channel); its dequantized weights, by GPTQModel, in ``reference``."""
     settings = dict(source=str(source), target=str(target), reference=str(reference), bits=bits, group_size=group_size, sym=sym,
-                    desc_act=desc_act)
+                    desc_act=desc_act, method=method)
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(tools_dir()), os.environ.get("PYTHONPATH", "")]),
         "GPTQMODEL_CPU_WORKERS": "2",  # its thread pools want two at least, whatever the machine has
@@ -59,13 +61,15 @@ def _write(settings: dict) -> None:
     import torch
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    from gptqmodel.quantization import FORMAT, METHOD
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    config = QuantizeConfig(
-        bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"], desc_act=settings["desc_act"],
-        act_group_aware=settings["group_size"] > 0 and not settings["desc_act"],  # its default, where allowed
-    )
+    awq = settings["method"] == "awq"
+    # GPTQ's act_group_aware is on by default, where its other settings allow it.
+    gptq = dict(desc_act=settings["desc_act"], act_group_aware=settings["group_size"] > 0 and not settings["desc_act"])
+    method = dict(quant_method=METHOD.AWQ, format=FORMAT.GEMM) if awq else gptq
+    config = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"], **method)
     model = GPTQModel.load(settings["source"], config, device="cpu")
     vocab = model.model.config.vocab_size
     calibration = [
@@ -74,11 +78,22 @@ def _write(settings: dict) -> None:
     model.quantize(calibration, batch_size=1)
     model.save(settings["target"])
     del model
-    quantized = GPTQModel.load(settings["target"], device="cpu", backend=BACKEND.GPTQ_TORCH)
     weights = {}
-    for name, module in quantized.model.named_modules():
-        if isinstance(module, BaseQuantLinear):
-            weights[name + ".weight"] = module.dequantize_weight().T.contiguous().cpu()
+    if awq:  # its functional dequantization, on the tensors as saved
+        from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(settings["target"]) / "model.safetensors"))
+        for name in state:
+            if name.endswith(".qweight"):
+                base = name[: -len("qweight")]
+                tensors = (state[base + suffix] for suffix in ("qweight", "qzeros", "scales"))
+                weights[base + "weight"] = dequantize_gemm(*tensors, settings["bits"], settings["group_size"]).T.contiguous()
+    else:  # the weights its torch kernel computes with
+        quantized = GPTQModel.load(settings["target"], device="cpu", backend=BACKEND.GPTQ_TORCH)
+        for name, module in quantized.model.named_modules():
+            if isinstance(module, BaseQuantLinear):
+                weights[name + ".weight"] = module.dequantize_weight().T.contiguous().cpu()
     Path(settings["reference"]).mkdir(parents=True, exist_ok=True)
     save_file(weights, str(Path(settings["reference"]) / "dequantized.safetensors"))
 

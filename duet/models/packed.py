@@ -1,7 +1,7 @@
 """Checkpoints whose linear weights ship quantized (llm-compressor's compressed-tensors
-``pack-quantized``: W4A16 and W8A16; GPTQ's own format, read by ``duet.models.gptq``), kept in
-their packed form and computed by duet's block kernels (``kernels.gguf``), never dequantized to
-a resident float copy.
+``pack-quantized``: W4A16 and W8A16; GPTQ's and AWQ's formats, read by ``duet.models.gptq``),
+kept in their packed form and computed by duet's block kernels (``kernels.gguf``), never
+dequantized to a resident float copy.
 
 compressed-tensors packs a weight's signed ``num_bits`` codes ``q``, offset to unsigned
 ``u = q + 2^(bits-1)``, densely into int32 words along the input features (code ``i`` of each
@@ -37,7 +37,7 @@ import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
-from duet.models.gptq import gptq_codes, gptq_name, read_gptq
+from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
 FORMATS = ("pack-quantized",)
 
@@ -48,12 +48,12 @@ class PackedScheme:
 
     num_bits: int
     group_size: int | None  # None: a scale per output channel
-    symmetric: bool = True  # False: a zero point per group too (4 bits); GPTQ: each weight's zeros say
-    gptq_zero_offset: int | None = None  # a GPTQ checkpoint: what its stored zeros lack (None: compressed-tensors)
+    symmetric: bool = True  # False: a zero point per group too (4 bits); GPTQ, AWQ: each weight's zeros say
+    layout: Layout | None = None  # a GPTQ or AWQ checkpoint's (None: compressed-tensors)
 
     def packed_name(self, part: str) -> str:
         """The tensor that holds ``part``'s (``x.weight``) codes."""
-        return part + "_packed" if self.gptq_zero_offset is None else gptq_name(part, "qweight")
+        return part + "_packed" if self.layout is None else tensor_name(part, "qweight")
 
 
 def read_scheme(path: Path) -> PackedScheme | None:
@@ -67,11 +67,11 @@ def read_scheme(path: Path) -> PackedScheme | None:
         raise UnsupportedCheckpointError(f"{path}: quantization_config's {field}={value!r} is not supported: duet reads {wanted}")
 
     method = config.get("quant_method")
-    if method == "gptq":
-        bits, group_size, zero_offset = read_gptq(config, path, refuse)
-        return PackedScheme(bits, group_size, symmetric=False, gptq_zero_offset=zero_offset)
+    if method in ("gptq", "awq"):
+        bits, group_size, layout = read_layout(config, path, refuse)
+        return PackedScheme(bits, group_size, symmetric=False, layout=layout)
     if method != "compressed-tensors":
-        refuse("quant_method", method, "'compressed-tensors' or 'gptq' checkpoints (AWQ and others are not built yet)")
+        refuse("quant_method", method, "'compressed-tensors', 'gptq' or 'awq' checkpoints")
     groups = config.get("config_groups") or {}
     if not groups:
         refuse("config_groups", groups, "one group of quantized weights")
@@ -113,8 +113,8 @@ def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedSc
 def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """A packed weight's unsigned codes ``[out, in]`` (uint8; asymmetric: ``q - z``, int8), its
     scales per 32-weight block ``[out, in / 32]`` (fp32), and whether they are symmetric."""
-    if scheme.gptq_zero_offset is not None:
-        return gptq_codes(state, part, scheme.num_bits, scheme.group_size, scheme.gptq_zero_offset, path)
+    if scheme.layout is not None:
+        return layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path)
     for suffix in ("_packed", "_scale") + (() if scheme.symmetric else ("_zero_point",)):
         if part + suffix not in state:
             raise DamagedCheckpointError(f"{path}: tensor {part}{suffix} is missing")

@@ -1,5 +1,6 @@
-"""GPTQ checkpoints written by GPTQModel (``tests/gptq_writer.py``): 4 and 8 bits, groups of 32
-and 128 and a scale per channel, symmetric and not, the ``gptq`` format they are published in.
+"""GPTQ and AWQ checkpoints written by GPTQModel (``tests/gptq_writer.py``): GPTQ at 4 and 8
+bits, groups of 32 and 128 and a scale per channel, symmetric and not, the ``gptq`` format it is
+published in; AWQ's ``gemm`` format with zero points and without.
 Each packed weight computes from blocks that equal the checkpoint's exact weights ``s * (q -
 z)`` bit for bit (and those, computed in bf16, equal GPTQModel's own dequantization: its
 packing, zeros and groups read right), no float copy is kept, and greedy output equals
@@ -26,39 +27,48 @@ pytestmark = pytest.mark.slow  # GPTQModel quantizes each checkpoint in a child 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NEW_TOKENS = 10
 WIDE = dict(hidden_size=128, intermediate_size=256)  # groups of 128 need 128-wide inputs
-# (family, bits, group size (-1: a scale per channel), symmetric, shape overrides)
+# (family, bits, group size (-1: a scale per channel), symmetric, shape overrides, method)
 SCHEMES = {
-    "qwen3-w4-g32-sym": ("qwen3", 4, 32, True, {}),
-    "llama-w4-g128-asym": ("llama3-rope", 4, 128, False, WIDE),
-    "qwen2-w4-g32-asym": ("qwen2", 4, 32, False, {}),  # q/k/v biases beside the codes
-    "qwen3-w8-channel-sym": ("qwen3", 8, -1, True, {}),
+    "qwen3-w4-g32-sym": ("qwen3", 4, 32, True, {}, "gptq"),
+    "llama-w4-g128-asym": ("llama3-rope", 4, 128, False, WIDE, "gptq"),
+    "qwen2-w4-g128-asym": ("qwen2", 4, 128, False, {}, "gptq"),  # q/k/v biases; 64 input features: one short group
+    "qwen3-w8-channel-sym": ("qwen3", 8, -1, True, {}, "gptq"),
+    # AWQ's clip search takes output features 64 at a time: k/v projections of 64
+    "llama-awq-g128-zero": ("llama3-rope", 4, 128, False, WIDE | dict(num_key_value_heads=2), "awq"),
+    "qwen3-awq-g32-sym": ("qwen3", 4, 32, True, dict(intermediate_size=128), "awq"),
 }
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's: code i of a word is feature AWQ_ORDER[i] of its 8
 
 
-def _unpack(words: torch.Tensor, bits: int, along_rows: bool) -> torch.Tensor:
-    """GPTQ's packing, read code by code: word ``w`` holds ``32 / bits`` consecutive codes of
-    its column (``along_rows``) or of its row, the first in the lowest bits."""
+def _unpack(words: torch.Tensor, bits: int, along_rows: bool, order=None) -> torch.Tensor:
+    """The packing, read code by code: a word holds ``32 / bits`` codes of its column
+    (``along_rows``) or of its row, the first in the lowest bits, code ``i`` the ``order[i]``-th."""
     per_word, mask = 32 // bits, (1 << bits) - 1
     codes = [(words >> (bits * i)) & mask for i in range(per_word)]
+    if order is not None:
+        codes = [codes[order.index(position)] for position in range(per_word)]
     stacked = torch.stack(codes, dim=1 if along_rows else 2)
     return stacked.reshape(words.shape[0] * per_word, -1) if along_rows else stacked.reshape(words.shape[0], -1)
 
 
 def _exact_weights(path, scale_dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Each GPTQ linear's weight ``[out, in]`` in fp32, exact: ``s[g] * (q - (stored zero + 1))``
-    for the group ``g_idx`` gives each input feature (its scale first rounded to ``scale_dtype``)."""
+    """Each linear's weight ``[out, in]`` in fp32, exact: ``s[g] * (q - z)`` for the group ``g``
+    of each input feature (GPTQ: ``g_idx``'s, its ``z`` the stored zero + 1; AWQ: in order),
+    its scale first rounded to ``scale_dtype``."""
     from safetensors.torch import load_file
 
     config = json.loads((path / "config.json").read_text())["quantization_config"]
-    bits = config["bits"]
+    bits, awq = config["bits"], config["quant_method"] == "awq"
     state = load_file(str(path / "model.safetensors"))
     weights = {}
     for name in state:
         if name.endswith(".qweight"):
             base = name[: -len(".qweight")]
-            q = _unpack(state[name], bits, along_rows=True)  # [in, out]
-            zeros = _unpack(state[base + ".qzeros"], bits, along_rows=False)[:, : q.shape[1]] + 1  # [groups, out]
-            groups = state[base + ".g_idx"].long()
+            order = AWQ_ORDER if awq else None
+            q = _unpack(state[name], bits, along_rows=not awq, order=order)  # [in, out]
+            zeros = _unpack(state[base + ".qzeros"], bits, along_rows=False, order=order)[:, : q.shape[1]] + (0 if awq else 1)
+            group = config["group_size"] if config["group_size"] > 0 else q.shape[0]
+            groups = torch.arange(q.shape[0]) // group if awq else state[base + ".g_idx"].long()
             weight = state[base + ".scales"].to(scale_dtype).float()[groups] * (q - zeros[groups]).float()
             weights[base + ".weight"] = weight.T.contiguous()
     return weights
@@ -69,7 +79,7 @@ def _exact_twin(path, target):
     from safetensors.torch import load_file, save_file
 
     weights = _exact_weights(path)
-    packed = tuple(name[: -len("weight")] for name in weights)  # x.qweight, x.scales, x.qzeros, x.g_idx
+    packed = tuple(name[: -len("weight")] for name in weights)  # x.qweight, x.scales, x.qzeros[, x.g_idx]
     state = {name: tensor for name, tensor in load_file(str(path / "model.safetensors")).items() if not name.startswith(packed)}
     target.mkdir()
     for file in path.iterdir():
@@ -88,10 +98,10 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
 
     def get(name: str, desc_act: bool = False):
         if (name, desc_act) not in made:
-            family, bits, group_size, sym, shape = SCHEMES[name]
+            family, bits, group_size, sym, shape, method = SCHEMES[name]
             root = tmp_path_factory.mktemp(name)
             source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-            path = gptq_checkpoint(source, root / "gptq", root / "reference", bits, group_size, sym, desc_act)
+            path = gptq_checkpoint(source, root / "packed", root / "reference", bits, group_size, sym, desc_act, method)
             references = None if desc_act else hf_greedy(_exact_twin(path, root / "twin"), PROMPTS, NEW_TOKENS)
             made[name, desc_act] = (path, root / "reference", references)
         return made[name, desc_act]
@@ -126,7 +136,7 @@ def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoint
     exact = _exact_weights(path)
     model = load_model(path, torch.float32, "cpu", 256)
     plan = _fusion_plan(model.arch)
-    _, bits, _, sym, _ = SCHEMES[name]
+    _, bits, _, sym, _, _ = SCHEMES[name]
     checked = 0
     for module_name, linear in model.named_modules():
         if not isinstance(linear, Linear) or module_name == "lm_head":
@@ -147,4 +157,9 @@ def test_what_duet_does_not_read_is_refused_naming_the_field(checkpoints, tmp_pa
         "bits=3 is not supported": lambda q: q.update(bits=3),
         "group_size=16 is not supported": lambda q: q.update(group_size=16),
         "checkpoint_format='marlin' is not supported": lambda q: q.update(checkpoint_format="marlin"),
+    })
+    awq, _, _ = checkpoints("qwen3-awq-g32-sym")
+    refusals(awq, tmp_path / "awq", {
+        "version='gemv' is not supported": lambda q: q.update(version="gemv"),
+        "bits=8 is not supported: duet reads 4": lambda q: q.update(bits=8),
     })

@@ -150,7 +150,7 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
         "input_activations='...' is not supported: duet reads weight-only": lambda q: q["config_groups"]["group_0"].update(
             input_activations={"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}
         ),
-        "quant_method='awq' is not supported": lambda q: q.update(quant_method="awq"),
+        "quant_method='bitsandbytes' is not supported": lambda q: q.update(quant_method="bitsandbytes"),
         "weights.actorder='group' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"),
     })
     with pytest.raises(QuantizationError, match="ships quantized .4-bit weights.: quantization='int8' does not apply"):
