@@ -16,9 +16,10 @@ feature, packed along the output features); the weight is ``s * (q - z)``.
 A weight whose zeros are all at the middle (``2^(bits-1)``: a symmetric scheme, or zeros that
 happen to be) gives compressed-tensors' symmetric codes, Q4_1 or Q8_0 blocks, exact; other
 zeros (4 bits) ``q - z`` as int8 codes, Q8_0 blocks with scale ``s``, exact (an 8-bit ``q -
-z`` spans 9 bits: refused). GPTQ's activation order (``desc_act``) makes ``g_idx`` other than
-``feature // group_size``, unless its groups were fixed first (``static_groups``). Not built
-yet: a ``g_idx`` out of order is refused at load, naming the tensor.
+z`` spans 9 bits: refused). GPTQ's activation order (``desc_act``) puts input features in
+groups out of order (``g_idx`` other than ``feature // group_size``; not when its groups were
+fixed first, ``static_groups``): the codes are read with their input features sorted by group
+(``input_order``), and the Linear takes its input in that order (``Linear.input_order``).
 """
 
 from __future__ import annotations
@@ -86,12 +87,26 @@ def _unpack(words: torch.Tensor, bits: int, along_rows: bool, order: tuple[int, 
     return codes.reshape(words.shape[0], -1)
 
 
+def input_order(state: dict[str, torch.Tensor], part: str, in_features: int, group: int, path: Path) -> torch.Tensor | None:
+    """The input features sorted by their group (GPTQ's ``g_idx``; stable), None when already
+    so. Sorted, the groups must be ``group`` features each, the last maybe short."""
+    g_idx = state.get(tensor_name(part, "g_idx"))
+    groups = torch.arange(in_features) // group
+    if g_idx is None or torch.equal(g_idx.long(), groups):
+        return None
+    order = torch.argsort(g_idx.long(), stable=True)
+    if g_idx.shape != (in_features,) or not torch.equal(g_idx.long()[order], groups):
+        raise DamagedCheckpointError(f"{path}: {tensor_name(part, 'g_idx')} does not put {in_features} input features in groups of {group}")
+    return order
+
+
 def layout_codes(
     state: dict[str, torch.Tensor], part: str, bits: int, group_size: int | None, layout: Layout, path: Path
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
     """A GPTQ or AWQ weight's codes ``[out, in]`` and scales per 32-weight block ``[out, in /
-    32]`` (fp32), and whether they are symmetric: unsigned codes about ``2^(bits-1)`` (uint8)
-    when every zero is there, else ``q - z`` (int8)."""
+    32]`` (fp32), whether they are symmetric (unsigned codes about ``2^(bits-1)``, uint8, when
+    every zero is there, else ``q - z``, int8), and the order of their input features
+    (``input_order``; None: as given)."""
     for suffix in SUFFIXES:
         if tensor_name(part, suffix) not in state:
             raise DamagedCheckpointError(f"{path}: tensor {tensor_name(part, suffix)} is missing")
@@ -115,17 +130,17 @@ def layout_codes(
     if in_features % 32:
         raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not whole blocks of 32")
     groups = torch.arange(in_features) // group  # the last one may be short (576 features in groups of 128)
-    g_idx = state.get(tensor_name(part, "g_idx"))
-    if g_idx is not None and not torch.equal(g_idx.long(), groups):
-        raise UnsupportedCheckpointError(f"{path}: {tensor_name(part, 'g_idx')} is not in order (activation order is not built yet)")
-    order = AWQ_ORDER if awq else None
-    codes = _unpack(qweight, bits, along_rows=False, order=order) if awq else _unpack(qweight, bits, along_rows=True)  # [in, out]
-    zeros = _unpack(qzeros, bits, along_rows=False, order=order)[:, :out_features].to(torch.int16) + layout.zero_offset  # [groups, out]
+    order = input_order(state, part, in_features, group, path) if not awq else None
+    packing = AWQ_ORDER if awq else None
+    codes = _unpack(qweight, bits, along_rows=False, order=packing) if awq else _unpack(qweight, bits, along_rows=True)  # [in, out]
+    if order is not None:  # the input features sorted by group: each group's features side by side
+        codes = codes[order]
+    zeros = _unpack(qzeros, bits, along_rows=False, order=packing)[:, :out_features].to(torch.int16) + layout.zero_offset  # [groups, out]
     block_scales = scales.float().T[:, groups[::32]]
     if bool((zeros == 1 << (bits - 1)).all()):
-        return codes.T.to(torch.uint8), block_scales, True
+        return codes.T.to(torch.uint8), block_scales, True, order
     if bits == 8:
         zeros_name = tensor_name(part, "qzeros")
         raise UnsupportedCheckpointError(f"{path}: {zeros_name} holds 8-bit zero points off the middle; duet reads 4-bit ones")
     signed = codes.T.to(torch.int16) - zeros.T[:, groups]  # q - z, in -16..15
-    return signed.to(torch.int8), block_scales, False
+    return signed.to(torch.int8), block_scales, False, order

@@ -106,6 +106,9 @@ class Linear(Module):
         # than oneDNN's and MKL's, or every product under batch_invariant.
         self.invariant_panels: torch.Tensor | None = None
         self._panel_rows = -1
+        # The input features in the order the weight's columns hold them (GPTQ's activation
+        # order, its groups made contiguous: ``duet.models.gptq``); None: as given.
+        self.input_order: torch.Tensor | None = None
 
     def pack_for_cpu(self) -> None:
         """Lay the weight out once for the paths this CPU and dtype benefit from: panels for the
@@ -187,9 +190,12 @@ class Linear(Module):
         self._lay_out_panels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._product(x)
+        y = self._product(self._ordered(x))
         step = None if self.lora_name is None else current_lora_step()
         return y if step is None else step.apply(self.lora_name, x, y)
+
+    def _ordered(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.input_order is None else x.index_select(-1, self.input_order)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:  # quantized at load time
@@ -227,7 +233,7 @@ class Linear(Module):
         rounded to bf16 for bf16 rows, so the same tokens)."""
         fused = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and self.weight is not None)
         if fused and x.shape[0] <= self._block_rows:
-            return self.gguf.matmul_argmax(x, excluded_token_ids)
+            return self.gguf.matmul_argmax(self._ordered(x), excluded_token_ids)
         return greedy_argmax(self(x).float(), excluded_token_ids)
 
 

@@ -147,7 +147,8 @@ def _packed_linears(
     model: LlamaForCausalLM, state: dict[str, torch.Tensor], path: Path, device: str, quantization: str | None
 ) -> dict[str, object]:
     """The Linears whose weights the checkpoint ships packed (``duet.models.packed``), by module
-    name, as blocks on ``device``: none for a float checkpoint."""
+    name, as blocks on ``device`` with the order they take their input in (None: as given):
+    none for a float checkpoint."""
     scheme = read_scheme(path)
     if scheme is None:
         return {}
@@ -158,8 +159,9 @@ def _packed_linears(
     packed = {}
     for name, linear in model.named_modules():
         if isinstance(linear, Linear) and is_packed(state, plan[f"{name}.weight"], scheme):
-            weight = packed_weight(state, plan[f"{name}.weight"], scheme, path, ops)
-            packed[name] = dataclasses.replace(weight, codes=weight.codes.to(device), scales=weight.scales.to(device))
+            weight, order = packed_weight(state, plan[f"{name}.weight"], scheme, path, ops)
+            weight = dataclasses.replace(weight, codes=weight.codes.to(device), scales=weight.scales.to(device))
+            packed[name] = (weight, None if order is None else order.to(device))
     covered = {part for name in packed for part in plan[f"{name}.weight"]}
     shipped = {name for name in state if name == scheme.packed_name(name.rsplit(".", 1)[0] + ".weight")}
     stray = sorted(shipped - {scheme.packed_name(part) for part in covered})
@@ -257,10 +259,11 @@ def load_model(
     model = model.to_empty(device=device)
     state = _fused_state_dict(raw_state, arch, path, skip={f"{name}.weight" for name in packed})
     del raw_state
-    for name, weight in packed.items():
+    for name, (weight, order) in packed.items():
         linear = model.get_submodule(name)
         linear.attach_gguf(weight)
         linear.keep_blocks_only()
+        linear.input_order = order
     for name, param in model.named_parameters():
         tensor = state.pop(name)
         if tensor.shape != param.shape:

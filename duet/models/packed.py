@@ -110,9 +110,12 @@ def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedSc
     return packed[0]
 
 
-def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _codes(
+    state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path
+) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
     """A packed weight's unsigned codes ``[out, in]`` (uint8; asymmetric: ``q - z``, int8), its
-    scales per 32-weight block ``[out, in / 32]`` (fp32), and whether they are symmetric."""
+    scales per 32-weight block ``[out, in / 32]`` (fp32), whether they are symmetric, and the
+    order its input features are in (GPTQ's activation order; None: as given)."""
     if scheme.layout is not None:
         return layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path)
     for suffix in ("_packed", "_scale") + (() if scheme.symmetric else ("_zero_point",)):
@@ -136,10 +139,10 @@ def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path
     if scale.shape != (out_features, in_features // group):
         raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, in_features // group)}")
     if scheme.symmetric:
-        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1), True
+        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1), True, None
     zero = _zero_points(state[part + "_zero_point"], out_features, in_features // group, part, path)
     signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
-    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1), False
+    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1), False, None
 
 
 def _zero_points(packed: torch.Tensor, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:
@@ -156,10 +159,22 @@ def _zero_points(packed: torch.Tensor, out_features: int, num_groups: int, part:
     return unsigned.reshape(num_groups, -1)[:, :out_features].T.to(torch.int16) - 8
 
 
-def packed_weight(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops) -> GGUFWeight:
+def packed_weight(
+    state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops
+) -> tuple[GGUFWeight, torch.Tensor | None]:
     """The weight made of ``parts``' rows (a fused q/k/v or gate/up product), as blocks for ``ops``:
-    of symmetric codes where every part's are, else of ``q - z`` (a symmetric part's ``u - 8``)."""
-    codes, scales, symmetric = zip(*(_codes(state, part, scheme, path) for part in parts))
+    of symmetric codes where every part's are, else of ``q - z`` (a symmetric part's ``u - 8``);
+    and the order the blocks take their input features in (``Linear.input_order``), which the
+    parts share (they read one input)."""
+    codes, scales, symmetric, orders = zip(*(_codes(state, part, scheme, path) for part in parts))
+    first = orders[0]
+    if any((order is None) != (first is None) or (order is not None and not torch.equal(order, first)) for order in orders):
+        raise UnsupportedCheckpointError(f"{path}: {', '.join(parts)} order their input features differently, and are computed as one product")
+    return _blocks(codes, scales, symmetric, scheme, ops), first
+
+
+def _blocks(codes, scales, symmetric, scheme: PackedScheme, ops) -> GGUFWeight:
+    """The parts' codes and scales (``_codes``), their rows concatenated, as blocks."""
     if not all(symmetric):
         codes = [c if not sym else (c.to(torch.int16) - 8).to(torch.int8) for c, sym in zip(codes, symmetric)]
     codes, scales = torch.cat(codes), torch.cat(scales)

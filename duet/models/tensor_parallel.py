@@ -108,7 +108,16 @@ def _offset(part: slice, by: int) -> slice:
 def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None) -> Linear:
     """A Linear holding these output rows (concatenated) and, with ``columns``, these input
     features of ``linear``; its GGUF blocks too where the columns fall on block boundaries (a
-    weight kept as blocks alone must have them there)."""
+    weight kept as blocks alone must have them there). A weight whose input features are in an
+    order of their own (``Linear.input_order``) splits by rows only."""
+    if linear.input_order is not None and columns is not None:
+        raise ConfigError("an activation-ordered GPTQ weight does not split by input features (row-parallel); use tensor_parallel_size 1")
+    shard = _shard(linear, rows, columns)
+    shard.input_order = linear.input_order
+    return shard
+
+
+def _shard(linear: Linear, rows: list[slice], columns: slice | None) -> Linear:
     if linear.weight is None:
         try:
             blocks = linear.gguf.shard(rows, columns)

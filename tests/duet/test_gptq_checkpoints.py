@@ -4,8 +4,9 @@ published in; AWQ's ``gemm`` format with zero points and without.
 Each packed weight computes from blocks that equal the checkpoint's exact weights ``s * (q -
 z)`` bit for bit (and those, computed in bf16, equal GPTQModel's own dequantization: its
 packing, zeros and groups read right), no float copy is kept, and greedy output equals
-transformers on those exact weights. What duet does not read (activation order, other bit
-widths and formats) is refused at load naming the tensor or the field."""
+transformers on those exact weights; an activation-ordered GPTQ checkpoint takes its input in
+its groups' order. What duet does not read (other bit widths and formats) is refused at load
+naming the field."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ pytestmark = pytest.mark.slow  # GPTQModel quantizes each checkpoint in a child 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NEW_TOKENS = 10
 WIDE = dict(hidden_size=128, intermediate_size=256)  # groups of 128 need 128-wide inputs
-# (family, bits, group size (-1: a scale per channel), symmetric, shape overrides, method)
+# (family, bits, group size (-1: a scale per channel), symmetric, shape overrides, method[, activation order])
 SCHEMES = {
     "qwen3-w4-g32-sym": ("qwen3", 4, 32, True, {}, "gptq"),
     "llama-w4-g128-asym": ("llama3-rope", 4, 128, False, WIDE, "gptq"),
     "qwen2-w4-g128-asym": ("qwen2", 4, 128, False, {}, "gptq"),  # q/k/v biases; 64 input features: one short group
     "qwen3-w8-channel-sym": ("qwen3", 8, -1, True, {}, "gptq"),
+    "llama-w4-g32-asym-act-order": ("llama3-rope", 4, 32, False, {}, "gptq", True),
     # AWQ's clip search takes output features 64 at a time: k/v projections of 64
     "llama-awq-g128-zero": ("llama3-rope", 4, 128, False, WIDE | dict(num_key_value_heads=2), "awq"),
     "qwen3-awq-g32-sym": ("qwen3", 4, 32, True, dict(intermediate_size=128), "awq"),
@@ -96,15 +98,14 @@ def _exact_twin(path, target):
 def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
     made = {}
 
-    def get(name: str, desc_act: bool = False):
-        if (name, desc_act) not in made:
-            family, bits, group_size, sym, shape, method = SCHEMES[name]
+    def get(name: str):
+        if name not in made:
+            family, bits, group_size, sym, shape, method, *act_order = SCHEMES[name]
             root = tmp_path_factory.mktemp(name)
             source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-            path = gptq_checkpoint(source, root / "packed", root / "reference", bits, group_size, sym, desc_act, method)
-            references = None if desc_act else hf_greedy(_exact_twin(path, root / "twin"), PROMPTS, NEW_TOKENS)
-            made[name, desc_act] = (path, root / "reference", references)
-        return made[name, desc_act]
+            path = gptq_checkpoint(source, root / "packed", root / "reference", bits, group_size, sym, any(act_order), method)
+            made[name] = (path, root / "reference", hf_greedy(_exact_twin(path, root / "twin"), PROMPTS, NEW_TOKENS))
+        return made[name]
 
     return get
 
@@ -136,13 +137,24 @@ def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoint
     exact = _exact_weights(path)
     model = load_model(path, torch.float32, "cpu", 256)
     plan = _fusion_plan(model.arch)
-    _, bits, _, sym, _, _ = SCHEMES[name]
+    _, bits, _, sym, _, _, *act_order = SCHEMES[name]
+    state = load_file(str(path / "model.safetensors"))
     checked = 0
     for module_name, linear in model.named_modules():
         if not isinstance(linear, Linear) or module_name == "lm_head":
             continue
         assert linear.weight is None and linear.packed_weight is None, f"{module_name} keeps a float weight"
-        assert torch.equal(linear.gguf.dequantize(), torch.cat([exact[part] for part in plan[f"{module_name}.weight"]])), module_name
+        parts = plan[f"{module_name}.weight"]
+        weight = torch.cat([exact[part] for part in parts])
+        if any(act_order):  # its columns: the input features sorted by group (their g_idx)
+            g_idx = state[parts[0].removesuffix("weight") + "g_idx"]
+            assert not torch.equal(g_idx, g_idx.sort().values), module_name  # GPTQModel did reorder them
+            order = torch.argsort(g_idx, stable=True)
+            assert torch.equal(linear.input_order, order), module_name
+            weight = weight[:, order]
+        else:
+            assert linear.input_order is None, module_name
+        assert torch.equal(linear.gguf.dequantize(), weight), module_name
         assert linear.gguf.qtype == (3 if bits == 4 and sym else 8), module_name
         checked += 1
     assert checked == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
@@ -150,9 +162,6 @@ def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoint
 
 def test_what_duet_does_not_read_is_refused_naming_the_field(checkpoints, tmp_path):
     path, _, _ = checkpoints("qwen3-w4-g32-sym")
-    act_order, _, _ = checkpoints("qwen3-w4-g32-sym", desc_act=True)
-    with pytest.raises(UnsupportedCheckpointError, match=r"q_proj\.g_idx is not in order \(activation order is not built yet\)"):
-        LLM(model=str(act_order), num_kv_blocks=16)
     refusals(path, tmp_path, {
         "bits=3 is not supported": lambda q: q.update(bits=3),
         "group_size=16 is not supported": lambda q: q.update(group_size=16),
@@ -163,3 +172,20 @@ def test_what_duet_does_not_read_is_refused_naming_the_field(checkpoints, tmp_pa
         "version='gemv' is not supported": lambda q: q.update(version="gemv"),
         "bits=8 is not supported: duet reads 4": lambda q: q.update(bits=8),
     })
+
+
+def test_an_activation_ordered_weight_splits_by_rows_only(checkpoints):
+    """Tensor parallelism splits q/k/v and gate/up by rows (each shard keeps the input order);
+    o and down by input features, which an order of their own does not allow: refused."""
+    from duet.config import ConfigError
+    from duet.models.loader import load_model
+    from duet.models.tensor_parallel import shard_linear
+
+    path, _, _ = checkpoints("llama-w4-g32-asym-act-order")
+    layer = load_model(path, torch.float32, "cpu", 256).layers[0]
+    qkv = layer.self_attn.qkv_proj
+    shard = shard_linear(qkv, [slice(0, 32)])
+    x = torch.randn(3, qkv.in_features)
+    assert torch.equal(shard.input_order, qkv.input_order) and torch.equal(shard(x), qkv(x)[:, :32])
+    with pytest.raises(ConfigError, match="does not split by input features"):
+        shard_linear(layer.mlp.down_proj, [slice(0, layer.mlp.down_proj.out_features)], slice(0, 64))
