@@ -19,6 +19,9 @@ from duet.models.packed import is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
+# A Phi-3 checkpoint whose gate and up projections are two tensors (as GPTQModel writes it), its
+# q/k/v still one: ``arch.checkpoint_names`` once the file is read.
+PHI3_SPLIT_MLP = "phi3-split-mlp"
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +100,11 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         if arch.sandwich_norms:
             for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 plan[out + f"{norm}.weight"] = [prefix + f"{norm}.weight"]
-        fused = arch.checkpoint_names == "phi3"
+        fused = arch.checkpoint_names in ("phi3", PHI3_SPLIT_MLP)
         plan[out + "self_attn.qkv_proj.weight"] = (
             [attn + "qkv_proj.weight"] if fused else [attn + f"{name}_proj.weight" for name in "qkv"]
         )
+        fused = arch.checkpoint_names == "phi3"
         plan[out + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
         if arch.qkv_bias:
             plan[out + "self_attn.qkv_bias"] = [attn + f"{name}_proj.bias" for name in "qkv"]
@@ -253,6 +257,8 @@ def load_model(
     with torch.device("meta"):
         model = model_class(arch)(arch, max_positions)
     raw_state = _read_state_dict(path)
+    if arch.checkpoint_names == "phi3" and not any(".mlp.gate_up_proj." in name for name in raw_state):
+        model.arch = arch = dataclasses.replace(arch, checkpoint_names=PHI3_SPLIT_MLP)
     packed = _packed_linears(model, raw_state, path, device, quantization)
     for name in packed:  # their blocks are their weights: no float copy is ever allocated
         model.get_submodule(name).weight = None

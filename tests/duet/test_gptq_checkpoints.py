@@ -35,6 +35,7 @@ SCHEMES = {
     "qwen2-w4-g128-asym": ("qwen2", 4, 128, False, {}, "gptq"),  # q/k/v biases; 64 input features: one short group
     "qwen3-w8-channel-sym": ("qwen3", 8, -1, True, {}, "gptq"),
     "llama-w4-g32-asym-act-order": ("llama3-rope", 4, 32, False, {}, "gptq", True),
+    "phi3-w4-g32-sym": ("phi3", 4, 32, True, {}, "gptq"),  # GPTQModel writes its gate/up as two projections
     # AWQ's clip search takes output features 64 at a time: k/v projections of 64
     "llama-awq-g128-zero": ("llama3-rope", 4, 128, False, WIDE | dict(num_key_value_heads=2), "awq"),
     "qwen3-awq-g32-sym": ("qwen3", 4, 32, True, dict(intermediate_size=128), "awq"),
@@ -90,7 +91,11 @@ def _exact_twin(path, target):
     config = json.loads((path / "config.json").read_text())
     del config["quantization_config"]
     (target / "config.json").write_text(json.dumps(config))
-    save_file(state | weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    state |= weights
+    for gate in [name for name in state if name.endswith(".mlp.gate_proj.weight") and config["architectures"] == ["Phi3ForCausalLM"]]:
+        up = gate.replace("gate_proj", "up_proj")  # transformers' Phi-3 reads them as one
+        state[gate.replace("gate_proj", "gate_up_proj")] = torch.cat([state.pop(gate), state.pop(up)])
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
 
 
