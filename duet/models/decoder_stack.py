@@ -53,8 +53,8 @@ class DecoderStack:
                 return None
             if layer.self_attn.qkv_bias is not None or layer.self_attn.q_norm is not None:  # Qwen's parts: Python
                 return None
-            if any(type(linear) is not Linear or linear.input_order is not None for linear in _linears(layer)):
-                return None  # an activation-ordered GPTQ weight's input is reordered in Python
+            if any(type(linear) is not Linear for linear in _linears(layer)):
+                return None
         ops = cpu_ops.load()
         if ops is None or cpu_ops.load_gguf() is None:  # the stack reaches the block products through their operators
             return None

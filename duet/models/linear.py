@@ -215,15 +215,17 @@ class Linear(Module):
         """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
         to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
         qtype, block_rows, panel_codes, panel_scales, invariant_panels, out_features, panel_rows,
-        panel_min_rows)``, None for what this layer lacks."""
+        panel_min_rows, input_order)``, None for what this layer lacks."""
         blocks = self.gguf
         low, high = self._packed_rows
         invariant = (self.invariant_panels, self.out_features, self._panel_rows)
         if blocks is None:
-            return (self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1)
+            return (
+                self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1, self.input_order,
+            )
         return (
             self.weight, self.packed_weight, low, high, blocks.codes, blocks.scales, blocks.qtype, self._block_rows,
-            blocks.panel_codes, blocks.panel_scales, *invariant, blocks.panel_min_rows,
+            blocks.panel_codes, blocks.panel_scales, *invariant, blocks.panel_min_rows, self.input_order,
         )
 
     def argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:

@@ -84,8 +84,8 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
     """Each of duet's parameters and the Hugging Face tensors it is made of (rows concatenated:
-    q/k/v and gate/up projections are fused; Phi-3 ships them fused), by the family's names
-    (``arch.checkpoint_names``)."""
+    q/k/v and gate/up projections are fused; Phi-3 ships them fused, or its gate/up apart), by
+    the family's names (``arch.checkpoint_names``)."""
     plan = {
         "embed_tokens.weight": ["model.embed_tokens.weight"],
         "norm.weight": ["model.norm.weight"],
@@ -100,11 +100,10 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         if arch.sandwich_norms:
             for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 plan[out + f"{norm}.weight"] = [prefix + f"{norm}.weight"]
-        fused = arch.checkpoint_names in ("phi3", PHI3_SPLIT_MLP)
+        qkv_fused = arch.checkpoint_names in ("phi3", PHI3_SPLIT_MLP)
         plan[out + "self_attn.qkv_proj.weight"] = (
-            [attn + "qkv_proj.weight"] if fused else [attn + f"{name}_proj.weight" for name in "qkv"]
+            [attn + "qkv_proj.weight"] if qkv_fused else [attn + f"{name}_proj.weight" for name in "qkv"]
         )
-        fused = arch.checkpoint_names == "phi3"
         plan[out + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
         if arch.qkv_bias:
             plan[out + "self_attn.qkv_bias"] = [attn + f"{name}_proj.bias" for name in "qkv"]
@@ -121,7 +120,7 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
             plan[out + "mlp.w2"] = [expert + f"{down}.weight" for expert in experts]
             continue
         plan[out + "mlp.gate_up_proj.weight"] = (
-            [mlp + "gate_up_proj.weight"] if fused else [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
+            [mlp + "gate_up_proj.weight"] if arch.checkpoint_names == "phi3" else [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
         )
         plan[out + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
     return plan

@@ -39,6 +39,7 @@ struct LinearPlan {
   torch::Tensor invariant;  // the weight in batch_invariant.cpp's panels, or undefined
   int64_t out_features = 0;
   int64_t panel_rows = -1;  // rows up to which those panels serve the product (past the blocks'; -1: none)
+  torch::Tensor input_order;  // the input features in the weight's column order (GPTQ's activation order), or undefined
 };
 
 struct LayerPlan {
@@ -63,8 +64,8 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumPart
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 14, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
-                              "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows)");
+  TORCH_CHECK(t.size() == 15, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+                              "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows, input_order)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -83,6 +84,7 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   plan.out_features = t[11].cast<int64_t>();
   plan.panel_rows = t[12].cast<int64_t>();
   plan.panel_min_rows = t[13].cast<int64_t>();
+  plan.input_order = tensor(14);
   TORCH_CHECK(plan.panel_rows < 0 || plan.invariant.defined(), "a linear served by float panels needs them");
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
@@ -199,10 +201,12 @@ class DecoderStack {
     return out;
   }
 
-  // Linear.forward, path for path; then the LoRA updates of product ``lora`` where a step has them.
-  torch::Tensor linear(const torch::Tensor& x, const LinearPlan& plan, size_t lora) {
+  // Linear.forward, path for path; then the LoRA updates of product ``lora`` where a step has them
+  // (on the input as given: the weight's own column order is the product's alone).
+  torch::Tensor linear(const torch::Tensor& given, const LinearPlan& plan, size_t lora) {
     torch::Tensor out;
     timed(kProducts, [&] {
+      const torch::Tensor x = plan.input_order.defined() ? given.index_select(-1, plan.input_order) : given;
       const int64_t rows = x.size(0);
       if (!plan.weight.defined()) {  // quantized at load
         if (rows > plan.block_rows)
@@ -230,7 +234,7 @@ class DecoderStack {
     if (lora_slots_ != nullptr) {
       timed(kLoRA, [&] {
         out = out.contiguous();
-        lora_add(out, x.contiguous(), *lora_slots_, (*lora_a_)[lora], (*lora_bt_)[lora]);
+        lora_add(out, given.contiguous(), *lora_slots_, (*lora_a_)[lora], (*lora_bt_)[lora]);
       });
     }
     return out;

@@ -1,6 +1,7 @@
 """``batch_invariant: true``: a request's tokens and logprobs are bitwise the same alone, in any
 batch at any place, whatever the prefill chunks, on a prefix-cache hit, after preemption, with
-n-gram speculation, greedy and seeded (``duet.models.batch_invariant``).
+n-gram speculation, a quantized KV cache or a LoRA adapter, greedy and seeded
+(``duet.models.batch_invariant``).
 
 The engine tests run a tiny random Llama with heads of 64 (the C++ prompt attention's tiles) on
 token ids; one slow test runs SmolLM2 against transformers' greedy tokens.
@@ -222,6 +223,35 @@ def test_a_thousand_identical_requests_amid_random_load_give_one_completion(mode
         completions.update(_signature(output) for (_, p), output in zip(requests, outputs) if p is params)
         identical += count
     assert len(completions) == 1
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_quantized_kv_cache_gives_a_request_the_same_bits_in_any_batch(model_dir, kv_cache_dtype):
+    llm = _engine(model_dir, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    alone = _signature(llm.generate([TARGET], GREEDY)[0])
+    for size, place in ((5, 2), (32, 0), (32, 31)):
+        assert _target_among(llm, GREEDY, size, place, seed=size + place) == alone, (kv_cache_dtype, size, place)
+
+
+def test_a_lora_adapter_gives_its_request_the_same_bits_amid_the_base_and_itself(model_dir, tmp_path):
+    """Rows of one adapter and rows of the base share each step's products; the adapter's
+    update of a row does not depend on which rows share it either."""
+    from tests.duet.test_lora import make_adapter
+
+    adapter = make_adapter(model_dir, tmp_path / "adapter", 8, 16, ["q_proj", "v_proj", "down_proj"], False, seed=3)
+    llm = _engine(model_dir, enable_prefix_caching=False, lora_modules={"a": str(adapter)})
+    alone = _signature(llm.generate([TARGET], GREEDY, lora="a")[0])
+    assert alone != _signature(llm.generate([TARGET], GREEDY)[0])  # the adapter changes the output
+    for size, place in ((5, 2), (32, 0), (32, 31)):
+        background = _prompts(size - 1, seed=size + place)
+        prompts = background[:place] + [TARGET] + background[place:]
+        params = [SamplingParams(temperature=0.0, max_tokens=8 + index % 30) for index in range(size)]
+        params[place] = GREEDY
+        adapters = ["a" if index % 2 else None for index in range(size)]
+        adapters[place] = "a"
+        outputs = llm.generate(prompts, params, lora=adapters)
+        assert _signature(outputs[place]) == alone, (size, place)
     llm.engine.check_integrity()
 
 
