@@ -1,5 +1,6 @@
-"""GPTQ and AWQ checkpoints (``quant_method: gptq`` or ``awq``, as GPTQModel and AutoAWQ write
-them), read into the codes and scales ``duet.models.packed`` makes blocks of: never a float copy.
+"""GPTQ and AWQ checkpoints (``quant_method: gptq`` or ``awq``, as GPTQModel writes them; AWQ in
+AutoAWQ's ``gemm`` format), read into the codes and scales ``duet.models.packed`` makes blocks
+of: never a float copy.
 
 Both ship, per linear ``x``, ``x.qweight`` (codes in int32 words), ``x.scales`` (``[groups,
 out]``) and ``x.qzeros`` (int32 ``[groups, out * bits / 32]``, a zero per group and output
