@@ -150,11 +150,6 @@ class TensorParallelGroup:
                 tensor.add_(part)
         self._count(started)
         return tensor
-        tensor.copy_(first)
-        for other in others:
-            tensor.add_(other)
-        self._count(started)
-        return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape on each), in rank order; read them before the

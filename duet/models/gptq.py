@@ -49,7 +49,7 @@ def read_layout(config: dict, path: Path, refuse) -> tuple[int, int | None, Layo
     """``(num_bits, group_size or None for a scale per channel, layout)`` from a GPTQ or AWQ
     ``quantization_config``; ``refuse(field, value, wanted)`` raises for what duet does not read."""
     method = config.get("quant_method")
-    bits, group_size = config.get("bits", config.get("w_bit")), config.get("group_size", config.get("q_group_size", -1))
+    bits, group_size = config.get("bits"), config.get("group_size", -1)
     if method == "awq":
         version = str(config.get("version") or config.get("checkpoint_format") or "gemm").lower()
         if version != "gemm":
@@ -88,16 +88,16 @@ def _unpack(words: torch.Tensor, bits: int, along_rows: bool, order: tuple[int, 
     return codes.reshape(words.shape[0], -1)
 
 
-def input_order(state: dict[str, torch.Tensor], part: str, in_features: int, group: int, path: Path) -> torch.Tensor | None:
+def input_order(state: dict[str, torch.Tensor], part: str, groups: torch.Tensor, path: Path) -> torch.Tensor | None:
     """The input features sorted by their group (GPTQ's ``g_idx``; stable), None when already
-    so. Sorted, the groups must be ``group`` features each, the last maybe short."""
+    so. Sorted, they must fall in ``groups`` (each input feature's group, in order)."""
     g_idx = state.get(tensor_name(part, "g_idx"))
-    groups = torch.arange(in_features) // group
     if g_idx is None or torch.equal(g_idx.long(), groups):
         return None
     order = torch.argsort(g_idx.long(), stable=True)
-    if g_idx.shape != (in_features,) or not torch.equal(g_idx.long()[order], groups):
-        raise DamagedCheckpointError(f"{path}: {tensor_name(part, 'g_idx')} does not put {in_features} input features in groups of {group}")
+    if g_idx.shape != groups.shape or not torch.equal(g_idx.long()[order], groups):
+        name = tensor_name(part, "g_idx")
+        raise DamagedCheckpointError(f"{path}: {name} does not put {len(groups)} input features in groups of equal size")
     return order
 
 
@@ -131,9 +131,9 @@ def layout_codes(
     if in_features % 32:
         raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not whole blocks of 32")
     groups = torch.arange(in_features) // group  # the last one may be short (576 features in groups of 128)
-    order = input_order(state, part, in_features, group, path) if not awq else None
+    order = input_order(state, part, groups, path) if not awq else None
     packing = AWQ_ORDER if awq else None
-    codes = _unpack(qweight, bits, along_rows=False, order=packing) if awq else _unpack(qweight, bits, along_rows=True)  # [in, out]
+    codes = _unpack(qweight, bits, along_rows=not awq, order=packing)  # [in, out]
     if order is not None:  # the input features sorted by group: each group's features side by side
         codes = codes[order]
     zeros = _unpack(qzeros, bits, along_rows=False, order=packing)[:, :out_features].to(torch.int16) + layout.zero_offset  # [groups, out]

@@ -92,9 +92,9 @@ def _exact_twin(path, target):
     del config["quantization_config"]
     (target / "config.json").write_text(json.dumps(config))
     state |= weights
-    for gate in [name for name in state if name.endswith(".mlp.gate_proj.weight") and config["architectures"] == ["Phi3ForCausalLM"]]:
-        up = gate.replace("gate_proj", "up_proj")  # transformers' Phi-3 reads them as one
-        state[gate.replace("gate_proj", "gate_up_proj")] = torch.cat([state.pop(gate), state.pop(up)])
+    if config["architectures"] == ["Phi3ForCausalLM"]:  # transformers' Phi-3 reads gate and up as one
+        for gate in [name for name in state if name.endswith(".mlp.gate_proj.weight")]:
+            state[gate.replace("gate_proj", "gate_up_proj")] = torch.cat([state.pop(gate), state.pop(gate.replace("gate_proj", "up_proj"))])
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
 
