@@ -167,6 +167,7 @@ def _deployment(name: str, pool: PoolSettings, engine, router_class: str, target
         ray_actor_options=_with_env(pool.ray_actor_options, SHARED_CORES_ENV) if shares_cores else pool.ray_actor_options,
         placement_group_bundles=pool.placement_group_bundles(engine),
         placement_group_strategy=pool.placement_group_strategy if pool.placement_group_bundles(engine) else None,
+        placement_group_bundle_label_selector=pool.bundle_label_selector(engine),
         max_ongoing_requests=pool.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=f"duet.router.routing.{router_class}",

@@ -23,6 +23,7 @@ logger = logging.getLogger("ray.serve")
 
 BOARD_NAME = "duet-autoscaler-board"
 BOARD_NAMESPACE = "duet"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # every head node has one (Ray's own name)
 READ_TIMEOUT_S = 5.0  # a router's or the CLI's read; a policy never waits
 
 
@@ -90,10 +91,11 @@ class LocalBoard(Board):
 
 
 def board_actor():
-    """The cluster's board actor, started by whoever asks first."""
+    """The cluster's board actor, started by whoever asks first, on the head node (as Serve's
+    controller is): a node that leaves the cluster takes no pins or adapters with it."""
     import ray
 
-    actor_class = ray.remote(num_cpus=0, max_restarts=-1)(Board)
+    actor_class = ray.remote(num_cpus=0, max_restarts=-1, resources={HEAD_NODE_RESOURCE: 0.001})(Board)
     return actor_class.options(name=BOARD_NAME, namespace=BOARD_NAMESPACE, lifetime="detached", get_if_exists=True).remote()
 
 

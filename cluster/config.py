@@ -135,10 +135,23 @@ class PoolSettings(_Strict):
         if num_workers == 1:
             return None
         options = self.ray_actor_options
-        # A bundle may not be empty: a replica asking for no CPU still gets a sliver of one.
-        replica = {"CPU": max(float(options.get("num_cpus", 1)), 0.01)} | ({"GPU": options["num_gpus"]} if options.get("num_gpus") else {})
+        # A bundle may not be empty: a replica asking for no CPU still gets a sliver of one. Its custom
+        # resources go in its bundle too (Serve places the replica's actor there).
+        replica = (
+            {"CPU": max(float(options.get("num_cpus", 1)), 0.01)}
+            | ({"GPU": options["num_gpus"]} if options.get("num_gpus") else {})
+            | {name: float(amount) for name, amount in (options.get("resources") or {}).items()}
+        )
         worker = {"CPU": self.worker_num_cpus} | ({"GPU": 1.0} if engine.device.startswith("cuda") else {})
         return [replica] + [worker] * num_workers
+
+    def bundle_label_selector(self, engine: EngineSettings) -> list[dict[str, str]] | None:
+        """A replica with several ranks: its ``label_selector`` holds for every bundle, so that its
+        workers run on the nodes the replica may run on."""
+        selector = self.ray_actor_options.get("label_selector")
+        if not selector or self.placement_group_bundles(engine) is None:
+            return None
+        return [dict(selector) for _ in self.placement_group_bundles(engine)]
 
     def resources(self, stage: str, engine: EngineSettings) -> dict[str, float]:
         """Logical CPUs and GPUs the pool's replicas (and their workers) take at their starting count."""

@@ -87,7 +87,8 @@ def format_status(report: dict) -> str:
 
     lines = [f"duet at {report['url']}, model {report['model']}"]
     header = (
-        f"{'pool':<10} {'replica':<10} {'role':<8} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} {'kv dtype':>8} "
+        f"{'pool':<10} {'replica':<10} {'node':<8} {'role':<8} {'running':>7} {'waiting':>7} {'kv used':>8} {'free blocks':>12} "
+        f"{'kv dtype':>8} "
         f"{'transfers':>9} {'preempted':>9} {'cores':>8}"
     )
     lines.append(header)
@@ -96,7 +97,8 @@ def format_status(report: dict) -> str:
             lines.append(f"{pool:<10} {'(replicas: ' + str(info['replicas']) + ', no stats yet)'}")
         for stats in info["stats"]:
             lines.append(
-                f"{pool:<10} {stats['replica_id']:<10} {stats.get('stage', pool):<8} {stats['num_running']:>7} {stats['num_waiting']:>7} "
+                f"{pool:<10} {stats['replica_id']:<10} {(stats.get('node_id') or '-')[:8]:<8} {stats.get('stage', pool):<8} "
+                f"{stats['num_running']:>7} {stats['num_waiting']:>7} "
                 f"{stats['kv_usage']:>8.1%} {str(stats['num_free_blocks']) + '/' + str(stats['num_blocks']):>12} "
                 f"{kv_dtype_shown(stats):>8} {stats['transfers']:>9} {stats['num_preemptions']:>9} {cores_shown(stats):>8}"
                 + (

@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import ray
 import torch
 from ray import serve
 
@@ -86,8 +87,11 @@ class EngineReplica:
     replicas, which this one moves its sequences to when it leaves (None: a prefill replica
     that never serves decode)."""
 
-    def __init__(self, replica_id: str, role: PrefillRole | DecodeRole, engine: LLMEngine, peers: Peers | None = None) -> None:
+    def __init__(
+        self, replica_id: str, role: PrefillRole | DecodeRole, engine: LLMEngine, peers: Peers | None = None, node_id: str = ""
+    ) -> None:
         self.replica_id = replica_id
+        self.node_id = node_id
         self.role = role
         self.home = role.stage
         self._roles = {role.stage: role}
@@ -270,7 +274,9 @@ class EngineReplica:
         """Read off the engine thread: plain counters and lengths, so the report stays on time
         while a long step runs (a replica that stops reporting is taken for dead)."""
         prefix_hashes = self.role.prefix_hashes(self.engine)
-        stats = ReplicaStats.compose(self.role.stage, self.replica_id, self.engine.stats(), self.integrity_failures, prefix_hashes)
+        stats = ReplicaStats.compose(
+            self.role.stage, self.replica_id, self.node_id, self.engine.stats(), self.integrity_failures, prefix_hashes
+        )
         return stats.to_dict()
 
     def _check_when_idle(self) -> None:
@@ -356,7 +362,7 @@ class ServeReplica(EngineReplica):
         engine = LLMEngine(EngineArgs(**args))
         if core_sharing is not None:
             engine.core_lease = CoreLease(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])
-        super().__init__(replica_id, role_, engine, peers)
+        super().__init__(replica_id, role_, engine, peers, node_id=ray.get_runtime_context().get_node_id())
         if self.migration is not None:  # a prefill replica of a PD application may be serving decode when it leaves
             self._spawn(self._leave_when_departed(watch_departure(replica_id)))
         sharing = ", sharing the machine's cores in turns" if core_sharing is not None else ""

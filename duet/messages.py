@@ -232,6 +232,7 @@ class ReplicaStats:
 
     stage: str
     replica_id: str
+    node_id: str  # the Ray node the replica runs on ("" outside Ray)
     scheduler: SchedulerStats
     kv: KVCacheStats
     transfer: TransferStats
@@ -246,10 +247,10 @@ class ReplicaStats:
 
     @classmethod
     def compose(
-        cls, stage: str, replica_id: str, engine: EngineStats, integrity_failures: int, prefix_hashes: list[int]
+        cls, stage: str, replica_id: str, node_id: str, engine: EngineStats, integrity_failures: int, prefix_hashes: list[int]
     ) -> ReplicaStats:
         return cls(
-            stage=stage, replica_id=replica_id, scheduler=engine.scheduler, kv=engine.kv, transfer=engine.transfer,
+            stage=stage, replica_id=replica_id, node_id=node_id, scheduler=engine.scheduler, kv=engine.kv, transfer=engine.transfer,
             load=engine.load, spec=engine.spec, cores=engine.cores, lora=engine.lora, worker_failure=engine.worker_failure, integrity_failures=integrity_failures,
             prefix_hashes=prefix_hashes, reported_at=time.time(),
         )
@@ -270,6 +271,7 @@ class ReplicaStats:
         return {
             "stage": self.stage,
             "replica_id": self.replica_id,
+            "node_id": self.node_id,
             **asdict(self.scheduler),
             **asdict(self.kv),
             "kv_usage": self.kv.kv_usage,

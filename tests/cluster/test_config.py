@@ -169,6 +169,31 @@ def test_a_tensor_parallel_pool_gets_a_bundle_for_its_replica_and_one_per_worker
     assert pool.placement_group_bundles(EngineSettings()) is None
 
 
+class _Replica:
+    pass
+
+
+def test_a_tensor_parallel_replica_keeps_its_node_constraints_in_its_bundles():
+    """Serve places the replica's actor in its group's first bundle: that bundle asks for the
+    actor's custom resources (Serve refuses a group otherwise), and every bundle takes the
+    replica's label selector, so that its workers run on the nodes it may run on
+    (``tests/integration/test_multinode.py`` deploys one)."""
+    from ray import serve
+
+    options = {"num_cpus": 0.2, "resources": {"fast_disk": 1}, "label_selector": {"duet-pool": "prefill"}}
+    pool = PoolSettings(ray_actor_options=options, worker_num_cpus=0.6)
+    engine = EngineSettings(tensor_parallel_size=2)
+    assert pool.placement_group_bundles(engine) == [{"CPU": 0.2, "fast_disk": 1.0}, {"CPU": 0.6}, {"CPU": 0.6}]
+    assert pool.bundle_label_selector(engine) == [{"duet-pool": "prefill"}] * 3
+    serve.deployment(name="prefill")(_Replica).options(  # Serve checks the group as it deploys it
+        ray_actor_options=options, placement_group_bundles=pool.placement_group_bundles(engine),
+        placement_group_bundle_label_selector=pool.bundle_label_selector(engine),
+    )
+    with pytest.raises(ValueError, match="fast_disk"):
+        serve.deployment(name="prefill")(_Replica).options(ray_actor_options=options, placement_group_bundles=[{"CPU": 0.2}, {"CPU": 0.6}])
+    assert pool.bundle_label_selector(EngineSettings()) is None  # one process: the actor's own selector places it
+
+
 def test_a_layout_that_cannot_split_the_heads_is_refused_before_any_actor_starts(tiny_llama_dir):
     from duet.cluster.app import build_app
 

@@ -211,7 +211,7 @@ def test_a_seeded_sequence_moved_by_kv_while_speculating_goes_on_as_if_it_had_st
 # What ``/duet/status`` shows of each replica (before its ``prefix_hashes`` count and ``age_s``):
 # integration tests, benchmarks and ``duet status`` read these names.
 STATUS_KEYS = {
-    "stage", "replica_id", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "block_size", "num_preemptions",
+    "stage", "replica_id", "node_id", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "block_size", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "kv_cache_dtype", "kv_dtype", "kv_bytes_per_block", "kv_usage",
     "tier_capacity_blocks", "tier_blocks", "tier_saved_blocks", "tier_restored_blocks", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_position", "transfer_bytes",
     "transfers", "transfer_failures", "transfers_cancelled", "transfer_seconds", "pending_transfers", "prompt_tokens_pending",

@@ -62,6 +62,12 @@ def metric(url: str, name: str) -> dict[str, float]:
     return metric_values(httpx.get(f"{url}/metrics", timeout=10).text, name)
 
 
+def moved(url: str) -> float:
+    """Sequences moved between replicas, recomputed or by KV (a busy replica sheds some by KV to
+    one that took the decode role: ``duet.router.roles``)."""
+    return sum(metric(url, "duet:migrations_total").values())
+
+
 def stage_total(url: str, name: str, stage: str, expected: float, timeout_s: float = 15) -> float:
     """The sum of a metric's samples from one pool, once it reaches ``expected`` (replicas' stats
     are pulled every second or so) or after ``timeout_s``."""

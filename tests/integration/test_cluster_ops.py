@@ -87,9 +87,9 @@ def test_status_lists_pools_and_replicas(cluster, capsys, monkeypatch):
     monkeypatch.setenv("DUET_ADMIN_API_KEY", cluster.admin_key)
     assert main(["status", "--url", cluster.url]) == 0
     out = capsys.readouterr().out
-    # pool, replica, the role it serves, running, waiting
-    assert re.search(r"^prefill\s+\S+\s+(prefill|decode)\s+\d+\s+\d+", out, re.M)
-    assert re.search(r"^decode\s+\S+\s+(prefill|decode)\s+\d+\s+\d+", out, re.M)
+    # pool, replica, its node, the role it serves, running, waiting
+    assert re.search(r"^prefill\s+\S+\s+[0-9a-f]{8}\s+(prefill|decode)\s+\d+\s+\d+", out, re.M)
+    assert re.search(r"^decode\s+\S+\s+[0-9a-f]{8}\s+(prefill|decode)\s+\d+\s+\d+", out, re.M)
 
 
 def test_client_disconnect_frees_the_blocks_in_both_pools(cluster):

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.client import complete, greedy_body, metric, random_prompt, settled
+from tests.integration.client import complete, greedy_body, metric, moved, random_prompt, settled
 from tests.integration.conftest import MAX_QUEUED, MAX_RUNNING, listening_addresses
 
 pytestmark = pytest.mark.slow
@@ -198,12 +198,6 @@ def _kill_replica(ray, app: str, pool: str, replica_id: str | None = None) -> st
     return actors[0]["name"].rsplit("#", 1)[1]
 
 
-def _moved(url: str) -> float:
-    """Sequences moved between replicas, recomputed or by KV (a busy replica sheds some by KV to
-    one that took the decode role: ``duet.router.roles``)."""
-    return sum(metric(url, "duet:migrations_total").values())
-
-
 def test_a_decode_replica_killed_mid_stream_its_streams_go_on_on_another(cluster, tiny_offline, ray_driver):
     """A decode replica dies (killed) with streams running on it: each of them goes on on the
     other decode replica, recomputed from its prompt and the tokens already sent, and the
@@ -212,7 +206,7 @@ def test_a_decode_replica_killed_mid_stream_its_streams_go_on_on_another(cluster
     url = cluster.stress_url
     rng = random.Random(3)
     prompts = [random_prompt(rng, 24) for _ in range(4)]
-    moved_before = _moved(url)
+    moved_before = moved(url)
 
     async def streams_then_kill():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -231,7 +225,7 @@ def test_a_decode_replica_killed_mid_stream_its_streams_go_on_on_another(cluster
         assert (status, errors) == (200, [])
         assert tokens == want
     # Each sequence on the killed replica went on elsewhere: recomputed, or shed by KV just before.
-    assert _moved(url) - moved_before >= num_killed
+    assert moved(url) - moved_before >= num_killed
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and len(cluster_replicas(url, "decode")) < 2:
         time.sleep(1)  # Serve replaces the dead replica

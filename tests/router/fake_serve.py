@@ -32,7 +32,7 @@ def make_stats(stage: str = "decode", replica_id: str = "r", **fields) -> Replic
             own[name] = value
         else:
             raise TypeError(f"no stats field {name!r}")
-    return ReplicaStats(stage=stage, replica_id=replica_id, **parts, **own)
+    return ReplicaStats(stage=stage, replica_id=replica_id, node_id="", **parts, **own)
 
 
 def replica_stats(replica_id: str, **fields) -> dict:
