@@ -259,14 +259,9 @@ def format_ratios(summaries: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="duet bench serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", action="append", default=[], help="a config to bring up and measure (repeat to compare)")
-    parser.add_argument("--url", default=None, help="measure a running server instead of --config")
-    parser.add_argument("--name", default="server", help="what to call the server of --url in the results")
-    parser.add_argument("--peer-url", default=None, help="another OpenAI server given the same schedule after the rest (vLLM's, say)")
-    parser.add_argument("--peer-name", default="peer", help="what to call it in the results")
-    parser.add_argument("--peer-model", default=None, help="its model name (default: --model)")
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load's options, shared with ``duet simulate`` (which runs the same load on a model of the cluster)."""
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument(
@@ -284,6 +279,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def chosen_workloads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    if unknown := [name for name in chosen if name not in WORKLOADS]:
+        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    return chosen
+
+
+def run_seed(args: argparse.Namespace, index: int, workload: str) -> int:
+    """Fresh prompts at each rate: none finds the last rate's in the prefix cache (nor, for
+    multiturn sessions, the sharegpt workload's first turns)."""
+    return args.seed + 1000 * index + (500 if workload == "multiturn" else 0)
+
+
+def run_label(workload: str, rate: float, rates: list[float]) -> str:
+    return workload if len(rates) == 1 else f"{workload}@{rate:g}/s"
+
+
+def make_sessions(args: argparse.Namespace, workload: str, seed: int) -> list[list[TurnSpec]]:
+    if workload in ("random", "shared-prefix"):
+        prefix = args.shared_prefix if workload == "shared-prefix" else 0
+        return random_sessions(args.num_requests, args.input_len, args.output_len, prefix, seed)
+    from duet.benchmarks.sharegpt import load_conversations
+    from duet.models.loader import resolve_model_path
+    from duet.router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer(resolve_model_path(args.tokenizer))
+    turns = 1 if workload == "sharegpt" else args.turns
+    return sharegpt_sessions(tokenizer, load_conversations(), args.num_requests, turns, args.sharegpt_output_cap, args.max_context, seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="duet bench serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=[], help="a config to bring up and measure (repeat to compare)")
+    parser.add_argument("--url", default=None, help="measure a running server instead of --config")
+    parser.add_argument("--name", default="server", help="what to call the server of --url in the results")
+    parser.add_argument("--peer-url", default=None, help="another OpenAI server given the same schedule after the rest (vLLM's, say)")
+    parser.add_argument("--peer-name", default="peer", help="what to call it in the results")
+    parser.add_argument("--peer-model", default=None, help="its model name (default: --model)")
+    add_load_arguments(parser)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--json", default=None, help="write the summaries here")
     parser.add_argument("--plot", default=None, help="write a PNG here")
@@ -291,21 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     if bool(args.config) == bool(args.url):
         parser.error("give one or more --config files, or --url of a running server")
 
-    chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
-    if unknown := [name for name in chosen if name not in WORKLOADS]:
-        parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
-
-    def sessions(workload: str, seed: int) -> list[list[TurnSpec]]:
-        if workload in ("random", "shared-prefix"):
-            prefix = args.shared_prefix if workload == "shared-prefix" else 0
-            return random_sessions(args.num_requests, args.input_len, args.output_len, prefix, seed)
-        from duet.benchmarks.sharegpt import load_conversations
-        from duet.models.loader import resolve_model_path
-        from duet.router.tokenizer import RouterTokenizer
-
-        tokenizer = RouterTokenizer(resolve_model_path(args.tokenizer))
-        turns = 1 if workload == "sharegpt" else args.turns
-        return sharegpt_sessions(tokenizer, load_conversations(), args.num_requests, turns, args.sharegpt_output_cap, args.max_context, seed)
+    chosen = chosen_workloads(parser, args)
 
     rates = [float(rate) for rate in args.rate.split(",")]
     summaries = []
@@ -321,13 +343,13 @@ def main(argv: list[str] | None = None) -> None:
             url = up(config).urls[0]
         try:
             for (index, rate), workload in itertools.product(enumerate(rates), chosen):
-                # Fresh prompts at each rate: none finds the last rate's in the prefix cache (nor,
-                # for multiturn sessions, the sharegpt workload's first turns).
-                seed = args.seed + 1000 * index + (500 if workload == "multiturn" else 0)
-                label = workload if len(rates) == 1 else f"{workload}@{rate:g}/s"
+                seed, label = run_seed(args, index, workload), run_label(workload, rate, rates)
                 kv_samples: list[dict] = []
                 results, duration = asyncio.run(
-                    run_load(url, model, sessions(workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}", kv_samples)
+                    run_load(
+                        url, model, make_sessions(args, workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}",
+                        kv_samples,
+                    )
                 )
                 summary = summarise(name, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                 summary.kv_timeline = kv_samples

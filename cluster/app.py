@@ -17,8 +17,8 @@ from ray.serve.config import RequestRouterConfig
 
 from duet.cluster.config import AppConfigError, PoolSettings, parse_args
 from duet.config import ConfigError, EngineArgs
+from duet.messages import ROUTING_STATS_PERIOD_S
 
-ROUTING_STATS_PERIOD_S = 0.5
 # A replica that shares its machine's cores in turns: its OpenMP threads spin this many
 # iterations after a step before they sleep. GOMP's default (300,000, milliseconds) kept them
 # spinning into the next engine's turn: decode steps of 12.1 ms against 10.2 with this, and

@@ -158,6 +158,14 @@ def main(argv: list[str] | None = None) -> int | None:
     evaluate.add_argument("check", choices=EVAL_CHECKS, help="the check to run")
     _options_for_the_suite(evaluate, "the check's options: `duet eval ppl --help`")
 
+    profile = commands.add_parser("profile", help="time a config's engine steps on this machine (a profile for `duet simulate`)")
+    _options_for_the_suite(profile, "the config and options: `duet profile --help`")
+    simulate = commands.add_parser("simulate", help="`duet bench serve`'s load on a model of a config's cluster, from a profile")
+    _options_for_the_suite(simulate, "options: `duet simulate --help`")
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("profile", "simulate"):  # every option is the command's own, leading ones too
+        return _run_suite(argv[0], argv[1:])
     args = parser.parse_args(argv)
     if args.command == "scale":
         try:

@@ -268,23 +268,9 @@ class LLMEngine:
         return [self._delta(request) for request in changed]
 
     def _observe_load(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
-        """A decoding sequence is scheduled its next token and its drafts; the rest is prompt work."""
-        drafts = scheduler_output.scheduled_spec_token_ids
-        decoding = {
-            request_id
-            for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
-            if num_tokens == 1 + len(drafts.get(request_id, ()))
-        }
-        num_decode_tokens = sum(scheduler_output.num_scheduled_tokens[request_id] for request_id in decoding)
-        num_prompt_tokens = scheduler_output.total_num_scheduled_tokens - num_decode_tokens
-        sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids))
-        num_decode_outputs = sum(len(sampled.get(request_id, ())) for request_id in decoding)
+        num_decoding, num_decode_outputs = self.load.observe(scheduler_output, runner_output, seconds)
         if self.core_lease is not None:
-            self.core_lease.observe_decode(len(decoding), num_decode_outputs)
-        self.load.observe_step(
-            num_prompt_tokens, scheduler_output.total_num_scheduled_tokens, len(decoding), num_decode_outputs,
-            sum(map(len, runner_output.sampled_token_ids)), seconds,
-        )
+            self.core_lease.observe_decode(num_decoding, num_decode_outputs)
 
     def _delta(self, request: Request) -> TokenDelta:
         if request.num_emitted_tokens == 0 and request.output_token_ids:

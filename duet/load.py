@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from duet.messages import LoadStats
+from duet.outputs import RunnerOutput, SchedulerOutput
 
 WINDOW_S = 5.0
 _WEIGHT = 0.2  # of the newest sample in a moving average (prompt throughput, the cores' step times)
@@ -25,21 +27,26 @@ _WEIGHT = 0.2  # of the newest sample in a moving average (prompt throughput, th
 _PROMPT_STEP_TOKENS = 32
 
 
+def _now() -> float:
+    return time.monotonic()  # read when called (tests set the time)
+
+
 class _Window:
     """Timestamped samples of the last ``WINDOW_S`` seconds. Written by the engine thread (which
     alone trims), read from others through a snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.samples: deque[tuple[float, float]] = deque()
 
     def add(self, value: float) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self.samples.append((now, value))
         while now - self.samples[0][0] > WINDOW_S:
             self.samples.popleft()
 
     def _recent(self) -> list[float]:
-        since = time.monotonic() - WINDOW_S
+        since = self.clock() - WINDOW_S
         return [value for at, value in list(self.samples) if at >= since]
 
     def mean(self) -> float:
@@ -57,14 +64,17 @@ def moving_average(average: float, sample: float) -> float:
 
 
 class LoadTracker:
-    def __init__(self) -> None:
+    """``clock``: the time its windows are read in (``duet simulate`` gives its simulated time)."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.prefill_tokens_per_s = 0.0
         self.tokens_per_s = 0.0
-        self._tpot = _Window()
-        self._decode_only_tpot = _Window()
+        clock = clock or _now
+        self._tpot = _Window(clock)
+        self._decode_only_tpot = _Window(clock)
         self._last_decode_only_tpot_s = 0.0
-        self._first_tokens = _Window()
-        self._outputs = _Window()
+        self._first_tokens = _Window(clock)
+        self._outputs = _Window(clock)
 
     def observe_step(
         self, num_prompt_tokens: int, num_tokens: int, num_decoding: int, num_decode_outputs: int, num_output_tokens: int, seconds: float
@@ -84,6 +94,24 @@ class LoadTracker:
                 self._decode_only_tpot.add(per_token)
                 self._last_decode_only_tpot_s = per_token
         self._outputs.add(num_output_tokens)
+
+    def observe(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> tuple[int, int]:
+        """``observe_step`` of a step as scheduled and run: a decoding sequence is scheduled its next
+        token and its drafts; the rest is prompt work. Returns the decoding sequences and the tokens they got."""
+        drafts = scheduler_output.scheduled_spec_token_ids
+        decoding = {
+            request_id
+            for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items()
+            if num_tokens == 1 + len(drafts.get(request_id, ()))
+        }
+        num_decode_tokens = sum(scheduler_output.num_scheduled_tokens[request_id] for request_id in decoding)
+        sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids))
+        num_decode_outputs = sum(len(sampled.get(request_id, ())) for request_id in decoding)
+        self.observe_step(
+            scheduler_output.total_num_scheduled_tokens - num_decode_tokens, scheduler_output.total_num_scheduled_tokens,
+            len(decoding), num_decode_outputs, sum(map(len, runner_output.sampled_token_ids)), seconds,
+        )
+        return len(decoding), num_decode_outputs
 
     def observe_first_token(self, seconds: float) -> None:
         """A request's wait from arrival at this engine to its first token computed here."""

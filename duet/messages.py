@@ -99,7 +99,8 @@ class TokenDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
-# Replicas report their stats every 0.5 s, even mid-step; one silent this long is taken for dead.
+# Replicas report their stats this often, even mid-step; one silent ``REPLICA_SILENT_S`` is taken for dead.
+ROUTING_STATS_PERIOD_S = 0.5
 REPLICA_SILENT_S = 3.0
 
 

@@ -97,6 +97,10 @@ PREFILL_FEED_S = 0.5  # queued on the prefill pool below which it takes contexts
 LATE_TURN_TTFTS = 4.0  # TTFT targets a late context waits before it goes ahead of those in time
 
 
+def _now() -> float:
+    return time.monotonic()  # read when called (tests set the time)
+
+
 @dataclasses.dataclass(eq=False)
 class Choice:
     """Where one context goes; ``done()`` once its first token (or failure) is in."""
@@ -126,7 +130,9 @@ class StageBalancer:
         local_prefill_threshold: int,
         ttft_s: float,
         tpot_s: float,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        self.clock = clock or _now  # ``duet simulate`` gives its simulated time
         self.stats = stats
         self.pool_size = pool_size
         self.local_prefill_threshold = local_prefill_threshold
@@ -151,7 +157,7 @@ class StageBalancer:
             return None
         self.decisions[local] += 1
         self._outstanding[local] += num_tokens
-        choice = Choice(local, num_tokens, self, time.monotonic(), predicted_s)
+        choice = Choice(local, num_tokens, self, self.clock(), predicted_s)
         self._in_flight[local].append(choice)
         if local:
             self._local_sent.append((choice.sent_at, num_tokens))
@@ -190,7 +196,7 @@ class StageBalancer:
     def _done(self, choice: Choice, first_token: bool) -> None:
         self._outstanding[choice.local] -= choice.num_tokens
         self._in_flight[choice.local].remove(choice)
-        self._last_done[choice.local] = now = time.monotonic()
+        self._last_done[choice.local] = now = self.clock()
         if first_token and choice.predicted_s is not None:
             late_s = now - choice.sent_at - choice.predicted_s
             self.lateness[choice.local] += LATENESS_WEIGHT * (late_s - self.lateness[choice.local])
@@ -204,7 +210,7 @@ class StageBalancer:
         for choice in self._in_flight[local]:
             free_at = max(free_at, choice.sent_at) + choice.num_tokens / tokens_per_s
         others = max(0, reported_pending - self._outstanding[local])
-        return max(0.0, free_at - time.monotonic()) + others / tokens_per_s
+        return max(0.0, free_at - self.clock()) + others / tokens_per_s
 
     def in_time(self, num_tokens: int, waited_s: float) -> bool:
         """Whether a context that has waited ``waited_s`` could still give its first token within
@@ -252,7 +258,7 @@ class StageBalancer:
 
     def _recent_local_tokens(self) -> int:
         """Context tokens sent local in the last ``LOCAL_WINDOW_S`` (older ones are dropped)."""
-        since = time.monotonic() - LOCAL_WINDOW_S
+        since = self.clock() - LOCAL_WINDOW_S
         while self._local_sent and self._local_sent[0][0] < since:
             self._local_sent.popleft()
         return sum(tokens for _, tokens in self._local_sent)
