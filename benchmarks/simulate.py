@@ -37,13 +37,14 @@ import heapq
 import itertools
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from duet.benchmarks.serve import RequestResult, add_load_arguments, chosen_workloads, format_table, make_sessions, run_label, run_seed
-from duet.benchmarks.serve import summarise
+from duet.benchmarks.serve import (
+    RequestResult, add_load_arguments, chosen_workloads, format_table, make_sessions, run_label, run_seed, summarise,
+)
 from duet.benchmarks.workloads import TurnSpec
-
 from duet.messages import ROUTING_STATS_PERIOD_S
 from duet.router.waiting import ROOM_WAIT_S, WAIT_POLL_S
 
@@ -101,7 +102,7 @@ class Sequence:
 class Replica:
     """A replica: the engine's real scheduler and load tracker, stepping in simulated time."""
 
-    def __init__(self, name: str, stage: str, model: PoolModel, clock=None) -> None:
+    def __init__(self, name: str, stage: str, model: PoolModel, clock: Callable[[], float]) -> None:
         from duet.kv_cache_manager import KVCacheManager
         from duet.load import LoadTracker
         from duet.scheduler import Scheduler
