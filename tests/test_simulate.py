@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from duet.benchmarks.profile import fit_decode, fit_prompt, fit_transfer
-from duet.benchmarks.simulate import EMPTY_STEP_S, ClusterModel, PoolModel, Simulation, arrival_times
+from duet.benchmarks.sim_model import EMPTY_STEP_S, ClusterModel, PoolModel
+from duet.benchmarks.sim_run import Simulation, arrival_times
 from duet.benchmarks.workloads import TurnSpec
 
 PROMPT = {"base_s": 0.002, "per_token_s": 0.001, "per_token_context_s": 1e-6}

@@ -1,0 +1,172 @@
+"""The parts ``duet simulate`` models a cluster with: a pool's step times (``duet profile``'s
+fits), a replica stepping its engine's real ``Scheduler``, ``KVCacheManager`` and ``LoadTracker``
+in simulated time, and a config's application read into pools and router settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKEN = 1000  # what every simulated step samples; requests end at their length (EOS ignored)
+EMPTY_STEP_S = 0.001  # an engine step that computes nothing (it only takes in KV that arrived)
+
+
+@dataclass
+class PoolModel:
+    """A pool's step times (``duet profile``'s fits) and engine settings."""
+
+    prompt: dict[str, float]
+    decode: dict[str, float]
+    settings: dict
+    neighbours: dict | None = None  # its steps' slowdown beside busy engines (``duet profile``'s)
+
+    @classmethod
+    def from_profile(cls, pool: dict) -> PoolModel:
+        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], pool.get("neighbours"))
+
+    def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: int, row_context: int, busy_neighbours: int = 0) -> float:
+        """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's
+        tokens times its mean context) and ``rows`` decoding sequences of ``row_context`` tokens
+        in all, while ``busy_neighbours`` other replicas on the machine step too: each part slowed
+        by the profile's ratio beside busy engines, in proportion to how many of them are busy."""
+        if not prompt_tokens and not rows:
+            return EMPTY_STEP_S
+        prompt_factor = decode_factor = 1.0
+        if self.neighbours and self.neighbours["neighbours"]:
+            share = min(busy_neighbours, self.neighbours["neighbours"]) / self.neighbours["neighbours"]
+            prompt_factor = 1.0 + (self.neighbours["prompt_slowdown"] - 1.0) * share
+            decode_factor = 1.0 + (self.neighbours["decode_slowdown"] - 1.0) * share
+        prompt_s = self.prompt["base_s"] + self.prompt["per_token_s"] * prompt_tokens + self.prompt["per_token_context_s"] * prompt_work
+        decode_s = self.decode["base_s"] + self.decode["per_row_s"] * rows + self.decode["per_row_context_s"] * row_context
+        if not prompt_tokens:
+            return decode_s * decode_factor
+        if not rows:
+            return prompt_s * prompt_factor
+        # One fixed cost for the step (the larger one), each part's work on top.
+        base = max(self.prompt["base_s"] * prompt_factor, self.decode["base_s"] * decode_factor)
+        return base + (prompt_s - self.prompt["base_s"]) * prompt_factor + (decode_s - self.decode["base_s"]) * decode_factor
+
+
+class Replica:
+    """A replica: the engine's real scheduler and load tracker, stepping in simulated time."""
+
+    def __init__(self, name: str, stage: str, model: PoolModel, clock: Callable[[], float]) -> None:
+        from duet.kv_cache_manager import KVCacheManager
+        from duet.load import LoadTracker
+        from duet.scheduler import Scheduler
+
+        settings = model.settings
+        self.name, self.stage, self.model = name, stage, model
+        manager = KVCacheManager(settings["num_blocks"], settings["block_size"], enable_caching=True)
+        self.scheduler = Scheduler(manager, settings["max_num_seqs"], settings["max_num_batched_tokens"], settings["max_model_len"])
+        self.load = LoadTracker(clock)
+        self.clock = clock
+        self.busy = False
+        self.kv_results: list = []  # transfers that ended, reported with the next step
+        self._step = None
+
+    def start(self, busy_neighbours: int = 0) -> float | None:
+        """Schedule a step (``busy_neighbours``: other replicas stepping meanwhile); its duration,
+        or None when there is nothing to do."""
+        output = self.scheduler.schedule()
+        if output.is_empty and not self.kv_results:
+            return None
+        prompt_tokens = rows = row_context = 0
+        prompt_work = 0.0
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            if request.num_computed_tokens + num_tokens < request.num_tokens or request.num_computed_tokens < request.num_prompt_tokens:
+                prompt_tokens += num_tokens
+                prompt_work += num_tokens * (request.num_computed_tokens + num_tokens / 2)
+            else:
+                rows += 1
+                row_context += request.num_computed_tokens
+        seconds = self.model.step_seconds(prompt_tokens, prompt_work, rows, row_context, busy_neighbours)
+        self._step = (output, seconds)
+        self.busy = True
+        return seconds
+
+    def finish(self) -> list:
+        """The step's outputs applied (and measured, as the engine measures its steps); the
+        requests that got tokens or ended."""
+        from duet.outputs import RunnerOutput
+
+        (output, seconds), self._step, self.busy = self._step, None, False
+        ids, sampled = [], []
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            ids.append(request_id)
+            sampled.append([TOKEN] if request.num_computed_tokens + num_tokens >= request.num_tokens else [])
+        results, self.kv_results = self.kv_results, []
+        runner_output = RunnerOutput(ids, sampled, kv_results=results)
+        if not output.is_empty:
+            self.load.observe(output, runner_output, seconds)
+        changed = self.scheduler.update_from_output(output, runner_output)
+        for request in changed:
+            if request.num_emitted_tokens == 0 and request.output_token_ids:  # its first token, computed here
+                self.load.observe_first_token(self.clock() - request.arrival_time)
+            request.num_emitted_tokens = request.num_output_tokens
+        return changed
+
+    def report(self):
+        """Its ``ReplicaStats``, as the replica reports them to the router."""
+        from duet.messages import CoreStats, EngineStats, LoRAStats, ReplicaStats
+
+        scheduler = self.scheduler
+        engine = EngineStats(
+            scheduler=scheduler.stats(), kv=scheduler.kv_cache_manager.stats("auto", "float32", 0),
+            transfer=scheduler.kv_connector.stats(), load=self.load.stats(), spec=scheduler.spec_stats.stats(),
+            cores=CoreStats(1, False, 0.0), lora=LoRAStats([], 0, 0, 0), worker_failure=None,
+        )
+        return ReplicaStats.compose(self.stage, self.name, "", engine, 0, [])
+
+    def busyness(self) -> tuple[int, int]:
+        """What the decode pool's request router weighs: sequences here, then fewer free blocks."""
+        stats = self.scheduler.stats()
+        return stats.num_running + stats.num_waiting, -self.scheduler.kv_cache_manager.block_pool.num_free_blocks
+
+
+@dataclass
+class ClusterModel:
+    """A config's application: its pools (at their starting sizes) and its router's settings."""
+
+    colocated: bool
+    prefill: list[PoolModel]
+    decode: list[PoolModel]
+    local_prefill_threshold: int
+    adaptive_local_prefill: bool
+    max_running: int
+    ttft_s: float
+    tpot_s: float
+    transfer: dict[str, float] | None
+
+
+def cluster_model(config_path: str, profile: dict, app_name: str | None = None) -> ClusterModel:
+    import yaml
+
+    from duet.cluster.config import parse_args
+
+    apps = yaml.safe_load(Path(config_path).read_text())["applications"]
+    app = next(app for app in apps if app_name is None or app.get("name", "default") == app_name)
+    config = parse_args(app.get("args") or {})
+    colocated = config.mode == "colocated"
+
+    def pool(stage: str, settings) -> list[PoolModel]:
+        if stage not in profile["pools"]:
+            raise SystemExit(f"the profile has no {stage} pool: `duet profile {config_path}` (several configs go in one profile)")
+        scaling = settings.serve_autoscaling(stage)
+        size = settings.num_replicas if scaling is None else max(scaling.get("initial_replicas") or 0, scaling["min_replicas"])
+        return [PoolModel.from_profile(profile["pools"][stage])] * size
+
+    return ClusterModel(
+        colocated=colocated,
+        prefill=[] if colocated else pool("prefill", config.prefill),
+        decode=pool("colocated" if colocated else "decode", config.decode),
+        local_prefill_threshold=config.decode.local_prefill_threshold,
+        adaptive_local_prefill=config.decode.adaptive_local_prefill,
+        max_running=config.router.max_running_sequences,
+        ttft_s=config.slo.ttft_ms / 1e3,
+        tpot_s=config.slo.tpot_ms / 1e3,
+        transfer=(profile.get("transfer") or {}).get("fit"),
+    )

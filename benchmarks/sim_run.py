@@ -1,0 +1,240 @@
+"""``duet simulate``'s events in simulated time: sessions arriving, replicas' steps ending, KV
+transfers arriving, the replicas' reports and the router's waiting room asking its own
+``StageBalancer`` where each context is computed."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from duet.benchmarks.serve import RequestResult
+from duet.benchmarks.sim_model import TOKEN, ClusterModel, Replica
+from duet.benchmarks.workloads import TurnSpec
+from duet.messages import ROUTING_STATS_PERIOD_S
+from duet.router.waiting import ROOM_WAIT_S, WAIT_POLL_S
+
+
+@dataclass
+class Sequence:
+    """One request as its client sees it."""
+
+    spec: TurnSpec
+    session: int
+    turn: int
+    sent_s: float
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Context:
+    """A context waiting in the router for the balancer's choice."""
+
+    request_id: str
+    num_tokens: int
+    since: float
+
+
+class Simulation:
+    """Events in simulated time: arrivals, steps ending, transfers arriving, the replicas'
+    reports, the waiting room's polls. The router's choices are its own code's: the stage
+    balancer (``duet.router.balance``) on the replicas' reports, asked as its waiting room asks."""
+
+    def __init__(self, cluster: ClusterModel, think_time_s: float = 0.0) -> None:
+        from duet.router.balance import StageBalancer
+
+        self.cluster, self.think_time_s = cluster, think_time_s
+        self.now = 0.0
+        clock = self.clock
+        stage = "colocated" if cluster.colocated else "decode"
+        self.prefill = [Replica(f"prefill-{i}", "prefill", model, clock) for i, model in enumerate(cluster.prefill)]
+        self.decode = [Replica(f"{stage}-{i}", stage, model, clock) for i, model in enumerate(cluster.decode)]
+        self._reports: dict[str, list] = {"prefill": [], "decode": []}
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        stats = (lambda pool: self._reports[pool] or None) if cluster.adaptive_local_prefill else (lambda pool: None)
+        self.balancer = StageBalancer(
+            stats, lambda pool: len(pools[pool]), cluster.local_prefill_threshold, cluster.ttft_s, cluster.tpot_s, clock=clock
+        )
+        self._events: list = []
+        self._order = itertools.count()
+        self._transfer_ids = itertools.count(1)
+        self._receivers: dict[int, Replica] = {}  # transfer id -> the decode replica its KV goes to
+        self._choices: dict[str, object] = {}  # request id -> the balancer's choice, until its first token
+        self.sequences: dict[str, Sequence] = {}
+        self._admission: list[str] = []  # past max_running_sequences: waiting for a slot, in order
+        self._contexts: list[_Context] = []  # admitted, waiting for the balancer's choice
+        self._running = 0
+        self._polling = False
+        self._sessions: dict[int, list[TurnSpec]] = {}
+
+    def clock(self) -> float:
+        return self.now
+
+    def at(self, when: float, action, *args) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action, args))
+
+    def run(self, sessions: list[list[TurnSpec]], arrivals: list[float]) -> tuple[list[RequestResult], float]:
+        for index, (turns, when) in enumerate(zip(sessions, arrivals)):
+            self._sessions[index] = turns
+            self.at(when, self._arrive, index, 0)
+        if self.prefill:
+            self.at(0.0, self._report)
+        while self._events:
+            self.now, _, action, args = heapq.heappop(self._events)
+            action(*args)
+        results = [self._result(sequence) for sequence in self.sequences.values()]
+        end = max((sequence.token_times[-1] for sequence in self.sequences.values() if sequence.token_times), default=0.0)
+        return sorted(results, key=lambda result: result.sent_s), end
+
+    def _unfinished(self) -> bool:
+        return any(len(sequence.token_times) < sequence.spec.output_len for sequence in self.sequences.values()) or len(
+            self.sequences
+        ) < sum(map(len, self._sessions.values()))
+
+    def _report(self) -> None:
+        """Every replica's stats, as they reach the router every ``ROUTING_STATS_PERIOD_S``."""
+        self._reports = {"prefill": [replica.report() for replica in self.prefill], "decode": [replica.report() for replica in self.decode]}
+        if self._unfinished():
+            self.at(self.now + ROUTING_STATS_PERIOD_S, self._report)
+
+    def _arrive(self, session: int, turn: int) -> None:
+        request_id = f"s{session}-t{turn}"
+        self.sequences[request_id] = Sequence(self._sessions[session][turn], session, turn, self.now)
+        self._admission.append(request_id)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Admission (``max_running_sequences``), then the waiting room's choices."""
+        while self._admission and self._running < self.cluster.max_running:
+            request_id = self._admission.pop(0)
+            self._running += 1
+            if not self.prefill:
+                self._place_local(request_id, None)
+            else:
+                self._contexts.append(_Context(request_id, len(self.sequences[request_id].spec.prompt), self.now))
+        if not self._contexts:
+            return
+        choices = self.balancer.admit([(context.num_tokens, self.now - context.since) for context in self._contexts])
+        for context, choice in list(zip(self._contexts, choices)):
+            if choice is not None:
+                self._contexts.remove(context)
+                self._place_local(context.request_id, choice) if choice.local else self._place_remote(context.request_id, choice)
+        for context in [context for context in self._contexts if self.now - context.since >= ROOM_WAIT_S]:
+            self._contexts.remove(context)  # the client gets a 503
+            self._ended(context.request_id)
+        if self._contexts and not self._polling:
+            self._polling = True
+            self.at(self.now + WAIT_POLL_S, self._poll)
+
+    def _poll(self) -> None:
+        self._polling = False
+        self._admit()
+
+    def _params(self, request_id: str):
+        from duet.sampling_params import SamplingParams
+
+        length = self.sequences[request_id].spec.output_len
+        return SamplingParams(temperature=0.0, max_tokens=length, min_tokens=length, ignore_eos=True)
+
+    def _place_local(self, request_id: str, choice) -> None:
+        from duet.request import Request
+
+        decode = min(self.decode, key=Replica.busyness)
+        prompt = self.sequences[request_id].spec.prompt
+        decode.scheduler.add_request(Request(request_id, prompt, self._params(request_id), None, arrival_time=self.now))
+        if choice is not None:
+            self._choices[request_id] = choice
+        self._kick(decode)
+
+    def _place_remote(self, request_id: str, choice) -> None:
+        from duet.messages import KVDestination
+        from duet.request import Request
+        from duet.sampling_params import SamplingParams
+
+        prompt = self.sequences[request_id].spec.prompt
+        decode = min(self.decode, key=Replica.busyness)
+        transfer_id = next(self._transfer_ids)
+        request = Request(request_id, prompt, self._params(request_id), None, arrival_time=self.now)
+        if not decode.scheduler.add_remote_request(request, transfer_id):
+            choice.done()  # no room for its KV: it waits again, first in line
+            self._contexts.insert(0, _Context(request_id, len(prompt), self.sequences[request_id].sent_s))
+            return
+        self._receivers[transfer_id] = decode
+        self._choices[request_id] = choice
+        prefill = min(self.prefill, key=lambda replica: replica.scheduler.stats().prompt_tokens_pending)
+        first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        send = KVDestination(transfer_id, (), "decode")
+        prefill.scheduler.add_request(Request(request_id, prompt, first, None, kv_send=send, arrival_time=self.now))
+        self._kick(prefill)
+
+    def _kick(self, replica: Replica) -> None:
+        if not replica.busy:
+            seconds = replica.start(sum(other.busy for other in (*self.prefill, *self.decode) if other is not replica))
+            if seconds is not None:
+                self.at(self.now + seconds, self._finished_step, replica)
+
+    def _finished_step(self, replica: Replica) -> None:
+        for request in replica.finish():
+            sequence = self.sequences[request.request_id]
+            if replica.stage == "prefill":
+                if request.output_token_ids and not sequence.token_times:
+                    sequence.token_times.append(self.now)  # the router streams the first token on
+                    self._first_token(request.request_id)
+                    tokens = len(request.prompt_token_ids)
+                    self.at(self.now + self._transfer_s(tokens), self._arrived, replica, request.kv_send.transfer_id)
+                continue
+            new = len(request.output_token_ids) - len(sequence.token_times)
+            if new > 0:
+                sequence.token_times += [self.now] * new
+                self._first_token(request.request_id)
+            if request.is_finished:
+                self._running -= 1
+                self._ended(request.request_id)
+        self._kick(replica)
+
+    def _first_token(self, request_id: str) -> None:
+        choice = self._choices.pop(request_id, None)
+        if choice is not None:
+            choice.done(first_token=True)
+            if self._contexts:
+                self._admit()
+
+    def _transfer_s(self, tokens: int) -> float:
+        fit = self.cluster.transfer
+        return 0.0 if fit is None else fit["base_s"] + fit["per_token_s"] * tokens
+
+    def _arrived(self, sender: Replica, transfer_id: int) -> None:
+        from duet.outputs import KVTransferResult
+
+        sender.kv_results.append(KVTransferResult(transfer_id, ok=True))
+        self._kick(sender)
+        receiver = self._receivers.pop(transfer_id)
+        receiver.kv_results.append(KVTransferResult(transfer_id, ok=True, first_token_id=TOKEN))
+        self._kick(receiver)
+
+    def _ended(self, request_id: str) -> None:
+        sequence = self.sequences[request_id]
+        turns = self._sessions[sequence.session]
+        if sequence.turn + 1 < len(turns):
+            self.at(self.now + self.think_time_s, self._arrive, sequence.session, sequence.turn + 1)
+        self._admit()
+
+    def _result(self, sequence: Sequence) -> RequestResult:
+        times = sequence.token_times
+        if len(times) < sequence.spec.output_len:
+            return RequestResult(ok=False, turn=sequence.turn, sent_s=sequence.sent_s, error="no room for it within the wait (503)")
+        return RequestResult(
+            ok=True, turn=sequence.turn, prompt_tokens=len(sequence.spec.prompt), sent_s=sequence.sent_s,
+            ttft=times[0] - sequence.sent_s, tt2t=(times[1] if len(times) > 1 else times[0]) - sequence.sent_s,
+            e2e=times[-1] - sequence.sent_s, itls=[b - a for a, b in zip(times, times[1:])], output_tokens=len(times),
+        )
+
+
+def arrival_times(num_sessions: int, rate: float, seed: int) -> list[float]:
+    """When each session's first request is sent: ``duet bench serve``'s Poisson schedule (its seed)."""
+    rng, now, times = random.Random(seed), 0.0, []
+    for _ in range(num_sessions):
+        times.append(now)
+        now += rng.expovariate(rate) if rate > 0 else 0.0
+    return times
