@@ -25,6 +25,7 @@ class Sequence:
     turn: int
     sent_s: float
     token_times: list[float] = field(default_factory=list)
+    failed_at: float | None = None  # when its client got a 503
 
 
 @dataclass(eq=False)
@@ -64,7 +65,8 @@ class Simulation:
         self.sequences: dict[str, Sequence] = {}
         self._admission: list[str] = []  # past max_running_sequences: waiting for a slot, in order
         self._contexts: list[_Context] = []  # admitted, waiting for the balancer's choice
-        self._running = 0
+        self._running = 0  # admitted and not ended
+        self._open = 0  # requests of the sessions not ended yet (sent or still to come)
         self._polling = False
         self._sessions: dict[int, list[TurnSpec]] = {}
 
@@ -77,6 +79,7 @@ class Simulation:
     def run(self, sessions: list[list[TurnSpec]], arrivals: list[float]) -> tuple[list[RequestResult], float]:
         for index, (turns, when) in enumerate(zip(sessions, arrivals)):
             self._sessions[index] = turns
+            self._open += len(turns)
             self.at(when, self._arrive, index, 0)
         if self.prefill:
             self.at(0.0, self._report)
@@ -84,18 +87,14 @@ class Simulation:
             self.now, _, action, args = heapq.heappop(self._events)
             action(*args)
         results = [self._result(sequence) for sequence in self.sequences.values()]
-        end = max((sequence.token_times[-1] for sequence in self.sequences.values() if sequence.token_times), default=0.0)
+        ended = [sequence for sequence in self.sequences.values() if sequence.failed_at or sequence.token_times]
+        end = max((sequence.failed_at or sequence.token_times[-1] for sequence in ended), default=0.0)
         return sorted(results, key=lambda result: result.sent_s), end
-
-    def _unfinished(self) -> bool:
-        return any(len(sequence.token_times) < sequence.spec.output_len for sequence in self.sequences.values()) or len(
-            self.sequences
-        ) < sum(map(len, self._sessions.values()))
 
     def _report(self) -> None:
         """Every replica's stats, as they reach the router every ``ROUTING_STATS_PERIOD_S``."""
         self._reports = {"prefill": [replica.report() for replica in self.prefill], "decode": [replica.report() for replica in self.decode]}
-        if self._unfinished():
+        if self._open:
             self.at(self.now + ROUTING_STATS_PERIOD_S, self._report)
 
     def _arrive(self, session: int, turn: int) -> None:
@@ -119,10 +118,14 @@ class Simulation:
         for context, choice in list(zip(self._contexts, choices)):
             if choice is not None:
                 self._contexts.remove(context)
-                self._place_local(context.request_id, choice) if choice.local else self._place_remote(context.request_id, choice)
+                if choice.local:
+                    self._place_local(context.request_id, choice)
+                else:
+                    self._place_remote(context.request_id, choice)
         for context in [context for context in self._contexts if self.now - context.since >= ROOM_WAIT_S]:
             self._contexts.remove(context)  # the client gets a 503
-            self._ended(context.request_id)
+            self.sequences[context.request_id].failed_at = self.now
+            self._ended(context.request_id, ok=False)
         if self._contexts and not self._polling:
             self._polling = True
             self.at(self.now + WAIT_POLL_S, self._poll)
@@ -189,7 +192,6 @@ class Simulation:
                 sequence.token_times += [self.now] * new
                 self._first_token(request.request_id)
             if request.is_finished:
-                self._running -= 1
                 self._ended(request.request_id)
         self._kick(replica)
 
@@ -213,17 +215,21 @@ class Simulation:
         receiver.kv_results.append(KVTransferResult(transfer_id, ok=True, first_token_id=TOKEN))
         self._kick(receiver)
 
-    def _ended(self, request_id: str) -> None:
+    def _ended(self, request_id: str, ok: bool = True) -> None:
+        """A request done (or failed: its session goes no further, as in ``duet bench serve``)."""
         sequence = self.sequences[request_id]
-        turns = self._sessions[sequence.session]
-        if sequence.turn + 1 < len(turns):
+        self._running -= 1
+        later_turns = len(self._sessions[sequence.session]) - sequence.turn - 1
+        self._open -= 1 if ok else 1 + later_turns
+        if ok and later_turns:
             self.at(self.now + self.think_time_s, self._arrive, sequence.session, sequence.turn + 1)
         self._admit()
 
     def _result(self, sequence: Sequence) -> RequestResult:
         times = sequence.token_times
         if len(times) < sequence.spec.output_len:
-            return RequestResult(ok=False, turn=sequence.turn, sent_s=sequence.sent_s, error="no room for it within the wait (503)")
+            error = "not served: no room within the wait (503), or none ever"
+            return RequestResult(ok=False, turn=sequence.turn, sent_s=sequence.sent_s, error=error)
         return RequestResult(
             ok=True, turn=sequence.turn, prompt_tokens=len(sequence.spec.prompt), sent_s=sequence.sent_s,
             ttft=times[0] - sequence.sent_s, tt2t=(times[1] if len(times) > 1 else times[0]) - sequence.sent_s,

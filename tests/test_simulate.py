@@ -191,3 +191,17 @@ def test_a_step_beside_busy_neighbours_takes_the_profiles_slowdown_in_proportion
     assert pool.step_seconds(128, 128 * 64, 0, 0, busy_neighbours=2) == pytest.approx(1.5 * _prompt_s(128))
     mixed = 2.0 * DECODE["base_s"] + 1.5 * (_prompt_s(128) - PROMPT["base_s"]) + 2.0 * (_decode_s(4, 400) - DECODE["base_s"])
     assert pool.step_seconds(128, 128 * 64, 4, 400, busy_neighbours=2) == pytest.approx(mixed)
+
+
+def test_a_context_no_decode_replica_can_take_gets_a_503_after_the_wait_and_its_session_ends():
+    """A prompt whose KV fits no decode replica waits ``ROOM_WAIT_S`` in the router, then fails; its
+    session's later turn is never sent, a request after it is served, and the run ends with the 503
+    (as ``duet bench serve``'s does, with the last answer)."""
+    from duet.router.waiting import ROOM_WAIT_S
+
+    small = _pool()
+    small.settings = small.settings | {"num_blocks": 8}  # 128 tokens of KV
+    sessions = [[TurnSpec(list(range(100, 400)), 4), TurnSpec(list(range(100, 120)), 4)], [TurnSpec(list(range(500, 540)), 4)]]
+    results, duration = Simulation(_cluster([_pool()], [small])).run(sessions, [0.0, 1.0])
+    assert [(result.ok, result.turn) for result in results] == [(False, 0), (True, 0)]
+    assert results[1].sent_s + results[1].e2e < ROOM_WAIT_S <= duration < ROOM_WAIT_S + 1  # the run ends with the 503
