@@ -37,22 +37,26 @@ FIRST_TOKEN = 3  # past the special ids of the tokenizers duet ships with
 
 
 def machine() -> dict:
-    """What this machine is, for a profile's reader: the CPU's model and the flags that choose kernels."""
-    import os
-
+    """What this machine is, for a profile's reader: the CPU's model, the cores this process may
+    use and the flags that choose kernels."""
     import torch
 
-    cpu, flags = platform.processor() or "", set()
+    from duet.cores import machine_cores
+
+    cpu, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu.strip():
+            if line.startswith("model name") and not cpu:
                 cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
+            elif line.startswith("flags") and not flags:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni")
-    return {"cpu": cpu, "cores": os.cpu_count(), "flags": [flag for flag in wanted if flag in flags], "torch": torch.__version__}
+    return {
+        "cpu": cpu or platform.processor(), "cores": machine_cores(), "flags": [flag for flag in wanted if flag in flags],
+        "torch": torch.__version__,
+    }
 
 
 def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
@@ -279,14 +283,9 @@ def pools_of(config_path: str, app_name: str | None) -> tuple[dict, dict[str, tu
     pools = {"colocated": config.decode} if config.mode == "colocated" else {"prefill": config.prefill, "decode": config.decode}
     engines = {stage: pool.merged_engine(config.engine) for stage, pool in pools.items()}
     return app.get("args") or {}, {
-        stage: (engines[stage].engine_args(model_dir), pool.num_threads(engines[stage]), _replicas(pool, stage)) for stage, pool in pools.items()
+        stage: (engines[stage].engine_args(model_dir), pool.num_threads(engines[stage]), pool.starting_replicas(stage))
+        for stage, pool in pools.items()
     }
-
-
-def _replicas(pool, stage: str) -> int:
-    """A pool's starting size (its fixed size, or its autoscaler's first)."""
-    scaling = pool.serve_autoscaling(stage)
-    return pool.num_replicas if scaling is None else max(scaling.get("initial_replicas") or 0, scaling["min_replicas"])
 
 
 def transfer_samples() -> list[list[float]]:
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     profile = {"machine": machine(), "configs": args.config, "pools": {}}
-    cores = profile["machine"]["cores"] or 1
+    cores = profile["machine"]["cores"]
     for config in args.config:
         app_args, pools = pools_of(config, args.app)
         profile.setdefault("model", app_args.get("model"))

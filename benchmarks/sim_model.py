@@ -155,9 +155,7 @@ def cluster_model(config_path: str, profile: dict, app_name: str | None = None) 
     def pool(stage: str, settings) -> list[PoolModel]:
         if stage not in profile["pools"]:
             raise SystemExit(f"the profile has no {stage} pool: `duet profile {config_path}` (several configs go in one profile)")
-        scaling = settings.serve_autoscaling(stage)
-        size = settings.num_replicas if scaling is None else max(scaling.get("initial_replicas") or 0, scaling["min_replicas"])
-        return [PoolModel.from_profile(profile["pools"][stage])] * size
+        return [PoolModel.from_profile(profile["pools"][stage])] * settings.starting_replicas(stage)
 
     return ClusterModel(
         colocated=colocated,

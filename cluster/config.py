@@ -153,16 +153,18 @@ class PoolSettings(_Strict):
             return None
         return [dict(selector) for _ in self.placement_group_bundles(engine)]
 
+    def starting_replicas(self, stage: str) -> int:
+        """The pool's size when deployed: its fixed size, or its autoscaler's first."""
+        scaling = self.serve_autoscaling(stage)
+        return self.num_replicas if scaling is None else max(scaling.get("initial_replicas") or 0, scaling["min_replicas"])
+
     def resources(self, stage: str, engine: EngineSettings) -> dict[str, float]:
         """Logical CPUs and GPUs the pool's replicas (and their workers) take at their starting count."""
         options = self.ray_actor_options
         bundles = self.placement_group_bundles(engine) or [
             {"CPU": float(options.get("num_cpus", 1)), "GPU": float(options.get("num_gpus", 0))}
         ]
-        replicas = self.num_replicas
-        scaling = self.serve_autoscaling(stage)
-        if scaling is not None:
-            replicas = max(scaling.get("initial_replicas") or 0, scaling["min_replicas"])
+        replicas = self.starting_replicas(stage)
         return {kind: replicas * sum(bundle.get(kind, 0.0) for bundle in bundles) for kind in ("CPU", "GPU")}
 
 

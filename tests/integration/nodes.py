@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -93,9 +94,10 @@ def start(layout: dict[str, dict], workdir: Path):
     ray_tmp = tempfile.mkdtemp(prefix="duet-nodes-", dir="/tmp")
     env = os.environ | {"RAY_TMPDIR": ray_tmp, "DUET_STATE_FILE": str(workdir / "state.json")}
     env.pop("RAY_ADDRESS", None)
+    log = open(workdir / "nodes.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.nodes", json.dumps(layout)], cwd=Path(__file__).resolve().parents[2],
-        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(workdir / "nodes.log", "w"), text=True,
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
     )
     try:
         line = _read_line(process, READY_TIMEOUT_S)
@@ -110,7 +112,8 @@ def start(layout: dict[str, dict], workdir: Path):
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
-        subprocess.run(["rm", "-rf", ray_tmp])
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:

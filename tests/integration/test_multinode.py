@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def nodes_app(tmp_path_factory, tiny_llama_dir):
     port = _free_port()
     config.write_text(yaml.safe_dump(_scaled_to_this_machine(port, str(tiny_llama_dir))))
     with start(LAYOUT, workdir) as nodes:
-        duet = str(Path(__import__("sys").executable).parent / "duet")
+        duet = str(Path(sys.executable).parent / "duet")
         try:
             up = nodes.run(duet, "up", str(config), timeout=600)
             assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
