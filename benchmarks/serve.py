@@ -259,7 +259,6 @@ def format_ratios(summaries: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """The load's options, shared with ``duet simulate`` (which runs the same load on a model of the cluster)."""
     parser.add_argument("--model", default="smollm2")
