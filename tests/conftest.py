@@ -41,6 +41,16 @@ def pytest_unconfigure(config) -> None:
     os._exit(_exit_status)
 
 
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The integration tests run last, in their order: their cluster, once started, stays up
+    to the end of the session, and its idle processes (Serve's controller, proxy, routers and
+    replicas) take about a third of a core, which the tests after them would share."""
+    items.sort(key=lambda item: item.path.is_relative_to(INTEGRATION))
+
+
 # The tiny models' tokenizer: byte-level BPE with SmolLM2's special tokens and chat template
 # (tests/fixtures/make_tokenizer.py made it). Its size is their vocab_size, and the bound of the
 # token ids the tests make up.

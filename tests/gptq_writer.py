@@ -1,5 +1,5 @@
 """GPTQ and AWQ checkpoints written by GPTQModel itself, as they are published:
-``gptq_checkpoint`` quantizes a float checkpoint with GPTQModel's own GPTQ or AWQ (calibrated on
+``gptq_checkpoints`` quantizes float checkpoints with GPTQModel's own GPTQ or AWQ (calibrated on
 random token ids) and saves it in the format it ships in (``gptq``; AWQ's ``gemm``), then writes
 each quantized linear's weight as GPTQModel's own code dequantizes it (the reference for the
 format's conventions: packing order, zero offsets, groups).
@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TOOLS = (
@@ -38,23 +39,37 @@ def tools_dir() -> Path:
     return target
 
 
-def gptq_checkpoint(
-    source: Path, target: Path, reference: Path, bits: int, group_size: int, sym: bool, desc_act: bool = False, method: str = "gptq"
-) -> Path:
-    """``source`` quantized by GPTQModel's ``method`` (gptq, awq) into ``target`` (``group_size``
-    -1: a scale per output channel); its dequantized weights, by GPTQModel, in ``reference``."""
-    settings = dict(source=str(source), target=str(target), reference=str(reference), bits=bits, group_size=group_size, sym=sym,
-                    desc_act=desc_act, method=method)
+@dataclass(frozen=True)
+class Quantization:
+    """One checkpoint to write: ``source`` quantized by GPTQModel's ``method`` (gptq, awq) into
+    ``target`` (``group_size`` -1: a scale per output channel); its dequantized weights, by
+    GPTQModel, in ``reference``."""
+
+    source: Path
+    target: Path
+    reference: Path
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool = False
+    method: str = "gptq"
+
+
+def gptq_checkpoints(quantizations: list[Quantization], logs: Path) -> None:
+    """Write each checkpoint, all in one child process (GPTQModel takes seconds to import);
+    GPTQModel's logs go to ``logs``."""
+    settings = [{name: str(value) if isinstance(value, Path) else value for name, value in asdict(job).items()} for job in quantizations]
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(tools_dir()), os.environ.get("PYTHONPATH", "")]),
         "GPTQMODEL_CPU_WORKERS": "2",  # its thread pools want two at least, whatever the machine has
     }
-    run = subprocess.run(  # in the target's folder: GPTQModel writes its logs to ./logs
-        [sys.executable, __file__, json.dumps(settings)], env=env, cwd=target.parent, capture_output=True, text=True, timeout=900,
+    logs.mkdir(parents=True, exist_ok=True)
+    run = subprocess.run(  # GPTQModel writes its logs to ./logs
+        [sys.executable, __file__, json.dumps(settings)], env=env, cwd=logs, capture_output=True, text=True, timeout=1800,
     )
     if run.returncode != 0:
-        raise RuntimeError(f"GPTQModel failed to write {target}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-    return target
+        targets = ", ".join(job["target"] for job in settings)
+        raise RuntimeError(f"GPTQModel failed to write {targets}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
 
 
 def _write(settings: dict) -> None:
@@ -99,4 +114,5 @@ def _write(settings: dict) -> None:
 
 
 if __name__ == "__main__":
-    _write(json.loads(sys.argv[1]))
+    for job in json.loads(sys.argv[1]):
+        _write(job)

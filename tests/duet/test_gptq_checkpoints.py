@@ -20,10 +20,10 @@ from duet import LLM, SamplingParams
 from duet.errors import UnsupportedCheckpointError
 from duet.models.linear import Linear
 from tests.conftest import make_tiny_model, refusals
-from tests.gptq_writer import gptq_checkpoint
+from tests.gptq_writer import Quantization, gptq_checkpoints
 from tests.reference import check_outputs, hf_greedy
 
-pytestmark = pytest.mark.slow  # GPTQModel quantizes each checkpoint in a child process (~20 s)
+pytestmark = pytest.mark.slow  # GPTQModel quantizes the checkpoints in a child process (~40 s)
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NEW_TOKENS = 10
@@ -101,15 +101,21 @@ def _exact_twin(path, target):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
+    """Every scheme's checkpoint, written on first use (all in one GPTQModel process), with its
+    reference folder and transformers' tokens on its exact weights."""
     made = {}
 
     def get(name: str):
-        if name not in made:
-            family, bits, group_size, sym, shape, method, *act_order = SCHEMES[name]
-            root = tmp_path_factory.mktemp(name)
-            source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-            path = gptq_checkpoint(source, root / "packed", root / "reference", bits, group_size, sym, any(act_order), method)
-            made[name] = (path, root / "reference", hf_greedy(_exact_twin(path, root / "twin"), PROMPTS, NEW_TOKENS))
+        if not made:
+            roots, jobs = {}, []
+            for scheme, (family, bits, group_size, sym, shape, method, *act_order) in SCHEMES.items():
+                root = roots[scheme] = tmp_path_factory.mktemp(scheme)
+                source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
+                jobs.append(Quantization(source, root / "packed", root / "reference", bits, group_size, sym, any(act_order), method))
+            gptq_checkpoints(jobs, tmp_path_factory.mktemp("gptqmodel"))
+            for scheme, root in roots.items():
+                twin = _exact_twin(root / "packed", root / "twin")
+                made[scheme] = (root / "packed", root / "reference", hf_greedy(twin, PROMPTS, NEW_TOKENS))
         return made[name]
 
     return get

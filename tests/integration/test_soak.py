@@ -1,4 +1,4 @@
-"""A one-minute ``duet bench soak`` on a real cluster (the ten-minute one is run by hand): mixed
+"""A 36-second ``duet bench soak`` on a real cluster (the ten-minute one is run by hand): mixed
 load with client cancellations and a replica killed half-way, on a PD application of the tiny
 model with n-gram speculation on two decode replicas. Guards the ledger: every request ends
 exactly once with the tokens it should have or a reason, the router's counts agree with the
@@ -26,15 +26,15 @@ SOAK_APP = {
 }
 
 
-def test_a_minute_of_mixed_load_with_a_replica_killed_keeps_the_ledger_exact(deploy, tmp_path):
+def test_mixed_load_with_a_replica_killed_keeps_the_ledger_exact(deploy, tmp_path):
     url = deploy("soak", SOAK_APP)
     args = soak.parser().parse_args([
-        "--duration-s", "60", "--rate", "6", "--app", "soak", "--kill-every-s", "30", "--token-range", "3-49000",
+        "--duration-s", "36", "--rate", "6", "--app", "soak", "--kill-every-s", "18", "--token-range", "3-49000",
         "--output-len", "4-32", "--seed", "1",
     ])
     ledger = asyncio.run(soak.run(url, "tiny", args))
     print(ledger.report())
     ledger.plot(str(tmp_path / "soak.png"))
     counts = ledger.counts
-    assert counts["completed"] > 100 and counts["cancelled"] > 0 and len(ledger.kills) == 1
+    assert counts["completed"] > 60 and counts["cancelled"] > 0 and len(ledger.kills) == 1
     assert ledger.violations() == []

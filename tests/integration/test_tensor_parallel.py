@@ -46,27 +46,6 @@ def _complete_all(url: str, prompts: list[list[int]], model: str = "tiny") -> li
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(cluster, tiny_offline, deploy, ray_driver, layout):
-    """Guards the KV heads' way across the transfer: each of the tiny model's 2 KV heads on its
-    own rank, sent rank to rank, gathered from two ranks into one, or split from one into two;
-    and from two pipeline stages, each with its layers, to the two ranks of each head."""
-    prefill, decode = LAYOUTS[layout]
-    url = deploy(layout, _app(prefill, decode))
-    rng = random.Random(5)
-    prompts = [random_prompt(rng, length) for length in (20, 70, 150, 33)]
-    results = _complete_all(url, prompts)
-    assert [status for status, _, _ in results] == [200] * len(prompts), results
-    assert [tokens for _, tokens, _ in results] == tiny_offline(prompts)
-    # Each tensor-parallel replica's placement group: its own bundle, then one per worker rank.
-    groups = [
-        group for group in ray_driver.util.placement_group_table().values()
-        if group["state"] == "CREATED" and [bundle.get("CPU") for bundle in group["bundles"].values()] == [0.01, 0.05, 0.05]
-    ]
-    assert len(groups) == (prefill is not TP1) + (decode is not TP1), groups
-    assert settled(cluster, url)["ok"]
-
-
 @pytest.fixture(scope="module")
 def three_kv_heads(tmp_path_factory, smollm2_dir):
     """A tiny Llama with SmolLM2's tokenizer and 3 KV heads (as SmolLM2 has): two ranks hold
@@ -87,16 +66,32 @@ def three_kv_heads(tmp_path_factory, smollm2_dir):
     return tokens
 
 
-@pytest.mark.parametrize("layout", ["tp2-to-tp1", "tp1-to-tp2"])
-def test_uneven_kv_heads_across_tensor_parallel_layouts_match_one_process(cluster, deploy, three_kv_heads, layout):
-    """3 KV heads, split 1 + 2 over two ranks, gathered into one worker's cache on the other
-    side, or split from one into two."""
-    url = deploy(f"uneven-{layout}", _app(*LAYOUTS[layout]) | {"model": three_kv_heads.model_dir})
-    rng = random.Random(6)
+# The tiny model's 2 KV heads one per rank, sent rank to rank or from two pipeline stages; the
+# model of 3 KV heads (1 + 2 on two ranks) gathered into one worker's cache or split from one.
+LAYOUT_MODELS = {"tp2-to-tp2": "two", "tp2-to-tp1": "three", "tp1-to-tp2": "three", "pp2-to-tp2": "two"}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(
+    cluster, tiny_offline, three_kv_heads, deploy, ray_driver, layout
+):
+    """Guards the KV heads' way across the transfer: each KV head of each layer from the ranks
+    (or pipeline stages) that hold it to those that need it, evenly split or not."""
+    prefill, decode = LAYOUTS[layout]
+    uneven = LAYOUT_MODELS[layout] == "three"
+    app = _app(prefill, decode) | ({"model": three_kv_heads.model_dir} if uneven else {})
+    url = deploy(layout, app)
+    rng = random.Random(5)
     prompts = [random_prompt(rng, length) for length in (20, 70, 150, 33)]
     results = _complete_all(url, prompts)
     assert [status for status, _, _ in results] == [200] * len(prompts), results
-    assert [tokens for _, tokens, _ in results] == three_kv_heads(prompts)
+    assert [tokens for _, tokens, _ in results] == (three_kv_heads if uneven else tiny_offline)(prompts)
+    # Each tensor-parallel replica's placement group: its own bundle, then one per worker rank.
+    groups = [
+        group for group in ray_driver.util.placement_group_table().values()
+        if group["state"] == "CREATED" and [bundle.get("CPU") for bundle in group["bundles"].values()] == [0.01, 0.05, 0.05]
+    ]
+    assert len(groups) == (prefill is not TP1) + (decode is not TP1), groups
     assert settled(cluster, url)["ok"]
 
 
