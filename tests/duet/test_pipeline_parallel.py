@@ -70,6 +70,32 @@ def test_pp2_greedy_matches_transformers_and_one_process(ray_cluster, tmp_path, 
 
 
 @pytest.mark.slow
+def test_pp2_batch_invariant_gives_a_request_the_bits_it_has_alone_and_in_one_process(ray_cluster, tmp_path, tiny_tokenizer_dir):
+    """``batch_invariant`` over two stages (heads of 64, 3 layers split 1 + 2): each stage's rows
+    are computed as alone whatever the micro-batches hold, so a request's tokens and logprobs
+    alone equal those in batches, and those of one process, greedy and seeded."""
+    from tests.duet.test_batch_invariant import GREEDY, SEEDED, TARGET, _prompts, _signature
+
+    model_dir = make_tiny_llama(tmp_path, tiny_tokenizer_dir, num_hidden_layers=3, hidden_size=256, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=256)
+    settings = dict(model=str(model_dir), batch_invariant=True, max_model_len=512, max_num_batched_tokens=64)
+    local = LLM(**settings)
+    alone = {params.temperature: _signature(local.generate([TARGET], params)[0]) for params in (GREEDY, SEEDED)}
+    pp2 = LLM(**settings, pipeline_parallel_size=2)
+    try:
+        for params in (GREEDY, SEEDED):
+            assert _signature(pp2.generate([TARGET], params)[0]) == alone[params.temperature], params.temperature
+            for place, background in ((0, _prompts(7, seed=1)), (9, _prompts(19, seed=2))):
+                prompts = background[:place] + [TARGET] + background[place:]
+                all_params = [SamplingParams(temperature=0.0, max_tokens=5 + index) for index in range(len(background))]
+                all_params.insert(place, params)
+                assert _signature(pp2.generate(prompts, all_params)[place]) == alone[params.temperature], (params.temperature, place)
+        pp2.engine.check_integrity()
+    finally:
+        pp2.engine.close()
+
+
+@pytest.mark.slow
 def test_tp2_inside_each_of_two_stages_matches_transformers_and_tp2(ray_cluster, tmp_path, tiny_tokenizer_dir):
     """Four ranks: two stages (1 + 2 layers), each split over two ranks (6 heads over 3 KV heads,
     3 + 6); hidden states go from a stage's rank to the same place in the next."""
