@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from duet import LLM, SamplingParams
-from duet.errors import UnsupportedCheckpointError
 from duet.models.linear import Linear
 from tests.conftest import make_tiny_model, refusals
 from tests.gptq_writer import Quantization, gptq_checkpoints
