@@ -16,18 +16,19 @@ batch. Under this mode every computation a token depends on is free of that:
   scores, online softmax and weighted sum run over the keys in chunks of fixed size from
   position 0, computed per row, so a row's output is the same in any chunk, any batch, and from
   cached or recomputed keys.
+- **Experts** (``MixtralMoE``): each expert's two products go by the same panels as a
+  ``Linear``'s, and a token adds its experts' outputs in their index order.
 - **Norms, RoPE, activations, embeddings** were per row already (``cpu_ops``' kernels are
   parallel over rows, each row reduced in one order); so is the sampler (per-row softmax, a
   seeded generator per request).
 
 What is not built yet: GPU models (the Triton path); blocks alone (quantized at load, or a
-GGUF file's) on CPUs without AVX-512; sliding windows and soft caps; mixtures of experts.
+GGUF file's) on CPUs without AVX-512; sliding windows and soft caps.
 ``make_batch_invariant`` refuses them.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from duet.config import ConfigError
@@ -56,8 +57,6 @@ def make_batch_invariant(model: nn.Module) -> None:
     if model.arch.final_softcap is not None:
         refuse("soft-caps its logits")
     for module in model.modules():
-        if isinstance(module, MixtralMoE):
-            refuse("is a mixture of experts")
         if isinstance(module, LlamaAttention):
             if module.window is not None or module.softcap is not None:
                 refuse("has sliding windows or soft-capped scores")
@@ -68,3 +67,5 @@ def make_batch_invariant(model: nn.Module) -> None:
             refuse(f"keeps {name}'s weights as quantized blocks that this CPU's kernels multiply by tiles of rows alone")
         elif isinstance(module, LlamaAttention):
             module.batch_invariant = True
+        elif isinstance(module, MixtralMoE):
+            module.make_batch_invariant()

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duet.kernels import cpu_ops
 from duet.kernels.fused import silu_and_mul
-from duet.models.linear import Linear
+from duet.models.linear import Linear, float_panels
 from duet.models.llama import LlamaArch, LlamaForCausalLM, LlamaMLP
 from duet.models.module import Module
 
@@ -61,6 +62,25 @@ class MixtralMoE(Module):
         # Experts stacked as the checkpoint's rows concatenate: w1 then w3 (gate, up) per expert, and w2.
         self.w13 = nn.Parameter(torch.empty(arch.num_experts * 2 * arch.intermediate_size, arch.hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(arch.num_experts * arch.hidden_size, arch.intermediate_size), requires_grad=False)
+        self.invariant_panels: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per local expert: w13's, w2's
+
+    def make_batch_invariant(self) -> None:
+        """Every expert's two products in one order of additions for each output, whatever its
+        rows (``duet.models.batch_invariant``): its w13 and w2 laid out for ``invariant_linear``.
+        The router's gate is a ``Linear`` (made so with the others), and a token adds its experts'
+        outputs in their index order whatever else the batch holds."""
+        width = cpu_ops.load_gguf().invariant_panel_width()
+        experts = len(self.local_experts)
+        w13 = self.w13.detach().view(experts, 2 * self.intermediate_size, self.hidden_size)
+        w2 = self.w2.detach().view(experts, self.hidden_size, self.intermediate_size)
+        self.invariant_panels = [(float_panels(w13[index], width), float_panels(w2[index], width)) for index in range(experts)]
+
+    def _expert(self, index: int, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        if self.invariant_panels is None:
+            return F.linear(silu_and_mul(F.linear(x, w13[index])), w2[index])
+        ops, (gate_up, down) = cpu_ops.load_gguf(), self.invariant_panels[index]
+        hidden = silu_and_mul(ops.invariant_linear(x, gate_up, 2 * self.intermediate_size).to(x.dtype))
+        return ops.invariant_linear(hidden, down, self.hidden_size).to(x.dtype)
 
     def keep_experts(self, experts: range) -> None:
         """Keep only these experts' weights (an expert-parallel rank's share)."""
@@ -93,7 +113,7 @@ class MixtralMoE(Module):
             tokens, slots = torch.where(chosen == expert)
             if tokens.numel() == 0:
                 continue
-            hidden = F.linear(silu_and_mul(F.linear(x[tokens], w13[index])), w2[index])
+            hidden = self._expert(index, x[tokens], w13, w2)
             out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
         return out
 
