@@ -47,11 +47,13 @@ def paged_attention(
     """Causal attention over paged KV; with ``window``, each query sees its last ``window`` keys
     (itself included); with ``softcap``, scores become ``softcap * tanh(score / softcap)``. A
     step whose every sequence is within the window computes as without one. On CPU a window
-    reached is masked by the C++ kernel of short queries (decode, verification) and in torch
-    for prompt chunks; caps, and windows on a GPU (the Triton kernels have neither), in torch.
+    reached is masked by the C++ kernels, and caps computed by the prompt kernel (short queries'
+    caps in torch); caps and windows on a GPU (the Triton kernels have neither) in torch.
     ``batch_invariant``: every row through the C++ prompt kernel (``duet.models.batch_invariant``)."""
     if batch_invariant:
-        attend = lambda *args: paged_attention_torch(*args, native_ops=cpu_ops.load(), batch_invariant=True)  # noqa: E731
+        attend = lambda *args: paged_attention_torch(  # noqa: E731
+            *args, native_ops=cpu_ops.load(), window=window, softcap=softcap, batch_invariant=True
+        )
     elif softcap is not None or (window is not None and metadata.max_seq_len > window):
         native_ops = None if query.is_cuda else cpu_ops.load()
         attend = lambda *args: paged_attention_torch(*args, native_ops=native_ops, window=window, softcap=softcap)  # noqa: E731

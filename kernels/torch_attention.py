@@ -50,38 +50,36 @@ def paged_attention_torch(
     (the C++ CPU kernels), else to one padded batch of torch matmuls; prompt chunks go to
     ``native_ops.prompt_attention`` (tiles of query rows against chunks of keys), or one by
     one to ``scaled_dot_product_attention`` where it declines the head size or is not given.
-    A ``window`` (each query sees keys less than ``window`` positions back) is computed by the
-    C++ kernel of short queries, and in torch elsewhere; a ``softcap`` (scores
-    ``softcap * tanh(score / softcap)``, as transformers' Gemma computes them) in torch alone, on
-    the query's device. ``batch_invariant``: every row, short queries too, goes to
-    ``native_ops.prompt_attention``, which computes each row alone over chunks of keys of fixed
-    size from position 0 (``supports_batch_invariance``).
+    A ``window`` (each query sees keys less than ``window`` positions back) is computed by both
+    C++ kernels; a ``softcap`` (scores ``softcap * tanh(score / softcap)``, as transformers'
+    Gemma computes them) by the prompt kernel, and in torch for short queries. ``batch_invariant``:
+    every row, short queries too, goes to ``native_ops.prompt_attention``, which computes each row
+    alone over chunks of keys of fixed size from position 0 (``supports_batch_invariance``).
     """
+    window_arg, softcap_arg = window or 0, softcap or 0.0
     if batch_invariant:
         output = torch.empty_like(query)
         if not native_ops.prompt_attention(
             output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, list(range(metadata.num_seqs)), scale,
+            metadata.query_start_loc, list(range(metadata.num_seqs)), scale, window_arg, softcap_arg,
         ):
             raise ValueError(f"batch-invariant attention does not take heads of {query.shape[-1]}")
         return output
-    if softcap is not None:
-        native_ops = None
     output = torch.empty_like(query)
     short = [i for i, q_len in enumerate(metadata.query_lens) if q_len <= MAX_BATCHED_QUERY_LEN]
-    if short and native_ops is not None:
+    if short and native_ops is not None and softcap is None:  # the short-query kernel has no cap
         native_ops.paged_attention(
             output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, short, scale, window or 0,
+            metadata.query_start_loc, short, scale, window_arg,
         )
     elif short:
         _attend_short_queries(query, key_cache, value_cache, metadata, scale, short, output, window, softcap)
     if len(short) < metadata.num_seqs:
         short_set = set(short)
         chunks = [seq for seq in range(metadata.num_seqs) if seq not in short_set]
-        if native_ops is None or window is not None or not native_ops.prompt_attention(
+        if native_ops is None or not native_ops.prompt_attention(
             output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, chunks, scale,
+            metadata.query_start_loc, chunks, scale, window_arg, softcap_arg,
         ):
             starts = metadata.query_start_loc.tolist()
             for seq in chunks:

@@ -14,8 +14,8 @@ batch. Under this mode every computation a token depends on is free of that:
 - **Attention** of every query row, prompt chunks, decode steps and speculative verification
   alike, goes through the C++ prompt kernel (``kernels/csrc/prompt_attention.cpp``): a row's
   scores, online softmax and weighted sum run over the keys in chunks of fixed size from
-  position 0, computed per row, so a row's output is the same in any chunk, any batch, and from
-  cached or recomputed keys.
+  position 0 (under a sliding window, from the first chunk it sees), computed per row, so a
+  row's output is the same in any chunk, any batch, and from cached or recomputed keys.
 - **Experts** (``MixtralMoE``): each expert's two products go by the same panels as a
   ``Linear``'s, and a token adds its experts' outputs in their index order.
 - **Norms, RoPE, activations, embeddings** were per row already (``cpu_ops``' kernels are
@@ -23,7 +23,8 @@ batch. Under this mode every computation a token depends on is free of that:
   seeded generator per request).
 
 What is not built yet: GPU models (the Triton path); blocks alone (quantized at load, or a
-GGUF file's) on CPUs without AVX-512; sliding windows and soft caps.
+GGUF file's) on CPUs without AVX-512; soft-capped logits and GeGLU (Gemma's: torch's
+elementwise tanh).
 ``make_batch_invariant`` refuses them.
 """
 
@@ -54,12 +55,14 @@ def make_batch_invariant(model: nn.Module) -> None:
         refuse(f"is a {type(model).__name__}")
     if any(param.device.type != "cpu" for param in model.parameters()):
         refuse("is not on the CPU")
+    # torch's elementwise tanh splits a tensor's values between vector and scalar code, and
+    # between threads, by the tensor's size: a row's last bits could follow the batch.
     if model.arch.final_softcap is not None:
         refuse("soft-caps its logits")
+    if model.arch.activation != "silu":
+        refuse(f"has a {model.arch.activation} MLP")
     for module in model.modules():
         if isinstance(module, LlamaAttention):
-            if module.window is not None or module.softcap is not None:
-                refuse("has sliding windows or soft-capped scores")
             if not supports_batch_invariance(module.head_dim):
                 refuse(f"has a head size ({module.head_dim}) the C++ prompt attention does not take")
     for name, module in model.named_modules():

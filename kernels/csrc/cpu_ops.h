@@ -12,11 +12,12 @@ namespace duet_cpu {
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                      std::vector<int64_t> seq_ids, double scale, int64_t window);
-// Attention for prompt chunks (prompt_attention.cpp), with paged_attention's arguments; false,
-// having done nothing, where head_dim is not a multiple of its tiles' width.
+// Attention for prompt chunks (prompt_attention.cpp), with paged_attention's arguments, and
+// softcap > 0: scores become softcap * tanh(score / softcap); false, having done nothing, where
+// head_dim is not a multiple of its tiles' width.
 bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                      std::vector<int64_t> seq_ids, double scale);
+                      std::vector<int64_t> seq_ids, double scale, int64_t window, double softcap);
 // Whether prompt_attention takes heads of head_dim.
 bool prompt_attention_takes(int64_t head_dim);
 void rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool add_residual);

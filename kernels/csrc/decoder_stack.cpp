@@ -148,7 +148,7 @@ class DecoderStack {
         attended = torch::empty_like(q);
         if (batch_invariant_) {  // every row as a prompt chunk's rows are computed (batch_invariant.py)
           TORCH_CHECK(prompt_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens,
-                                       query_start_loc, seq_ids, scale_),
+                                       query_start_loc, seq_ids, scale_, layer.window, 0.0),
                       "batch-invariant attention does not take heads of ", head_dim_);
         } else {
           paged_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens, query_start_loc,

@@ -76,13 +76,14 @@ struct WorkItem {
   int64_t seq;          // index into the call's sequences
   int64_t kv_head;
   int64_t first_token;  // of the sequence's query tokens
-  int64_t chunks;       // key chunks its rows see
+  int64_t first_chunk;  // the first key chunk its rows see (0 but under a window)
+  int64_t chunks;       // key chunks up to the last its rows see
 };
 
 // Attends the query rows of the sequences seq_ids names (the call's tensors: PagedCall, kv_rows.h).
 template <typename scalar_t, typename Rows>
 void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
-                             double scale) {
+                             double scale, int64_t window, double softcap) {
   using cache_t = typename Rows::cache_t;
   const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads, group = call.group;
   const int64_t num_seqs = static_cast<int64_t>(seq_ids.size());
@@ -132,13 +133,18 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
     const int64_t s = seq_ids[i], query_len = call.query_len(s), context = call.context_len(s);
     for (int64_t first = 0; first < query_len; first += kQueryTile) {
       const int64_t last_position = context + std::min(first + kQueryTile, query_len) - 1;
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, h, first, last_position / kKeyChunk + 1});
+      // With a window, the chunks before the first key any of its rows sees are skipped: for a
+      // row they are masked whole, which would leave its max, sum and output as they were.
+      const int64_t first_chunk_seen = window > 0 ? std::max<int64_t>(0, context + first - window + 1) / kKeyChunk : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, h, first, first_chunk_seen, last_position / kKeyChunk + 1});
     }
   }
-  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.chunks > b.chunks; });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.chunks - a.first_chunk > b.chunks - b.first_chunk; });
 
   const int64_t max_rows = (kQueryTile * group + kRowTile - 1) / kRowTile * kRowTile;
   const float scale_f = static_cast<float>(scale);
+  const float cap = static_cast<float>(softcap), inverse_cap = softcap > 0 ? static_cast<float>(1.0 / softcap) : 0.f;
   std::atomic<int64_t> next_item{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -166,7 +172,7 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
       }
       std::fill(sums.begin(), sums.begin() + rows * head_dim, 0.f);
       const bool shared = first_chunk[item.seq + 1] > first_chunk[item.seq];
-      for (int64_t c = 0; c < item.chunks; ++c) {
+      for (int64_t c = item.first_chunk; c < item.chunks; ++c) {
         const float* chunk_keys = own_keys.data();
         const float* chunk_values = own_values.data();
         if (shared) {
@@ -180,16 +186,20 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
           score_tile(q.data() + r * head_dim, chunk_keys, head_dim, scores.data() + r * kKeyChunk);
         for (int64_t r = 0; r < rows; ++r) {  // the online softmax, this chunk's keys in
           float* p = scores.data() + r * kKeyChunk;
+          // keys [seen, visible) of the chunk: up to the row's own, and within its window
           const int64_t visible = std::clamp<int64_t>(position[r] - c * kKeyChunk + 1, 0, kKeyChunk);
+          const int64_t seen = window > 0 ? std::clamp<int64_t>(position[r] - window + 1 - c * kKeyChunk, 0, kKeyChunk) : 0;
+          if (softcap > 0)
+            for (int64_t k = seen; k < visible; ++k) p[k] = cap * tanhf(p[k] * inverse_cap);
           float chunk_max = kMasked;
-          for (int64_t k = 0; k < visible; ++k) chunk_max = std::max(chunk_max, p[k]);
+          for (int64_t k = seen; k < visible; ++k) chunk_max = std::max(chunk_max, p[k]);
           const float new_max = std::max(row_max[r], chunk_max);
           rescale[r] = row_max[r] == kMasked ? 0.f : expf(row_max[r] - new_max);
           row_max[r] = new_max;
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t k = 0; k < kKeyChunk; ++k) {
-            p[k] = k < visible ? expf(p[k] - new_max) : 0.f;
+            p[k] = k >= seen && k < visible ? expf(p[k] - new_max) : 0.f;
             sum += p[k];
           }
           row_sum[r] = row_sum[r] * rescale[r] + sum;
@@ -216,7 +226,7 @@ bool prompt_attention_takes(int64_t head_dim) { return head_dim % kTileWidth == 
 
 bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                      std::vector<int64_t> seq_ids, double scale) {
+                      std::vector<int64_t> seq_ids, double scale, int64_t window, double softcap) {
   if (!prompt_attention_takes(query.size(2))) return false;  // value tiles span a row's dims
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
@@ -226,7 +236,7 @@ bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
       using Rows = decltype(rows);
       const PagedCall<scalar_t, typename Rows::cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                              query_start_loc);
-      prompt_attention_kernel<scalar_t, Rows>(call, seq_ids, scale);
+      prompt_attention_kernel<scalar_t, Rows>(call, seq_ids, scale, window, softcap);
     });
   });
   return true;

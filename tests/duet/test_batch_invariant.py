@@ -1,6 +1,6 @@
 """``batch_invariant: true``: a request's tokens and logprobs are bitwise the same alone, in any
 batch at any place, whatever the prefill chunks, on a prefix-cache hit, after preemption, with
-n-gram speculation, a quantized KV cache, a LoRA adapter or experts, greedy and seeded
+n-gram speculation, a quantized KV cache, a LoRA adapter, experts or a sliding window, greedy and seeded
 (``duet.models.batch_invariant``).
 
 The engine tests run a tiny random Llama with heads of 64 (the C++ prompt attention's tiles) on
@@ -255,23 +255,29 @@ def test_a_lora_adapter_gives_its_request_the_same_bits_amid_the_base_and_itself
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
-def test_a_mixture_of_experts_gives_a_request_the_same_bits_in_any_batch(tmp_path, tiny_tokenizer_dir, family):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "mistral-windowed"])
+def test_experts_and_sliding_windows_give_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir, family):
     """Each expert's rows vary with the batch (the tokens routed to it); its products do not,
-    and a token adds its experts' outputs in one order. Greedy still gives transformers' tokens."""
+    and a token adds its experts' outputs in one order. A window of 40 keys, past which the
+    150-token request runs, is masked row by row in the same chunks of keys whatever the tile.
+    Greedy still gives transformers' tokens."""
     from tests.conftest import make_tiny_mixtral, make_tiny_model
     from tests.reference import compare_to_reference, hf_greedy
 
     shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     if family == "mixtral":
         path = make_tiny_mixtral(tmp_path / family, tiny_tokenizer_dir, intermediate_size=128, **shape)
-    else:  # renormalised top-k weights, a dense MLP in its second layer
+    elif family == "qwen3-moe":  # renormalised top-k weights, a dense MLP in its second layer
         path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, norm_topk_prob=True, **shape)
+    else:
+        path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, sliding_window=40, **shape)
     llm = _engine(path, enable_prefix_caching=False)
     for params in (GREEDY, SEEDED):
         alone = _signature(llm.generate([TARGET], params)[0])
         for size, place in ((5, 2), (32, 0), (32, 31)):
             assert _target_among(llm, params, size, place, seed=size + place) == alone, (params.temperature, size, place)
+        chunked = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=33, max_num_seqs=8)
+        assert _target_among(chunked, params, 6, 2, seed=33) == alone, params.temperature
     (reference,) = hf_greedy(path, [TARGET], GREEDY.max_tokens)
     assert compare_to_reference(list(llm.generate([TARGET], GREEDY)[0].outputs[0].token_ids), reference, family) is None
 

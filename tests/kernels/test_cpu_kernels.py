@@ -148,18 +148,21 @@ def test_native_decode_attention_over_long_contexts(head_dim, block_size, heads,
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1), (12, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_prompt_attention_over_many_key_chunks(head_dim, block_size, heads, dtype):
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (40, None), (None, 0.5), (100, 0.8)])
+def test_native_prompt_attention_over_many_key_chunks(head_dim, block_size, heads, dtype, window, softcap):
     """Prompt chunks through the tiled C++ kernel, taken directly: a whole prompt of several
     tiles of query rows (the last one partial) over many chunks of keys, a chunk over a long
     cached context, and one whose tokens fill neither a tile nor a key chunk; keys rising over
-    positions. Against the float64 reference."""
+    positions; with a sliding window (the chunks before a tile's first key skipped, the rest
+    masked per row) and soft-capped scores. Against the float64 reference."""
     md, query, key_cache, value_cache = _rising_keys([203, 37, 9], [203, 300, 9], heads, head_dim, block_size, dtype, seed=2)
     got = torch.full_like(query, float("nan"))
     attended = NATIVE.prompt_attention(
-        got, query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, [0, 1, 2], head_dim**-0.5
+        got, query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, [0, 1, 2], head_dim**-0.5,
+        window or 0, softcap or 0.0,
     )
     assert attended
-    expected = _reference_attention(query, key_cache, value_cache, md, head_dim**-0.5)
+    expected = _reference_attention(query, key_cache, value_cache, md, head_dim**-0.5, window, softcap)
     # fp32: torch's SDPA is 2.1e-5 off the reference on the head_dim 128 case; bf16: output rounding
     tolerance = {"atol": 5e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(got.double(), expected, **tolerance)
