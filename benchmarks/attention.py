@@ -3,16 +3,18 @@ side by side in one run.
 
     duet bench attention [--prompt-tokens 128,512,2048] [--decode-batch 32] [--context 512]
                          [--dtypes float32,bfloat16] [--kv-cache-dtypes auto,int8] [--rounds 5]
-                         [--heads 9,3,64] [--json out.json]
+                         [--heads 9,3,64] [--window N] [--softcap X] [--json out.json]
 
 For each model dtype and KV cache dtype: a prompt of each length attended as one chunk (the
 tiled prompt kernel of ``cpu_ops`` against ``scaled_dot_product_attention``, which the torch
 path uses for prompt chunks), and a decode step of ``--decode-batch`` sequences of
 ``--context`` tokens each (the decode kernel against the torch path's batched matmuls). The
 shape is SmolLM2's by default (9 query heads, 3 KV heads, head_dim 64), the cache in blocks of
-16 tokens placed at random. Prints milliseconds a layer (best of ``--rounds`` rounds that take
-the two ways in turn), the kernel's speed-up, and the GFLOP/s of the products it computes
-(causal: a prompt's tokens see half the prompt on average).
+16 tokens placed at random. ``--window``: each query sees its last N keys (Mistral's, Gemma's
+sliding windows); ``--softcap``: scores capped as Gemma 2 caps them (short queries' caps are
+torch's on both ways). Prints milliseconds a layer (best of ``--rounds`` rounds that take the
+two ways in turn), the kernel's speed-up, and the GFLOP/s of the products it computes (causal:
+a prompt's tokens see half the prompt on average, or the window where it is shorter).
 """
 
 from __future__ import annotations
@@ -73,7 +75,12 @@ def _layer(query_lens: list[int], seq_lens: list[int], heads: tuple[int, int, in
     return query, key_cache, value_cache, metadata
 
 
-def measure(prompt_tokens, decode_batch, context, dtypes, kv_cache_dtypes, heads, rounds) -> list[Timing]:
+def _keys_seen(first: int, last: int, window: int | None) -> int:
+    """Keys the queries at positions ``first`` to ``last`` see, in all."""
+    return sum(position + 1 if window is None else min(position + 1, window) for position in range(first, last + 1))
+
+
+def measure(prompt_tokens, decode_batch, context, dtypes, kv_cache_dtypes, heads, rounds, window=None, softcap=None) -> list[Timing]:
     from duet.kernels import cpu_ops
     from duet.kernels.torch_attention import paged_attention_torch
 
@@ -82,8 +89,10 @@ def measure(prompt_tokens, decode_batch, context, dtypes, kv_cache_dtypes, heads
         raise SystemExit("the C++ kernels are not available here (no compiler, or DUET_CPU_OPS=0): nothing to compare")
     num_heads, _, head_dim = heads
     generator = torch.Generator().manual_seed(0)
-    cases = [(f"prompt {n}", [n], [n], 2 * num_heads * head_dim * n * (n + 1)) for n in prompt_tokens]
-    cases.append((f"decode {decode_batch} x {context}", [1] * decode_batch, [context] * decode_batch, 4 * num_heads * head_dim * context * decode_batch))
+    cases = [(f"prompt {n}", [n], [n], 4 * num_heads * head_dim * _keys_seen(0, n - 1, window)) for n in prompt_tokens]
+    decode_flop = 4 * num_heads * head_dim * _keys_seen(context - 1, context - 1, window) * decode_batch
+    cases.append((f"decode {decode_batch} x {context}", [1] * decode_batch, [context] * decode_batch, decode_flop))
+    options = {"window": window, "softcap": softcap}
     timings = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
@@ -94,8 +103,8 @@ def measure(prompt_tokens, decode_batch, context, dtypes, kv_cache_dtypes, heads
                 scale = head_dim**-0.5
                 times = cpu_ops.best_times(
                     {
-                        "kernel": lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale, native_ops=ops),
-                        "torch": lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale),
+                        "kernel": lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale, native_ops=ops, **options),
+                        "torch": lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale, **options),
                     },
                     rounds=rounds,
                 )
@@ -119,15 +128,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--kv-cache-dtypes", default="auto,int8", help="auto (the model's dtype), int8, fp8_e4m3")
     parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head_dim")
+    parser.add_argument("--window", type=int, default=None, help="each query sees its last N keys (a sliding window)")
+    parser.add_argument("--softcap", type=float, default=None, help="scores become X * tanh(score / X)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     heads = tuple(int(value) for value in args.heads.split(","))
-    print(f"attention of one layer, heads {heads[0]} (KV {heads[1]}) x {heads[2]}, torch threads={torch.get_num_threads()}")
+    shape = f"heads {heads[0]} (KV {heads[1]}) x {heads[2]}, window {args.window}, softcap {args.softcap}"
+    print(f"attention of one layer, {shape}, torch threads={torch.get_num_threads()}")
     print(f"{'case':<18} {'dtype':<9} {'kv cache':<9} {'kernel ms':>9} {'torch ms':>9} {'speedup':>8} {'GFLOP/s':>9}")
     timings = measure(
         [int(n) for n in args.prompt_tokens.split(",")], args.decode_batch, args.context,
-        args.dtypes.split(","), args.kv_cache_dtypes.split(","), heads, args.rounds,
+        args.dtypes.split(","), args.kv_cache_dtypes.split(","), heads, args.rounds, args.window, args.softcap,
     )
     if args.json:
         with open(args.json, "w") as file:

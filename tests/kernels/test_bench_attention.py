@@ -16,11 +16,13 @@ NATIVE = cpu_ops.load()
 
 @pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8])
-def test_the_kernel_and_the_torch_path_attend_the_benchmarks_layer_alike(cache_dtype):
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (24, 0.5)])
+def test_the_kernel_and_the_torch_path_attend_the_benchmarks_layer_alike(cache_dtype, window, softcap):
     generator = torch.Generator().manual_seed(3)
     query, key_cache, value_cache, metadata = _layer([70, 1, 1], [70, 45, 17], (9, 3, 64), torch.float32, cache_dtype, generator)
-    kernel = paged_attention_torch(query, key_cache, value_cache, metadata, 0.125, native_ops=NATIVE)
-    reference = paged_attention_torch(query, key_cache, value_cache, metadata, 0.125)
+    options = {"window": window, "softcap": softcap}
+    kernel = paged_attention_torch(query, key_cache, value_cache, metadata, 0.125, native_ops=NATIVE, **options)
+    reference = paged_attention_torch(query, key_cache, value_cache, metadata, 0.125, **options)
     torch.testing.assert_close(kernel, reference, atol=2e-5, rtol=1e-4)
 
 
@@ -33,3 +35,5 @@ def test_every_case_is_timed_once_per_cache(capsys):
     assert all(t.kernel_ms > 0 and t.torch_ms > 0 for t in timings)
     assert timings[0].gflop == 2 * 4 * 64 * 32 * 33 / 1e9
     assert len(capsys.readouterr().out.splitlines()) == 4  # a line as each is measured
+    windowed = measure([32], 4, 40, ["float32"], ["auto"], (4, 2, 64), rounds=1, window=8)
+    assert windowed[0].gflop == 4 * 4 * 64 * (sum(range(1, 9)) + 24 * 8) / 1e9 and windowed[1].gflop == 4 * 4 * 64 * 8 * 4 / 1e9
