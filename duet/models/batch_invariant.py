@@ -20,11 +20,13 @@ batch. Under this mode every computation a token depends on is free of that:
   ``Linear``'s, and a token adds its experts' outputs in their index order.
 - **Norms, RoPE, activations, embeddings** were per row already (``cpu_ops``' kernels are
   parallel over rows, each row reduced in one order); so is the sampler (per-row softmax, a
-  seeded generator per request).
+  seeded generator per request). Gemma's GeGLU and capped logits go through torch's tanh, whose
+  elementwise kernels split a tensor's values between vector and scalar code, and between
+  threads, by the tensor's size: under this mode it is called on one row at a time
+  (``llama.by_row``). Attention's soft caps are the prompt kernel's, per row.
 
 What is not built yet: GPU models (the Triton path); blocks alone (quantized at load, or a
-GGUF file's) on CPUs without AVX-512; soft-capped logits and GeGLU (Gemma's: torch's
-elementwise tanh).
+GGUF file's) on CPUs without AVX-512.
 ``make_batch_invariant`` refuses them.
 """
 
@@ -43,7 +45,7 @@ def make_batch_invariant(model: nn.Module) -> None:
     make_batch_invariant``) and every attention row take the prompt kernel; a ``ConfigError``
     saying why, before changing anything but products already made so, where ``model`` has parts
     that are not built for it."""
-    from duet.models.llama import LlamaAttention, LlamaForCausalLM
+    from duet.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
     from duet.models.mixtral import MixtralMoE
 
     def refuse(reason: str) -> None:
@@ -55,12 +57,6 @@ def make_batch_invariant(model: nn.Module) -> None:
         refuse(f"is a {type(model).__name__}")
     if any(param.device.type != "cpu" for param in model.parameters()):
         refuse("is not on the CPU")
-    # torch's elementwise tanh splits a tensor's values between vector and scalar code, and
-    # between threads, by the tensor's size: a row's last bits could follow the batch.
-    if model.arch.final_softcap is not None:
-        refuse("soft-caps its logits")
-    if model.arch.activation != "silu":
-        refuse(f"has a {model.arch.activation} MLP")
     for module in model.modules():
         if isinstance(module, LlamaAttention):
             if not supports_batch_invariance(module.head_dim):
@@ -72,3 +68,6 @@ def make_batch_invariant(model: nn.Module) -> None:
             module.batch_invariant = True
         elif isinstance(module, MixtralMoE):
             module.make_batch_invariant()
+        elif isinstance(module, LlamaMLP):
+            module.by_row = True
+    model.batch_invariant = True

@@ -201,13 +201,23 @@ class LlamaMLP(Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, arch.hidden_size)
         self.gelu = arch.activation == "gelu_tanh"
+        self.by_row = False  # GeGLU's tanh one row at a time (duet.models.batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            return self.down_proj(by_row(lambda rows: F.gelu(rows, approximate="tanh"), gate, self.by_row) * up)
         return self.down_proj(silu_and_mul(gate_up))
+
+
+def by_row(function, x: torch.Tensor, each_row: bool) -> torch.Tensor:
+    """``function`` of ``x``'s rows; with ``each_row``, called on each row alone: torch's
+    elementwise kernels split a tensor's values between vector and scalar code, and between
+    threads, by the tensor's size, so a row's last bits could follow the rows beside it."""
+    if not each_row or x.shape[0] <= 1:
+        return function(x)
+    return torch.stack([function(row) for row in x])
 
 
 class LlamaDecoderLayer(Module):
@@ -243,6 +253,8 @@ class SandwichDecoderLayer(LlamaDecoderLayer):
 
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head, over a paged KV cache."""
+
+    batch_invariant = False  # True: capped logits one row at a time (duet.models.batch_invariant)
 
     def __init__(self, arch: LlamaArch, max_positions: int) -> None:
         super().__init__()
@@ -297,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits of the final norm's rows (soft-capped where the family caps them)."""
         logits = self.lm_head(hidden).float()
         cap = self.arch.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else by_row(lambda rows: torch.tanh(rows / cap), logits, self.batch_invariant) * cap
 
     def run_layers(self, x, residual, positions, kv_caches, metadata, on_layer_done=None) -> torch.Tensor:
         """The first ``len(kv_caches)`` layers, from the first one's normalised input ``x`` and

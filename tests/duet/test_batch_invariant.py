@@ -1,6 +1,7 @@
 """``batch_invariant: true``: a request's tokens and logprobs are bitwise the same alone, in any
 batch at any place, whatever the prefill chunks, on a prefix-cache hit, after preemption, with
-n-gram speculation, a quantized KV cache, a LoRA adapter, experts or a sliding window, greedy and seeded
+n-gram speculation, a quantized KV cache, a LoRA adapter, experts, a sliding window or soft caps, greedy
+and seeded
 (``duet.models.batch_invariant``).
 
 The engine tests run a tiny random Llama with heads of 64 (the C++ prompt attention's tiles) on
@@ -255,12 +256,13 @@ def test_a_lora_adapter_gives_its_request_the_same_bits_amid_the_base_and_itself
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "mistral-windowed"])
-def test_experts_and_sliding_windows_give_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir, family):
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "mistral-windowed", "gemma2", "gemma3"])
+def test_experts_windows_and_caps_give_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir, family):
     """Each expert's rows vary with the batch (the tokens routed to it); its products do not,
-    and a token adds its experts' outputs in one order. A window of 40 keys, past which the
-    150-token request runs, is masked row by row in the same chunks of keys whatever the tile.
-    Greedy still gives transformers' tokens."""
+    and a token adds its experts' outputs in one order. A window of 40 keys (Gemma's: 24), past
+    which the 150-token request runs, is masked row by row in the same chunks of keys whatever
+    the tile; Gemma 2's capped scores are capped per row too, and Gemma's GeGLU and capped
+    logits take torch's tanh one row at a time. Greedy still gives transformers' tokens."""
     from tests.conftest import make_tiny_mixtral, make_tiny_model
     from tests.reference import compare_to_reference, hf_greedy
 
@@ -269,8 +271,10 @@ def test_experts_and_sliding_windows_give_a_request_the_same_bits_in_any_batch_a
         path = make_tiny_mixtral(tmp_path / family, tiny_tokenizer_dir, intermediate_size=128, **shape)
     elif family == "qwen3-moe":  # renormalised top-k weights, a dense MLP in its second layer
         path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, norm_topk_prob=True, **shape)
-    else:
+    elif family == "mistral-windowed":
         path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, sliding_window=40, **shape)
+    else:  # 1,000 features: torch's threads split a step's GeGLU mid-row (both fail so without ``by_row``)
+        path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, intermediate_size=1000, **shape)
     llm = _engine(path, enable_prefix_caching=False)
     for params in (GREEDY, SEEDED):
         alone = _signature(llm.generate([TARGET], params)[0])
