@@ -98,6 +98,22 @@ def _target_among(llm: LLM, params: SamplingParams, size: int, place: int, seed:
     return _signature(outputs[place])
 
 
+def check_alone_and_in_batches(llm: LLM, alone: dict[float, tuple] | None = None) -> None:
+    """Greedy and seeded, ``TARGET``'s tokens and logprobs amid 7 and 19 other requests (first
+    and a middle place) equal its own alone, and those of ``alone`` (by temperature) where given:
+    the check of the parallel layouts (``tests/duet/test_tensor_parallel.py`` and others)."""
+    for params in (GREEDY, SEEDED):
+        signature = _signature(llm.generate([TARGET], params)[0])
+        if alone is not None:
+            assert signature == alone[params.temperature], params.temperature
+        for place, background in ((0, _prompts(7, seed=1)), (9, _prompts(19, seed=2))):
+            prompts = background[:place] + [TARGET] + background[place:]
+            all_params = [SamplingParams(temperature=0.0, max_tokens=5 + index) for index in range(len(background))]
+            all_params.insert(place, params)
+            assert _signature(llm.generate(prompts, all_params)[place]) == signature, (params.temperature, place)
+    llm.engine.check_integrity()
+
+
 @pytest.fixture(scope="module")
 def alone(model_dir):
     llm = _engine(model_dir, enable_prefix_caching=False)
@@ -276,11 +292,11 @@ def test_experts_windows_and_caps_give_a_request_the_same_bits_in_any_batch_and_
     else:  # 1,000 features: torch's threads split a step's GeGLU mid-row (both fail so without ``by_row``)
         path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, intermediate_size=1000, **shape)
     llm = _engine(path, enable_prefix_caching=False)
+    chunked = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=33, max_num_seqs=8)
     for params in (GREEDY, SEEDED):
         alone = _signature(llm.generate([TARGET], params)[0])
         for size, place in ((5, 2), (32, 0), (32, 31)):
             assert _target_among(llm, params, size, place, seed=size + place) == alone, (params.temperature, size, place)
-        chunked = _engine(path, enable_prefix_caching=False, max_num_batched_tokens=33, max_num_seqs=8)
         assert _target_among(chunked, params, 6, 2, seed=33) == alone, params.temperature
     (reference,) = hf_greedy(path, [TARGET], GREEDY.max_tokens)
     assert compare_to_reference(list(llm.generate([TARGET], GREEDY)[0].outputs[0].token_ids), reference, family) is None

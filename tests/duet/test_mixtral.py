@@ -90,20 +90,13 @@ def test_ep2_batch_invariant_gives_a_request_the_same_bits_in_any_batch(ray_clus
     """``batch_invariant`` with the experts over two ranks (heads of 64): each rank's experts
     compute as alone whatever rows the batch routes to them, and the ranks' parts are added in
     rank order, so a request's tokens and logprobs alone equal those in batches."""
-    from tests.duet.test_batch_invariant import GREEDY, SEEDED, TARGET, _prompts, _signature
+    from tests.duet.test_batch_invariant import check_alone_and_in_batches
 
     model_dir = make_tiny_mixtral(tmp_path, tiny_tokenizer_dir, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                                   intermediate_size=128)
     ep2 = LLM(model=str(model_dir), batch_invariant=True, max_model_len=512, max_num_batched_tokens=64, tensor_parallel_size=2,
               enable_expert_parallel=True)
     try:
-        for params in (GREEDY, SEEDED):
-            alone = _signature(ep2.generate([TARGET], params)[0])
-            for place, background in ((0, _prompts(7, seed=1)), (9, _prompts(19, seed=2))):
-                prompts = background[:place] + [TARGET] + background[place:]
-                all_params = [SamplingParams(temperature=0.0, max_tokens=5 + index) for index in range(len(background))]
-                all_params.insert(place, params)
-                assert _signature(ep2.generate(prompts, all_params)[place]) == alone, (params.temperature, place)
-        ep2.engine.check_integrity()
+        check_alone_and_in_batches(ep2)
     finally:
         ep2.engine.close()

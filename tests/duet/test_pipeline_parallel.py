@@ -74,7 +74,7 @@ def test_pp2_batch_invariant_gives_a_request_the_bits_it_has_alone_and_in_one_pr
     """``batch_invariant`` over two stages (heads of 64, 3 layers split 1 + 2): each stage's rows
     are computed as alone whatever the micro-batches hold, so a request's tokens and logprobs
     alone equal those in batches, and those of one process, greedy and seeded."""
-    from tests.duet.test_batch_invariant import GREEDY, SEEDED, TARGET, _prompts, _signature
+    from tests.duet.test_batch_invariant import GREEDY, SEEDED, TARGET, _signature, check_alone_and_in_batches
 
     model_dir = make_tiny_llama(tmp_path, tiny_tokenizer_dir, num_hidden_layers=3, hidden_size=256, num_attention_heads=4,
                                 num_key_value_heads=2, intermediate_size=256)
@@ -83,14 +83,7 @@ def test_pp2_batch_invariant_gives_a_request_the_bits_it_has_alone_and_in_one_pr
     alone = {params.temperature: _signature(local.generate([TARGET], params)[0]) for params in (GREEDY, SEEDED)}
     pp2 = LLM(**settings, pipeline_parallel_size=2)
     try:
-        for params in (GREEDY, SEEDED):
-            assert _signature(pp2.generate([TARGET], params)[0]) == alone[params.temperature], params.temperature
-            for place, background in ((0, _prompts(7, seed=1)), (9, _prompts(19, seed=2))):
-                prompts = background[:place] + [TARGET] + background[place:]
-                all_params = [SamplingParams(temperature=0.0, max_tokens=5 + index) for index in range(len(background))]
-                all_params.insert(place, params)
-                assert _signature(pp2.generate(prompts, all_params)[place]) == alone[params.temperature], (params.temperature, place)
-        pp2.engine.check_integrity()
+        check_alone_and_in_batches(pp2, alone)
     finally:
         pp2.engine.close()
 

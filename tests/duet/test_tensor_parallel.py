@@ -140,19 +140,12 @@ def test_tp2_batch_invariant_gives_a_request_the_same_bits_in_any_batch(ray_clus
     """``batch_invariant`` at TP=2 (heads of 64 split 2:2 over 2 KV heads): each rank's products
     and attention rows are batch-invariant, the partial sums added in rank order and the logits
     gathered, so a request's tokens and logprobs alone equal those in batches, greedy and seeded."""
-    from tests.duet.test_batch_invariant import GREEDY, SEEDED, TARGET, _prompts, _signature
+    from tests.duet.test_batch_invariant import check_alone_and_in_batches
 
     model_dir = make_tiny_llama(tmp_path, tiny_tokenizer_dir, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
     llm = LLM(model=str(model_dir), tensor_parallel_size=2, batch_invariant=True, max_model_len=512, max_num_batched_tokens=64)
     try:
-        for params in (GREEDY, SEEDED):
-            alone = _signature(llm.generate([TARGET], params)[0])
-            for place, background in ((0, _prompts(7, seed=1)), (9, _prompts(19, seed=2))):
-                prompts = background[:place] + [TARGET] + background[place:]
-                all_params = [SamplingParams(temperature=0.0, max_tokens=5 + index) for index in range(len(background))]
-                all_params.insert(place, params)
-                assert _signature(llm.generate(prompts, all_params)[place]) == alone, (params.temperature, place)
-        llm.engine.check_integrity()
+        check_alone_and_in_batches(llm)
     finally:
         llm.engine.close()
 

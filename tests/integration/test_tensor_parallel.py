@@ -66,9 +66,10 @@ def three_kv_heads(tmp_path_factory, smollm2_dir):
     return tokens
 
 
-# The tiny model's 2 KV heads one per rank, sent rank to rank or from two pipeline stages; the
-# model of 3 KV heads (1 + 2 on two ranks) gathered into one worker's cache or split from one.
-LAYOUT_MODELS = {"tp2-to-tp2": "two", "tp2-to-tp1": "three", "tp1-to-tp2": "three", "pp2-to-tp2": "two"}
+# The layouts that take the model of 3 KV heads (1 + 2 on two ranks), gathered into one worker's
+# cache or split from one; the others send the tiny model's 2 KV heads, one per rank, rank to rank
+# or from two pipeline stages.
+UNEVEN_LAYOUTS = {"tp2-to-tp1", "tp1-to-tp2"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -78,7 +79,7 @@ def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(
     """Guards the KV heads' way across the transfer: each KV head of each layer from the ranks
     (or pipeline stages) that hold it to those that need it, evenly split or not."""
     prefill, decode = LAYOUTS[layout]
-    uneven = LAYOUT_MODELS[layout] == "three"
+    uneven = layout in UNEVEN_LAYOUTS
     app = _app(prefill, decode) | ({"model": three_kv_heads.model_dir} if uneven else {})
     url = deploy(layout, app)
     rng = random.Random(5)
