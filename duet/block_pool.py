@@ -31,16 +31,18 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return hash((ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
 
 
-def chain_root(lora: str | None, lora_path: str | None = None) -> int | None:
+def chain_root(lora: str | None, lora_path: str | None = None, key: int | None = None) -> int | None:
     """The parent of a chain's first block: none for the base model's KV, a hash of the LoRA
     adapter's name and folder for KV computed with it (``duet.lora``), which then shares no
     block with any other chain (nor with an adapter unloaded, then loaded under its name from
     another folder). Of their bytes, not of the strings: a string's hash differs from process
-    to process, and the router and the replicas must agree on a prefix's hashes."""
-    if lora is None:
-        return None
-    identity = lora.encode() + b"\0" + (lora_path or "").encode()
-    return hash((ROOT_HASH, int.from_bytes(hashlib.blake2b(identity, digest_size=8).digest(), "little")))
+    to process, and the router and the replicas must agree on a prefix's hashes. ``key``: what
+    else the KV depends on (``Request.cache_key``; None: nothing), in the root likewise."""
+    root = None
+    if lora is not None:
+        identity = lora.encode() + b"\0" + (lora_path or "").encode()
+        root = hash((ROOT_HASH, int.from_bytes(hashlib.blake2b(identity, digest_size=8).digest(), "little")))
+    return root if key is None else hash((ROOT_HASH if root is None else root, -1, key))
 
 
 def routing_depth(depth: int) -> bool:

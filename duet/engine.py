@@ -117,6 +117,8 @@ class LLMEngine:
             self.scheduler_config.enable_chunked_prefill,
             self.speculative_config.num_lookahead_tokens if self.speculative_config else 0,
             self.loras,
+            self.model_config.rope_original_max if self.model_config.rope_recompute else None,
+            self.model_config.rope_cache_key,
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self._prompt_logprobs: dict[str, list] = {}  # per request: its prompt tokens' top logprobs, until its first token
@@ -188,9 +190,16 @@ class LLMEngine:
             stops = tuple(dict.fromkeys((*params.stop_token_ids, *self.extra_eos_token_ids)))
             if stops != params.stop_token_ids:
                 params = dataclasses.replace(params, stop_token_ids=stops)
+        prompt_len = len(request.prompt_token_ids) if request.own_prompt_len is None else request.own_prompt_len
+        arch = self.model_config
+        # Phi-3's longrope: all of a sequence past its switch is long (a context's sequence has one more token).
+        sequence_len = len(request.prompt_token_ids) + len(request.output_token_ids) + (request.own_prompt_len is not None)
+        if arch.rope_recompute and sequence_len > arch.rope_original_max:
+            prompt_len = max(prompt_len, sequence_len)
         queued = Request(
             request.request_id, request.prompt_token_ids, params, self.eos_token_id,
             output_token_ids=request.output_token_ids, kv_send=request.kv_send, lora=request.lora, lora_path=lora_path,
+            prompt_len=prompt_len, cache_key=arch.rope_cache_key(prompt_len),
         )
         if request.kv_receive and self.kv_transfer_config is None:
             raise InvalidRequestError("this engine has no KV connector: it cannot receive prompt KV")

@@ -67,7 +67,7 @@ class KVCacheManager:
         hashes = self._req_to_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         for index in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else chain_root(request.lora, request.lora_path)
+            parent = hashes[-1] if hashes else chain_root(request.lora, request.lora_path, request.cache_key)
             hashes.append(hash_block_tokens(parent, request.all_token_ids[index * bs : (index + 1) * bs]))
         return hashes
 

@@ -62,7 +62,10 @@ class EngineRequest:
     a decode replica's request whose prompt KV (and first token) come from a prefill replica.
     ``lora``: the LoRA adapter it runs with (``duet.lora``), None for the base model;
     ``lora_path``: its folder, which an engine that does not hold it loads it from (None: an
-    adapter named in the engine's config).
+    adapter named in the engine's config). ``own_prompt_len``: where ``prompt_token_ids`` hold a
+    resumed sequence's context (its prompt, then its outputs but the last, which its decode
+    replica computes), its own prompt's length: a RoPE that depends on the sequence's length
+    rotates those outputs as generated tokens (None: the prompt is its own).
     """
 
     request_id: str
@@ -73,6 +76,7 @@ class EngineRequest:
     kv_receive: bool = False
     lora: str | None = None
     lora_path: str | None = None
+    own_prompt_len: int | None = None
 
 
 @dataclass

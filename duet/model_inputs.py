@@ -13,11 +13,13 @@ from duet.kernels import AttentionMetadata
 @dataclass
 class Span:
     """A sequence's tokens for one forward pass: ``token_ids`` sit at positions ``start`` onward,
-    and its KV lives in ``block_ids`` (which must cover every position up to the span's end)."""
+    and its KV lives in ``block_ids`` (which must cover every position up to the span's end).
+    ``prompt_len``: its sequence's prompt length (``AttentionMetadata.prompt_lens``), 0 for none."""
 
     token_ids: list[int]
     start: int
     block_ids: list[int]
+    prompt_len: int = 0
 
     @property
     def end(self) -> int:
@@ -64,6 +66,7 @@ def build_batch(spans: list[Span], block_size: int, device: str) -> BatchInputs:
         seq_lens_list=seq_lens,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        prompt_lens=[span.prompt_len for span in spans],
     )
     return BatchInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -89,6 +89,7 @@ class ModelRunner:
                 new.num_computed_tokens,
                 generator,
                 new.lora,
+                len(new.prompt_token_ids) if new.prompt_len is None else new.prompt_len,
             )
         for cached in scheduler_output.cached_requests:
             state = self.requests[cached.request_id]
@@ -112,7 +113,7 @@ class ModelRunner:
             drafts = scheduler_output.scheduled_spec_token_ids.get(request_id, [])
             start = state.num_computed_tokens
             end = start + num_tokens - len(drafts)
-            spans.append(Span(state.token_slice(start, end) + drafts, start, state.block_ids))
+            spans.append(Span(state.token_slice(start, end) + drafts, start, state.block_ids, state.prompt_len))
             if state.sampling_params.prompt_logprobs is not None:
                 prompt = state.prompt_token_ids
                 for position in range(start, min(end, len(prompt) - 1)):

@@ -94,6 +94,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora: str | None = None  # its LoRA adapter (None: the base model)
+    prompt_len: int | None = None  # its sequence's own prompt length (None: its prompt's)
 
 
 @dataclass

@@ -47,11 +47,17 @@ class Request:
         arrival_time: float | None = None,
         lora: str | None = None,
         lora_path: str | None = None,
+        prompt_len: int | None = None,
+        cache_key: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.lora = lora  # its LoRA adapter's name (None: the base model)
         self.lora_path = lora_path  # the adapter's folder
         self.prompt_token_ids = list(prompt_token_ids)
+        # Its sequence's own prompt length (``EngineRequest.own_prompt_len``), and what its KV
+        # depends on besides its tokens (``LlamaArch.rope_cache_key``; the prefix cache keys by it).
+        self.prompt_len = len(self.prompt_token_ids) if prompt_len is None else prompt_len
+        self.cache_key = cache_key
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

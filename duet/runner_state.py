@@ -22,6 +22,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     lora: str | None = None  # its LoRA adapter (None: the base model)
+    prompt_len: int = 0  # its sequence's own prompt length (``Span.prompt_len``)
 
     @property
     def num_tokens(self) -> int:

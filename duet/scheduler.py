@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from duet.kv_cache_manager import KVCacheManager
@@ -47,6 +48,8 @@ class Scheduler(SequenceMoves, StepRecovery):
         enable_chunked_prefill: bool = True,
         num_lookahead_tokens: int = 0,
         loras: LoRASlots | None = None,
+        rope_recompute_past: int | None = None,
+        rope_cache_key: Callable[[int], int | None] | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.loras = loras  # the LoRA adapters the worker holds (None: the engine serves none)
@@ -58,6 +61,10 @@ class Scheduler(SequenceMoves, StepRecovery):
         # KV slots past a step's tokens for a proposer that writes KV while drafting.
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodingStats()
+        # Phi-3's longrope (``LlamaArch.rope_recompute``): a sequence computed short is computed
+        # again, whole, past this length, under the cache key of its new length.
+        self.rope_recompute_past = rope_recompute_past
+        self.rope_cache_key = rope_cache_key
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         # Requests whose prompt KV arrived from a prefill replica: admitted before waiting ones.
@@ -115,8 +122,14 @@ class Scheduler(SequenceMoves, StepRecovery):
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._rotate_long(request):  # computed again, from the waiting queue's front
+                self.running.remove(request)
+                self._restart(request)
+                self.waiting.appendleft(request)
+                preempted.add(request.request_id)
+                continue
             num_uncomputed = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_uncomputed + len(request.spec_token_ids), budget)
+            num_new = min(num_uncomputed + len(request.spec_token_ids), budget, self._short_positions_left(request))
             if num_new <= 0 or not self._may_run(request):
                 index += 1
                 continue
@@ -145,6 +158,11 @@ class Scheduler(SequenceMoves, StepRecovery):
         # requests whose prompt KV was computed elsewhere
         while self.prefilled and budget > 0 and len(self.running) < self.max_num_seqs and not preempted and not self.suspects:
             request = self.prefilled[0]
+            if self._rotate_long(request):  # its prompt's KV, short, is of no use: computed again here
+                self.prefilled.popleft()
+                self._restart(request)
+                self.waiting.appendleft(request)
+                continue
             if not self._adapter_held(request):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -166,6 +184,7 @@ class Scheduler(SequenceMoves, StepRecovery):
             if not self._adapter_held(request):
                 skipped += 1
                 continue
+            self._rotate_long(request)
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -232,6 +251,7 @@ class Scheduler(SequenceMoves, StepRecovery):
                         block_ids=self.kv_cache_manager.block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         lora=request.lora,
+                        prompt_len=request.prompt_len,
                     )
                 )
                 self._runner_known.add(request_id)
@@ -248,6 +268,24 @@ class Scheduler(SequenceMoves, StepRecovery):
             self.kv_cache_manager.take_tier_ops(), [] if self.loras is None else self.loras.take_ops(),
         )
 
+    def _rotate_long(self, request: Request) -> bool:
+        """Whether ``request``, computed with Phi-3's short RoPE, has passed its switch: from now
+        on all of it is long (``prompt_len``: its length). The caller restarts it if it holds KV."""
+        switch = self.rope_recompute_past
+        if switch is None or request.prompt_len > switch or request.num_tokens <= switch:
+            return False
+        request.prompt_len = request.num_tokens
+        request.cache_key = self.rope_cache_key(request.prompt_len)
+        return True
+
+    def _short_positions_left(self, request: Request) -> int:
+        """How many tokens a step may compute for ``request`` before its switch (a draft past it
+        would be verified against short keys)."""
+        switch = self.rope_recompute_past
+        if switch is None or request.prompt_len > switch:
+            return self.max_num_batched_tokens
+        return max(1, switch - request.num_computed_tokens)
+
     def _preempt(self, request: Request) -> None:
         self._restart(request)
         self.waiting.appendleft(request)
@@ -255,10 +293,7 @@ class Scheduler(SequenceMoves, StepRecovery):
         self.num_preemptions += 1
         logger.warning(
             "preempted request %s by recompute (%d tokens, %d free blocks, %d preemptions so far)",
-            request.request_id,
-            request.num_tokens,
-            self.kv_cache_manager.num_free_blocks,
-            self.num_preemptions,
+            request.request_id, request.num_tokens, self.kv_cache_manager.num_free_blocks, self.num_preemptions,
         )
 
     def _restart(self, request: Request) -> None:

@@ -32,6 +32,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     max_query_len: int
     max_seq_len: int
+    # Each sequence's prompt length (RoPE scalings that depend on a sequence's length read it:
+    # a prompt's tokens all see the whole prompt's); None: every token sees its position + 1.
+    prompt_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

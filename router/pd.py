@@ -231,7 +231,10 @@ class Orchestrator:
         request = sequence.request
         if sequence.token_ids:
             context = request.prompt_token_ids + sequence.token_ids[:-1]
-            request = EngineRequest(request_id, context, _FILL_PARAMS, lora=request.lora, lora_path=request.lora_path)
+            request = EngineRequest(
+                request_id, context, _FILL_PARAMS, lora=request.lora, lora_path=request.lora_path,
+                own_prompt_len=len(request.prompt_token_ids),
+            )
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
         hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, request.lora, request.lora_path)
         pool, pinned = self.prefill_target()

@@ -217,6 +217,25 @@ TINY_FAMILIES = {
             original_max_position_embeddings=32,
         )),
     ),
+    # Phi-3's long-context RoPE: past 20 tokens the long factors (all of a longer prompt's tokens).
+    "phi3-longrope": (
+        "Phi3Config", "Phi3ForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, pad_token_id=0, sliding_window=None,
+            original_max_position_embeddings=20, rope_parameters=dict(
+                rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=20,
+                short_factor=[1.0, 1.25, 1.5, 2.0], long_factor=[1.0, 3.0, 9.0, 27.0],
+            ),
+        ),
+    ),
+    # Dynamic NTK: past 20 tokens, frequencies recomputed from the sequence's length every token.
+    "llama-dynamic": (
+        "LlamaConfig", "LlamaForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=20,
+            rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=16.0),
+        ),
+    ),
     "yarn": (
         "LlamaConfig", "LlamaForCausalLM",
         dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rope_parameters=dict(
@@ -264,6 +283,12 @@ TINY_FAMILIES = {
 }
 
 
+# Families whose queries and keys are scaled up (by this) at creation, so that greedy tokens
+# depend on RoPE: a random model's scores are near zero, and what a token attends to with them
+# hardly depends on how the keys were rotated.
+SHARP_ATTENTION = {"phi3-longrope": 4.0, "llama-dynamic": 4.0}
+
+
 def make_tiny_model(
     target: Path, tokenizer_dir: Path, family: str, seed: int = 0, max_shard_size: str | None = None, **overrides
 ) -> Path:
@@ -289,6 +314,15 @@ def make_tiny_model(
                     weight.mul_(8.0)
         else:
             model.lm_head.weight.mul_(8.0)  # no near-ties among greedy choices
+        if family in SHARP_ATTENTION:  # peaked scores: a token's rotation decides what it attends to
+            config = model.config
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            qk_rows = (config.num_attention_heads + config.num_key_value_heads) * head_dim
+            for name, weight in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    weight.mul_(SHARP_ATTENTION[family])
+                elif name.endswith("qkv_proj.weight"):  # Phi-3's fused q, k, v: q's and k's rows
+                    weight[:qk_rows].mul_(SHARP_ATTENTION[family])
     model.save_pretrained(str(target), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(str(target))
     return target

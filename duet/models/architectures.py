@@ -7,10 +7,12 @@ family has, and refuses a config that asks for a part duet does not have, naming
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from duet.errors import UnsupportedCheckpointError
-from duet.models.llama import LlamaArch, LlamaForCausalLM, rope_scaling
+from duet.models.llama import LlamaArch, LlamaForCausalLM
+from duet.models.rope import rope_scaling
 from duet.models.mixtral import MixtralArch, MixtralForCausalLM
 
 
@@ -94,7 +96,8 @@ def _phi3(config) -> LlamaArch:
     rope = getattr(config, "rope_parameters", None) or {}
     factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     _check(config, "partial_rotary_factor", factor in (None, 1.0), "RoPE over whole heads (1.0)")
-    return LlamaArch.from_hf_config(config, layer_windows=_layer_windows(config), checkpoint_names="phi3")
+    arch = LlamaArch.from_hf_config(config, layer_windows=_layer_windows(config), checkpoint_names="phi3")
+    return dataclasses.replace(arch, rope_recompute=arch.rope_long_inv_freq is not None)
 
 
 def _mixtral(config) -> MixtralArch:

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duet.errors import UnsupportedCheckpointError
 from duet.kernels import AttentionMetadata, paged_attention
 from duet.kernels.fused import add_rms_norm, greedy_argmax, rms_norm, rope_and_write_kv, silu_and_mul
 from duet.models.decoder_stack import DecoderStack
 from duet.lora import current_step as current_lora_step
 from duet.models.linear import Linear
 from duet.models.module import Module
+from duet.models.rope import RopeRows, RotaryEmbedding, rope_scaling
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,16 @@ class LlamaArch:
     # them (``rope_scaling``: llama3, linear, yarn); None: the plain frequencies of ``rope_theta``.
     rope_inv_freq: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0
+    # A RoPE that depends on the sequence's length L (transformers' rule: a forward's last
+    # position + 1, so a prompt's tokens all see the prompt's length): past ``rope_original_max``
+    # ``longrope`` rotates by ``rope_long_inv_freq`` (``rope_inv_freq``: its short ones) and
+    # ``dynamic`` (NTK) by frequencies recomputed from L and ``rope_dynamic_factor``.
+    rope_long_inv_freq: tuple[float, ...] | None = None
+    rope_dynamic_factor: float | None = None
+    rope_original_max: int | None = None
+    # Phi-3's longrope: a sequence computed short is computed again whole, long, once it passes
+    # ``rope_original_max`` (transformers' Phi-3 drops its cache there), not only its new tokens.
+    rope_recompute: bool = False
     # Each layer's window (a token sees its last ``window`` keys, itself included), None for a
     # layer of full attention; None: no windows.
     layer_windows: tuple[int | None, ...] | None = None
@@ -69,11 +79,24 @@ class LlamaArch:
 
     @property
     def max_sequence_len(self) -> int:
-        """The longest sequence the position table holds."""
+        """The longest sequence the position table holds: the config's, a dynamic RoPE's times
+        its factor (the length it stretches to, as vLLM takes it)."""
+        if self.rope_dynamic_factor is not None:
+            return int(self.max_position_embeddings * max(self.rope_dynamic_factor, 1.0))
         return self.max_position_embeddings
 
     def window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def rope_cache_key(self, prompt_len: int) -> int | None:
+        """What a sequence's KV depends on besides its tokens and their positions, where its
+        RoPE depends on its length (the prefix cache keys blocks by it): whether its prompt
+        passes ``rope_original_max`` (longrope: its prompt's tokens rotate by the long
+        frequencies), or the prompt's length (dynamic: by frequencies of that length); None
+        where nothing does."""
+        if self.rope_original_max is None or prompt_len <= self.rope_original_max:
+            return None
+        return 1 if self.rope_long_inv_freq is not None else prompt_len
 
     @classmethod
     def from_hf_config(cls, config, **parts) -> LlamaArch:
@@ -97,27 +120,6 @@ class LlamaArch:
         return cls(**{**shape, **rope_scaling(config, rope), **parts})
 
 
-# RoPE scalings whose tables are fixed per position (``dynamic`` changes them as a sequence grows,
-# ``longrope`` by its length: neither is built).
-_ROPE_SCALINGS = ("linear", "llama3", "yarn")
-
-
-def rope_scaling(config, rope: dict, layer_type: str | None = None) -> dict:
-    """The ``rope_inv_freq`` and ``rope_attention_factor`` of a scaled RoPE (``rope``: the
-    config's RoPE parameters, of ``layer_type`` where they are per layer type), computed by
-    transformers' own functions for its type (the frequencies are the checkpoint's definition);
-    none for a plain one."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in ("default", None):
-        return {}
-    if rope_type not in _ROPE_SCALINGS:
-        raise UnsupportedCheckpointError(f"config.json's rope scaling {rope_type!r} is not supported: duet runs {('default', *_ROPE_SCALINGS)}")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **({"layer_type": layer_type} if layer_type else {}))
-    return {"rope_inv_freq": tuple(inv_freq.float().tolist()), "rope_attention_factor": float(factor)}
-
-
 class RMSNorm(Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -129,28 +131,6 @@ class RMSNorm(Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE tables (fp32), indexed by position: ``arch``'s frequencies (scaled, or
-    those of its ``rope_theta``) and the factor on its tables; ``local``: its windowed layers'
-    (plain, of ``local_rope_theta``)."""
-
-    def __init__(self, arch: LlamaArch, max_positions: int, local: bool = False) -> None:
-        super().__init__()
-        head_dim = arch.head_dim
-        scaled = None if local else arch.rope_inv_freq
-        if scaled is not None:
-            inv_freq = torch.tensor(scaled, dtype=torch.float32)
-        else:
-            theta = arch.local_rope_theta if local else arch.rope_theta
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
-        if arch.rope_attention_factor != 1.0 and not local:
-            cos, sin = cos * arch.rope_attention_factor, sin * arch.rope_attention_factor
-        self.register_buffer("cos", cos.contiguous(), persistent=False)
-        self.register_buffer("sin", sin.contiguous(), persistent=False)
 
 
 class LlamaAttention(Module):
@@ -173,7 +153,7 @@ class LlamaAttention(Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, positions, rotary: RotaryEmbedding | RopeRows, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.qkv_bias is not None:
@@ -319,15 +299,18 @@ class LlamaForCausalLM(nn.Module):
         updates are C++ too), to the same bits."""
         lora = current_lora_step()
         native = lora is None or lora.native
-        stack = self.decoder_stack() if on_layer_done is None and kv_caches and native else None
+        rows, rotary = self.rotary.for_step(positions, metadata)
+        stack = self.decoder_stack() if on_layer_done is None and kv_caches and native and rotary is self.rotary else None
         if stack is not None and stack.takes(x, metadata):
-            return stack.run(x, residual, positions, kv_caches, metadata, lora)
+            return stack.run(x, residual, rows, kv_caches, metadata, lora)
         mlp_out = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if mlp_out is not None:
                 x = layer.input_layernorm(mlp_out, residual)
-            windowed = self.local_rotary is not None and layer.self_attn.window is not None
-            mlp_out = layer(x, residual, positions, self.local_rotary if windowed else self.rotary, kv_cache, metadata)
+            if self.local_rotary is not None and layer.self_attn.window is not None:
+                mlp_out = layer(x, residual, positions, self.local_rotary, kv_cache, metadata)
+            else:
+                mlp_out = layer(x, residual, rows, rotary, kv_cache, metadata)
             if on_layer_done is not None:
                 on_layer_done(index)
         return mlp_out

@@ -13,7 +13,8 @@ from duet.errors import CheckpointError, DamagedCheckpointError, UnsupportedChec
 from duet.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, model_class
 from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
-from duet.models.llama import LlamaArch, LlamaForCausalLM, RotaryEmbedding
+from duet.models.llama import LlamaArch, LlamaForCausalLM
+from duet.models.rope import RotaryEmbedding
 from duet.models.mixtral import MixtralArch
 from duet.models.packed import is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears

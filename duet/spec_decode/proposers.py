@@ -89,7 +89,7 @@ class ModelProposer:
         spans = []
         for state in states:
             start = self._first_unseen(state)
-            spans.append(Span(state.token_slice(start, state.num_tokens), start, state.block_ids))
+            spans.append(Span(state.token_slice(start, state.num_tokens), start, state.block_ids, state.prompt_len))
             if not self.shares_target_cache:
                 self.num_computed[state.request_id] = state.num_tokens
         tokens, probs = self._draft_step(spans, states, generators)
@@ -98,7 +98,7 @@ class ModelProposer:
         active = list(range(len(states)))
         for step in range(1, max(num_drafts)):
             active = [i for i in active if num_drafts[i] > step]
-            spans = [Span([drafts[i][-1]], states[i].num_tokens + step - 1, states[i].block_ids) for i in active]
+            spans = [Span([drafts[i][-1]], states[i].num_tokens + step - 1, states[i].block_ids, states[i].prompt_len) for i in active]
             step_generators = {row: generators[i] for row, i in enumerate(active) if i in generators}
             tokens, probs = self._draft_step(spans, [states[i] for i in active], step_generators)
             for i, token, row in zip(active, tokens, probs):

@@ -446,7 +446,7 @@ def test_new_requests_are_sent_whole_once_then_as_diffs_with_only_new_blocks(mak
 
     step1 = _step(scheduler)
     assert step1.new_requests == [
-        NewRequestData("a", prompt, [], scheduler.requests["a"].sampling_params, [0], 0)
+        NewRequestData("a", prompt, [], scheduler.requests["a"].sampling_params, [0], 0, prompt_len=len(prompt))
     ]
     assert step1.cached_requests == []
 

@@ -102,3 +102,25 @@ def test_preemption_drops_pending_drafts():
     output = scheduler.schedule()
     assert output.preempted_request_ids == {"b"}
     assert second.spec_token_ids == [] and second.num_computed_tokens == 0
+
+
+def test_drafts_stop_short_of_phi3s_rope_switch_and_the_sequence_restarts_long_past_it():
+    """Phi-3's longrope (switch at 10 tokens here): a step of a sequence computed short never
+    reaches position 10 (drafts are cut there), and once the sequence passes 10 tokens it is
+    computed again from its first token, every token rotated by its new length, under the
+    cache key of that length."""
+    keys = {}
+    scheduler = Scheduler(
+        KVCacheManager(32, BLOCK_SIZE, True), 8, 64, 128, True, 0, rope_recompute_past=10,
+        rope_cache_key=lambda length: keys.setdefault(length, 1 if length > 10 else None),
+    )
+    request = _decoding_request(scheduler)
+    request.spec_token_ids = [60, 61, 62, 63, 64]
+    output = _step(scheduler, {"a": [60, 61, 62, 70]})
+    assert output.num_scheduled_tokens == {"a": 4} and output.scheduled_spec_token_ids == {"a": [60, 61, 62]}
+    assert request.num_computed_tokens == 10 and request.num_tokens == 11 and request.prompt_len == 6
+    output = _step(scheduler, {})
+    assert output.preempted_request_ids == {"a"} and request.cache_key == 1 and scheduler.num_preemptions == 0
+    output = _step(scheduler, {"a": [65]})
+    assert [new.request_id for new in output.new_requests] == ["a"] and output.new_requests[0].prompt_len == 11
+    assert output.num_scheduled_tokens == {"a": 11} and request.output_token_ids[-1] == 65
