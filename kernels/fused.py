@@ -48,8 +48,10 @@ def greedy_argmax(logits: torch.Tensor, excluded_token_ids: torch.Tensor) -> tor
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """RoPE over ``x``'s first ``2 * cos.shape[-1]`` features (all of a head, or its rotary part)."""
+    rotary = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rotary].float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary:].float()), dim=-1).to(x.dtype)
 
 
 def rope_and_write_kv(q, k, v, positions, cos_table, sin_table, key_cache, value_cache, slot_mapping):

@@ -94,10 +94,13 @@ def _mistral(config) -> LlamaArch:
 def _phi3(config) -> LlamaArch:
     _common(config)
     rope = getattr(config, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    _check(config, "partial_rotary_factor", factor in (None, 1.0), "RoPE over whole heads (1.0)")
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
     arch = LlamaArch.from_hf_config(config, layer_windows=_layer_windows(config), checkpoint_names="phi3")
-    return dataclasses.replace(arch, rope_recompute=arch.rope_long_inv_freq is not None)
+    rotary_dim = int(arch.head_dim * factor)  # Phi-4-mini rotates three quarters of a head
+    _check(config, "partial_rotary_factor", rotary_dim % 2 == 0 and rotary_dim > 0, "an even, nonzero number of rotated features")
+    return dataclasses.replace(
+        arch, rope_recompute=arch.rope_long_inv_freq is not None, rotary_dim=None if rotary_dim == arch.head_dim else rotary_dim
+    )
 
 
 def _mixtral(config) -> MixtralArch:

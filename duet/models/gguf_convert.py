@@ -161,8 +161,9 @@ def _architecture(fields: dict) -> str:
     return arch
 
 
-def _hf_config(fields: dict, vocab_size: int, tied: bool) -> dict:
-    """The Hugging Face ``config.json`` of the file's metadata (its keys prefixed by its architecture)."""
+def _hf_config(fields: dict, vocab_size: int, tied: bool, rope_factors: dict[str, list[float]] | None = None) -> dict:
+    """The Hugging Face ``config.json`` of the file's metadata (its keys prefixed by its
+    architecture); ``rope_factors``: a Phi-3 file's long-context factors (``long``, ``short``)."""
     arch = _architecture(fields)
     architecture, model_type, _ = GGUF_ARCHITECTURES[arch]
     heads = fields[f"{arch}.attention.head_count"]
@@ -190,6 +191,21 @@ def _hf_config(fields: dict, vocab_size: int, tied: bool) -> dict:
         config["use_sliding_window"] = False
     if arch == "phi3":
         config["sliding_window"] = fields.get("phi3.attention.sliding_window")
+        rotated = fields.get("phi3.rope.dimension_count", config["head_dim"])
+        if rotated != config["head_dim"]:  # Phi-4-mini's: RoPE over part of each head
+            config["partial_rotary_factor"] = rotated / config["head_dim"]
+    if rope_factors:  # as transformers' Phi-3 config has them: longrope, past the original context
+        original = fields[f"{arch}.rope.scaling.original_context_length"]
+        config["original_max_position_embeddings"] = original
+        rope = {
+            "rope_type": "longrope", "rope_theta": config["rope_theta"], "original_max_position_embeddings": original,
+            "long_factor": rope_factors["long"], "short_factor": rope_factors["short"],
+        }
+        if "partial_rotary_factor" in config:
+            rope["partial_rotary_factor"] = config["partial_rotary_factor"]
+        if f"{arch}.rope.scaling.attn_factor" in fields:
+            rope["attention_factor"] = float(fields[f"{arch}.rope.scaling.attn_factor"])
+        config["rope_parameters"] = rope
     if arch == "qwen3moe":  # every layer's MLP is experts; llama.cpp renormalizes the top k's weights
         config |= {
             "num_experts": fields["qwen3moe.expert_count"],
@@ -231,12 +247,11 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     permuted = GGUF_ARCHITECTURES[arch][2]
     num_heads = fields[f"{arch}.attention.head_count"]
     num_kv_heads = fields.get(f"{arch}.attention.head_count_kv", num_heads)
-    if any(tensor.name.startswith("rope_factors") for tensor in reader.tensors):
-        from duet.errors import UnsupportedCheckpointError
-
-        raise UnsupportedCheckpointError(f"{gguf_path.name}: long-context RoPE factors (rope_factors_*) from a GGUF file are not supported")
-    tensors, blocks, block_types = {}, {}, {}
+    tensors, blocks, block_types, rope_factors = {}, {}, {}, {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
+        if tensor.name in ("rope_factors_long.weight", "rope_factors_short.weight"):  # Phi-3's long context
+            rope_factors[tensor.name.split(".")[0].removeprefix("rope_factors_")] = [float(x) for x in np.asarray(tensor.data).ravel()]
+            continue
         name = _hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
@@ -263,7 +278,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     if blocks:
         save_gguf_blocks(target, blocks, block_types)
-    (target / "config.json").write_text(json.dumps(_hf_config(fields, vocab_size, tied), indent=2))
+    (target / "config.json").write_text(json.dumps(_hf_config(fields, vocab_size, tied, rope_factors), indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(target))
     (target / _DONE_MARKER).write_text(gguf_path.name + "\n")

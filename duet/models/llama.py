@@ -53,6 +53,7 @@ class LlamaArch:
     # them (``rope_scaling``: llama3, linear, yarn); None: the plain frequencies of ``rope_theta``.
     rope_inv_freq: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0
+    rotary_dim: int | None = None  # RoPE over each head's first this many features (Phi-4-mini); None: all
     # A RoPE that depends on the sequence's length L (transformers' rule: a forward's last
     # position + 1, so a prompt's tokens all see the prompt's length): past ``rope_original_max``
     # ``longrope`` rotates by ``rope_long_inv_freq`` (``rope_inv_freq``: its short ones) and

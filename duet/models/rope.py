@@ -49,18 +49,19 @@ def rope_scaling(config, rope: dict, layer_type: str | None = None) -> dict:
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE tables (fp32), indexed by position: ``arch``'s frequencies (scaled, or
     those of its ``rope_theta``) and the factor on its tables; ``local``: its windowed layers'
-    (plain, of ``local_rope_theta``). A longrope's long tables follow its short ones (rows
+    (plain, of ``local_rope_theta``). A table half as wide as ``rotary_dim`` rotates only a
+    head's first ``rotary_dim`` features (the kernels take the width from the table). A longrope's long tables follow its short ones (rows
     ``max_positions`` on); ``for_step`` says which row each token reads."""
 
     def __init__(self, arch: LlamaArch, max_positions: int, local: bool = False) -> None:
         super().__init__()
-        head_dim = arch.head_dim
+        dim = self.dim = arch.rotary_dim or arch.head_dim  # the tables' width is half of it
         scaled = None if local else arch.rope_inv_freq
         if scaled is not None:
             inv_freq = torch.tensor(scaled, dtype=torch.float32)
         else:
             theta = arch.local_rope_theta if local else arch.rope_theta
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         self.factor = 1.0 if local else arch.rope_attention_factor
         cos, sin = self._tables(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.switch_len = None if local else arch.rope_original_max
@@ -69,7 +70,7 @@ class RotaryEmbedding(nn.Module):
             long_cos, long_sin = self._tables(torch.arange(max_positions, dtype=torch.float32), torch.tensor(arch.rope_long_inv_freq))
             cos, sin, self.long_offset = torch.cat([cos, long_cos]), torch.cat([sin, long_sin]), max_positions
         self.dynamic_factor = None if local else arch.rope_dynamic_factor
-        self.theta, self.head_dim = arch.rope_theta, head_dim
+        self.theta = arch.rope_theta
         self.register_buffer("cos", cos.contiguous(), persistent=False)
         self.register_buffer("sin", sin.contiguous(), persistent=False)
 
@@ -110,7 +111,7 @@ class RotaryEmbedding(nn.Module):
         """Dynamic NTK's frequencies for a sequence of ``length`` past ``switch_len``, in
         transformers' arithmetic (fp32 tensors from an int64 length), so they match to the bit."""
         seq_len = torch.tensor(length, dtype=torch.int64)
-        factor, dim = self.dynamic_factor, self.head_dim
+        factor, dim = self.dynamic_factor, self.dim
         base = self.theta * ((factor * seq_len / self.switch_len) - (factor - 1)) ** (dim / (dim - 2))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 

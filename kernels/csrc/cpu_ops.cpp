@@ -288,14 +288,16 @@ void rms_norm_kernel(torch::Tensor& x, torch::Tensor& residual, const torch::Ten
   });
 }
 
-// Rotate-half RoPE on q and k in place (fp32 maths), then store k and v at their slots. With a
-// quantized cache, q then moves into the cache's Hadamard basis: q @ H / b (kv_quant.rotate).
+// Rotate-half RoPE on q and k in place (fp32 maths), then store k and v at their slots. The
+// tables' width is half the features rotated: a head's first 2 * width (all of it, or its rotary
+// part; the rest pass as they are). With a quantized cache, q then moves into the cache's
+// Hadamard basis: q @ H / b (kv_quant.rotate).
 template <typename scalar_t, typename Rows>
 void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& positions,
                            const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& key_cache,
                            torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
   const int64_t tokens = q.size(0), num_heads = q.size(1), num_kv_heads = k.size(1), head_dim = q.size(2);
-  const int64_t half = head_dim / 2;
+  const int64_t half = cos.size(1);
   const int64_t block_size = key_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -404,6 +406,7 @@ void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(key_cache.size(-1) == q.size(2) || q.size(2) <= kMaxQuantizedHeadDim,
               "quantized KV rows are at most ", kMaxQuantizedHeadDim, " wide, got head_dim ", q.size(2));
+  TORCH_CHECK(2 * cos.size(1) <= q.size(2) && cos.sizes() == sin.sizes(), "RoPE tables wider than half a head");
   DUET_DISPATCH(q.scalar_type(), scalar_t, [&] {
     dispatch_rows<scalar_t>(key_cache, [&](auto rows) {
       using Rows = decltype(rows);

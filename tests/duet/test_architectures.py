@@ -14,7 +14,8 @@ from duet import LLM, SamplingParams
 from duet.config import ConfigError
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.models.loader import read_arch
-from tests.conftest import TINY_FAMILIES, make_tiny_model
+from tests.conftest import make_tiny_model
+from tests.tiny_families import TINY_FAMILIES
 from tests.reference import check_outputs, hf_greedy
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]

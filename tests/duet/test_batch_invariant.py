@@ -23,7 +23,8 @@ from duet.engine import LLMEngine
 from duet.kernels import cpu_ops
 from duet.messages import EngineRequest
 from duet.models.linear import Linear
-from tests.conftest import make_tiny_gguf_llama, make_tiny_llama
+from tests.conftest import make_tiny_llama
+from tests.gguf_writer import make_tiny_gguf_llama
 
 pytestmark = pytest.mark.skipif(cpu_ops.load_gguf() is None or cpu_ops.load() is None, reason="needs duet's C++ CPU kernels")
 

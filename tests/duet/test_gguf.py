@@ -74,7 +74,7 @@ def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_pa
     """Q4_K (or Q5_K) and Q6_K weights (a Q4_K_M or Q5_K_M file's) are kept as blocks, rewritten
     for the kernels, dequantize to the float weights bit for bit (the loader checks), and give
     transformers' greedy tokens over those weights, alone and in a batch."""
-    from tests.conftest import make_tiny_gguf_llama
+    from tests.gguf_writer import make_tiny_gguf_llama
 
     model_dir = make_tiny_gguf_llama(
         tmp_path, tiny_tokenizer_dir, k_quants=True, k_quant=k_quant, hidden_size=256, intermediate_size=512, num_attention_heads=4,

@@ -14,7 +14,7 @@ from duet import LLM, SamplingParams
 from duet.errors import UnsupportedCheckpointError
 from duet.kernels import cpu_ops
 from duet.models.linear import Linear
-from tests.conftest import write_tiny_gguf
+from tests.gguf_writer import write_tiny_gguf
 from tests.reference import check_outputs, hf_greedy
 
 # transformers reads a GGUF file only with accelerate (the test extras have it); found, not imported.

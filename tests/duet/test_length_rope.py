@@ -17,7 +17,7 @@ from tests.conftest import make_tiny_model
 # Past the families' switch (20) from their first token, and crossing it while generating.
 LONG, CROSSING = list(range(100, 170)), list(range(900, 917))
 NEW_TOKENS = 8
-FAMILIES = ["phi3-longrope", "llama-dynamic"]
+FAMILIES = ["phi3-longrope", "phi3-partial", "llama-dynamic"]
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,29 @@ def test_a_resumed_context_rotates_its_outputs_as_generated_tokens(checkpoint, f
     assert got == tokens[done:]
     assert _own(got_logprobs, got) == pytest.approx(logprobs[done:], abs=1e-4)
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["phi3-longrope", "phi3-partial"])
+def test_a_phi3_gguf_file_keeps_its_long_context_factors(tmp_path, monkeypatch, tiny_tokenizer_dir, family):
+    """A GGUF file of a long-context Phi-3 (llama.cpp writes its factors as two tensors, the
+    original context and the features rotated as keys) converts to the source's longrope
+    parameters, and serves as transformers computes the converted checkpoint."""
+    import json
+
+    from tests.gguf_writer import write_tiny_gguf
+
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=16)
+    [converted] = list((tmp_path / "cache" / "models").iterdir())
+    source = json.loads((tmp_path / f"tiny-{family}-source" / "config.json").read_text())["rope_parameters"]
+    rope = json.loads((converted / "config.json").read_text())["rope_parameters"]
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == source["original_max_position_embeddings"]
+    for factors in ("long_factor", "short_factor"):  # fp32 in the file, as transformers computes with them
+        assert torch.equal(torch.tensor(rope[factors], dtype=torch.float32), torch.tensor(source[factors], dtype=torch.float32))
+    assert rope.get("partial_rotary_factor", 1.0) == source.get("partial_rotary_factor", 1.0)
+    outputs = llm.generate([LONG, CROSSING], _params())
+    for prompt, output in zip([LONG, CROSSING], outputs):
+        tokens, logprobs, _ = transformers_run(converted, prompt)
+        assert output.outputs[0].token_ids == tokens
+        assert _own(output.outputs[0].logprobs, tokens) == pytest.approx(logprobs, abs=1e-4)

@@ -14,7 +14,8 @@ from duet.config import ConfigError
 from duet.errors import WorkerDiedError
 from duet.messages import EngineRequest
 from duet.models.tensor_parallel import HeadShard, shard_heads, split_range
-from tests.conftest import make_tiny_gguf_llama, make_tiny_llama
+from tests.conftest import make_tiny_llama
+from tests.gguf_writer import make_tiny_gguf_llama
 from tests.duet.schemas import SMALL_SCHEMA, small_schema_greedy
 from tests.reference import compare_to_reference, hf_greedy
 

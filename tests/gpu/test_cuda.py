@@ -80,7 +80,7 @@ def test_the_kv_write_on_the_gpu_stores_each_token_and_skips_padding():
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_triton_gguf_products_on_the_gpu_use_ggufs_weights_bit_for_bit(qtype, rows):
     from duet.kernels import triton_gguf
-    from tests.conftest import k_quant_blocks
+    from tests.gguf_writer import k_quant_blocks
 
     k_quant = qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
     out_features, in_features = 96, 512
@@ -107,7 +107,8 @@ def test_greedy_on_the_gpu_equals_transformers(tmp_path, tiny_tokenizer_dir, wei
     here once: their rewrite made its shifts on the CPU.)"""
     from duet import LLM, SamplingParams
     from duet.models.linear import GGUF_MAX_ROWS, Linear
-    from tests.conftest import TINY_VOCAB, make_tiny_gguf_llama, make_tiny_llama
+    from tests.conftest import TINY_VOCAB, make_tiny_llama
+    from tests.gguf_writer import make_tiny_gguf_llama
     from tests.reference import compare_to_reference, hf_greedy
 
     sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)

@@ -10,7 +10,7 @@ import torch
 
 from duet.kernels import cpu_ops
 from duet.kernels.gguf import GGUFWeight
-from tests.conftest import k_quant_blocks
+from tests.gguf_writer import k_quant_blocks
 
 OPS = cpu_ops.load_gguf()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ toolchain")

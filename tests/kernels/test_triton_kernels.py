@@ -188,7 +188,7 @@ def test_triton_gguf_kernels_use_ggufs_weights_bit_for_bit_and_multiply_them(qty
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K])
 def test_triton_gguf_kernels_read_k_quants_as_rewritten_bit_for_bit(qtype):
-    from tests.conftest import k_quant_blocks
+    from tests.gguf_writer import k_quant_blocks
 
     blocks = k_quant_blocks(37, 256, int(qtype), magnitude=0.001)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(37, 256))
