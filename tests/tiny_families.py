@@ -49,6 +49,19 @@ TINY_FAMILIES = {
             ),
         ),
     ),
+    # SmolLM3: RoPE on layers 0 and 2, none on 1 and 3 (NoPE every second layer here).
+    "smollm3": (
+        "SmolLM3Config", "SmolLM3ForCausalLM",
+        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, no_rope_layer_interval=2),
+    ),
+    # With its windows: on the NoPE layers (transformers' SmolLM3 puts them there).
+    "smollm3-windowed": (
+        "SmolLM3Config", "SmolLM3ForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, no_rope_layer_interval=2,
+            use_sliding_window=True, sliding_window=20,
+        ),
+    ),
     # Dynamic NTK: past 20 tokens, frequencies recomputed from the sequence's length every token.
     "llama-dynamic": (
         "LlamaConfig", "LlamaForCausalLM",
@@ -107,4 +120,4 @@ TINY_FAMILIES = {
 # Families whose queries and keys are scaled up (by this) at creation, so that greedy tokens
 # depend on RoPE: a random model's scores are near zero, and what a token attends to with them
 # hardly depends on how the keys were rotated.
-SHARP_ATTENTION = {"phi3-longrope": 4.0, "phi3-partial": 4.0, "llama-dynamic": 4.0}
+SHARP_ATTENTION = {"phi3-longrope": 4.0, "phi3-partial": 4.0, "llama-dynamic": 4.0, "smollm3": 4.0, "smollm3-windowed": 4.0}

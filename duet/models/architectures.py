@@ -74,6 +74,17 @@ def _llama(config) -> LlamaArch:
     return LlamaArch.from_hf_config(config)
 
 
+def _smollm3(config) -> LlamaArch:
+    """A Llama whose layers of ``no_rope_layers`` 0 rotate nothing (NoPE), windowed where
+    ``use_sliding_window`` and ``layer_types`` say so."""
+    _common(config)
+    _check(config, "attention_bias", not getattr(config, "attention_bias", False), "projections without biases")
+    _check(config, "mlp_bias", not getattr(config, "mlp_bias", False), "MLPs without biases")
+    nope = tuple(layer for layer, rotates in enumerate(config.no_rope_layers) if not rotates)
+    windows = _layer_windows(config) if getattr(config, "use_sliding_window", False) else None
+    return LlamaArch.from_hf_config(config, nope_layers=nope, layer_windows=windows)
+
+
 def _qwen2(config) -> LlamaArch:
     _common(config)
     return LlamaArch.from_hf_config(config, qkv_bias=True, layer_windows=_layer_windows(config))
@@ -133,6 +144,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[object], LlamaArch], type[LlamaForCausa
     "Qwen2ForCausalLM": (_qwen2, LlamaForCausalLM),
     "Qwen3ForCausalLM": (_qwen3, LlamaForCausalLM),
     "Phi3ForCausalLM": (_phi3, LlamaForCausalLM),
+    "SmolLM3ForCausalLM": (_smollm3, LlamaForCausalLM),
     "MixtralForCausalLM": (_mixtral, MixtralForCausalLM),
     "Qwen3MoeForCausalLM": (_qwen3_moe, MixtralForCausalLM),
     "Gemma2ForCausalLM": (_gemma2, LlamaForCausalLM),

@@ -64,7 +64,7 @@ class DecoderStack:
         plans = [
             (
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(linear.plan() for linear in _linears(layer)),
-                layer.self_attn.window or 0,
+                layer.self_attn.window or 0, layer.self_attn.rotates,
             )
             for layer in layers
         ]

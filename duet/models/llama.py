@@ -5,7 +5,8 @@ A Llama is the plain case; the other families configure its parts through ``Llam
 q/k RMSNorm and a ``head_dim`` of its own (Qwen 3), scaled RoPE (Llama 3's ``rope_scaling``),
 sliding windows per layer (Mistral, Phi-3, Gemma), fused checkpoint tensors (Phi-3), Gemma's
 scaled embeddings, (1 + w) norms (added at load), norms around both blocks, GeGLU, its own
-query scale, soft-capped scores and logits, and a RoPE of its own for windowed layers; and, in
+query scale, soft-capped scores and logits, a RoPE of its own for windowed layers, and none on
+SmolLM3's NoPE layers; and, in
 ``duet.models.mixtral``, experts (Mixtral, Qwen 3 MoE).
 
 The model sees one flat batch of tokens (every sequence's new tokens back to back) and
@@ -68,6 +69,7 @@ class LlamaArch:
     # layer of full attention; None: no windows.
     layer_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None  # windowed layers' own plain RoPE (Gemma 3); None: the global one
+    nope_layers: tuple[int, ...] = ()  # layers whose queries and keys are not rotated (SmolLM3's every fourth)
     checkpoint_names: str = "llama"  # how the checkpoint names its tensors (``loader._fusion_plan``)
     # Gemma's parts.
     norm_offset: bool = False  # the checkpoint's norm weights w scale by 1 + w
@@ -140,6 +142,7 @@ class LlamaAttention(Module):
     def __init__(self, arch: LlamaArch, layer: int = 0) -> None:
         super().__init__()
         self.window = arch.window(layer)
+        self.rotates = layer not in arch.nope_layers
         self.softcap = arch.attn_softcap
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -244,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, max_positions)
         # Windowed layers' own RoPE (Gemma 3), or None: every layer takes ``rotary``.
         self.local_rotary = RotaryEmbedding(arch, max_positions, local=True) if arch.local_rope_theta is not None else None
+        # NoPE layers' tables: none wide (the kernels rotate a head's first 2 * width features).
+        self.no_rotary = RotaryEmbedding(arch, max_positions, rotates=False) if arch.nope_layers else None
         layer_class = SandwichDecoderLayer if arch.sandwich_norms else LlamaDecoderLayer
         self.layers = nn.ModuleList(layer_class(arch, index) for index in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -308,7 +313,9 @@ class LlamaForCausalLM(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if mlp_out is not None:
                 x = layer.input_layernorm(mlp_out, residual)
-            if self.local_rotary is not None and layer.self_attn.window is not None:
+            if not layer.self_attn.rotates:
+                mlp_out = layer(x, residual, positions, self.no_rotary, kv_cache, metadata)
+            elif self.local_rotary is not None and layer.self_attn.window is not None:
                 mlp_out = layer(x, residual, positions, self.local_rotary, kv_cache, metadata)
             else:
                 mlp_out = layer(x, residual, rows, rotary, kv_cache, metadata)

@@ -284,6 +284,8 @@ def load_model(
     model.rotary = RotaryEmbedding(arch, max_positions).to(device)
     if model.local_rotary is not None:
         model.local_rotary = RotaryEmbedding(arch, max_positions, local=True).to(device)
+    if model.no_rotary is not None:
+        model.no_rotary = RotaryEmbedding(arch, max_positions, rotates=False).to(device)
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
         return model.eval()

@@ -49,15 +49,18 @@ def rope_scaling(config, rope: dict, layer_type: str | None = None) -> dict:
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE tables (fp32), indexed by position: ``arch``'s frequencies (scaled, or
     those of its ``rope_theta``) and the factor on its tables; ``local``: its windowed layers'
-    (plain, of ``local_rope_theta``). A table half as wide as ``rotary_dim`` rotates only a
-    head's first ``rotary_dim`` features (the kernels take the width from the table). A longrope's long tables follow its short ones (rows
+    (plain, of ``local_rope_theta``); ``rotates=False``: a NoPE layer's (no width). A table half
+    as wide as ``rotary_dim`` rotates only a head's first ``rotary_dim`` features (the kernels
+    take the width from the table). A longrope's long tables follow its short ones (rows
     ``max_positions`` on); ``for_step`` says which row each token reads."""
 
-    def __init__(self, arch: LlamaArch, max_positions: int, local: bool = False) -> None:
+    def __init__(self, arch: LlamaArch, max_positions: int, local: bool = False, rotates: bool = True) -> None:
         super().__init__()
         dim = self.dim = arch.rotary_dim or arch.head_dim  # the tables' width is half of it
         scaled = None if local else arch.rope_inv_freq
-        if scaled is not None:
+        if not rotates:  # a NoPE layer's: tables of no width
+            inv_freq, local = torch.zeros(0), True
+        elif scaled is not None:
             inv_freq = torch.tensor(scaled, dtype=torch.float32)
         else:
             theta = arch.local_rope_theta if local else arch.rope_theta

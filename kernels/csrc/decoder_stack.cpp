@@ -46,6 +46,7 @@ struct LayerPlan {
   torch::Tensor input_norm, post_norm;
   LinearPlan qkv, o, gate_up, down;
   int64_t window;  // its sliding window (0: none), as paged_attention takes it
+  bool rotates;    // false: a NoPE layer (its queries and keys go unrotated)
 };
 
 using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, std::optional<torch::Tensor>,
@@ -103,9 +104,10 @@ class DecoderStack {
         linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")),
         invariant_linear_(op<InvariantProduct>("duet_gguf::invariant_linear")) {
     for (const auto& layer : layers) {
-      TORCH_CHECK(layer.size() == 7, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down, window)");
+      TORCH_CHECK(layer.size() == 8, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down, window, rotates)");
       layers_.push_back({layer[0].cast<torch::Tensor>(), layer[1].cast<torch::Tensor>(), linear_plan(layer[2]),
-                         linear_plan(layer[3]), linear_plan(layer[4]), linear_plan(layer[5]), layer[6].cast<int64_t>()});
+                         linear_plan(layer[3]), linear_plan(layer[4]), linear_plan(layer[5]), layer[6].cast<int64_t>(),
+                         layer[7].cast<bool>()});
     }
   }
 
@@ -141,7 +143,8 @@ class DecoderStack {
       torch::Tensor k = parts[1].view({tokens, num_kv_heads_, head_dim_});
       torch::Tensor v = parts[2].view({tokens, num_kv_heads_, head_dim_});
       timed(kRopeKV, [&] {
-        rope_and_cache(q, k, v, positions, cos_, sin_, key_caches[index], value_caches[index], slot_mapping);
+        rope_and_cache(q, k, v, positions, layer.rotates ? cos_ : no_rope_, layer.rotates ? sin_ : no_rope_,
+                       key_caches[index], value_caches[index], slot_mapping);
       });
       torch::Tensor attended;
       timed(kAttention, [&] {
@@ -244,6 +247,7 @@ class DecoderStack {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor cos_, sin_;
+  torch::Tensor no_rope_ = torch::empty({1, 0}, torch::kFloat32);  // a NoPE layer's tables: no width
   bool batch_invariant_;
   c10::TypedOperatorHandle<BlockProduct> gguf_matmul_, gguf_matmul_bf16_;
   c10::TypedOperatorHandle<Dequantize> gguf_dequantize_;

@@ -70,12 +70,12 @@ def test_ngram_speculation_keeps_each_family_exact(checkpoints, family):
 def test_the_layers_run_in_python_where_the_cpp_stack_lacks_the_family_parts(checkpoints):
     """The C++ decoder stack has no biases or q/k norms: a Qwen's decode steps keep the Python
     loop (its tokens are checked above); a Llama with scaled RoPE keeps the stack (the tables
-    carry the scaling)."""
+    carry the scaling), and SmolLM3 too (its NoPE layers' tables have no width)."""
     from duet.kernels import cpu_ops
     from duet.models.decoder_stack import DecoderStack
     from duet.models.loader import load_model
 
-    for family, takes_stack in (("qwen2", False), ("qwen3", False), ("llama3-rope", True)):
+    for family, takes_stack in (("qwen2", False), ("qwen3", False), ("llama3-rope", True), ("smollm3", True)):
         path, _ = checkpoints(family)
         model = load_model(path, torch.float32, "cpu", 256)
         stack = DecoderStack.build(model)
