@@ -62,6 +62,11 @@ TINY_FAMILIES = {
             use_sliding_window=True, sliding_window=20,
         ),
     ),
+    # Llama's biases: on q, k, v and o (attention_bias), on gate, up and down (mlp_bias).
+    "llama-biases": (
+        "LlamaConfig", "LlamaForCausalLM",
+        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+    ),
     # Dynamic NTK: past 20 tokens, frequencies recomputed from the sequence's length every token.
     "llama-dynamic": (
         "LlamaConfig", "LlamaForCausalLM",

@@ -67,22 +67,24 @@ def _gemma3(config) -> LlamaArch:
     )
 
 
+def _biases(config) -> dict:
+    """A Llama's (or SmolLM3's) ``attention_bias`` (q, k, v and o) and ``mlp_bias``."""
+    attention = bool(getattr(config, "attention_bias", False))
+    return dict(qkv_bias=attention, o_bias=attention, mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+
 def _llama(config) -> LlamaArch:
     _common(config)
-    _check(config, "attention_bias", not getattr(config, "attention_bias", False), "Llama projections without biases")
-    _check(config, "mlp_bias", not getattr(config, "mlp_bias", False), "Llama MLPs without biases")
-    return LlamaArch.from_hf_config(config)
+    return LlamaArch.from_hf_config(config, **_biases(config))
 
 
 def _smollm3(config) -> LlamaArch:
     """A Llama whose layers of ``no_rope_layers`` 0 rotate nothing (NoPE), windowed where
     ``use_sliding_window`` and ``layer_types`` say so."""
     _common(config)
-    _check(config, "attention_bias", not getattr(config, "attention_bias", False), "projections without biases")
-    _check(config, "mlp_bias", not getattr(config, "mlp_bias", False), "MLPs without biases")
     nope = tuple(layer for layer, rotates in enumerate(config.no_rope_layers) if not rotates)
     windows = _layer_windows(config) if getattr(config, "use_sliding_window", False) else None
-    return LlamaArch.from_hf_config(config, nope_layers=nope, layer_windows=windows)
+    return LlamaArch.from_hf_config(config, nope_layers=nope, layer_windows=windows, **_biases(config))
 
 
 def _qwen2(config) -> LlamaArch:
@@ -92,8 +94,9 @@ def _qwen2(config) -> LlamaArch:
 
 def _qwen3(config) -> LlamaArch:
     _common(config)
+    attention_bias = bool(getattr(config, "attention_bias", False))  # q, k, v and o
     return LlamaArch.from_hf_config(
-        config, qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True, layer_windows=_layer_windows(config)
+        config, qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True, layer_windows=_layer_windows(config)
     )
 
 
@@ -126,8 +129,9 @@ def _qwen3_moe(config) -> MixtralArch:
         layer for layer in range(config.num_hidden_layers)
         if layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % step == 0
     )
+    attention_bias = bool(getattr(config, "attention_bias", False))  # q, k, v and o
     base = LlamaArch.from_hf_config(
-        config, qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=True,
+        config, qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True,
         layer_windows=_layer_windows(config), checkpoint_names="qwen3_moe",
     )
     return MixtralArch(

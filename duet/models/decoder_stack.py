@@ -53,6 +53,8 @@ class DecoderStack:
                 return None
             if layer.self_attn.qkv_bias is not None or layer.self_attn.q_norm is not None:  # Qwen's parts: Python
                 return None
+            if layer.self_attn.o_bias is not None or layer.mlp.down_bias is not None:  # projections' biases: Python
+                return None
             if layer.self_attn.softcap is not None:  # Gemma 2's capped scores: Python
                 return None
             if any(type(linear) is not Linear for linear in _linears(layer)):

@@ -49,6 +49,8 @@ class LlamaArch:
     tie_word_embeddings: bool
     _: KW_ONLY  # the family's parts (a Llama has none of them)
     qkv_bias: bool = False  # q, k and v projections with biases (Qwen 2)
+    o_bias: bool = False  # the o projection with one too (with q, k and v's: Llama's and Qwen 3's attention_bias)
+    mlp_bias: bool = False  # gate, up and down projections with biases (Llama's mlp_bias)
     qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen 3)
     # RoPE's inverse frequencies and the factor on its cos/sin tables, where the config scales
     # them (``rope_scaling``: llama3, linear, yarn); None: the plain frequencies of ``rope_theta``.
@@ -154,6 +156,7 @@ class LlamaAttention(Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size)
         size = self.q_size + 2 * self.kv_size
         self.qkv_bias = nn.Parameter(torch.zeros(size), requires_grad=False) if arch.qkv_bias else None
+        self.o_bias = nn.Parameter(torch.zeros(arch.hidden_size), requires_grad=False) if arch.o_bias else None
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -172,7 +175,8 @@ class LlamaAttention(Module):
         key_cache, value_cache = kv_cache
         rope_and_write_kv(q, k, v, positions, rotary.cos, rotary.sin, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale, self.window, self.softcap, self.batch_invariant)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        out = self.o_proj(out.view(num_tokens, self.q_size))
+        return out if self.o_bias is None else out + self.o_bias
 
 
 class LlamaMLP(Module):
@@ -184,15 +188,21 @@ class LlamaMLP(Module):
         intermediate_size = intermediate_size or arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, arch.hidden_size)
+        self.gate_up_bias = nn.Parameter(torch.zeros(2 * intermediate_size), requires_grad=False) if arch.mlp_bias else None
+        self.down_bias = nn.Parameter(torch.zeros(arch.hidden_size), requires_grad=False) if arch.mlp_bias else None
         self.gelu = arch.activation == "gelu_tanh"
         self.by_row = False  # GeGLU's tanh one row at a time (duet.models.batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + self.gate_up_bias
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(by_row(lambda rows: F.gelu(rows, approximate="tanh"), gate, self.by_row) * up)
-        return self.down_proj(silu_and_mul(gate_up))
+            out = self.down_proj(by_row(lambda rows: F.gelu(rows, approximate="tanh"), gate, self.by_row) * up)
+        else:
+            out = self.down_proj(silu_and_mul(gate_up))
+        return out if self.down_bias is None else out + self.down_bias
 
 
 def by_row(function, x: torch.Tensor, each_row: bool) -> torch.Tensor:

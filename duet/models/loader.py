@@ -108,6 +108,8 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         plan[out + "self_attn.o_proj.weight"] = [attn + "o_proj.weight"]
         if arch.qkv_bias:
             plan[out + "self_attn.qkv_bias"] = [attn + f"{name}_proj.bias" for name in "qkv"]
+        if arch.o_bias:
+            plan[out + "self_attn.o_bias"] = [attn + "o_proj.bias"]
         if arch.qk_norm:
             plan[out + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
             plan[out + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
@@ -124,6 +126,9 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
             [mlp + "gate_up_proj.weight"] if arch.checkpoint_names == "phi3" else [mlp + "gate_proj.weight", mlp + "up_proj.weight"]
         )
         plan[out + "mlp.down_proj.weight"] = [mlp + "down_proj.weight"]
+        if arch.mlp_bias:
+            plan[out + "mlp.gate_up_bias"] = [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
+            plan[out + "mlp.down_bias"] = [mlp + "down_proj.bias"]
     return plan
 
 

@@ -139,10 +139,11 @@ def test_damaged_checkpoints_fail_at_load_naming_the_tensor(tmp_path, tiny_token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "gemma2", "llama-biases"])
 def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
     """Each rank holds its heads' rows of the q/k/v biases and the whole per-head norms; a MoE's
-    dense layer splits its own width; Gemma 2's soft-capped, windowed heads split as any."""
+    dense layer splits its own width; Gemma 2's soft-capped, windowed heads split as any; a
+    Llama's gate/up biases split with their features, its o and down biases are added once."""
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
