@@ -67,6 +67,14 @@ TINY_FAMILIES = {
         "LlamaConfig", "LlamaForCausalLM",
         dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True),
     ),
+    # Granite's multipliers (its 3.x models' values but the attention's, which is 1 / head_dim there).
+    "granite": (
+        "GraniteConfig", "GraniteForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0,
+        ),
+    ),
     # Dynamic NTK: past 20 tokens, frequencies recomputed from the sequence's length every token.
     "llama-dynamic": (
         "LlamaConfig", "LlamaForCausalLM",

@@ -87,6 +87,15 @@ def _smollm3(config) -> LlamaArch:
     return LlamaArch.from_hf_config(config, nope_layers=nope, layer_windows=windows, **_biases(config))
 
 
+def _granite(config) -> LlamaArch:
+    """A Llama with multipliers: embeddings, block outputs, attention scores and a divisor of the logits."""
+    _common(config)
+    return LlamaArch.from_hf_config(
+        config, embed_multiplier=float(config.embedding_multiplier), residual_multiplier=float(config.residual_multiplier),
+        query_scale=float(config.attention_multiplier), logits_divisor=float(config.logits_scaling), **_biases(config),
+    )
+
+
 def _qwen2(config) -> LlamaArch:
     _common(config)
     return LlamaArch.from_hf_config(config, qkv_bias=True, layer_windows=_layer_windows(config))
@@ -149,6 +158,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[object], LlamaArch], type[LlamaForCausa
     "Qwen3ForCausalLM": (_qwen3, LlamaForCausalLM),
     "Phi3ForCausalLM": (_phi3, LlamaForCausalLM),
     "SmolLM3ForCausalLM": (_smollm3, LlamaForCausalLM),
+    "GraniteForCausalLM": (_granite, LlamaForCausalLM),
     "MixtralForCausalLM": (_mixtral, MixtralForCausalLM),
     "Qwen3MoeForCausalLM": (_qwen3_moe, MixtralForCausalLM),
     "Gemma2ForCausalLM": (_gemma2, LlamaForCausalLM),

@@ -55,7 +55,7 @@ class DecoderStack:
                 return None
             if layer.self_attn.o_bias is not None or layer.mlp.down_bias is not None:  # projections' biases: Python
                 return None
-            if layer.self_attn.softcap is not None:  # Gemma 2's capped scores: Python
+            if layer.self_attn.softcap is not None or layer.residual_multiplier is not None:  # Gemma 2's caps, Granite's multiplier
                 return None
             if any(type(linear) is not Linear for linear in _linears(layer)):
                 return None

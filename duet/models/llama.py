@@ -1,7 +1,8 @@
 """The decoder every architecture duet runs is built from, reading and writing the paged KV cache.
 
 A Llama is the plain case; the other families configure its parts through ``LlamaArch``
-(``duet.models.architectures`` reads each family's config): q/k/v biases (Qwen 2), per-head
+(``duet.models.architectures`` reads each family's config): projection biases (Qwen 2's on
+q/k/v; a Llama's on any), Granite's multipliers, per-head
 q/k RMSNorm and a ``head_dim`` of its own (Qwen 3), scaled RoPE (Llama 3's ``rope_scaling``),
 sliding windows per layer (Mistral, Phi-3, Gemma), fused checkpoint tensors (Phi-3), Gemma's
 scaled embeddings, (1 + w) norms (added at load), norms around both blocks, GeGLU, its own
@@ -81,6 +82,11 @@ class LlamaArch:
     query_scale: float | None = None  # scores' scale (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # scores become cap * tanh(score / cap)
     final_softcap: float | None = None  # logits likewise
+    # Granite's multipliers: on the embeddings, on each block's output before it joins the
+    # residual stream, and a divisor of the logits (its attention_multiplier is ``query_scale``).
+    embed_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_divisor: float | None = None
 
     @property
     def max_sequence_len(self) -> int:
@@ -224,10 +230,14 @@ class LlamaDecoderLayer(Module):
         self.self_attn = LlamaAttention(arch, layer)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch)
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(self, x, residual, positions, rotary, kv_cache, metadata) -> torch.Tensor:
         attn_out = self.self_attn(x, positions, rotary, kv_cache, metadata)
-        return self.mlp(self.post_attention_layernorm(attn_out, residual))
+        if self.residual_multiplier is None:
+            return self.mlp(self.post_attention_layernorm(attn_out, residual))
+        mlp_out = self.mlp(self.post_attention_layernorm(attn_out * self.residual_multiplier, residual))
+        return mlp_out * self.residual_multiplier
 
 
 class SandwichDecoderLayer(LlamaDecoderLayer):
@@ -289,21 +299,26 @@ class LlamaForCausalLM(nn.Module):
         x = self.layers[0].input_layernorm(residual)
         mlp_out = self.run_layers(x, residual, positions, kv_caches, metadata, on_layer_done)
         hidden = self.norm(mlp_out, residual)[logits_indices]
-        if excluded_token_ids is not None and self.arch.final_softcap is None:
+        if excluded_token_ids is not None and self.arch.final_softcap is None and self.arch.logits_divisor is None:
             return self.lm_head.argmax(hidden, excluded_token_ids)
         logits = self.logits(hidden)
         return logits if excluded_token_ids is None else greedy_argmax(logits, excluded_token_ids)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The residual stream's start: the tokens' embeddings (times Gemma's scale)."""
+        """The residual stream's start: the tokens' embeddings (times Gemma's scale, or Granite's multiplier)."""
         residual = self.embed_tokens(input_ids)
         if self.arch.embed_scale is not None:
             residual = residual * torch.tensor(self.arch.embed_scale).to(residual.dtype)  # fp32 first, as transformers
+        if self.arch.embed_multiplier is not None:
+            residual = residual * self.arch.embed_multiplier  # a Python float, as transformers
         return residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the final norm's rows (soft-capped where the family caps them)."""
-        logits = self.lm_head(hidden).float()
+        """fp32 logits of the final norm's rows (divided or soft-capped where the family does)."""
+        logits = self.lm_head(hidden)
+        if self.arch.logits_divisor is not None:
+            logits = logits / self.arch.logits_divisor  # in the weights' dtype, as transformers
+        logits = logits.float()
         cap = self.arch.final_softcap
         return logits if cap is None else by_row(lambda rows: torch.tanh(rows / cap), logits, self.batch_invariant) * cap
 
