@@ -217,6 +217,9 @@ def make_tiny_model(
                     weight.mul_(8.0)
         else:
             model.lm_head.weight.mul_(8.0)  # no near-ties among greedy choices
+        for name, bias in model.named_parameters():  # transformers starts biases at zero: nothing would test them
+            if name.endswith(".bias"):
+                bias.normal_(0.0, 0.2)
         if family in SHARP_ATTENTION:  # peaked scores: a token's rotation decides what it attends to
             config = model.config
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

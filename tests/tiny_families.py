@@ -52,14 +52,17 @@ TINY_FAMILIES = {
     # SmolLM3: RoPE on layers 0 and 2, none on 1 and 3 (NoPE every second layer here).
     "smollm3": (
         "SmolLM3Config", "SmolLM3ForCausalLM",
-        dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, no_rope_layer_interval=2),
+        dict(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+            no_rope_layer_interval=2, pad_token_id=0,
+        ),
     ),
     # With its windows: on the NoPE layers (transformers' SmolLM3 puts them there).
     "smollm3-windowed": (
         "SmolLM3Config", "SmolLM3ForCausalLM",
         dict(
-            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, no_rope_layer_interval=2,
-            use_sliding_window=True, sliding_window=20,
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+            no_rope_layer_interval=2, pad_token_id=0, use_sliding_window=True, sliding_window=20,
         ),
     ),
     # Llama's biases: on q, k, v and o (attention_bias), on gate, up and down (mlp_bias).

@@ -237,7 +237,8 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
         dense = features_of(size, blocks_only=mlp.down_proj.weight is None)
         mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [dense, _offset(dense, size)])
         if mlp.gate_up_bias is not None:  # the down projection's is added once, to the sum over ranks
-            mlp.gate_up_bias = nn.Parameter(torch.cat([mlp.gate_up_bias[dense], mlp.gate_up_bias[_offset(dense, size)]]), requires_grad=False)
+            bias = torch.cat([mlp.gate_up_bias[dense], mlp.gate_up_bias[_offset(dense, size)]])
+            mlp.gate_up_bias = nn.Parameter(bias, requires_grad=False)
         mlp.down_proj = SummedOverRanks(shard_linear(mlp.down_proj, [slice(None)], dense), group)
     vocab = [split_range(arch.vocab_size, world_size, index) for index in range(world_size)]
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[vocab[rank]].contiguous(), vocab[rank].start, group)
