@@ -70,7 +70,8 @@ class RotaryEmbedding(nn.Module):
         self.switch_len = None if local else arch.rope_original_max
         self.long_offset = None
         if arch.rope_long_inv_freq is not None and not local:
-            long_cos, long_sin = self._tables(torch.arange(max_positions, dtype=torch.float32), torch.tensor(arch.rope_long_inv_freq))
+            long_inv_freq = torch.tensor(arch.rope_long_inv_freq, dtype=torch.float32)
+            long_cos, long_sin = self._tables(torch.arange(max_positions, dtype=torch.float32), long_inv_freq)
             cos, sin, self.long_offset = torch.cat([cos, long_cos]), torch.cat([sin, long_sin]), max_positions
         self.dynamic_factor = None if local else arch.rope_dynamic_factor
         self.theta = arch.rope_theta
@@ -107,7 +108,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]
         for length in torch.unique(lengths[longer]).tolist():
             rows = lengths == length
-            cos[rows], sin[rows] = self._tables(positions[rows].float(), self.dynamic_inv_freq(length))
+            cos[rows], sin[rows] = self._tables(positions[rows].float(), self.dynamic_inv_freq(length).to(positions.device))
         return torch.arange(positions.numel(), device=positions.device), RopeRows(cos, sin)
 
     def dynamic_inv_freq(self, length: int) -> torch.Tensor:

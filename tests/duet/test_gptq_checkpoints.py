@@ -81,8 +81,8 @@ def _exact_twin(path, target):
     from safetensors.torch import load_file, save_file
 
     weights = _exact_weights(path)
-    packed = tuple(name[: -len("weight")] for name in weights)  # x.qweight, x.scales, x.qzeros[, x.g_idx]
-    state = {name: tensor for name, tensor in load_file(str(path / "model.safetensors")).items() if not name.startswith(packed)}
+    packed = (".qweight", ".scales", ".qzeros", ".g_idx")  # a linear's packed tensors (its bias stays)
+    state = {name: tensor for name, tensor in load_file(str(path / "model.safetensors")).items() if not name.endswith(packed)}
     target.mkdir()
     for file in path.iterdir():
         if file.name not in ("model.safetensors", "config.json") and file.is_file():
