@@ -68,7 +68,7 @@ def _gemma3(config) -> LlamaArch:
 
 
 def _biases(config) -> dict:
-    """A Llama's (or SmolLM3's) ``attention_bias`` (q, k, v and o) and ``mlp_bias``."""
+    """``attention_bias`` (q, k, v and o: Llama's, SmolLM3's, Granite's, Qwen 3's) and ``mlp_bias``."""
     attention = bool(getattr(config, "attention_bias", False))
     return dict(qkv_bias=attention, o_bias=attention, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
@@ -103,10 +103,7 @@ def _qwen2(config) -> LlamaArch:
 
 def _qwen3(config) -> LlamaArch:
     _common(config)
-    attention_bias = bool(getattr(config, "attention_bias", False))  # q, k, v and o
-    return LlamaArch.from_hf_config(
-        config, qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True, layer_windows=_layer_windows(config)
-    )
+    return LlamaArch.from_hf_config(config, qk_norm=True, layer_windows=_layer_windows(config), **_biases(config))
 
 
 def _mistral(config) -> LlamaArch:
@@ -138,10 +135,8 @@ def _qwen3_moe(config) -> MixtralArch:
         layer for layer in range(config.num_hidden_layers)
         if layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % step == 0
     )
-    attention_bias = bool(getattr(config, "attention_bias", False))  # q, k, v and o
     base = LlamaArch.from_hf_config(
-        config, qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True,
-        layer_windows=_layer_windows(config), checkpoint_names="qwen3_moe",
+        config, qk_norm=True, layer_windows=_layer_windows(config), checkpoint_names="qwen3_moe", **_biases(config)
     )
     return MixtralArch(
         **{**vars(base), "intermediate_size": config.moe_intermediate_size},
