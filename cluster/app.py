@@ -19,10 +19,10 @@ from duet.cluster.config import AppConfigError, PoolSettings, parse_args
 from duet.config import ConfigError, EngineArgs
 from duet.messages import ROUTING_STATS_PERIOD_S
 
-# A replica that shares its machine's cores in turns: its OpenMP threads spin this many
-# iterations after a step before they sleep. GOMP's default (300,000, milliseconds) kept them
-# spinning into the next engine's turn: decode steps of 12.1 ms against 10.2 with this, and
-# 9.4 alone (two processes taking turns at two cores, Intel Xeon with AMX).
+# A replica that shares its machine's cores: its OpenMP threads spin this many iterations after
+# a step before they sleep. GOMP's default (300,000, milliseconds) kept them spinning into the
+# other engine's step: decode steps of 12.1 ms against 10.2 with this, and 9.4 alone (two
+# processes taking turns at two cores, Intel Xeon with AMX).
 SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "10000"}
 POLICY = "duet.cluster.autoscale:PoolPolicy"
 

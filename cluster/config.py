@@ -236,11 +236,12 @@ class CoreSettings(_Strict):
 
     share: bool = Field(
         default=False,
-        description="CPU replicas of one worker take turns at all of their machine's cores, decode first, rather than each "
-        "computing on its own num_cpus",
+        description="CPU replicas of one worker share their machine's cores step by step (prompts take every core while "
+        "decoding streams have time to spare), rather than each computing on its own num_cpus",
     )
     decode_tpot_share: float = Field(
-        default=0.5, gt=0, le=1, description="of the TPOT target, the most a decode replica waits between two steps while prompts take their turns",
+        default=0.5, gt=0, le=1,
+        description="of the TPOT target, the time a token that decoding streams keep to while prompts take the cores",
     )
 
 

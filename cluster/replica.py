@@ -35,7 +35,7 @@ from ray import serve
 from duet.block_pool import BlockIntegrityError
 from duet.cluster.autoscale import autoscaling_metrics
 from duet.config import EngineArgs
-from duet.cores import CoreLease, machine_cores
+from duet.cores import CoreShare, machine_cores
 from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream, Target
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
@@ -237,8 +237,8 @@ class EngineReplica:
             self._roles[stage] = PrefillRole() if stage == "prefill" else DecodeRole()
         self.role = self._roles[stage]
         self._role_since = time.monotonic()
-        if self.engine.core_lease is not None:
-            self.engine.core_lease.state.decode = stage == "decode"
+        if self.engine.core_share is not None:
+            self.engine.core_share.state.decode = stage == "decode"
         logger.info("replica %s (%s pool) serves the %s role", self.replica_id, self.home, stage)
         return stage
 
@@ -283,8 +283,8 @@ class EngineReplica:
         """At rest every block must be free or held for a transfer. A failure is logged and
         counted, not raised: killing a replica that serves live streams to report a leak would
         lose those streams. At rest the engine also gives up its claim on the cores."""
-        if self.engine.core_lease is not None:
-            self.engine.core_lease.idle()
+        if self.engine.core_share is not None:
+            self.engine.core_share.idle()
         try:
             self.engine.check_integrity()
         except BlockIntegrityError as error:
@@ -313,7 +313,10 @@ class EngineReplica:
 
     def __del__(self) -> None:
         """Serve stops the replica once its calls ended (or its patience did): let the KV still
-        on its way out (moves, prefills' last layers) reach the other side, then close."""
+        on its way out (moves, prefills' last layers) reach the other side, then close (nothing,
+        when its constructor failed)."""
+        if not hasattr(self, "loop"):
+            return
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         # With a dead worker nothing drains: no step runs, no transfer ends.
         while (
@@ -340,7 +343,7 @@ class ServeReplica(EngineReplica):
         self, role: str, engine_args: dict, num_threads: int, kv_transfer: dict | None = None, core_sharing: dict | None = None,
     ) -> None:
         keep_replica_on_loopback()
-        if core_sharing is not None:  # every step on all the machine's cores, in turns (duet.cores)
+        if core_sharing is not None:  # each step on the threads its share of the machine gives (duet.cores)
             num_threads = machine_cores()
         torch.set_num_threads(num_threads)
         context = serve.get_replica_context()
@@ -348,7 +351,8 @@ class ServeReplica(EngineReplica):
         role_ = PrefillRole() if role == "prefill" else DecodeRole(colocated=role == "colocated")
         args = role_.engine_args(engine_args)
         if kv_transfer is not None:
-            args = args | {"kv_transfer_config": kv_transfer | {"name": replica_id}}
+            # On shared cores a sender thread running during the forward would slow its every thread.
+            args = args | {"kv_transfer_config": kv_transfer | {"name": replica_id, "stream_layers": core_sharing is None}}
         peers = None
         if role_.stage != "prefill" or kv_transfer is not None:
             # Handles on the pools, the decode pool's (a decode replica's own) first: its router
@@ -361,9 +365,9 @@ class ServeReplica(EngineReplica):
             peers = _ServePeers(handles, pools[0])
         engine = LLMEngine(EngineArgs(**args))
         if core_sharing is not None:
-            engine.core_lease = CoreLease(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])
+            engine.core_share = CoreShare(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])
         super().__init__(replica_id, role_, engine, peers, node_id=ray.get_runtime_context().get_node_id())
         if self.migration is not None:  # a prefill replica of a PD application may be serving decode when it leaves
             self._spawn(self._leave_when_departed(watch_departure(replica_id)))
-        sharing = ", sharing the machine's cores in turns" if core_sharing is not None else ""
+        sharing = ", sharing the machine's cores step by step" if core_sharing is not None else ""
         logger.info("%s replica %s ready with %d threads%s", role, replica_id, num_threads, sharing)

@@ -193,6 +193,7 @@ class KVTransferConfig:
     host: str = "127.0.0.1"
     timeout_s: float = 30.0
     connector: str = "duet.kv_transfer.connector:KVConnectorWorker"
+    stream_layers: bool = True  # a prompt's KV goes as the forward writes each layer (False: once it is done)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:

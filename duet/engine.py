@@ -123,8 +123,8 @@ class LLMEngine:
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self._prompt_logprobs: dict[str, list] = {}  # per request: its prompt tokens' top logprobs, until its first token
         self.load = LoadTracker()
-        # The machine's cores in turns with the other engines on it (``duet.cores``); the host sets it.
-        self.core_lease = None
+        # The machine's cores, shared step by step with the other engines on it (``duet.cores``); the host sets it.
+        self.core_share = None
         self.num_threads = torch.get_num_threads()  # its host sets them before it builds the engine
         logger.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens in %s (%d bytes a block), max_model_len=%d, "
@@ -243,15 +243,23 @@ class LLMEngine:
 
     def step(self) -> list[TokenDelta]:
         """Run one scheduling step; return what each sequence produced (or how it ended). With a
-        ``core_lease`` (``duet.cores``) the step computes on the machine's cores in its turn."""
-        lease = self.core_lease
-        # A step's time includes its wait for its turn at the cores: what the router and the
-        # autoscalers read is the speed this engine gives, not the speed of its turns alone.
+        ``core_share`` (``duet.cores``) the step computes on the threads its share gives, or a
+        decoder skips it while prompts take the cores."""
+        share = self.core_share
+        # A prompt step's time includes its wait for decoders to yield: what the router and the
+        # autoscalers read is the speed this engine gives, not the speed of its steps alone.
         started = time.perf_counter()
-        token_budget = None if lease is None else lease.token_budget()
-        scheduler_output = self.scheduler.schedule(token_budget)
+        plan = None
+        if share is not None:
+            scheduler = self.scheduler
+            streams = [(r.request_id, r.num_output_tokens) for r in scheduler.running if r.output_token_ids]
+            plan = share.before_step(streams, len(scheduler.waiting) + len(scheduler.running) + len(scheduler.prefilled))
+            if plan is None:
+                return []  # a decoder yielding to prompts (the engine loop waits a moment before the next)
+        scheduler_output = self.scheduler.schedule(None if plan is None else plan.token_budget)
         failure = runner_output = None
-        with contextlib.nullcontext() if lease is None else lease.hold(scheduler_output.total_num_scheduled_tokens):
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        with contextlib.nullcontext() if share is None else share.hold(num_tokens, plan.threads):
             try:
                 # Even an empty step goes to the workers: it may carry finished ids and KV transfers.
                 runner_output = self.executor.execute(scheduler_output)
@@ -278,8 +286,8 @@ class LLMEngine:
 
     def _observe_load(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput, seconds: float) -> None:
         num_decoding, num_decode_outputs = self.load.observe(scheduler_output, runner_output, seconds)
-        if self.core_lease is not None:
-            self.core_lease.observe_decode(num_decoding, num_decode_outputs)
+        if self.core_share is not None:
+            self.core_share.observe_decode(num_decoding, num_decode_outputs)
 
     def _delta(self, request: Request) -> TokenDelta:
         if request.num_emitted_tokens == 0 and request.output_token_ids:
@@ -339,10 +347,10 @@ class LLMEngine:
         )
 
     def _core_stats(self) -> CoreStats:
-        lease = self.core_lease
-        if lease is None:
-            return CoreStats(threads=self.num_threads, shared_cores=False, lease_wait_s=0.0)
-        return CoreStats(threads=lease.cores, shared_cores=True, lease_wait_s=lease.waited_s)
+        share = self.core_share
+        if share is None:
+            return CoreStats(threads=self.num_threads, shared_cores=False, core_wait_s=0.0)
+        return CoreStats(threads=share.last_threads, shared_cores=True, core_wait_s=share.waited_s)
 
     def cached_prefixes(self, block_hashes: list[int]) -> list[int]:
         """Those of ``block_hashes`` whose blocks are in the prefix cache (read off the engine
@@ -372,6 +380,6 @@ class LLMEngine:
         return self.executor.failure
 
     def close(self) -> None:
-        if self.core_lease is not None:
-            self.core_lease.close()
+        if self.core_share is not None:
+            self.core_share.close()
         self.executor.close()

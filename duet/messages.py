@@ -176,8 +176,8 @@ class CoreStats:
     """The cores an engine computes on (``LLMEngine.stats``; ``duet.cores``)."""
 
     threads: int  # torch threads of its steps
-    shared_cores: bool  # it takes turns at all its machine's cores with the other engines there
-    lease_wait_s: float  # time its steps waited for their turn (a prefill step: for decoders' steps too)
+    shared_cores: bool  # it shares its machine's cores with the other engines there, step by step
+    core_wait_s: float  # a decoder: time it yielded to prompts; a prompt engine: time it waited for decoders to yield
 
 
 @dataclass(frozen=True)

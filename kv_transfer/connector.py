@@ -67,6 +67,9 @@ class KVConnectorWorker:
         self._parts: dict[int, tuple[int, list[KVTransferResult]]] = {}  # a send's parts: how many, and those ended
         self._ended: list[KVTransferResult] = []  # sends with no part: ended as they started
         self._block_table: Callable[[str], list[int]] = lambda request_id: []
+        # Sends go as the forward writes each layer, or once it is done (beside other engines'
+        # threads on shared cores, a sender running during the forward slows every thread of it).
+        self.stream_layers = transfer.stream_layers
 
     @property
     def endpoint(self) -> KVEndpoint:
@@ -74,8 +77,9 @@ class KVConnectorWorker:
 
     @property
     def streaming(self) -> bool:
-        """Whether this step's forward must report its layers (a send starts in it)."""
-        return bool(self._sending)
+        """Whether this step's forward must report its layers (a send starts in it, and its layers
+        stream)."""
+        return bool(self._sending) and self.stream_layers
 
     def start_step(self, metadata: KVConnectorMetadata, block_table: Callable[[str], list[int]]) -> None:
         for transfer_id in metadata.cancels:
@@ -116,6 +120,7 @@ class KVConnectorWorker:
 
     def end_step(self, sampled: dict[str, list[int]]) -> None:
         for request_id, progress in self._sending.items():
+            progress.mark_ready(self.num_layers, self._block_table(request_id))  # every layer is in (not streamed: now)
             tokens = sampled.get(request_id)
             if tokens:
                 progress.set_first_token(tokens[0])

@@ -1,6 +1,6 @@
-"""A PD application whose replicas share the machine's cores in turns (``cores.share``):
+"""A PD application whose replicas share the machine's cores step by step (``cores.share``):
 greedy output through both pools equals the offline engine's, decode replicas and the prefill
-replica each took their turns at all the cores, and no block is left in use."""
+replica each computed on their share of the cores, and no block is left in use."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ SHARED_APP = {
 }
 
 
-def test_pools_sharing_the_cores_in_turns_give_the_offline_engines_tokens(cluster, tiny_offline, deploy):
+def test_pools_sharing_the_cores_give_the_offline_engines_tokens(cluster, tiny_offline, deploy):
     url = deploy("shared", SHARED_APP)
     rng = random.Random(38)
     prompts = [random_prompt(rng, rng.choice([20, 150, 400])) for _ in range(12)]
@@ -43,6 +43,6 @@ def test_pools_sharing_the_cores_in_turns_give_the_offline_engines_tokens(cluste
         assert (status, errors) == (200, []), f"request {index}"
         assert tokens == want, f"request {index}"
     states = [EngineState.unpack(path.read_bytes()[: EngineState.size]) for path in DIRECTORY.glob("*.state")]
-    assert {state.decode for state in states if state.steps} == {True, False}  # both roles took turns
+    assert {state.decode for state in states if state.steps} == {True, False}  # both roles computed
     report = settled(cluster, url)
     assert report["ok"], report

@@ -1,6 +1,6 @@
 """Prefill and decode engines in two processes over gloo give the colocated engine's tokens (tiny
-Llama): decode chosen first, the prompt's KV streamed in layer runs while the prefill computes,
-the first token travelling with it."""
+Llama): decode chosen first, the prompt's KV streamed in layer runs while the prefill computes
+(or sent once it is done), the first token travelling with it."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
 
 
 def _engine_kwargs(model_dir, name: str, **overrides) -> dict:
-    kv = {"name": name, "timeout_s": overrides.pop("timeout_s", 30.0)}
+    kv = {"name": name, "timeout_s": overrides.pop("timeout_s", 30.0), "stream_layers": overrides.pop("stream_layers", True)}
     return dict(model=str(model_dir), num_kv_blocks=128, max_model_len=512, kv_transfer_config=kv) | overrides
 
 
@@ -57,6 +57,22 @@ def test_disaggregated_greedy_matches_transformers_and_colocated(prefill, tiny_l
     assert (run.lost, decode.stats().transfer.transfers) == ([], len(PROMPTS))
     decode.check_integrity()
     decode.close()
+
+
+def test_kv_sent_once_the_forward_is_done_gives_the_same_tokens(tiny_llama_dir, references):
+    """``stream_layers=False`` (a prefill replica on shared cores): every layer goes once the
+    forward is done, prompts in several chunks too."""
+    process = EngineProcess(_engine_kwargs(tiny_llama_dir, "prefill-whole", stream_layers=False, max_num_batched_tokens=32))
+    try:
+        decode = _decode(tiny_llama_dir, "decode-whole")
+        run = run_disaggregated(process, decode, PROMPTS, GREEDY)
+        for index, (got, reference) in enumerate(zip(run.tokens, references)):
+            assert compare_to_reference(got, reference, f"PD prompt {index}") is None
+        assert (run.lost, decode.stats().transfer.transfers) == ([], len(PROMPTS))
+        decode.check_integrity()
+        decode.close()
+    finally:
+        process.stop()
 
 
 def test_prefix_hit_on_prefill_still_sends_every_block(prefill, tiny_llama_dir):
