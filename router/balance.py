@@ -65,10 +65,12 @@ a second old. So each side keeps the running mean of how much later than predict
 tokens came (``lateness``) and adds it to what it predicts; without it, contexts predicted in
 time under that load missed the target by 0.1-0.5 s.
 
-Decode replicas that take turns at their machine's cores with the prefill replicas
-(``cores.share``, ``duet.cores``) compute no prompt of their own once the replicas measured
-their speeds: a prompt step on the prefill replica gets every core the decoders leave, so a
-local prompt saves no core and takes the decoders' turns unbounded.
+Decode replicas that share their machine's cores with the prefill replicas (``cores.share``,
+``duet.cores``) are not second to the prefill pool: a prompt computes on the same cores either
+way, so the sooner way decides from the start (a local prompt saves the hop and the transfer),
+within the decoders' TPOT room. While the machine is idle (nothing of this router's in flight or
+decoding, a decode replica reporting nothing running) every prompt goes to such a replica: it
+has every core, as one engine would.
 
 Before any replica measured its prompt throughput, the static ``local_prefill_threshold`` decides
 (prompts shorter than it stay local): the rule's starting point, not the rule. With
@@ -147,6 +149,9 @@ class StageBalancer:
         # prediction leaves out (placement between two decode steps, the hops, stale reports).
         self.lateness = {True: 0.0, False: 0.0}
         self._snapshot: dict[str, list[ReplicaStats]] | None = None  # the pools' stats during ``admit``
+        # The router's sequences now decoding (its ``Orchestrator`` sets it): with none, and none
+        # waiting for a first token, a decode replica that shares the cores has them all.
+        self.live_streams: Callable[[], int] = lambda: 0
 
     def choose(self, num_tokens: int, waited_s: float = 0.0) -> Choice | None:
         """Where a context of ``num_tokens`` that has waited ``waited_s`` for it goes, or None: it
@@ -231,6 +236,9 @@ class StageBalancer:
             return True, None
         prefill = self._stats("prefill")
         decode = self._stats("decode")
+        shared = bool(decode) and all(stats.cores.shared_cores for stats in decode)
+        if shared and self._machine_idle(decode):
+            return True, None  # one engine on every core: no hop, no transfer
         prefill_rates = [stats.load.prefill_tokens_per_s for stats in prefill if stats.load.prefill_tokens_per_s > 0]
         if not prefill_rates or not decode:
             return num_tokens < self.local_prefill_threshold, None
@@ -239,13 +247,13 @@ class StageBalancer:
         decode_rate = sum(stats.load.prefill_tokens_per_s or per_replica for stats in decode)
         prefill_wait = self._wait_s(False, prefill_rate, sum(stats.scheduler.prompt_tokens_pending for stats in prefill))
         through_prefill = prefill_wait + num_tokens / prefill_rate + PD_OVERHEAD_S
-        if prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s:
+        if not shared and (prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s):
             return False, through_prefill
         on_decode = self._wait_s(True, decode_rate, sum(stats.scheduler.prompt_tokens_pending for stats in decode)) + num_tokens / decode_rate
         first_token_s = {False: through_prefill + self.lateness[False], True: on_decode + self.lateness[True]}
         in_time = waited_s + first_token_s[False] <= self.ttft_s
         through_prefill_or_wait = (False, through_prefill) if in_time or prefill_wait <= PREFILL_FEED_S else (None, None)
-        if first_token_s[True] >= first_token_s[False] or any(stats.cores.shared_cores for stats in decode):
+        if first_token_s[True] >= first_token_s[False]:
             return through_prefill_or_wait
         token_cost_s = len(decode) / sum(stats.load.tokens_per_s or stats.load.prefill_tokens_per_s or per_replica for stats in decode)
         spent_s = (self._recent_local_tokens() + num_tokens) * token_cost_s
@@ -255,6 +263,11 @@ class StageBalancer:
         if rescues and spent_s <= self._local_prompt_budget_s(decode, 1.0):
             return True, on_decode
         return through_prefill_or_wait
+
+    def _machine_idle(self, decode: list[ReplicaStats]) -> bool:
+        """Nothing of this router's in flight or decoding, and a decode replica reports nothing running."""
+        nothing_sent = not self._in_flight[True] and not self._in_flight[False] and self.live_streams() == 0
+        return nothing_sent and any(stats.scheduler.num_running == 0 and not stats.scheduler.num_waiting for stats in decode)
 
     def _recent_local_tokens(self) -> int:
         """Context tokens sent local in the last ``LOCAL_WINDOW_S`` (older ones are dropped)."""

@@ -3,31 +3,24 @@ are made here; the sequence's phase and what follows a failure are ``duet.router
 
 Disaggregated: the decode replica is chosen first (by free KV) and reserves the context's
 blocks, answering with its ``Placement`` (a ``KVDestination``); the prefill replica computes
-the prompt, streams its KV there layer run by layer run as its forward writes it, and answers
-with the first token, which goes to the client at once (the same token travels with the KV);
-the decode replica starts when the last layer lands and streams the rest. (A context the
-prefill pool's queue would make late, where the decode pool has no room, waits in the router
-instead, holding no KV anywhere; waiting contexts go the most urgent first: see
-``duet.router.waiting`` and ``duet.router.balance``.) Local: one decode replica computes
-everything (the colocated mode, and the ``StageBalancer``'s choice per sequence: see
-``duet.router.balance``).
+the prompt, sends its KV there (layer by layer as its forward writes it, unless it shares its
+cores) and answers with the first token, which goes to the client at once; the decode replica
+starts when the last layer lands. A context the prefill pool's queue would make late, where the
+decode pool has no room, waits in the router holding no KV (``duet.router.waiting``). Local: one
+decode replica computes everything (the colocated mode, and the ``StageBalancer``'s choice).
 
-A sequence outlives its decode replica. One leaving its pool alive (Serve stopping it:
-scale-down, redeploy) moves the sequence to another replica by KV and ends the stream with
-``Moved``: the router attaches to the new replica and reads on. When the replica died (or one
-of its workers did, or the sequence's KV was lost, or it could not move by KV) the sequence is
-recomputed: its prompt and
-the tokens already out go to another decode replica, their KV computed by the prefill pool or
-there (the balancer's choice again), and the stream goes on. The client's stream sees neither:
-no token twice, none missing, and what shapes the next tokens (the seed's stream, penalties,
-``min_tokens``) is the engine's function of the tokens so far. After ``max_migrations`` moves
-the sequence fails with a 503 error event. If the prefill replica fails before the first
-token, the prompt is computed on a decode replica; a lost prompt KV is recomputed too
+A sequence outlives its decode replica. One leaving its pool alive (Serve stopping it) moves
+the sequence to another replica by KV and ends the stream with ``Moved``: the router attaches
+there and reads on. When the replica or a worker died, or the KV was lost or could not move,
+the sequence is recomputed: its prompt and the tokens already out go to another decode replica
+(their KV computed by the prefill pool or there) and the stream goes on, no token twice, none
+missing (what shapes the next tokens is the engine's function of the tokens so far). After
+``max_migrations`` moves it fails with a 503 error event. If the prefill replica fails before
+the first token, the prompt is computed on a decode replica; a lost prompt KV is recomputed
 (``on_transfer_failure: recompute``) or fails the sequence (``fail``); the KV of a sequence
 already moved or started over is recomputed whatever the policy. A transfer's wait is bounded
-from the moment its sender queues it, and ends soon after its sender falls silent
-(``duet.kv_transfer.receiver``): a prefill replica killed with transfers still queued leaves no
-sequence waiting long.
+from when its sender queues it, and ends soon after its sender falls silent
+(``duet.kv_transfer.receiver``).
 """
 
 from __future__ import annotations
@@ -100,6 +93,9 @@ class Orchestrator:
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
+        self.open_streams: set[_DecodeStream] = set()  # not yet finished or closed
+        if balancer is not None:
+            balancer.live_streams = lambda: len(self.open_streams)
 
     async def run(
         self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None = None
@@ -331,6 +327,7 @@ class _DecodeStream:
         self._call = None  # the reservation in flight
         self._stream = None
         self._items = self._attach()
+        orchestrator.open_streams.add(self)
 
     async def place(self) -> Placement:
         """Where the sequence runs. Bounded: while Serve lists no replica of the pool (its last one
@@ -352,6 +349,8 @@ class _DecodeStream:
         if self.choice is not None:
             self.choice.done(first_token=isinstance(item, TokenDelta))
         self.finished = isinstance(item, Moved) or item.finished
+        if self.finished:
+            self.orchestrator.open_streams.discard(self)
         return item
 
     async def _reserve(self) -> Placement:
@@ -386,6 +385,7 @@ class _DecodeStream:
             yield item
 
     async def aclose(self) -> None:
+        self.orchestrator.open_streams.discard(self)
         if self.choice is not None:
             self.choice.done()
         if self.finished:

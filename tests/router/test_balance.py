@@ -244,13 +244,36 @@ def test_a_late_context_is_not_passed_over_for_good(monkeypatch):
     assert longest_wait <= balance.LATE_TURN_TTFTS * TTFT_S + 6 * 1.43 <= 20.0
 
 
-def test_decode_replicas_that_share_the_cores_compute_no_prompt_of_their_own():
-    """The prefill pool's queue would make the prompt later than an idle decode replica, but that
-    replica takes turns at the same cores (``cores.share``): a local prompt saves no core."""
-    busy_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=20_000)]
-    idle_decode = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
-    assert balancer(busy_prefill, idle_decode).choose(2000).local
-    shared = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02, shared_cores=True)]
-    choice = balancer(busy_prefill, shared).choose(2000, waited_s=0.0)
-    assert choice is None  # late through the prefill pool: it waits for room there
-    assert not balancer([stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=300)], shared).choose(2000).local
+def test_decode_replicas_that_share_the_cores_are_not_second_to_the_prefill_pool():
+    """With cores of its own the prefill pool goes first while it has nothing queued; on shared
+    cores a prompt computes on the same cores either way, so the sooner way decides (no hop and
+    no transfer on the decode replica), within the decoders' TPOT room."""
+    idle_prefill = [stats("prefill", "p", prefill_tokens_per_s=1000.0)]
+
+    def decoding(shared: bool, tpot_s: float = 0.02) -> list[ReplicaStats]:
+        return [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=tpot_s, num_running=2, shared_cores=shared)]
+
+    assert not balancer(idle_prefill, decoding(False)).choose(1000).local
+    assert balancer(idle_prefill, decoding(True)).choose(1000).local
+    assert not balancer(idle_prefill, decoding(True, tpot_s=TPOT_S)).choose(1000).local  # no TPOT room left
+
+
+def test_on_an_idle_machine_a_decode_replica_that_shares_the_cores_computes_the_prompt():
+    """Nothing decoding and nothing in flight: the decode replica has every core, as one engine
+    would, even before any speed is measured (a long prompt otherwise goes through the prefill
+    pool). Not so while the router has a stream decoding or a context in flight, while the
+    replica reports work, or without shared cores."""
+    prefill = [stats("prefill", "p")]
+    shared = [stats("decode", "d", shared_cores=True)]
+    assert not balancer(prefill, [stats("decode", "d")]).choose(500).local
+    idle = balancer(prefill, shared)
+    first = idle.choose(500)
+    assert first.local
+    second = idle.choose(500)
+    assert not second.local  # the first is still in flight
+    first.done(first_token=True)
+    second.done(first_token=True)
+    idle.live_streams = lambda: 1  # and now decoding
+    assert not idle.choose(500).local
+    for work in ({"num_running": 1}, {"num_waiting": 1}):
+        assert not balancer(prefill, [stats("decode", "d", shared_cores=True, **work)]).choose(500).local
