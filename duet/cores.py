@@ -46,7 +46,7 @@ SPLIT_CHUNK_S = 0.1  # the longest prompt step beside a decoder that has no slac
 MAX_SLACK_S = 1.0  # the longest one pause: a stream ahead of its budget for long banks no more
 MIN_CHUNK_TOKENS = 32  # the least prompt a bounded step computes, so prompts always advance
 POLL_S = 0.0005  # how often a waiting prompt step looks again (each look reads a few small files)
-_STATE = struct.Struct("<BBBBHHQd")  # decode, wanting, backlog, yielding, threads, need, steps, slack_s
+_STATE = struct.Struct("<BBBBHxxQd")  # decode, wanting, backlog, yielding, need, steps, slack_s
 
 
 def machine_cores() -> int:
@@ -62,7 +62,6 @@ class EngineState:
     wanting: bool = False  # it has work to compute
     backlog: bool = False  # a prompt engine with more than one request to compute
     yielding: bool = False  # a decoder skipping its steps while prompts compute
-    threads: int = 0  # threads of its step in progress (0: not computing)
     need: int = 1  # a decoder's threads beside prompts
     steps: int = 0
     slack_s: float = 0.0  # a decoder's: how long its streams may still wait
@@ -70,13 +69,12 @@ class EngineState:
     size = _STATE.size
 
     def pack(self) -> bytes:
-        fields = (self.decode, self.wanting, self.backlog, self.yielding, self.threads, self.need, self.steps, self.slack_s)
-        return _STATE.pack(*fields)
+        return _STATE.pack(self.decode, self.wanting, self.backlog, self.yielding, self.need, self.steps, self.slack_s)
 
     @classmethod
     def unpack(cls, data: bytes) -> EngineState:
-        decode, wanting, backlog, yielding, threads, need, steps, slack_s = _STATE.unpack(data)
-        return cls(bool(decode), bool(wanting), bool(backlog), bool(yielding), threads, need, steps, slack_s)
+        decode, wanting, backlog, yielding, need, steps, slack_s = _STATE.unpack(data)
+        return cls(bool(decode), bool(wanting), bool(backlog), bool(yielding), need, steps, slack_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +140,11 @@ class CoreShare:
         state.slack_s = self._slack(streams, now)
         state.need = self._need()
         prompts = [peer for peer in self.peers() if not peer.decode and peer.wanting]
-        prompts_wait = bool(prompts)
         # Beside a backlog of prompts the cores stay split: turns of every core cost more than a core each.
         if streams and prompts and not any(peer.backlog for peer in prompts) and state.slack_s >= MIN_PAUSE_S:
             if self._yield_started is None:
                 self._yield_started = now
             state.wanting = state.yielding = True
-            state.threads = 0
             self._publish()
             return None
         if self._yield_started is not None:
@@ -156,7 +152,7 @@ class CoreShare:
             self._yield_started = None
         state.wanting, state.yielding = computes or bool(streams), False
         self._publish()  # its slack and need, for a prompt engine sizing its step beside this one
-        return StepPlan(state.need if prompts_wait else self.cores, None)
+        return StepPlan(state.need if prompts else self.cores, None)
 
     def _prompt_plan(self, backlog: bool) -> StepPlan:
         state = self.state
@@ -212,8 +208,7 @@ class CoreShare:
             return
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self.state.threads = self.last_threads = threads
-        self._publish()
+        self.last_threads = threads
         started = time.perf_counter()
         try:
             yield
@@ -223,7 +218,6 @@ class CoreShare:
     def _after(self, num_tokens: int, threads: int, seconds: float) -> None:
         state = self.state
         state.steps += 1
-        state.threads = 0
         if state.decode:
             self._thread_s = moving_average(self._thread_s, seconds * threads)
         elif num_tokens >= MIN_CHUNK_TOKENS and seconds > 0:
@@ -239,9 +233,8 @@ class CoreShare:
     def idle(self) -> None:
         """The engine ran out of work: it wants no cores."""
         state = self.state
-        if state.wanting or state.yielding or state.threads:
-            state.wanting = state.yielding = False
-            state.threads = 0
+        if state.wanting or state.yielding or state.backlog:
+            state.wanting = state.yielding = state.backlog = False
             self._publish()
         self._streams.clear()
         if self._yield_started is not None:

@@ -120,7 +120,8 @@ class KVConnectorWorker:
 
     def end_step(self, sampled: dict[str, list[int]]) -> None:
         for request_id, progress in self._sending.items():
-            progress.mark_ready(self.num_layers, self._block_table(request_id))  # every layer is in (not streamed: now)
+            if not self.stream_layers:  # every layer is in now (streamed, each was marked as it was written)
+                progress.mark_ready(self.num_layers, self._block_table(request_id))
             tokens = sampled.get(request_id)
             if tokens:
                 progress.set_first_token(tokens[0])

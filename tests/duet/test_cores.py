@@ -71,7 +71,7 @@ def test_a_decoder_with_time_to_spare_yields_and_the_prompt_takes_every_core_wit
     prompts.state.wanting = True
     prompts._publish()
     assert decode.before_step([("a", 3), ("b", 5)]) is None  # b's slack: a token's budget, less the time since
-    assert decode.state.yielding and decode.state.threads == 0
+    assert decode.state.yielding
     slack = decode.state.slack_s
     assert MIN_PAUSE_S <= slack <= 0.1
     plan = prompts.before_step()
@@ -153,7 +153,7 @@ def test_a_dead_engines_state_goes_with_it(tmp_path):
 
 
 def test_state_round_trips():
-    state = EngineState(True, wanting=True, backlog=True, yielding=True, threads=3, need=2, steps=7, slack_s=0.07)
+    state = EngineState(True, wanting=True, backlog=True, yielding=True, need=2, steps=7, slack_s=0.07)
     assert EngineState.unpack(state.pack()) == state
 
 
