@@ -110,7 +110,7 @@ def _down(args: argparse.Namespace) -> int:
 
 EVAL_CHECKS = ("ppl",)
 BENCH_SUITES = (
-    "offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured", "tools",
+    "offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured", "tools", "gpu",
 )
 
 

@@ -307,10 +307,12 @@ class EngineArgs:
     max_lora_rank: int = 64
     max_loras: int = 4  # LoRA adapters held at once; another is loaded in place of the least recently used
     batch_invariant: bool = False  # a request's values the same whatever shares its steps (duet.models.batch_invariant)
+    enforce_eager: bool = False  # on a GPU: no CUDA graphs of the decode step (duet.cuda_graphs)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_invariant, bool):
-            raise ConfigError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
+        for name in ("batch_invariant", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model must be an alias such as 'smollm2' or a path to a Hugging Face model directory")
         if self.device != "cpu" and not self.device.startswith("cuda"):

@@ -64,6 +64,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, args.device)
         self.scheduler_config = args.scheduler_config(max_positions(model_path))
         self.max_model_len = self.scheduler_config.max_model_len
+        max_num_seqs = self.scheduler_config.max_num_seqs
         cache_config = args.cache_config()
         self.block_size = cache_config.block_size
         arch = self.model_config
@@ -103,6 +104,7 @@ class LLMEngine:
             max_lora_rank=args.max_lora_rank,
             max_loras=args.max_loras,
             batch_invariant=args.batch_invariant,
+            cuda_graph_max_num_seqs=0 if args.enforce_eager or args.device == "cpu" or world_size > 1 else max_num_seqs,
         )
         self.executor = import_object(args.executor())(worker_config)
         self.loras = LoRASlots(args.max_loras, args.lora_modules or {}, self.executor.check_lora)

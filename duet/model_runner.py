@@ -12,7 +12,9 @@ from collections.abc import Callable
 import torch
 
 from duet.config import SpeculativeConfig
+from duet.cuda_graphs import DecodeGraphs, unsupported
 from duet.grammar_masks import GrammarMasks, MaskJob
+from duet.kernels.fused import greedy_argmax
 from duet.kernels.kv_quant import row_width
 from duet.lora import LoRAAdapter, LoRAStep, applied
 from duet.model_inputs import BatchInputs, Span, build_batch
@@ -46,7 +48,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
         self.vocab_size = arch.vocab_size
+        self.graphs: DecodeGraphs | None = None  # the decode step's CUDA graphs (capture_decode_graphs)
         self.kv_cache, self.kv_caches = allocate_kv_cache(arch, num_blocks, block_size, kv_dtype, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.loras: dict[str, LoRAAdapter] = {}  # the adapters requests may name (``add_lora``)
@@ -58,6 +62,18 @@ class ModelRunner:
         if speculative_config is not None:
             proposer = _make_proposer(speculative_config, self, draft_model, num_blocks, kv_dtype)
             self.spec = SpeculativeDecoder(speculative_config, proposer, self.vocab_size, max_model_len, eos_token_id)
+
+    def capture_decode_graphs(self, max_num_seqs: int) -> str | None:
+        """Capture the decode step in CUDA graphs for batches up to ``max_num_seqs``
+        (``duet.cuda_graphs``); why not, where the model's forward cannot be captured."""
+        reason = unsupported(self.model, self.kv_cache)
+        if reason is not None:
+            return reason
+        try:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, -(-self.max_model_len // self.block_size), self.device)
+        except RuntimeError as error:  # the capture refused (an operation it cannot hold): the steps stay eager
+            return f"the capture failed: {error}"
+        return None
 
     def forget(self, request_ids) -> None:
         """Drop what the runner holds of these requests; one it meets again is sent whole."""
@@ -205,10 +221,17 @@ class ModelRunner:
         spec_token_ids = scheduler_output.scheduled_spec_token_ids
         masks = self._start_masks(row_owners, spec_token_ids)
         excluded = None if scored else self._greedy_exclusions(row_owners, spec_token_ids, masks)
-        with applied(self._lora_step(scheduler_output)):
-            out = self.model(
-                batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done, excluded,
-            )
+        lora_step = self._lora_step(scheduler_output)
+        graphs = self.graphs
+        eager = graphs is None or on_layer_done is not None or lora_step is not None or scored
+        if not eager and graphs.takes(batch.metadata, len(row_owners)):
+            out = graphs.run(batch.input_ids, batch.positions, batch.metadata)
+            out = out if excluded is None else greedy_argmax(out, excluded)
+        else:
+            with applied(lora_step):
+                out = self.model(
+                    batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, on_layer_done, excluded,
+                )
         prompt_logprobs = {}
         if scored:
             out, prompt_logprobs = out[: len(row_owners)], self._prompt_logprobs(out[len(row_owners):], scored)

@@ -56,6 +56,7 @@ class WorkerConfig:
     collective_timeout_s: float = 60.0
     num_threads: int | None = None
     batch_invariant: bool = False  # duet.models.batch_invariant
+    cuda_graph_max_num_seqs: int = 0  # the largest decode batch captured in CUDA graphs (duet.cuda_graphs); 0: none
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -151,6 +152,10 @@ class Worker:
         self.kv_connector = None
         if config.kv_transfer is not None:
             self.kv_connector = import_object(config.kv_transfer.connector)(self.runner.kv_cache, arch, config)
+        if config.cuda_graph_max_num_seqs:
+            reason = self.runner.capture_decode_graphs(config.cuda_graph_max_num_seqs)
+            if reason is not None:
+                logger.warning("decode steps run eagerly, without CUDA graphs: %s", reason)
 
     def kv_endpoint(self) -> KVEndpoint | None:
         return None if self.kv_connector is None else self.kv_connector.endpoint

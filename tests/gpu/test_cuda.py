@@ -119,7 +119,12 @@ def test_greedy_on_the_gpu_equals_transformers(tmp_path, tiny_tokenizer_dir, wei
     rng = random.Random(7)
     prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 90))] for _ in range(12)]
     references = hf_greedy(model_dir, prompts, 24)
-    llm = LLM(model=str(model_dir), device="cuda", num_kv_blocks=256, max_num_seqs=len(prompts), max_num_batched_tokens=64)
+    # The GGUF cases set every product to the blocks after the load: eagerly, since the decode
+    # graphs captured at load hold the path each product took then.
+    llm = LLM(
+        model=str(model_dir), device="cuda", num_kv_blocks=256, max_num_seqs=len(prompts), max_num_batched_tokens=64,
+        enforce_eager=weights != "float",
+    )
     linears = [module for _, module in llm.engine.executor.worker.runner.model.named_modules() if isinstance(module, Linear)]
     if weights != "float":  # every product reads the blocks, whatever this GPU measured them worth
         assert all(linear.gguf is not None for linear in linears)
@@ -131,4 +136,29 @@ def test_greedy_on_the_gpu_equals_transformers(tmp_path, tiny_tokenizer_dir, wei
     for label, outputs in (("together", together), ("alone", alone)):
         for index, (output, reference) in enumerate(zip(outputs, references)):
             assert compare_to_reference(output.outputs[0].token_ids, reference, f"{weights} {label} {index}") is None
+    llm.engine.check_integrity()
+
+
+def test_decode_steps_replayed_from_cuda_graphs_give_transformers_greedy_tokens(tmp_path, tiny_tokenizer_dir):
+    """Forty requests of different prompt and output lengths at once: the decode batch shrinks
+    through every bucket, padded rows beside real ones, and prompt chunks run eagerly between
+    the replays. Each request's tokens are transformers' greedy ones, and no block stays held."""
+    from duet import LLM, SamplingParams
+    from tests.conftest import TINY_VOCAB, make_tiny_llama
+    from tests.reference import Reference, compare_to_reference, hf_greedy
+
+    sizes = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    model_dir = make_tiny_llama(tmp_path, tiny_tokenizer_dir, **sizes)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(2, 70))] for _ in range(40)]
+    lengths = [rng.randrange(1, 40) for _ in prompts]
+    references = hf_greedy(model_dir, prompts, max(lengths))
+    llm = LLM(model=str(model_dir), device="cuda", num_kv_blocks=512, max_num_seqs=40, max_num_batched_tokens=128)
+    graphs = llm.engine.executor.worker.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24, 32, 40]
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths])
+    for index, (output, reference, length) in enumerate(zip(outputs, references, lengths)):
+        expected = Reference(reference.token_ids[:length], reference.top2_gaps[:length])
+        assert compare_to_reference(output.outputs[0].token_ids, expected, f"prompt {index}") is None
+    assert len(graphs.replays) >= 4  # batches of many sizes, most of them padded, replayed
     llm.engine.check_integrity()
