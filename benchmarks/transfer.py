@@ -7,10 +7,12 @@ Two processes on this machine (gloo on CPU, NCCL between GPUs), SmolLM2's KV lay
 (30 layers, 3 KV heads of 64, fp32, blocks of 16), each computing on half of the machine's
 cores, as a prefill and a decode replica sharing it do. For each prompt length the KV path
 moves the blocks of one request (per run of layers: gather, send, scatter into other block
-ids, then an acknowledgement); the raw path sends one contiguous tensor of the same size on
-the same kind of pairwise group and waits for the same acknowledgement, received into a
-buffer the receiver already holds (warm: the floor a transfer is held to) and into one it
-allocates for the message (fresh: its pages are first written as the bytes arrive).
+ids, then an acknowledgement), through shared memory as two processes on one machine do by
+default (``kv_transfer/shm.py``) and over the socket (``shared_memory: false``, as between
+machines); the raw path sends one contiguous tensor of the same size on the same kind of
+pairwise group and waits for the same acknowledgement, received into a buffer the receiver
+already holds (warm: the floor a socket transfer is held to) and into one it allocates for the
+message (fresh: its pages are first written as the bytes arrive).
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ def _cache() -> torch.Tensor:
 
 def _receiver(conn) -> None:
     torch.set_num_threads(THREADS)
-    receiver = KVReceiver(_cache(), SPEC, timeout_s=60)
-    conn.send(receiver.endpoint)
-    raw = PairGroup(receiver.store, "raw", RECEIVER_RANK, SPEC, False, 60)
+    cache = _cache()
+    receivers = {kind: KVReceiver(cache, SPEC, timeout_s=60, shared_memory=kind == "kv") for kind in ("kv", "kv-wire")}
+    conn.send({kind: receiver.endpoint for kind, receiver in receivers.items()})
+    raw = PairGroup(receivers["kv"].store, "raw", RECEIVER_RANK, SPEC, False, 60)
     warm: dict[int, torch.Tensor] = {}
     while (command := conn.recv()) is not None:
         kind, transfer_id, num_blocks = command
-        if kind == "kv":
+        if kind in receivers:
+            receiver = receivers[kind]
             receiver.expect(transfer_id, list(range(NUM_BLOCKS - num_blocks, NUM_BLOCKS)))
             while not (results := receiver.poll()):
                 time.sleep(0.0005)
@@ -63,7 +67,8 @@ def _receiver(conn) -> None:
             buffer = torch.empty(size) if kind == "fresh" else warm[size]
             raw.recv(buffer, 0).wait()
             raw.send(torch.zeros(2, dtype=torch.int64), 1).wait()
-    receiver.close()
+    for receiver in receivers.values():
+        receiver.close()
 
 
 def measure(progress) -> list[dict]:
@@ -72,29 +77,31 @@ def measure(progress) -> list[dict]:
     conn, child = context.Pipe()
     process = context.Process(target=_receiver, args=(child,))
     process.start()
-    endpoint: KVEndpoint = conn.recv()
-    sender = KVSender(_cache(), SPEC, timeout_s=60)
-    raw = PairGroup(connect_store(endpoint, 60), "raw", SENDER_RANK, SPEC, False, 60)
+    endpoints: dict[str, KVEndpoint] = conn.recv()
+    cache = _cache()
+    senders = {kind: KVSender(cache, SPEC, timeout_s=60, shared_memory=kind == "kv") for kind in endpoints}
+    raw = PairGroup(connect_store(endpoints["kv"], 60), "raw", SENDER_RANK, SPEC, False, 60)
     records, transfer_id = [], 0
     for tokens in TOKENS:
         num_blocks = tokens // BLOCK
         kv_bytes = LAYERS * 2 * KV_HEADS * num_blocks * BLOCK * HEAD_DIM * 4
-        times: dict[str, list[float]] = {"kv": [], "warm": [], "fresh": []}
+        times: dict[str, list[float]] = {"kv": [], "kv-wire": [], "warm": [], "fresh": []}
         payload = torch.randn(kv_bytes // 4)
         for _ in range(REPEATS + 1):  # the first round builds the groups and warms up
-            transfer_id += 1
-            conn.send(("kv", transfer_id, num_blocks))
-            start = time.perf_counter()
-            sender.send(transfer_id, endpoint, LayerProgress.complete(LAYERS, list(range(num_blocks)), 0), num_blocks)
-            assert conn.recv(), "KV transfer failed"
-            times["kv"].append(time.perf_counter() - start)
+            for kind, sender in senders.items():
+                transfer_id += 1
+                conn.send((kind, transfer_id, num_blocks))
+                start = time.perf_counter()
+                sender.send(transfer_id, endpoints[kind], LayerProgress.complete(LAYERS, list(range(num_blocks)), 0), num_blocks)
+                assert conn.recv(), "KV transfer failed"
+                times[kind].append(time.perf_counter() - start)
             for kind in ("warm", "fresh"):
                 conn.send((kind, 0, num_blocks))
                 start = time.perf_counter()
                 raw.send(payload, 0).wait()
                 raw.recv(torch.zeros(2, dtype=torch.int64), 1).wait()
                 times[kind].append(time.perf_counter() - start)
-        kv_s, raw_s, fresh_s = (min(times[kind][1:]) for kind in ("kv", "warm", "fresh"))
+        kv_s, wire_s, raw_s, fresh_s = (min(times[kind][1:]) for kind in ("kv", "kv-wire", "warm", "fresh"))
         records.append(
             {
                 "tokens": tokens,
@@ -103,6 +110,8 @@ def measure(progress) -> list[dict]:
                 "gbps": kv_bytes / kv_s / 1e9,
                 "raw_gbps": kv_bytes / raw_s / 1e9,
                 "ratio_vs_raw": raw_s / kv_s,
+                "wire_gbps": kv_bytes / wire_s / 1e9,  # the KV path over the socket (shared_memory: false)
+                "wire_ratio_vs_raw": raw_s / wire_s,
                 "fresh_raw_gbps": kv_bytes / fresh_s / 1e9,
                 "ratio_vs_fresh_raw": fresh_s / kv_s,
                 "threads": THREADS,
@@ -112,7 +121,8 @@ def measure(progress) -> list[dict]:
         progress(tokens)
     conn.send(None)
     process.join(60)
-    sender.close()
+    for sender in senders.values():
+        sender.close()
     return records
 
 
@@ -238,12 +248,13 @@ def main(argv: list[str] | None = None) -> None:
             overlap["transfer_s"] = record["seconds"]
             overlap["overlap_hidden_frac"] = (overlap["prefill_s"] + record["seconds"] - overlap["streamed_s"]) / record["seconds"]
             record["overlap_hidden_frac"] = overlap["overlap_hidden_frac"]
-    print(f"\nKV transfer vs raw send/recv, gloo, SmolLM2 layout ({LAYERS} layers), {THREADS} thread(s) a side, best of {REPEATS}")
-    print(f"{'tokens':>7} {'KV MB':>8} {'KV GB/s':>8} {'raw warm':>9} {'ratio':>6} {'raw fresh':>10} {'ratio':>6}")
+    print(f"\nKV transfer vs raw send/recv over gloo, SmolLM2 layout ({LAYERS} layers), {THREADS} thread(s) a side, best of {REPEATS}")
+    print("(KV: through shared memory, the default on one machine; KV wire: over the socket; ratios against raw warm)")
+    print(f"{'tokens':>7} {'KV MB':>8} {'KV GB/s':>8} {'ratio':>6} {'KV wire':>8} {'ratio':>6} {'raw warm':>9} {'raw fresh':>10}")
     for r in records:
         print(
-            f"{r['tokens']:7d} {r['kv_bytes'] / 1e6:8.1f} {r['gbps']:8.2f} {r['raw_gbps']:9.2f} {r['ratio_vs_raw']:6.2f} "
-            f"{r['fresh_raw_gbps']:10.2f} {r['ratio_vs_fresh_raw']:6.2f}"
+            f"{r['tokens']:7d} {r['kv_bytes'] / 1e6:8.1f} {r['gbps']:8.2f} {r['ratio_vs_raw']:6.2f} {r['wire_gbps']:8.2f} "
+            f"{r['wire_ratio_vs_raw']:6.2f} {r['raw_gbps']:9.2f} {r['fresh_raw_gbps']:10.2f}"
         )
     print(
         f"layer-wise streaming, SmolLM2 {overlap['tokens']}-token prompt: prefill alone {overlap['prefill_s'] * 1e3:.0f} ms, "
@@ -260,13 +271,14 @@ def main(argv: list[str] | None = None) -> None:
 def _plot(records: list[dict], path: str) -> None:
     with saved_figure(path, figsize=(7, 3.5)) as (fig, ax):
         tokens = [r["tokens"] for r in records]
-        ax.plot(tokens, [r["gbps"] for r in records], marker="o", label="KV transfer (per layer, scattered)")
+        ax.plot(tokens, [r["gbps"] for r in records], marker="o", label="KV transfer, shared memory (one machine)")
+        ax.plot(tokens, [r["wire_gbps"] for r in records], marker="x", label="KV transfer over the socket")
         ax.plot(tokens, [r["raw_gbps"] for r in records], marker="s", label="raw send/recv, one tensor, warm buffer")
         ax.plot(tokens, [r["fresh_raw_gbps"] for r in records], marker="^", label="raw send/recv, one tensor, fresh buffer")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("GB/s")
-        ax.set_title("duet KV transfer over gloo, SmolLM2 layout")
+        ax.set_title("duet KV transfer between two processes, SmolLM2 layout")
         ax.legend()
 
 

@@ -194,6 +194,7 @@ class KVTransferConfig:
     timeout_s: float = 30.0
     connector: str = "duet.kv_transfer.connector:KVConnectorWorker"
     stream_layers: bool = True  # a prompt's KV goes as the forward writes each layer (False: once it is done)
+    shared_memory: bool = True  # between replicas on one machine, through /dev/shm rather than a socket (kv_transfer/shm.py)
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:

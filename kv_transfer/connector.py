@@ -61,8 +61,9 @@ class KVConnectorWorker:
         self.num_layers = len(held)  # what this cache holds, and the forward reports
         kv_cache = cache_bytes_view(kv_cache)  # the bytes travel as they are, whatever their dtype
         name = f"{transfer.name}.{config.rank}"
-        self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=name, kv_heads=kv_heads, layers=self.layers)
-        self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s, kv_heads=kv_heads, layers=self.layers)
+        where = dict(kv_heads=kv_heads, layers=self.layers, shared_memory=transfer.shared_memory)
+        self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=name, **where)
+        self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s, **where)
         self._sending: dict[str, LayerProgress] = {}  # this step's sends, by request
         self._parts: dict[int, tuple[int, list[KVTransferResult]]] = {}  # a send's parts: how many, and those ended
         self._ended: list[KVTransferResult] = []  # sends with no part: ended as they started

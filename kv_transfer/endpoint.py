@@ -2,10 +2,12 @@
 returns, counters, the wire's waits and buffers, and their pairs' threads.
 
 One transfer on a pair, after its announcement (``channel.py``): each run of layers' packed K/V
-(``wire.py``), then a trailer ``[transfer id, valid, first token, checksum of each run]`` (a
-request aborted mid-way still sends its remaining runs, from blocks its engine holds until the
-transfer ends, marked invalid, so the pair stays in step; a run whose bytes do not sum to its
-checksum fails the transfer: ``faults.py``), then an acknowledgement ``[transfer id, accepted | refused | corrupted]``. Only
+(``wire.py``; where the pair shares memory, a signal that the run is in its slot: ``shm.py``),
+then a trailer ``[transfer id, valid, first token, checksum of each run]`` (a request aborted
+mid-way still sends its remaining runs, from blocks its engine holds until the transfer ends,
+marked invalid, so the pair stays in step; a run whose bytes do not sum to its checksum fails
+the transfer: ``faults.py``), then an acknowledgement ``[transfer id, accepted | refused |
+corrupted]``. Only
 data that does not come in time (the peer died or hung) breaks a pair: its group is dropped and
 its thread ends; the sender opens a new pair, under a new key, for what it still has to send.
 """
@@ -59,7 +61,7 @@ KEPT_BUFFER_BYTES = 4 * TARGET_MESSAGE_BYTES
 class TransferEndpoint:
     def __init__(
         self, kv_cache: torch.Tensor, spec: KVSpec, host: str, timeout_s: float, kv_heads: tuple[int, int] | None,
-        layers: tuple[int, int] | None = None,
+        layers: tuple[int, int] | None = None, shared_memory: bool = True,
     ) -> None:
         self.kv_cache = kv_cache
         self.spec = spec
@@ -69,6 +71,7 @@ class TransferEndpoint:
         self.layers = layers or (0, kv_cache.shape[0])
         self.host = host
         self.timeout_s = timeout_s
+        self.shared_memory = shared_memory  # runs through shared memory where a pair's ends share a machine (shm.py)
         self.use_cuda = kv_cache.is_cuda
         self.closed = threading.Event()
         self._results: queue.SimpleQueue[KVTransferResult] = queue.SimpleQueue()
@@ -103,7 +106,7 @@ class TransferEndpoint:
             return sum(thread.is_alive() for thread in self._threads)
 
     def group(self, store, pair_key: str, rank: int) -> PairGroup:
-        return PairGroup(store, pair_key, rank, self.spec, self.use_cuda, self.timeout_s, self.host)
+        return PairGroup(store, pair_key, rank, self.spec, self.use_cuda, self.timeout_s, self.host, self.shared_memory)
 
     def wait(self, work, what: str) -> None:
         if not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):

@@ -4,7 +4,9 @@ Each receiving (decode) worker hosts one ``TCPStore``; a sending (prefill) worke
 never met it connects to that store's address, the two exchange their ``KVSpec`` through
 it (the handshake) and then build a 2-rank group under a key unique to the pair and the
 attempt: rank 0 receives, rank 1 sends. NCCL when both hold CUDA devices, gloo otherwise;
-a gloo group listens on the address each side was given (``kv_transfer.host``).
+a gloo group listens on the address each side was given (``kv_transfer.host``). Two CPU ends on
+one machine that both allow it move the runs through shared memory (``shm.py``), the group
+carrying signals only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from duet.distributed import connect_store as connect_to
 from duet.distributed import new_group
+from duet.kv_transfer.shm import SharedRuns, agree
 from duet.kv_transfer.spec import KVSpec
 from duet.messages import KVEndpoint
 
@@ -36,7 +39,8 @@ class PairGroup:
     """A 2-rank group between one sender and one receiver, after a successful handshake."""
 
     def __init__(
-        self, store: dist.Store, pair_key: str, rank: int, spec: KVSpec, use_cuda: bool, timeout_s: float, host: str = "127.0.0.1"
+        self, store: dist.Store, pair_key: str, rank: int, spec: KVSpec, use_cuda: bool, timeout_s: float, host: str = "127.0.0.1",
+        shared_memory: bool = False,
     ):
         self.pair_key = pair_key
         self.rank = rank
@@ -54,6 +58,8 @@ class PairGroup:
         both_cuda = use_cuda and prefix.get(f"cuda/{peer}") == b"1"
         self.backend, self.group = new_group(dist.PrefixStore("group", prefix), rank, 2, both_cuda, host, timeout_s)
         self.peer = peer
+        # The runs' slots where both ends share memory (and want to), else None: the runs go on the wire.
+        self.shared: SharedRuns | None = agree(prefix, rank == SENDER_RANK, shared_memory and not use_cuda, self.timeout)
 
     def send(self, tensor: torch.Tensor, tag: int) -> dist.Work:
         return self.group.send([tensor], self.peer, tag)

@@ -43,8 +43,9 @@ from duet.kv_transfer.endpoint import (
 )
 from duet.kv_transfer.faults import checksum
 from duet.kv_transfer.group import RECEIVER_RANK, connect_store
+from duet.kv_transfer.shm import FREE_TAG_BASE
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import unpack_layers
+from duet.kv_transfer.wire import packed_shape, unpack_layers
 from duet.messages import KVEndpoint
 from duet.outputs import KVTransferResult
 
@@ -84,9 +85,9 @@ class KVReceiver(TransferEndpoint):
 
     def __init__(
         self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0,
-        kv_heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None,
+        kv_heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, shared_memory: bool = True,
     ) -> None:
-        super().__init__(kv_cache, spec, host, timeout_s, kv_heads, layers)
+        super().__init__(kv_cache, spec, host, timeout_s, kv_heads, layers, shared_memory)
         self.store = host_store(host, 0, timeout_s)
         self.endpoint = KVEndpoint(host, self.store.port, self.kv_heads, self.layers)
         self._expected: dict[int, _Expected] = {}  # not announced yet
@@ -289,16 +290,12 @@ class KVReceiver(TransferEndpoint):
         elif not self.held(heads, layers):
             mismatch = f"announced with KV heads {heads} of layers {layers}, this worker holds {self.kv_heads} of {self.layers}"
         runs, here = self.runs(num_blocks, heads, layers)
-        received = self.buffers(runs, num_blocks, heads[1] - heads[0])
-        checksums = []
-        work = group.recv(received[0], FIRST_LAYER_TAG)
-        for index, (start, end) in enumerate(runs):
-            self.wait(work, f"layers {layers[0] + start}-{layers[0] + end - 1} of transfer {transfer_id}")
-            if index + 1 < len(runs):  # into the other buffer, while this one is checked and put in place
-                work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
-            checksums.append(checksum(received[index]))
+        checksums, num_bytes = [], 0
+        for index, start, end, run in self._incoming(group, transfer_id, runs, num_blocks, heads, layers):
+            checksums.append(checksum(run))
+            num_bytes += run.numel() * run.element_size()
             if job is not None and mismatch is None:
-                unpack_layers(self.kv_cache, here + start, here + end, job.block_ids, received[index], self.local_heads(heads))
+                unpack_layers(self.kv_cache, here + start, here + end, job.block_ids, run, self.local_heads(heads))
         trailer = torch.zeros(3 + len(runs), dtype=torch.int64, device=self.kv_cache.device)  # NCCL moves GPU tensors only
         self.wait(group.recv(trailer, TRAILER_TAG), f"trailer of transfer {transfer_id}")
         corruption = _corrupted(layers[0], runs, checksums, trailer[3:].tolist())
@@ -309,7 +306,7 @@ class KVReceiver(TransferEndpoint):
                 job.parts_active -= 1
                 if accepted:
                     job.num_cells_in += (heads[1] - heads[0]) * (layers[1] - layers[0])
-                    job.num_bytes += sum(buffer.numel() * buffer.element_size() for buffer in received)
+                    job.num_bytes += num_bytes
                     if int(trailer[2]) != NO_TOKEN:
                         job.first_token_id = int(trailer[2])
                 elif not job.cancelled and job.error is None:
@@ -327,6 +324,36 @@ class KVReceiver(TransferEndpoint):
         finally:
             if job is not None and finished:  # a drained one's request went away, and was told so then
                 self.report(self._result(job))
+
+    def _incoming(self, group, transfer_id: int, runs: list[tuple[int, int]], num_blocks: int, heads: tuple[int, int], layers):
+        """Each run of a transfer as it comes in, ``(index, start, end, tensor)``: off the wire into
+        two buffers in turn (the next run coming into one while the caller handles the other),
+        or, where the pair shares memory, in the slot its signal names; that slot is given back
+        once the caller is done with the run, if a later run is to fill it."""
+        what = lambda start, end: f"layers {layers[0] + start}-{layers[0] + end - 1} of transfer {transfer_id}"  # noqa: E731
+        shared = group.shared
+        signal = torch.zeros(3, dtype=torch.int64)
+        if shared is not None:
+            self.wait(group.recv(signal, FIRST_LAYER_TAG), what(*runs[0]))
+            if shared.on_the_wire(signal):  # the sender's /dev/shm had no room for its slots
+                shared = None
+        if shared is not None:
+            shape = packed_shape(self.kv_cache, *runs[0], num_blocks, heads[1] - heads[0])
+            incoming = shared.incoming(signal, shape, runs, self.kv_cache.dtype)
+            for index, (start, end) in enumerate(runs):
+                if index:
+                    self.wait(group.recv(signal, FIRST_LAYER_TAG + index), what(start, end))
+                yield index, start, end, incoming[index]
+                if index + 2 < len(runs):
+                    self.wait(group.send(torch.tensor([index]), FREE_TAG_BASE + index), f"slot of transfer {transfer_id}")
+            return
+        received = self.buffers(runs, num_blocks, heads[1] - heads[0])
+        work = group.recv(received[0], FIRST_LAYER_TAG)
+        for index, (start, end) in enumerate(runs):
+            self.wait(work, what(start, end))
+            if index + 1 < len(runs):
+                work = group.recv(received[index + 1], FIRST_LAYER_TAG + index + 1)
+            yield index, start, end, received[index]
 
     def _finished(self, job: _Expected) -> bool:
         """Under the lock: whether ``job`` has ended (every head of every layer in, or a part

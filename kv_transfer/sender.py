@@ -37,8 +37,9 @@ from duet.kv_transfer.endpoint import (
 from duet.kv_transfer.faults import TransferFaults, checksum
 from duet.kv_transfer.group import SENDER_RANK, connect_store
 from duet.kv_transfer.progress import LayerProgress, TransferCancelled
+from duet.kv_transfer.shm import FREE_TAG_BASE, WIRE_SIGNAL
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import pack_layers
+from duet.kv_transfer.wire import pack_layers, packed_shape
 from duet.messages import KVEndpoint
 from duet.outputs import KVTransferResult
 
@@ -64,9 +65,9 @@ class KVSender(TransferEndpoint):
 
     def __init__(
         self, kv_cache: torch.Tensor, spec: KVSpec, host: str = "127.0.0.1", timeout_s: float = 30.0, name: str = "prefill",
-        kv_heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None,
+        kv_heads: tuple[int, int] | None = None, layers: tuple[int, int] | None = None, shared_memory: bool = True,
     ):
-        super().__init__(kv_cache, spec, host, timeout_s, kv_heads, layers)
+        super().__init__(kv_cache, spec, host, timeout_s, kv_heads, layers, shared_memory)
         self.name = name
         self._pairs: dict[KVEndpoint, _SenderPair] = {}
         self._generation: dict[KVEndpoint, int] = {}
@@ -182,10 +183,10 @@ class _SenderPair:
 
     def run(self) -> None:
         owner = self.owner
+        group = None
         try:
             client = connect_store(self.endpoint, owner.timeout_s)
             channel = Channel(client)
-            group = None
             while not owner.closed.is_set():
                 job, give_up = self._next_job()
                 if job is _RETIRE:
@@ -208,6 +209,9 @@ class _SenderPair:
             if not owner.closed.is_set():
                 logger.warning("KV transfer pair %s broke: %s", self.pair_key, error)
             self._break(str(error))
+        finally:
+            if group is not None and group.shared is not None:
+                group.shared.close()
 
     def _next_job(self) -> tuple[_Send | None, str | None]:
         """The first transfer ready to go, or to give up; waits a little for one otherwise."""
@@ -243,7 +247,14 @@ class _SenderPair:
         num_bytes = 0
         checksums = []
         faults = owner.faults
-        staged = owner.buffers(runs, job.num_blocks, job.heads[1] - job.heads[0])
+        shared, num_heads, staged = group.shared, job.heads[1] - job.heads[0], None
+        if shared is not None:  # packed straight into the slots the receiver maps, where they have room
+            staged = shared.outgoing(packed_shape(owner.kv_cache, *runs[0], job.num_blocks, num_heads), runs, owner.kv_cache.dtype)
+            if staged is None:
+                shared = None
+                owner.wait(group.send(torch.tensor(WIRE_SIGNAL), FIRST_LAYER_TAG), f"signal of transfer {job.transfer_id}")
+        if staged is None:
+            staged = owner.buffers(runs, job.num_blocks, num_heads)
         in_flight = None  # (work, buffer): one run on the wire while the next is packed
         for index, (start, end) in enumerate(runs):
             if valid:
@@ -251,17 +262,20 @@ class _SenderPair:
                     block_ids = job.progress.wait_for(here + end, owner.timeout_s)
                 except (TransferCancelled, TimeoutError) as error:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
+            if shared is not None and index >= 2:  # its slot held run index - 2: the receiver must be done with it
+                owner.wait(group.recv(torch.zeros(1, dtype=torch.int64), FREE_TAG_BASE + index - 2), f"slot of transfer {job.transfer_id}")
             packed = pack_layers(owner.kv_cache, here + start, here + end, block_ids, heads, out=staged[index])
             corrupting = faults is not None and index == 0
             if corrupting:  # the run's checksum is taken before the fault flips a bit
                 checksums.append(checksum(packed))
                 faults.corrupt(packed)
-            work = group.send(packed, FIRST_LAYER_TAG + index)
-            if not corrupting:  # read while the wire reads it too (the trailer carries it)
+            message = packed if shared is None else shared.signal(index)
+            work = group.send(message, FIRST_LAYER_TAG + index)
+            if not corrupting:  # read while the wire (or the receiver) reads it too (the trailer carries it)
                 checksums.append(checksum(packed))
             if in_flight is not None:
                 owner.wait(in_flight[0], f"layers before {job.layers[0] + start} of transfer {job.transfer_id}")
-            in_flight = (work, packed)
+            in_flight = (work, message)
             num_bytes += packed.numel() * packed.element_size()
             if faults is not None and index == 0:
                 faults.drop(job.transfer_id)

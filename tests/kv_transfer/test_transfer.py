@@ -1,9 +1,10 @@
 """KV blocks cross process boundaries intact over a pairwise gloo group built at run time, in
-whatever order transfers are announced, with cancellations and timeouts that never break a pair."""
+whatever order transfers are announced, with cancellations and timeouts that never break a pair.
+Two processes of one machine move the runs through shared memory by default (``kv_transfer/shm.py``);
+the tests marked ``wire`` move them over the socket, as between machines."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import time
 
@@ -49,7 +50,7 @@ def _cancel_as_it_starts(send):
 
 def _sender_process(
     conn, spec_dict, shape, crash: bool, message_bytes: int | None, faults: str | None, dtype: str, layers: tuple[int, int] | None,
-    cancel_at_start: bool,
+    cancel_at_start: bool, shared_memory: bool, shm_full: bool,
 ) -> None:
     """A KVSender driven by commands from the test (holding ``layers`` of the model, if given:
     those of the whole cache ``shape``):
@@ -57,7 +58,8 @@ def _sender_process(
     num_blocks, endpoint) queues a transfer whose layers come later with ("mark", id, layers, blocks);
     ("cancel", id); ("await_start", id) answers once that transfer is under way; ("results",
     count) answers with the first ``count`` results. ``faults``: its ``DUET_KV_FAULTS``;
-    ``cancel_at_start``: every transfer's request is aborted as its first run is about to go."""
+    ``cancel_at_start``: every transfer's request is aborted as its first run is about to go;
+    ``shm_full``: /dev/shm has no room for any page (as a small container's may not)."""
     if faults is not None:
         import os
 
@@ -72,6 +74,14 @@ def _sender_process(
         from duet.kv_transfer.sender import _SenderPair
 
         _SenderPair._send = _cancel_as_it_starts(_SenderPair._send)
+    if shm_full:
+        import errno
+        import os
+
+        def no_room(descriptor, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = no_room
     if message_bytes is not None:
         import duet.kv_transfer.wire as wire
 
@@ -80,7 +90,7 @@ def _sender_process(
     if layers is not None:
         cache = cache[layers[0] : layers[1]].clone()
     name = "prefill" if layers is None else f"prefill.stage{layers[0]}"  # a pair's key names its sender
-    sender = KVSender(cache, KVSpec.from_dict(spec_dict), timeout_s=5, name=name, layers=layers)
+    sender = KVSender(cache, KVSpec.from_dict(spec_dict), timeout_s=5, name=name, layers=layers, shared_memory=shared_memory)
     progress: dict[int, LayerProgress] = {}
     while True:
         command, *args = conn.recv()
@@ -114,29 +124,6 @@ def _sender_process(
             return
 
 
-@pytest.fixture
-def start_sender():
-    processes = []
-
-    def start(
-        spec: KVSpec = SPEC, shape=SHAPE, crash: bool = False, message_bytes: int | None = None, faults: str | None = None,
-        dtype: str = "float32", layers: tuple[int, int] | None = None, cancel_at_start: bool = False,
-    ):
-        parent, child = mp.get_context("spawn").Pipe()
-        args = (child, spec.to_dict(), shape, crash, message_bytes, faults, dtype, layers, cancel_at_start)
-        process = mp.get_context("spawn").Process(target=_sender_process, args=args)
-        process.start()
-        processes.append(process)
-        return parent
-
-    start.processes = processes  # for a test that kills one
-    yield start
-    for process in processes:
-        process.join(30)
-        if process.is_alive():
-            process.kill()
-
-
 def _wait_results(receiver: KVReceiver, count: int, timeout_s: float = 30, counters=None) -> dict[int, tuple[bool, str | None]]:
     results, deadline = {}, time.monotonic() + timeout_s
     while len(results) < count and time.monotonic() < deadline:
@@ -157,15 +144,29 @@ def _assert_arrived(receiver: KVReceiver, src_blocks: list[int], dst_blocks: lis
         assert torch.equal(receiver.kv_cache[:, :, :, dst], source[:, :, :, src])
 
 
-def test_pack_and_unpack_move_blocks_between_different_ids():
-    """Guards the wire layout: the receiver's block ids differ from the sender's."""
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        ([2, 5, 11], [7, 0, 3]),
+        ([1, 2, 3, 4, 5, 6, 7, 8], [11, 10, 9, 0, 1, 2, 3, 4]),
+        ([9, 3, 5, 0, 11, 1, 7, 2], [2, 3, 4, 5, 6, 7, 8, 9]),
+        ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 0, 1, 2, 3]),
+    ],
+    ids=["scattered", "run-to-scattered", "scattered-to-run", "runs-to-runs"],
+)
+def test_pack_and_unpack_move_blocks_between_different_ids(src, dst):
+    """Guards the wire layout: the receiver's block ids differ from the sender's, scattered or
+    in runs of consecutive ids (copied a run at a time), packed into a buffer or a new tensor."""
     source = _sender_cache()
     target = torch.zeros(SHAPE)
     for start, end in [(0, 2), (2, 3)]:
-        unpack_layers(target, start, end, [7, 0, 3], pack_layers(source, start, end, [2, 5, 11]))
-    for src, dst in [(2, 7), (5, 0), (11, 3)]:
-        assert torch.equal(target[:, :, :, dst], source[:, :, :, src])
-    assert int((target != 0).any(dim=(0, 1, 2, 4, 5)).sum()) == 3
+        into = torch.full((end - start, 2, 2, len(src), 4, 8), -1.0)
+        packed = pack_layers(source, start, end, src, out=into if start else None)
+        assert torch.equal(packed, source[start:end].index_select(3, torch.tensor(src)))
+        unpack_layers(target, start, end, dst, packed)
+    for s, d in zip(src, dst):
+        assert torch.equal(target[:, :, :, d], source[:, :, :, s])
+    assert int((target != 0).any(dim=(0, 1, 2, 4, 5)).sum()) == len(dst)
 
 
 def test_layers_travel_in_runs_of_about_eight_megabytes():
@@ -177,12 +178,13 @@ def test_layers_travel_in_runs_of_about_eight_megabytes():
 
 
 @pytest.mark.slow  # a sender in a process of its own: seconds
-def test_transfers_sent_in_another_order_than_expected_all_arrive_intact(start_sender):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "wire"])
+def test_transfers_sent_in_another_order_than_expected_all_arrive_intact(start_sender, shared_memory):
     """Guards against 'expected transfer A, got B': under load the prefill side sends in the
     order its requests finish, not the order the decode side expected them, and each mix-up
     broke the pair and failed every transfer queued behind it."""
-    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
-    conn = start_sender()
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20, shared_memory=shared_memory)
+    conn = start_sender(shared_memory=shared_memory)
     jobs = [(1, [0, 1, 2], [4, 5, 6]), (2, [3], [7]), (3, [11, 10], [8, 9]), (4, [9], [10])]
     try:
         for transfer_id, _, dst in jobs:
@@ -487,12 +489,13 @@ def test_sender_killed_mid_transfer_fails_its_transfers_and_ends_the_pair(start_
 
 
 @pytest.mark.slow  # a sender in a process of its own: seconds
-def test_a_run_corrupted_on_the_wire_is_refused_and_the_pair_goes_on(start_sender):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "wire"])
+def test_a_run_corrupted_on_the_wire_is_refused_and_the_pair_goes_on(start_sender, shared_memory):
     """Guards against serving another request's (or garbage) KV with a 200, as vLLM's NIXL path
     has: a bit flipped after the sender summed the run fails that transfer on both sides (it is
     then recomputed), and the next transfer on the same pair arrives intact."""
-    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
-    conn = start_sender(faults="corrupt=1")
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20, shared_memory=shared_memory)
+    conn = start_sender(faults="corrupt=1", shared_memory=shared_memory)
     try:
         receiver.expect(1, [0, 1])
         receiver.expect(2, [4])
@@ -512,15 +515,16 @@ def test_a_run_corrupted_on_the_wire_is_refused_and_the_pair_goes_on(start_sende
 
 @pytest.mark.slow  # a sender in a process of its own: seconds
 @pytest.mark.parametrize("fault", ["stall=1:6", "drop=1"])
-def test_a_transfer_that_stalls_or_drops_mid_way_fails_alone_and_the_rest_go_over_a_new_pair(start_sender, fault):
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "wire"])
+def test_a_transfer_that_stalls_or_drops_mid_way_fails_alone_and_the_rest_go_over_a_new_pair(start_sender, fault, shared_memory):
     """Guards against a hung or lost peer hanging the decode side or taking other transfers with
     it: after its first run, transfer 1 stalls past the receiver's timeout (or its pair drops);
     it fails on both sides within the timeouts. Transfer 2, sent next to the same receiver,
     goes over a new pair (a new key, a new group); transfer 3, to another receiver, arrives
     intact; the broken pair's thread does not stay behind."""
-    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=2)
-    other = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
-    conn = start_sender(faults=fault)
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=2, shared_memory=shared_memory)
+    other = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20, shared_memory=shared_memory)
+    conn = start_sender(faults=fault, shared_memory=shared_memory)
     try:
         receiver.expect(1, [0, 1], timeout_s=30)  # announced once the sender's first pair is up (slow under load)
         receiver.expect(2, [4], timeout_s=30)  # announced once the stalled pair gives up
