@@ -279,7 +279,7 @@ def _plot(records: list[dict], path: str) -> None:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("GB/s")
         ax.set_title("duet KV transfer between two processes, SmolLM2 layout")
-        ax.legend()
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
 
 
 if __name__ == "__main__":
