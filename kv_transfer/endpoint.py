@@ -7,9 +7,9 @@ then a trailer ``[transfer id, valid, first token, checksum of each run]`` (a re
 mid-way still sends its remaining runs, from blocks its engine holds until the transfer ends,
 marked invalid, so the pair stays in step; a run whose bytes do not sum to its checksum fails
 the transfer: ``faults.py``), then an acknowledgement ``[transfer id, accepted | refused |
-corrupted]``. Only
-data that does not come in time (the peer died or hung) breaks a pair: its group is dropped and
-its thread ends; the sender opens a new pair, under a new key, for what it still has to send.
+corrupted]``. Only data that does not come in time (the peer died or hung) breaks a pair: its
+group is dropped and its thread ends; the sender opens a new pair, under a new key, for what it
+still has to send.
 """
 
 from __future__ import annotations
