@@ -344,17 +344,22 @@ def _stages(url: str, pool: str) -> list[str]:
     return [stats["stage"] for stats in _status(url)["pools"][pool]["stats"]]
 
 
-def test_a_decode_pool_of_one_killed_a_prefill_replica_takes_the_role_until_the_replacement(cluster, tiny_offline, deploy, ray_driver):
+@pytest.mark.parametrize("cores", ["static", "shared"])
+def test_a_decode_pool_of_one_killed_a_prefill_replica_takes_the_role_until_the_replacement(
+    cluster, tiny_offline, deploy, ray_driver, cores
+):
     """#38: the only decode replica dies under live streams. The prefill replica takes the decode
     role at once: the live streams finish on it with the offline engine's exact tokens, new
     requests are answered there before Serve's replacement is up (the time it took is printed:
     the issue's figure, not a verdict on this machine's speed), and once the replacement serves
-    the prefill replica goes home; nothing leaks."""
+    the prefill replica goes home; nothing leaks. The same with the pools sharing the cores step
+    by step (``cores.share``), where the replica's share of them changes with its role."""
     from tests.integration.test_faults import _kill_replica
 
-    url = deploy("roles", {
+    url = deploy(f"roles-{cores}", {
         "mode": "pd", "engine": {"max_model_len": 1024, "num_kv_blocks": 4096, "max_num_seqs": 32},
         "prefill": SMALL_POOL, "decode": SMALL_POOL, "router": {"ray_actor_options": {"num_cpus": 0}},
+        "cores": {"share": cores == "shared"},
     })
     rng = random.Random(38)
     prompts = [random_prompt(rng, 24) for _ in range(3)]
@@ -370,7 +375,7 @@ def test_a_decode_pool_of_one_killed_a_prefill_replica_takes_the_role_until_the_
             while not all(len(ids) >= 2 for ids in seen):
                 assert time.monotonic() < deadline and not any(task.done() for task in tasks), "streams decoding before the kill"
                 await asyncio.sleep(0.1)
-            killed = _kill_replica(ray_driver, "roles", "decode")
+            killed = _kill_replica(ray_driver, f"roles-{cores}", "decode")
             killed_at = time.monotonic()
             for attempt in range(120):  # bounded: a refusal (503) is retried
                 sent_at = time.monotonic()
