@@ -15,71 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 from tqdm import tqdm
 
-from duet.benchmarks.offline import BATCH, OUTPUT_TOKENS, PREFILL_TOKENS, Figure, _best, batch_prompts, filler_tokens
+from duet.benchmarks.offline import (
+    BATCH, OUTPUT_TOKENS, PREFILL_TOKENS, Figure, TransformersBaseline, _best, batch_prompts, filler_tokens, measure_duet,
+)
 from duet.benchmarks.plots import saved_figure
 
 CONTEXT = 512  # tokens of context per sequence in the attention measures
-
-
-class TransformersOnGPU:
-    """transformers' greedy ``generate`` and forward, on the GPU, timed to the last kernel."""
-
-    def __init__(self, model_dir, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to("cuda").eval()
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> float:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        self.model.generate(
-            input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0,
-        )
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    @torch.inference_mode()
-    def prefill(self, prompt: list[int]) -> float:
-        input_ids = torch.tensor([prompt], device="cuda")
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        self.model(input_ids, use_cache=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-
-def measure_duet(model: str, dtype: str, enforce_eager: bool, repeats: int) -> tuple[dict[str, float], object]:
-    """Seconds for the batch, the single stream and the prefill, and the decode steps replayed;
-    the model's shape."""
-    from duet import LLM, SamplingParams
-
-    llm = LLM(model=model, dtype=dtype, device="cuda", max_model_len=2048, max_num_seqs=BATCH, enforce_eager=enforce_eager)
-    tokenizer = llm.get_tokenizer()
-    prompts = batch_prompts(tokenizer)
-    decode = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up: Triton's compiles, cuBLAS's choices
-
-    def timed(batch, params) -> float:
-        llm.engine.kv_cache_manager.block_pool.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate(batch, params)
-        return time.perf_counter() - start
-
-    seconds = {"batch": _best(lambda: timed(prompts, decode), repeats), "single": _best(lambda: timed(prompts[:1], decode), repeats)}
-    long_prompt = filler_tokens(tokenizer, PREFILL_TOKENS, seed=1)
-    seconds["prefill"] = _best(lambda: timed([long_prompt], SamplingParams(temperature=0.0, max_tokens=1)), repeats)
-    graphs = llm.engine.executor.worker.runner.graphs
-    seconds["replays"] = 0 if graphs is None else sum(graphs.replays.values())
-    return seconds, llm.engine.executor.worker.runner.model.arch
 
 
 def attention_seconds(arch, dtype: torch.dtype, num_seqs: int, query_len: int) -> tuple[float, float]:
@@ -120,26 +65,22 @@ def attention_seconds(arch, dtype: torch.dtype, num_seqs: int, query_len: int) -
 
 
 def run(model: str, dtype: str, repeats: int) -> list[Figure]:
-    from transformers import AutoTokenizer
-
-    from duet.models.loader import resolve_model_path
+    from duet.models.loader import read_arch, resolve_model_path
 
     model_dir = resolve_model_path(model)
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
-    progress = tqdm(total=6, desc="gpu benchmark", unit="stage")
-    graphs, arch = measure_duet(model, dtype, False, repeats)
-    progress.update()
-    eager, _ = measure_duet(model, dtype, True, repeats)
-    progress.update()
+    progress = tqdm(total=12, desc="gpu benchmark", unit="stage")
+    graphs = measure_duet(dtype, None, repeats, progress, model=model, device="cuda")[1]
+    eager = measure_duet(dtype, None, repeats, progress, model=model, device="cuda", enforce_eager=True)[1]
     torch.cuda.empty_cache()
-    hf = TransformersOnGPU(model_dir, torch_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts, long_prompt = batch_prompts(tokenizer), filler_tokens(tokenizer, PREFILL_TOKENS, seed=1)
+    hf = TransformersBaseline(model_dir, torch_dtype, "cuda")
+    prompts, long_prompt = batch_prompts(hf.tokenizer), filler_tokens(hf.tokenizer, PREFILL_TOKENS, seed=1)
     hf_batch = _best(lambda: hf.generate(prompts, OUTPUT_TOKENS), repeats)
     progress.update()
     hf_single = _best(lambda: hf.generate(prompts[:1], OUTPUT_TOKENS), repeats)
     hf_prefill = _best(lambda: hf.prefill(long_prompt), repeats)
     progress.update()
+    arch = read_arch(model_dir)
     decode_attention = attention_seconds(arch, torch_dtype, BATCH, 1)
     progress.update()
     prefill_attention = attention_seconds(arch, torch_dtype, 1, CONTEXT)
@@ -147,7 +88,6 @@ def run(model: str, dtype: str, repeats: int) -> list[Figure]:
     progress.close()
     total, prefill = BATCH * OUTPUT_TOKENS, PREFILL_TOKENS
     decode_us, prefill_us = [s * 1e6 for s in decode_attention], [s * 1e6 for s in prefill_attention]
-    print(f"decode steps replayed from CUDA graphs: {graphs['replays']} (eager run: {eager['replays']})")
     return [
         Figure(f"batch {BATCH} x {OUTPUT_TOKENS}, CUDA graphs vs transformers", total / graphs["batch"], total / hf_batch, "tok/s"),
         Figure(f"batch {BATCH} x {OUTPUT_TOKENS}, eager vs transformers", total / eager["batch"], total / hf_batch, "tok/s"),

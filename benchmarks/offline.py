@@ -96,31 +96,40 @@ def filler_tokens(tokenizer, num_tokens: int, seed: int) -> list[int]:
 
 
 class TransformersBaseline:
-    def __init__(self, model_dir, dtype: torch.dtype) -> None:
+    """transformers' greedy ``generate`` and forward on ``device``, timed to their last kernel."""
+
+    def __init__(self, model_dir, dtype: torch.dtype, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> float:
         """Left-padded batched greedy generate; returns seconds."""
         width = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        start = time.perf_counter()
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        start = self._clock()
         self.model.generate(
             input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens, pad_token_id=pad,
         )
-        return time.perf_counter() - start
+        return self._clock() - start
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> float:
-        start = time.perf_counter()
-        self.model(torch.tensor([prompt]), use_cache=True)
-        return time.perf_counter() - start
+        input_ids = torch.tensor([prompt], device=self.device)
+        start = self._clock()
+        self.model(input_ids, use_cache=True)
+        return self._clock() - start
 
 
 def _best(fn, repeats: int) -> float:
@@ -244,7 +253,7 @@ def run_vllm(python: str, model_dir: Path, dtype: str, repeats: int, prompts: li
 
 def measure_duet(
     dtype: str, quantization: str | None, repeats: int, progress, kv_cache_dtype: str = "auto", model: str = "smollm2",
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, device: str = "cpu", enforce_eager: bool = False,
 ) -> tuple[str, dict[str, float]]:
     """Seconds for each measure (and the KV blocks), and what the weights were read from (GGUF
     or packed blocks, alone or beside the floats, or floats)."""
@@ -254,6 +263,7 @@ def measure_duet(
     llm = LLM(
         model=model, dtype=dtype, quantization=quantization, max_model_len=2048, max_num_seqs=BATCH,
         kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=KV_CACHE_GIB, batch_invariant=batch_invariant,
+        device=device, enforce_eager=enforce_eager,
     )
     model = llm.engine.executor.worker.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]

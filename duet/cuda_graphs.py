@@ -45,8 +45,6 @@ def unsupported(model: torch.nn.Module, kv_cache: torch.Tensor) -> str | None:
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__}'s forward decides on the host each step (experts' routing, pipeline stages)"
     arch = model.arch
-    if model.batch_invariant:
-        return "batch-invariant mode"
     if arch.attn_softcap is not None or any(arch.window(layer) is not None for layer in range(arch.num_layers)):
         return "soft-capped or sliding-window attention runs in torch on a GPU, planned on the host"
     if model.rotary.switch_len is not None or model.local_rotary is not None:

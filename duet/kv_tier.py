@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from duet.config import ConfigError
+from duet.kernels.block_copy import copy_block_runs
 from duet.outputs import KVTierOps
 
 
@@ -128,22 +129,5 @@ class KVTierStore:
                 os.unlink(file_name)
 
     def apply(self, ops: KVTierOps) -> None:
-        _copy_runs(self.store, self.kv_cache, ops.saves)
-        _copy_runs(self.kv_cache, self.store, ops.loads)
-
-
-def _copy_runs(destination: torch.Tensor, source: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-    """``destination[..., d, :, :] = source[..., s, :, :]`` for each ``(s, d)`` in order, along the
-    blocks dimension, a run of consecutive pairs at a time: one strided copy per run and no
-    temporary, where a gather and a scatter would write every byte twice more."""
-    index = 0
-    while index < len(pairs):
-        start_source, start_destination = pairs[index]
-        end = index + 1
-        while end < len(pairs) and pairs[end] == (start_source + end - index, start_destination + end - index):
-            end += 1
-        length = end - index
-        destination[:, :, :, start_destination : start_destination + length].copy_(
-            source[:, :, :, start_source : start_source + length], non_blocking=destination.is_cuda or source.is_cuda
-        )
-        index = end
+        copy_block_runs(self.store, self.kv_cache, ops.saves)
+        copy_block_runs(self.kv_cache, self.store, ops.loads)

@@ -22,6 +22,18 @@ def _kv_files() -> set[str]:
     return {path.name for path in SHM_DIR.glob("duet-kv-*")}
 
 
+def _count_mappings(monkeypatch) -> list[int]:
+    """The generation each transfer that came through the slots was read from, as the receiver maps them."""
+    mapped, incoming = [], SharedRuns.incoming
+
+    def counted(self, signal, *args):
+        mapped.append(int(signal[1]))
+        return incoming(self, signal, *args)
+
+    monkeypatch.setattr(SharedRuns, "incoming", counted)
+    return mapped
+
+
 def _agree(sender_wants: bool, receiver_wants: bool) -> tuple[SharedRuns | None, SharedRuns | None]:
     server = host_store("127.0.0.1", 0, 10)
     client = connect_store("127.0.0.1", server.port, 10)
@@ -77,13 +89,7 @@ def test_transfers_of_many_runs_and_growing_sizes_arrive_intact_through_shared_m
     import duet.kv_transfer.wire as wire
 
     monkeypatch.setattr(wire, "TARGET_MESSAGE_BYTES", 1)  # one layer a run, on both sides
-    mapped, incoming = [], SharedRuns.incoming  # the transfers that came through the slots
-
-    def counted(self, signal, *args):
-        mapped.append(int(signal[1]))
-        return incoming(self, signal, *args)
-
-    monkeypatch.setattr(SharedRuns, "incoming", counted)
+    mapped = _count_mappings(monkeypatch)
     before = _kv_files()
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
     conn = start_sender(message_bytes=1)
@@ -112,8 +118,7 @@ def test_a_sender_whose_shared_memory_is_full_sends_on_the_wire(start_sender, mo
     import duet.kv_transfer.wire as wire
 
     monkeypatch.setattr(wire, "TARGET_MESSAGE_BYTES", 1)  # several runs a transfer on the wire, after the signal
-    mapped = []
-    monkeypatch.setattr(SharedRuns, "incoming", lambda self, *args: mapped.append(args))
+    mapped = _count_mappings(monkeypatch)
     before = _kv_files()
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
     conn = start_sender(message_bytes=1, shm_full=True)
