@@ -319,8 +319,8 @@ def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = 
 
 @functools.cache
 def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
-    """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16) a product reads GGUF
-    blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the process's rule for
+    """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16, elsewhere -1: none) a
+    product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the process's rule for
     tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are
     timed, best of 3 interleaved rounds each way, over ``SAMPLE_WEIGHTS`` Q4_1 weights of a
     SmolLM2 MLP's shape: 127 MB of fp32 weights, read from memory as a step reads a model's (in
@@ -334,6 +334,8 @@ def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     Q8_0 LM head at one row was faster from the blocks, by a fifth), where a fixed 48 rows had
     sent every decode step's products to the blocks."""
     gpu = device != "cpu"
+    if dtype == torch.bfloat16 and not gpu and not ops.has_bf16():
+        return -1  # the blocks take no bf16 rows on a CPU without AVX512_BF16 (nor would oneDNN's packing)
     packed = not gpu and torch.backends.mkldnn.is_available()
     weights = []
     for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):

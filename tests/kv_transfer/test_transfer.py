@@ -470,7 +470,9 @@ def test_mismatched_block_size_is_refused_with_a_clear_error(start_sender):
 def test_sender_killed_mid_transfer_fails_its_transfers_and_ends_the_pair(start_sender):
     """Guards against a decode replica waiting forever on a dead prefill replica, and against
     the broken pair's thread staying behind."""
-    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=3)
+    # Transfer 5's deadline is long enough for the sender process to start on a loaded machine
+    # (it must fail by the pair breaking, not by its deadline); transfer 6 is never announced.
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=60)
     conn = start_sender(crash=True)
     try:
         receiver.expect(5, [0, 1])
