@@ -320,8 +320,8 @@ def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = 
 @functools.cache
 def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16, elsewhere -1: none) a
-    product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the process's rule for
-    tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are
+    product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the
+    process's rule for tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are
     timed, best of 3 interleaved rounds each way, over ``SAMPLE_WEIGHTS`` Q4_1 weights of a
     SmolLM2 MLP's shape: 127 MB of fp32 weights, read from memory as a step reads a model's (in
     cache, where they are bound by arithmetic alone, they measured a third as many rows for the
