@@ -468,6 +468,9 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   DUET_DISPATCH(x.scalar_type(), scalar_t, [&] { silu_and_mul_kernel<scalar_t>(out, x); });
 }
 
+// Adds the DecoderStack class (decoder_stack.cpp) to the extension's Python module.
+void bind_decoder_stack(pybind11::module& m);
+
 }  // namespace duet_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

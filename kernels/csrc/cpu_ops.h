@@ -2,7 +2,7 @@
 // them directly, without Python).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: a third of its compile time (the binding files include it)
 
 #include <vector>
 
@@ -28,8 +28,5 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x);
 // empty A leaves the row as it is.
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor row_slots, const std::vector<torch::Tensor>& a,
               const std::vector<torch::Tensor>& bt);
-
-// Adds the DecoderStack class (decoder_stack.cpp) to the extension's Python module.
-void bind_decoder_stack(pybind11::module& m);
 
 }  // namespace duet_cpu

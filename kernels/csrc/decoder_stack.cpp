@@ -13,6 +13,7 @@
 
 #include "cpu_ops.h"
 
+#include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/stl.h>
 

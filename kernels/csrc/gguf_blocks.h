@@ -5,7 +5,7 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: a third of its compile time (the binding files include it)
 #include <ATen/Parallel.h>
 
 #include <algorithm>

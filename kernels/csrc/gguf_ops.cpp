@@ -17,6 +17,8 @@
 
 #include "gguf_blocks.h"
 
+#include <torch/extension.h>
+
 #include <atomic>
 #include <optional>
 
