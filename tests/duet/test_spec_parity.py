@@ -1,10 +1,11 @@
 """Greedy output with speculation on equals the engine with it off, and transformers, token for token.
 
-The same 16 SmolLM2 chat prompts as the parity tests (64 new tokens each), under each method
-and under the scheduling regimes speculation must live with: chunked prefill with a budget
-smaller than the drafts, preemption, prefix-cache hits. The draft model is a second checkpoint
-sharing SmolLM2's tokenizer: SmolLM2's first 8 layers saved on their own, so that drafts are
-right often enough for partial acceptance to be exercised.
+The same 16 SmolLM2 chat prompts as the parity tests (64 new tokens each; every other one for
+the methods that draft with a model), under each method and under the scheduling regimes
+speculation must live with: chunked prefill with a budget smaller than the drafts, preemption,
+prefix-cache hits. The draft model is a second checkpoint sharing SmolLM2's tokenizer:
+SmolLM2's first 8 layers saved on their own, so that drafts are right often enough for partial
+acceptance to be exercised.
 """
 
 from __future__ import annotations
@@ -69,8 +70,12 @@ def test_each_method_matches_unspeculated_and_transformers(
 ):
     if label == "draft_model":
         config = config | {"model": str(smollm2_first_layers_dir)}
-    outputs, stats = _run(config, parity_prompts, enable_prefix_caching=False)
-    _check_speculated(outputs, stats, parity_references, unspeculated, label)
+    # The model-drafting methods on every other prompt: each step of theirs costs several of
+    # the target's (on a 2-core AVX2 machine, minutes for all 16), and 8 prompts keep both
+    # accepted and rejected drafts.
+    chosen = slice(None) if label == "ngram" else slice(None, None, 2)
+    outputs, stats = _run(config, parity_prompts[chosen], enable_prefix_caching=False)
+    _check_speculated(outputs, stats, parity_references[chosen], unspeculated[chosen], label)
 
 
 def test_budget_smaller_than_the_drafts_matches(parity_prompts, parity_references, unspeculated):

@@ -304,22 +304,22 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
                "look_back_period_s": 2, "cooldown_s": 2}
     url = deploy("elastic", {
         "mode": "pd",
-        "engine": {"max_model_len": 1024, "num_kv_blocks": 1024, "max_num_seqs": 64},
+        "engine": {"max_model_len": 1024, "num_kv_blocks": 512, "max_num_seqs": 64},  # 8 streams of 432 tokens: past 0.3
         "prefill": SMALL_POOL | {"autoscaling_config": scaling | {"prompt_tokens_per_replica": 400}},
         "decode": SMALL_POOL | {"autoscaling_config": scaling | {"kv_usage": 0.3}},
         "router": {"ray_actor_options": {"num_cpus": 0}, "max_running_sequences": 16},
     })
     rng = random.Random(14)
     with _Timeline(url) as timeline:
-        # Each phase lasts until its pool has grown (a replica takes 5-30 s to start on a busy
-        # 2-core machine), and at least long enough for the other pool to have grown if it would.
+        # Each phase lasts until its pool has grown (a replica takes 5-90 s to start on a busy 2-core machine:
+        # eight clients leave it cores to start on), and at least long enough for the other pool to grow if it would.
         def grown(pool: str):
             return lambda: len(timeline.counts(timeline.phase, pool)) > 20 and timeline.counts(timeline.phase, pool)[-1] == 2
 
         timeline.phase = "prompt-heavy"
-        prompt_heavy = asyncio.run(_load(url, 500, 1, concurrency=16, until=grown("prefill"), max_s=90, rng=rng))
+        prompt_heavy = asyncio.run(_load(url, 500, 1, concurrency=8, until=grown("prefill"), max_s=180, rng=rng))
         timeline.phase = "decode-heavy"
-        decode_heavy = asyncio.run(_load(url, 32, 700, concurrency=16, until=grown("decode"), max_s=90, rng=rng))
+        decode_heavy = asyncio.run(_load(url, 32, 400, concurrency=8, until=grown("decode"), max_s=180, rng=rng))
         timeline.phase = "idle"
         _wait_for(lambda: len(timeline.counts("idle", "prefill")) > 4 and timeline.counts("idle", "prefill")[-1] == 1
                   and timeline.counts("idle", "decode")[-1] == 1, 60, "both pools back to one replica")
@@ -330,12 +330,12 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
     assert {("prompt-heavy", "prefill", "prompt_backlog"), ("prompt-heavy", "prefill", "ttft")} & reasons, timeline.decisions
     assert {("decode-heavy", "decode", reason) for reason in ("kv_usage", "waiting", "tpot")} & reasons, timeline.decisions
     assert [problem for _, record in timeline.decisions if (problem := _unjustified(record))] == []
-    for results, max_tokens in ((prompt_heavy, 1), (decode_heavy, 700)):
+    for results, max_tokens in ((prompt_heavy, 1), (decode_heavy, 400)):
         prompts = [prompt for prompt, _ in results]
         for (prompt, (status, tokens, errors)), want in zip(results, tiny_offline(prompts, max_tokens)):
             assert (status, errors) == (200, [])
             assert tokens == want
-    assert len(prompt_heavy) >= 50 and len(decode_heavy) >= 16
+    assert len(prompt_heavy) >= 50 and len(decode_heavy) >= 8
     assert settled(cluster, url)["ok"]
 
 
