@@ -106,7 +106,8 @@ def prefix_share(reference: list[list[int]], candidate: list[list[int]]) -> floa
     return equal / sum(len(ref) for ref in reference)
 
 
-def run(model: str, settings: list[str]) -> list[Result]:
+def run(model: str, settings: list[str], num_prompts: int | None = None) -> list[Result]:
+    """Each setting's measures; greedy agreement over the first ``num_prompts`` chat prompts (all: None)."""
     from duet import LLM
     from duet.benchmarks.eval_text import TEXT
     from duet.benchmarks.prompts import encode_conversations, parity_conversations
@@ -119,7 +120,7 @@ def run(model: str, settings: list[str]) -> list[Result]:
         started = time.perf_counter()
         llm = LLM(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, kv_cache_memory_gib=0.25)
         token_ids = token_ids or llm.get_tokenizer().encode(TEXT)
-        prompts = prompts or encode_conversations(llm.get_tokenizer(), parity_conversations())
+        prompts = prompts or encode_conversations(llm.get_tokenizer(), parity_conversations())[:num_prompts]
         network, kv_dtype = llm.engine.executor.worker.runner.model, llm.engine.kv_dtype
         log_probs = text_logits(network, token_ids, kv_dtype).log_softmax(-1)
         targets = torch.tensor(token_ids[1:])

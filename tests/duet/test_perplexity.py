@@ -14,7 +14,8 @@ BUDGETS = {"kv-int8": 0.02, "kv-fp8": 0.03, "w-int8": 0.02, "w-int4": 0.10}
 
 
 def test_quantized_settings_stay_within_their_perplexity_budgets(smollm2_dir):
-    results = {result.setting: result for result in run("smollm2", ["fp32", *BUDGETS])}
+    # Greedy agreement on 4 of the 16 chat prompts: the budgets are perplexity's and top-1's.
+    results = {result.setting: result for result in run("smollm2", ["fp32", *BUDGETS], num_prompts=4)}
     print(report(list(results.values())))
     fp32 = results["fp32"]
     assert fp32.change == 0 and fp32.kl_divergence == 0 and fp32.top1_agreement == 1 and fp32.greedy_agreement == 1
