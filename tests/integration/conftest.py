@@ -23,12 +23,6 @@ MAX_BODY_BYTES = 64 * 1024
 
 STRESS_MODEL_LEN = 1024
 
-# Serve's controller runs its control loop every 0.1 s: 15% of a core with these applications idle,
-# on a 2-core AVX2 EPYC, beside every test. Every 0.25 s is still 4 rounds within the autoscaling
-# tests' shortest delay (1 s). Ray started by these tests (``duet up``, the nodes of the
-# multi-node test) inherits the setting from this process.
-os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25")
-
 
 @dataclass(frozen=True)
 class Cluster:
