@@ -87,10 +87,12 @@ def test_pd_across_tensor_parallel_layouts_gives_the_single_process_tokens(
     results = _complete_all(url, prompts)
     assert [status for status, _, _ in results] == [200] * len(prompts), results
     assert [tokens for _, tokens, _ in results] == (three_kv_heads if uneven else tiny_offline)(prompts)
-    # Each tensor-parallel replica's placement group: its own bundle, then one per worker rank.
+    # Each tensor-parallel replica's placement group (named as its actor): its own bundle, then
+    # one per worker rank. Another application's, even one being deleted, is not counted.
     groups = [
         group for group in ray_driver.util.placement_group_table().values()
-        if group["state"] == "CREATED" and [bundle.get("CPU") for bundle in group["bundles"].values()] == [0.01, 0.05, 0.05]
+        if group["state"] == "CREATED" and group["name"].startswith(f"SERVE_REPLICA::{layout}#")
+        and [bundle.get("CPU") for bundle in group["bundles"].values()] == [0.01, 0.05, 0.05]
     ]
     assert len(groups) == (prefill is not TP1) + (decode is not TP1), groups
     assert settled(cluster, url)["ok"]
