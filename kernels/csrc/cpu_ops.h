@@ -2,7 +2,7 @@
 // them directly, without Python).
 #pragma once
 
-#include <torch/types.h>  // not torch/extension.h: a third of its compile time (the binding files include it)
+#include <torch/types.h>  // a third of torch/extension.h's compile time; only the binding files include that
 
 #include <vector>
 

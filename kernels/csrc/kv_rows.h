@@ -2,7 +2,7 @@
 // register's fp32 lanes, and the rows of a KV cache as the kernels read and write them.
 #pragma once
 
-#include <torch/types.h>  // not torch/extension.h: a third of its compile time (the binding files include it)
+#include <torch/types.h>  // a third of torch/extension.h's compile time; only the binding files include that
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 
