@@ -6,15 +6,21 @@ weight blocks of ``csrc/gguf_ops.cpp`` and the batch-invariant products of
 ``csrc/batch_invariant.cpp`` (built apart: without -ffast-math, so that nothing reassociates
 their dequantization or their sums; registered as torch operators too, for the decoder stack).
 
-Each build takes about a minute once per machine (torch caches it under
+Each build takes one to three minutes once per machine (torch caches it under
 ``$TORCH_EXTENSIONS_DIR``). Where no compiler works, or with ``DUET_CPU_OPS=0``, both return
 None and callers use the torch implementations (and the dequantized float weights).
+
+The rules each process times at first use (which way products of so many rows go) can be
+given instead by ``DUET_CPU_RULES``, JSON of a rule's name to its value (``pinned_rule``): a
+process that measured them passes them on to the processes it starts, which then skip the
+timing (seconds each on a slow 2-core machine) and take the same ways.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import time
@@ -28,6 +34,15 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = Path(__file__).parent / "csrc"
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
+
+
+RULES_ENV = "DUET_CPU_RULES"
+
+
+def pinned_rule(name: str) -> int | None:
+    """The value ``DUET_CPU_RULES`` gives the rule ``name``; None where it gives none (measure)."""
+    value = json.loads(os.environ.get(RULES_ENV) or "{}").get(name)
+    return None if value is None else int(value)
 
 
 @functools.cache
@@ -47,7 +62,8 @@ def load_gguf():
     measured faster (``panel_min_rows``, once per process)."""
     ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp", "batch_invariant.cpp"], [], [])
     if ops is not None:
-        ops.set_panel_min_rows(panel_min_rows(ops))
+        pinned = pinned_rule("gguf_panel_min_rows")
+        ops.set_panel_min_rows(panel_min_rows(ops) if pinned is None else pinned)
         if ops.has_bf16():
             ops.set_bf16_panel_min_rows(panel_min_rows(ops, torch.bfloat16))
     return ops

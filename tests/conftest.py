@@ -46,6 +46,17 @@ def pytest_unconfigure(config) -> None:
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+def pin_cpu_rules() -> None:
+    """Measure this CPU's rules here once and pass them on (``DUET_CPU_RULES``) to the processes
+    started from now on: Ray's replicas and workers skip their timing (3-4 s each on a 2-core
+    AVX2 EPYC, a process start) and take the ways this process takes."""
+    from duet.kernels.cpu_ops import RULES_ENV
+    from duet.models.linear import measured_cpu_rules
+
+    if RULES_ENV not in os.environ:
+        os.environ[RULES_ENV] = json.dumps(measured_cpu_rules())
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The integration tests run last, in their order: their cluster, once started, stays up
     to the end of the session, and its idle processes (Serve's controller, proxy, routers and

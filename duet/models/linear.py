@@ -268,6 +268,8 @@ def _float_panel_rows() -> int:
     ops = cpu_ops.load_gguf()
     if ops is None or not torch.backends.mkldnn.is_available():
         return 0
+    if (pinned := cpu_ops.pinned_rule("float_panel_rows")) is not None:
+        return pinned
     generator = torch.Generator().manual_seed(2)
     weights = [torch.randn(SAMPLE_OUT_FEATURES, SAMPLE_IN_FEATURES, generator=generator) for _ in range(16)]
     panels = [float_panels(weight, ops.invariant_panel_width()) for weight in weights]
@@ -310,6 +312,16 @@ def _packed_wins(rows: int) -> bool:
     return times["plain"] >= _PACKED_MARGIN * times["packed"]
 
 
+def measured_cpu_rules() -> dict[str, int]:
+    """This process's CPU rules as ``DUET_CPU_RULES`` takes them (``cpu_ops.pinned_rule``),
+    measured where the environment does not give them; none without the C++ kernels."""
+    ops = cpu_ops.load_gguf()
+    if ops is None:
+        return {}
+    return {"gguf_panel_min_rows": ops.panel_min_rows(), "float_panel_rows": _float_panel_rows(),
+            "gguf_float_max_rows": _gguf_float_max_rows(ops)}
+
+
 def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = "cpu") -> int:
     """See ``_measured_gguf_float_max_rows``: measured once per process, ``ops``, dtype and device,
     whether the defaults are passed or not (``functools.cache`` keys on the arguments as written,
@@ -336,6 +348,8 @@ def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     gpu = device != "cpu"
     if dtype == torch.bfloat16 and not gpu and not ops.has_bf16():
         return -1  # the blocks take no bf16 rows on a CPU without AVX512_BF16 (nor would oneDNN's packing)
+    if dtype == torch.float32 and not gpu and (pinned := cpu_ops.pinned_rule("gguf_float_max_rows")) is not None:
+        return pinned
     packed = not gpu and torch.backends.mkldnn.is_available()
     weights = []
     for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):

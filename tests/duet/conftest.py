@@ -38,6 +38,9 @@ def ray_cluster():
     """A local Ray of two CPUs for the tests that start workers as actors; shut down after the module."""
     import ray
 
+    from tests.conftest import pin_cpu_rules
+
+    pin_cpu_rules()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()

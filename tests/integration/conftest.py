@@ -166,6 +166,7 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir):
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory, smollm2_dir, tiny_llama_dir):
     from duet.cluster.deploy import down, up
+    from tests.conftest import pin_cpu_rules
 
     if _ray_is_running():
         # `duet up` would join it, and its workers would run whatever code that cluster has.
@@ -176,6 +177,7 @@ def cluster(tmp_path_factory, smollm2_dir, tiny_llama_dir):
     previous = os.environ.get("DUET_STATE_FILE")
     os.environ["DUET_STATE_FILE"] = str(root / "state.json")
     listeners_before = listening_addresses()
+    pin_cpu_rules()
     try:
         state = up(str(config), health_timeout_s=300)
         yield Cluster(*state.urls, tiny_model_dir=str(tiny_llama_dir), listeners_before=listeners_before)
