@@ -7,6 +7,7 @@ the float weights; and every path computes the same product."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -66,3 +67,28 @@ def test_gguf_blocks_serve_fp32_products_up_to_the_rows_this_cpu_measured_them_f
         assert torch.equal(linear(longer), torch.ops.mkldnn._linear_pointwise(longer, linear.packed_weight, None, "none", [], ""))
     for rows in (x, longer):
         torch.testing.assert_close(linear(rows), F.linear(rows, linear.weight), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # two new processes, one of them timing two rules: seconds
+@pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
+def test_rules_given_by_the_environment_are_taken_without_timing():
+    """``DUET_CPU_RULES`` (as the tests hand it to Ray's processes): a new process takes each rule
+    given, including values its own timing would not choose, and times only the others."""
+    import json
+    import subprocess
+
+    given = {"gguf_panel_min_rows": 24, "float_panel_rows": 1, "gguf_float_max_rows": 4}
+    script = (
+        "import json; from duet.kernels import cpu_ops; from duet.models.linear import measured_cpu_rules; "
+        "print(json.dumps([measured_cpu_rules(), cpu_ops.load_gguf().panel_min_rows()]))"
+    )
+    for pinned in (given, {"float_panel_rows": 1}):
+        env = {name: value for name, value in os.environ.items() if name != cpu_ops.RULES_ENV} | {cpu_ops.RULES_ENV: json.dumps(pinned)}
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        rules, panel_min_rows = json.loads(run.stdout.strip().splitlines()[-1])
+        assert {name: rules[name] for name in pinned} == pinned
+        assert panel_min_rows == rules["gguf_panel_min_rows"]
+        if pinned is not given:  # the others measured: the values timing chooses from
+            assert rules["gguf_panel_min_rows"] in (*cpu_ops.PANEL_ROWS, cpu_ops.NEVER)
+            assert rules["gguf_float_max_rows"] in (1, *GGUF_FLOAT_ROWS)
