@@ -7,7 +7,9 @@ the float weights; and every path computes the same product."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -74,9 +76,6 @@ def test_gguf_blocks_serve_fp32_products_up_to_the_rows_this_cpu_measured_them_f
 def test_rules_given_by_the_environment_are_taken_without_timing():
     """``DUET_CPU_RULES`` (as the tests hand it to Ray's processes): a new process takes each rule
     given, including values its own timing would not choose, and times only the others."""
-    import json
-    import subprocess
-
     given = {"gguf_panel_min_rows": 24, "float_panel_rows": 1, "gguf_float_max_rows": 4}
     script = (
         "import json; from duet.kernels import cpu_ops; from duet.models.linear import measured_cpu_rules; "

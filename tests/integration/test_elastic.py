@@ -310,6 +310,7 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
         "router": {"ray_actor_options": {"num_cpus": 0}, "max_running_sequences": 16},
     })
     rng = random.Random(14)
+    decode_tokens = 400
     with _Timeline(url) as timeline:
         # Each phase lasts until its pool has grown (a replica takes 5-90 s to start on a busy 2-core machine:
         # eight clients leave it cores to start on), and at least long enough for the other pool to grow if it would.
@@ -319,7 +320,7 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
         timeline.phase = "prompt-heavy"
         prompt_heavy = asyncio.run(_load(url, 500, 1, concurrency=8, until=grown("prefill"), max_s=180, rng=rng))
         timeline.phase = "decode-heavy"
-        decode_heavy = asyncio.run(_load(url, 32, 400, concurrency=8, until=grown("decode"), max_s=180, rng=rng))
+        decode_heavy = asyncio.run(_load(url, 32, decode_tokens, concurrency=8, until=grown("decode"), max_s=180, rng=rng))
         timeline.phase = "idle"
         _wait_for(lambda: len(timeline.counts("idle", "prefill")) > 4 and timeline.counts("idle", "prefill")[-1] == 1
                   and timeline.counts("idle", "decode")[-1] == 1, 60, "both pools back to one replica")
@@ -330,7 +331,7 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
     assert {("prompt-heavy", "prefill", "prompt_backlog"), ("prompt-heavy", "prefill", "ttft")} & reasons, timeline.decisions
     assert {("decode-heavy", "decode", reason) for reason in ("kv_usage", "waiting", "tpot")} & reasons, timeline.decisions
     assert [problem for _, record in timeline.decisions if (problem := _unjustified(record))] == []
-    for results, max_tokens in ((prompt_heavy, 1), (decode_heavy, 400)):
+    for results, max_tokens in ((prompt_heavy, 1), (decode_heavy, decode_tokens)):
         prompts = [prompt for prompt, _ in results]
         for (prompt, (status, tokens, errors)), want in zip(results, tiny_offline(prompts, max_tokens)):
             assert (status, errors) == (200, [])
