@@ -118,6 +118,16 @@ def _timed_steps(engine, until) -> list[tuple[float, object]]:
     return [(seconds, output) for seconds, output in steps]
 
 
+def _warm_up(llm, rng: random.Random) -> None:
+    """Untimed prompts and decode steps first: a process's first steps pay for first uses (its
+    kernels' buffers, the allocator's pools), which would slow the first samples timed."""
+    from duet import SamplingParams
+
+    scheduler, vocab = llm.engine.scheduler, llm.engine.model_config.vocab_size
+    prompts = [_prompt(rng, min(128, scheduler.max_num_batched_tokens, scheduler.max_model_len // 2), vocab) for _ in range(4)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, ignore_eos=True))
+
+
 def measure_prompts(llm, budget: int, max_context: int, rng: random.Random, repeats: int, quick: bool) -> list[list[float]]:
     """``[T, C, seconds]``: a chunk of ``T`` new tokens after ``C`` cached ones, the median of ``repeats``."""
     from duet import SamplingParams
@@ -199,7 +209,8 @@ def measure_neighbours(
 ) -> dict:
     """How much slower this engine's steps are while ``neighbours`` other engines on the machine
     decode (as the other replicas of a cluster on it do): the median ratio to the same steps
-    alone, for prompt steps and for decode steps."""
+    alone, for prompt steps and for decode steps. A busy neighbour never makes a step faster: a
+    ratio under one is noise in the times (a step alone slowed by something else) and counts as one."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -224,7 +235,7 @@ def measure_neighbours(
     for kind, samples in (("prompt", prompts), ("decode", decode)):
         times_alone = {(a, b): seconds for a, b, seconds in alone[kind]}
         found = [seconds / times_alone[(a, b)] for a, b, seconds in samples if (a, b) in times_alone]
-        ratios[kind] = statistics.median(found) if found else 1.0
+        ratios[kind] = max(1.0, statistics.median(found)) if found else 1.0
     return {"neighbours": neighbours, "prompt_slowdown": ratios["prompt"], "decode_slowdown": ratios["decode"]}
 
 
@@ -240,6 +251,7 @@ def profile_pool(stage: str, engine_args: dict, num_threads: int, quick: bool, s
         rng = random.Random(seed)
         budget, max_context, max_seqs = config.max_num_batched_tokens, config.max_model_len, config.max_num_seqs
         print(f"{stage}: {num_threads} threads, token budget {budget}, context {max_context}, {max_seqs} sequences", flush=True)
+        _warm_up(llm, rng)
         prompts = measure_prompts(llm, budget, max_context, rng, repeats=2 if quick else 3, quick=quick)
         print(f"{stage}: {len(prompts)} prompt steps timed", flush=True)
         decode = measure_decode(llm, max_seqs, max_context, rng, steps=8 if quick else 16, quick=quick)
