@@ -98,6 +98,7 @@ class EngineReplica:
         self._role_since = time.monotonic()
         self.engine = engine
         self.integrity_failures = 0
+        self._report: ReplicaStats | None = None  # the last sent
         self.loop = EngineLoop(
             engine.step, _request_id, engine.has_unfinished_requests, name=f"{role.stage}-loop", on_idle=self._check_when_idle
         )
@@ -272,12 +273,15 @@ class EngineReplica:
 
     async def record_routing_stats(self) -> dict:
         """Read off the engine thread: plain counters and lengths, so the report stays on time
-        while a long step runs (a replica that stops reporting is taken for dead)."""
+        while a long step runs (a replica that stops reporting is taken for dead). One that repeats
+        the last sends that again (``ReplicaStats.repeats``)."""
         prefix_hashes = self.role.prefix_hashes(self.engine)
         stats = ReplicaStats.compose(
             self.role.stage, self.replica_id, self.node_id, self.engine.stats(), self.integrity_failures, prefix_hashes
         )
-        return stats.to_dict()
+        if not stats.repeats(self._report):
+            self._report = stats
+        return self._report.to_dict()
 
     def _check_when_idle(self) -> None:
         """At rest every block must be free or held for a transfer. A failure is logged and

@@ -4,7 +4,7 @@ strings and lists, importable without torch, so the router never loads the engin
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from duet.sampling_params import SamplingParams
 
@@ -103,9 +103,13 @@ class TokenDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
-# Replicas report their stats this often, even mid-step; one silent ``REPLICA_SILENT_S`` is taken for dead.
+# Replicas report their stats this often, even mid-step. Serve sends every changed report to every
+# router of the pool, so a report unchanged but for its time is sent as it was (its time too) for
+# up to ``UNCHANGED_REPORT_S``: an idle replica's report then changes that often, not every period.
+# ``duet status`` calls a replica whose last report is ``REPLICA_SILENT_S`` old stale.
 ROUTING_STATS_PERIOD_S = 0.5
-REPLICA_SILENT_S = 3.0
+UNCHANGED_REPORT_S = 4.0
+REPLICA_SILENT_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -263,6 +267,13 @@ class ReplicaStats:
     def to_dict(self) -> dict:
         """Plain nested dicts and lists, as Serve carries a routing report."""
         return asdict(self)
+
+    def repeats(self, earlier: ReplicaStats | None) -> bool:
+        """Whether this report says what ``earlier`` did, made less than ``UNCHANGED_REPORT_S``
+        after it: the replica sends ``earlier`` again, and Serve has nothing new to send on."""
+        if earlier is None or self.reported_at - earlier.reported_at >= UNCHANGED_REPORT_S:
+            return False
+        return replace(self, reported_at=earlier.reported_at) == earlier
 
     @classmethod
     def from_dict(cls, data: dict) -> ReplicaStats:
