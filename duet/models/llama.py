@@ -263,7 +263,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Given its (empty) weight, the table skips torch's random init, which under the meta
+        # device imports torch._dynamo (over a second of a replica's start).
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch, max_positions)
         # Windowed layers' own RoPE (Gemma 3), or None: every layer takes ``rotary``.
         self.local_rotary = RotaryEmbedding(arch, max_positions, local=True) if arch.local_rope_theta is not None else None

@@ -56,6 +56,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, arch: LlamaArch, max_positions: int, local: bool = False, rotates: bool = True) -> None:
         super().__init__()
+        # On the CPU also under the meta device (``.to`` moves them): torch's meta reference
+        # ops import torch._dynamo, over a second of a replica's start.
+        with torch.device("cpu"):
+            self._build(arch, max_positions, local, rotates)
+
+    def _build(self, arch: LlamaArch, max_positions: int, local: bool, rotates: bool) -> None:
         dim = self.dim = arch.rotary_dim or arch.head_dim  # the tables' width is half of it
         scaled = None if local else arch.rope_inv_freq
         if not rotates:  # a NoPE layer's: tables of no width
