@@ -44,6 +44,7 @@ def pytest_unconfigure(config) -> None:
 
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
+MULTINODE = INTEGRATION / "test_multinode.py"  # runs a Ray cluster of its own
 
 
 def pin_cpu_rules() -> None:
@@ -60,8 +61,9 @@ def pin_cpu_rules() -> None:
 def pytest_collection_modifyitems(session, config, items) -> None:
     """The integration tests run last, in their order: their cluster, once started, stays up
     to the end of the session, and its idle processes (Serve's controller, proxy, routers and
-    replicas) take about a third of a core, which the tests after them would share."""
-    items.sort(key=lambda item: item.path.is_relative_to(INTEGRATION))
+    replicas) take about half a core, which the tests after them would share. The multi-node
+    tests, which run a Ray cluster of their own, go first among them, before that one starts."""
+    items.sort(key=lambda item: (item.path.is_relative_to(INTEGRATION), item.path != MULTINODE))
 
 
 # The tiny models' tokenizer: byte-level BPE with SmolLM2's special tokens and chat template
