@@ -7,7 +7,8 @@ weight blocks of ``csrc/gguf_ops.cpp`` and the batch-invariant products of
 their dequantization or their sums; registered as torch operators too, for the decoder stack).
 
 Each build takes one to three minutes once per machine (torch caches it under
-``$TORCH_EXTENSIONS_DIR``). Where no compiler works, or with ``DUET_CPU_OPS=0``, both return
+``$TORCH_EXTENSIONS_DIR``; another environment with the same torch, Python and sources loads
+it as it is: ``_build_stamp``). Where no compiler works, or with ``DUET_CPU_OPS=0``, both return
 None and callers use the torch implementations (and the dequantized float weights).
 
 The rules each process times at first use (which way products of so many rows go) can be
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
+import platform
+import sys
 import time
 from pathlib import Path
 
@@ -148,19 +152,80 @@ def _build(name: str, sources: list[str], cflags: list[str], ldflags: list[str])
     try:
         from torch.utils.cpp_extension import load as load_extension
 
+        paths = [_SOURCES / source for source in sources]
+        extra_cflags = ["-O3", "-march=native", "-fopenmp", *cflags, f"-DDUET_HEADERS={_headers_digest()}"]
+        extra_ldflags = ["-fopenmp", *ldflags]
+        stamp = _build_stamp(paths, extra_cflags, extra_ldflags)
+        built = _load_built(name, stamp)
+        if built is not None:
+            return built
         _clear_stale_lock(name)
         if not _is_built(name):
             logger.info("compiling duet's C++ CPU kernels (%s) for this machine (once, about a minute)", ", ".join(sources))
-        return load_extension(
-            name=name,
-            sources=[str(_SOURCES / source) for source in sources],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags, f"-DDUET_HEADERS={_headers_digest()}"],
-            extra_ldflags=["-fopenmp", *ldflags],
-            verbose=False,
+        _stamp_path(name).unlink(missing_ok=True)  # no other process takes this build as it is while it changes
+        module = load_extension(
+            name=name, sources=[str(path) for path in paths], extra_cflags=extra_cflags, extra_ldflags=extra_ldflags, verbose=False
         )
+        _write_stamp(name, module, stamp)
+        return module
     except Exception as error:  # any build failure leaves the torch path working
         logger.warning("C++ CPU kernels %s unavailable (%s); using the slower torch implementations", ", ".join(sources), error)
         return None
+
+
+def _build_stamp(paths: list[Path], cflags: list[str], ldflags: list[str]) -> str:
+    """What a build is made of, but for where its environment lies: torch's version, Python's,
+    the CPU's features (``-march=native``), the flags and the sources (the headers are in the
+    flags). torch's loader rebuilds whenever its compiler command changes, and that command
+    names the environment's torch headers: a second environment compiled the same kernels again."""
+    digest = hashlib.sha256()
+    for part in (torch.__version__, sys.version, platform.machine(), _cpu_features(), *cflags, "|", *ldflags):
+        digest.update(part.encode() + b"\0")
+    for path in paths:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _stamp_path(name: str) -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False)) / "duet-build-stamp"
+
+
+def _load_built(name: str, stamp: str):
+    """The build in torch's cache, imported as it is, when its stamp is ``stamp``; else None."""
+    try:
+        library = _stamp_path(name).with_name(f"{name}.so")
+        if _stamp_path(name).read_text() != stamp or not library.exists():
+            return None
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # noqa: BLE001 - torch's loader builds it again
+        logger.warning("could not load the built %s as it is (%r); building it", name, error)
+        return None
+
+
+def _write_stamp(name: str, module, stamp: str) -> None:
+    """Stamp the build torch just loaded, if it is the one ``_load_built`` reads (a process
+    whose sources changed under it builds ``name_v1`` and so on)."""
+    path = _stamp_path(name)
+    if Path(module.__file__).resolve() != path.with_name(f"{name}.so").resolve():
+        return
+    partial = path.with_name(f"{path.name}.{os.getpid()}")
+    partial.write_text(stamp)
+    partial.replace(path)
 
 
 def _headers_digest() -> str:
