@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch.utils.cpp_extension as cpp_extension
 
 from duet.kernels import cpu_ops
@@ -32,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("answer", &answer); }
 """
 
 
+@pytest.mark.slow  # compiles a small extension
 def test_a_build_whose_inputs_are_the_same_is_loaded_without_torchs_loader(tmp_path, monkeypatch):
     """Guards a second compile of every kernel in CI: torch's loader runs ninja, whose compiler
     command names this environment's torch headers, so README's environment and the tests' (the
