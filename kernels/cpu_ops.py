@@ -203,8 +203,9 @@ def _stamp_path(name: str) -> Path:
 def _load_built(name: str, stamp: str):
     """The build in torch's cache, imported as it is, when its stamp is ``stamp``; else None."""
     try:
-        library = _stamp_path(name).with_name(f"{name}.so")
-        if _stamp_path(name).read_text() != stamp or not library.exists():
+        path = _stamp_path(name)
+        library = path.with_name(f"{name}.so")
+        if path.read_text() != stamp or not library.exists():
             return None
         spec = importlib.util.spec_from_file_location(name, library)
         module = importlib.util.module_from_spec(spec)

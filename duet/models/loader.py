@@ -14,11 +14,11 @@ from duet.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, mo
 from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
-from duet.models.rope import RotaryEmbedding
 from duet.models.mixtral import MixtralArch
 from duet.models.packed import is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
+ROTARIES = ("rotary", "local_rotary", "no_rotary")  # a model's RoPE tables (``RotaryEmbedding``), or None
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
 # A Phi-3 checkpoint whose gate and up projections are two tensors (as GPTQModel writes it), its
 # q/k/v still one: ``arch.checkpoint_names`` once the file is read.
@@ -267,7 +267,14 @@ def load_model(
     packed = _packed_linears(model, raw_state, path, device, quantization)
     for name in packed:  # their blocks are their weights: no float copy is ever allocated
         model.get_submodule(name).weight = None
+    # The RoPE tables are real even under the meta device (``RotaryEmbedding``): kept apart
+    # from ``to_empty``, which would leave them uninitialised.
+    rotaries = {name: getattr(model, name) for name in ROTARIES}
+    for name in ROTARIES:
+        setattr(model, name, None)
     model = model.to_empty(device=device)
+    for name, rotary in rotaries.items():
+        setattr(model, name, None if rotary is None else rotary.to(device))
     state = _fused_state_dict(raw_state, arch, path, skip={f"{name}.weight" for name in packed})
     del raw_state
     for name, (weight, order) in packed.items():
@@ -285,12 +292,6 @@ def load_model(
         if arch.norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, added in fp32 as transformers does
             tensor = 1.0 + tensor.float()
         param.data = tensor.to(device=device, dtype=dtype).contiguous()
-    # Buffers built under the meta device hold no values: build the RoPE tables for real.
-    model.rotary = RotaryEmbedding(arch, max_positions).to(device)
-    if model.local_rotary is not None:
-        model.local_rotary = RotaryEmbedding(arch, max_positions, local=True).to(device)
-    if model.no_rotary is not None:
-        model.no_rotary = RotaryEmbedding(arch, max_positions, rotates=False).to(device)
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
         return model.eval()
