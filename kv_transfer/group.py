@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,13 @@ class PeerUnreachableError(RuntimeError):
 
 
 def connect_store(endpoint: KVEndpoint, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client of the receiver's store. A receiver's store listens from its start to its end, so
+    a port that refuses the connection is a receiver gone: that fails at once, where the store's
+    client would retry for twice ``timeout_s`` (and hold the blocks of every transfer queued)."""
+    try:
+        socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s).close()
+    except OSError as error:
+        raise PeerUnreachableError(f"no KV receiver at {endpoint.host}:{endpoint.port}: {error}") from error
     return connect_to(endpoint.host, endpoint.port, timeout_s)
 
 

@@ -7,10 +7,9 @@ cluster: applications of the tiny model deployed beside the session's, driven ov
   happened.
 - Past ``router.max_migrations`` a stream ends with an error event, and nothing leaks.
 - Prompt-heavy load grows the prefill pool; long outputs grow the decode pool; idle shrinks both
-  to their minimum; every request completes with the offline engine's tokens. Whether the other
-  pool also grows in a phase depends on the machine's speed (a slow one may miss the TPOT target
-  under prompt load), so the test holds each pool's policy to its rule instead: every decision
-  it published is justified by the numbers it published with it.
+  to their minimum; every request completes with the offline engine's tokens; every decision a
+  pool's policy published is justified by the numbers it published with it (what else grows
+  depends on the machine's speed, so it is not asserted).
 """
 
 from __future__ import annotations
@@ -81,9 +80,7 @@ def _scale(url: str, pool: str, replicas: int | None) -> None:
     assert response.status_code == 200, response.text
 
 
-async def _stream_text(
-    client: httpx.AsyncClient, url: str, body: dict, token_ids: list[int] | None = None
-) -> tuple[str, list[int], list[dict]]:
+async def _stream_text(client: httpx.AsyncClient, url: str, body: dict, token_ids: list[int]) -> tuple[str, list[int], list[dict]]:
     status, text, tokens, errors = await complete_text(client, url, body, token_ids)
     assert status == 200, errors
     return text, tokens, errors
@@ -98,11 +95,9 @@ def _streams_scaled_down_midway(url: str, bodies: list[dict]) -> list[tuple[str,
         async with httpx.AsyncClient(timeout=120) as client:
             seen: list[list[int]] = [[] for _ in bodies]
             tasks = [asyncio.create_task(_stream_text(client, url, body, ids)) for body, ids in zip(bodies, seen)]
-            # Scale down as soon as both replicas report streams and every stream reads from its
-            # decode replica (its second token: the first is the prefill replica's), or ended: a
-            # fixed wait let short streams end before Serve stopped the replica, on a fast
-            # machine; a stream placed on the leaving replica as Serve stopped it never reached it
-            # (its router no longer could) and was recomputed, on a slow one.
+            # Scale down once both replicas report streams and every stream reads from its decode
+            # replica (its second token: the first is the prefill replica's) or ended. A fixed wait
+            # let short streams end first on a fast machine, and placed some on the leaving replica on a slow one.
             deadline = time.monotonic() + 60
             while True:
                 await asyncio.sleep(0.2)
@@ -351,10 +346,9 @@ def test_a_decode_pool_of_one_killed_a_prefill_replica_takes_the_role_until_the_
 ):
     """#38: the only decode replica dies under live streams. The prefill replica takes the decode
     role at once: the live streams finish on it with the offline engine's exact tokens, new
-    requests are answered there before Serve's replacement is up (the time it took is printed:
-    the issue's figure, not a verdict on this machine's speed), and once the replacement serves
-    the prefill replica goes home; nothing leaks. The same with the pools sharing the cores step
-    by step (``cores.share``), where the replica's share of them changes with its role."""
+    requests are answered there before Serve's replacement is up (the time is printed, not
+    asserted), and once the replacement serves the prefill replica goes home; nothing leaks. The
+    same with the pools sharing the cores (``cores.share``): the replica's share follows its role."""
     from tests.integration.test_faults import _kill_replica
 
     url = deploy(f"roles-{cores}", {
@@ -369,9 +363,8 @@ def test_a_decode_pool_of_one_killed_a_prefill_replica_takes_the_role_until_the_
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
             seen: list[list[int]] = [[] for _ in prompts]
-            tasks = [
-                asyncio.create_task(complete_text(client, url, greedy_body(prompt, 600, stream=True), ids)) for prompt, ids in zip(prompts, seen)
-            ]
+            bodies = [greedy_body(prompt, 600, stream=True) for prompt in prompts]
+            tasks = [asyncio.create_task(complete_text(client, url, body, ids)) for body, ids in zip(bodies, seen)]
             deadline = time.monotonic() + 60
             while not all(len(ids) >= 2 for ids in seen):
                 assert time.monotonic() < deadline and not any(task.done() for task in tasks), "streams decoding before the kill"

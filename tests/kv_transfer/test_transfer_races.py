@@ -1,9 +1,11 @@
 """Races at a pair's edges, with the sender and the receiver in one process: a failure that
-comes after a transfer's verdict, or while a sender gives one up, is still reported once, and a
-transfer nobody expects is drained before its sender's wait runs out."""
+comes after a transfer's verdict, or while a sender gives one up, is still reported once, a
+transfer nobody expects is drained before its sender's wait runs out, and transfers for a receiver
+that is gone fail at once."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from duet.kv_transfer.progress import LayerProgress
 from duet.kv_transfer.receiver import KVReceiver
 from duet.kv_transfer.sender import KVSender
 from duet.kv_transfer.spec import KVSpec
+from duet.messages import KVEndpoint
 
 SHAPE = (3, 2, 2, 12, 4, 8)  # layers, K/V, kv heads, blocks, block size, head dim
 SPEC = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, kv_dtype="float32")
@@ -93,3 +96,22 @@ def test_a_transfer_nobody_expects_is_drained_and_the_pair_goes_on(pair):
     sender.send(3, receiver.endpoint, LayerProgress.complete(3, [7], 9), 1)
     assert _results(receiver, 1) == [(3, True, None)] and _results(sender, 1) == [(3, True, None)]
     assert receiver.num_threads == 2  # the listener and the one pair's thread: it never broke
+
+
+def test_transfers_for_a_receiver_that_is_gone_fail_at_once():
+    """Guards the soak's slow release after a decode replica died: each transfer queued for it
+    held its prompt's blocks on the prefill replica while the store's client retried a refused
+    connection (for twice the pair's timeout), once for the broken pair and once more for the new
+    pair the transfers moved to."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there: a receiver whose process has ended
+    sender = KVSender(torch.zeros(SHAPE), SPEC, timeout_s=60)
+    try:
+        for transfer_id in (1, 2, 3):
+            sender.send(transfer_id, KVEndpoint("127.0.0.1", port), LayerProgress.complete(3, [transfer_id], 7), 1)
+        results = _results(sender, 3, within_s=30)
+    finally:
+        sender.close()
+    assert sorted(transfer_id for transfer_id, _, _ in results) == [1, 2, 3]
+    assert all(not ok and f"no KV receiver at 127.0.0.1:{port}" in error for _, ok, error in results), results
