@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,7 +35,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from duet.benchmarks.serve_plots import watch_kv
-from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, WORKLOADS, TurnSpec, random_sessions, sharegpt_sessions
+from duet.benchmarks.workloads import (
+    SAFE_TOKEN_RANGE, WORKLOADS, TurnSpec, random_sessions, session_arrivals, sharegpt_sessions, trace_sessions,
+)
 
 
 @dataclass
@@ -128,12 +129,13 @@ async def run_load(
     url: str, model: str, sessions: list[list[TurnSpec]], rate: float, think_time_s: float, seed: int, api_key: str | None, label: str,
     kv_samples: list[dict] | None = None,
 ):
-    """Sessions arriving at ``rate`` a second (Poisson; 0: all at once), each turn sent once the
-    one before it ended and ``think_time_s`` passed; the results of every request, in sending order.
+    """Sessions arriving at ``rate`` a second (Poisson, or a trace's own times scaled to that
+    mean; 0: all at once), each turn sent once the one before it ended and ``think_time_s``
+    passed; the results of every request, in sending order.
     ``kv_samples`` (if given) gets the server's KV blocks, in its pools and its second tier, once a second."""
     import httpx
 
-    rng = random.Random(seed)
+    arrivals = session_arrivals(sessions, rate, seed)
     progress = tqdm(total=sum(map(len, sessions)), desc=label, unit="req", leave=False)
     results: list[RequestResult] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
@@ -156,9 +158,9 @@ async def run_load(
         start = time.perf_counter()
         stop = asyncio.Event()
         watch = None if kv_samples is None else asyncio.create_task(watch_kv(client, url, start, kv_samples, stop))
-        for turns in sessions:
+        for turns, at_s in zip(sessions, arrivals):
+            await asyncio.sleep(max(0.0, at_s - (time.perf_counter() - start)))
             tasks.append(asyncio.create_task(session(turns)))
-            await asyncio.sleep(rng.expovariate(rate) if rate > 0 else 0)
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         stop.set()
@@ -274,7 +276,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sharegpt-output-cap", type=int, default=128, help="most output tokens of a ShareGPT turn")
     parser.add_argument("--turns", type=int, default=4, help="most turns of a multiturn session (--num-requests sessions)")
     parser.add_argument("--think-time-s", type=float, default=0.0, help="pause before each later turn of a session")
-    parser.add_argument("--max-context", type=int, default=2048, help="a ShareGPT turn's prompt and output fit in this")
+    parser.add_argument("--max-context", type=int, default=2048, help="a ShareGPT turn's (a trace request's) prompt and output fit in this")
+    parser.add_argument("--trace", default=None, help="the trace workload's file (JSONL, Mooncake's format)")
+    parser.add_argument("--trace-scale", type=float, default=None, help="its lengths' factor (default: its p90 fits --max-context)")
     parser.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=200.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -284,6 +288,8 @@ def chosen_workloads(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
     if unknown := [name for name in chosen if name not in WORKLOADS]:
         parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
+    if "trace" in chosen and not args.trace:
+        parser.error("the trace workload replays --trace FILE (JSONL: timestamp, input_length, output_length, hash_ids)")
     return chosen
 
 
@@ -301,6 +307,8 @@ def make_sessions(args: argparse.Namespace, workload: str, seed: int) -> list[li
     if workload in ("random", "shared-prefix"):
         prefix = args.shared_prefix if workload == "shared-prefix" else 0
         return random_sessions(args.num_requests, args.input_len, args.output_len, prefix, seed)
+    if workload == "trace":
+        return trace_sessions(args.trace, args.num_requests, args.max_context, seed, args.trace_scale)
     from duet.benchmarks.sharegpt import load_conversations
     from duet.models.loader import resolve_model_path
     from duet.router.tokenizer import RouterTokenizer
@@ -359,7 +367,9 @@ def main(argv: list[str] | None = None) -> None:
             if config is not None:
                 down()
     print()
-    print(f"{args.num_requests} requests (sessions) at {args.rate}/s, {args.input_len} prompt + {args.output_len} output tokens (random); "
+    generated = {"random", "shared-prefix"} & set(chosen)
+    lengths = f"{args.input_len} prompt + {args.output_len} output tokens" if generated else "lengths as recorded"
+    print(f"{args.num_requests} requests (sessions) at {args.rate}/s of {', '.join(chosen)}, {lengths}; "
           f"SLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
     print(format_table(summaries))
     for summary in summaries:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import random
 from dataclasses import dataclass, field
 
 from duet.benchmarks.serve import RequestResult
@@ -235,12 +234,3 @@ class Simulation:
             ttft=times[0] - sequence.sent_s, tt2t=(times[1] if len(times) > 1 else times[0]) - sequence.sent_s,
             e2e=times[-1] - sequence.sent_s, itls=[b - a for a, b in zip(times, times[1:])], output_tokens=len(times),
         )
-
-
-def arrival_times(num_sessions: int, rate: float, seed: int) -> list[float]:
-    """When each session's first request is sent: ``duet bench serve``'s Poisson schedule (its seed)."""
-    rng, now, times = random.Random(seed), 0.0, []
-    for _ in range(num_sessions):
-        times.append(now)
-        now += rng.expovariate(rate) if rate > 0 else 0.0
-    return times

@@ -40,7 +40,8 @@ from pathlib import Path
 
 from duet.benchmarks.serve import add_load_arguments, chosen_workloads, format_table, make_sessions, run_label, run_seed, summarise
 from duet.benchmarks.sim_model import cluster_model
-from duet.benchmarks.sim_run import Simulation, arrival_times
+from duet.benchmarks.sim_run import Simulation
+from duet.benchmarks.workloads import session_arrivals
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
             sessions = make_sessions(args, workload, seed)
             started = time.perf_counter()
             simulation = Simulation(cluster_model(config, profile), args.think_time_s)
-            results, duration = simulation.run(sessions, arrival_times(len(sessions), rate, seed))
+            results, duration = simulation.run(sessions, session_arrivals(sessions, rate, seed))
             wall = time.perf_counter() - started
             summaries.append(summarise(Path(config).stem, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
             print(f"{Path(config).stem}/{label}: {duration:.1f} s simulated in {wall:.2f} s ({duration / max(wall, 1e-9):.0f}x real time)")

@@ -8,21 +8,51 @@ as a Poisson process.
   model's chat template, output as long as the recorded reply (capped).
 - ``multiturn``: ShareGPT conversations replayed as sessions of up to ``turns`` turns, each
   sending the whole history (the recorded replies as the assistant's turns) and the next message.
+- ``trace``: a request log in the Mooncake trace format, one JSON object a line with its
+  ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (one id per block of
+  the prompt, 512 tokens in Mooncake's traces: requests that share a prefix share its ids),
+  replayed at its own arrival times scaled to the chosen mean rate.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 SAFE_TOKEN_RANGE = (1000, 40000)  # ordinary vocabulary of SmolLM2's tokenizer, no special tokens
-WORKLOADS = ("random", "shared-prefix", "sharegpt", "multiturn")
+WORKLOADS = ("random", "shared-prefix", "sharegpt", "multiturn", "trace")
+TRACE_BLOCK_TOKENS = 512  # the tokens of one hash id in Mooncake's traces
 
 
 @dataclass(frozen=True)
 class TurnSpec:
     prompt: list[int]
     output_len: int
+    at_s: float | None = None  # a trace's session: when it arrived in the trace (s after its first)
+
+
+def arrival_times(num_sessions: int, rate: float, seed: int) -> list[float]:
+    """When each session's first request is sent, Poisson at ``rate`` (0: all at once)."""
+    rng, now, times = random.Random(seed), 0.0, []
+    for _ in range(num_sessions):
+        times.append(now)
+        now += rng.expovariate(rate) if rate > 0 else 0.0
+    return times
+
+
+def session_arrivals(sessions: list[list[TurnSpec]], rate: float, seed: int) -> list[float]:
+    """When each session is sent: a trace's own times, stretched or squeezed so that its mean
+    rate is ``rate`` (0: all at once); other workloads' sessions arrive as a Poisson process."""
+    traced = [turns[0].at_s for turns in sessions]
+    if not traced or None in traced:
+        return arrival_times(len(sessions), rate, seed)
+    span = traced[-1] - traced[0]
+    if rate <= 0 or span <= 0:
+        return [0.0] * len(traced)
+    stretch = (len(traced) - 1) / rate / span
+    return [(at - traced[0]) * stretch for at in traced]
 
 
 def random_sessions(num: int, input_len: int, output_len: int, shared_prefix: int, seed: int) -> list[list[TurnSpec]]:
@@ -60,3 +90,48 @@ def sharegpt_sessions(
         if len(chosen) == num:
             break
     return chosen
+
+
+def trace_sessions(
+    path: str | Path, num: int, max_context: int, seed: int, scale: float | None = None, block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> list[list[TurnSpec]]:
+    """The first ``num`` requests of a Mooncake-format trace as one-turn sessions. Lengths (and
+    a hash id's block with them) are multiplied by ``scale``, by default the factor that fits the
+    90th percentile of the requests' lengths in ``max_context``: a request still too long keeps
+    its output (at most half the context) and the start of its prompt. A hash id stands for the
+    same random tokens wherever it appears (for this ``seed``), so prefixes the trace shares are
+    shared here."""
+    records = []
+    with open(path) as lines:
+        for number, line in enumerate(lines, 1):
+            if line.strip():
+                record = json.loads(line)
+                if not {"timestamp", "input_length", "output_length"} <= record.keys():
+                    raise ValueError(f"{path}:{number}: a request needs timestamp, input_length and output_length (and hash_ids)")
+                records.append(record)
+            if len(records) == num:
+                break
+    if not records:
+        raise ValueError(f"{path}: no requests")
+    records.sort(key=lambda record: record["timestamp"])
+    if scale is None:
+        lengths = sorted(record["input_length"] + record["output_length"] for record in records)
+        scale = min(1.0, max_context / lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))])
+    block = max(1, int(block_tokens * scale))
+    blocks: dict[int, list[int]] = {}
+    first_ms, sessions = records[0]["timestamp"], []
+    for index, record in enumerate(records):
+        output_len = max(1, min(int(record["output_length"] * scale), max_context // 2))
+        input_len = max(1, min(int(record["input_length"] * scale), max_context - output_len))
+        prompt = []
+        for hash_id in record.get("hash_ids", []):
+            if hash_id not in blocks:
+                rng = random.Random(f"{seed}/{hash_id}")
+                blocks[hash_id] = [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(block)]
+            prompt += blocks[hash_id]
+            if len(prompt) >= input_len:
+                break
+        rng = random.Random(f"{seed}/request/{index}")  # a prompt longer than its blocks: its own tokens
+        prompt = prompt[:input_len] + [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(input_len - len(prompt))]
+        sessions.append([TurnSpec(prompt, output_len, (record["timestamp"] - first_ms) / 1e3)])
+    return sessions

@@ -115,3 +115,64 @@ def test_kv_samples_sum_each_stages_replicas_from_the_metrics():
     asyncio.run(watch_kv(Client(), "http://127.0.0.1:1", 0.0, samples, stop))
     assert len(samples) == 1
     assert samples[0]["pool"] == {"prefill": 50.0, "decode": 150.0} and samples[0]["tier"] == {"prefill": 30.0, "decode": 0.0}
+
+
+def _write_trace(path, records) -> None:
+    import json
+
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_a_trace_replays_its_shared_prefixes_and_lengths_scaled_to_the_context(tmp_path):
+    """Mooncake's format: a hash id is one block of the prompt, the same tokens wherever it
+    appears; lengths are scaled by one factor so that the longest request fits the context."""
+    from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, trace_sessions
+
+    trace = tmp_path / "trace.jsonl"
+    _write_trace(trace, [
+        {"timestamp": 5000, "input_length": 2000, "output_length": 48, "hash_ids": [7, 8, 9, 10]},
+        {"timestamp": 1000, "input_length": 3000, "output_length": 96, "hash_ids": [7, 8, 11, 12, 13, 14]},  # the first by time
+        {"timestamp": 2000, "input_length": 700, "output_length": 16, "hash_ids": [20, 21]},
+        {"timestamp": 9000, "input_length": 100, "output_length": 8, "hash_ids": []},  # past --num-requests
+    ])
+    sessions = trace_sessions(trace, num=3, max_context=1548, seed=3)
+    (first,), (second,), (third,) = sessions
+    scale = 1548 / 3096  # the longest request (of three, the 90th percentile), 3,000 + 96 tokens, fills the context
+    assert [len(first.prompt), len(second.prompt), len(third.prompt)] == [int(3000 * scale), int(700 * scale), int(2000 * scale)]
+    assert [first.output_len, second.output_len, third.output_len] == [48, 8, 24]
+    assert [first.at_s, second.at_s, third.at_s] == [0.0, 1.0, 4.0]
+    block = int(512 * scale)  # blocks 7 and 8 are shared; 11 and 9 are not
+    assert first.prompt[: 2 * block] == third.prompt[: 2 * block]
+    assert first.prompt[2 * block : 3 * block] != third.prompt[2 * block : 3 * block]
+    assert second.prompt[:block] != first.prompt[:block]
+    assert all(SAFE_TOKEN_RANGE[0] <= token < SAFE_TOKEN_RANGE[1] for turns in sessions for token in turns[0].prompt)
+    assert trace_sessions(trace, num=3, max_context=1548, seed=3) == sessions  # a seed gives the same tokens
+    assert trace_sessions(trace, num=3, max_context=1548, seed=4)[0][0].prompt != first.prompt  # another, fresh ones
+    short = trace_sessions(trace, num=3, max_context=8192, seed=3)  # room for all: nothing scaled
+    assert [len(turns[0].prompt) for turns in short] == [3000, 700, 2000] and short[0][0].output_len == 96
+    cut = trace_sessions(trace, num=3, max_context=1000, seed=3, scale=1.0)  # too long: outputs kept, prompts cut
+    assert [(len(turns[0].prompt), turns[0].output_len) for turns in cut] == [(904, 96), (700, 16), (952, 48)]
+    assert cut[0][0].prompt[:512] == short[0][0].prompt[:512]  # the start of the prompt is kept
+
+
+def test_a_trace_arrives_at_its_own_times_scaled_to_the_mean_rate_asked():
+    from duet.benchmarks.workloads import TurnSpec, arrival_times, session_arrivals
+
+    traced = [[TurnSpec([1000], 4, at_s)] for at_s in (0.0, 1.0, 4.0, 10.0)]
+    assert session_arrivals(traced, 0.3, seed=1) == pytest.approx([0.0, 1.0, 4.0, 10.0])  # its own mean rate: 3 gaps in 10 s
+    assert session_arrivals(traced, 0.6, seed=1) == pytest.approx([0.0, 0.5, 2.0, 5.0])
+    assert session_arrivals(traced, 0, seed=1) == [0.0] * 4
+    poisson = [[TurnSpec([1000], 4)] for _ in range(5)]
+    assert session_arrivals(poisson, 2.0, seed=9) == arrival_times(5, 2.0, seed=9)
+
+
+def test_the_trace_workload_asks_for_its_file():
+    import argparse
+
+    from duet.benchmarks.serve import add_load_arguments, chosen_workloads
+
+    parser = argparse.ArgumentParser()
+    add_load_arguments(parser)
+    with pytest.raises(SystemExit):
+        chosen_workloads(parser, parser.parse_args(["--workloads", "random,trace"]))
+    assert chosen_workloads(parser, parser.parse_args(["--workloads", "trace", "--trace", "t.jsonl"])) == ["trace"]

@@ -8,8 +8,8 @@ import pytest
 
 from duet.benchmarks.profile import fit_decode, fit_prompt, fit_transfer
 from duet.benchmarks.sim_model import EMPTY_STEP_S, ClusterModel, PoolModel
-from duet.benchmarks.sim_run import Simulation, arrival_times
-from duet.benchmarks.workloads import TurnSpec
+from duet.benchmarks.sim_run import Simulation
+from duet.benchmarks.workloads import TurnSpec, arrival_times
 
 PROMPT = {"base_s": 0.002, "per_token_s": 0.001, "per_token_context_s": 1e-6}
 DECODE = {"base_s": 0.010, "per_row_s": 0.003, "per_row_context_s": 2e-6}
