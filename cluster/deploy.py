@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -155,9 +154,10 @@ class ServeFile:
         return f"http://{host}:{self.port}{(app.get('route_prefix') or '/').rstrip('/')}"
 
 
-def _ray_executable() -> str:
-    candidate = Path(sys.executable).parent / "ray"
-    return str(candidate) if candidate.exists() else (shutil.which("ray") or "ray")
+def ray_cli() -> list[str]:
+    """Ray's command line under this interpreter: the cluster it starts runs its workers with the
+    Python (and so the duet) that runs ``duet up``, not with whichever ``ray`` is first on PATH."""
+    return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def _connect_or_start_ray(loopback: bool) -> bool:
@@ -172,12 +172,12 @@ def _connect_or_start_ray(loopback: bool) -> bool:
     except ConnectionError:
         pass
     command = [
-        _ray_executable(), "start", "--head", f"--num-cpus={max(2, os.cpu_count() or 2)}",
+        *ray_cli(), "start", "--head", f"--num-cpus={max(2, os.cpu_count() or 2)}",
         "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={256 * 2**20}",
     ]
     if loopback:
         command.append("--node-ip-address=127.0.0.1")
-    print("starting a local Ray cluster: " + " ".join(command[1:]), flush=True)
+    print("starting a local Ray cluster: ray " + " ".join(command[len(ray_cli()):]), flush=True)
     completed = subprocess.run(command, capture_output=True, text=True)
     if completed.returncode != 0:
         raise DeployError(f"ray start failed:\n{completed.stderr[-2000:]}")
@@ -299,6 +299,6 @@ def down() -> bool:
         if ray.is_initialized():
             ray.shutdown()
     if state.started_ray:
-        subprocess.run([_ray_executable(), "stop", "--force"], capture_output=True, text=True)
+        subprocess.run([*ray_cli(), "stop", "--force"], capture_output=True, text=True)
     state_path().unlink(missing_ok=True)
     return True

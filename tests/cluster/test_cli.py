@@ -258,3 +258,14 @@ def test_status_shows_a_replicas_second_kv_tier_where_it_has_one():
     assert "tier" not in format_status(report).splitlines()[2]
     stats |= {"loras": ["sql", "chat"], "lora_loads": 5, "lora_evictions": 3}  # and the LoRA adapters it holds
     assert format_status(report).splitlines()[2].endswith("LoRA: sql, chat (5 loaded, 3 evicted)")
+
+
+def test_ray_is_started_under_the_interpreter_that_runs_duet():
+    """Guards a cluster whose workers ran another Python: `duet up` took the `ray` script first on
+    PATH when its own environment had none, and that interpreter's duet was another tree."""
+    import subprocess
+
+    command = deploy.ray_cli()
+    assert command[0] == sys.executable
+    completed = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0 and "version" in completed.stdout, completed.stderr
