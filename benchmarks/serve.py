@@ -1,11 +1,12 @@
 """``duet bench serve``: a serving benchmark in the spirit of ``vllm bench serve``.
 
-Sessions arrive as a Poisson process at ``--rate``, each of one request or, in the
-``multiturn`` workload, of several sent one after another (``duet.benchmarks.workloads``):
-random token ids of ``--input-len`` tokens (``--shared-prefix`` of them common to all requests
-in the shared-prefix workload), or ShareGPT's conversations through the model's chat template;
-each request generates exactly its output tokens (``--output-len``, or the recorded reply's
-length capped at ``--sharegpt-output-cap``; EOS ignored).
+Sessions arrive as a Poisson process at ``--rate`` (a trace's at its own times, scaled to that
+mean), each of one request or, in the ``multiturn`` workload, of several sent one after another
+(``duet.benchmarks.workloads``): random token ids of ``--input-len`` tokens (``--shared-prefix``
+of them common to all requests in the shared-prefix workload), ShareGPT's conversations through
+the model's chat template, or a trace's requests; each request generates exactly its output
+tokens (``--output-len``, the recorded reply's length capped at ``--sharegpt-output-cap``, or
+the trace's, scaled; EOS ignored).
 Per request it measures TTFT, the time to the second token (in PD mode, when the decode
 replica's first decode step is out: the prompt's KV had to arrive first), TPOT (time per
 output token after the first), ITL (gaps between streamed tokens) and end-to-end latency, and prints p50/p90/p99 with throughput
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
                 down()
     print()
     generated = {"random", "shared-prefix"} & set(chosen)
-    lengths = f"{args.input_len} prompt + {args.output_len} output tokens" if generated else "lengths as recorded"
+    lengths = f"{args.input_len} prompt + {args.output_len} output tokens" if generated else "lengths as recorded (a trace's scaled)"
     print(f"{args.num_requests} requests (sessions) at {args.rate}/s of {', '.join(chosen)}, {lengths}; "
           f"SLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
     print(format_table(summaries))

@@ -92,9 +92,7 @@ def sharegpt_sessions(
     return chosen
 
 
-def trace_sessions(
-    path: str | Path, num: int, max_context: int, seed: int, scale: float | None = None, block_tokens: int = TRACE_BLOCK_TOKENS,
-) -> list[list[TurnSpec]]:
+def trace_sessions(path: str | Path, num: int, max_context: int, seed: int, scale: float | None = None) -> list[list[TurnSpec]]:
     """The first ``num`` requests of a Mooncake-format trace as one-turn sessions. Lengths (and
     a hash id's block with them) are multiplied by ``scale``, by default the factor that fits the
     90th percentile of the requests' lengths in ``max_context``: a request still too long keeps
@@ -117,7 +115,7 @@ def trace_sessions(
     if scale is None:
         lengths = sorted(record["input_length"] + record["output_length"] for record in records)
         scale = min(1.0, max_context / lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))])
-    block = max(1, int(block_tokens * scale))
+    block = max(1, int(TRACE_BLOCK_TOKENS * scale))
     blocks: dict[int, list[int]] = {}
     first_ms, sessions = records[0]["timestamp"], []
     for index, record in enumerate(records):
