@@ -7,7 +7,9 @@ once (HTTP 503 with Retry-After), rather than after waiting in vain. Its wait is
 Little's law from how long admitted requests have held their slots lately: the slots that must
 free up before it fits (running and queued ahead, plus its own, over ``max_running``) times the
 mean hold over ``max_running``. A prediction is an estimate: a request still waiting when its
-time is up is refused then, with the same status.
+time is up is refused then, with the same status. Both are decided on the queue's own clock:
+slots that free after a waiter's time is up pass it by, however late its task wakes (a busy
+event loop), and the wait a request reports ends when it was admitted, not when it woke.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class AdmissionQueue:
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
         self.num_running = 0  # sequences
-        self._waiters: deque[tuple[asyncio.Future, int]] = deque()
+        # (woken with the admission time, or None once out of time; sequences; deadline)
+        self._waiters: deque[tuple[asyncio.Future, int, float | None]] = deque()
         self._holds: deque[float] = deque(maxlen=HOLD_HISTORY)  # seconds recent requests held their slots
 
     def predicted_wait_s(self, num_sequences: int = 1) -> float:
@@ -50,7 +53,7 @@ class AdmissionQueue:
         fewer than ``MIN_HOLDS`` requests have ended: nothing to predict from)."""
         if len(self._holds) < MIN_HOLDS:
             return 0.0
-        queued = sum(cost for waiter, cost in self._waiters if not waiter.done())
+        queued = sum(cost for waiter, cost, _ in self._waiters if not waiter.done())
         to_free = self.num_running + queued + self._cost(num_sequences) - self.max_running
         return max(0, to_free) * (sum(self._holds) / len(self._holds)) / self.max_running
 
@@ -77,26 +80,28 @@ class AdmissionQueue:
             raise QueueWaitError(
                 f"it would wait about {predicted:.0f} s for admission, over router.max_queue_wait_s={limit:g}; retry later", predicted
             )
-        entry = (asyncio.get_running_loop().create_future(), cost)
+        entry = (asyncio.get_running_loop().create_future(), cost, None if limit is None else arrival + limit)
         self._waiters.append(entry)
         try:
             # ``_admit_waiters`` counts the request in before waking it
             await asyncio.wait([entry[0]], timeout=limit)
             if not entry[0].done():
                 self._withdraw(entry)
+            admitted_at = entry[0].result() if entry[0].done() else None
+            if admitted_at is None:
                 raise QueueWaitError(
                     f"it waited router.max_queue_wait_s={limit:g} s without being admitted; retry later",
                     max(1.0, self.predicted_wait_s(num_sequences)),
                 )
         except asyncio.CancelledError:
-            if entry[0].done() and not entry[0].cancelled():
+            if entry[0].done() and not entry[0].cancelled() and entry[0].result() is not None:
                 self.release(num_sequences)
             elif entry in self._waiters:
                 self._withdraw(entry)
             raise
-        return self.clock() - arrival
+        return admitted_at - arrival
 
-    def _withdraw(self, entry: tuple[asyncio.Future, int]) -> None:
+    def _withdraw(self, entry: tuple[asyncio.Future, int, float | None]) -> None:
         """Take a waiting request out of the line."""
         self._waiters.remove(entry)
         self._admit_waiters()  # it may have held back smaller requests behind it
@@ -110,17 +115,23 @@ class AdmissionQueue:
 
     def _admit_waiters(self) -> None:
         """Admit waiting requests, oldest first, while the oldest fits (no overtaking: a large
-        request is not starved by small ones behind it)."""
+        request is not starved by small ones behind it); one whose time is up is woken out of
+        the line instead, unadmitted."""
+        now = self.clock()
         while self._waiters:
-            waiter, cost = self._waiters[0]
+            waiter, cost, deadline = self._waiters[0]
             if waiter.done():
                 self._waiters.popleft()
+                continue
+            if deadline is not None and now > deadline:
+                self._waiters.popleft()
+                waiter.set_result(None)
                 continue
             if self.num_running + cost > self.max_running:
                 return
             self._waiters.popleft()
             self.num_running += cost
-            waiter.set_result(None)
+            waiter.set_result(now)
 
 
 class Admitted:

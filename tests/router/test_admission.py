@@ -188,3 +188,29 @@ def test_without_history_nothing_is_predicted_and_a_waiter_out_of_time_is_refuse
         assert queue.num_running == 0
 
     asyncio.run(scenario())
+
+
+def test_the_queue_clock_decides_a_slot_freed_after_a_waiters_time_passes_it_by():
+    """A slot that frees after a waiter's time is up goes to the next in line, however soon the
+    waiter's task would have woken; an admitted request's wait ends when it was admitted, not
+    when its task ran again (on a busy event loop, later)."""
+
+    async def scenario():
+        now = [0.0]
+        queue = AdmissionQueue(max_running=1, max_queued=4, max_queue_wait_s=5.0, clock=lambda: now[0])
+        await queue.acquire()
+        late = asyncio.create_task(queue.acquire())
+        await asyncio.sleep(0)
+        now[0] = 4.0
+        on_time = asyncio.create_task(queue.acquire())
+        await asyncio.sleep(0)
+        now[0] = 6.0  # past the first waiter's deadline (5 s), within the second's (9 s)
+        queue.release()
+        now[0] = 60.0  # the admitted task runs again only now
+        with pytest.raises(QueueWaitError):
+            await late
+        assert await on_time == pytest.approx(2.0) and queue.num_running == 1 and queue.num_queued == 0
+        queue.release()
+        assert queue.num_running == 0
+
+    asyncio.run(scenario())
