@@ -9,16 +9,22 @@ C++ on CPU (``csrc/gguf_ops.cpp``), Triton on a GPU (``triton_gguf.py``) — deq
 block in registers, to the very floats gguf's own dequantizer gives, and multiply in fp32.
 
 A Q4_0 block (fp16 ``d``, codes ``q``: ``d * (q - 8)``) becomes a Q4_1 block with min ``-8 d``,
-exact, its codes as they are. K-quants come in super-blocks of 256 weights whose 32- or
-16-weight sub-blocks have integer scales of a super-block scale; ``from_blocks`` rewrites them
-into the kernels' 32-weight blocks, exactly: a Q4_K sub-block's ``d * sc`` and ``dmin * m`` are
+exact, its codes as they are. Q5_0 and Q5_1 blocks (a fifth bit per code in 4 bytes before the
+nibbles) become the kernels' Q5_K blocks below, their codes a byte each: Q5_1's ``d`` and ``m``
+as they are, Q5_0's ``d * (q - 16)`` with min ``-16 d`` (exact, as Q4_0's; ``d * q`` of an
+fp16 and a 5-bit code is exact in fp32, so the kernels' fma rounds where gguf's sum does).
+
+K-quants come in super-blocks of 256 weights whose 32- or 16-weight sub-blocks have integer
+scales of a super-block scale; ``from_blocks`` rewrites them into the kernels' 32-weight blocks,
+exactly: a Q4_K sub-block's ``d * sc`` and ``dmin * m`` are
 fp16 times 6-bit integers, exact in fp32, so it becomes a Q4_1 block (codes, scale ``d * sc``,
 min ``-dmin * m``: gguf's ``d * sc * q - dmin * m`` rounds once, as the kernels' fma does); a
 Q5_K block the same with its 5-bit codes a byte each (``Q5_K``'s layout in the kernels); a
 Q6_K block of 32 keeps its codes less 32 as int8 and the fp32 scales ``d * sc`` of its two
-halves (``Q6_K``'s layout in the kernels: fp16 times int8 times a 6-bit code is exact in fp32).
-The codes stay 4-, 5- and 6-bit values; only their container widens (Q4_K: 0.75 byte a weight
-against 0.5625 in the file; Q5_K: 1.25 against 0.6875; Q6_K: 1.25 against 0.82).
+halves (``Q6_K``'s layout in the kernels: fp16 times int8 times a 6-bit code is exact in fp32),
+and a Q3_K block the same with its codes less 4 and the scales ``d * (sc - 32)``. The codes
+stay 3- to 6-bit values; only their container widens (Q4_K: 0.75 byte a weight against 0.5625
+in the file; Q5_K: 1.25 against 0.6875; Q6_K: 1.25 against 0.82; Q3_K: 1.25 against 0.43).
 """
 
 from __future__ import annotations
@@ -30,17 +36,21 @@ import torch
 
 Q4_0 = 2  # GGML's type ids
 Q4_1 = 3
+Q5_0 = 6
+Q5_1 = 7
 Q8_0 = 8
+Q3_K = 11
 Q4_K = 12
 Q5_K = 13
 Q6_K = 14
-_LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), then code bytes
+_LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), code bytes
 _KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
-TYPES = frozenset({Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K})  # what the kernels read (Q4_0 and K-quants rewritten at load)
+TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K})  # what the kernels read (some rewritten at load)
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
 SUPER_BLOCK = 256  # weights of a K-quant super-block
-_K_LAYOUTS = {Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210)}  # weights and bytes of a super-block
+# weights and bytes of a super-block
+_K_LAYOUTS = {Q3_K: (SUPER_BLOCK, 110), Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210)}
 
 
 def q4_1_words(codes: torch.Tensor) -> torch.Tensor:
@@ -91,6 +101,17 @@ def _from_q5_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(out, -1).contiguous(), scales
 
 
+def _five_bit_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Q5_0 or Q5_1 blocks' code bytes ``[..., 20]`` (a little-endian 32-bit word whose bit j is
+    weight j's fifth bit, then Q4_1's nibbles: byte j holds weight j low, 16 + j high) as their 32
+    codes, 0-31 a byte each."""
+    high_word = codes[..., :4].contiguous().view(torch.int32)  # [..., 1]
+    bits = torch.arange(32, dtype=torch.int32, device=codes.device)
+    high = ((high_word >> bits) & 1).to(torch.uint8)
+    nibbles = codes[..., 4:]
+    return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1) | (high << 4)
+
+
 def _from_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q6_K super-blocks ``[out, n, 210]`` (128 bytes of low nibbles, 64 of high 2-bit pairs, 16
     int8 scales, fp16 d) as 8n blocks of 32 int8 codes (less 32) and the fp32 scales
@@ -104,6 +125,25 @@ def _from_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = rows[..., 208:210].contiguous().view(torch.float16).float()
     scales = d * rows[..., 192:208].contiguous().view(torch.int8).float()  # [out, n, 16]: exact
     return codes.view(torch.uint8).reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
+
+
+def _from_q3_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K super-blocks ``[out, n, 110]`` (32 bytes of third bits, inverted: bit j of byte i is
+    weight 32j + i's; 64 bytes of 2-bit pairs; 12 bytes of sixteen 6-bit scales; fp16 d) as
+    Q6_K's kernel blocks: 8n blocks of 32 int8 codes (-4 to 3) and the fp32 scales
+    ``d * (sc - 32)`` of their two halves (exact)."""
+    out, n = rows.shape[:2]
+    device = rows.device
+    packed = rows[..., 96:108]
+    low = (packed[..., :8].reshape(out, n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=device).view(1, 1, 2, 1)) & 0x0F
+    high = (packed[..., 8:].reshape(out, n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device).view(1, 1, 4, 1)) & 0x03
+    sc = (low.reshape(out, n, 16) | (high.reshape(out, n, 16) << 4)).float() - 32.0
+    d = rows[..., 108:110].contiguous().view(torch.float16).float()
+    pairs = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device).view(1, 1, 1, 4, 1)
+    low_bits = (rows[..., 32:96].reshape(out, n, 2, 1, 32) >> pairs) & 0x03  # [out, n, half, pair, 32]
+    third = (rows[..., :32].reshape(out, n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=device).view(1, 1, 8, 1)) & 0x01
+    codes = low_bits.reshape(out, n, 256).to(torch.int8) - ((third.reshape(out, n, 256) ^ 1) << 2).to(torch.int8)
+    return codes.view(torch.uint8).reshape(out, -1).contiguous(), (d * sc).reshape(out, -1).contiguous()
 
 
 @dataclasses.dataclass
@@ -128,7 +168,10 @@ class GGUFWeight:
     def from_blocks(cls, blocks: torch.Tensor, qtype: int, in_features: int, ops) -> GGUFWeight:
         """From the file's rows of blocks (uint8 ``[out_features, blocks * block bytes]``)."""
         if qtype not in TYPES:
-            supported = f"Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q8_0 = {Q8_0}, Q4_K = {Q4_K}, Q5_K = {Q5_K}, Q6_K = {Q6_K}"
+            supported = (
+                f"Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q5_0 = {Q5_0}, Q5_1 = {Q5_1}, Q8_0 = {Q8_0}, Q3_K = {Q3_K}, Q4_K = {Q4_K}, "
+                f"Q5_K = {Q5_K}, Q6_K = {Q6_K}"
+            )
             raise ValueError(f"GGUF type {qtype} is not supported ({supported})")
         block, per_block = _K_LAYOUTS[qtype] if qtype in _K_LAYOUTS else (BLOCK, 2 * _LAYOUTS[qtype][0] + _LAYOUTS[qtype][1])
         if in_features % block or blocks.dim() != 2 or blocks.shape[1] != in_features // block * per_block:
@@ -140,11 +183,16 @@ class GGUFWeight:
             return cls(*_from_q5_k(rows), Q5_K, in_features, ops)
         if qtype == Q6_K:
             return cls(*_from_q6_k(rows), Q6_K, in_features, ops)
+        if qtype == Q3_K:
+            return cls(*_from_q3_k(rows), Q6_K, in_features, ops)
         num_scales = _LAYOUTS[qtype][0]
         scales = rows[..., : 2 * num_scales].contiguous().view(torch.float16).float()
         codes = rows[..., 2 * num_scales :]
         if qtype == Q4_0:  # d * (q - 8): a Q4_1 block with min -8 d, exact (a power of two times d)
             scales, qtype = torch.cat([scales, -8.0 * scales], dim=-1), Q4_1
+        if qtype in (Q5_0, Q5_1):  # the kernels' Q5_K blocks: codes a byte each, d and m (Q5_0's -16 d)
+            scales = torch.cat([scales, -16.0 * scales], dim=-1) if qtype == Q5_0 else scales
+            codes, qtype = _five_bit_codes(codes), Q5_K
         if qtype == Q4_1:
             codes = q4_1_words(codes)
         return cls(codes.reshape(blocks.shape[0], -1).contiguous(), scales.reshape(blocks.shape[0], -1), qtype, in_features, ops)

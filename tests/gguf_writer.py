@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from tests.conftest import make_tiny_llama, make_tiny_model
 
 
 def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int = 0):
-    """Random Q4_K, Q5_K or Q6_K super-blocks (gguf's quantizer makes none): random codes and
+    """Random Q3_K, Q4_K, Q5_K or Q6_K super-blocks (gguf's quantizer makes none): random codes and
     integer scales under fp16 super-block scales up to ``magnitude``; ``[rows, cols / 256 * bytes]``
     uint8."""
     import gguf
@@ -26,6 +27,8 @@ def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int
     scales = (rng.random((rows, cols // 256, 2)) * magnitude).astype(np.float16).view(np.uint8)
     if with_min:
         blocks[..., 0:4] = scales  # d, dmin
+    elif qtype == gguf.GGMLQuantizationType.Q3_K:
+        blocks[..., 108:110] = scales[..., :2]  # d
     else:
         blocks[..., 208:210] = scales[..., :2]  # d
     return blocks.reshape(rows, -1)
@@ -77,19 +80,32 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",  # Qwen 3 MoE's
     "mlp.experts.down_proj": "ffn_down_exps",
 }
+# Gemma's: norms after attention, and before and after the MLP (its ``ffn_norm`` is the one before).
+_GGUF_GEMMA_LAYER_NAMES = _GGUF_LAYER_NAMES | {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
-def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0, projections: str = "Q8_0", **overrides) -> Path:
-    """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Qwen 3 MoE, Phi-3) written as
-    llama.cpp's converter writes a GGUF file, with gguf's own writer: its architecture's
-    metadata keys, projections in ``projections`` (Q8_0, Q4_0: gguf's quantizer; Q5_K: random
-    super-blocks, its sizes multiples of 256), a MoE layer's experts stacked in one tensor per
-    projection (quantized so too) and its router in F32, the embedding in F16, norms and biases
-    in F32, a Llama's Q/K rows interleaved for its RoPE, and the tokenizer (byte-level BPE: its
-    tokens, types, merges, special ids and chat template) from ``tokenizer_dir``."""
+def write_tiny_gguf(
+    path: Path, tokenizer_dir: Path, family: str, seed: int = 0, projections: str = "Q8_0", eot_token_id: int | None = None,
+    **overrides,
+) -> Path:
+    """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Qwen 3 MoE, Phi-3, Gemma 2, Gemma 3)
+    written as llama.cpp's converter writes a GGUF file, with gguf's own writer: its
+    architecture's metadata keys, projections in ``projections`` (Q8_0, Q4_0, Q5_1: gguf's quantizer;
+    Q5_K: random super-blocks, its sizes multiples of 256), a MoE layer's experts stacked in one
+    tensor per projection (quantized so too) and its router in F32, the embedding in F16, norms
+    and biases in F32 (Gemma's norms as 1 + w), a Llama's Q/K rows interleaved for its RoPE, and
+    the tokenizer (byte-level BPE: its tokens, types, merges, special ids and chat template)
+    from ``tokenizer_dir``; ``eot_token_id``, where given, as the file's end-of-turn token.
+
+    Beside it (but for a Llama's), ``<stem>-reference`` holds the source model with the weights
+    the file holds, dequantized: transformers on it is the oracle of a conversion where
+    transformers' own GGUF reader falls short (it reads no Gemma soft-cap or query scale)."""
     import gguf
     import numpy as np
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     arch = {"qwen3-moe": "qwen3moe", "phi3-longrope": "phi3", "phi3-partial": "phi3"}.get(family, family)
     source_dir = path.parent / f"{path.stem}-source"
@@ -118,8 +134,21 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
     rope = config.get("rope_parameters") or {}
+    gemma = arch in ("gemma2", "gemma3")
+    if arch == "gemma3":  # the global layers' RoPE (llama.cpp fixes the windowed layers' base)
+        rope = rope["full_attention"]
+    if arch != "gemma2":  # llama.cpp writes no RoPE key for Gemma 2 (its base is 10000)
+        writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if gemma:
+        writer.add_sliding_window(config["sliding_window"])
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        if config.get("final_logit_softcapping") is not None:
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     if arch == "phi3":  # the features RoPE rotates (Phi-4-mini's: part of each head)
         writer.add_rope_dimension_count(int(head_dim * (rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0)))
     if rope.get("rope_type") == "longrope":  # llama.cpp's Phi-3 long context: two keys, two factor tensors
@@ -145,12 +174,17 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
     writer.add_eos_token_id(config["eos_token_id"])
     if config.get("pad_token_id") is not None:
         writer.add_pad_token_id(config["pad_token_id"])
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     writer.add_chat_template((tokenizer_dir / "chat_template.jinja").read_text())
+    reference = {}  # what the file holds, by Hugging Face name, dequantized
     for name, value in state.items():
+        if gemma and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's 1 + w
+            value = value + np.float32(1.0)
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{suffix}"
+            gguf_name = f"blk.{layer}.{(_GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES)[module]}.{suffix}"
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
@@ -160,15 +194,32 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, family: str, seed: int = 0,
             qtype = getattr(gguf.GGMLQuantizationType, projections)
             if projections.endswith("_K"):  # gguf quantizes to no K-quant
                 blocks = k_quant_blocks(*value.shape, int(qtype), magnitude=0.0001, seed=len(gguf_name) + value.shape[0])
-                writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
             else:
-                writer.add_tensor(gguf_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+                blocks = gguf.quants.quantize(value, qtype)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+            reference[name] = gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(value.shape)
         elif "embed" in name:
             writer.add_tensor(gguf_name, value.astype(np.float16))
+            reference[name] = value.astype(np.float16).astype(np.float32)
         else:
             writer.add_tensor(gguf_name, value.astype(np.float32))
+            reference[name] = value.astype(np.float32) - (np.float32(1.0) if gemma and name.endswith("norm.weight") else 0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if arch != "llama":  # (a Llama's Q/K rows are interleaved in the file)
+        reference_dir = path.parent / f"{path.stem}-reference"
+        shutil.copytree(source, reference_dir)
+        tensors = {}
+        for name, value in reference.items():
+            if value.ndim == 3:  # a MoE layer's stacked experts, per expert again
+                tensors |= {name.replace(".experts.", f".experts.{e}."): torch.from_numpy(value[e].copy()) for e in range(len(value))}
+            else:
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(value))
+        save_file(tensors, str(reference_dir / "model.safetensors"), metadata={"format": "pt"})
+        if eot_token_id is not None:  # transformers ends at both, and holds both back under min_new_tokens
+            generation = reference_dir / "generation_config.json"
+            settings = json.loads(generation.read_text()) if generation.exists() else {}
+            generation.write_text(json.dumps(settings | {"eos_token_id": [config["eos_token_id"], eot_token_id]}))
     return path

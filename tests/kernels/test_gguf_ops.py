@@ -116,16 +116,16 @@ def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follow
         OPS.set_panel_min_rows(0)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(name):
     """Q4_K becomes Q4_1 blocks (scale d * sc, min -dmin * m), Q5_K blocks of a byte a code with
-    the same scale and min, Q6_K int8 blocks with a scale per 16: each dequantizes to gguf's own
-    floats exactly, and multiplies as float matmuls over them."""
+    the same scale and min, Q6_K and Q3_K int8 blocks with a scale per 16: each dequantizes to
+    gguf's own floats exactly, and multiplies as float matmuls over them."""
     qtype = getattr(gguf.GGMLQuantizationType, name)
     blocks = k_quant_blocks(48, 512, int(qtype), magnitude=0.002 if name == "Q4_K" else 0.0001)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(48, 512))
     weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 512, OPS)
-    assert weight.qtype == {"Q4_K": 3, "Q5_K": 13, "Q6_K": 14}[name]
+    assert weight.qtype == {"Q3_K": 14, "Q4_K": 3, "Q5_K": 13, "Q6_K": 14}[name]
     assert torch.equal(weight.dequantize(), reference)
     for rows in (1, 3, 20):  # tiles of rows, and panels
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -143,13 +143,17 @@ def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(nam
         GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 500, OPS)
 
 
-def test_q4_0_blocks_are_rewritten_to_q4_1_blocks_that_dequantize_bit_for_bit():
-    """A Q4_0 block's ``d * (q - 8)`` is a Q4_1 block's ``d * q + m`` with ``m = -8 d``, exactly."""
+@pytest.mark.parametrize(("name", "kernel_type"), [("Q4_0", 3), ("Q5_0", 13), ("Q5_1", 13)])
+def test_blocks_without_kernels_of_their_own_are_rewritten_to_blocks_that_dequantize_bit_for_bit(name, kernel_type):
+    """A Q4_0 block's ``d * (q - 8)`` is a Q4_1 block's ``d * q + m`` with ``m = -8 d``, exactly;
+    Q5_0's ``d * (q - 16)`` and Q5_1's ``d * q + m`` are the kernels' Q5_K blocks (a byte a code),
+    their fifth bits gathered from the block's word of them."""
+    qtype = gguf.GGMLQuantizationType[name]
     rows = torch.randn(40, 256, generator=torch.Generator().manual_seed(4)).numpy()
-    blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_0)
-    reference = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_0).astype(np.float32).reshape(40, 256))
-    weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(gguf.GGMLQuantizationType.Q4_0), 256, OPS)
-    assert weight.qtype == 3
+    blocks = gguf.quants.quantize(rows, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(40, 256))
+    weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 256, OPS)
+    assert weight.qtype == kernel_type
     assert torch.equal(weight.dequantize(), reference)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
