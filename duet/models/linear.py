@@ -318,8 +318,9 @@ def measured_cpu_rules() -> dict[str, int]:
     ops = cpu_ops.load_gguf()
     if ops is None:
         return {}
-    return {"gguf_panel_min_rows": ops.panel_min_rows(), "float_panel_rows": _float_panel_rows(),
-            "gguf_float_max_rows": _gguf_float_max_rows(ops)}
+    rules = {"gguf_panel_min_rows": ops.panel_min_rows(), "float_panel_rows": _float_panel_rows(),
+             "gguf_float_max_rows": _gguf_float_max_rows(ops)}
+    return rules | ({"gguf_bf16_amx_min_rows": ops.bf16_amx_min_rows()} if ops.has_amx() else {})
 
 
 def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = "cpu") -> int:

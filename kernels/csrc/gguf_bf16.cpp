@@ -14,11 +14,25 @@
 // vdpbf16ps against a broadcast pair of each row's x. How many rows the blocks serve before
 // oneDNN's packed bf16 weights is measured too (``duet/models/linear.py``): on a Xeon with AMX,
 // about 6; vdpbf16ps runs at half the rate of the FMA ports there.
+//
+// On CPUs with AMX-BF16, a panel's bf16 pairs are already the tiles' layout (16 rows of k pairs,
+// 64 bytes of 16 features' pairs each): tdpbf16ps multiplies up to 16 rows of x by a panel's two
+// halves at a time, 32 k a step, instead of a vdpbf16ps per row and pair (``amx_panel_tile``).
+// From how many rows it does, rather than by vdpbf16ps tiles or panels, is measured once per
+// process (``set_bf16_amx_min_rows``), and it serves only the process's rule: a product whose
+// rows are given a rule of their own (``panel_min_rows`` >= 0, ``batch_invariant``'s) keeps
+// vdpbf16ps, whose sums run in one order whatever the rows.
 
 #include "gguf_blocks.h"
 
 #include <atomic>
 #include <optional>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DUET_AMX 1
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 
@@ -96,22 +110,89 @@ struct Bf16Panels {
   static __m512 madd(__m512 acc, W weights, W xv) { return _mm512_dpbf16_ps(acc, weights, xv); }
 };
 
+#ifdef DUET_AMX
+// Linux gives a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without them a tile instruction is SIGILL.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// out[r, 0..31] = x[r, :] times panel features 0..31 for R rows (R <= 16): tile 0 holds R rows of
+// 32 k of x, tiles 1 and 2 the panel's 16 pairs of k for features 0-15 and 16-31 (a panel row of
+// pairs is 32 cells apart), tiles 3 and 4 the sums. Each tdpbf16ps adds, per output, a k pair's
+// two exact products into its fp32 sum, k in order. The tiles are configured for R rows on each
+// call: the configuration is the calling thread's.
+template <int R>
+void amx_panel_tile(const uint16_t* x, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
+  TileConfig config;
+  config.rows[0] = config.rows[3] = config.rows[4] = R;
+  config.rows[1] = config.rows[2] = 16;
+  for (int t = 0; t < 5; ++t) config.bytes_per_row[t] = 64;
+  _tile_loadconfig(&config);
+  _tile_zero(3);
+  _tile_zero(4);
+  constexpr int64_t kPairRows = kBlock / 2;  // a tile of B: 16 rows of k pairs
+  for (int64_t j = 0; j < K / kBlock; ++j) {
+    for (int64_t line = 0; line < kPairRows; ++line) ahead.fetch(j * kPairRows + line);
+    _tile_loadd(0, x + j * kBlock, K * sizeof(uint16_t));
+    _tile_loadd(1, panel + j * kPairRows * kPanelWidth, kPanelWidth * sizeof(uint32_t));
+    _tile_loadd(2, panel + j * kPairRows * kPanelWidth + 16, kPanelWidth * sizeof(uint32_t));
+    _tile_dpbf16ps(3, 0, 1);
+    _tile_dpbf16ps(4, 0, 2);
+  }
+  _tile_stored(3, out, N * sizeof(float));
+  _tile_stored(4, out + 16, N * sizeof(float));
+}
+
+constexpr int kAmxTileRows = 16;
+
 template <int64_t QType>
-void matmul_any(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, bool panels) {
-  if (panels) products_by_panels<Bf16Panels, QType>(x, M, K, w, out, N);
+void products_by_amx_panels(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
+  by_panels<QType, kAmxTileRows, uint32_t>(
+      M, N, kPanelWidth * K / 2, w, [&](int64_t p, uint32_t* panel) { dequant_panel<Bf16Panels, QType>(w, p, panel); },
+      [&](auto rows, int64_t r, int64_t p, const uint32_t* panel, const Ahead& ahead) {
+        amx_panel_tile<decltype(rows)::value>(x + r * K, K, panel, out + r * N + p * kPanelWidth, N, ahead);
+      });
+  _tile_release();
+}
+#else
+bool amx_permitted() { return false; }
+#endif
+
+template <int64_t QType>
+void matmul_any(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N, int way) {
+#ifdef DUET_AMX
+  if (way == kBf16Amx) return products_by_amx_panels<QType>(x, M, K, w, out, N);
+#endif
+  if (way == kBf16Panels) products_by_panels<Bf16Panels, QType>(x, M, K, w, out, N);
   else matmul<QType>(x, M, K, w, out, N);
 }
 
 std::atomic<int64_t> bf16_panel_rows{1 << 30};  // never, until the loader measures this CPU
+std::atomic<int64_t> bf16_amx_rows{1 << 30};  // never, until the loader measures this CPU
 
 }  // namespace
 
-bool bf16_by_panels(const Weights& w, int64_t M, int64_t panel_min_rows) {
-  return w.panel_codes != nullptr && M >= (panel_min_rows >= 0 ? panel_min_rows : bf16_panel_rows.load());
+int bf16_way(const Weights& w, int64_t M, int64_t panel_min_rows) {
+  if (w.panel_codes == nullptr) return kBf16Tiles;
+  if (panel_min_rows < 0 && M >= bf16_amx_rows.load()) return kBf16Amx;
+  return M >= (panel_min_rows >= 0 ? panel_min_rows : bf16_panel_rows.load()) ? kBf16Panels : kBf16Tiles;
 }
 
-void bf16_products(const uint16_t* x, int64_t M, int64_t K, int64_t qtype, const Weights& w, float* out, int64_t N, bool panels) {
-  with_qtype(qtype, [&](auto type) { matmul_any<decltype(type)::value>(x, M, K, w, out, N, panels); });
+void bf16_products(const uint16_t* x, int64_t M, int64_t K, int64_t qtype, const Weights& w, float* out, int64_t N, int way) {
+  with_qtype(qtype, [&](auto type) { matmul_any<decltype(type)::value>(x, M, K, w, out, N, way); });
 }
 
 }  // namespace duet_gguf
@@ -128,11 +209,21 @@ torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
   x = x.contiguous();
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  bf16_products(xs, M, K, qtype, w, out.data_ptr<float>(), N, bf16_by_panels(w, M, panel_min_rows));
+  bf16_products(xs, M, K, qtype, w, out.data_ptr<float>(), N, bf16_way(w, M, panel_min_rows));
   return out;
 }
 
 bool has_bf16() { return true; }
+
+bool has_amx() { return duet_gguf::amx_permitted(); }
+
+void set_bf16_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "amx_min_rows must be at least 1, got ", rows);
+  TORCH_CHECK(rows >= (1 << 30) || has_amx(), "AMX tiles need a CPU with AMX-BF16 (and a build for it)");
+  duet_gguf::bf16_amx_rows.store(rows);
+}
+
+int64_t bf16_amx_min_rows() { return duet_gguf::bf16_amx_rows.load(); }
 
 void set_bf16_panel_min_rows(int64_t rows) {
   TORCH_CHECK(rows >= 1, "panel_min_rows must be at least 1, got ", rows);
@@ -144,8 +235,8 @@ int64_t bf16_panel_min_rows() { return duet_gguf::bf16_panel_rows.load(); }
 #else
 
 namespace duet_gguf {
-bool bf16_by_panels(const Weights&, int64_t, int64_t) { return false; }
-void bf16_products(const uint16_t*, int64_t, int64_t, int64_t, const Weights&, float*, int64_t, bool) {
+int bf16_way(const Weights&, int64_t, int64_t) { return kBf16Tiles; }
+void bf16_products(const uint16_t*, int64_t, int64_t, int64_t, const Weights&, float*, int64_t, int) {
   TORCH_CHECK(false, "bf16 products from GGUF blocks need a CPU with AVX512_BF16");
 }
 }  // namespace duet_gguf
@@ -160,5 +251,11 @@ bool has_bf16() { return false; }
 void set_bf16_panel_min_rows(int64_t) { TORCH_CHECK(false, "bf16 panels need a CPU with AVX512_BF16"); }
 
 int64_t bf16_panel_min_rows() { return 1 << 30; }
+
+bool has_amx() { return false; }
+
+void set_bf16_amx_min_rows(int64_t rows) { TORCH_CHECK(rows >= (1 << 30), "AMX tiles need a CPU with AMX-BF16"); }
+
+int64_t bf16_amx_min_rows() { return 1 << 30; }
 
 #endif

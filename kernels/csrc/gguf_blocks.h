@@ -293,6 +293,8 @@ inline void with_qtype(int64_t qtype, F&& f) {
 // feature j's code in its low nibble and feature 16 + j's in its high one; Q8_0, Q5_K and Q6_K:
 // 32 bytes a k), then their scales side by side ([num_scales][32]). AVX-512's panels read it.
 constexpr int64_t kPanelWidth = 32;
+// How a bf16 product goes (gguf_bf16.cpp): by tiles of rows, by panels (vdpbf16ps), by panels on AMX tiles.
+constexpr int kBf16Tiles = 0, kBf16Panels = 1, kBf16Amx = 2;
 constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
 
 #if defined(__AVX512F__)

@@ -261,8 +261,8 @@ torch::Tensor gguf_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 }
 
 // gguf_bf16.cpp's products of bf16 rows (fp32 sums, before rounding), and its rule for panels.
-void bf16_products(const uint16_t* x, int64_t M, int64_t K, int64_t qtype, const Weights& w, float* out, int64_t N, bool panels);
-bool bf16_by_panels(const Weights& w, int64_t M, int64_t panel_min_rows);
+void bf16_products(const uint16_t* x, int64_t M, int64_t K, int64_t qtype, const Weights& w, float* out, int64_t N, int way);
+int bf16_way(const Weights& w, int64_t M, int64_t panel_min_rows);
 
 // values[i] rounded to bf16 and back, as torch's .to(torch.bfloat16) rounds (to nearest even,
 // denormals kept, a NaN to the quiet NaN 0x7FC0).
@@ -332,7 +332,8 @@ torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Te
   const auto* xs16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t* ids = excluded.data_ptr<int64_t>();
   const int64_t num_excluded = excluded.size(1);
-  const bool panels = bf16 ? bf16_by_panels(w, M, panel_min_rows) : by_panels(w, M, N, panel_min_rows);
+  const bool panels = !bf16 && by_panels(w, M, N, panel_min_rows);
+  const int bf16_ways = bf16 ? bf16_way(w, M, panel_min_rows) : kBf16Tiles;
   const int64_t num_groups = (N + kArgmaxGroup - 1) / kArgmaxGroup;
   std::vector<float> group_best(num_groups * M);
   std::vector<int64_t> group_index(num_groups * M);
@@ -347,7 +348,7 @@ torch::Tensor gguf_matmul_argmax(torch::Tensor x, torch::Tensor codes, torch::Te
         part.panel_scales = w.panel_scales + n0 * w.num_blocks * num_scales(qtype);
       }
       if (bf16) {
-        bf16_products(xs16, M, K, qtype, part, products.data(), width, panels);
+        bf16_products(xs16, M, K, qtype, part, products.data(), width, bf16_ways);
         round_to_bf16(products.data(), M * width);
       } else {
         matmul(qtype, xs, M, K, part, products.data(), width, panels);
@@ -410,6 +411,9 @@ torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
 bool has_bf16();
 void set_bf16_panel_min_rows(int64_t rows);
 int64_t bf16_panel_min_rows();
+bool has_amx();
+void set_bf16_amx_min_rows(int64_t rows);
+int64_t bf16_amx_min_rows();
 namespace duet_gguf {
 // batch_invariant.cpp's.
 int64_t invariant_panel_width();
@@ -445,6 +449,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("panel_min_rows") = -1, py::arg("panel_codes") = py::none(), py::arg("panel_scales") = py::none());
   m.def("set_bf16_panel_min_rows", &set_bf16_panel_min_rows, "bf16 products of at least this many rows go by panels, in this process");
   m.def("bf16_panel_min_rows", &bf16_panel_min_rows);
+  m.def("has_amx", &has_amx, "whether bf16 panels can go by AMX tiles here (the CPU, this build, and the kernel's permission)");
+  m.def("set_bf16_amx_min_rows", &set_bf16_amx_min_rows, "bf16 products of at least this many rows go by AMX tiles (the process's rule)");
+  m.def("bf16_amx_min_rows", &bf16_amx_min_rows);
   m.def("has_bf16", &has_bf16);
   m.def("isa", &isa);
   m.def("invariant_linear", &invariant_linear, "x [M, K] times weights in panels: every output summed over k in one order");

@@ -77,6 +77,8 @@ def test_rules_given_by_the_environment_are_taken_without_timing():
     """``DUET_CPU_RULES`` (as the tests hand it to Ray's processes): a new process takes each rule
     given, including values its own timing would not choose, and times only the others."""
     given = {"gguf_panel_min_rows": 24, "float_panel_rows": 1, "gguf_float_max_rows": 4}
+    if cpu_ops.load_gguf().has_amx():  # and on AMX, the rows from which bf16 products go by its tiles
+        given["gguf_bf16_amx_min_rows"] = 40
     script = (
         "import json; from duet.kernels import cpu_ops; from duet.models.linear import measured_cpu_rules; "
         "print(json.dumps([measured_cpu_rules(), cpu_ops.load_gguf().panel_min_rows()]))"

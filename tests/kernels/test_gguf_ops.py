@@ -257,3 +257,41 @@ def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name
     assert got.dtype == torch.bfloat16
     rule = (-1, weight.panel_codes, weight.panel_scales)
     assert torch.equal(got, OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype, *rule).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(OPS is None or not OPS.has_amx(), reason="no AMX-BF16 tiles on this CPU (or in this build)")
+@pytest.mark.parametrize("name", [*TYPES, "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_amx_tiles_multiply_the_panels_bf16_weights_under_the_process_rule_alone(name, rows):
+    """On AMX, bf16 panels multiply by tiles of up to 16 rows (17 and 40: tiles of 16 and the
+    rest): one-hot rows read the weights rounded to bf16 back bit for bit, random rows equal a
+    float product over them; a product given a rule of its own (batch_invariant's) keeps
+    vdpbf16ps whatever the process's AMX rule."""
+    if name in ("Q5_K", "Q6_K"):
+        qtype = int(gguf.GGMLQuantizationType[name])
+        weight = GGUFWeight.from_blocks(torch.from_numpy(k_quant_blocks(64, 256, qtype, magnitude=0.0001)), qtype, 256, OPS)
+        weights = weight.dequantize()
+    else:
+        weight, weights = quantized(64, 256, TYPES[name], seed=rows)
+    weight.lay_out_panels()
+    layout = (weight.panel_codes, weight.panel_scales)
+    rounded = weights.to(torch.bfloat16)
+    columns = torch.arange(rows) * 7 % 256
+    one_hot = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    one_hot[torch.arange(rows), columns] = 1.0
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    before = OPS.bf16_amx_min_rows()
+    try:
+        OPS.set_bf16_amx_min_rows(cpu_ops.NEVER)
+        alone = OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype, 1, *layout)
+        OPS.set_bf16_amx_min_rows(1)
+        read_back = OPS.gguf_matmul_bf16(one_hot, weight.codes, weight.scales, weight.qtype, -1, *layout)
+        assert torch.equal(read_back, rounded.float()[:, columns].T)
+        tiles = OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype, -1, *layout)
+        torch.testing.assert_close(tiles, (x.double() @ rounded.double().T).float(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype, 1, *layout), alone)
+        excluded = torch.zeros(rows, 0, dtype=torch.int64)
+        greedy = OPS.gguf_matmul_argmax(x, weight.codes, weight.scales, weight.qtype, excluded, -1, *layout)
+        assert torch.equal(greedy, tiles.to(torch.bfloat16).float().argmax(dim=1))
+    finally:
+        OPS.set_bf16_amx_min_rows(before)
