@@ -221,10 +221,9 @@ class DecoderStack {
                           plan.panel_scales)
                     .to(x.scalar_type());
       } else if (rows <= plan.block_rows) {
-        out = x.scalar_type() == torch::kBFloat16
-                  ? gguf_matmul_bf16_
-                        .call(x, plan.codes, plan.scales, plan.qtype, plan.panel_min_rows, plan.panel_codes, plan.panel_scales)
-                        .to(torch::kBFloat16)
+        out = x.scalar_type() == torch::kBFloat16  // rounded to bf16 in the call
+                  ? gguf_matmul_bf16_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_min_rows, plan.panel_codes,
+                                           plan.panel_scales)
                   : gguf_matmul_.call(x, plan.codes, plan.scales, plan.qtype, plan.panel_min_rows, plan.panel_codes,
                                       plan.panel_scales);
       } else if (rows <= plan.panel_rows) {

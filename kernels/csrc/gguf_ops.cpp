@@ -408,6 +408,9 @@ int64_t panel_min_rows() { return panel_rows.load(); }
 // gguf_bf16.cpp's, where this CPU has AVX512_BF16.
 torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows,
                                std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales);
+torch::Tensor gguf_matmul_bf16_rounded(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype,
+                                       int64_t panel_min_rows, std::optional<torch::Tensor> panel_codes,
+                                       std::optional<torch::Tensor> panel_scales);
 bool has_bf16();
 void set_bf16_panel_min_rows(int64_t rows);
 int64_t bf16_panel_min_rows();
@@ -429,7 +432,7 @@ TORCH_LIBRARY(duet_gguf, m) {
   });
   m.def("matmul_bf16", [](torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t panel_min_rows,
                           std::optional<torch::Tensor> panel_codes, std::optional<torch::Tensor> panel_scales) {
-    return gguf_matmul_bf16(x, codes, scales, qtype, panel_min_rows, panel_codes, panel_scales);
+    return gguf_matmul_bf16_rounded(x, codes, scales, qtype, panel_min_rows, panel_codes, panel_scales);  // bf16 out
   });
   m.def("dequantize", &duet_gguf::gguf_dequantize);
   m.def("invariant_linear", &duet_gguf::invariant_linear);

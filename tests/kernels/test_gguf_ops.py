@@ -257,6 +257,11 @@ def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name
     assert got.dtype == torch.bfloat16
     rule = (-1, weight.panel_codes, weight.panel_scales)
     assert torch.equal(got, OPS.gguf_matmul_bf16(x, weight.codes, weight.scales, weight.qtype, *rule).to(torch.bfloat16))
+    # the decoder stack's operator rounds in the call, as .to(torch.bfloat16) does (40 features: a
+    # remainder past its vectors of 16)
+    assert torch.equal(torch.ops.duet_gguf.matmul_bf16(x, weight.codes, weight.scales, weight.qtype, *rule), got)
+    odd, _ = quantized(40, 192, TYPES[name], seed=rows)
+    assert torch.equal(torch.ops.duet_gguf.matmul_bf16(x, odd.codes, odd.scales, odd.qtype, -1, None, None), odd.matmul(x))
 
 
 @pytest.mark.skipif(OPS is None or not OPS.has_amx(), reason="no AMX-BF16 tiles on this CPU (or in this build)")
