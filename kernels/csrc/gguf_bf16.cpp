@@ -234,8 +234,10 @@ torch::Tensor gguf_matmul_bf16_rounded(torch::Tensor x, torch::Tensor codes, tor
   auto out = torch::empty({M, N}, x.options());
   auto* bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   int64_t i = 0;
-  for (; i + 16 <= M * N; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(sums.data() + i), 16)));
+  for (; i + 16 <= M * N; i += 16) {
+    const __m512i words = _mm512_loadu_si512(sums.data() + i);  // rounded above: the high halves are the bf16s
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+  }
   for (; i < M * N; ++i) {
     uint32_t word;
     std::memcpy(&word, sums.data() + i, sizeof(word));
