@@ -68,6 +68,7 @@ _GEMMA_LAYER_TENSORS = _LAYER_TENSORS | {
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_ARCH_LAYER_TENSORS = {"phi3": _FUSED_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS}
 
 
 def cache_root() -> Path:
@@ -161,8 +162,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
         _, layer, kind = stem.split(".", 2)
         if kind in _EXPERT_TENSORS:  # one name per expert: the caller splits the tensor
             return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_TENSORS[kind]}.{suffix}"
-        names = {"phi3": _FUSED_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS}
-        mapped = names.get(arch, _LAYER_TENSORS).get(kind)
+        mapped = _ARCH_LAYER_TENSORS.get(arch, _LAYER_TENSORS).get(kind)
         return f"model.layers.{layer}.{mapped}.{suffix}" if mapped else None
     mapped = _GLOBAL_TENSORS.get(stem)
     return f"{mapped}.{suffix}" if mapped else None

@@ -216,31 +216,22 @@ torch::Tensor gguf_matmul_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
 }
 
 // The same products rounded to bf16 in the call, as .to(torch.bfloat16) rounds them (the decoder
-// stack's operator): the fp32 sums go to a buffer of the calling thread's, not to a tensor of
-// their own and a second call to round it (a fifth of a bf16 step's products at one row).
+// stack's operator): no second operator call to round them.
 torch::Tensor gguf_matmul_bf16_rounded(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t qtype,
                                        int64_t panel_min_rows, std::optional<torch::Tensor> panel_codes,
                                        std::optional<torch::Tensor> panel_scales) {
-  using namespace duet_gguf;
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "gguf_matmul_bf16 takes bf16 rows [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const Weights w = with_layout(checked(codes, scales, qtype, K), qtype, N, panel_codes, panel_scales);
-  x = x.contiguous();
-  thread_local std::vector<float> sums;
-  sums.resize(M * N);
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  bf16_products(xs, M, K, qtype, w, sums.data(), N, bf16_way(w, M, panel_min_rows));
-  round_to_bf16(sums.data(), M * N);
-  auto out = torch::empty({M, N}, x.options());
+  torch::Tensor sums = gguf_matmul_bf16(x, codes, scales, qtype, panel_min_rows, panel_codes, panel_scales);
+  float* values = sums.data_ptr<float>();
+  const int64_t n = sums.numel();
+  duet_gguf::round_to_bf16(values, n);  // the high halves are now the bf16s
+  auto out = torch::empty(sums.sizes(), sums.options().dtype(torch::kBFloat16));
   auto* bits = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   int64_t i = 0;
-  for (; i + 16 <= M * N; i += 16) {
-    const __m512i words = _mm512_loadu_si512(sums.data() + i);  // rounded above: the high halves are the bf16s
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
-  }
-  for (; i < M * N; ++i) {
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(bits + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(values + i), 16)));
+  for (; i < n; ++i) {
     uint32_t word;
-    std::memcpy(&word, sums.data() + i, sizeof(word));
+    std::memcpy(&word, values + i, sizeof(word));
     bits[i] = static_cast<uint16_t>(word >> 16);
   }
   return out;
