@@ -34,6 +34,11 @@ class _WorkerActor(Worker):
     """A rank's worker. ``ping`` waits behind a running step (a threaded actor would answer at
     once, but runs its steps on a pool thread: 2.5x slower in OpenMP kernels, measured)."""
 
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        if self.runner.grammar is not None:  # before serving: its build stalls the whole process (duet.structured_output)
+            self.runner.grammar.tokenizer()
+
     def ping(self) -> bool:
         return True
 

@@ -97,6 +97,7 @@ class EngineReplica:
         self._roles = {role.stage: role}
         self._role_since = time.monotonic()
         self.engine = engine
+        engine.grammar_tokenizer()  # before serving: its build stalls the whole process (duet.structured_output)
         self.integrity_failures = 0
         self._report: ReplicaStats | None = None  # the last sent
         self.loop = EngineLoop(

@@ -160,12 +160,15 @@ class LLMEngine:
         return max_tokens
 
     def check_constraint(self, params: SamplingParams) -> None:
-        """Check a structured-output constraint against the model's tokenizer. The first one builds
-        llguidance's view of the tokenizer (seconds), a new constraint compiles (up to ~0.1 s): a
-        replica runs it off the engine thread first (both are cached), so no stream waits on it."""
+        """Check a structured-output constraint against the model's tokenizer. A new constraint
+        compiles (up to ~0.1 s, cached): a replica runs this off the engine thread."""
         if params.structured_outputs is not None:
-            tokenizer = grammar_tokenizer(self._tokenizer_path, self.model_config.vocab_size, self.eos_token_id)
-            params.structured_outputs.check_tokens(tokenizer)
+            params.structured_outputs.check_tokens(self.grammar_tokenizer())
+
+    def grammar_tokenizer(self):
+        """llguidance's view of the model's tokenizer (``duet.structured_output.grammar_tokenizer``:
+        built once per process, holding the GIL for ~0.25 s; a replica calls this before it serves)."""
+        return grammar_tokenizer(self._tokenizer_path, self.model_config.vocab_size, self.eos_token_id)
 
     def check_lora(self, name: str, path: str | None) -> str:
         """The folder of LoRA adapter ``name`` (``path``, or the configured one), checked

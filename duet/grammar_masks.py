@@ -88,8 +88,7 @@ class GrammarMasks:
 
             if self._mask_executor is None:
                 self._mask_executor = llguidance.LLExecutor()
-            tokenizer = grammar_tokenizer(self.tokenizer_path, self.vocab_size, self.eos_token_id)
-            pristine = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            pristine = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
             pristine.compute_bitmask()
             if pristine.is_error():  # the engine checks constraints on arrival: only a limit gets here
                 raise GrammarError(f"the constraint does not compile: {first_line(pristine.get_error())}")
@@ -97,6 +96,11 @@ class GrammarMasks:
                 self._pristine.pop(next(iter(self._pristine)))  # the least recently used
         self._pristine[grammar] = pristine
         return pristine
+
+    def tokenizer(self):
+        """llguidance's view of the model's tokenizer, the engine's own in the same process
+        (``duet.structured_output.grammar_tokenizer``)."""
+        return grammar_tokenizer(self.tokenizer_path, self.vocab_size, self.eos_token_id)
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,12 +138,22 @@ def _compact_schema(schema: str | dict) -> str:
         raise StructuredOutputsError("the JSON schema is nested too deeply") from None
 
 
-@functools.lru_cache(maxsize=4)
+_TOKENIZER_BUILD = threading.Lock()
+
+
 def grammar_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_id: int | None):
     """llguidance's view of a model's Hugging Face tokenizer: one per process and model, shared by
     the engine's checks and its runner's matchers. Built from ``tokenizer.json`` as the router
-    builds its own (~0.2 s, no transformers); from transformers' tokenizer (1-3 s) only for a
-    model without one."""
+    builds its own (~0.25 s for 49k tokens, no transformers); from transformers' tokenizer (1-3 s)
+    only for a model without one. The build holds the GIL throughout, stalling every thread of
+    the process (a replica's engine and event loop: its streams and reports), so it is built once
+    even when threads ask at once, and a replica builds it before it serves."""
+    with _TOKENIZER_BUILD:
+        return _grammar_tokenizer(tokenizer_path, vocab_size, eos_token_id)
+
+
+@functools.lru_cache(maxsize=4)
+def _grammar_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_id: int | None):
     import llguidance
 
     tokenizer_json = Path(tokenizer_path) / "tokenizer.json"

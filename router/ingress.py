@@ -108,6 +108,7 @@ class RouterIngress:
         self.max_body_bytes = max_body_bytes
         self.api_keys = [key.encode() for key in api_keys]
         self.tokenizer = RouterTokenizer(model_dir)
+        self.tokenizer.grammar_tokenizer()  # built before serving: a first constrained request would stall every stream here
         self.chat = ChatRenderer(self.tokenizer, tool_call_parser, reasoning_parser)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.app_name = serve.get_replica_context().app_name

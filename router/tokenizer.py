@@ -119,7 +119,7 @@ class RouterTokenizer:
 
     def grammar_tokenizer(self):
         """llguidance's view of the same tokenizer, to check constraints against its tokens
-        (built at the first constrained request: about 0.2 s)."""
+        (about 0.25 s to build, holding the GIL: the ingress builds it before it serves)."""
         if self._grammar_tokenizer is None:
             import llguidance
 

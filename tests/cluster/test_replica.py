@@ -281,6 +281,26 @@ def test_a_colocated_replica_keeps_its_role(tiny_llama_dir):
         engine.close()
 
 
+def test_a_replica_builds_the_grammar_tokenizer_before_it_serves_and_its_runner_asks_for_the_same(tiny_llama_dir):
+    """llguidance's tokenizer build holds the GIL (~0.25 s, seconds beside other replicas): built at
+    a first constrained request, it froze every stream of the replica and its reports (a decode
+    replica took its first sequences 3-7 s late in the scale-down test). A replica builds it
+    first, under the key its runner's masks use, so no request builds it again."""
+    from duet.structured_output import _grammar_tokenizer
+
+    _grammar_tokenizer.cache_clear()
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), num_kv_blocks=16))
+    assert _grammar_tokenizer.cache_info().currsize == 0
+    replica = EngineReplica("c", DecodeRole(colocated=True), engine, _DirectPeers())
+    try:
+        assert _grammar_tokenizer.cache_info().currsize == 1
+        assert engine.executor.worker.runner.grammar.tokenizer() is engine.grammar_tokenizer()
+        assert _grammar_tokenizer.cache_info().currsize == 1
+    finally:
+        replica.loop.stop()
+        engine.close()
+
+
 def test_a_busy_decode_replica_sheds_sequences_by_kv_to_one_that_took_the_role(home_pair):
     """#38: the prefill replica takes the decode role while the decode replica runs six streams;
     the decode replica sheds half of its share to it, by KV, the ones with the most to make first

@@ -181,6 +181,42 @@ def test_requests_of_one_grammar_start_from_copies_of_one_compiled_matcher(masks
     assert masks.clip_drafts(second, [one] * 3) == [one] * 2 and masks.clip_drafts(first, [one] * 2) == [one]
 
 
+def test_threads_asking_for_the_grammar_tokenizer_at_once_build_it_once(tiny_llama_dir, monkeypatch):
+    """Its build holds the GIL (~0.25 s for SmolLM2's 49k tokens): two requests checked at once in
+    one replica built it twice, stalling every stream there twice as long."""
+    import threading
+    import time
+
+    import llguidance
+
+    from duet.structured_output import _grammar_tokenizer, grammar_tokenizer
+
+    builds = []
+    real = llguidance.LLTokenizer
+
+    def counted(*args, **kwargs):  # a build long enough for every thread to ask meanwhile
+        builds.append(threading.get_ident())
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", counted)
+    _grammar_tokenizer.cache_clear()
+    vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
+    start, got = threading.Barrier(4), []
+
+    def ask():
+        start.wait()
+        got.append(grammar_tokenizer(str(tiny_llama_dir), vocab, 2))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    _grammar_tokenizer.cache_clear()  # not the counting one for later tests
+    assert len(builds) == 1 and len(got) == 4 and all(tokenizer is got[0] for tokenizer in got)
+
+
 def test_the_engines_grammar_tokenizer_comes_from_tokenizer_json_without_transformers(tiny_llama_dir):
     """Guards every stream of a replica: its first constrained request built llguidance's view of
     the tokenizer through transformers (1-3 s, between two steps of everyone's); from

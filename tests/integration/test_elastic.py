@@ -105,7 +105,9 @@ def _streams_scaled_down_midway(url: str, bodies: list[dict]) -> list[tuple[str,
                 running = _running(url, "decode")
                 if decoding and len(running) == 2 and all(running.values()):
                     break
-                assert time.monotonic() < deadline, f"streams decoding on both replicas before the scale-down: {running}"
+                assert time.monotonic() < deadline, (
+                    f"streams decoding on both replicas before the scale-down: {running}; tokens per stream {[len(ids) for ids in seen]}"
+                )
             _scale(url, "decode", 1)
             return await asyncio.gather(*tasks)
 
