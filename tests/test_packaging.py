@@ -39,7 +39,7 @@ def test_transformers_does_not_mistake_our_kernels_folder_for_hf_kernels():
 
 
 # Scripts the package ships to run in another program's environment, never imported by duet.
-PEER_SCRIPTS = {"benchmarks/vllm_peer.py"}  # runs in vLLM's own venv (duet bench offline --peer vllm)
+PEER_SCRIPTS = {"benchmarks/vllm_peer.py", "benchmarks/vllm_client.py"}  # run in vLLM's own venv (its offline engine; its bench client)
 # Imported only where its absence is handled: `duet bench grammar` then measures llguidance alone;
 # `duet bench offline --lora` says to install the test extras (PEFT writes its adapters).
 OPTIONAL_IMPORTS = {"xgrammar": {"benchmarks/grammar.py"}, "peft": {"benchmarks/lora.py"}}
