@@ -283,9 +283,8 @@ def test_a_colocated_replica_keeps_its_role(tiny_llama_dir):
 
 def test_a_replica_builds_the_grammar_tokenizer_before_it_serves_and_its_runner_asks_for_the_same(tiny_llama_dir):
     """llguidance's tokenizer build holds the GIL (~0.25 s, seconds beside other replicas): built at
-    a first constrained request, it froze every stream of the replica and its reports (a decode
-    replica took its first sequences 3-7 s late in the scale-down test). A replica builds it
-    first, under the key its runner's masks use, so no request builds it again."""
+    a first constrained request, it froze every stream of the replica and its reports. A replica
+    builds it first, under the key its runner's masks use, so no request builds it again."""
     from duet.structured_output import _grammar_tokenizer
 
     _grammar_tokenizer.cache_clear()
