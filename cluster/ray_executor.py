@@ -25,6 +25,7 @@ from duet.distributed import host_store
 from duet.errors import WorkerDiedError
 from duet.messages import KVEndpoint
 from duet.outputs import KVTransferResult, RunnerOutput, SchedulerOutput
+from duet.structured_output import build_before_serving
 from duet.worker import Worker, WorkerConfig
 
 LOOPBACK = "127.0.0.1"
@@ -37,7 +38,7 @@ class _WorkerActor(Worker):
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
         if self.runner.grammar is not None:  # before serving: its build stalls the whole process (duet.structured_output)
-            self.runner.grammar.tokenizer()
+            build_before_serving(self.runner.grammar.tokenizer)
 
     def ping(self) -> bool:
         return True

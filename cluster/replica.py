@@ -44,6 +44,7 @@ from duet.errors import InvalidRequestError, KVTransferFailedError, ReplicaFullE
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, ReplicaStats, TokenDelta
 from duet.prefill_node.role import PrefillRole
 from duet.router.serve_internals import keep_replica_on_loopback, new_call_context, replica_ids, watch_departure
+from duet.structured_output import build_before_serving
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class EngineReplica:
         self._roles = {role.stage: role}
         self._role_since = time.monotonic()
         self.engine = engine
-        engine.grammar_tokenizer()  # before serving: its build stalls the whole process (duet.structured_output)
+        build_before_serving(engine.grammar_tokenizer)  # its build stalls the whole process (duet.structured_output)
         self.integrity_failures = 0
         self._report: ReplicaStats | None = None  # the last sent
         self.loop = EngineLoop(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -150,6 +151,15 @@ def grammar_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_id: int | 
     even when threads ask at once, and a replica builds it before it serves."""
     with _TOKENIZER_BUILD:
         return _grammar_tokenizer(tokenizer_path, vocab_size, eos_token_id)
+
+
+def build_before_serving(build) -> None:
+    """Call ``build`` (a grammar tokenizer's) before a process serves. A tokenizer llguidance
+    cannot read is logged and left to fail the constrained requests alone."""
+    try:
+        build()
+    except Exception as error:  # noqa: BLE001 - any refusal of the tokenizer: the rest of the model serves
+        logging.getLogger(__name__).warning("llguidance cannot read this model's tokenizer (%s): constrained requests will fail", error)
 
 
 @functools.lru_cache(maxsize=4)

@@ -217,6 +217,19 @@ def test_threads_asking_for_the_grammar_tokenizer_at_once_build_it_once(tiny_lla
     assert len(builds) == 1 and len(got) == 4 and all(tokenizer is got[0] for tokenizer in got)
 
 
+def test_a_tokenizer_llguidance_refuses_before_serving_is_logged_not_raised(caplog):
+    """A replica or router builds the grammar tokenizer before it serves; a model whose tokenizer
+    llguidance cannot read still starts, as it did when only constrained requests built it."""
+    from duet.structured_output import build_before_serving
+
+    def refuse():
+        raise ValueError("an unsupported pre-tokenizer")
+
+    with caplog.at_level("WARNING"):
+        build_before_serving(refuse)
+    assert "an unsupported pre-tokenizer" in caplog.text and "constrained requests will fail" in caplog.text
+
+
 def test_the_engines_grammar_tokenizer_comes_from_tokenizer_json_without_transformers(tiny_llama_dir):
     """Guards every stream of a replica: its first constrained request built llguidance's view of
     the tokenizer through transformers (1-3 s, between two steps of everyone's); from
