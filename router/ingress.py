@@ -38,7 +38,6 @@ from duet.router.serve_internals import live_replicas, new_call_context, pool_me
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import RouterTokenizer
 from duet.sampling_params import fit_to_context
-from duet.structured_output import build_before_serving
 from duet.tool_calls import HERMES, ToolFormat
 
 app = FastAPI(title="duet", docs_url=None, redoc_url=None)
@@ -109,7 +108,6 @@ class RouterIngress:
         self.max_body_bytes = max_body_bytes
         self.api_keys = [key.encode() for key in api_keys]
         self.tokenizer = RouterTokenizer(model_dir)
-        build_before_serving(self.tokenizer.grammar_tokenizer)  # a first constrained request would stall every stream here
         self.chat = ChatRenderer(self.tokenizer, tool_call_parser, reasoning_parser)
         self.pools = {"colocated": decode} if prefill is None else {"prefill": prefill, "decode": decode}
         self.app_name = serve.get_replica_context().app_name

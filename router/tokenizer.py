@@ -13,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from duet import reasoning, tool_calls
+from duet.structured_output import build_before_serving
 
 
 class ChatTemplateError(ValueError):
@@ -41,6 +42,7 @@ class RouterTokenizer:
         self.special_tokens = {  # text to id, of the tokens that skip_special_tokens drops
             token.content: token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items() if token.special
         }
+        build_before_serving(self.grammar_tokenizer)  # now: built at a first constrained request, it stalled every stream
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._template = None
@@ -119,7 +121,7 @@ class RouterTokenizer:
 
     def grammar_tokenizer(self):
         """llguidance's view of the same tokenizer, to check constraints against its tokens
-        (about 0.25 s to build, holding the GIL: the ingress builds it before it serves)."""
+        (about 0.25 s to build, holding the GIL: built with this tokenizer, before the router serves)."""
         if self._grammar_tokenizer is None:
             import llguidance
 
