@@ -72,12 +72,16 @@ within the decoders' TPOT room. While the machine is idle (nothing of this route
 decoding, a decode replica reporting nothing running) every prompt goes to such a replica: it
 has every core, as one engine would.
 
-Before any replica measured its prompt throughput, the static ``local_prefill_threshold`` decides
-(prompts shorter than it stay local): the rule's starting point, not the rule. With
-measurements, a short prompt goes through the prefill pool when decode is busy, and a long one
-stays local when the prefill pool is the bottleneck. While the prefill pool has no running
-replica at all (its last one died, and Serve is starting another), every context stays local,
-whatever the rule: a call to the pool would wait for the new replica.
+Before any prefill replica measured its prompt throughput, the static ``local_prefill_threshold``
+decides for a short prompt (shorter than it stays local), and a longer one goes to the side with
+less of this router's context in flight (or its replicas' reported backlog) per thread, the
+prefill pool on a tie (``_unmeasured``): the same model on either side computes a prompt at about
+the same speed a thread. (Sending every longer prompt through the prefill pool queued a burst of
+48 at a new deployment's start on its one core while the decode core idled.) With measurements, a
+short prompt goes through the prefill pool when decode is busy, and a long one stays local when
+the prefill pool is the bottleneck. While the prefill pool has no running replica at all (its
+last one died, and Serve is starting another), every context stays local, whatever the rule: a call to the pool would wait for the new
+replica.
 """
 
 from __future__ import annotations
@@ -241,7 +245,8 @@ class StageBalancer:
             return True, None  # one engine on every core: no hop, no transfer
         prefill_rates = [stats.load.prefill_tokens_per_s for stats in prefill if stats.load.prefill_tokens_per_s > 0]
         if not prefill_rates or not decode:
-            return num_tokens < self.local_prefill_threshold, None
+            short = num_tokens < self.local_prefill_threshold
+            return short or (bool(prefill) and bool(decode) and self._unmeasured(num_tokens, prefill, decode)), None
         prefill_rate = sum(prefill_rates)
         per_replica = prefill_rate / len(prefill_rates)
         decode_rate = sum(stats.load.prefill_tokens_per_s or per_replica for stats in decode)
@@ -263,6 +268,16 @@ class StageBalancer:
         if rescues and spent_s <= self._local_prompt_budget_s(decode, 1.0):
             return True, on_decode
         return through_prefill_or_wait
+
+    def _unmeasured(self, num_tokens: int, prefill: list[ReplicaStats], decode: list[ReplicaStats]) -> bool:
+        """Before a prompt speed is known: whether the context would start sooner on the decode
+        pool, which has room for it, counting each side's queue in tokens per thread."""
+        def tokens_per_thread(local: bool, pool: list[ReplicaStats]) -> float:
+            queued = max(self._outstanding[local], sum(stats.scheduler.prompt_tokens_pending for stats in pool))
+            return (queued + num_tokens) / sum(max(1, stats.cores.threads) for stats in pool)
+
+        room = self._local_prompt_budget_s(decode, DECODE_TPOT_SHARE) > 0
+        return room and tokens_per_thread(True, decode) < tokens_per_thread(False, prefill)
 
     def _machine_idle(self, decode: list[ReplicaStats]) -> bool:
         """Nothing of this router's in flight or decoding, and a decode replica reports nothing running."""

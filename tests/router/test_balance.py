@@ -277,3 +277,18 @@ def test_on_an_idle_machine_a_decode_replica_that_shares_the_cores_computes_the_
     assert not idle.choose(500).local
     for work in ({"num_running": 1}, {"num_waiting": 1}):
         assert not balancer(prefill, [stats("decode", "d", shared_cores=True, **work)]).choose(500).local
+
+
+def test_before_any_measurement_a_burst_of_long_prompts_is_shared_by_threads_and_decode_room():
+    # One thread each: the prefill pool first, then every other context local (a new deployment's
+    # burst queued all 48 on the prefill core while the decode core idled).
+    both = balancer([stats("prefill", "p")], [stats("decode", "d")])
+    assert [both.choose(256).local for _ in range(6)] == [False, True, False, True, False, True]
+    # Three prefill threads to one decode thread: a quarter local.
+    wide = balancer([stats("prefill", "p", threads=3)], [stats("decode", "d")])
+    assert sum(wide.choose(256).local for _ in range(8)) == 2
+    # The prefill replica's reported backlog counts; a decode replica without room takes none.
+    backlog = balancer([stats("prefill", "p", prompt_tokens_pending=1024)], [stats("decode", "d")])
+    assert backlog.choose(256).local
+    full = balancer([stats("prefill", "p", prompt_tokens_pending=1024)], [stats("decode", "d", num_decode_waiting=1)])
+    assert not any(full.choose(256).local for _ in range(4))
