@@ -76,12 +76,12 @@ Before any prefill replica measured its prompt throughput, the static ``local_pr
 decides for a short prompt (shorter than it stays local), and a longer one goes to the side with
 less of this router's context in flight (or its replicas' reported backlog) per thread, the
 prefill pool on a tie (``_unmeasured``): the same model on either side computes a prompt at about
-the same speed a thread. (Sending every longer prompt through the prefill pool queued a burst of
-48 at a new deployment's start on its one core while the decode core idled.) With measurements, a
-short prompt goes through the prefill pool when decode is busy, and a long one stays local when
-the prefill pool is the bottleneck. While the prefill pool has no running replica at all (its
-last one died, and Serve is starting another), every context stays local, whatever the rule: a call to the pool would wait for the new
-replica.
+the same speed a thread, so a burst at a deployment's start does not wait on the prefill pool
+while the decode replicas idle. With measurements, a short prompt goes through the prefill pool
+when decode is busy, and a long one stays local when the prefill pool is the bottleneck. While
+the prefill pool has no running replica at all (its last one died, and Serve is starting
+another), every context stays local, whatever the rule: a call to the pool would wait for the
+new replica.
 """
 
 from __future__ import annotations

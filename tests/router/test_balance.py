@@ -280,8 +280,7 @@ def test_on_an_idle_machine_a_decode_replica_that_shares_the_cores_computes_the_
 
 
 def test_before_any_measurement_a_burst_of_long_prompts_is_shared_by_threads_and_decode_room():
-    # One thread each: the prefill pool first, then every other context local (a new deployment's
-    # burst queued all 48 on the prefill core while the decode core idled).
+    # One thread each: the prefill pool first, then every other context local.
     both = balancer([stats("prefill", "p")], [stats("decode", "d")])
     assert [both.choose(256).local for _ in range(6)] == [False, True, False, True, False, True]
     # Three prefill threads to one decode thread: a quarter local.
