@@ -73,11 +73,11 @@ decoding, a decode replica reporting nothing running) every prompt goes to such 
 has every core, as one engine would.
 
 Before any prefill replica measured its prompt throughput, the static ``local_prefill_threshold``
-decides for a short prompt (shorter than it stays local), and a longer one goes to the side with
-less of this router's context in flight (or its replicas' reported backlog) per thread, the
-prefill pool on a tie (``_unmeasured``): the same model on either side computes a prompt at about
-the same speed a thread, so a burst at a deployment's start does not wait on the prefill pool
-while the decode replicas idle. With measurements, a short prompt goes through the prefill pool
+decides for a short prompt (shorter than it stays local). A longer one goes through the prefill
+pool when that pool has none of this router's contexts in flight; otherwise to the side with less
+of them a thread, the prefill pool on a tie (``_unmeasured``): the same model on either side
+computes a prompt at about the same speed a thread, so a burst at a deployment's start does not
+wait on the prefill pool while the decode replicas idle. With measurements, a short prompt goes through the prefill pool
 when decode is busy, and a long one stays local when the prefill pool is the bottleneck. While
 the prefill pool has no running replica at all (its last one died, and Serve is starting
 another), every context stays local, whatever the rule: a call to the pool would wait for the
@@ -270,14 +270,16 @@ class StageBalancer:
         return through_prefill_or_wait
 
     def _unmeasured(self, num_tokens: int, prefill: list[ReplicaStats], decode: list[ReplicaStats]) -> bool:
-        """Before a prompt speed is known: whether the context would start sooner on the decode
-        pool, which has room for it, counting each side's queue in tokens per thread."""
-        def tokens_per_thread(local: bool, pool: list[ReplicaStats]) -> float:
-            queued = max(self._outstanding[local], sum(stats.scheduler.prompt_tokens_pending for stats in pool))
-            return (queued + num_tokens) / sum(max(1, stats.cores.threads) for stats in pool)
+        """Before a prompt speed is known: whether the context goes to the decode pool, which has
+        room for it. Only while the prefill pool computes this router's earlier contexts: then to
+        the side with fewer of them a thread."""
+        if not self._outstanding[False] or self._local_prompt_budget_s(decode, DECODE_TPOT_SHARE) <= 0:
+            return False
 
-        room = self._local_prompt_budget_s(decode, DECODE_TPOT_SHARE) > 0
-        return room and tokens_per_thread(True, decode) < tokens_per_thread(False, prefill)
+        def per_thread(local: bool, pool: list[ReplicaStats]) -> float:
+            return (self._outstanding[local] + num_tokens) / sum(max(1, stats.cores.threads) for stats in pool)
+
+        return per_thread(True, decode) < per_thread(False, prefill)
 
     def _machine_idle(self, decode: list[ReplicaStats]) -> bool:
         """Nothing of this router's in flight or decoding, and a decode replica reports nothing running."""

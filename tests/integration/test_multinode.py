@@ -109,8 +109,10 @@ def test_the_pools_run_on_their_labelled_nodes_and_answer_exactly_across_them(no
     prompts = [random_prompt(rng, 200) for _ in range(6)]  # past the example's local_prefill_threshold (64)
 
     async def run():
+        # One after another: each finds the prefill pool idle, and the router sends it there (sent at once, a new
+        # deployment's burst is shared with the idle decode replicas: duet.router.balance).
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(complete(client, url, greedy_body(prompt, 16)) for prompt in prompts))
+            return [await complete(client, url, greedy_body(prompt, 16)) for prompt in prompts]
 
     results = asyncio.run(run())
     for (status, tokens, errors), want in zip(results, tiny_offline(prompts, 16)):

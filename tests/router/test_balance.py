@@ -286,8 +286,13 @@ def test_before_any_measurement_a_burst_of_long_prompts_is_shared_by_threads_and
     # Three prefill threads to one decode thread: a quarter local.
     wide = balancer([stats("prefill", "p", threads=3)], [stats("decode", "d")])
     assert sum(wide.choose(256).local for _ in range(8)) == 2
-    # The prefill replica's reported backlog counts; a decode replica without room takes none.
-    backlog = balancer([stats("prefill", "p", prompt_tokens_pending=1024)], [stats("decode", "d")])
-    assert backlog.choose(256).local
-    full = balancer([stats("prefill", "p", prompt_tokens_pending=1024)], [stats("decode", "d", num_decode_waiting=1)])
+    # Two decode replicas, one prefill thread: one after another, each finds the prefill pool idle and goes there.
+    pools = [stats("prefill", "p")], [stats("decode", "d1"), stats("decode", "d2")]
+    one_by_one = balancer(*pools)
+    for _ in range(4):
+        choice = one_by_one.choose(200)
+        assert not choice.local
+        choice.done(first_token=True)
+    # A decode pool without room takes none.
+    full = balancer([stats("prefill", "p")], [stats("decode", "d", num_decode_waiting=1)])
     assert not any(full.choose(256).local for _ in range(4))
