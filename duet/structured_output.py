@@ -27,6 +27,8 @@ from pathlib import Path
 from duet import reasoning
 from duet.errors import InvalidRequestError
 
+logger = logging.getLogger(__name__)
+
 # Compact JSON as Python's json.dumps writes it: a model may not pad its output with whitespace
 # until max_tokens runs out. A schema may ask for other separators with llguidance's own
 # "x-guidance" key.
@@ -159,7 +161,7 @@ def build_before_serving(build) -> None:
     try:
         build()
     except Exception as error:  # noqa: BLE001 - any refusal of the tokenizer: the rest of the model serves
-        logging.getLogger(__name__).warning("llguidance cannot read this model's tokenizer (%s): constrained requests will fail", error)
+        logger.warning("llguidance cannot read this model's tokenizer (%s): constrained requests will fail", error)
 
 
 @functools.lru_cache(maxsize=4)

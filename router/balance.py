@@ -77,11 +77,11 @@ decides for a short prompt (shorter than it stays local). A longer one goes thro
 pool when that pool has none of this router's contexts in flight; otherwise to the side with less
 of them a thread, the prefill pool on a tie (``_unmeasured``): the same model on either side
 computes a prompt at about the same speed a thread, so a burst at a deployment's start does not
-wait on the prefill pool while the decode replicas idle. With measurements, a short prompt goes through the prefill pool
-when decode is busy, and a long one stays local when the prefill pool is the bottleneck. While
-the prefill pool has no running replica at all (its last one died, and Serve is starting
-another), every context stays local, whatever the rule: a call to the pool would wait for the
-new replica.
+wait on the prefill pool while the decode replicas idle. With measurements, a short prompt goes
+through the prefill pool when decode is busy, and a long one stays local when the prefill pool
+is the bottleneck. While the prefill pool has no running replica at all (its last one died, and
+Serve is starting another), every context stays local, whatever the rule: a call to the pool
+would wait for the new replica.
 """
 
 from __future__ import annotations

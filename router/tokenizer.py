@@ -42,7 +42,7 @@ class RouterTokenizer:
         self.special_tokens = {  # text to id, of the tokens that skip_special_tokens drops
             token.content: token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items() if token.special
         }
-        build_before_serving(self.grammar_tokenizer)  # now: built at a first constrained request, it stalled every stream
+        build_before_serving(self.grammar_tokenizer)  # its build holds the GIL: at a first constrained request it stalls every stream
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._template = None
