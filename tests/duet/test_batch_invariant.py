@@ -273,6 +273,7 @@ def test_a_lora_adapter_gives_its_request_the_same_bits_amid_the_base_and_itself
     llm.engine.check_integrity()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "mistral-windowed", "gemma2", "gemma3"])
 def test_experts_windows_and_caps_give_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir, family):
     """Each expert's rows vary with the batch (the tokens routed to it); its products do not,

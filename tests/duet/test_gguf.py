@@ -32,6 +32,7 @@ def test_every_projection_and_the_lm_head_compute_from_their_blocks_by_default(t
     assert all(linear.gguf is None for linear in floats.values())
 
 
+@pytest.mark.slow
 def test_greedy_from_the_blocks_equals_transformers_alone_and_in_batches(tiny_gguf_llama_dir):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 60))] for _ in range(GGUF_FLOAT_ROWS[-1] + 4)]

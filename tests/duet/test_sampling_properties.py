@@ -8,6 +8,7 @@ of NaN), which may be the EOS that min_tokens forbids; and settings whose limit 
 import dataclasses
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -169,6 +170,7 @@ def sample(batch: Batch, logits: torch.Tensor, global_seed: int) -> SamplerOutpu
     return Sampler()(logits, metadata)
 
 
+@pytest.mark.slow  # 200 examples: seconds
 @settings(max_examples=200, deadline=None)
 @given(batch=batches(), global_seed=SEEDS)
 def test_any_settings_sample_a_token_that_is_neither_forbidden_nor_masked(batch, global_seed):
@@ -183,6 +185,7 @@ def test_any_settings_sample_a_token_that_is_neither_forbidden_nor_masked(batch,
         assert all(value <= 0 for value in (row_logprobs or {}).values())
 
 
+@pytest.mark.slow  # 200 examples: seconds
 @settings(max_examples=200, deadline=None)
 @given(batch=batches())
 def test_penalties_at_any_setting_never_make_a_logit_nan(batch):
@@ -199,6 +202,7 @@ def test_penalties_at_any_setting_never_make_a_logit_nan(batch):
         assert not apply_penalties(batch_logits(batch).float(), metadata).isnan().any()
 
 
+@pytest.mark.slow  # 200 examples: seconds
 @settings(max_examples=200, deadline=None)
 @given(batch=batches(greedy_equivalent_rows=True), global_seed=SEEDS)
 def test_settings_whose_limit_is_greedy_pick_the_largest_logit(batch, global_seed):
@@ -211,6 +215,7 @@ def test_settings_whose_limit_is_greedy_pick_the_largest_logit(batch, global_see
     assert [tokens[i] for i in greedy_rows] == [batch.rows[i].keeper for i in greedy_rows]
 
 
+@pytest.mark.slow  # 200 examples: seconds
 @settings(max_examples=200, deadline=None)
 @given(batch=batches(params=sampling_params(temperatures=RANDOM_TEMPERATURES)))
 def test_extreme_logits_give_a_distribution_without_nan(batch):

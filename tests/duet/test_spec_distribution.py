@@ -85,6 +85,7 @@ def _configs(draft_dir):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method, seeded", [("ngram", False), ("draft_model", False), ("draft_model", True)])
 def test_speculative_sampling_follows_the_target_distribution(method, seeded, tiny_vocab_models, exact_second_and_third):
     """Seeded: each request its own seed, its drafts drawn with its own next races (a draft that
@@ -109,6 +110,7 @@ def _keep_every_draft(drafts, draft_probs, target_probs, greedy, generators):
     return rejection_sample(drafts, draft_probs, fake_target, greedy, generators)
 
 
+@pytest.mark.slow
 def test_the_check_fails_when_every_draft_is_kept(monkeypatch, tiny_vocab_models, exact_second_and_third):
     target, draft = tiny_vocab_models
     monkeypatch.setattr(decoder, "rejection_sample", _keep_every_draft)

@@ -47,7 +47,7 @@ def _hf_greedy_drafts(model, context: list[int], num_tokens: int, num_layers: in
     return tokens[len(context) :]
 
 
-@pytest.mark.parametrize("method", ["layer_skip", "draft_model"])
+@pytest.mark.parametrize("method", ["layer_skip", pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_drafts_equal_transformers_greedy_continuation(method, four_layer_llama, tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

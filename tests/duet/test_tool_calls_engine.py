@@ -79,6 +79,7 @@ def _text(tokenizer: RouterTokenizer, token_ids: list[int], style) -> str:
     ],
     ids=["hermes", "llama3_json", "mistral"],
 )
+@pytest.mark.slow
 def test_every_generated_call_parses_and_validates_against_its_schema(request, llm, tokenizer_dir, style, num_requests, min_calls):
     """Over 200 calls of random schemas (nested objects, enums, arrays, required fields) under
     ``required``, a named function and ``auto``, greedy and sampled: each is one of the request's

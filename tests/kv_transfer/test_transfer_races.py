@@ -83,6 +83,7 @@ def test_a_give_up_whose_announcement_fails_is_still_reported(pair, monkeypatch)
     assert sender._jobs == {}
 
 
+@pytest.mark.slow
 def test_a_transfer_nobody_expects_is_drained_and_the_pair_goes_on(pair):
     """Guards against the receiver waiting as long for an expectation as the sender waits for
     its data to be taken: the sender gave up first and the pair broke where a drain keeps it."""
