@@ -39,7 +39,7 @@ from duet.cores import CoreShare, machine_cores
 from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream, Target
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
-from duet.engine_loop import EngineLoop
+from duet.engine_loop import EngineLoop, EngineThread
 from duet.errors import InvalidRequestError, KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, ReplicaStats, TokenDelta
 from duet.prefill_node.role import PrefillRole
@@ -86,10 +86,17 @@ class EngineReplica:
     """One engine serving a role, hosted without Serve: ``ServeReplica`` is the deployment,
     which builds these parts. ``role``: its pool's (its home); ``peers``: the decode pool's
     replicas, which this one moves its sequences to when it leaves (None: a prefill replica
-    that never serves decode)."""
+    that never serves decode). ``thread``: the ``EngineThread`` the engine was built on, which
+    then steps it (None: a new thread)."""
 
     def __init__(
-        self, replica_id: str, role: PrefillRole | DecodeRole, engine: LLMEngine, peers: Peers | None = None, node_id: str = ""
+        self,
+        replica_id: str,
+        role: PrefillRole | DecodeRole,
+        engine: LLMEngine,
+        peers: Peers | None = None,
+        node_id: str = "",
+        thread: EngineThread | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.node_id = node_id
@@ -102,7 +109,8 @@ class EngineReplica:
         self.integrity_failures = 0
         self._report: ReplicaStats | None = None  # the last sent
         self.loop = EngineLoop(
-            engine.step, _request_id, engine.has_unfinished_requests, name=f"{role.stage}-loop", on_idle=self._check_when_idle
+            engine.step, _request_id, engine.has_unfinished_requests, name=f"{role.stage}-loop", on_idle=self._check_when_idle,
+            thread=thread,
         )
         self.draining = False
         self._streams: dict[str, Stream] = {}
@@ -340,6 +348,15 @@ def _request_id(delta: TokenDelta) -> str:
     return delta.request_id
 
 
+def build_engine(args: dict, num_threads: int, name: str) -> tuple[LLMEngine, EngineThread]:
+    """An engine with ``num_threads`` torch threads, built on the ``EngineThread`` that is to
+    step it: a second thread's OpenMP pool would stop every thread's spinning at barriers
+    (``duet.engine_loop``)."""
+    thread = EngineThread(name)
+    thread.run(torch.set_num_threads, num_threads)
+    return thread.run(LLMEngine, EngineArgs(**args)), thread
+
+
 class ServeReplica(EngineReplica):
     """The Serve deployment of every pool. ``role``: prefill, decode or colocated.
     ``kv_transfer``: the KV connector's settings (``KVTransferConfig`` fields but ``name``,
@@ -351,7 +368,6 @@ class ServeReplica(EngineReplica):
         keep_replica_on_loopback()
         if core_sharing is not None:  # each step on the threads its share of the machine gives (duet.cores)
             num_threads = machine_cores()
-        torch.set_num_threads(num_threads)
         context = serve.get_replica_context()
         replica_id = context.replica_id.unique_id
         role_ = PrefillRole() if role == "prefill" else DecodeRole(colocated=role == "colocated")
@@ -369,10 +385,10 @@ class ServeReplica(EngineReplica):
             pools = ("decode", "prefill") if kv_transfer is not None else (context.deployment,)
             handles = {name: serve.get_deployment_handle(name, context.app_name).options(stream=False) for name in pools}
             peers = _ServePeers(handles, pools[0])
-        engine = LLMEngine(EngineArgs(**args))
+        engine, thread = build_engine(args, num_threads, f"{role}-loop")
         if core_sharing is not None:
             engine.core_share = CoreShare(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])
-        super().__init__(replica_id, role_, engine, peers, node_id=ray.get_runtime_context().get_node_id())
+        super().__init__(replica_id, role_, engine, peers, node_id=ray.get_runtime_context().get_node_id(), thread=thread)
         if self.migration is not None:  # a prefill replica of a PD application may be serving decode when it leaves
             self._spawn(self._leave_when_departed(watch_departure(replica_id)))
         sharing = ", sharing the machine's cores step by step" if core_sharing is not None else ""

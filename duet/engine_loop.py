@@ -3,11 +3,18 @@
 The engine is not thread-safe, so every call into it (adding, aborting, reading stats) runs on
 the engine thread between two steps. Serve replicas use this to stream tokens while the
 batch keeps stepping.
+
+The engine thread is also where the engine is built (``EngineThread``): libgomp keeps a pool of
+OpenMP threads for each thread that has run a parallel region, and once a process holds more
+of them than it has cores, its threads stop spinning at barriers and sleep in every region.
+An engine built on one thread and stepped on another ran that way (docs/benchmarks.md,
+2026-12-03: one served engine's steps took 1.8x an offline engine's at 4 req/s on two cores).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -23,11 +30,49 @@ class EngineLoopError(RuntimeError):
     """A step failed; every request in flight at that moment gets this error."""
 
 
+class EngineThread:
+    """A thread that runs what it is given, in order (``run``: the engine's build, and anything
+    else that must run where it will step), until an ``EngineLoop`` takes it over."""
+
+    def __init__(self, name: str = "engine-loop") -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable, *args, **kwargs) -> Any:
+        """``fn(*args, **kwargs)`` on this thread; its result, or its exception raised here."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._work.put((fn, args, kwargs, future))
+        return future.result()
+
+    def hand_over(self, forever: Callable[[], None]) -> None:
+        """Run ``forever`` on this thread; the thread ends when it returns."""
+        self._work.put((forever, (), {}, None))
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, kwargs, future = self._work.get()
+            if future is None:
+                fn()
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - raised in the caller
+                future.set_exception(error)
+
+
 class EngineLoop:
     """Runs ``step()`` on a thread whenever ``has_work()``; ``key(output)`` names its request.
 
     ``on_idle()`` runs on the engine thread each time the work runs out (a bookkeeping check
-    that must see the engine at rest); its exceptions are logged, never raised.
+    that must see the engine at rest); its exceptions are logged, never raised. ``thread``: the
+    ``EngineThread`` the engine was built on (None: a new one).
     """
 
     def __init__(
@@ -39,6 +84,7 @@ class EngineLoop:
         idle_wait_s: float = 0.05,
         name: str = "engine-loop",
         on_idle: Callable[[], None] | None = None,
+        thread: EngineThread | None = None,
     ) -> None:
         self._step = step
         self._key = key
@@ -52,8 +98,8 @@ class EngineLoop:
         self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._dead_worker: WorkerDiedError | None = None  # once a worker died, no step can run
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = thread or EngineThread(name)
+        self._thread.hand_over(self._run)
 
     async def call(self, fn: Callable, *args, **kwargs) -> Any:
         """Run ``fn`` on the engine thread between steps and return (or raise) its result."""

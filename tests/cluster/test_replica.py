@@ -5,6 +5,9 @@ call the other replica of a pair directly) behind real engine threads."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -381,3 +384,56 @@ def test_a_prefill_replica_serving_decode_moves_its_streams_when_it_leaves_its_p
     assert prefill_state == ({}, prefill.engine.num_blocks) and decode_state == ({}, decode.engine.num_blocks)
     for replica in home_pair:
         replica.engine.check_integrity()
+
+
+_OPENMP_THREADS = """
+import asyncio, os, sys, threading
+import torch
+from duet.cluster.replica import EngineReplica, build_engine
+from duet.config import EngineArgs
+from duet.decode_node.role import DecodeRole
+from duet.engine import LLMEngine
+from duet.messages import EngineRequest
+from duet.sampling_params import SamplingParams
+
+args = {"model": sys.argv[1], "num_kv_blocks": 64}
+if sys.argv[2] == "build_engine":
+    engine, thread = build_engine(args, 2, "decode-loop")
+else:  # built on this thread, stepped on the loop's
+    torch.set_num_threads(2)
+    engine, thread = LLMEngine(EngineArgs(**args)), None
+replica = EngineReplica("r", DecodeRole(colocated=True), engine, thread=thread)
+
+async def generate():
+    outputs = replica.loop.subscribe("a")
+    await replica.loop.call(engine.add_request, EngineRequest("a", list(range(100, 400)), SamplingParams(temperature=0.0, max_tokens=8)))
+    while not (await outputs.get()).finished:
+        pass
+
+asyncio.run(generate())
+python_threads = {thread.native_id for thread in threading.enumerate()}
+print(len([task for task in os.listdir("/proc/self/task") if int(task) not in python_threads]))
+replica.loop.stop()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_served_engine_is_built_on_the_thread_that_steps_it_so_the_process_holds_one_openmp_pool(tiny_llama_dir):
+    """Guards a served engine's speed: an engine built on Serve's thread and stepped on its
+    loop's gave the process two OpenMP pools (libgomp keeps one per thread that ran a parallel
+    region) for two cores, and libgomp then stops spinning at barriers: every region's threads
+    slept and woke (150,000 times in 45 s at 2 req/s), and TPOT p50 was 1.2x and TTFT p50 1.3x
+    (docs/benchmarks.md, 2026-12-03). Counted here: threads Python does not know of, after a
+    generation, with the engine built by ``build_engine`` and as it was built before."""
+    env = os.environ | {"OMP_NUM_THREADS": "2"}
+
+    def native_threads(way: str) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", _OPENMP_THREADS, str(tiny_llama_dir), way], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    one_thread, two_threads = native_threads("build_engine"), native_threads("two threads")
+    assert one_thread == two_threads - 1, f"{one_thread} threads outside Python with build_engine, {two_threads} without"

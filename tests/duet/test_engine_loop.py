@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from duet.engine_loop import EngineLoop, EngineLoopError
+from duet.engine_loop import EngineLoop, EngineLoopError, EngineThread
 
 
 @dataclass
@@ -107,3 +107,26 @@ def test_a_dead_worker_is_passed_on_to_each_request_and_no_step_runs_again():
     finally:
         loop.stop()
     assert len(steps) == 1
+
+
+def test_an_engine_thread_builds_what_its_loop_then_steps_and_raises_its_errors_in_the_caller():
+    thread = EngineThread("test-loop")
+    node = thread.run(FakeNode)
+    built_on = thread.run(threading.get_ident)
+    with pytest.raises(ZeroDivisionError):
+        thread.run(lambda: 1 / 0)
+    stepped_on: set[int] = set()
+    step = node.step
+    node.step = lambda: (stepped_on.add(threading.get_ident()), step())[1]
+    loop = EngineLoop(node.step, lambda output: output.request_id, lambda: bool(node.pending), thread=thread)
+
+    async def scenario():
+        outputs = loop.subscribe("a")
+        await loop.call(node.add, "a")
+        return (await outputs.get()).request_id
+
+    try:
+        assert asyncio.run(scenario()) == "a"
+    finally:
+        loop.stop()
+    assert stepped_on == {built_on} and not thread.is_alive()
