@@ -202,6 +202,21 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(cluster, colo
         assert prompt_logprobs[position][str(ids[position])]["logprob"] == token_logprobs[position]
 
 
+def test_a_streamed_echo_carries_the_prompt_and_its_logprobs_as_the_unstreamed_body_does(cluster):
+    """A streamed echo's first chunk (built off the router's event loop: it scores every prompt
+    token) holds the prompt, its tokens' logprobs and prompt_logprobs; the stream joins into the
+    unstreamed body's text and logprobs."""
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    kwargs = dict(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    whole = cluster.client().completions.create(**kwargs).choices[0]
+    chunks = [chunk.choices[0] for chunk in cluster.client().completions.create(stream=True, **kwargs) if chunk.choices]
+    assert "".join(choice.text for choice in chunks) == whole.text
+    assert [token for choice in chunks if choice.logprobs for token in choice.logprobs.tokens] == whole.logprobs.tokens
+    streamed = [logprob for choice in chunks if choice.logprobs for logprob in choice.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
+    assert chunks[0].model_extra["prompt_logprobs"] == whole.model_extra["prompt_logprobs"]
+
+
 def httpx_tokenize(cluster, prompt: str) -> list[int]:
     import httpx
 

@@ -58,3 +58,37 @@ def test_templates_pass_tojson_the_arguments_transformers_takes_and_bad_values_a
     assert router.backend.decode(router.encode_chat(messages)) == json.dumps(messages, ensure_ascii=False, sort_keys=True)
     with pytest.raises(ChatTemplateError, match="rejected the conversation"):
         router.encode_chat([{"role": "system", "content": "a string plus one"}])
+
+
+def test_a_long_prompt_is_tokenized_without_holding_the_gil(tiny_tokenizer_dir):
+    """The router tokenizes on a thread so that its event loop, and every stream on it, goes on
+    meanwhile; a tokenizer call that held the GIL throughout would stop the loop all the same."""
+    import asyncio
+    import time
+
+    router = RouterTokenizer(tiny_tokenizer_dir)
+    text = "The quick brown fox, 中文 🙂, jumps over 1234 lazy dogs.\n" * 15_000
+
+    async def tokenize_while_ticking() -> tuple[float, float, list[int]]:
+        gaps = []
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        start = time.perf_counter()
+        tokens = await asyncio.to_thread(router.encode, text)
+        took = time.perf_counter() - start
+        ticker.cancel()
+        return took, max(gaps), tokens
+
+    took, longest_gap, tokens = asyncio.run(tokenize_while_ticking())
+    assert tokens == router.backend.encode(text).ids
+    assert longest_gap < took / 4, f"the loop stood still for {longest_gap:.3f} s of the {took:.3f} s the prompt took"
+    assert router.decode(tokens[:50]) == router.backend.decode(tokens[:50], skip_special_tokens=False)
