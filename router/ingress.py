@@ -14,10 +14,9 @@ import hmac
 import math
 import time
 import uuid
-from contextlib import aclosing
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from ray import serve
@@ -32,7 +31,8 @@ from duet.router.pd import Orchestrator
 from duet.router.chat import ChatRenderer
 from duet.router.chat_request import ChatCompletionRequest, TokenizeRequest
 from duet.router.protocol import BodyTooLargeError, CompletionRequest, DetokenizeRequest, parse_json_object, read_body
-from duet.router.responses import ResponseBuilder, best_choices, error_body, sse
+from duet.router.delivery import respond
+from duet.router.responses import ResponseBuilder, error_body
 from duet.router.roles import RoleKeeper, RoleSettings, RoleView
 from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
@@ -353,65 +353,4 @@ class RouterIngress:
             self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival, self.tokenizer.skipped_ids(reads_calls),
             lora=lora,
         )
-        if body.stream:
-            # The status goes out with the first chunk: wait for the first output, so that a
-            # request refused or failed before it (a bad token id, no room in time) gets its
-            # error's status and Retry-After, as unstreamed, not a 200 and an error event.
-            deltas = run.deltas()
-            try:
-                first = await anext(deltas, None)
-            except BaseException as error:
-                admitted.release()
-                await deltas.aclose()
-                if isinstance(error, Exception):
-                    raise api_error_from(error) from None
-                raise
-            stream = self._stream(run, deltas, first, builder, body.include_usage, admitted)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        try:
-            async with aclosing(run.deltas()) as deltas:
-                async for _ in deltas:
-                    pass
-        except Exception as error:
-            raise api_error_from(error) from None
-        finally:
-            admitted.release()
-        choices = run.choices if body.num_sequences == body.n else best_choices(run.choices, body.n, body.num_sequences)
-        # Off the event loop: with logprobs and an echoed prompt the body detokenizes every token
-        # and alternative; an 8,192-token prompt with 20 alternatives took 0.39 s to build and
-        # 0.25 s to write as JSON (Intel Xeon, model 167), time every other stream waited for.
-        return await asyncio.to_thread(lambda: JSONResponse(builder.response(choices, run.usage(builder))))
-
-    @staticmethod
-    def _prompt_chunk(builder: ResponseBuilder, index: int, delta, first: bool, text_offset: int) -> tuple[dict, str]:
-        chunk = builder.chunk(index, delta, first, text_offset)
-        return chunk, sse(chunk)
-
-    async def _stream(self, run: Run, deltas, first, builder: ResponseBuilder, include_usage: bool, admitted: Admitted):
-        """The SSE body: ``first`` (the first of ``run``'s ``deltas``, None if it had none), then the rest."""
-        text_offsets = [0] * len(run.choices)
-        started = [False] * len(run.choices)
-        try:
-            async with aclosing(deltas):
-                item = first
-                while item is not None:
-                    index, delta = item
-                    if delta.prompt_logprobs is None and (started[index] or builder.echo_prompts is None):
-                        chunk = builder.chunk(index, delta, not started[index], text_offsets[index])
-                        event = sse(chunk)
-                    else:  # a chunk that carries its prompt's tokens: built off the loop, as an unstreamed body
-                        chunk, event = await asyncio.to_thread(
-                            self._prompt_chunk, builder, index, delta, not started[index], text_offsets[index],
-                        )
-                    yield event
-                    started[index] = True
-                    text_offsets[index] += len(chunk["choices"][0].get("text", delta.text))  # an echoed prompt's included
-                    item = await anext(deltas, None)
-            if include_usage:
-                yield sse(builder.usage_chunk(run.usage(builder)))
-        except Exception as error:  # noqa: BLE001 - the status is sent; report in the stream
-            api_error = api_error_from(error)
-            yield sse(error_body(api_error.message, api_error.error_type, api_error.param, api_error.status))
-        finally:
-            admitted.release()
-        yield sse("[DONE]")
+        return await respond(run, builder, body, admitted)

@@ -149,6 +149,11 @@ class ResponseBuilder:
             body["token_ids"] = choice.token_ids
         return body
 
+    def carries_prompt(self, delta: TextDelta, first: bool) -> bool:
+        """Whether ``chunk`` writes a prompt's tokens (an echo, or its logprobs): a detokenized
+        token per prompt token and alternative."""
+        return delta.prompt_logprobs is not None or (first and self.echo_prompts is not None)
+
     def chunk(self, index: int, delta: TextDelta, first: bool, text_offset: int) -> dict:
         choice = {"index": index, "finish_reason": delta.finish_reason}
         if self.chat:
