@@ -309,11 +309,21 @@ class EngineArgs:
     max_loras: int = 4  # LoRA adapters held at once; another is loaded in place of the least recently used
     batch_invariant: bool = False  # a request's values the same whatever shares its steps (duet.models.batch_invariant)
     enforce_eager: bool = False  # on a GPU: no CUDA graphs of the decode step (duet.cuda_graphs)
+    # Decode rows that share a prefix's blocks attend to them once for the group (duet.kernels.cascade):
+    # auto where this CPU measured it faster, on for every group, off (vLLM's --disable-cascade-attn).
+    cascade_attention: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("batch_invariant", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.cascade_attention not in ("auto", "on", "off"):
+            raise ConfigError(f"cascade_attention must be auto, on or off, got {self.cascade_attention!r}")
+        if self.cascade_attention == "on" and self.batch_invariant:
+            raise ConfigError(
+                "cascade_attention='on' adds a row's attention in an order that depends on the batch, which batch_invariant "
+                "forbids: leave cascade_attention at auto (off under batch_invariant) or set batch_invariant=False"
+            )
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model must be an alias such as 'smollm2' or a path to a Hugging Face model directory")
         if self.device != "cpu" and not self.device.startswith("cuda"):

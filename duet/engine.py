@@ -104,6 +104,7 @@ class LLMEngine:
             max_lora_rank=args.max_lora_rank,
             max_loras=args.max_loras,
             batch_invariant=args.batch_invariant,
+            cascade_attention="off" if args.batch_invariant else args.cascade_attention,
             cuda_graph_max_num_seqs=0 if args.enforce_eager or args.device == "cpu" or world_size > 1 else max_num_seqs,
         )
         self.executor = import_object(args.executor())(worker_config)

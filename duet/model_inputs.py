@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from duet.kernels import AttentionMetadata
+from duet.kernels.cascade import CascadePlanner
 
 
 @dataclass
@@ -35,8 +36,9 @@ class BatchInputs:
     span_ends: list[int]
 
 
-def build_batch(spans: list[Span], block_size: int, device: str) -> BatchInputs:
-    """Pack the spans back to back, with positions, cache slots and block tables for attention."""
+def build_batch(spans: list[Span], block_size: int, device: str, cascade: CascadePlanner | None = None) -> BatchInputs:
+    """Pack the spans back to back, with positions, cache slots and block tables for attention
+    (with ``cascade``, the groups of sequences whose decode rows attend to shared blocks once)."""
     input_ids: list[int] = []
     positions, slots, block_rows, query_lens, seq_lens, span_ends = [], [], [], [], [], []
     offset = 0
@@ -67,6 +69,7 @@ def build_batch(spans: list[Span], block_size: int, device: str) -> BatchInputs:
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         prompt_lens=[span.prompt_len for span in spans],
+        cascade=[] if cascade is None else cascade.groups(block_tables, query_lens, seq_lens, block_size),
     )
     return BatchInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -14,6 +14,8 @@ import torch
 from duet.config import SpeculativeConfig
 from duet.cuda_graphs import DecodeGraphs, unsupported
 from duet.grammar_masks import GrammarMasks, MaskJob
+from duet.kernels import cpu_ops
+from duet.kernels.cascade import CascadePlanner, fit_rule
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.kv_quant import row_width
 from duet.lora import LoRAAdapter, LoRAStep, applied
@@ -42,6 +44,7 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         draft_model: torch.nn.Module | None = None,
         tokenizer_path: str | None = None,
+        cascade_attention: str = "off",
     ) -> None:
         arch = model.arch
         self.model = model
@@ -52,6 +55,7 @@ class ModelRunner:
         self.vocab_size = arch.vocab_size
         self.graphs: DecodeGraphs | None = None  # the decode step's CUDA graphs (capture_decode_graphs)
         self.kv_cache, self.kv_caches = allocate_kv_cache(arch, num_blocks, block_size, kv_dtype, device)
+        self.cascade = _cascade_planner(cascade_attention, arch, next(model.parameters()).dtype, kv_dtype, block_size, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.loras: dict[str, LoRAAdapter] = {}  # the adapters requests may name (``add_lora``)
         self.sampler = Sampler()
@@ -140,7 +144,7 @@ class ModelRunner:
                 num_rows = len(drafts) + 1
                 logits_rows.extend(range(offset - num_rows, offset))
                 row_owners.extend([request_id] * num_rows)
-        batch = build_batch(spans, self.block_size, self.device)
+        batch = build_batch(spans, self.block_size, self.device, self.cascade)
         return batch, torch.tensor(logits_rows + scored_rows, dtype=torch.long, device=self.device), row_owners, scored
 
     def add_lora(self, adapter: LoRAAdapter) -> None:
@@ -354,6 +358,14 @@ def allocate_kv_cache(arch, num_blocks: int, block_size: int, kv_dtype: torch.dt
     shape = (arch.num_layers, 2, arch.num_kv_heads, num_blocks, block_size, row_width(arch.head_dim, kv_dtype))
     kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
     return kv_cache, [(kv_cache[layer, 0], kv_cache[layer, 1]) for layer in range(arch.num_layers)]
+
+
+def _cascade_planner(mode: str, arch, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int, device: str) -> CascadePlanner | None:
+    """The runner's cascade attention (``duet.kernels.cascade``): on CPUs with the C++ kernels, or none."""
+    if mode == "off" or device != "cpu" or cpu_ops.load() is None:
+        return None
+    shape = (arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype, kv_dtype, block_size)
+    return CascadePlanner(mode, lambda: fit_rule(cpu_ops.load(), *shape))
 
 
 def _make_proposer(config: SpeculativeConfig, runner: ModelRunner, draft_model, num_blocks: int, kv_dtype: torch.dtype):

@@ -56,6 +56,7 @@ class WorkerConfig:
     collective_timeout_s: float = 60.0
     num_threads: int | None = None
     batch_invariant: bool = False  # duet.models.batch_invariant
+    cascade_attention: str = "off"  # auto | on | off (duet.kernels.cascade)
     cuda_graph_max_num_seqs: int = 0  # the largest decode batch captured in CUDA graphs (duet.cuda_graphs); 0: none
 
     @property
@@ -135,9 +136,11 @@ class Worker:
             config.max_model_len, config.speculative_config, draft,
         )
         if self.pipeline is None:
-            self.runner = ModelRunner(model, *runner_args, tokenizer_path=config.model_path)
+            self.runner = ModelRunner(model, *runner_args, tokenizer_path=config.model_path, cascade_attention=config.cascade_attention)
         else:
-            self.runner = PipelineRunner(model, self.pipeline, *runner_args, tokenizer_path=config.model_path)
+            self.runner = PipelineRunner(
+                model, self.pipeline, *runner_args, tokenizer_path=config.model_path, cascade_attention=config.cascade_attention
+            )
         for index, (name, path) in enumerate(config.lora_modules):
             adapter = self.load_lora(name, path)  # checked now, whether held or not
             if index < config.max_loras:

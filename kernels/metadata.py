@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,10 @@ class AttentionMetadata:
     # Each sequence's prompt length (RoPE scalings that depend on a sequence's length read it:
     # a prompt's tokens all see the whole prompt's); None: every token sees its position + 1.
     prompt_lens: list[int] | None = None
+    # Cascade attention's groups (``duet.kernels.cascade``): each ``[prefix_tokens, seq, seq, ...]``,
+    # decode sequences whose first ``prefix_tokens`` of KV lie in the same blocks; the CPU decode
+    # kernel attends to those once for the whole group. Empty: every row alone.
+    cascade: list[list[int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -70,7 +70,7 @@ def paged_attention_torch(
     if short and native_ops is not None and softcap is None:  # the short-query kernel has no cap
         native_ops.paged_attention(
             output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, short, scale, window_arg,
+            metadata.query_start_loc, short, scale, window_arg, metadata.cascade,
         )
     elif short:
         _attend_short_queries(query, key_cache, value_cache, metadata, scale, short, output, window, softcap)

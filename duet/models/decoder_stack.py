@@ -96,7 +96,8 @@ class DecoderStack:
                 bt.append(bt_list)
         return self.native.run(
             x, residual, positions, key_caches, value_caches, metadata.slot_mapping, metadata.block_tables,
-            metadata.seq_lens, metadata.query_start_loc, list(range(metadata.num_seqs)), out_of_basis, slots, a, bt,
+            metadata.seq_lens, metadata.query_start_loc, list(range(metadata.num_seqs)), metadata.cascade, out_of_basis,
+            slots, a, bt,
         )
 
     def profile(self, on: bool) -> None:

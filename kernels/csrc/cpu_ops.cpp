@@ -6,6 +6,7 @@
 
 #include "cpu_ops.h"
 #include "kv_rows.h"
+#include "cascade.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -141,9 +142,11 @@ inline vf transpose_sum(vf* p) {
 #endif
 }
 
+// With a `suffix` (cascade attention, cascade_attention.cpp), a sequence's rows see only the keys
+// from its suffix.first[s] on, and each row's log-sum-exp of its scores goes to suffix.lse.
 template <typename scalar_t, typename Rows, int DV>
 void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
-                             double scale, int64_t window) {
+                             double scale, int64_t window, duet_cpu::CascadeSuffix* suffix = nullptr) {
   using cache_t = typename Rows::cache_t;
   const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads;
   const int group = static_cast<int>(call.group);
@@ -161,7 +164,8 @@ void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item_seq[item / num_kv_heads], row = item_row[item / num_kv_heads];
       const int64_t h = item % num_kv_heads;
-      const int64_t visible = call.context_len(s) + (row - call.starts[s]) + 1, first = first_key(visible, window);
+      const int64_t visible = call.context_len(s) + (row - call.starts[s]) + 1;
+      const int64_t first = suffix ? std::max(first_key(visible, window), suffix->first[s]) : first_key(visible, window);
       for (int g = 0; g < group; ++g) {
         const scalar_t* src = call.query_at(row, h * group + g);
         for (int j = 0; j < DV; ++j) {
@@ -247,6 +251,7 @@ void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
           const vf o = acc[g][j] * inv;
           for (int i = 0; i < kLanes; ++i) dst[j * kLanes + i] = from_float<scalar_t>(o[i]);
         }
+        if (suffix) suffix->lse[row * call.num_heads + h * group + g] = peak[g] + logf(denom[g]);
       }
     }
   });
@@ -375,17 +380,26 @@ namespace duet_cpu {
 
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                     std::vector<int64_t> seq_ids, double scale, int64_t window) {
+                     std::vector<int64_t> seq_ids, double scale, int64_t window, const CascadeGroups& cascade) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need a contiguous last dim");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV caches must be contiguous");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "key and value caches must share a dtype");
   const int64_t head_dim = query.size(2), group = query.size(1) / key_cache.size(0);
+  // Cascade where the decode kernel serves the rows and no window narrows what they see.
+  const bool cascades = !cascade.empty() && window == 0 && group <= kMaxGroup && (head_dim == 64 || head_dim == 128);
   DUET_DISPATCH(query.scalar_type(), scalar_t, [&] {
     dispatch_rows<scalar_t>(key_cache, [&](auto rows) {
       using Rows = decltype(rows);
       const PagedCall<scalar_t, typename Rows::cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                              query_start_loc);
-      if (group <= kMaxGroup && head_dim == 64)
+      if (cascades) {
+        CascadeSuffix suffix = cascade_suffix(call.num_heads, query.size(0), seq_lens.size(0), cascade);
+        if (head_dim == 64)
+          decode_attention_kernel<scalar_t, Rows, 64 / kLanes>(call, seq_ids, scale, window, &suffix);
+        else
+          decode_attention_kernel<scalar_t, Rows, 128 / kLanes>(call, seq_ids, scale, window, &suffix);
+        cascade_prefixes<scalar_t, Rows>(call, cascade, scale, suffix);
+      } else if (group <= kMaxGroup && head_dim == 64)
         decode_attention_kernel<scalar_t, Rows, 64 / kLanes>(call, seq_ids, scale, window);
       else if (group <= kMaxGroup && head_dim == 128)
         decode_attention_kernel<scalar_t, Rows, 128 / kLanes>(call, seq_ids, scale, window);

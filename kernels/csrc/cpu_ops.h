@@ -8,10 +8,23 @@
 
 namespace duet_cpu {
 
+// Cascade attention's groups (cascade.h): each {prefix_tokens, s, s', ...}, sequences whose block
+// tables share their first prefix_tokens / block_size blocks, wholly before their query rows.
+using CascadeGroups = std::vector<std::vector<int64_t>>;
+
+// What the decode kernel does for a cascade's sequences: each row sees only the keys from
+// first[its sequence] on (0: all), and leaves the log-sum-exp of its scores in lse[row][head].
+struct CascadeSuffix {
+  std::vector<int64_t> first;
+  std::vector<float> lse;
+};
+
 // window > 0: each query row sees its last `window` keys (itself included), a sliding window.
+// `cascade`'s groups attend to their shared blocks once for all their rows (cascade.h) where
+// the decode kernel serves them (heads of 64 or 128, no window); elsewhere they are ignored.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                     std::vector<int64_t> seq_ids, double scale, int64_t window);
+                     std::vector<int64_t> seq_ids, double scale, int64_t window, const CascadeGroups& cascade);
 // Attention for prompt chunks (prompt_attention.cpp), with paged_attention's arguments, and
 // softcap > 0: scores become softcap * tanh(score / softcap); false, having done nothing, where
 // head_dim is not a multiple of its tiles' width.

@@ -121,7 +121,7 @@ class DecoderStack {
   torch::Tensor run(torch::Tensor x, torch::Tensor residual, torch::Tensor positions,
                     const std::vector<torch::Tensor>& key_caches, const std::vector<torch::Tensor>& value_caches,
                     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-                    torch::Tensor query_start_loc, const std::vector<int64_t>& seq_ids,
+                    torch::Tensor query_start_loc, const std::vector<int64_t>& seq_ids, const CascadeGroups& cascade,
                     std::optional<torch::Tensor> rotation, std::optional<torch::Tensor> lora_slots,
                     const std::vector<std::vector<torch::Tensor>>& lora_a, const std::vector<std::vector<torch::Tensor>>& lora_bt) {
     TORCH_CHECK(key_caches.size() == value_caches.size() && key_caches.size() <= layers_.size(),
@@ -156,7 +156,7 @@ class DecoderStack {
                       "batch-invariant attention does not take heads of ", head_dim_);
         } else {
           paged_attention(attended, q, key_caches[index], value_caches[index], block_tables, seq_lens, query_start_loc,
-                          seq_ids, scale_, layer.window);
+                          seq_ids, scale_, layer.window, cascade);
         }
         if (rotation) attended = torch::matmul(attended, *rotation);  // out of the cache's basis
       });
