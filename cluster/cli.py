@@ -110,7 +110,8 @@ def _down(args: argparse.Namespace) -> int:
 
 EVAL_CHECKS = ("ppl",)
 BENCH_SUITES = (
-    "offline", "step", "attention", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured", "tools", "gpu",
+    "offline", "step", "attention", "cascade", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured",
+    "tools", "gpu",
 )
 
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -50,7 +51,7 @@ inline std::vector<std::pair<int64_t, int64_t>> block_runs(const int* table, int
 
 // A group's shared keys or values of one KV head (`head`: that head's rows in the cache), as fp32
 // matrices of rows [token, dim] that the products read: views of the cache's own runs of
-// consecutive blocks where it holds fp32 rows in few enough runs (an product a run), else one
+// consecutive blocks where it holds fp32 rows in few enough runs (a product a run), else one
 // matrix gathered into `buffer`, dequantized as the kernels read the rows.
 template <typename Rows, typename Call>
 std::vector<std::pair<int64_t, at::Tensor>> prefix_rows(const typename Rows::cache_t* head, const int* table, int64_t num_blocks,
@@ -113,7 +114,10 @@ void cascade_prefixes(const PagedCall<scalar_t, typename Rows::cache_t>& call, c
     const int64_t num_rows = static_cast<int64_t>(rows.size()) * group;
     at::Tensor queries = at::empty({num_rows, head_dim}, floats);
     at::Tensor key_buffer = at::empty({prefix, head_dim}, floats), value_buffer = at::empty({prefix, head_dim}, floats);
-    at::Tensor scores = at::empty({num_rows, prefix}, floats), attended = at::empty({num_rows, head_dim}, floats);
+    // Scores with a key a row and a query row a column: the products run about twice as fast
+    // with the keys as the left operand here (MKL, 2-core Zen 3), and the softmax then runs
+    // down the columns, vectors across the query rows.
+    at::Tensor scores = at::empty({prefix, num_rows}, floats), attended = at::empty({num_rows, head_dim}, floats);
     std::vector<float> sums(num_rows), lse(num_rows);
     for (int64_t h = 0; h < call.num_kv_heads; ++h) {
       const auto keys = prefix_rows<Rows>(call.k_ptr + h * call.kv_head_stride, table, num_blocks, call, key_buffer);
@@ -125,27 +129,36 @@ void cascade_prefixes(const PagedCall<scalar_t, typename Rows::cache_t>& call, c
           float* dst = q + (i * group + g) * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale_f;
         }
-      for (const auto& [first, rows_of_run] : keys) {  // scores [rows, prefix]
-        at::Tensor into = scores.narrow(1, first, rows_of_run.size(0));
-        at::mm_out(into, queries, rows_of_run.t());
+      for (const auto& [first, rows_of_run] : keys) {
+        at::Tensor into = scores.narrow(0, first, rows_of_run.size(0));
+        at::mm_out(into, rows_of_run, queries.t());
       }
       float* score_rows = scores.data_ptr<float>();
-      at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          float* row = score_rows + r * prefix;
-          const float peak = *std::max_element(row, row + prefix);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < prefix; ++t) {
-            row[t] = expf(row[t] - peak);
-            sum += row[t];
+      constexpr int64_t kColumns = 4 * kLanes;  // query rows a task takes
+      at::parallel_for(0, (num_rows + kColumns - 1) / kColumns, 1, [&](int64_t begin, int64_t end) {
+        const int64_t first = begin * kColumns, last = std::min(num_rows, end * kColumns), width = last - first;
+        std::vector<float> peak(width, -std::numeric_limits<float>::max()), sum(width, 0.f);
+        for (int64_t t = 0; t < prefix; ++t) {
+          const float* row = score_rows + t * num_rows + first;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) peak[c] = std::max(peak[c], row[c]);
+        }
+        for (int64_t t = 0; t < prefix; ++t) {
+          float* row = score_rows + t * num_rows + first;
+#pragma omp simd
+          for (int64_t c = 0; c < width; ++c) {
+            row[c] = expf(row[c] - peak[c]);
+            sum[c] += row[c];
           }
-          sums[r] = sum;
-          lse[r] = peak + logf(sum);
+        }
+        for (int64_t c = 0; c < width; ++c) {
+          sums[first + c] = sum[c];
+          lse[first + c] = peak[c] + logf(sum[c]);
         }
       });
       attended.zero_();  // [rows, head_dim], unnormalised
-      for (const auto& [first, rows_of_run] : values) attended.addmm_(scores.narrow(1, first, rows_of_run.size(0)), rows_of_run);
+      for (const auto& [first, rows_of_run] : values)
+        attended.addmm_(scores.narrow(0, first, rows_of_run.size(0)).t(), rows_of_run);
       const float* weighted = attended.data_ptr<float>();
       for (int64_t r = 0; r < num_rows; ++r) {
         const int64_t row = rows[r / group], head = h * group + r % group;
