@@ -142,7 +142,7 @@ inline vf transpose_sum(vf* p) {
 #endif
 }
 
-// With a `suffix` (cascade attention, cascade_attention.cpp), a sequence's rows see only the keys
+// With a `suffix` (cascade attention, cascade.h), a sequence's rows see only the keys
 // from its suffix.first[s] on, and each row's log-sum-exp of its scores goes to suffix.lse.
 template <typename scalar_t, typename Rows, int DV>
 void decode_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
