@@ -28,7 +28,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CASCADE_MODES = ("auto", "on", "off")
 # Group sizes and prefix lengths at which fit_rule times both ways, and the margin by which the
 # cascade must win (a noisy tie keeps the plain kernel).
 FIT_SEQS = (2, 4, 8, 16, 32)
@@ -104,12 +103,13 @@ class CascadePlanner:
 def fit_rule(
     ops, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int
 ) -> CascadeRule:
-    """For each of ``FIT_SEQS``, the shortest of ``FIT_PREFIX_TOKENS`` from which the cascade is
-    ``FIT_MARGIN`` times faster than the plain decode kernel at it and every longer one measured
-    (``NEVER`` if none): one query row a sequence with this model's heads, the prefix in
+    """For each of ``FIT_SEQS``, the shortest of ``FIT_PREFIX_TOKENS`` (those of whole blocks)
+    from which the cascade is ``FIT_MARGIN`` times faster than the plain decode kernel at it and
+    every longer one measured (``NEVER`` if none): one query row a sequence with this model's heads, the prefix in
     consecutive blocks as a fresh cache holds it, best of 3 rounds each way."""
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
+    prefixes = [tokens for tokens in FIT_PREFIX_TOKENS if tokens % block_size == 0]  # a prefix is whole blocks
     max_prefix = max(FIT_PREFIX_TOKENS)
     suffix_blocks = -(-(FIT_SUFFIX_TOKENS + 1) // block_size)
     num_blocks = max_prefix // block_size + max(FIT_SEQS) * suffix_blocks
@@ -121,13 +121,13 @@ def fit_rule(
     for num_seqs in FIT_SEQS:
         query = torch.randn(num_seqs, num_heads, head_dim, generator=generator).to(dtype)
         wins = []
-        for prefix in FIT_PREFIX_TOKENS:
+        for prefix in prefixes:
             call = _fit_call(num_seqs, prefix, block_size, suffix_blocks)
             plain = _best_time(ops, query, caches, call, [])
             cascade = _best_time(ops, query, caches, call, [[prefix, *range(num_seqs)]])
             wins.append(plain >= FIT_MARGIN * cascade)
         first = next((i for i in range(len(wins)) if all(wins[i:])), None)
-        chosen.append(NEVER if first is None else FIT_PREFIX_TOKENS[first])
+        chosen.append(NEVER if first is None else prefixes[first])
     rule = CascadeRule(seqs=FIT_SEQS, min_prefix_tokens=tuple(chosen))
     shown = ", ".join(f"{n} seqs from {'never' if t == NEVER else t}" for n, t in zip(rule.seqs, rule.min_prefix_tokens))
     logger.info("cascade attention on this CPU: %s prefix tokens (measured in %.2f s)", shown, time.perf_counter() - started)

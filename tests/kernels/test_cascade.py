@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from duet.kernels import cpu_ops
-from duet.kernels.cascade import ALWAYS, CascadePlanner, CascadeRule, shared_prefixes
+from duet.kernels.cascade import ALWAYS, FIT_SEQS, NEVER, CascadePlanner, CascadeRule, fit_rule, shared_prefixes
 from duet.kernels.kv_quant import quantize_rows
 
 BLOCK_SIZE = 16
@@ -126,3 +126,12 @@ def test_the_planner_asks_for_its_rule_only_when_a_step_has_a_group():
     assert planner.groups(shared, [1, 1], [40, 40], BLOCK_SIZE) == []  # 32 shared tokens: under the rule's 64
     assert planner.groups(shared, [1, 1], [70, 70], BLOCK_SIZE) == [[64, 0, 1]]
     assert len(fits) == 2 and planner.num_groups == 1
+
+
+@needs_kernels
+def test_the_measured_rule_names_only_prefixes_of_whole_blocks():
+    """Blocks of 128 tokens: the rule is timed at 128 tokens and past (64 is no whole block, and a
+    cascade prefix of it is refused), over an int8 cache. Which lengths win is this CPU's answer."""
+    rule = fit_rule(cpu_ops.load(), 9, 3, 64, torch.float32, torch.int8, 128)
+    assert rule.seqs == FIT_SEQS
+    assert all(tokens == NEVER or tokens in (128, 256, 512, 1024, 2048) for tokens in rule.min_prefix_tokens)
