@@ -9,6 +9,37 @@ there (for free, in the C++ pass over it) and the output leaves it here.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ != "duet.kernels":
+    # Imported as a bare ``kernels``: the checkout's root is on sys.path (pytest's pythonpath, a
+    # script run from the root, a Ray worker given the driver's path), and this folder would shadow
+    # the Hugging Face distribution of that name, which transformers imports. Hand the import over
+    # to whatever else on sys.path owns the name; where nothing does, the name is an empty namespace
+    # package, as a folder without __init__.py would be (what transformers' probes take for "absent").
+    def _hand_over(name: str) -> None:
+        import importlib.machinery
+        import importlib.util
+        import os
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        elsewhere = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != root]
+        spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
+        if spec is None:
+            spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            spec.submodule_search_locations = []
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # the import statement returns what sys.modules holds at the end
+        if spec.loader is None:
+            return
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+
+    _hand_over(__name__)
+
 import torch
 
 from duet.kernels import cpu_ops

@@ -5,6 +5,7 @@ found ours, transformers would take it for the hub-kernels library and fail on i
 """
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +31,35 @@ def test_transformers_does_not_mistake_our_kernels_folder_for_hf_kernels():
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == str(_installed("kernels"))
+
+
+def test_a_bare_kernels_import_from_the_root_reaches_the_distribution_that_owns_the_name(tmp_path):
+    """From the checkout's root (first on sys.path), `import kernels` must give another owner of the
+    name where one is on the path (a stand-in for the Hugging Face distribution here), and an empty
+    namespace package where none is: never this checkout's folder."""
+    owner = tmp_path / "site" / "kernels"
+    owner.mkdir(parents=True)
+    (owner / "__init__.py").write_text("OWNER = 'the distribution'\n")
+    root = Path(__file__).resolve().parents[1]
+    code = "import kernels, duet.kernels\nprint(getattr(kernels, 'OWNER', None), getattr(kernels, '__file__', None), duet.kernels.__name__)\n"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    with_owner = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert with_owner.returncode == 0, with_owner.stderr[-2000:]
+    assert with_owner.stdout.split() == ["the", "distribution", str(owner / "__init__.py"), "duet.kernels"]
+    env.pop("PYTHONPATH")
+    alone = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    if not _installed("kernels"):
+        assert alone.stdout.split() == ["None", "None", "duet.kernels"]
+
+
+def _installed(distribution: str) -> bool:
     try:
-        importlib.metadata.distribution("kernels")
-        hf_kernels_installed = True
+        importlib.metadata.distribution(distribution)
+        return True
     except importlib.metadata.PackageNotFoundError:
-        hf_kernels_installed = False
-    assert result.stdout.strip().splitlines()[-1] == str(hf_kernels_installed)
+        return False
 
 
 # Scripts the package ships to run in another program's environment, never imported by duet.
