@@ -13,6 +13,7 @@ import gc
 import pytest
 
 from duet import LLM, SamplingParams
+from duet.kernels import cpu_ops
 from duet.benchmarks.prompts import PARITY_NEW_TOKENS, encode_conversations, shared_prefix_conversations
 from tests.reference import compare_to_reference, hf_greedy
 
@@ -90,3 +91,17 @@ def test_shared_prefix_cache_hits_match_transformers(shared_prompts, shared_refe
     assert hit_tokens >= 16 * 7 * (len(shared_prompts[0]) // 32), "later prompts should hit the shared system prompt"
     assert all(output.num_cached_tokens > 0 for output in outputs[1:])
     _check(outputs, shared_references, "prefix-hit")
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the C++ CPU kernels do not build here")
+def test_shared_prefix_decoded_by_cascade_attention_matches_transformers(shared_prompts, shared_references):
+    """The first prompt alone caches the system prompt; the other 15 then decode together over its
+    blocks, with cascade attention forced on (its products over the shared prefix, once a group)."""
+    llm = LLM(model="smollm2", max_model_len=1024, cascade_attention="on")
+    outputs = llm.generate(shared_prompts[:1], GREEDY) + llm.generate(shared_prompts[1:], GREEDY)
+    planner = llm.engine.executor.worker.runner.cascade
+    llm.engine.check_integrity()
+    assert planner.num_groups >= PARITY_NEW_TOKENS // 2, "the batched decode steps should cascade over the system prompt"
+    del llm
+    gc.collect()
+    _check(outputs, shared_references, "cascade")
