@@ -17,7 +17,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # duet.router.serve_inter
 import pytest
 import torch
 
-from tests.tiny_families import SHARP_ATTENTION, TINY_FAMILIES
+from tests.tiny_families import RANDOM_NORMS, SHARP_ATTENTION, TINY_FAMILIES
 
 
 # The session's exit status, kept for ``pytest_unconfigure``.
@@ -233,12 +233,16 @@ def make_tiny_model(
         for name, bias in model.named_parameters():  # transformers starts biases at zero: nothing would test them
             if name.endswith(".bias"):
                 bias.normal_(0.0, 0.2)
+        if family in RANDOM_NORMS:
+            for name, weight in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    weight.normal_(1.0, 0.3)
         if family in SHARP_ATTENTION:  # peaked scores: a token's rotation decides what it attends to
             config = model.config
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             qk_rows = (config.num_attention_heads + config.num_key_value_heads) * head_dim
             for name, weight in model.named_parameters():
-                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                if name.endswith(("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight")):  # OLMo 2 normalises q/k: its norms scale them
                     weight.mul_(SHARP_ATTENTION[family])
                 elif name.endswith("qkv_proj.weight"):  # Phi-3's fused q, k, v: q's and k's rows
                     weight[:qk_rows].mul_(SHARP_ATTENTION[family])

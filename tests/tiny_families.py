@@ -130,10 +130,16 @@ TINY_FAMILIES = {
             head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, decoder_sparse_step=2,
         ),
     ),
+    # OLMo 2: norms after attention and MLP only, q/k norms over all heads at once (weights drawn: see RANDOM_NORMS).
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)),
 }
+
+# Families whose norm weights are drawn around 1 at creation (transformers starts them at 1, where a
+# weight applied to the wrong features would go unseen).
+RANDOM_NORMS = {"olmo2"}
 
 
 # Families whose queries and keys are scaled up (by this) at creation, so that greedy tokens
 # depend on RoPE: a random model's scores are near zero, and what a token attends to with them
 # hardly depends on how the keys were rotated.
-SHARP_ATTENTION = {"phi3-longrope": 4.0, "phi3-partial": 4.0, "llama-dynamic": 4.0, "smollm3": 4.0, "smollm3-windowed": 4.0}
+SHARP_ATTENTION = {"phi3-longrope": 4.0, "phi3-partial": 4.0, "llama-dynamic": 4.0, "smollm3": 4.0, "smollm3-windowed": 4.0, "olmo2": 4.0}

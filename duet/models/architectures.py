@@ -106,6 +106,15 @@ def _qwen3(config) -> LlamaArch:
     return LlamaArch.from_hf_config(config, qk_norm=True, layer_windows=_layer_windows(config), **_biases(config))
 
 
+def _olmo2(config) -> LlamaArch:
+    """No norms before attention and MLP, one after each (the norm-after sandwich), and q/k
+    norms over all heads' features at once."""
+    _common(config)
+    return LlamaArch.from_hf_config(
+        config, qk_norm=True, qk_norm_across_heads=True, sandwich_norms=True, pre_norms=False, **_biases(config)
+    )
+
+
 def _mistral(config) -> LlamaArch:
     _common(config)
     return LlamaArch.from_hf_config(config, layer_windows=_layer_windows(config))
@@ -154,6 +163,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[object], LlamaArch], type[LlamaForCausa
     "Phi3ForCausalLM": (_phi3, LlamaForCausalLM),
     "SmolLM3ForCausalLM": (_smollm3, LlamaForCausalLM),
     "GraniteForCausalLM": (_granite, LlamaForCausalLM),
+    "Olmo2ForCausalLM": (_olmo2, LlamaForCausalLM),
     "MixtralForCausalLM": (_mixtral, MixtralForCausalLM),
     "Qwen3MoeForCausalLM": (_qwen3_moe, MixtralForCausalLM),
     "Gemma2ForCausalLM": (_gemma2, LlamaForCausalLM),

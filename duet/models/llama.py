@@ -7,7 +7,8 @@ q/k RMSNorm and a ``head_dim`` of its own (Qwen 3), scaled RoPE (Llama 3's ``rop
 sliding windows per layer (Mistral, Phi-3, Gemma), fused checkpoint tensors (Phi-3), Gemma's
 scaled embeddings, (1 + w) norms (added at load), norms around both blocks, GeGLU, its own
 query scale, soft-capped scores and logits, a RoPE of its own for windowed layers, and none on
-SmolLM3's NoPE layers; and, in
+SmolLM3's NoPE layers; OLMo 2's blocks without norms before them and its q/k norms over all
+heads at once; and, in
 ``duet.models.mixtral``, experts (Mixtral, Qwen 3 MoE).
 
 The model sees one flat batch of tokens (every sequence's new tokens back to back) and
@@ -53,6 +54,7 @@ class LlamaArch:
     o_bias: bool = False  # the o projection with one too (with q, k and v's: Llama's and Qwen 3's attention_bias)
     mlp_bias: bool = False  # gate, up and down projections with biases (Llama's mlp_bias)
     qk_norm: bool = False  # an RMSNorm over each head's query and key before RoPE (Qwen 3)
+    qk_norm_across_heads: bool = False  # the q/k norms over all heads' features at once (OLMo 2), not each head's
     # RoPE's inverse frequencies and the factor on its cos/sin tables, where the config scales
     # them (``rope_scaling``: llama3, linear, yarn); None: the plain frequencies of ``rope_theta``.
     rope_inv_freq: tuple[float, ...] | None = None
@@ -78,6 +80,7 @@ class LlamaArch:
     norm_offset: bool = False  # the checkpoint's norm weights w scale by 1 + w
     embed_scale: float | None = None  # embeddings times this (rounded to the weights' dtype)
     sandwich_norms: bool = False  # norms after attention and around the MLP too
+    pre_norms: bool = True  # False (OLMo 2): blocks read the residual stream itself; norms after attention and MLP only
     activation: str = "silu"  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     query_scale: float | None = None  # scores' scale (None: head_dim ** -0.5)
     attn_softcap: float | None = None  # scores become cap * tanh(score / cap)
@@ -163,8 +166,10 @@ class LlamaAttention(Module):
         size = self.q_size + 2 * self.kv_size
         self.qkv_bias = nn.Parameter(torch.zeros(size), requires_grad=False) if arch.qkv_bias else None
         self.o_bias = nn.Parameter(torch.zeros(arch.hidden_size), requires_grad=False) if arch.o_bias else None
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.qk_norm_across_heads = arch.qk_norm_across_heads
+        q_width, k_width = (self.q_size, self.kv_size) if arch.qk_norm_across_heads else (arch.head_dim, arch.head_dim)
+        self.q_norm = RMSNorm(q_width, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_width, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, x, positions, rotary: RotaryEmbedding | RopeRows, kv_cache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -172,7 +177,9 @@ class LlamaAttention(Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head, on rows of head_dim
+        if self.q_norm is not None and self.qk_norm_across_heads:  # each token's queries as one row, keys as another
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is not None:  # per head, on rows of head_dim
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -240,14 +247,28 @@ class LlamaDecoderLayer(Module):
         return mlp_out * self.residual_multiplier
 
 
+class ResidualStream(Module):
+    """In a block without a norm before it (OLMo 2's): what the norm's place gives is the residual
+    stream itself (with ``residual``, once ``x`` is added into it), as a tensor of its own, since
+    the stream is added into in place while the block still reads its input."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            return x.clone()
+        return residual.add_(x).clone()
+
+
 class SandwichDecoderLayer(LlamaDecoderLayer):
     """Gemma's block: the attention's output normalised before it joins the residual stream, and
-    the MLP between a norm of its own and one after it (whose output the next norm adds in)."""
+    the MLP between a norm of its own and one after it (whose output the next norm adds in).
+    Without ``pre_norms`` (OLMo 2) the norms before attention and MLP are not there."""
 
     def __init__(self, arch: LlamaArch, layer: int = 0) -> None:
         super().__init__(arch, layer)
-        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if arch.pre_norms else ResidualStream()
         self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if not arch.pre_norms:
+            self.input_layernorm = ResidualStream()
 
     def forward(self, x, residual, positions, rotary, kv_cache, metadata) -> torch.Tensor:
         attn_out = self.self_attn(x, positions, rotary, kv_cache, metadata)

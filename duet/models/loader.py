@@ -96,11 +96,9 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         prefix = f"model.layers.{layer}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         out = f"layers.{layer}."
-        plan[out + "input_layernorm.weight"] = [prefix + "input_layernorm.weight"]
-        plan[out + "post_attention_layernorm.weight"] = [prefix + "post_attention_layernorm.weight"]
-        if arch.sandwich_norms:
-            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
-                plan[out + f"{norm}.weight"] = [prefix + f"{norm}.weight"]
+        norms = ["input_layernorm", "post_attention_layernorm"] + (["pre_feedforward_layernorm", "post_feedforward_layernorm"] if arch.sandwich_norms else [])
+        for norm in norms if arch.pre_norms else ["post_attention_layernorm", "post_feedforward_layernorm"]:
+            plan[out + f"{norm}.weight"] = [prefix + f"{norm}.weight"]
         qkv_fused = arch.checkpoint_names in ("phi3", PHI3_SPLIT_MLP)
         plan[out + "self_attn.qkv_proj.weight"] = (
             [attn + "qkv_proj.weight"] if qkv_fused else [attn + f"{name}_proj.weight" for name in "qkv"]

@@ -156,6 +156,27 @@ class SummedOverRanks(Module):
         return self.group.all_reduce(self.module(x))
 
 
+class WholeRowNorm(Module):
+    """A norm over features that the ranks hold parts of (OLMo 2's q/k norms over all heads):
+    every rank gathers the whole rows, normalises them as one process would, and keeps its part.
+    ``parts`` are each rank's features (ranks sharing a replicated KV head hold the same)."""
+
+    def __init__(self, norm: nn.Module, parts: list[slice], rank: int, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.norm = norm
+        self.parts = parts
+        self.rank = rank
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        widest = max(part.stop - part.start for part in self.parts)
+        gathered = self.group.all_gather(F.pad(x, (0, widest - x.shape[1])).contiguous())
+        rows = x.new_empty(x.shape[0], self.norm.weight.shape[0])
+        for part, piece in zip(self.parts, gathered):
+            rows[:, part] = piece[:, : part.stop - part.start]
+        return self.norm(rows)[:, self.parts[self.rank]].contiguous()
+
+
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows of the embedding; a token outside them contributes zeros."""
 
@@ -224,6 +245,12 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
             attention.qkv_bias = nn.Parameter(bias, requires_grad=False)
         attention.o_proj = SummedOverRanks(shard_linear(attention.o_proj, [slice(None)], q_rows), group)
         attention.num_heads, attention.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        if attention.q_norm is not None and attention.qk_norm_across_heads:
+            shards = [shard_heads(arch.num_heads, arch.num_kv_heads, world_size, index) for index in range(world_size)]
+            q_parts = [slice(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim) for shard in shards]
+            k_parts = [slice(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim) for shard in shards]
+            attention.q_norm = WholeRowNorm(attention.q_norm, q_parts, rank, group)
+            attention.k_norm = WholeRowNorm(attention.k_norm, k_parts, rank, group)
         attention.q_size, attention.kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
         if isinstance(mlp, MixtralMoE):
             if expert_parallel:

@@ -59,7 +59,7 @@ def test_each_family_matches_transformers_batched_with_chunked_prompts(checkpoin
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3-moe", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3-moe", "gemma2", "olmo2"])
 def test_ngram_speculation_keeps_each_family_exact(checkpoints, family):
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM)
@@ -139,7 +139,7 @@ def test_damaged_checkpoints_fail_at_load_naming_the_tensor(tmp_path, tiny_token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "gemma2", "llama-biases"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "gemma2", "llama-biases", "olmo2"])
 def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
     """Each rank holds its heads' rows of the q/k/v biases and the whole per-head norms; a MoE's
     dense layer splits its own width; Gemma 2's soft-capped, windowed heads split as any; a
@@ -148,6 +148,20 @@ def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
         check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} at TP=2")
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["olmo2", "gemma3"])
+def test_pp2_matches_transformers(ray_cluster, checkpoints, family):
+    """A stage boundary between blocks whose norms sit after them (OLMo 2) or around them (Gemma 3):
+    the second stage's first block takes the residual stream as the first stage leaves it."""
+    path, references = checkpoints(family)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, pipeline_parallel_size=2)
+    try:
+        check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} at PP=2")
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
