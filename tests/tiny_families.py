@@ -130,6 +130,14 @@ TINY_FAMILIES = {
             head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=3, decoder_sparse_step=2,
         ),
     ),
+    # Qwen 2 MoE: q/k/v biases, and a shared expert (gated by a sigmoid) beside the routed ones in every layer.
+    "qwen2-moe": (
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=80,
+            num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        ),
+    ),
     # OLMo 2: norms after attention and MLP only, q/k norms over all heads at once (weights drawn: see RANDOM_NORMS).
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)),
 }

@@ -137,21 +137,36 @@ def _mixtral(config) -> MixtralArch:
     return MixtralArch.from_hf_config(config, layer_windows=_layer_windows(config))
 
 
-def _qwen3_moe(config) -> MixtralArch:
-    _common(config)
+def _qwen_moe(config, base: LlamaArch, **parts) -> MixtralArch:
+    """Qwen's experts (2 and 3): sparse every ``decoder_sparse_step``-th layer but ``mlp_only_layers``."""
     step = config.decoder_sparse_step
     sparse = tuple(
         layer for layer in range(config.num_hidden_layers)
         if layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % step == 0
     )
-    base = LlamaArch.from_hf_config(
-        config, qk_norm=True, layer_windows=_layer_windows(config), checkpoint_names="qwen3_moe", **_biases(config)
-    )
     return MixtralArch(
         **{**vars(base), "intermediate_size": config.moe_intermediate_size},
         num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-        norm_topk_prob=bool(config.norm_topk_prob), sparse_layers=sparse, dense_intermediate_size=config.intermediate_size,
+        norm_topk_prob=bool(config.norm_topk_prob), sparse_layers=sparse, dense_intermediate_size=config.intermediate_size, **parts,
     )
+
+
+def _qwen3_moe(config) -> MixtralArch:
+    _common(config)
+    base = LlamaArch.from_hf_config(
+        config, qk_norm=True, layer_windows=_layer_windows(config), checkpoint_names="qwen3_moe", **_biases(config)
+    )
+    return _qwen_moe(config, base)
+
+
+def _qwen2_moe(config) -> MixtralArch:
+    """Qwen 2's q/k/v biases, and a shared expert beside the routed ones."""
+    _common(config)
+    windows = _layer_windows(config) if getattr(config, "use_sliding_window", False) else None
+    base = LlamaArch.from_hf_config(
+        config, qkv_bias=bool(getattr(config, "qkv_bias", True)), layer_windows=windows, checkpoint_names="qwen3_moe",
+    )
+    return _qwen_moe(config, base, shared_expert_intermediate_size=config.shared_expert_intermediate_size)
 
 
 # The config's ``architectures`` name: how its config reads, and the model it builds.
@@ -166,6 +181,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[object], LlamaArch], type[LlamaForCausa
     "Olmo2ForCausalLM": (_olmo2, LlamaForCausalLM),
     "MixtralForCausalLM": (_mixtral, MixtralForCausalLM),
     "Qwen3MoeForCausalLM": (_qwen3_moe, MixtralForCausalLM),
+    "Qwen2MoeForCausalLM": (_qwen2_moe, MixtralForCausalLM),
     "Gemma2ForCausalLM": (_gemma2, LlamaForCausalLM),
     "Gemma3ForCausalLM": (_gemma3, LlamaForCausalLM),
 }

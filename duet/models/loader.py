@@ -119,6 +119,10 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
             plan[out + "mlp.gate.weight"] = [moe + "gate.weight"]
             plan[out + "mlp.w13"] = [expert + f"{name}.weight" for expert in experts for name in (gate, up)]
             plan[out + "mlp.w2"] = [expert + f"{down}.weight" for expert in experts]
+            if arch.shared_expert_intermediate_size:
+                plan[out + "mlp.shared_expert.gate_up_proj.weight"] = [moe + f"shared_expert.{name}_proj.weight" for name in ("gate", "up")]
+                plan[out + "mlp.shared_expert.down_proj.weight"] = [moe + "shared_expert.down_proj.weight"]
+                plan[out + "mlp.shared_expert_gate.weight"] = [moe + "shared_expert_gate.weight"]
             continue
         plan[out + "mlp.gate_up_proj.weight"] = (
             [mlp + "gate_up_proj.weight"] if arch.checkpoint_names == "phi3" else [mlp + "gate_proj.weight", mlp + "up_proj.weight"]

@@ -1,6 +1,7 @@
 """Mixture of experts (Mixtral, Qwen 3 MoE): a decoder whose sparse layers' MLP is a router over
 ``num_experts`` SwiGLU experts, of which each token takes its ``num_experts_per_tok`` best,
-weighted; Qwen 3 MoE keeps a dense MLP in some layers (``sparse_layers``).
+weighted; Qwen 3 MoE keeps a dense MLP in some layers (``sparse_layers``), and Qwen 2 MoE adds a
+shared expert every token takes, scaled by a sigmoid gate of its own.
 
 The routing is transformers' (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``): softmax of the
 router's logits in fp32, top-k, the k weights renormalised to sum to one where the family
@@ -24,7 +25,7 @@ from torch import nn
 from duet.kernels import cpu_ops
 from duet.kernels.fused import silu_and_mul
 from duet.models.linear import Linear, float_panels
-from duet.models.llama import LlamaArch, LlamaForCausalLM, LlamaMLP
+from duet.models.llama import LlamaArch, LlamaForCausalLM, LlamaMLP, by_row
 from duet.models.module import Module
 
 
@@ -38,6 +39,7 @@ class MixtralArch(LlamaArch):
     norm_topk_prob: bool = True  # the top-k weights renormalised to sum to one
     sparse_layers: tuple[int, ...] | None = None  # the layers with experts (None: every one)
     dense_intermediate_size: int = 0  # the dense MLP's features in the other layers
+    shared_expert_intermediate_size: int = 0  # a shared expert's features (Qwen 2 MoE); 0: none
 
     @classmethod
     def from_hf_config(cls, config, **parts) -> MixtralArch:
@@ -63,6 +65,10 @@ class MixtralMoE(Module):
         self.w13 = nn.Parameter(torch.empty(arch.num_experts * 2 * arch.intermediate_size, arch.hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(arch.num_experts * arch.hidden_size, arch.intermediate_size), requires_grad=False)
         self.invariant_panels: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per local expert: w13's, w2's
+        # Qwen 2 MoE's shared expert, which every token takes, times sigmoid of its gate's one output.
+        shared = arch.shared_expert_intermediate_size
+        self.shared_expert = LlamaMLP(arch, shared) if shared else None
+        self.shared_expert_gate = Linear(arch.hidden_size, 1) if shared else None
 
     def make_batch_invariant(self) -> None:
         """Every expert's two products in one order of additions for each output, whatever its
@@ -115,6 +121,9 @@ class MixtralMoE(Module):
                 continue
             hidden = self._expert(index, x[tokens], w13, w2)
             out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
+        if self.shared_expert is not None:
+            gate = by_row(torch.sigmoid, self.shared_expert_gate(x), self.invariant_panels is not None)  # as LlamaMLP's GeGLU
+            out = out + gate * self.shared_expert(x)
         return out
 
 

@@ -218,6 +218,17 @@ class VocabParallelLMHead(nn.Module):
         return greedy_argmax(self(x).float(), excluded_token_ids)
 
 
+def _shard_dense_mlp(mlp, dense: slice) -> None:
+    """Keep ``dense``, this rank's features of a gated MLP: its rows of gate and up (and of their
+    biases), its columns of down, whose output is then this rank's part of a sum over ranks."""
+    size = mlp.down_proj.in_features
+    mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [dense, _offset(dense, size)])
+    if mlp.gate_up_bias is not None:  # the down projection's is added once, to the sum over ranks
+        bias = torch.cat([mlp.gate_up_bias[dense], mlp.gate_up_bias[_offset(dense, size)]])
+        mlp.gate_up_bias = nn.Parameter(bias, requires_grad=False)
+    mlp.down_proj = shard_linear(mlp.down_proj, [slice(None)], dense)
+
+
 def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, expert_parallel: bool = False) -> None:
     """Keep this rank's part of ``model`` (for a Mixtral, its experts with ``expert_parallel``,
     else its share of every expert's features: the layout is checked by ``check_layout`` first)
@@ -258,15 +269,14 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
                 mlp.keep_experts(range(experts.start, experts.stop))
             else:
                 mlp.keep_features(range(features.start, features.stop))
+            if mlp.shared_expert is not None:  # split by features either way: the ranks' sum adds each part once
+                shared = mlp.shared_expert
+                _shard_dense_mlp(shared, features_of(shared.down_proj.in_features, blocks_only=shared.down_proj.weight is None))
             layer.mlp = SummedOverRanks(mlp, group)
             continue
         size = mlp.down_proj.in_features  # a dense layer of a MoE model has its own width
-        dense = features_of(size, blocks_only=mlp.down_proj.weight is None)
-        mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [dense, _offset(dense, size)])
-        if mlp.gate_up_bias is not None:  # the down projection's is added once, to the sum over ranks
-            bias = torch.cat([mlp.gate_up_bias[dense], mlp.gate_up_bias[_offset(dense, size)]])
-            mlp.gate_up_bias = nn.Parameter(bias, requires_grad=False)
-        mlp.down_proj = SummedOverRanks(shard_linear(mlp.down_proj, [slice(None)], dense), group)
+        _shard_dense_mlp(mlp, features_of(size, blocks_only=mlp.down_proj.weight is None))
+        mlp.down_proj = SummedOverRanks(mlp.down_proj, group)
     vocab = [split_range(arch.vocab_size, world_size, index) for index in range(world_size)]
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[vocab[rank]].contiguous(), vocab[rank].start, group)
     model.lm_head = VocabParallelLMHead(shard_linear(model.lm_head, [vocab[rank]]), [part.stop - part.start for part in vocab], group)

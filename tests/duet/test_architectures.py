@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from duet import LLM, SamplingParams
-from duet.config import ConfigError
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.models.loader import read_arch
 from tests.conftest import make_tiny_model
@@ -139,7 +138,7 @@ def test_damaged_checkpoints_fail_at_load_naming_the_tensor(tmp_path, tiny_token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "gemma2", "llama-biases", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "qwen2-moe", "gemma2", "llama-biases", "olmo2"])
 def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
     """Each rank holds its heads' rows of the q/k/v biases and the whole per-head norms; a MoE's
     dense layer splits its own width; Gemma 2's soft-capped, windowed heads split as any; a
@@ -148,6 +147,19 @@ def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
         check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} at TP=2")
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+def test_ep2_with_a_shared_expert_matches_transformers(ray_cluster, checkpoints):
+    """Qwen 2 MoE under expert parallelism: each rank two routed experts and half the shared
+    expert's features, so that the ranks' sum adds the shared expert once."""
+    path, references = checkpoints("qwen2-moe")
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        check_outputs(llm.generate(PROMPTS, _greedy()), references, "qwen2-moe at EP=2")
         llm.engine.check_integrity()
     finally:
         llm.engine.close()

@@ -274,20 +274,21 @@ def test_a_lora_adapter_gives_its_request_the_same_bits_amid_the_base_and_itself
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "mistral-windowed", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "qwen2-moe", "mistral-windowed", "gemma2", "gemma3", "olmo2"])
 def test_experts_windows_and_caps_give_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir, family):
     """Each expert's rows vary with the batch (the tokens routed to it); its products do not,
     and a token adds its experts' outputs in one order. A window of 40 keys (Gemma's: 24), past
     which the 150-token request runs, is masked row by row in the same chunks of keys whatever
     the tile; Gemma 2's capped scores are capped per row too, and Gemma's GeGLU and capped
-    logits take torch's tanh one row at a time. Greedy still gives transformers' tokens."""
+    logits take torch's tanh one row at a time, as Qwen 2 MoE's shared expert its sigmoid; OLMo 2's
+    q/k norms span a row's heads. Greedy still gives transformers' tokens."""
     from tests.conftest import make_tiny_mixtral, make_tiny_model
     from tests.reference import compare_to_reference, hf_greedy
 
     shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     if family == "mixtral":
         path = make_tiny_mixtral(tmp_path / family, tiny_tokenizer_dir, intermediate_size=128, **shape)
-    elif family == "qwen3-moe":  # renormalised top-k weights, a dense MLP in its second layer
+    elif family in ("qwen3-moe", "qwen2-moe"):  # renormalised top-k weights; Qwen 3's dense MLP, Qwen 2's shared expert and its sigmoid
         path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, norm_topk_prob=True, **shape)
     elif family == "mistral-windowed":
         path = make_tiny_model(tmp_path / family, tiny_tokenizer_dir, family, head_dim=64, sliding_window=40, **shape)
