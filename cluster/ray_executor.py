@@ -71,7 +71,12 @@ class RayExecutor:
             options = actor.options(scheduling_strategy=strategies[rank], **resources)
             self.workers.append(options.remote(dataclasses.replace(config, rank=rank, host=hosts[rank], num_threads=num_threads)))
         self.failure: str | None = None
-        self._endpoints = tuple(self._gather([worker.kv_endpoint.remote() for worker in self.workers]))
+        try:
+            self._endpoints = tuple(self._gather([worker.kv_endpoint.remote() for worker in self.workers]))
+        except BaseException:  # a rank that failed to start leaves the others waiting for it in their groups
+            for worker in self.workers:
+                ray.kill(worker)
+            raise
 
     def _gather(self, refs: list, timeout_s: float | None = None, errors: list | None = None) -> list:
         """Every rank's result; the first rank to die fails the call without waiting for the rest.

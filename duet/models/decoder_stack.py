@@ -57,8 +57,8 @@ class DecoderStack:
                 return None
             if layer.self_attn.softcap is not None or layer.residual_multiplier is not None:  # Gemma 2's caps, Granite's multiplier
                 return None
-            if any(type(linear) is not Linear for linear in _linears(layer)):
-                return None
+            if any(type(linear) is not Linear or linear.input_quantization is not None for linear in _linears(layer)):
+                return None  # W8A8's quantized inputs: Python
         ops = cpu_ops.load()
         if ops is None or cpu_ops.load_gguf() is None:  # the stack reaches the block products through their operators
             return None

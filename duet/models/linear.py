@@ -56,6 +56,7 @@ from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
 from duet.lora import current_step as current_lora_step
 from duet.models.module import Module
+from duet.models.packed import dynamic_int8_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,8 @@ class Linear(Module):
         # The input features in the order the weight's columns hold them (GPTQ's activation
         # order, its groups made contiguous: ``duet.models.gptq``); None: as given.
         self.input_order: torch.Tensor | None = None
+        # How the input is quantized before the product (W8A8's ``packed.INT8_PER_TOKEN``); None: not.
+        self.input_quantization: str | None = None
 
     def pack_for_cpu(self) -> None:
         """Lay the weight out once for the paths this CPU and dtype benefit from: panels for the
@@ -190,7 +193,7 @@ class Linear(Module):
         self._lay_out_panels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._product(self._ordered(x))
+        y = self._product(self._ordered(x if self.input_quantization is None else dynamic_int8_per_token(x)))
         step = None if self.lora_name is None else current_lora_step()
         return y if step is None else step.apply(self.lora_name, x, y)
 

@@ -174,12 +174,12 @@ def _packed_linears(
             weight = dataclasses.replace(weight, codes=weight.codes.to(device), scales=weight.scales.to(device))
             packed[name] = (weight, None if order is None else order.to(device))
     covered = {part for name in packed for part in plan[f"{name}.weight"]}
-    shipped = {name for name in state if name == scheme.packed_name(name.rsplit(".", 1)[0] + ".weight")}
+    shipped = {name for name in state if name == scheme.packed_name(base := name.rsplit(".", 1)[0] + ".weight") and scheme.ships_codes(state, base)}
     stray = sorted(shipped - {scheme.packed_name(part) for part in covered})
     if stray:
         raise UnsupportedCheckpointError(f"{path}: {stray[0]} ships packed, and duet computes it from floats only (quantized experts are not built)")
     logger.info("%s: %d linear weights kept as their packed %d-bit codes", path, len(packed), scheme.num_bits)
-    return packed
+    return {name: (weight, order, scheme.activations) for name, (weight, order) in packed.items()}
 
 
 def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
@@ -279,11 +279,12 @@ def load_model(
         setattr(model, name, None if rotary is None else rotary.to(device))
     state = _fused_state_dict(raw_state, arch, path, skip={f"{name}.weight" for name in packed})
     del raw_state
-    for name, (weight, order) in packed.items():
+    for name, (weight, order, activations) in packed.items():
         linear = model.get_submodule(name)
         linear.attach_gguf(weight)
         linear.keep_blocks_only()
         linear.input_order = order
+        linear.input_quantization = activations
     for name, param in model.named_parameters():
         tensor = state.pop(name)
         if tensor.shape != param.shape:

@@ -1,5 +1,6 @@
 """Checkpoints whose linear weights ship quantized (llm-compressor's compressed-tensors
-``pack-quantized``: W4A16 and W8A16; GPTQ's and AWQ's formats, read by ``duet.models.gptq``),
+``pack-quantized``: W4A16 and W8A16; ``int-quantized``: W8A8, and W8A16 so written; GPTQ's and
+AWQ's formats, read by ``duet.models.gptq``),
 kept in their packed form and computed by duet's block kernels (``kernels.gguf``), never
 dequantized to a resident float copy.
 
@@ -18,8 +19,15 @@ per output channel); its weight is ``q * s``. Each group of a multiple of 32 fea
   with scale ``s``, rounded once as compressed-tensors' own is. (A Q4_1 min ``-(8 + z) s`` would
   round where the weight does not.) A byte a code, not half: 1.125 bytes a weight resident.
 
+``int-quantized`` ships each weight's int8 codes ``q`` unpacked (the tensor ``x.weight`` itself,
+int8) beside its scales: Q8_0 blocks as above. W8A8 quantizes each product's input too, per
+token and at run time (``input_activations``: int8, ``token``, dynamic, symmetric): its rows
+become ``round(x / s) * s`` clamped to the int8 codes, ``s`` the row's largest magnitude over
+127.5, exactly as compressed-tensors' own forward does (``dynamic_int8_per_token``), and the
+product is then computed from them as from any input.
+
 Groups of a multiple of 32 features or whole channels, no activation ordering, no 8-bit zero
-points (``q - z`` spans 9 bits), and no quantized activations (W8A8) yet: each is refused at
+points (``q - z`` spans 9 bits), and no activation schemes but W8A8's: each other is refused at
 load, naming the field.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
@@ -39,7 +47,8 @@ from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
-FORMATS = ("pack-quantized",)
+FORMATS = ("pack-quantized", "int-quantized")
+INT8_PER_TOKEN = "int8-per-token"  # W8A8's inputs (``PackedScheme.activations``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +59,19 @@ class PackedScheme:
     group_size: int | None  # None: a scale per output channel
     symmetric: bool = True  # False: a zero point per group too (4 bits); GPTQ, AWQ: each weight's zeros say
     layout: Layout | None = None  # a GPTQ or AWQ checkpoint's (None: compressed-tensors)
+    format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, or int8 as they are
+    activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN); None: not
 
     def packed_name(self, part: str) -> str:
         """The tensor that holds ``part``'s (``x.weight``) codes."""
-        return part + "_packed" if self.layout is None else tensor_name(part, "qweight")
+        if self.layout is not None:
+            return tensor_name(part, "qweight")
+        return part if self.format == "int-quantized" else part + "_packed"
+
+    def ships_codes(self, state: dict[str, torch.Tensor], part: str) -> bool:
+        """Whether the checkpoint holds ``part``'s codes (an ``int-quantized`` one: as int8)."""
+        name = self.packed_name(part)
+        return name in state and (self.format != "int-quantized" or state[name].dtype == torch.int8)
 
 
 def read_scheme(path: Path) -> PackedScheme | None:
@@ -78,12 +96,19 @@ def read_scheme(path: Path) -> PackedScheme | None:
     weights = [group.get("weights") for group in groups.values()]
     if any(weight != weights[0] for weight in weights):
         refuse("config_groups", sorted(groups), "one weight scheme for every group")
+    formats = {group.get("format") or config.get("format") for group in groups.values()}
+    activations = [group.get("input_activations") for group in groups.values()]
     for name, group in groups.items():
         group_format = group.get("format") or config.get("format")
-        if group_format not in FORMATS:
-            refuse(f"config_groups.{name}.format", group_format, f"{', '.join(FORMATS)}")
-        if group.get("input_activations") is not None:
-            refuse(f"config_groups.{name}.input_activations", "...", "weight-only schemes (W4A16, W8A16)")
+        if group_format not in FORMATS or len(formats) > 1:
+            refuse(f"config_groups.{name}.format", group_format, f"one of {', '.join(FORMATS)} for every group")
+        if group.get("output_activations") is not None:
+            refuse(f"config_groups.{name}.output_activations", "...", "none")
+        inputs = group.get("input_activations")
+        if inputs is None and any(other is not None for other in activations):
+            refuse(f"config_groups.{name}.input_activations", None, "one activation scheme for every group")
+        if inputs is not None:
+            _check_activations(inputs, group_format, f"config_groups.{name}.input_activations", refuse)
     args = weights[0] or {}
     checks = (
         ("type", args.get("type"), args.get("type") == "int", "'int'"),
@@ -99,12 +124,41 @@ def read_scheme(path: Path) -> PackedScheme | None:
     group_size = args.get("group_size") if args.get("strategy") == "group" else None
     if group_size is not None and (group_size <= 0 or group_size % BLOCK):
         refuse("weights.group_size", group_size, f"a multiple of {BLOCK}")
-    return PackedScheme(args["num_bits"], group_size, args.get("symmetric") is not False)
+    if formats == {"int-quantized"} and args["num_bits"] != 8:
+        refuse("weights.num_bits", args["num_bits"], "8 in the int-quantized format")
+    return PackedScheme(
+        args["num_bits"], group_size, args.get("symmetric") is not False, format=formats.pop(),
+        activations=None if activations[0] is None else INT8_PER_TOKEN,
+    )
+
+
+def _check_activations(args: dict, group_format: str, field: str, refuse) -> None:
+    """W8A8's input scheme (int8 per token, dynamic, symmetric), in the int-quantized format."""
+    if group_format != "int-quantized":
+        refuse(field, "...", "weight-only schemes in the pack-quantized format (W4A16, W8A16)")
+    checks = (
+        ("type", "int"), ("num_bits", 8), ("strategy", "token"), ("dynamic", True), ("symmetric", True),
+    )
+    for key, wanted in checks:
+        if args.get(key) != wanted:
+            refuse(f"{field}.{key}", args.get(key), repr(wanted).lower() + " (W8A8: int8 per token, dynamic, symmetric)")
+
+
+def dynamic_int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows as W8A8 quantizes a product's input before it, to the bit as compressed-tensors'
+    forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): each row's scale
+    ``s`` is its largest magnitude (zero counted) over 127.5 (the eps of ``x``'s dtype where that
+    is 0), and the row becomes ``clamp(x / s, -128, 127)`` rounded half to even, times ``s``."""
+    zero = torch.zeros((), dtype=x.dtype)
+    low, high = torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero)
+    scale = torch.maximum(low.abs(), high.abs()) / torch.tensor(127.5, dtype=x.dtype)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
+    return torch.round(torch.clamp(x / scale, -128, 127)) * scale
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:
     """Whether the Hugging Face weights ``parts`` (``x.weight``) ship packed; all or none must."""
-    packed = [scheme.packed_name(part) in state for part in parts]
+    packed = [scheme.ships_codes(state, part) for part in parts]
     if any(packed) and not all(packed):
         raise DamagedCheckpointError(f"of {', '.join(parts)}, only some ship packed: they are computed as one product")
     return packed[0]
@@ -118,6 +172,8 @@ def _codes(
     order its input features are in (GPTQ's activation order; None: as given)."""
     if scheme.layout is not None:
         return layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path)
+    if scheme.format == "int-quantized":
+        return _int8_codes(state, part, scheme, path)
     for suffix in ("_packed", "_scale") + (() if scheme.symmetric else ("_zero_point",)):
         if part + suffix not in state:
             raise DamagedCheckpointError(f"{path}: tensor {part}{suffix} is missing")
@@ -143,6 +199,22 @@ def _codes(
     zero = _zero_points(state[part + "_zero_point"], out_features, in_features // group, part, path)
     signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
     return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1), False, None
+
+
+def _int8_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path):
+    """``_codes`` of an ``int-quantized`` weight: its int8 codes ``q`` offset to ``u = q + 128``."""
+    if part + "_scale" not in state:
+        raise DamagedCheckpointError(f"{path}: tensor {part}_scale is missing")
+    codes = state[part]
+    out_features, in_features = codes.shape
+    if in_features % BLOCK:
+        raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not a multiple of {BLOCK}")
+    scale = state[part + "_scale"].float()
+    group = scheme.group_size or in_features
+    if scale.shape != (out_features, in_features // group):
+        raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, in_features // group)}")
+    unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
+    return unsigned, scale.repeat_interleave(group // BLOCK, dim=1), True, None
 
 
 def _zero_points(packed: torch.Tensor, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:

@@ -235,6 +235,9 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
     and wire its collectives; ``model.arch`` becomes the rank's shape (its heads, KV heads and
     MLP features: what its KV cache holds)."""
     arch, rank, world_size = model.arch, group.rank, group.world_size
+    if any(isinstance(module, Linear) and module.input_quantization is not None for module in model.modules()):
+        # A row's scale is its largest magnitude over all its features, which o and down split over the ranks.
+        raise ConfigError("a W8A8 checkpoint (inputs quantized per token) runs at tensor_parallel_size=1 only; not built yet")
     heads = shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank)
     head_dim = arch.head_dim
     q_rows = slice(heads.q_heads.start * head_dim, heads.q_heads.stop * head_dim)

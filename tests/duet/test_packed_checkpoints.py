@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") i
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NEW_TOKENS = 10
-# (family, bits, group size: None for a scale per channel, shape overrides[, symmetric]): groups
-# of 128 need 128-wide inputs.
+# (family, bits, group size: None for a scale per channel, shape overrides[, symmetric[, W8A8]]):
+# groups of 128 need 128-wide inputs.
 SCHEMES = {
     "qwen3-w4-g32": ("qwen3", 4, 32, {}),
     "qwen3-w4-channel": ("qwen3", 4, None, {}),
@@ -35,6 +35,9 @@ SCHEMES = {
     "phi3-w8-channel": ("phi3", 8, None, {}),
     "llama-w4-g128-asym": ("llama3-rope", 4, 128, dict(hidden_size=128, intermediate_size=256), False),  # AWQ's
     "qwen3-w4-channel-asym": ("qwen3", 4, None, {}, False),
+    # W8A8 (int-quantized: int8 codes as they are, inputs quantized per token at run time).
+    "qwen3-w8a8-channel": ("qwen3", 8, None, {}, True, True),
+    "phi3-w8a8-g32": ("phi3", 8, 32, {}, True, True),
 }
 
 
@@ -44,13 +47,14 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
 
     def get(name: str):
         if name not in made:
-            family, bits, group_size, shape, *symmetric = SCHEMES[name]
+            family, bits, group_size, shape, *options = SCHEMES[name]
+            symmetric, w8a8 = options + [True, False][len(options):]
             root = tmp_path_factory.mktemp(name)
             source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-            path = make_compressed_checkpoint(source, root / "packed", bits, group_size, symmetric=all(symmetric))
+            path = make_compressed_checkpoint(source, root / "packed", bits, group_size, symmetric=symmetric, w8a8=w8a8)
             # transformers loads no packed zero points (it expects them unpacked): an asymmetric
             # checkpoint's reference is transformers on its weights as compressed-tensors dequantizes them.
-            reference = path if all(symmetric) else _dequantized_twin(path, root / "dequantized")
+            reference = path if symmetric else _dequantized_twin(path, root / "dequantized")
             made[name] = (path, hf_greedy(reference, PROMPTS, NEW_TOKENS))
         return made[name]
 
@@ -155,6 +159,11 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
     })
     with pytest.raises(QuantizationError, match="ships quantized .4-bit weights.: quantization='int8' does not apply"):
         LLM(model=str(path), num_kv_blocks=16, quantization="int8")
+    w8a8, _ = checkpoints("qwen3-w8a8-channel")
+    refusals(w8a8, tmp_path / "w8a8", {  # W8A8 with static scales, or one scale a tensor: not what duet computes
+        "input_activations.dynamic=False is not supported": lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+        "input_activations.strategy='tensor' is not supported": lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
+    })
 
 
 @pytest.mark.slow
@@ -165,3 +174,54 @@ def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, check
         check_outputs(llm.generate(PROMPTS, _greedy()), references, "W4 at TP=2")
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3-w8a8-channel", "phi3-w8a8-g32"])
+def test_w8a8_quantizes_each_products_input_per_token_as_compressed_tensors_does(checkpoints, name):
+    """A 70-token prompt's log-probabilities, every product's input quantized row by row, against
+    transformers running the same checkpoint: most within a few ulps, a few rows apart where an
+    input sat on a rounding boundary (products summed in another order move it across, and the
+    code it takes changes by one step of 1/127.5 of the row's largest value). The same model with
+    its inputs left in floats is off at every row (what the comparison would miss)."""
+    from tests.duet.test_length_rope import transformers_run
+
+    path, _ = checkpoints(name)
+    prompt = PROMPTS[1]
+    _, _, expected = transformers_run(path, prompt)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def errors() -> torch.Tensor:
+        output = llm.generate([prompt], params)[0]
+        got = [output.prompt_logprobs[position][prompt[position]] for position in range(1, len(prompt))]
+        return (torch.tensor(got, dtype=torch.float64) - torch.tensor(expected, dtype=torch.float64)).abs()
+
+    quantized = errors()
+    assert quantized.median() < 1e-5 and (quantized > 1e-4).sum() <= 5 and quantized.max() < 1e-2, quantized.tolist()
+    linears = [module for module in llm.engine.executor.worker.runner.model.modules() if isinstance(module, Linear)]
+    assert sum(linear.input_quantization is not None for linear in linears) == len(linears) - 1  # all but the LM head
+    for linear in linears:
+        linear.input_quantization = None
+    assert errors().median() > 1e-3
+
+
+@pytest.mark.slow
+def test_w8a8_at_tp2_is_refused_naming_why(ray_cluster, checkpoints):
+    """A row's scale is its largest value over all its features, which o and down split over ranks.
+    The ranks that started are stopped (they would wait for the failed one in their groups)."""
+    import time
+
+    import psutil
+
+    def live_workers() -> int:  # Ray titles an actor's process after its class
+        return sum(1 for process in psutil.process_iter(["cmdline"]) if "ray::_WorkerActor" in " ".join(process.info["cmdline"] or []))
+
+    path, _ = checkpoints("qwen3-w8a8-channel")
+    before = live_workers()
+    with pytest.raises(Exception, match="W8A8 checkpoint .inputs quantized per token. runs at tensor_parallel_size=1 only"):
+        LLM(model=str(path), num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2)
+    for _ in range(100):
+        if live_workers() <= before:
+            break
+        time.sleep(0.1)
+    assert live_workers() <= before
