@@ -253,14 +253,15 @@ def make_tiny_model(
 
 def make_compressed_checkpoint(
     source: Path, target: Path, num_bits: int = 4, group_size: int | None = 32, dtype=torch.float32, symmetric: bool = True,
-    w8a8: bool = False,
+    w8a8: str | None = None,
 ) -> Path:
     """``source`` quantized as llm-compressor leaves a W4A16 / W8A16 checkpoint: compressed-tensors
     itself applies the scheme, computes each group's scale from its min and max (as its min-max
     observer does), packs the codes (``pack-quantized``) and writes ``quantization_config``.
     ``group_size=None`` gives a scale per output channel; the scales take ``dtype``. ``w8a8``:
-    llm-compressor's W8A8 (INT8) scheme instead, its inputs quantized per token at run time,
-    its int8 codes saved as they are (``int-quantized``)."""
+    llm-compressor's W8A8 schemes instead, inputs quantized per token at run time: ``"int"``
+    (INT8: int8 codes saved as they are, ``int-quantized``) or ``"float"`` (FP8_DYNAMIC: float8
+    weights, ``float-quantized``)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config,
@@ -270,9 +271,9 @@ def make_compressed_checkpoint(
 
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
     args = QuantizationArgs(
-        num_bits=num_bits, type="int", symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size,
+        num_bits=num_bits, type=w8a8 or "int", symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size,
     )
-    inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True) if w8a8 else None
+    inputs = QuantizationArgs(num_bits=8, type=w8a8, symmetric=True, strategy="token", dynamic=True) if w8a8 else None
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args, input_activations=inputs)}, ignore=["lm_head"],
         quantization_status=QuantizationStatus.INITIALIZED,
@@ -287,7 +288,8 @@ def make_compressed_checkpoint(
                 module.weight_scale.copy_(scale.view_as(module.weight_scale))
                 if hasattr(module, "weight_zero_point"):
                     module.weight_zero_point.copy_(zero_point.view_as(module.weight_zero_point))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized" if w8a8 else "pack-quantized")
+    quantization_format = {None: "pack-quantized", "int": "int-quantized", "float": "float-quantized"}[w8a8]
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=quantization_format)
     compressor.compress_model(model)
     model.save_pretrained(str(target))
     compressor.update_config(str(target))

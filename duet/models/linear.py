@@ -56,7 +56,7 @@ from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
 from duet.lora import current_step as current_lora_step
 from duet.models.module import Module
-from duet.models.packed import dynamic_int8_per_token
+from duet.models.packed import dynamic_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Linear(Module):
         self._lay_out_panels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._product(self._ordered(x if self.input_quantization is None else dynamic_int8_per_token(x)))
+        y = self._product(self._ordered(x if self.input_quantization is None else dynamic_per_token(x, self.input_quantization)))
         step = None if self.lora_name is None else current_lora_step()
         return y if step is None else step.apply(self.lora_name, x, y)
 

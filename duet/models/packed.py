@@ -26,9 +26,15 @@ become ``round(x / s) * s`` clamped to the int8 codes, ``s`` the row's largest m
 127.5, exactly as compressed-tensors' own forward does (``dynamic_int8_per_token``), and the
 product is then computed from them as from any input.
 
+``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3) weights with a
+scale per channel or per tensor, and quantizes inputs per token to float8 likewise (the scale
+the row's largest magnitude over 448). The block kernels have no float8 blocks: its weights are
+dequantized at load, as compressed-tensors does (``w * s`` in the scale's dtype, exact in fp32),
+a float copy the size of the model's in that dtype.
+
 Groups of a multiple of 32 features or whole channels, no activation ordering, no 8-bit zero
-points (``q - z`` spans 9 bits), and no activation schemes but W8A8's: each other is refused at
-load, naming the field.
+points (``q - z`` spans 9 bits), and no activation schemes but W8A8's (dynamic, per token): each
+other is refused at load, naming the field.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
@@ -47,8 +53,10 @@ from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
-FORMATS = ("pack-quantized", "int-quantized")
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 INT8_PER_TOKEN = "int8-per-token"  # W8A8's inputs (``PackedScheme.activations``)
+FLOAT8_PER_TOKEN = "float8-per-token"  # FP8 W8A8's
+FLOAT8_MAX = 448.0  # e4m3's largest finite value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,16 +70,19 @@ class PackedScheme:
     format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, or int8 as they are
     activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN); None: not
 
+    def ships_codes(self, state: dict[str, torch.Tensor], part: str) -> bool:
+        """Whether the checkpoint holds ``part``'s codes for the block kernels (an ``int-quantized``
+        one: as int8; a ``float-quantized`` one's float8 weights are dequantized at load, not blocks)."""
+        name = self.packed_name(part)
+        if self.format == "float-quantized":
+            return False
+        return name in state and (self.format != "int-quantized" or state[name].dtype == torch.int8)
+
     def packed_name(self, part: str) -> str:
         """The tensor that holds ``part``'s (``x.weight``) codes."""
         if self.layout is not None:
             return tensor_name(part, "qweight")
-        return part if self.format == "int-quantized" else part + "_packed"
-
-    def ships_codes(self, state: dict[str, torch.Tensor], part: str) -> bool:
-        """Whether the checkpoint holds ``part``'s codes (an ``int-quantized`` one: as int8)."""
-        name = self.packed_name(part)
-        return name in state and (self.format != "int-quantized" or state[name].dtype == torch.int8)
+        return part if self.format in ("int-quantized", "float-quantized") else part + "_packed"
 
 
 def read_scheme(path: Path) -> PackedScheme | None:
@@ -110,6 +121,8 @@ def read_scheme(path: Path) -> PackedScheme | None:
         if inputs is not None:
             _check_activations(inputs, group_format, f"config_groups.{name}.input_activations", refuse)
     args = weights[0] or {}
+    if formats == {"float-quantized"}:
+        return _float8_scheme(args, activations[0], refuse)
     checks = (
         ("type", args.get("type"), args.get("type") == "int", "'int'"),
         ("num_bits", args.get("num_bits"), args.get("num_bits") in (4, 8), "4 or 8"),
@@ -133,27 +146,59 @@ def read_scheme(path: Path) -> PackedScheme | None:
 
 
 def _check_activations(args: dict, group_format: str, field: str, refuse) -> None:
-    """W8A8's input scheme (int8 per token, dynamic, symmetric), in the int-quantized format."""
-    if group_format != "int-quantized":
+    """W8A8's input scheme (int8, or float8 for FP8 weights; per token, dynamic, symmetric)."""
+    if group_format == "pack-quantized":
         refuse(field, "...", "weight-only schemes in the pack-quantized format (W4A16, W8A16)")
+    kind = "int" if group_format == "int-quantized" else "float"
     checks = (
-        ("type", "int"), ("num_bits", 8), ("strategy", "token"), ("dynamic", True), ("symmetric", True),
+        ("type", kind), ("num_bits", 8), ("strategy", "token"), ("dynamic", True), ("symmetric", True),
     )
     for key, wanted in checks:
         if args.get(key) != wanted:
-            refuse(f"{field}.{key}", args.get(key), repr(wanted).lower() + " (W8A8: int8 per token, dynamic, symmetric)")
+            refuse(f"{field}.{key}", args.get(key), repr(wanted).lower() + f" (W8A8: {kind}8 per token, dynamic, symmetric)")
 
 
-def dynamic_int8_per_token(x: torch.Tensor) -> torch.Tensor:
+def _float8_scheme(args: dict, activations: dict | None, refuse) -> PackedScheme:
+    """FP8 weights (e4m3, symmetric, a scale per channel or per tensor), inputs as ``_check_activations`` allows."""
+    checks = (
+        ("type", args.get("type") == "float", "'float'"), ("num_bits", args.get("num_bits") == 8, "8"),
+        ("symmetric", args.get("symmetric") is True, "true"), ("strategy", args.get("strategy") in ("channel", "tensor"), "'channel' or 'tensor'"),
+        ("dynamic", not args.get("dynamic"), "false"),
+    )
+    for field, ok, wanted in checks:
+        if not ok:
+            refuse(f"weights.{field}", args.get(field), wanted)
+    return PackedScheme(8, None, format="float-quantized", activations=None if activations is None else FLOAT8_PER_TOKEN)
+
+
+def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
+    """Replace each float8 weight of ``state`` by ``w * s`` in its scale's dtype, as
+    compressed-tensors dequantizes it (exact in fp32); the weights' names."""
+    names = {name for name, tensor in state.items() if tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight")}
+    for name in names:
+        if name + "_scale" not in state:
+            raise DamagedCheckpointError(f"{path}: tensor {name}_scale is missing")
+        scale = state.pop(name + "_scale")
+        if scale.numel() not in (1, state[name].shape[0]):
+            raise DamagedCheckpointError(f"{path}: {name}_scale has shape {tuple(scale.shape)}: neither one scale nor one a channel")
+        state[name] = state[name].to(scale.dtype) * scale.reshape(-1, 1)
+    return names
+
+
+def dynamic_per_token(x: torch.Tensor, scheme: str) -> torch.Tensor:
     """``x``'s rows as W8A8 quantizes a product's input before it, to the bit as compressed-tensors'
     forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): each row's scale
-    ``s`` is its largest magnitude (zero counted) over 127.5 (the eps of ``x``'s dtype where that
-    is 0), and the row becomes ``clamp(x / s, -128, 127)`` rounded half to even, times ``s``."""
+    ``s`` is its largest magnitude (zero counted) over half the codes' range (127.5 for int8, 448
+    for float8; the eps of ``x``'s dtype where that is 0), and the row becomes ``x / s`` clamped
+    to the codes, rounded to one (half to even), times ``s``."""
     zero = torch.zeros((), dtype=x.dtype)
     low, high = torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero)
-    scale = torch.maximum(low.abs(), high.abs()) / torch.tensor(127.5, dtype=x.dtype)
+    half_range = 127.5 if scheme == INT8_PER_TOKEN else FLOAT8_MAX
+    scale = torch.maximum(low.abs(), high.abs()) / torch.tensor(half_range, dtype=x.dtype)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
-    return torch.round(torch.clamp(x / scale, -128, 127)) * scale
+    if scheme == INT8_PER_TOKEN:
+        return torch.round(torch.clamp(x / scale, -128, 127)) * scale
+    return torch.clamp(x / scale, -FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:

@@ -35,9 +35,10 @@ SCHEMES = {
     "phi3-w8-channel": ("phi3", 8, None, {}),
     "llama-w4-g128-asym": ("llama3-rope", 4, 128, dict(hidden_size=128, intermediate_size=256), False),  # AWQ's
     "qwen3-w4-channel-asym": ("qwen3", 4, None, {}, False),
-    # W8A8 (int-quantized: int8 codes as they are, inputs quantized per token at run time).
-    "qwen3-w8a8-channel": ("qwen3", 8, None, {}, True, True),
-    "phi3-w8a8-g32": ("phi3", 8, 32, {}, True, True),
+    # W8A8 (int-quantized: int8 codes as they are; float-quantized: FP8), inputs quantized per token at run time.
+    "qwen3-w8a8-channel": ("qwen3", 8, None, {}, True, "int"),
+    "phi3-w8a8-g32": ("phi3", 8, 32, {}, True, "int"),
+    "qwen3-fp8-channel": ("qwen3", 8, None, {}, True, "float"),
 }
 
 
@@ -48,7 +49,7 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
     def get(name: str):
         if name not in made:
             family, bits, group_size, shape, *options = SCHEMES[name]
-            symmetric, w8a8 = options + [True, False][len(options):]
+            symmetric, w8a8 = options + [True, None][len(options):]
             root = tmp_path_factory.mktemp(name)
             source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
             path = make_compressed_checkpoint(source, root / "packed", bits, group_size, symmetric=symmetric, w8a8=w8a8)
@@ -176,7 +177,7 @@ def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, check
         llm.engine.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3-w8a8-channel", "phi3-w8a8-g32"])
+@pytest.mark.parametrize("name", ["qwen3-w8a8-channel", "phi3-w8a8-g32", "qwen3-fp8-channel"])
 def test_w8a8_quantizes_each_products_input_per_token_as_compressed_tensors_does(checkpoints, name):
     """A 70-token prompt's log-probabilities, every product's input quantized row by row, against
     transformers running the same checkpoint: most within a few ulps, a few rows apart where an
