@@ -137,43 +137,28 @@ def test_damaged_checkpoints_fail_at_load_naming_the_tensor(tmp_path, tiny_token
         LLM(model=str(path), num_kv_blocks=16)
 
 
+TP2 = {"tensor_parallel_size": 2}
+LAYOUTS = [(family, "TP=2", TP2) for family in ("qwen3", "qwen2", "qwen3-moe", "qwen2-moe", "gemma2", "llama-biases", "olmo2")] + [
+    ("qwen2-moe", "EP=2", {**TP2, "enable_expert_parallel": True}),
+    ("olmo2", "PP=2", {"pipeline_parallel_size": 2}),
+    ("gemma3", "PP=2", {"pipeline_parallel_size": 2}),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3-moe", "qwen2-moe", "gemma2", "llama-biases", "olmo2"])
-def test_tp2_matches_transformers(ray_cluster, checkpoints, family):
-    """Each rank holds its heads' rows of the q/k/v biases and the whole per-head norms; a MoE's
-    dense layer splits its own width; Gemma 2's soft-capped, windowed heads split as any; a
-    Llama's gate/up biases split with their features, its o and down biases are added once."""
+@pytest.mark.parametrize("family, layout, settings", LAYOUTS, ids=[f"{family}-{layout}" for family, layout, _ in LAYOUTS])
+def test_parallel_layouts_match_transformers(ray_cluster, checkpoints, family, layout, settings):
+    """TP=2: each rank holds its heads' rows of the q/k/v biases and the whole per-head norms
+    (OLMo 2's norms over all heads gather the ranks' rows); a MoE's dense layer splits its own
+    width; Gemma 2's soft-capped, windowed heads split as any; a Llama's gate/up biases split
+    with their features, its o and down biases are added once. EP=2: Qwen 2 MoE's ranks hold two
+    routed experts each and half the shared expert's features, so that their sum adds it once.
+    PP=2: a stage boundary between blocks whose norms sit after them (OLMo 2) or around them
+    (Gemma 3): the second stage's first block takes the residual stream as the first leaves it."""
     path, references = checkpoints(family)
-    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, **settings)
     try:
-        check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} at TP=2")
-        llm.engine.check_integrity()
-    finally:
-        llm.engine.close()
-
-
-@pytest.mark.slow
-def test_ep2_with_a_shared_expert_matches_transformers(ray_cluster, checkpoints):
-    """Qwen 2 MoE under expert parallelism: each rank two routed experts and half the shared
-    expert's features, so that the ranks' sum adds the shared expert once."""
-    path, references = checkpoints("qwen2-moe")
-    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2, enable_expert_parallel=True)
-    try:
-        check_outputs(llm.generate(PROMPTS, _greedy()), references, "qwen2-moe at EP=2")
-        llm.engine.check_integrity()
-    finally:
-        llm.engine.close()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["olmo2", "gemma3"])
-def test_pp2_matches_transformers(ray_cluster, checkpoints, family):
-    """A stage boundary between blocks whose norms sit after them (OLMo 2) or around them (Gemma 3):
-    the second stage's first block takes the residual stream as the first stage leaves it."""
-    path, references = checkpoints(family)
-    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, pipeline_parallel_size=2)
-    try:
-        check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} at PP=2")
+        check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{family} at {layout}")
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
