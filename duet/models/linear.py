@@ -110,7 +110,8 @@ class Linear(Module):
         # The input features in the order the weight's columns hold them (GPTQ's activation
         # order, its groups made contiguous: ``duet.models.gptq``); None: as given.
         self.input_order: torch.Tensor | None = None
-        # How the input is quantized before the product (W8A8's ``packed.INT8_PER_TOKEN``); None: not.
+        # How the input is quantized before the product (W8A8's ``packed.INT8_PER_TOKEN`` or
+        # ``FLOAT8_PER_TOKEN``: ``packed.dynamic_per_token``); None: not.
         self.input_quantization: str | None = None
 
     def pack_for_cpu(self) -> None:

@@ -23,7 +23,7 @@ per output channel); its weight is ``q * s``. Each group of a multiple of 32 fea
 int8) beside its scales: Q8_0 blocks as above. W8A8 quantizes each product's input too, per
 token and at run time (``input_activations``: int8, ``token``, dynamic, symmetric): its rows
 become ``round(x / s) * s`` clamped to the int8 codes, ``s`` the row's largest magnitude over
-127.5, exactly as compressed-tensors' own forward does (``dynamic_int8_per_token``), and the
+127.5, exactly as compressed-tensors' own forward does (``dynamic_per_token``), and the
 product is then computed from them as from any input.
 
 ``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3) weights with a
