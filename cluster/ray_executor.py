@@ -43,6 +43,10 @@ class _WorkerActor(Worker):
     def ping(self) -> bool:
         return True
 
+    def check_lora(self, name: str, path: str) -> None:
+        """``load_lora``'s check, without shipping the adapter back."""
+        self.load_lora(name, path)
+
 
 HEALTH_TIMEOUT_S = 10.0  # well above the longest step
 
@@ -54,6 +58,7 @@ class RayExecutor:
         import torch
 
         world_size = config.world_size
+        self.config = config
         hosts, strategies, threads = _placement(world_size, max(1, torch.get_num_threads() // world_size))
         self._store = None
         self._kv_reports = RankReports(world_size)
@@ -118,10 +123,13 @@ class RayExecutor:
         return () if self._endpoints[0] is None else self._endpoints
 
     def check_lora(self, name: str, path: str) -> None:
-        """LoRA adapters are applied on one rank only (``EngineArgs`` refuses them in a config)."""
+        """Raise ``duet.lora.LoRAError`` if the adapter at ``path`` does not fit every rank's part
+        of the model (tensor parallelism; pipeline stages take none: ``EngineArgs`` refuses them)."""
         from duet.lora import LoRAError
 
-        raise LoRAError(f"adapter {name!r}: LoRA adapters with tensor or pipeline parallelism are not built yet")
+        if self.config.pipeline_parallel_size > 1:
+            raise LoRAError(f"adapter {name!r}: LoRA adapters with pipeline parallelism are not built yet")
+        self._gather([worker.check_lora.remote(name, path) for worker in self.workers])
 
     def forget(self, request_ids) -> None:
         self._gather([worker.forget.remote(request_ids) for worker in self.workers])

@@ -69,24 +69,31 @@ def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapt
     except (OSError, ValueError) as error:
         raise LoRAError(f"adapter {name!r}: cannot read a PEFT adapter at {path} ({error})") from None
     scaling = _check_config(name, config, max_rank)
-    plan = _fusion_plan(model.arch)
+    arch = model.whole_arch
+    plan = _fusion_plan(arch)
     weights, used = {}, set()
     for module_name, linear in model.named_modules():
-        if not isinstance(linear, Linear) or module_name == "lm_head" or f"{module_name}.weight" not in plan:
+        whole = _whole_name(module_name)
+        if not isinstance(linear, Linear) or whole.startswith("lm_head") or f"{whole}.weight" not in plan:
             continue
-        parts = plan[f"{module_name}.weight"]
-        rows = _part_rows(model, module_name, linear.out_features, len(parts))
-        found = [_part(name, state, part, linear.in_features, part_rows, used) for part, part_rows in zip(parts, rows)]
+        parts = plan[f"{whole}.weight"]
+        part_of = linear.part_of  # a tensor-parallel shard: the whole weight's shape, and its part of it
+        out_features, in_features = (linear.out_features, linear.in_features) if part_of is None else (part_of.out_features, part_of.in_features)
+        rows = _part_rows(arch, out_features, len(parts))
+        found = [_part(name, state, part, in_features, part_rows, used) for part, part_rows in zip(parts, rows)]
         if not any(found):
             continue
-        a = torch.cat([part[0] if part else torch.zeros(0, linear.in_features) for part in found])
-        b = torch.zeros(linear.out_features, a.shape[0])
+        a = torch.cat([part[0] if part else torch.zeros(0, in_features) for part in found])
+        b = torch.zeros(out_features, a.shape[0])
         row = column = 0
         for part, part_rows in zip(found, rows):
             if part:
                 b[row : row + part_rows, column : column + part[1].shape[1]] = part[1] * scaling
                 column += part[1].shape[1]
             row += part_rows
+        if part_of is not None:  # the shard's rows of B, and its input features of A (a row-parallel shard's
+            b = torch.cat([b[part] for part in part_of.rows])  # updates are then summed over the ranks with its products)
+            a = a if part_of.columns is None else a[:, part_of.columns]
         held = linear.weight if linear.weight is not None else linear.gguf.codes
         dtype = linear.weight.dtype if linear.weight is not None else torch.float32  # the model's (blocks alone compute in fp32)
         weights[module_name] = LoRAWeights(a.to(held.device, dtype).contiguous(), b.T.to(held.device, dtype).contiguous())
@@ -127,11 +134,16 @@ def _check_config(name: str, config: dict, max_rank: int) -> float:
     return scaling
 
 
-def _part_rows(model, module_name: str, out_features: int, num_parts: int) -> list[int]:
+def _whole_name(module_name: str) -> str:
+    """A module's name in the whole model: a tensor-parallel rank wraps the row-parallel
+    projections and the experts in ``SummedOverRanks`` (``.module``)."""
+    return module_name.replace(".module.", ".").removesuffix(".module")
+
+
+def _part_rows(arch, out_features: int, num_parts: int) -> list[int]:
     """The output rows of each part of a fused product (q, k, v; gate, up), or of a lone one."""
     if num_parts == 3:
-        attention = model.get_submodule(module_name.rsplit(".", 1)[0])
-        return [attention.q_size, attention.kv_size, attention.kv_size]
+        return [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
     if num_parts == 2:
         return [out_features // 2, out_features // 2]
     return [out_features]

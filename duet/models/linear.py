@@ -113,6 +113,8 @@ class Linear(Module):
         # How the input is quantized before the product (W8A8's ``packed.INT8_PER_TOKEN`` or
         # ``FLOAT8_PER_TOKEN``: ``packed.dynamic_per_token``); None: not.
         self.input_quantization: str | None = None
+        # A tensor-parallel shard's place in the whole weight (``tensor_parallel.PartOfWeight``); None: whole.
+        self.part_of = None
 
     def pack_for_cpu(self) -> None:
         """Lay the weight out once for the paths this CPU and dtype benefit from: panels for the

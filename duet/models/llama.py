@@ -284,6 +284,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
+        self.whole_arch = arch  # ``arch`` becomes a tensor-parallel rank's share; this stays the model's
         # Given its (empty) weight, the table skips torch's random init, which under the meta
         # device imports torch._dynamo (over a second of a replica's start).
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size))

@@ -105,6 +105,18 @@ def _offset(part: slice, by: int) -> slice:
     return slice(part.start + by, part.stop + by)
 
 
+@dataclasses.dataclass(frozen=True)
+class PartOfWeight:
+    """What a tensor-parallel shard holds of the whole weight (``[out_features, in_features]``):
+    these rows, concatenated, and these input features (None: all). A LoRA adapter's A and B
+    are cut the same way (``duet.lora``)."""
+
+    rows: list[slice]
+    columns: slice | None
+    out_features: int
+    in_features: int
+
+
 def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None) -> Linear:
     """A Linear holding these output rows (concatenated) and, with ``columns``, these input
     features of ``linear``; its GGUF blocks too where the columns fall on block boundaries (a
@@ -114,6 +126,7 @@ def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None
         raise ConfigError("an activation-ordered GPTQ weight does not split by input features (row-parallel); use tensor_parallel_size 1")
     shard = _shard(linear, rows, columns)
     shard.input_order = linear.input_order
+    shard.part_of = PartOfWeight(rows, columns, linear.out_features, linear.in_features)
     return shard
 
 
