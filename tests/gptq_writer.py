@@ -64,8 +64,10 @@ def gptq_checkpoints(quantizations: list[Quantization], logs: Path) -> None:
         "GPTQMODEL_CPU_WORKERS": "2",  # its thread pools want two at least, whatever the machine has
     }
     logs.mkdir(parents=True, exist_ok=True)
+    # -P: not this file's folder first on the path, where tests/kernels/ would stand for the
+    # Hugging Face `kernels` that transformers imports.
     run = subprocess.run(  # GPTQModel writes its logs to ./logs
-        [sys.executable, __file__, json.dumps(settings)], env=env, cwd=logs, capture_output=True, text=True, timeout=1800,
+        [sys.executable, "-P", __file__, json.dumps(settings)], env=env, cwd=logs, capture_output=True, text=True, timeout=1800,
     )
     if run.returncode != 0:
         targets = ", ".join(job["target"] for job in settings)
