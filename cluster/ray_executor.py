@@ -58,7 +58,6 @@ class RayExecutor:
         import torch
 
         world_size = config.world_size
-        self.config = config
         hosts, strategies, threads = _placement(world_size, max(1, torch.get_num_threads() // world_size))
         self._store = None
         self._kv_reports = RankReports(world_size)
@@ -124,11 +123,7 @@ class RayExecutor:
 
     def check_lora(self, name: str, path: str) -> None:
         """Raise ``duet.lora.LoRAError`` if the adapter at ``path`` does not fit every rank's part
-        of the model (tensor parallelism; pipeline stages take none: ``EngineArgs`` refuses them)."""
-        from duet.lora import LoRAError
-
-        if self.config.pipeline_parallel_size > 1:
-            raise LoRAError(f"adapter {name!r}: LoRA adapters with pipeline parallelism are not built yet")
+        of the model (its heads and features at tensor-parallel ranks, its layers at pipeline stages)."""
         self._gather([worker.check_lora.remote(name, path) for worker in self.workers])
 
     def forget(self, request_ids) -> None:

@@ -361,8 +361,6 @@ class EngineArgs:
         if self.lora_modules is not None:
             if not isinstance(self.lora_modules, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in self.lora_modules.items()):
                 raise ConfigError("lora_modules must map adapter names to PEFT adapter folders")
-            if self.pipeline_parallel_size > 1:
-                raise ConfigError("LoRA adapters with pipeline parallelism are not built yet: use one stage (tensor parallelism takes them)")
             for name, path in self.lora_modules.items():
                 if not (Path(path) / "adapter_config.json").is_file():
                     raise ConfigError(f"lora_modules.{name}: no PEFT adapter at {path} (its adapter_config.json)")

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import json
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +72,10 @@ def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapt
     scaling = _check_config(name, config, max_rank)
     arch = model.whole_arch
     plan = _fusion_plan(arch)
+    layers = getattr(model, "layers_held", range(arch.num_layers))  # a pipeline stage's of the whole model's
     weights, used = {}, set()
-    for module_name, linear in model.named_modules():
-        whole = _whole_name(module_name)
+    for module_name, linear in decoder_of(model).named_modules():
+        whole = _whole_name(module_name, layers.start)
         if not isinstance(linear, Linear) or whole.startswith("lm_head") or f"{whole}.weight" not in plan:
             continue
         parts = plan[f"{whole}.weight"]
@@ -97,10 +99,10 @@ def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapt
         held = linear.weight if linear.weight is not None else linear.gguf.codes
         dtype = linear.weight.dtype if linear.weight is not None else torch.float32  # the model's (blocks alone compute in fp32)
         weights[module_name] = LoRAWeights(a.to(held.device, dtype).contiguous(), b.T.to(held.device, dtype).contiguous())
-    unused = sorted(set(state) - used)
+    unused = sorted(key for key in set(state) - used if _layer_of(key) in (None, *layers))  # other stages' layers: theirs
     if unused:
         raise LoRAError(f"adapter {name!r}: {unused[0]} targets a module this model lacks or duet does not adapt ({len(unused)} such tensors)")
-    if not weights:
+    if not weights and not any(_layer_of(key) is not None for key in state):
         raise LoRAError(f"adapter {name!r} at {path} holds no LoRA weights")
     return LoRAAdapter(name, weights)
 
@@ -134,10 +136,25 @@ def _check_config(name: str, config: dict, max_rank: int) -> float:
     return scaling
 
 
-def _whole_name(module_name: str) -> str:
+def decoder_of(model):
+    """The decoder whose module names key an adapter's weights (``LoRAAdapter.weights``, the C++
+    decoder stack's): the model, or a pipeline stage's part of it."""
+    return model.model if hasattr(model, "layers_held") else model
+
+
+def _whole_name(module_name: str, first_layer: int) -> str:
     """A module's name in the whole model: a tensor-parallel rank wraps the row-parallel
-    projections and the experts in ``SummedOverRanks`` (``.module``)."""
-    return module_name.replace(".module.", ".").removesuffix(".module")
+    projections and the experts in ``SummedOverRanks`` (``.module``); a pipeline stage numbers
+    its layers from 0 (``first_layer`` of the whole model's)."""
+    name = module_name.replace(".module.", ".").removesuffix(".module")
+    match = re.match(r"layers\.(\d+)(\..*)?$", name)
+    return name if match is None or not first_layer else f"layers.{int(match.group(1)) + first_layer}{match.group(2) or ''}"
+
+
+def _layer_of(key: str) -> int | None:
+    """The decoder layer an adapter tensor belongs to, None for one of no layer."""
+    match = re.search(r"\.layers\.(\d+)\.", key)
+    return None if match is None else int(match.group(1))
 
 
 def _part_rows(arch, out_features: int, num_parts: int) -> list[int]:

@@ -18,7 +18,7 @@ from duet.kernels import cpu_ops
 from duet.kernels.cascade import CascadePlanner, fit_rule
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.kv_quant import row_width
-from duet.lora import LoRAAdapter, LoRAStep, applied
+from duet.lora import LoRAAdapter, LoRAStep, applied, decoder_of
 from duet.model_inputs import BatchInputs, Span, build_batch
 from duet.outputs import RunnerOutput, SchedulerOutput
 from duet.runner_state import CachedRequestState
@@ -150,18 +150,19 @@ class ModelRunner:
     def add_lora(self, adapter: LoRAAdapter) -> None:
         """Let requests name ``adapter``: its modules' updates apply to their rows."""
         self.loras[adapter.name] = adapter
-        for name, module in self.model.named_modules():
+        for name, module in decoder_of(self.model).named_modules():
             if name in adapter.weights:
                 module.lora_name = name
 
-    def _lora_step(self, scheduler_output: SchedulerOutput) -> LoRAStep | None:
-        """The step's flat rows by adapter (``_prepare_inputs``' order), or None if no row has one."""
+    def _lora_step(self, scheduler_output: SchedulerOutput, request_ids: list[str] | None = None) -> LoRAStep | None:
+        """The step's flat rows by adapter (``_prepare_inputs``' order), or those of ``request_ids``
+        alone (a pipeline's micro-batch); None if no row has one."""
         if not self.loras:
             return None
         slots: dict[str, int] = {}
         row_slots: list[int] = []
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            lora = self.requests[request_id].lora
+        for request_id in scheduler_output.num_scheduled_tokens if request_ids is None else request_ids:
+            lora, num_tokens = self.requests[request_id].lora, scheduler_output.num_scheduled_tokens[request_id]
             row_slots.extend([-1 if lora is None else slots.setdefault(lora, len(slots))] * num_tokens)
         if not slots:
             return None

@@ -13,6 +13,7 @@ import time
 import torch
 
 from duet.distributed import PipelineGroup
+from duet.lora import applied
 from duet.model_runner import ModelRunner
 from duet.models.pipeline_parallel import PipelineStage
 from duet.outputs import RunnerOutput, SchedulerOutput
@@ -44,7 +45,8 @@ class PipelineRunner(ModelRunner):
             if not self.stage.first:
                 shape = (2, batch.input_ids.shape[0], self.stage.arch.hidden_size)
                 received = self.group.recv_previous(torch.empty(shape, dtype=self.kv_cache.dtype, device=self.device), index)
-            out = self.stage(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, received)
+            with applied(self._lora_step(scheduler_output, parts[index])):  # the micro-batch's rows by adapter
+                out = self.stage(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, logits_rows, received)
             if self.stage.last:
                 logits.append(out)
             else:

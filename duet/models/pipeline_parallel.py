@@ -39,6 +39,8 @@ class PipelineStage(nn.Module):
             model.norm = model.lm_head = None
         model.arch = dataclasses.replace(model.arch, num_layers=len(layers))
         self.model = model
+        self.layers_held = layers  # of the whole model's (a LoRA adapter's tensors are named by them)
+        self.whole_arch = model.whole_arch
 
     @property
     def arch(self):

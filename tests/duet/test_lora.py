@@ -120,27 +120,26 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_reason(lora_setup, tmp_
     (dora / "adapter_config.json").write_text(json.dumps(json.loads((adapters["attention"] / "adapter_config.json").read_text()) | {"use_dora": True}))
     with pytest.raises(LoRAError, match="use_dora=True is not supported"):
         LLM(model=str(base), lora_modules={"dora": str(dora)}, num_kv_blocks=16)
-    with pytest.raises(ConfigError, match="LoRA adapters with pipeline parallelism are not built yet"):
-        LLM(model=str(base), lora_modules={"attention": str(adapters["attention"])}, pipeline_parallel_size=2)
 
 
 @pytest.mark.slow
-def test_adapters_at_tp2_match_peft_merged(ray_cluster, lora_setup, many_adapters, tmp_path, tiny_tokenizer_dir):
-    """Each rank holds its rows of B for the projections it splits by output (q/k/v, gate/up) and
-    its input features of A for those it splits by input (o, down), whose updates are then
-    summed over the ranks with their products: every adapter and the base in one batch, then an
-    adapter loaded at run time by its folder, give PEFT's merged tokens; one of another base
-    model is refused by the ranks, naming why."""
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_adapters_at_parallel_ranks_match_peft_merged(ray_cluster, lora_setup, many_adapters, tmp_path, tiny_tokenizer_dir, layout):
+    """At TP=2 each rank holds its rows of B for the projections it splits by output (q/k/v,
+    gate/up) and its input features of A for those it splits by input (o, down), whose updates
+    are then summed over the ranks with their products; at PP=2 each stage holds its layers'.
+    Every adapter and the base in one batch, then an adapter loaded at run time by its folder,
+    give PEFT's merged tokens; one of another base model is refused by the ranks, naming why."""
     base, adapters, prompts, references = lora_setup
     many, many_references = many_adapters
-    llm = LLM(model=str(base), lora_modules={name: str(path) for name, path in adapters.items()}, num_kv_blocks=256, tensor_parallel_size=2)
+    llm = LLM(model=str(base), lora_modules={name: str(path) for name, path in adapters.items()}, num_kv_blocks=256, **layout)
     try:
         names = [None, *ADAPTERS]
         batch = [(prompt, name) for name in names for prompt in prompts]
         outputs = llm.generate([prompt for prompt, _ in batch], _greedy(), lora=[name for _, name in batch])
         for (prompt, name), output in zip(batch, outputs):
-            check_outputs([output], [references[name][prompts.index(prompt)]], f"adapter {name} at TP=2")
-        check_outputs(llm.generate(prompts, _greedy(), lora=("late", str(many["tune2"]))), many_references["tune2"], "loaded by folder at TP=2")
+            check_outputs([output], [references[name][prompts.index(prompt)]], f"adapter {name} at {layout}")
+        check_outputs(llm.generate(prompts, _greedy(), lora=("late", str(many["tune2"]))), many_references["tune2"], f"loaded by folder at {layout}")
         other = make_tiny_llama(tmp_path / "other", tiny_tokenizer_dir, hidden_size=96, intermediate_size=128)
         foreign = make_adapter(other, tmp_path / "foreign", 4, 8, ["q_proj"], False, 0)
         with pytest.raises(InvalidRequestError, match="an adapter of another base model"):
