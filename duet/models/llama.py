@@ -249,13 +249,11 @@ class LlamaDecoderLayer(Module):
 
 class ResidualStream(Module):
     """In a block without a norm before it (OLMo 2's): what the norm's place gives is the residual
-    stream itself (with ``residual``, once ``x`` is added into it), as a tensor of its own, since
-    the stream is added into in place while the block still reads its input."""
+    stream itself (with ``residual``, once ``x`` is added into it), not a copy: attention and the
+    MLP have read all of their input before the stream is next added into."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if residual is None:
-            return x.clone()
-        return residual.add_(x).clone()
+        return x if residual is None else residual.add_(x)
 
 
 class SandwichDecoderLayer(LlamaDecoderLayer):

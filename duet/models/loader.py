@@ -155,12 +155,11 @@ def _fused_state_dict(
 
 
 def _packed_linears(
-    model: LlamaForCausalLM, state: dict[str, torch.Tensor], path: Path, device: str, quantization: str | None
+    model: LlamaForCausalLM, state: dict[str, torch.Tensor], path: Path, device: str, quantization: str | None, scheme
 ) -> dict[str, object]:
     """The Linears whose weights the checkpoint ships packed (``duet.models.packed``), by module
     name, as blocks on ``device`` with the order they take their input in (None: as given):
     none for a float checkpoint."""
-    scheme = read_scheme(path)
     if scheme is None:
         return {}
     if quantization is not None:
@@ -268,7 +267,7 @@ def load_model(
         model.arch = arch = dataclasses.replace(arch, checkpoint_names=PHI3_SPLIT_MLP)
     scheme = read_scheme(path)
     float8 = dequantize_float8(raw_state, path) if scheme is not None and scheme.format == "float-quantized" else set()
-    packed = _packed_linears(model, raw_state, path, device, quantization)
+    packed = _packed_linears(model, raw_state, path, device, quantization, scheme)
     for name in packed:  # their blocks are their weights: no float copy is ever allocated
         model.get_submodule(name).weight = None
     # The RoPE tables are real even under the meta device (``RotaryEmbedding``): kept apart
@@ -297,10 +296,11 @@ def load_model(
         if arch.norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, added in fp32 as transformers does
             tensor = 1.0 + tensor.float()
         param.data = tensor.to(device=device, dtype=dtype).contiguous()
-    plan = _fusion_plan(arch)
-    for name, module in model.named_modules():  # FP8 W8A8: floats now, inputs quantized still
-        if isinstance(module, Linear) and any(part in float8 for part in plan[f"{name}.weight"]):
-            module.input_quantization = scheme.activations
+    if float8:  # FP8 W8A8: floats now, inputs quantized still
+        plan = _fusion_plan(arch)
+        for name, module in model.named_modules():
+            if isinstance(module, Linear) and any(part in float8 for part in plan[f"{name}.weight"]):
+                module.input_quantization = scheme.activations
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
         return model.eval()

@@ -40,11 +40,14 @@ class PipelineStage(nn.Module):
         model.arch = dataclasses.replace(model.arch, num_layers=len(layers))
         self.model = model
         self.layers_held = layers  # of the whole model's (a LoRA adapter's tensors are named by them)
-        self.whole_arch = model.whole_arch
 
     @property
     def arch(self):
         return self.model.arch
+
+    @property
+    def whole_arch(self):
+        return self.model.whole_arch
 
     def forward(
         self,

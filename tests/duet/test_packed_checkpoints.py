@@ -208,21 +208,7 @@ def test_w8a8_quantizes_each_products_input_per_token_as_compressed_tensors_does
 
 @pytest.mark.slow
 def test_w8a8_at_tp2_is_refused_naming_why(ray_cluster, checkpoints):
-    """A row's scale is its largest value over all its features, which o and down split over ranks.
-    The ranks that started are stopped (they would wait for the failed one in their groups)."""
-    import time
-
-    import psutil
-
-    def live_workers() -> int:  # Ray titles an actor's process after its class
-        return sum(1 for process in psutil.process_iter(["cmdline"]) if "ray::_WorkerActor" in " ".join(process.info["cmdline"] or []))
-
+    """A row's scale is its largest value over all its features, which o and down split over ranks."""
     path, _ = checkpoints("qwen3-w8a8-channel")
-    before = live_workers()
     with pytest.raises(Exception, match="W8A8 checkpoint .inputs quantized per token. runs at tensor_parallel_size=1 only"):
         LLM(model=str(path), num_kv_blocks=64, max_model_len=256, tensor_parallel_size=2)
-    for _ in range(100):
-        if live_workers() <= before:
-            break
-        time.sleep(0.1)
-    assert live_workers() <= before
