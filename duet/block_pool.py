@@ -20,6 +20,9 @@ ROOT_HASH = 0
 # whole prefix before it, so a replica holding a long shared prefix (a system prompt, a
 # conversation's history) is found from a few hashes a prompt, not one per block.
 ROUTING_DEPTHS_DENSE = 4
+# The pool's null block (``BlockPool(null_block=True)``): what a block table names in place of
+# blocks a sequence gave back.
+NULL_BLOCK_ID = 0
 ROUTING_DEPTHS_STRIDE = 64
 
 
@@ -85,14 +88,26 @@ class BlockPool:
     hashed block of some prefix stays findable in the prefix cache until the queue hands
     it out again (lazy eviction). ``on_evict`` sees each cached block as the queue hands it
     out, its hash and tokens still on it (a second KV tier keeps its KV: ``duet.kv_tier``).
+
+    With ``null_block``, block 0 is never handed out: it stands in a block table for blocks a
+    sequence no longer needs (keys past every layer's sliding window), holds zeros, and is
+    never written, counted, cached or freed; ``num_blocks`` counts the others.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, on_evict: Callable[[KVCacheBlock], None] | None = None) -> None:
-        self.num_blocks = num_blocks
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        on_evict: Callable[[KVCacheBlock], None] | None = None,
+        null_block: bool = False,
+    ) -> None:
         self.on_evict = on_evict
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((block_id, None) for block_id in range(num_blocks))
+        first = 1 if null_block else 0
+        self.null_block = self.blocks[NULL_BLOCK_ID] if null_block else None
+        self.num_blocks = num_blocks - first
+        self._free: OrderedDict[int, None] = OrderedDict((block_id, None) for block_id in range(first, num_blocks))
         self._cached: dict[int, int] = {}
         self.num_evictions = 0
 
@@ -136,6 +151,8 @@ class BlockPool:
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference each; blocks reaching zero join the queue's tail in the given order."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise BlockIntegrityError(f"block {block.block_id} freed with ref_cnt={block.ref_cnt}")
             block.ref_cnt -= 1
@@ -144,7 +161,7 @@ class BlockPool:
 
     def cache_block(self, block: KVCacheBlock, block_hash: int, token_ids: Sequence[int]) -> None:
         """Publish a full block under its chained hash; an existing entry for the hash wins."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
@@ -177,6 +194,10 @@ class BlockPool:
         """Raise ``BlockIntegrityError`` if the free queue, ref counts or cache map disagree."""
         for block in self.blocks:
             in_free = block.block_id in self._free
+            if block is self.null_block:
+                if block.ref_cnt or in_free or block.block_hash is not None:
+                    raise BlockIntegrityError(f"the null block has ref_cnt={block.ref_cnt}, in free queue={in_free}")
+                continue
             if block.ref_cnt < 0 or (block.ref_cnt == 0) != in_free:
                 raise BlockIntegrityError(f"block {block.block_id}: ref_cnt={block.ref_cnt}, in free queue={in_free}")
         for block_hash, block_id in self._cached.items():

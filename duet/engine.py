@@ -111,7 +111,9 @@ class LLMEngine:
         self.loras = LoRASlots(args.max_loras, args.lora_modules or {}, self.executor.check_lora)
         self.kv_endpoints = self.executor.kv_endpoints()
         tier = None if kv_offload is None else KVTier(tier_blocks)
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, self.block_size, cache_config.enable_prefix_caching, tier)
+        self.kv_cache_manager = KVCacheManager(
+            self.num_blocks, self.block_size, cache_config.enable_prefix_caching, tier, window=arch.kv_window
+        )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             self.scheduler_config.max_num_seqs,
@@ -152,10 +154,17 @@ class LLMEngine:
         self.check_constraint(params)
         # A request may also hold slots for the draft tokens it writes past its last one.
         lookahead = self.scheduler.num_lookahead_tokens
-        blocks_needed = -(-(len(prompt_token_ids) + max_tokens + lookahead) // self.block_size)
-        if blocks_needed > self.num_blocks:
+        num_tokens = len(prompt_token_ids) + max_tokens
+        blocks_needed = -(-(num_tokens + lookahead) // self.block_size)
+        window = self.model_config.kv_window
+        if window is not None:  # it holds at most the blocks of its largest step and of the window before it
+            config = self.scheduler_config
+            step = min(num_tokens, config.max_num_batched_tokens) if config.enable_chunked_prefill else num_tokens
+            blocks_needed = min(blocks_needed, -(-(window - 1 + step + lookahead) // self.block_size) + 1)
+        num_blocks = self.kv_cache_manager.block_pool.num_blocks  # (less the null block, with a window)
+        if blocks_needed > num_blocks:
             raise InvalidRequestError(
-                f"the request needs up to {blocks_needed} KV blocks but the cache has {self.num_blocks}; "
+                f"the request needs up to {blocks_needed} KV blocks but the cache has {num_blocks}; "
                 "lower max_tokens or give the engine more KV memory", "max_tokens",
             )
         return max_tokens

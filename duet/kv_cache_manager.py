@@ -11,15 +11,25 @@ from duet.request import Request
 
 
 class KVCacheManager:
-    """Maps requests to block lists and keeps their full blocks published in the prefix cache."""
+    """Maps requests to block lists and keeps their full blocks published in the prefix cache.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, tier: KVTier | None = None) -> None:
+    ``window``: how far back every layer's queries see (``LlamaArch.kv_window``; None: some
+    layer sees all). A query at position p reads keys after p - window only, so the blocks
+    wholly before a request's next query's window go back to the pool as it grows; its block
+    table names the pool's null block in their place.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, tier: KVTier | None = None, window: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.tier = tier
+        self.window = window
         on_evict = None if tier is None else lambda block: tier.save(block.block_id, block.block_hash, block.token_ids)
-        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
+        self.block_pool = BlockPool(num_blocks, enable_caching, on_evict, null_block=window is not None)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_dropped: dict[str, int] = {}  # per request: its leading blocks now the null block
         self._req_to_hashes: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Blocks of requests that ended, kept (by transfer id) until a KV transfer lets go of them.
@@ -94,6 +104,33 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * bs
 
+    def blocks_before_window(self, num_computed_tokens: int) -> int:
+        """How many leading blocks no query from position ``num_computed_tokens`` on reads: each
+        sees the keys after its position less the window. 0 without a window."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+
+    def num_dropped_blocks(self, request_id: str) -> int:
+        """How many of the request's leading blocks are the null block (their keys out of every window)."""
+        return self._num_dropped.get(request_id, 0)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """The pool's blocks the request holds (not counting the null block in its table)."""
+        return len(self.req_to_blocks.get(request_id, ())) - self._num_dropped.get(request_id, 0)
+
+    def _drop_passed_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Return to the pool the request's blocks that passed out of every layer's window, tail
+        first as ``free`` does (a cached one stays findable until evicted)."""
+        dropped = self._num_dropped.get(request.request_id, 0)
+        passed = min(self.blocks_before_window(request.num_computed_tokens), len(blocks))
+        if passed <= dropped:
+            return
+        freed = blocks[dropped:passed]
+        blocks[dropped:passed] = [self.block_pool.null_block] * (passed - dropped)
+        self._num_dropped[request.request_id] = passed
+        self.block_pool.free_blocks(reversed(freed))
+
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup (not every retry of a request left waiting)."""
         if self.enable_caching:
@@ -116,6 +153,8 @@ class KVCacheManager:
         pool_hits = [block for block in computed if isinstance(block, KVCacheBlock)]
         tier_hits = [block for block in computed if isinstance(block, TierBlock)]
         held = self.req_to_blocks.get(request.request_id, [])
+        if held and self.window is not None:
+            self._drop_passed_blocks(request, held)
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
         total_tokens = num_computed_tokens + num_new_tokens
         num_required = -(-total_tokens // self.block_size) - len(held) - len(pool_hits)
@@ -146,18 +185,21 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self._block_hashes(request, num_tokens)
         already = self._num_cached_blocks.get(request.request_id, 0)
-        for index in range(already, num_tokens // bs):
+        for index in range(already, num_tokens // bs):  # (the pool never caches its null block)
             self.block_pool.cache_block(blocks[index], hashes[index], request.all_token_ids[index * bs : (index + 1) * bs])
         self._num_cached_blocks[request.request_id] = max(already, num_tokens // bs)
 
-    def allocate_for_transfer(self, request: Request, num_tokens: int) -> list[KVCacheBlock] | None:
+    def allocate_for_transfer(self, request: Request, num_tokens: int, num_skipped: int = 0) -> list[KVCacheBlock] | None:
         """Blocks for KV that another replica will send; published to the prefix cache only
-        by ``cache_received`` once the KV has arrived, so no one reads them half-written."""
-        num_blocks = -(-num_tokens // self.block_size)
+        by ``cache_received`` once the KV has arrived, so no one reads them half-written. The
+        first ``num_skipped`` (``blocks_before_window``) are the null block: no transfer fills them."""
+        num_blocks = -(-num_tokens // self.block_size) - num_skipped
         if num_blocks > self.block_pool.num_free_blocks:
             return None
         blocks = self.block_pool.get_new_blocks(num_blocks)
-        self.req_to_blocks[request.request_id] = list(blocks)
+        self.req_to_blocks[request.request_id] = [self.block_pool.null_block] * num_skipped + blocks
+        if num_skipped:
+            self._num_dropped[request.request_id] = num_skipped
         return blocks
 
     def cache_received(self, request: Request) -> None:
@@ -167,8 +209,7 @@ class KVCacheManager:
         """Keep the request's blocks (and their KV) past its end, under ``key``, until
         ``release(key)``: a transfer may still be reading or writing them."""
         self.held[key] = self.req_to_blocks.pop(request.request_id, [])
-        self._req_to_hashes.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
+        self._forget(request.request_id)
 
     def release(self, key: int) -> None:
         self.block_pool.free_blocks(reversed(self.held.pop(key, [])))
@@ -182,8 +223,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its last blocks are evicted before its prefix."""
         self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request.request_id, [])))
-        self._req_to_hashes.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
+        self._forget(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._req_to_hashes.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        self._num_dropped.pop(request_id, None)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free the request's blocks past its first ``num_tokens`` positions, tail first: the slots
@@ -202,10 +247,15 @@ class KVCacheManager:
         """Pool invariants, and every held block's ref count covers the requests holding it."""
         self.block_pool.check_integrity(expect_all_free=False)
         holders: dict[int, int] = {}
+        null = self.block_pool.null_block
         for blocks in [*self.req_to_blocks.values(), *self.held.values()]:
             for block in blocks:
+                if block is null:
+                    continue
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.block_pool.blocks:
+            if block is null:
+                continue
             if block.ref_cnt != holders.get(block.block_id, 0):
                 raise BlockIntegrityError(
                     f"block {block.block_id} has ref_cnt={block.ref_cnt} but {holders.get(block.block_id, 0)} holders"

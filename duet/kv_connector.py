@@ -83,13 +83,14 @@ class KVConnectorScheduler:
         not running yet, cannot be preempted: with reservations holding every block and nothing
         running, the first step's slots never came free, and the replica stopped for good."""
         num_tokens = request.num_transfer_tokens
-        if self.kv_cache_manager.allocate_for_transfer(request, num_tokens + num_next_slots) is None:
+        skipped = self.kv_cache_manager.blocks_before_window(num_tokens)  # no step here reads them: they do not travel
+        if self.kv_cache_manager.allocate_for_transfer(request, num_tokens + num_next_slots, skipped) is None:
             return False
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.kv_receive_id = transfer_id
         self._receiving[transfer_id] = request
         num_blocks = -(-num_tokens // self.kv_cache_manager.block_size)  # what the transfer fills
-        block_ids = self.kv_cache_manager.block_ids(request.request_id)[:num_blocks]
+        block_ids = self.kv_cache_manager.block_ids(request.request_id)[skipped:num_blocks]
         self._metadata.receives.append(KVReceiveSpec(request.request_id, transfer_id, block_ids))
         return True
 
@@ -97,10 +98,15 @@ class KVConnectorScheduler:
         """Ship the request's KV to ``request.kv_send``: as the step about to run computes its
         last prompt chunk, or (``computed``) from its blocks as they are (a migration)."""
         destination = request.kv_send
-        num_blocks = -(-request.num_transfer_tokens // self.kv_cache_manager.block_size)
-        block_ids = self.kv_cache_manager.block_ids(request.request_id)[:num_blocks] if computed else None
+        num_tokens = request.num_transfer_tokens
+        # Those before the window the receiver's next step sees stay (see ``reserve``).
+        skipped = self.kv_cache_manager.blocks_before_window(num_tokens)
+        num_blocks = -(-num_tokens // self.kv_cache_manager.block_size)
+        block_ids = self.kv_cache_manager.block_ids(request.request_id)[skipped:num_blocks] if computed else None
         self._metadata.sends.append(
-            KVSendSpec(request.request_id, destination.transfer_id, destination.endpoints, num_blocks, block_ids)
+            KVSendSpec(
+                request.request_id, destination.transfer_id, destination.endpoints, num_blocks - skipped, block_ids, skipped
+            )
         )
         self._sending[destination.transfer_id] = request
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from duet.block_pool import NULL_BLOCK_ID
 from duet.config import SpeculativeConfig
 from duet.cuda_graphs import DecodeGraphs, unsupported
 from duet.grammar_masks import GrammarMasks, MaskJob
@@ -115,6 +116,7 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             del state.block_ids[cached.num_kept_blocks :]
             state.block_ids.extend(cached.new_block_ids)
+            state.block_ids[: cached.num_dropped_blocks] = [NULL_BLOCK_ID] * cached.num_dropped_blocks
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(
@@ -363,8 +365,8 @@ def allocate_kv_cache(arch, num_blocks: int, block_size: int, kv_dtype: torch.dt
 
 def _cascade_planner(mode: str, arch, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int, device: str) -> CascadePlanner | None:
     """The runner's cascade attention (``duet.kernels.cascade``): on CPUs with the C++ kernels, or none."""
-    if mode == "off" or device != "cpu" or cpu_ops.load() is None:
-        return None
+    if mode == "off" or device != "cpu" or cpu_ops.load() is None or arch.kv_window is not None:
+        return None  # (every layer windowed: the kernels never cascade, and tables start with the null block)
     shape = (arch.num_heads, arch.num_kv_heads, arch.head_dim, dtype, kv_dtype, block_size)
     return CascadePlanner(mode, lambda: fit_rule(cpu_ops.load(), *shape))
 

@@ -11,13 +11,16 @@ from duet.sampling_params import SamplingParams
 @dataclass
 class KVSendSpec:
     """Ship this request's KV: a prompt's layer run by layer run as this step's forward writes
-    it, or (``block_ids`` given) a sequence's KV already in these blocks (a migration)."""
+    it, or (``block_ids`` given) a sequence's KV already in these blocks (a migration). Its
+    ``num_blocks`` blocks from ``first_block`` of its table: those before lie wholly outside
+    every layer's sliding window for the receiver's next step, which reads none of them."""
 
     request_id: str
     transfer_id: int
     endpoints: tuple[KVEndpoint, ...]
     num_blocks: int
     block_ids: list[int] | None = None
+    first_block: int = 0
 
 
 @dataclass
@@ -101,12 +104,14 @@ class NewRequestData:
 class CachedRequestData:
     """A request the runner already holds: only what changed. Its block table keeps its first
     ``num_kept_blocks`` entries (the scheduler freed the rest: slots of rejected drafts), then
-    gains ``new_block_ids``."""
+    gains ``new_block_ids``; its first ``num_dropped_blocks`` name the null block (their keys
+    passed out of every layer's sliding window, ``KVCacheManager``)."""
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     num_kept_blocks: int
+    num_dropped_blocks: int = 0
 
 
 @dataclass

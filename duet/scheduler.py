@@ -100,7 +100,7 @@ class Scheduler(SequenceMoves, StepRecovery):
             num_preemptions=self.num_preemptions,
             prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running)),
             new_prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running) if not request.output_token_ids),
-            num_decoding_blocks=sum(len(self.kv_cache_manager.block_ids(request.request_id)) for request in decoding),
+            num_decoding_blocks=sum(self.kv_cache_manager.num_held_blocks(request.request_id) for request in decoding),
             num_decode_waiting=len(prefilled) + sum(1 for request in waiting if request.output_token_ids),
         )
 
@@ -259,7 +259,10 @@ class Scheduler(SequenceMoves, StepRecovery):
                 # The scheduler's block table is the runner's: what it kept, then what is new.
                 num_kept = len(self.kv_cache_manager.block_ids(request_id)) - len(new_blocks[request_id])
                 cached_requests.append(
-                    CachedRequestData(request_id, new_blocks[request_id], request.num_computed_tokens, num_kept)
+                    CachedRequestData(
+                        request_id, new_blocks[request_id], request.num_computed_tokens, num_kept,
+                        self.kv_cache_manager.num_dropped_blocks(request_id),
+                    )
                 )
         finished, self._finished_ids = self._finished_ids, set()
         self._runner_known -= preempted

@@ -100,6 +100,7 @@ def _parallel_groups(config: WorkerConfig):
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         from duet.model_runner import ModelRunner
+        from duet.models.llama import narrow_windows
         from duet.models.loader import load_model
         from duet.models.pipeline_parallel import PipelineStage
         from duet.models.tensor_parallel import apply_tensor_parallel
@@ -131,6 +132,8 @@ class Worker:
             if draft_quantization is None and config.quantization in ("dequantized", "int8", "int4"):
                 draft_quantization = config.quantization
             draft = load_model(Path(config.draft_model_path), dtype, config.device, config.max_model_len, draft_quantization)
+            if arch.kv_window is not None:  # the blocks before the target's window go (``KVCacheManager``)
+                narrow_windows(draft, arch.kv_window)
         runner_args = (
             config.num_blocks, config.block_size, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype), config.device, config.eos_token_id,
             config.max_model_len, config.speculative_config, draft,

@@ -65,6 +65,7 @@ class KVConnectorWorker:
         self.sender = KVSender(kv_cache, spec, host, transfer.timeout_s, name=name, **where)
         self.receiver = KVReceiver(kv_cache, spec, host, transfer.timeout_s, **where)
         self._sending: dict[str, LayerProgress] = {}  # this step's sends, by request
+        self._sent_blocks: dict[str, slice] = {}  # of each, what of its block table goes
         self._parts: dict[int, tuple[int, list[KVTransferResult]]] = {}  # a send's parts: how many, and those ended
         self._ended: list[KVTransferResult] = []  # sends with no part: ended as they started
         self._block_table: Callable[[str], list[int]] = lambda request_id: []
@@ -89,7 +90,7 @@ class KVConnectorWorker:
         for spec in metadata.receives:
             # The prompt may wait behind others on the prefill replica before its layers stream.
             self.receiver.expect(spec.transfer_id, spec.block_ids, STREAM_START_TIMEOUT_S)
-        self._sending = {}
+        self._sending, self._sent_blocks = {}, {}
         self._block_table = block_table
         for spec in metadata.sends:
             parts = self._parts_of(spec.endpoints)
@@ -100,6 +101,7 @@ class KVConnectorWorker:
                 progress = LayerProgress.complete(self.num_layers, spec.block_ids, NO_TOKEN)
             else:
                 progress = self._sending[spec.request_id] = LayerProgress(self.num_layers)
+                self._sent_blocks[spec.request_id] = slice(spec.first_block, spec.first_block + spec.num_blocks)
             self._parts[spec.transfer_id] = (len(parts), [])
             for endpoint, heads, layers in parts:
                 self.sender.send(spec.transfer_id, endpoint, progress, spec.num_blocks, heads=heads, layers=layers)
@@ -117,16 +119,19 @@ class KVConnectorWorker:
 
     def on_layer_done(self, layer: int) -> None:
         for request_id, progress in self._sending.items():
-            progress.mark_ready(layer + 1, self._block_table(request_id) if layer == 0 else None)
+            progress.mark_ready(layer + 1, self._sent_block_ids(request_id) if layer == 0 else None)
+
+    def _sent_block_ids(self, request_id: str) -> list[int]:
+        return self._block_table(request_id)[self._sent_blocks[request_id]]
 
     def end_step(self, sampled: dict[str, list[int]]) -> None:
         for request_id, progress in self._sending.items():
             if not self.stream_layers:  # every layer is in now (streamed, each was marked as it was written)
-                progress.mark_ready(self.num_layers, self._block_table(request_id))
+                progress.mark_ready(self.num_layers, self._sent_block_ids(request_id))
             tokens = sampled.get(request_id)
             if tokens:
                 progress.set_first_token(tokens[0])
-        self._sending = {}
+        self._sending, self._sent_blocks = {}, {}
 
     def poll(self) -> list[KVTransferResult]:
         ended, self._ended = self._ended, []

@@ -102,6 +102,14 @@ class LlamaArch:
     def window(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
+    @property
+    def kv_window(self) -> int | None:
+        """How far back every layer's queries see, where every layer has a window (Mistral's
+        ``sliding_window``; None where some layer sees the whole sequence, as Gemma's global
+        ones): keys further back are read by no layer, and their KV blocks can go."""
+        windows = self.layer_windows
+        return None if windows is None or None in windows else max(windows)
+
     def rope_cache_key(self, prompt_len: int) -> int | None:
         """What a sequence's KV depends on besides its tokens and their positions, where its
         RoPE depends on its length (the prefix cache keys blocks by it): whether its prompt
@@ -134,6 +142,14 @@ class LlamaArch:
         return cls(**{**shape, **rope_scaling(config, rope), **parts})
 
 
+def narrow_windows(model: nn.Module, window: int) -> None:
+    """Let every attention layer of ``model`` see at most its last ``window`` keys: a draft model
+    drafting for a target whose KV blocks before its window are gone reads only what is held."""
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.window = window if module.window is None else min(module.window, window)
+
+
 class RMSNorm(Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -153,6 +169,7 @@ class LlamaAttention(Module):
     def __init__(self, arch: LlamaArch, layer: int = 0) -> None:
         super().__init__()
         self.window = arch.window(layer)
+        self.local = self.window is not None  # its config windows it (Gemma 3 rotates those by a local base)
         self.rotates = layer not in arch.nope_layers
         self.softcap = arch.attn_softcap
         self.num_heads = arch.num_heads
@@ -362,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
                 x = layer.input_layernorm(mlp_out, residual)
             if not layer.self_attn.rotates:
                 mlp_out = layer(x, residual, positions, self.no_rotary, kv_cache, metadata)
-            elif self.local_rotary is not None and layer.self_attn.window is not None:
+            elif self.local_rotary is not None and layer.self_attn.local:
                 mlp_out = layer(x, residual, positions, self.local_rotary, kv_cache, metadata)
             else:
                 mlp_out = layer(x, residual, rows, rotary, kv_cache, metadata)

@@ -198,3 +198,51 @@ def test_caching_disabled_never_hits_and_counts_nothing():
     assert manager.get_computed_blocks(_request("b", prompt)) == ([], 0)
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (0, 0)
     assert all(block.block_hash is None for block in manager.block_pool.blocks)
+
+
+def test_blocks_before_every_window_go_back_as_a_sequence_grows():
+    """Guards the window's arithmetic and its bookkeeping: with a 6-key window a query at p reads
+    keys p-5..p, so the blocks wholly before the next query's window return to the pool (the
+    table names the null block there, and the runner learns how many); a cached one stays a
+    prefix hit; the sequence never holds more than its window's blocks and its step's; freeing
+    it returns every block once, and the null block is never handed out."""
+    manager = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, enable_caching=True, window=6)
+    assert manager.num_free_blocks == 11
+    request = _request("a", list(range(10, 19)))  # 9 tokens: blocks of positions 0-3, 4-7, 8
+    assert _admit(manager, request) == [1, 2, 3]
+    assert manager.blocks_before_window(9) == 1  # the next query (position 9) reads keys 4-9
+    held = []
+    for token_id in range(40, 60):  # to 29 tokens: 8 blocks' worth
+        _decode_one(manager, request, token_id)
+        held.append(manager.num_held_blocks("a"))
+        manager.check_integrity()
+    table = manager.block_ids("a")
+    dropped = manager.num_dropped_blocks("a")
+    assert dropped == manager.blocks_before_window(28) == 5 and table[:dropped] == [0] * dropped
+    assert 0 not in table[dropped:] and len(table) == 8
+    assert max(held) <= 3  # a 6-key window and one new token span at most 3 blocks of 4
+    assert manager.num_free_blocks == 11 - 3  # (the null block was never handed out)
+    again = _request("b", list(range(10, 19)))  # the first blocks went back cached: still hits
+    hits, num_hit_tokens = manager.get_computed_blocks(again)
+    assert num_hit_tokens == 8 and _ids(hits) == [1, 2]
+    manager.free(request)
+    manager.check_integrity()
+    assert manager.num_free_blocks == 11 and manager.num_dropped_blocks("a") == 0
+
+
+def test_a_transfer_past_the_window_skips_the_blocks_nobody_reads():
+    """Guards the receiving side: a 13-token context with a 6-key window needs keys 8 on for its
+    next step, so the first two blocks are the null block and only the rest is allocated."""
+    manager = KVCacheManager(num_blocks=6, block_size=BLOCK_SIZE, enable_caching=True, window=6)
+    request = _request("a", list(range(10, 23)))
+    skipped = manager.blocks_before_window(13)
+    assert skipped == 2
+    new_blocks = manager.allocate_for_transfer(request, 13, skipped)
+    assert len(new_blocks) == 2 and manager.block_ids("a")[:2] == [0, 0] and manager.num_held_blocks("a") == 2
+    request.num_computed_tokens = 13
+    manager.cache_received(request)  # the null block is never published
+    assert not manager.block_pool.null_block.block_hash
+    manager.check_integrity()
+    manager.free(request)
+    assert manager.num_free_blocks == 5
+    manager.check_integrity()
