@@ -83,7 +83,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock | TierBlock], int]:
         """The longest cached prefix of the request, as blocks (the pool's, or the tier's hits to
-        be copied back) and a token count.
+        be copied back) and a token count. With a window, a prefix counts as cached when the
+        blocks its next query reads are: the null block stands for those before.
 
         The last prompt token is never served from cache: its logits are needed to sample; nor
         is any token of a request that asks for its prompt's logprobs.
@@ -92,17 +93,24 @@ class KVCacheManager:
             return [], 0
         max_cached_tokens = request.num_tokens - 1
         hashes = self._block_hashes(request, max_cached_tokens)
-        blocks = []
         bs = self.block_size
+        blocks: list[KVCacheBlock | TierBlock | None] = []
+        best, last_miss = 0, -1  # the longest hit: every block its next query's window reads is cached
         for index, block_hash in enumerate(hashes):
             token_ids = request.all_token_ids[index * bs : (index + 1) * bs]
             block = self.block_pool.get_cached_block(block_hash, token_ids)
             if block is None and self.tier is not None:
                 block = self.tier.lookup(block_hash, token_ids)
             if block is None:
-                break
+                if self.window is None:  # every block before a hit is read
+                    break
+                last_miss = index
+            elif last_miss < self.blocks_before_window((index + 1) * bs):
+                best = index + 1
             blocks.append(block)
-        return blocks, len(blocks) * bs
+        # With a window, a hit's blocks before it may have been evicted: the null block stands there.
+        first_read = self.blocks_before_window(best * bs)
+        return [self.block_pool.null_block] * first_read + blocks[first_read:best], best * bs
 
     def blocks_before_window(self, num_computed_tokens: int) -> int:
         """How many leading blocks no query from position ``num_computed_tokens`` on reads: each
@@ -150,14 +158,16 @@ class KVCacheManager:
         block, which the coming step's copies fill before its forward.
         """
         computed = new_computed_blocks or []
-        pool_hits = [block for block in computed if isinstance(block, KVCacheBlock)]
+        null = self.block_pool.null_block
+        num_null_hits = sum(1 for block in computed if block is null)
+        pool_hits = [block for block in computed if isinstance(block, KVCacheBlock) and block is not null]
         tier_hits = [block for block in computed if isinstance(block, TierBlock)]
         held = self.req_to_blocks.get(request.request_id, [])
         if held and self.window is not None:
             self._drop_passed_blocks(request, held)
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
         total_tokens = num_computed_tokens + num_new_tokens
-        num_required = -(-total_tokens // self.block_size) - len(held) - len(pool_hits)
+        num_required = -(-total_tokens // self.block_size) - len(held) - len(pool_hits) - num_null_hits
         # Hits sitting in the free queue stop being allocatable once touched.
         num_evictable_hits = sum(1 for block in pool_hits if block.ref_cnt == 0)
         if num_required > self.block_pool.num_free_blocks - num_evictable_hits:
@@ -176,6 +186,8 @@ class KVCacheManager:
             else:
                 blocks.append(hit)
         blocks.extend(fresh)
+        if num_null_hits:
+            self._num_dropped[request.request_id] = num_null_hits
         self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
         return new_blocks
 

@@ -246,3 +246,34 @@ def test_a_transfer_past_the_window_skips_the_blocks_nobody_reads():
     manager.free(request)
     assert manager.num_free_blocks == 5
     manager.check_integrity()
+
+
+def test_a_windowed_prefix_hit_needs_only_the_blocks_its_window_reads():
+    """Guards the windowed lookup: a 17-token prompt cached in blocks 1-4 loses its first two
+    blocks to eviction; its next query (position 16) reads keys 11-16 only, so blocks 3 and 4
+    still make a 16-token hit, with the null block before them; a window that reaches back
+    into an evicted block (position 12 reads keys 7 on) does not count."""
+    manager = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, enable_caching=True, window=6)
+    first = _request("a", list(range(10, 27)))
+    assert _admit(manager, first) == [1, 2, 3, 4, 5]
+    manager.free(first)
+    manager.block_pool.uncache([manager.block_pool.blocks[1], manager.block_pool.blocks[2]])  # as evicted
+    again = _request("b", list(range(10, 27)))
+    hits, num_hit_tokens = manager.get_computed_blocks(again)
+    assert num_hit_tokens == 16 and _ids(hits) == [0, 0, 3, 4]
+    assert manager.allocate_slots(again, 1, hits) is not None
+    assert manager.block_ids("b")[:4] == [0, 0, 3, 4] and manager.num_dropped_blocks("b") == 2
+    assert manager.num_held_blocks("b") == 3
+    manager.check_integrity()
+    shorter = _request("c", list(range(10, 23)))  # 13 tokens: a hit of 12 would read keys 7-12
+    hits, num_hit_tokens = manager.get_computed_blocks(shorter)
+    assert num_hit_tokens == 0 and hits == []
+    manager.free(again)
+    manager.check_integrity()
+    assert manager.num_free_blocks == 11
+    plain = _manager(num_blocks=12)  # without a window, a hit needs every block before it
+    cached = _request("a", list(range(10, 27)))
+    _admit(plain, cached)
+    plain.free(cached)
+    plain.block_pool.uncache([plain.block_pool.blocks[0]])
+    assert plain.get_computed_blocks(_request("b", list(range(10, 27)))) == ([], 0)

@@ -1,13 +1,15 @@
 """A model whose every layer has a sliding window (Mistral's) gives back the KV blocks its
 sequences have left behind: a sequence far longer than its window runs in a cache too small for
 all of it, holding a bounded number of blocks, with transformers' tokens; a draft model without
-a window drafts from the window the target keeps. Models with a global layer (Gemma's) keep all."""
+a window drafts from the window the target keeps; a prefix whose first blocks were evicted is
+still a hit where its window's blocks are cached. Models with a global layer (Gemma's) keep all."""
 
 from __future__ import annotations
 
 import pytest
 
 from duet import LLM, SamplingParams
+from duet.block_pool import hash_block_tokens
 from duet.errors import InvalidRequestError
 from duet.messages import EngineRequest
 from duet.models.loader import read_arch
@@ -86,3 +88,21 @@ def test_a_model_with_a_global_layer_keeps_every_block(tmp_path, tiny_tokenizer_
     llm = LLM(model=str(path), num_kv_blocks=8, max_model_len=512, max_num_batched_tokens=CHUNK)
     with pytest.raises(InvalidRequestError, match="needs up to 11 KV blocks but the cache has 8"):
         llm.engine.validate(PROMPT, SamplingParams(max_tokens=NEW_TOKENS))
+
+
+def test_a_prefix_whose_first_blocks_were_evicted_is_still_a_hit_within_the_window(mistral):
+    """Guards the windowed lookup end to end: after the 170-token sequence ran through the 7-block
+    cache (its first blocks long evicted), a prompt that repeats its first 160 tokens finds the
+    blocks its window reads cached, computes only the rest, and gives transformers' tokens."""
+    path, reference = mistral
+    llm = LLM(model=str(path), num_kv_blocks=8, max_model_len=512, max_num_batched_tokens=CHUNK)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    tokens, _ = _run(llm, PROMPT, params)
+    prompt = PROMPT + tokens[:90] + [5, 6]  # 162 tokens: blocks 0-9 full
+    manager = llm.engine.kv_cache_manager
+    assert manager.block_pool.get_cached_block(hash_block_tokens(None, prompt[:16]), prompt[:16]) is None  # evicted
+    (expected,) = hf_greedy(path, [prompt], 10)
+    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10))[0]
+    assert output.num_cached_tokens == 160
+    assert compare_to_reference(list(output.outputs[0].token_ids), expected, "windowed prefix hit") is None
+    llm.engine.check_integrity()
