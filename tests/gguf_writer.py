@@ -79,11 +79,17 @@ _GGUF_LAYER_NAMES = {
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused projections
     "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",  # Qwen 3 MoE's
     "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",  # Qwen 2 MoE's
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Gemma's: norms after attention, and before and after the MLP (its ``ffn_norm`` is the one before).
 _GGUF_GEMMA_LAYER_NAMES = _GGUF_LAYER_NAMES | {
     "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
+}
+# OLMo 2's: norms after attention and after the MLP only.
+_GGUF_OLMO2_LAYER_NAMES = _GGUF_LAYER_NAMES | {
+    "post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm",
 }
 
 
@@ -91,7 +97,7 @@ def write_tiny_gguf(
     path: Path, tokenizer_dir: Path, family: str, seed: int = 0, projections: str = "Q8_0", eot_token_id: int | None = None,
     **overrides,
 ) -> Path:
-    """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Qwen 3 MoE, Phi-3, Gemma 2, Gemma 3)
+    """One of ``TINY_FAMILIES`` (Llama, Qwen 2, Qwen 3, Qwen 2 and 3 MoE, Phi-3, Gemma 2 and 3, OLMo 2)
     written as llama.cpp's converter writes a GGUF file, with gguf's own writer: its
     architecture's metadata keys, projections in ``projections`` (Q8_0, Q4_0, Q5_1: gguf's quantizer;
     Q5_K: random super-blocks, its sizes multiples of 256), a MoE layer's experts stacked in one
@@ -107,7 +113,7 @@ def write_tiny_gguf(
     import numpy as np
     from safetensors.torch import load_file, save_file
 
-    arch = {"qwen3-moe": "qwen3moe", "phi3-longrope": "phi3", "phi3-partial": "phi3"}.get(family, family)
+    arch = {"qwen3-moe": "qwen3moe", "qwen2-moe": "qwen2moe", "phi3-longrope": "phi3", "phi3-partial": "phi3"}.get(family, family)
     source_dir = path.parent / f"{path.stem}-source"
     if family == "llama":
         source = make_tiny_llama(source_dir, tokenizer_dir, seed, **overrides)
@@ -115,8 +121,9 @@ def write_tiny_gguf(
         source = make_tiny_model(source_dir, tokenizer_dir, family, seed, **overrides)
     config = json.loads((source / "config.json").read_text())
     state = {name: tensor.float().numpy() for name, tensor in load_file(str(source / "model.safetensors")).items()}
+    num_experts = config.get("num_local_experts", config.get("num_experts"))
     for name in [name for name in state if ".mlp.experts.0." in name]:  # stacked: [experts, out, in]
-        per_expert = [state.pop(name.replace(".experts.0.", f".experts.{e}.")) for e in range(config["num_local_experts"])]
+        per_expert = [state.pop(name.replace(".experts.0.", f".experts.{e}.")) for e in range(num_experts)]
         state[name.replace(".experts.0.", ".experts.")] = np.stack(per_expert)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -157,10 +164,12 @@ def write_tiny_gguf(
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(config["max_position_embeddings"] / original) / math.log(original)))
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
-    if arch == "qwen3moe":
-        writer.add_expert_count(config["num_local_experts"])
+    if arch in ("qwen3moe", "qwen2moe"):
+        writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -184,12 +193,17 @@ def write_tiny_gguf(
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{(_GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_LAYER_NAMES)[module]}.{suffix}"
+            names = _GGUF_GEMMA_LAYER_NAMES if gemma else _GGUF_OLMO2_LAYER_NAMES if arch == "olmo2" else _GGUF_LAYER_NAMES
+            gguf_name = f"blk.{layer}.{names[module]}.{suffix}"
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = interleave(value, heads if "q_proj" in name else kv_heads)
+        if name.endswith("shared_expert_gate.weight"):  # a vector in the file, as llama.cpp's converter writes it
+            writer.add_tensor(gguf_name, value.reshape(-1).astype(np.float32))
+            reference[name] = value.astype(np.float32)
+            continue
         if value.ndim >= 2 and "embed" not in name and not name.endswith("mlp.gate.weight"):
             qtype = getattr(gguf.GGMLQuantizationType, projections)
             if projections.endswith("_K"):  # gguf quantizes to no K-quant

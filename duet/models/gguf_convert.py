@@ -68,7 +68,17 @@ _GEMMA_LAYER_TENSORS = _LAYER_TENSORS | {
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_ARCH_LAYER_TENSORS = {"phi3": _FUSED_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS}
+# OLMo 2's norms after attention and after the MLP, none before.
+_OLMO2_LAYER_TENSORS = _LAYER_TENSORS | {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Qwen 2 MoE's shared expert beside the routed ones, and its gate (a vector in the file).
+_QWEN2_MOE_LAYER_TENSORS = _LAYER_TENSORS | {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_ARCH_LAYER_TENSORS = {
+    "phi3": _FUSED_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS,
+    "olmo2": _OLMO2_LAYER_TENSORS, "qwen2moe": _QWEN2_MOE_LAYER_TENSORS,
+}
 
 
 def cache_root() -> Path:
@@ -120,6 +130,8 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe", False),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
@@ -191,7 +203,7 @@ def _hf_config(fields: dict, vocab_size: int, tied: bool, rope_factors: dict[str
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": fields[f"{arch}.embedding_length"],
-        "intermediate_size": fields[f"{arch}.feed_forward_length"],
+        "intermediate_size": fields.get(f"{arch}.feed_forward_length", fields.get(f"{arch}.expert_feed_forward_length")),
         "num_hidden_layers": fields[f"{arch}.block_count"],
         "num_attention_heads": heads,
         "num_key_value_heads": fields.get(f"{arch}.attention.head_count_kv", heads),
@@ -229,15 +241,24 @@ def _hf_config(fields: dict, vocab_size: int, tied: bool, rope_factors: dict[str
         config |= _gemma_config(fields, arch, config)
         if "rope_parameters" in config:  # Gemma 3's two RoPEs, each with its base
             del config["rope_theta"]
-    if arch == "qwen3moe":  # every layer's MLP is experts; llama.cpp renormalizes the top k's weights
+    if arch in ("qwen3moe", "qwen2moe"):  # every layer's MLP is experts
         config |= {
-            "num_experts": fields["qwen3moe.expert_count"],
-            "num_experts_per_tok": fields["qwen3moe.expert_used_count"],
-            "moe_intermediate_size": fields["qwen3moe.expert_feed_forward_length"],
-            "norm_topk_prob": True,
+            "num_experts": fields[f"{arch}.expert_count"],
+            "num_experts_per_tok": fields[f"{arch}.expert_used_count"],
+            "moe_intermediate_size": fields[f"{arch}.expert_feed_forward_length"],
+            "norm_topk_prob": arch == "qwen3moe",  # llama.cpp renormalizes Qwen 3's top k's weights, not Qwen 2's
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
+    if arch == "qwen2moe":
+        config |= {
+            "shared_expert_intermediate_size": fields["qwen2moe.expert_shared_feed_forward_length"],
+            "qkv_bias": True, "use_sliding_window": False,
+        }
+    if arch == "olmo2" and fields.get("olmo2.attention.sliding_window"):
+        from duet.errors import UnsupportedCheckpointError
+
+        raise UnsupportedCheckpointError("an olmo2 GGUF file with windowed layers (OLMo 3's) is not supported")
     return config
 
 
@@ -283,7 +304,7 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     import gguf
     from safetensors.torch import save_file
     from tqdm import tqdm
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     reader = gguf.GGUFReader(str(gguf_path))
     fields = {}
@@ -311,6 +332,8 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if arch in _GEMMA_GLOBAL_EVERY and name.endswith("norm.weight"):  # llama.cpp's converter stored 1 + w
             values = values - 1.0
+        if name.endswith("shared_expert_gate.weight"):  # a vector in the file, one row in Hugging Face's
+            values = values.reshape(1, -1)
         if heads is not None:
             values = _unpermute_rope(values, heads)
         if values.ndim == 3:  # a MoE layer's experts (computed from floats: their blocks are not kept)
@@ -335,7 +358,12 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     ends = list(dict.fromkeys(fields[key] for key in _END_OF_GENERATION_KEYS if fields.get(key) is not None))
     if ends:
         (target / "generation_config.json").write_text(json.dumps({"eos_token_id": ends if len(ends) > 1 else ends[0]}, indent=2))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ValueError as error:  # transformers reads no model of this architecture (OLMo 2's) from a file
+        if "not supported" not in str(error):
+            raise
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)  # its tokenizer, all the same
     tokenizer.save_pretrained(str(target))
     (target / _DONE_MARKER).write_text(gguf_path.name + "\n")
     logger.info("converted %s into %s", gguf_path.name, target)

@@ -1,9 +1,10 @@
 """GGUF files as llama.cpp writes them, for each architecture duet converts (Llama, Qwen 2,
-Qwen 3, Phi-3 with its fused projections, Gemma 2 and 3), written by gguf's own writer from tiny
-random models: ``model=`` names the file, it is converted once into the cache, its Q8_0
-projections compute from their blocks, its tokenizer and chat template come from the file, and
-greedy output equals transformers loading the same file (its own GGUF reader: an oracle of the
-conversion, names, RoPE rows and all), or for Gemma transformers on the weights the file holds."""
+Qwen 3, Qwen 2 and 3 MoE, Phi-3 with its fused projections, Gemma 2 and 3, OLMo 2), written by
+gguf's own writer from tiny random models: ``model=`` names the file, it is converted once into
+the cache, its Q8_0 projections compute from their blocks, its tokenizer and chat template come
+from the file, and greedy output equals transformers loading the same file (its own GGUF reader:
+an oracle of the conversion, names, RoPE rows and all), or for Gemma and OLMo 2 transformers on
+the weights the file holds."""
 
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ NEW_TOKENS = 10
 # file's key_length: the tiny Qwen 3 has that head_dim (its hidden size over its heads is 16).
 # It reads no expert_feed_forward_length either (its Qwen 3 MoE takes the config's default, 768)
 # and renormalizes the top k's weights, as llama.cpp does; every layer is experts.
+# Its Qwen 2 MoE reads neither expert size (it takes 1,408 and 5,632) and leaves the top k's
+# weights as they are, as llama.cpp does.
 SHAPES = {
     "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 128}, "phi3": {},
     "qwen3-moe": {"moe_intermediate_size": 768, "norm_topk_prob": True, "mlp_only_layers": []},
+    "qwen2-moe": {"moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "norm_topk_prob": False},
 }
 K_QUANT_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2}  # rows of 256
 
@@ -41,13 +45,14 @@ K_QUANT_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_he
     ("family", "projections"),
     [
         ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"), ("llama", "Q5_K"),
-        ("qwen3-moe", "Q8_0"), ("qwen2", "Q5_1"),
+        ("qwen3-moe", "Q8_0"), ("qwen2", "Q5_1"), ("qwen2-moe", "Q8_0"),
     ],
 )
 def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family, projections):
     """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1
     blocks, Q5_K and Q5_1 ones as blocks of a byte a code; a MoE file's stacked experts are
-    split per expert (and computed from floats)."""
+    split per expert (and computed from floats), a Qwen 2 MoE's shared expert computes from its
+    blocks and its gate (a vector in the file) becomes a row."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
     shape = SHAPES[family] | (K_QUANT_SHAPE if projections.endswith("_K") else {})
     path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **shape)
@@ -60,9 +65,12 @@ def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, m
         model = llm.engine.executor.worker.runner.model
         linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear) and "layers" in name}
         routers = {name for name in linears if name.endswith("mlp.gate")}  # F32 in the file, as llama.cpp keeps them
+        gates = {name for name in linears if name.endswith("shared_expert_gate")}  # F32 likewise
+        assert len(gates) == (model.arch.num_layers if family == "qwen2-moe" else 0)
         assert len(routers) == (model.arch.num_layers if family.endswith("moe") else 0)
         qtype = {"Q8_0": 8, "Q4_0": 3, "Q5_K": 13, "Q5_1": 13}[projections]
-        assert linears and all(linear.gguf is not None and linear.gguf.qtype == qtype for name, linear in linears.items() if name not in routers)
+        kept = {name: linear for name, linear in linears.items() if name not in routers | gates}
+        assert kept and all(linear.gguf is not None and linear.gguf.qtype == qtype for linear in kept.values())
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
@@ -126,3 +134,19 @@ def test_a_gemma_gguf_file_serves_as_llama_cpp_reads_it(tmp_path, monkeypatch, t
             assert {key: ours["rope_parameters"][layers].get(key) for key in ("rope_type", "rope_theta", "factor")} == {
                 key: source["rope_parameters"][layers].get(key) for key in ("rope_type", "rope_theta", "factor")
             }
+
+
+def test_an_olmo2_gguf_file_serves_with_its_norms_after_each_block(tmp_path, monkeypatch, tiny_tokenizer_dir):
+    """OLMo 2's norms after attention and after the MLP (none before), its q/k norms over all
+    heads' features, its Q/K rows as they are (llama.cpp rotates OLMo 2 by halves, NeoX's way).
+    transformers reads no OLMo 2 file: the oracle is transformers on the source model with the
+    weights the file holds."""
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny-olmo2.gguf", tiny_tokenizer_dir, "olmo2")
+    references = hf_greedy(tmp_path / "tiny-olmo2-reference", PROMPTS, NEW_TOKENS)
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+    check_outputs(llm.generate(PROMPTS, params), references, "olmo2 from a GGUF file")
+    llm.engine.check_integrity()
+    (converted,) = (tmp_path / "cache" / "models").iterdir()
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["Olmo2ForCausalLM"]
