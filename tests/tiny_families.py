@@ -78,6 +78,22 @@ TINY_FAMILIES = {
             residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0,
         ),
     ),
+    # Granite's multipliers around experts stacked one tensor a projection; and with a shared MLP.
+    "granite-moe": (
+        "GraniteMoeConfig", "GraniteMoeForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=8.0,
+        ),
+    ),
+    "granite-moe-shared": (
+        "GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+        dict(
+            hidden_size=64, intermediate_size=48, shared_intermediate_size=80, num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.0625, logits_scaling=8.0,
+        ),
+    ),
     # Dynamic NTK: past 20 tokens, frequencies recomputed from the sequence's length every token.
     "llama-dynamic": (
         "LlamaConfig", "LlamaForCausalLM",

@@ -87,13 +87,27 @@ def _smollm3(config) -> LlamaArch:
     return LlamaArch.from_hf_config(config, nope_layers=nope, layer_windows=windows, **_biases(config))
 
 
-def _granite(config) -> LlamaArch:
-    """A Llama with multipliers: embeddings, block outputs, attention scores and a divisor of the logits."""
-    _common(config)
-    return LlamaArch.from_hf_config(
-        config, embed_multiplier=float(config.embedding_multiplier), residual_multiplier=float(config.residual_multiplier),
+def _granite_parts(config) -> dict:
+    """Granite's multipliers: embeddings, block outputs, attention scores and a divisor of the logits."""
+    return dict(
+        embed_multiplier=float(config.embedding_multiplier), residual_multiplier=float(config.residual_multiplier),
         query_scale=float(config.attention_multiplier), logits_divisor=float(config.logits_scaling), **_biases(config),
     )
+
+
+def _granite(config) -> LlamaArch:
+    _common(config)
+    return LlamaArch.from_hf_config(config, **_granite_parts(config))
+
+
+def _granite_moe(config) -> MixtralArch:
+    """Granite's multipliers around experts stacked one tensor a projection (``input_linear``:
+    each expert's gate rows then its up rows); the top k's softmax over their own logits, which
+    is Mixtral's renormalised one. Granite MoE Shared adds an ungated shared MLP."""
+    _common(config)
+    shared = getattr(config, "shared_intermediate_size", 0) or 0
+    arch = MixtralArch.from_hf_config(config, **_granite_parts(config))
+    return dataclasses.replace(arch, checkpoint_names="granitemoe", shared_expert_intermediate_size=shared, shared_expert_gated=False)
 
 
 def _qwen2(config) -> LlamaArch:
@@ -182,6 +196,8 @@ ARCHITECTURES: dict[str, tuple[Callable[[object], LlamaArch], type[LlamaForCausa
     "MixtralForCausalLM": (_mixtral, MixtralForCausalLM),
     "Qwen3MoeForCausalLM": (_qwen3_moe, MixtralForCausalLM),
     "Qwen2MoeForCausalLM": (_qwen2_moe, MixtralForCausalLM),
+    "GraniteMoeForCausalLM": (_granite_moe, MixtralForCausalLM),
+    "GraniteMoeSharedForCausalLM": (_granite_moe, MixtralForCausalLM),
     "Gemma2ForCausalLM": (_gemma2, LlamaForCausalLM),
     "Gemma3ForCausalLM": (_gemma3, LlamaForCausalLM),
 }

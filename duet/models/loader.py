@@ -111,6 +111,15 @@ def _fusion_plan(arch: LlamaArch) -> dict[str, list[str]]:
         if arch.qk_norm:
             plan[out + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
             plan[out + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+        if isinstance(arch, MixtralArch) and arch.checkpoint_names == "granitemoe":  # experts stacked, as the parameters are
+            moe = prefix + "block_sparse_moe."
+            plan[out + "mlp.gate.weight"] = [moe + "router.layer.weight"]
+            plan[out + "mlp.w13"] = [moe + "input_linear.weight"]
+            plan[out + "mlp.w2"] = [moe + "output_linear.weight"]
+            if arch.shared_expert_intermediate_size:  # gate rows then up rows, as the experts'
+                plan[out + "mlp.shared_expert.gate_up_proj.weight"] = [prefix + "shared_mlp.input_linear.weight"]
+                plan[out + "mlp.shared_expert.down_proj.weight"] = [prefix + "shared_mlp.output_linear.weight"]
+            continue
         if isinstance(arch, MixtralArch) and arch.is_sparse(layer):
             mixtral = arch.checkpoint_names == "mixtral"
             moe = prefix + ("block_sparse_moe." if mixtral else "mlp.")
@@ -148,6 +157,8 @@ def _fused_state_dict(
             raise DamagedCheckpointError(f"{path}: tensor {missing[0]} is missing ({len(missing)} of the {len(parts)} that make {name})")
         try:
             fused[name] = torch.cat([state[part] for part in parts])
+            if fused[name].dim() == 3:  # experts stacked in one tensor (Granite MoE's): their rows one after another
+                fused[name] = fused[name].flatten(0, 1)
         except RuntimeError:
             shapes = ", ".join(f"{part} {tuple(state[part].shape)}" for part in parts)
             raise DamagedCheckpointError(f"{path}: the tensors that make {name} disagree in shape: {shapes}") from None

@@ -39,7 +39,8 @@ class MixtralArch(LlamaArch):
     norm_topk_prob: bool = True  # the top-k weights renormalised to sum to one
     sparse_layers: tuple[int, ...] | None = None  # the layers with experts (None: every one)
     dense_intermediate_size: int = 0  # the dense MLP's features in the other layers
-    shared_expert_intermediate_size: int = 0  # a shared expert's features (Qwen 2 MoE); 0: none
+    shared_expert_intermediate_size: int = 0  # a shared expert's features (Qwen 2 MoE, Granite MoE shared); 0: none
+    shared_expert_gated: bool = True  # its output scaled by sigmoid of a gate (Qwen 2 MoE's; Granite's is not)
 
     @classmethod
     def from_hf_config(cls, config, **parts) -> MixtralArch:
@@ -65,10 +66,10 @@ class MixtralMoE(Module):
         self.w13 = nn.Parameter(torch.empty(arch.num_experts * 2 * arch.intermediate_size, arch.hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(arch.num_experts * arch.hidden_size, arch.intermediate_size), requires_grad=False)
         self.invariant_panels: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per local expert: w13's, w2's
-        # Qwen 2 MoE's shared expert, which every token takes, times sigmoid of its gate's one output.
+        # A shared expert, which every token takes: Qwen 2 MoE's times sigmoid of its gate's one output.
         shared = arch.shared_expert_intermediate_size
         self.shared_expert = LlamaMLP(arch, shared) if shared else None
-        self.shared_expert_gate = Linear(arch.hidden_size, 1) if shared else None
+        self.shared_expert_gate = Linear(arch.hidden_size, 1) if shared and arch.shared_expert_gated else None
 
     def make_batch_invariant(self) -> None:
         """Every expert's two products in one order of additions for each output, whatever its
@@ -121,9 +122,11 @@ class MixtralMoE(Module):
                 continue
             hidden = self._expert(index, x[tokens], w13, w2)
             out.index_add_(0, tokens, (hidden * weights[tokens, slots, None]).to(out.dtype))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             gate = by_row(torch.sigmoid, self.shared_expert_gate(x), self.invariant_panels is not None)  # as LlamaMLP's GeGLU
             out = out + gate * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
 

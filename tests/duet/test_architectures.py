@@ -50,7 +50,7 @@ def test_each_family_matches_transformers_batched_with_chunked_prompts(checkpoin
     tensors, Llama 3's and YaRN's scaled RoPE, Phi-3's longrope and dynamic NTK, Qwen 3 MoE's unnormalised and normalised top-k
     and its dense layers, Gemma 2's soft-capped scores and logits, (1 + w) norms around both
     blocks, GeGLU and alternating windows, Gemma 3's q/k norms and two RoPEs (linear-scaled
-    global); the 70-token prompt (past every window) is computed in chunks of 32 beside the
+    global), Granite MoE's experts stacked one tensor a projection (and its shared MLP); the 70-token prompt (past every window) is computed in chunks of 32 beside the
     others' decoding."""
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
@@ -58,7 +58,7 @@ def test_each_family_matches_transformers_batched_with_chunked_prompts(checkpoin
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3-moe", "gemma2", "olmo2"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3-moe", "gemma2", "olmo2", "granite-moe"])
 def test_ngram_speculation_keeps_each_family_exact(checkpoints, family):
     path, references = checkpoints(family)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, speculative_config=NGRAM)
@@ -140,6 +140,7 @@ def test_damaged_checkpoints_fail_at_load_naming_the_tensor(tmp_path, tiny_token
 TP2 = {"tensor_parallel_size": 2}
 LAYOUTS = [(family, "TP=2", TP2) for family in ("qwen3", "qwen2", "qwen3-moe", "qwen2-moe", "gemma2", "llama-biases", "olmo2")] + [
     ("qwen2-moe", "EP=2", {**TP2, "enable_expert_parallel": True}),
+    ("granite-moe-shared", "EP=2", {**TP2, "enable_expert_parallel": True}),
     ("olmo2", "PP=2", {"pipeline_parallel_size": 2}),
     ("gemma3", "PP=2", {"pipeline_parallel_size": 2}),
 ]
@@ -151,8 +152,9 @@ def test_parallel_layouts_match_transformers(ray_cluster, checkpoints, family, l
     """TP=2: each rank holds its heads' rows of the q/k/v biases and the whole per-head norms
     (OLMo 2's norms over all heads gather the ranks' rows); a MoE's dense layer splits its own
     width; Gemma 2's soft-capped, windowed heads split as any; a Llama's gate/up biases split
-    with their features, its o and down biases are added once. EP=2: Qwen 2 MoE's ranks hold two
-    routed experts each and half the shared expert's features, so that their sum adds it once.
+    with their features, its o and down biases are added once. EP=2: Qwen 2 MoE's and Granite MoE
+    Shared's ranks hold two routed experts each and half the shared expert's features, so that
+    their sum adds it once (Granite's ungated).
     PP=2: a stage boundary between blocks whose norms sit after them (OLMo 2) or around them
     (Gemma 3): the second stage's first block takes the residual stream as the first leaves it."""
     path, references = checkpoints(family)
