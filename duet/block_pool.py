@@ -20,10 +20,10 @@ ROOT_HASH = 0
 # whole prefix before it, so a replica holding a long shared prefix (a system prompt, a
 # conversation's history) is found from a few hashes a prompt, not one per block.
 ROUTING_DEPTHS_DENSE = 4
+ROUTING_DEPTHS_STRIDE = 64
 # The pool's null block (``BlockPool(null_block=True)``): what a block table names in place of
 # blocks a sequence gave back.
 NULL_BLOCK_ID = 0
-ROUTING_DEPTHS_STRIDE = 64
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
