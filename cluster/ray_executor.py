@@ -43,10 +43,6 @@ class _WorkerActor(Worker):
     def ping(self) -> bool:
         return True
 
-    def check_lora(self, name: str, path: str) -> None:
-        """``load_lora``'s check, without shipping the adapter back."""
-        self.load_lora(name, path)
-
 
 HEALTH_TIMEOUT_S = 10.0  # well above the longest step
 

@@ -307,6 +307,9 @@ class EngineArgs:
     lora_modules: dict | None = None  # LoRA adapters requests may name: {name: PEFT adapter folder} (duet.lora)
     max_lora_rank: int = 64
     max_loras: int = 4  # LoRA adapters held at once; another is loaded in place of the least recently used
+    # Adapters kept in host memory, those held included (vLLM's): an adapter unloaded for another is read
+    # again from there, not from its folder, while the newest max_cpu_loras - max_loras are kept. None: max_loras.
+    max_cpu_loras: int | None = None
     batch_invariant: bool = False  # a request's values the same whatever shares its steps (duet.models.batch_invariant)
     enforce_eager: bool = False  # on a GPU: no CUDA graphs of the decode step (duet.cuda_graphs)
     # Decode rows that share a prefix's blocks attend to them once for the group (duet.kernels.cascade):
@@ -358,6 +361,8 @@ class EngineArgs:
         self.kv_transfer()
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
             raise ConfigError(f"max_loras must be a positive integer, got {self.max_loras!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise ConfigError(f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
         if self.lora_modules is not None:
             if not isinstance(self.lora_modules, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in self.lora_modules.items()):
                 raise ConfigError("lora_modules must map adapter names to PEFT adapter folders")

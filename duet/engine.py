@@ -103,6 +103,7 @@ class LLMEngine:
             lora_modules=tuple((args.lora_modules or {}).items()),
             max_lora_rank=args.max_lora_rank,
             max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras or args.max_loras,
             batch_invariant=args.batch_invariant,
             cascade_attention="off" if args.batch_invariant else args.cascade_attention,
             cuda_graph_max_num_seqs=0 if args.enforce_eager or args.device == "cpu" or world_size > 1 else max_num_seqs,

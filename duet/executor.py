@@ -25,7 +25,7 @@ class UniprocExecutor:
 
     def check_lora(self, name: str, path: str) -> None:
         """Raise ``duet.lora.LoRAError`` if the adapter at ``path`` does not fit the model."""
-        self.worker.load_lora(name, path)
+        self.worker.check_lora(name, path)
 
     def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
         """Each rank's KV receiver, in rank order (empty without a KV connector)."""

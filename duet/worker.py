@@ -9,6 +9,7 @@ shard of it (``duet.models.tensor_parallel``) and talks to the others over a pro
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class WorkerConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT adapter folder) of each adapter requests may name
     max_lora_rank: int = 64
     max_loras: int = 4  # the first of lora_modules held from the start (the others are checked, then loaded when used)
+    max_cpu_loras: int = 4  # adapters kept in host memory, the held ones included (``Worker.load_lora``)
     rank: int = 0
     world_size: int = 1  # tensor_parallel_size x pipeline_parallel_size
     pipeline_parallel_size: int = 1
@@ -144,10 +146,19 @@ class Worker:
             self.runner = PipelineRunner(
                 model, self.pipeline, *runner_args, tokenizer_path=config.model_path, cascade_attention=config.cascade_attention
             )
+        # Adapters unloaded, kept in host memory (``max_cpu_loras``), by (name, folder, files' stamp);
+        # the folder of each held one; and how many were read from a folder.
+        self._unloaded_loras: OrderedDict[tuple, object] = OrderedDict()
+        self._lora_paths: dict[str, str] = {}
+        self.num_lora_reads = 0
         for index, (name, path) in enumerate(config.lora_modules):
             adapter = self.load_lora(name, path)  # checked now, whether held or not
             if index < config.max_loras:
                 self.runner.add_lora(adapter)
+                self._lora_paths[name] = path
+            else:
+                self._keep_unloaded(name, path, adapter)
+        self._trim_unloaded()
         if config.device == "cpu":
             from duet.kernels import cpu_ops
 
@@ -167,19 +178,53 @@ class Worker:
         return None if self.kv_connector is None else self.kv_connector.endpoint
 
     def load_lora(self, name: str, path: str):
-        """The adapter at ``path``, checked against this model (``duet.lora.LoRAError``: why it does not fit)."""
+        """The adapter at ``path``, checked against this model (``duet.lora.LoRAError``: why it does not
+        fit): kept in host memory since it was unloaded (``unload_lora``), if its files are unchanged,
+        else read from its folder."""
         from duet.lora import load_adapter
 
+        key = (name, path, _adapter_stamp(path))
+        kept = self._unloaded_loras.pop(key, None)
+        if kept is not None:
+            return kept if self.config.device == "cpu" else adapter_to(kept, self.config.device)
+        self.num_lora_reads += 1
         return load_adapter(name, path, self.runner.model, self.config.max_lora_rank)
+
+    def check_lora(self, name: str, path: str) -> None:
+        """Raise ``duet.lora.LoRAError`` if the adapter at ``path`` does not fit this model (read
+        from its folder; nothing is kept, nor returned: a Ray actor's answer would ship it)."""
+        from duet.lora import load_adapter
+
+        load_adapter(name, path, self.runner.model, self.config.max_lora_rank)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; keep the newest ``max_cpu_loras - max_loras`` unloaded ones
+        in host memory, by folder and files, for the next load."""
+        adapter, path = self.runner.loras.pop(name, None), self._lora_paths.pop(name, None)
+        if adapter is not None and path is not None:
+            self._keep_unloaded(name, path, adapter)
+
+    def _keep_unloaded(self, name: str, path: str, adapter) -> None:
+        if self.config.max_cpu_loras > self.config.max_loras:
+            self._unloaded_loras[(name, path, _adapter_stamp(path))] = adapter if self.config.device == "cpu" else adapter_to(adapter, "cpu")
+
+    def _trim_unloaded(self) -> None:
+        """Down to the newest ``max_cpu_loras - max_loras``: after a step's loads and unloads, so
+        that one unloaded to make room does not push out one the same step loads."""
+        while len(self._unloaded_loras) > self.config.max_cpu_loras - self.config.max_loras:
+            self._unloaded_loras.popitem(last=False)
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         for name, path in scheduler_output.lora_ops:  # the engine's loads and unloads (``duet.lora.LoRASlots``)
-            self.runner.loras.pop(name, None)
+            self.unload_lora(name)
             if path is not None:
                 try:
                     self.runner.add_lora(self.load_lora(name, path))
+                    self._lora_paths[name] = path
                 except ConfigError as error:  # changed since the engine checked it: its requests fail, not the step's others
                     logger.error("could not load LoRA adapter %r from %s: %s", name, path, error)
+        if scheduler_output.lora_ops:
+            self._trim_unloaded()
         if scheduler_output.kv_tier:  # first: blocks this step's transfers and forward write or read
             self.kv_tier.apply(scheduler_output.kv_tier)
         connector = self.kv_connector
@@ -206,3 +251,23 @@ class Worker:
             self.runner.grammar.close()
         if self.kv_connector is not None:
             self.kv_connector.close()
+
+
+def _adapter_stamp(path: str) -> tuple:
+    """What tells an adapter's files changed: each one's size and modification time."""
+    stamp = []
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            info = (Path(path) / name).stat()
+            stamp.append((info.st_size, info.st_mtime_ns))
+        except OSError:
+            stamp.append(None)
+    return tuple(stamp)
+
+
+def adapter_to(adapter, device: str):
+    """``adapter`` with its weights on ``device``."""
+    from duet.lora import LoRAAdapter, LoRAWeights
+
+    weights = {name: LoRAWeights(w.a.to(device), w.bt.to(device)) for name, w in adapter.weights.items()}
+    return LoRAAdapter(adapter.name, weights)

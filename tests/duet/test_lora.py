@@ -185,6 +185,34 @@ def test_eight_adapters_round_robin_with_four_held_each_answer_with_its_own(lora
     llm.engine.check_integrity()
 
 
+def test_adapters_unloaded_are_kept_in_host_memory_up_to_max_cpu_loras(lora_setup, many_adapters):
+    """Eight adapters, two held: with ``max_cpu_loras=8`` each is read from its folder once (when
+    the engine starts and checks it) and two rounds through all eight read none again, unless an
+    adapter's files change; unset (``max_loras``), every load reads its folder. Every output is
+    its own adapter's."""
+    import os
+
+    base, _, prompts, _ = lora_setup
+    adapters, references = many_adapters
+    for max_cpu_loras in (8, None):
+        llm = LLM(model=str(base), lora_modules={name: str(path) for name, path in adapters.items()}, max_loras=2,
+                  max_cpu_loras=max_cpu_loras, num_kv_blocks=128)
+        worker = llm.engine.executor.worker
+        assert worker.num_lora_reads == 8
+        for _ in range(2):
+            for name in adapters:
+                check_outputs(llm.generate(prompts[:2], _greedy(), lora=name), references[name][:2], f"adapter {name}")
+        loads = llm.engine.stats().lora.loads
+        assert loads >= 12
+        assert worker.num_lora_reads == (8 if max_cpu_loras else 8 + loads)
+        if max_cpu_loras:
+            weights = adapters["tune0"] / "adapter_model.safetensors"
+            os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1_000_000))
+            check_outputs(llm.generate(prompts[:2], _greedy(), lora="tune0"), references["tune0"][:2], "tune0 after a touch")
+            assert worker.num_lora_reads == 9
+        llm.engine.check_integrity()
+
+
 def test_adapters_loaded_at_run_time_by_folder_and_refused_without_disturbing_others(lora_setup, many_adapters, tmp_path, tiny_tokenizer_dir):
     """An adapter named with its folder is loaded when first used; the same name from another
     folder is another adapter (its own KV, never the first's cached blocks); one that does not
