@@ -5,7 +5,7 @@ engine streams the KV into them while it computes and sends its first token alon
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from duet.engine_process import EngineProcess
 from duet.messages import EngineRequest
@@ -105,3 +105,24 @@ def finish_moved(target, request_id: str, timeout_s: float = 60) -> tuple[list[i
         if not deltas:
             time.sleep(0.002)  # waiting for the KV: leave the transfer threads the CPU
     return tokens, logprobs
+
+
+def migrate_live(source: EngineProcess, target, request: EngineRequest, after: int = 6, timeout_s: float = 60) -> tuple[list[int], list[int]]:
+    """Run ``request`` on ``source`` (a decode engine's process) until it has streamed ``after``
+    tokens, hold it still, and move it by KV to ``target`` (an engine here), which finishes it:
+    the tokens the source held, and those the target gave."""
+    source.add_request(request)
+    streamed, deadline = [], time.monotonic() + timeout_s
+    while len(streamed) < after:
+        assert time.monotonic() < deadline, "the source stopped streaming"
+        delta = source.receive()
+        if delta is not None:
+            streamed += delta.token_ids
+        else:
+            time.sleep(0.002)  # a busy wait here took a core from the source process
+    held = source.call("freeze", request.request_id)
+    assert held[: len(streamed)] == streamed and len(held) >= after
+    moved = replace(request, output_token_ids=held, kv_receive=True)
+    assert source.call("migrate", request.request_id, target.add_request(moved)) is True
+    rest, _ = finish_moved(target, request.request_id, timeout_s)
+    return held, rest

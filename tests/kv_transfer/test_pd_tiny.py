@@ -14,7 +14,7 @@ from duet.engine import LLMEngine
 from duet.engine_process import EngineProcess
 from duet.errors import InvalidRequestError
 from duet.messages import EngineRequest
-from tests.kv_transfer.pd_harness import doomed_prefill, finish_moved, run_disaggregated
+from tests.kv_transfer.pd_harness import doomed_prefill, migrate_live, run_disaggregated
 from tests.reference import compare_to_reference, hf_greedy
 
 # Lengths 5, 33 and 70 end in partial blocks; 48 fills its last block exactly.
@@ -179,19 +179,7 @@ def test_a_decoding_sequence_migrates_by_kv_and_goes_on_as_if_it_had_not_moved(t
     prompt = PROMPTS[1]
     undisturbed = LLM(model=str(tiny_llama_dir), max_model_len=512).generate([prompt], params)[0].outputs[0].token_ids
     try:
-        source.add_request(EngineRequest("m", prompt, params))
-        streamed = []
-        while len(streamed) < 6:
-            delta = source.receive()
-            if delta is not None:
-                streamed += delta.token_ids
-            else:
-                time.sleep(0.002)  # a busy wait here took a core from the source process
-        held = source.call("freeze", "m")
-        assert held[: len(streamed)] == streamed and len(held) >= 6
-        destination = target.add_request(EngineRequest("m", prompt, params, output_token_ids=held, kv_receive=True))
-        assert source.call("migrate", "m", destination) is True
-        rest, _ = finish_moved(target, "m")
+        held, rest = migrate_live(source, target, EngineRequest("m", prompt, params))
         assert held + rest == undisturbed
         assert target.stats().transfer.transfers == 1 and target.stats().kv.prefix_cache_queries == 0
         target.check_integrity()

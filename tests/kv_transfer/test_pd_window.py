@@ -4,15 +4,13 @@ it), by a prompt's streamed KV and by a live migration, with transformers' token
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from duet import LLM, SamplingParams
 from duet.engine_process import EngineProcess
 from duet.messages import EngineRequest
 from tests.conftest import make_tiny_model
-from tests.kv_transfer.pd_harness import finish_moved, run_disaggregated
+from tests.kv_transfer.pd_harness import migrate_live, run_disaggregated
 from tests.kv_transfer.test_pd_tiny import _decode, _engine_kwargs
 from tests.reference import compare_to_reference, hf_greedy
 
@@ -69,18 +67,7 @@ def test_a_windowed_sequence_migrates_with_only_its_window(mistral):
     prompt = PROMPTS[0]
     undisturbed = LLM(model=str(mistral), max_model_len=512).generate([prompt], GREEDY)[0].outputs[0].token_ids
     try:
-        source.add_request(EngineRequest("m", prompt, GREEDY))
-        streamed = []
-        while len(streamed) < 6:
-            delta = source.receive()
-            if delta is not None:
-                streamed += delta.token_ids
-            else:
-                time.sleep(0.002)
-        held = source.call("freeze", "m")
-        destination = target.add_request(EngineRequest("m", prompt, GREEDY, output_token_ids=held, kv_receive=True))
-        assert source.call("migrate", "m", destination) is True
-        rest, _ = finish_moved(target, "m")
+        held, rest = migrate_live(source, target, EngineRequest("m", prompt, GREEDY))
         assert held + rest == undisturbed
         context = len(prompt) + len(held) - 1  # the target's first step computes the last token
         assert target.stats().transfer.bytes == _read_blocks(context) * _block_bytes(target)
