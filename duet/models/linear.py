@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,9 @@ class Linear(Module):
         # How the input is quantized before the product (W8A8's ``packed.INT8_PER_TOKEN`` or
         # ``FLOAT8_PER_TOKEN``: ``packed.dynamic_per_token``); None: not.
         self.input_quantization: str | None = None
+        # Where its input features are split over tensor-parallel ranks: each row's largest
+        # magnitude over every rank's features, from this rank's (the scale W8A8 quantizes by).
+        self.input_row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
         # A tensor-parallel shard's place in the whole weight (``tensor_parallel.PartOfWeight``); None: whole.
         self.part_of = None
 
@@ -196,7 +200,8 @@ class Linear(Module):
         self._lay_out_panels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._product(self._ordered(x if self.input_quantization is None else dynamic_per_token(x, self.input_quantization)))
+        quantized = x if self.input_quantization is None else dynamic_per_token(x, self.input_quantization, self.input_row_max)
+        y = self._product(self._ordered(quantized))
         step = None if self.lora_name is None else current_lora_step()
         return y if step is None else step.apply(self.lora_name, x, y)
 

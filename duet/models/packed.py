@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -185,16 +186,21 @@ def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
     return names
 
 
-def dynamic_per_token(x: torch.Tensor, scheme: str) -> torch.Tensor:
+def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``x``'s rows as W8A8 quantizes a product's input before it, to the bit as compressed-tensors'
     forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): each row's scale
     ``s`` is its largest magnitude (zero counted) over half the codes' range (127.5 for int8, 448
     for float8; the eps of ``x``'s dtype where that is 0), and the row becomes ``x / s`` clamped
-    to the codes, rounded to one (half to even), times ``s``."""
+    to the codes, rounded to one (half to even), times ``s``. ``row_max``: where ``x`` holds part
+    of each row's features (a row-parallel shard's), the largest magnitudes over the whole rows
+    from those of this part."""
     zero = torch.zeros((), dtype=x.dtype)
     low, high = torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero)
     half_range = 127.5 if scheme == INT8_PER_TOKEN else FLOAT8_MAX
-    scale = torch.maximum(low.abs(), high.abs()) / torch.tensor(half_range, dtype=x.dtype)
+    largest = torch.maximum(low.abs(), high.abs())
+    if row_max is not None:
+        largest = row_max(largest)
+    scale = largest / torch.tensor(half_range, dtype=x.dtype)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
     if scheme == INT8_PER_TOKEN:
         return torch.round(torch.clamp(x / scale, -128, 127)) * scale

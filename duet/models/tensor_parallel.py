@@ -25,6 +25,7 @@ logits are not near-ties (what the parity tests check, against transformers too)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -126,6 +127,7 @@ def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None
         raise ConfigError("an activation-ordered GPTQ weight does not split by input features (row-parallel); use tensor_parallel_size 1")
     shard = _shard(linear, rows, columns)
     shard.input_order = linear.input_order
+    shard.input_quantization = linear.input_quantization
     shard.part_of = PartOfWeight(rows, columns, linear.out_features, linear.in_features)
     return shard
 
@@ -154,6 +156,11 @@ def _shard(linear: Linear, rows: list[slice], columns: slice | None) -> Linear:
         except ValueError as error:
             logger.warning("a tensor-parallel shard computes from its float weight: %s", error)
     return shard
+
+
+def _largest_over_ranks(group: TensorParallelGroup, largest: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude over every rank's part of it."""
+    return torch.stack(group.all_gather(largest)).amax(0)
 
 
 class SummedOverRanks(Module):
@@ -248,9 +255,6 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
     and wire its collectives; ``model.arch`` becomes the rank's shape (its heads, KV heads and
     MLP features: what its KV cache holds)."""
     arch, rank, world_size = model.arch, group.rank, group.world_size
-    if any(isinstance(module, Linear) and module.input_quantization is not None for module in model.modules()):
-        # A row's scale is its largest magnitude over all its features, which o and down split over the ranks.
-        raise ConfigError("a W8A8 checkpoint (inputs quantized per token) runs at tensor_parallel_size=1 only; not built yet")
     heads = shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank)
     head_dim = arch.head_dim
     q_rows = slice(heads.q_heads.start * head_dim, heads.q_heads.stop * head_dim)
@@ -299,3 +303,6 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
     whole_experts = isinstance(arch, MixtralArch) and expert_parallel
     intermediate_size = arch.intermediate_size if whole_experts else features.stop - features.start
     model.arch = dataclasses.replace(arch, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads, intermediate_size=intermediate_size)
+    for module in model.modules():  # W8A8's row-parallel products (o, down): a row's scale spans every rank's features
+        if isinstance(module, Linear) and module.input_quantization is not None and module.part_of.columns is not None:
+            module.input_row_max = functools.partial(_largest_over_ranks, group)
