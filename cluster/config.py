@@ -11,7 +11,8 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from duet.config import ConfigError, EngineArgs, resolve_dtype, resolve_kv_cache_dtype
+from duet.config import ConfigError, EngineArgs
+from duet.dtypes import resolve_dtype, resolve_kv_cache_dtype
 
 
 class _Strict(BaseModel):

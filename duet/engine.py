@@ -18,7 +18,8 @@ import time
 import torch
 
 from duet.block_pool import BlockIntegrityError
-from duet.config import EngineArgs, import_object, resolve_dtype, resolve_kv_cache_dtype
+from duet.config import EngineArgs, import_object
+from duet.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from duet.errors import InvalidRequestError, ReplicaFullError, WorkerDiedError
 from duet.kv_cache_manager import KVCacheManager
 from duet.kv_tier import KVTier
@@ -155,13 +156,9 @@ class LLMEngine:
         self.check_constraint(params)
         # A request may also hold slots for the draft tokens it writes past its last one.
         lookahead = self.scheduler.num_lookahead_tokens
-        num_tokens = len(prompt_token_ids) + max_tokens
-        blocks_needed = -(-(num_tokens + lookahead) // self.block_size)
-        window = self.model_config.kv_window
-        if window is not None:  # it holds at most the blocks of its largest step and of the window before it
-            config = self.scheduler_config
-            step = min(num_tokens, config.max_num_batched_tokens) if config.enable_chunked_prefill else num_tokens
-            blocks_needed = min(blocks_needed, -(-(window - 1 + step + lookahead) // self.block_size) + 1)
+        num_tokens, config = len(prompt_token_ids) + max_tokens, self.scheduler_config
+        step = min(num_tokens, config.max_num_batched_tokens) if config.enable_chunked_prefill else num_tokens
+        blocks_needed = self.kv_cache_manager.most_blocks_held(num_tokens + lookahead, step + lookahead)
         num_blocks = self.kv_cache_manager.block_pool.num_blocks  # (less the null block, with a window)
         if blocks_needed > num_blocks:
             raise InvalidRequestError(

@@ -5,6 +5,10 @@ change; the router turns each into an HTTP status."""
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A setting is out of range or inconsistent; the message says what to change."""
+
+
 class InvalidRequestError(ValueError):
     """The request cannot be served as given (HTTP 400); ``param`` names the field at fault."""
 

@@ -119,6 +119,12 @@ class KVCacheManager:
             return 0
         return max(0, num_computed_tokens - self.window + 1) // self.block_size
 
+    def most_blocks_held(self, num_slots: int, largest_step: int) -> int:
+        """The most blocks a request of ``num_slots`` slots, computed at most ``largest_step`` at a
+        time, holds at once: all of them, or with a window those of a step and of the window before it."""
+        whole = -(-num_slots // self.block_size)
+        return whole if self.window is None else min(whole, -(-(self.window - 1 + largest_step) // self.block_size) + 1)
+
     def num_dropped_blocks(self, request_id: str) -> int:
         """How many of the request's leading blocks are the null block (their keys out of every window)."""
         return self._num_dropped.get(request_id, 0)

@@ -54,6 +54,10 @@ class LoRAAdapter:
     name: str
     weights: dict[str, LoRAWeights]  # by duet module name (``layers.0.self_attn.qkv_proj``)
 
+    def to(self, device: str) -> LoRAAdapter:
+        """The adapter with its weights on ``device``."""
+        return LoRAAdapter(self.name, {name: LoRAWeights(w.a.to(device), w.bt.to(device)) for name, w in self.weights.items()})
+
 
 def load_adapter(name: str, path: str | Path, model, max_rank: int) -> LoRAAdapter:
     """The adapter at ``path`` for ``model`` (a loaded ``LlamaForCausalLM``), checked against

@@ -258,12 +258,8 @@ class Scheduler(SequenceMoves, StepRecovery):
             else:
                 # The scheduler's block table is the runner's: what it kept, then what is new.
                 num_kept = len(self.kv_cache_manager.block_ids(request_id)) - len(new_blocks[request_id])
-                cached_requests.append(
-                    CachedRequestData(
-                        request_id, new_blocks[request_id], request.num_computed_tokens, num_kept,
-                        self.kv_cache_manager.num_dropped_blocks(request_id),
-                    )
-                )
+                dropped = self.kv_cache_manager.num_dropped_blocks(request_id)  # before its window
+                cached_requests.append(CachedRequestData(request_id, new_blocks[request_id], request.num_computed_tokens, num_kept, dropped))
         finished, self._finished_ids = self._finished_ids, set()
         self._runner_known -= preempted
         return SchedulerOutput(

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from duet.config import ConfigError, KVOffloadConfig, KVTransferConfig, SpeculativeConfig, import_object, resolve_dtype, resolve_kv_cache_dtype
+from duet.config import ConfigError, KVOffloadConfig, KVTransferConfig, SpeculativeConfig, import_object
+from duet.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from duet.kv_tier import KVTierStore
 from duet.messages import KVEndpoint
 from duet.outputs import RunnerOutput, SchedulerOutput
@@ -186,7 +187,7 @@ class Worker:
         key = (name, path, _adapter_stamp(path))
         kept = self._unloaded_loras.pop(key, None)
         if kept is not None:
-            return kept if self.config.device == "cpu" else adapter_to(kept, self.config.device)
+            return kept.to(self.config.device)
         self.num_lora_reads += 1
         return load_adapter(name, path, self.runner.model, self.config.max_lora_rank)
 
@@ -206,7 +207,7 @@ class Worker:
 
     def _keep_unloaded(self, name: str, path: str, adapter) -> None:
         if self.config.max_cpu_loras > self.config.max_loras:
-            self._unloaded_loras[(name, path, _adapter_stamp(path))] = adapter if self.config.device == "cpu" else adapter_to(adapter, "cpu")
+            self._unloaded_loras[(name, path, _adapter_stamp(path))] = adapter.to("cpu")
 
     def _trim_unloaded(self) -> None:
         """Down to the newest ``max_cpu_loras - max_loras``: after a step's loads and unloads, so
@@ -263,11 +264,3 @@ def _adapter_stamp(path: str) -> tuple:
         except OSError:
             stamp.append(None)
     return tuple(stamp)
-
-
-def adapter_to(adapter, device: str):
-    """``adapter`` with its weights on ``device``."""
-    from duet.lora import LoRAAdapter, LoRAWeights
-
-    weights = {name: LoRAWeights(w.a.to(device), w.bt.to(device)) for name, w in adapter.weights.items()}
-    return LoRAAdapter(adapter.name, weights)

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duet.config import cpu_has_fast_bf16
+from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_OUT_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax

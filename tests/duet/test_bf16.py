@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from duet import LLM, SamplingParams
-from duet.config import cpu_has_fast_bf16, resolve_dtype
+from duet.dtypes import cpu_has_fast_bf16, resolve_dtype
 from tests.reference import hf_greedy
 
 BF16_NEAR_TIE = 0.25

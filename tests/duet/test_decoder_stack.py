@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from duet import LLM, SamplingParams
-from duet.config import cpu_has_fast_bf16
+from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
 from tests.conftest import TINY_VOCAB, make_tiny_mixtral
 

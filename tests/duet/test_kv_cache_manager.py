@@ -221,6 +221,8 @@ def test_blocks_before_every_window_go_back_as_a_sequence_grows():
     assert dropped == manager.blocks_before_window(28) == 5 and table[:dropped] == [0] * dropped
     assert 0 not in table[dropped:] and len(table) == 8
     assert max(held) <= 3  # a 6-key window and one new token span at most 3 blocks of 4
+    assert manager.most_blocks_held(29, 1) == 3 and manager.most_blocks_held(29, 8) == 5  # validate's bound
+    assert _manager(num_blocks=12).most_blocks_held(29, 1) == 8  # without a window: every block
     assert manager.num_free_blocks == 11 - 3  # (the null block was never handed out)
     again = _request("b", list(range(10, 19)))  # the first blocks went back cached: still hits
     hits, num_hit_tokens = manager.get_computed_blocks(again)

@@ -271,7 +271,7 @@ def test_the_cpp_update_adds_each_rows_own_adapter_and_leaves_the_others(dtype, 
 def test_the_decoder_stack_runs_adapters_rows_to_the_loops_bits(lora_setup, dtype):
     """Decode steps with adapters' rows take the C++ stack, to the Python loop's very bits (in
     bf16, adapters kept in bf16 too); in fp32 every output is still transformers' with PEFT's merge."""
-    from duet.config import cpu_has_fast_bf16
+    from duet.dtypes import cpu_has_fast_bf16
     from tests.duet.test_decoder_stack import _check_every_short_step
 
     if dtype == "bfloat16" and not cpu_has_fast_bf16():
