@@ -349,4 +349,4 @@ def parity_references(smollm2_dir, parity_prompts):
     from duet.benchmarks.prompts import PARITY_NEW_TOKENS
     from tests.reference import hf_greedy
 
-    return hf_greedy(smollm2_dir, parity_prompts, PARITY_NEW_TOKENS)
+    return hf_greedy(smollm2_dir, parity_prompts, PARITY_NEW_TOKENS, processes=2)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +20,24 @@ class Reference:
 
 
 def hf_greedy(
-    model_dir, prompts: list[list[int]], max_new_tokens: int, dtype=torch.float32, gguf_file: str | None = None
+    model_dir,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype=torch.float32,
+    gguf_file: str | None = None,
+    processes: int = 1,
 ) -> list[Reference]:
     """transformers ``generate(do_sample=False)`` one prompt at a time (no padding effects), on the
-    checkpoint in ``model_dir`` (its GGUF file ``gguf_file``, read by transformers' own reader)."""
+    checkpoint in ``model_dir`` (its GGUF file ``gguf_file``, read by transformers' own reader).
+
+    ``processes`` > 1 shares the prompts out to that many fresh processes of one torch thread
+    each (at most one a core): transformers' steps on a model of SmolLM2's size are bound by
+    Python's overhead, not by its threads (on a 2-core EPYC one thread steps as fast as two, and
+    two processes of one thread each step as fast as one alone), so the references come in about
+    the time of one process's share plus a few seconds to start them."""
+    processes = min(processes, len(prompts), os.cpu_count() or 1)
+    if processes > 1:
+        return _in_processes(str(model_dir), prompts, max_new_tokens, dtype, gguf_file, processes)
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
@@ -45,6 +62,30 @@ def hf_greedy(
                 gaps.append(float(top2[0] - top2[1]))
             references.append(Reference(tokens, gaps))
     return references
+
+
+def _in_processes(model_dir: str, prompts, max_new_tokens, dtype, gguf_file, processes: int) -> list[Reference]:
+    """``hf_greedy`` over ``processes`` spawned processes (not forked: this one's OpenMP pool
+    would not survive a fork), each given every ``processes``-th prompt by length, so that their
+    shares take about as long."""
+    order = sorted(range(len(prompts)), key=lambda index: len(prompts[index]))
+    shares = [order[start::processes] for start in range(processes)]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=processes, mp_context=context) as pool:
+        futures = [
+            pool.submit(_share, model_dir, [prompts[index] for index in share], max_new_tokens, dtype, gguf_file) for share in shares
+        ]
+        results = [future.result() for future in futures]
+    references: list[Reference | None] = [None] * len(prompts)
+    for share, result in zip(shares, results):
+        for index, reference in zip(share, result):
+            references[index] = reference
+    return references
+
+
+def _share(model_dir: str, prompts, max_new_tokens, dtype, gguf_file) -> list[Reference]:
+    torch.set_num_threads(1)
+    return hf_greedy(model_dir, prompts, max_new_tokens, dtype, gguf_file)
 
 
 def compare_to_reference(got: list[int], reference: Reference, label: str) -> str | None:

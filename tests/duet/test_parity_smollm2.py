@@ -30,7 +30,7 @@ def shared_prompts(smollm2_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def shared_references(smollm2_dir, shared_prompts):
-    return hf_greedy(smollm2_dir, shared_prompts, PARITY_NEW_TOKENS)
+    return hf_greedy(smollm2_dir, shared_prompts, PARITY_NEW_TOKENS, processes=2)
 
 
 def _check(outputs, refs, label) -> list[str]:
