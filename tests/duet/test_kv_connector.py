@@ -8,7 +8,7 @@ from __future__ import annotations
 from duet.messages import KVDestination, KVEndpoint
 from duet.outputs import KVTransferResult, RunnerOutput
 from duet.request import RequestStatus
-from tests.duet.test_scheduler import TOKEN, _request, _step
+from tests.duet.scheduler_driver import TOKEN, new_request, step
 
 DESTINATION = KVDestination(77, (KVEndpoint("127.0.0.1", 1234),), "decode-x")
 
@@ -24,12 +24,12 @@ def test_a_sent_prompt_ships_in_its_last_chunk_and_its_blocks_wait_for_the_send(
     chunk (its layers travel as that forward writes them); the request ends with its first token
     but its blocks stay held, under the transfer's id, until the workers report the send done."""
     scheduler = make_scheduler(max_num_batched_tokens=8)
-    request = _request("p", 10, max_tokens=16)
+    request = new_request("p", 10, max_tokens=16)
     request.kv_send, request.remote_decode = DESTINATION, True
     scheduler.add_request(request)
-    first = _step(scheduler)
+    first = step(scheduler)
     assert (first.num_scheduled_tokens, first.kv_connector.sends) == ({"p": 8}, [])
-    second = _step(scheduler)
+    second = step(scheduler)
     assert second.num_scheduled_tokens == {"p": 2}
     assert [(s.request_id, s.transfer_id, s.num_blocks) for s in second.kv_connector.sends] == [("p", 77, 3)]
     assert request.status == RequestStatus.FINISHED_REMOTE and request.finish_reason is None
@@ -42,10 +42,10 @@ def test_a_sent_prompt_ships_in_its_last_chunk_and_its_blocks_wait_for_the_send(
 
 def test_an_aborted_send_is_cancelled_and_holds_its_blocks_until_the_sender_lets_go(make_scheduler):
     scheduler = make_scheduler(max_num_batched_tokens=8)
-    request = _request("p", 10)
+    request = new_request("p", 10)
     request.kv_send, request.remote_decode = DESTINATION, True
     scheduler.add_request(request)
-    _step(scheduler)
+    step(scheduler)
     output = scheduler.schedule()  # the last chunk: the send starts...
     assert output.kv_connector.sends
     scheduler.abort("p")  # ...and the client leaves before the step's results
@@ -61,7 +61,7 @@ def test_a_received_prompt_waits_with_its_blocks_and_joins_with_its_first_token(
     the prefill starts), named to the workers next step; when the KV is in, the request joins
     the batch with the prefill's first token (not reported again) and decodes from there."""
     scheduler = make_scheduler()
-    request = _request("d", 9, max_tokens=3)
+    request = new_request("d", 9, max_tokens=3)
     assert scheduler.add_remote_request(request, 5)
     assert (request.status, scheduler.kv_cache_manager.block_ids("d")) == (RequestStatus.WAITING_FOR_REMOTE_KV, [0, 1, 2])
     announced, _ = _report(scheduler)
@@ -69,17 +69,17 @@ def test_a_received_prompt_waits_with_its_blocks_and_joins_with_its_first_token(
     assert announced.num_scheduled_tokens == {}
     _, changed = _report(scheduler, KVTransferResult(5, True, first_token_id=42))
     assert changed == [] and request.output_token_ids == [42] and request.num_emitted_tokens == 1
-    decode = _step(scheduler)
+    decode = step(scheduler)
     assert decode.num_scheduled_tokens == {"d": 1}  # the first token's KV; the prompt's is in
     assert (decode.new_requests[0].output_token_ids, decode.new_requests[0].num_computed_tokens) == ([42], 9)
     assert request.output_token_ids == [42, TOKEN]
-    _step(scheduler)
+    step(scheduler)
     assert request.finish_reason == "length" and scheduler.kv_cache_manager.num_free_blocks == 32
 
 
 def test_a_received_first_token_that_ends_the_request_ends_it_here_too(make_scheduler):
     scheduler = make_scheduler()
-    request = _request("d", 9, max_tokens=3)
+    request = new_request("d", 9, max_tokens=3)
     scheduler.add_remote_request(request, 5)
     _report(scheduler)
     _, changed = _report(scheduler, KVTransferResult(5, True, first_token_id=2))  # EOS
@@ -89,7 +89,7 @@ def test_a_received_first_token_that_ends_the_request_ends_it_here_too(make_sche
 
 def test_a_lost_prompt_kv_fails_the_request_and_frees_its_blocks(make_scheduler):
     scheduler = make_scheduler()
-    request = _request("d", 9)
+    request = new_request("d", 9)
     scheduler.add_remote_request(request, 5)
     _report(scheduler)
     _, changed = _report(scheduler, KVTransferResult(5, False, error="pair p->d/0 broke: timeout"))
@@ -104,13 +104,13 @@ def test_aborting_a_received_prompt_frees_at_once_unless_the_workers_know_of_it(
     cancel still goes out, to drain an announcement that comes anyway); after, they are held
     until the receiver lets go."""
     scheduler = make_scheduler()
-    early = _request("early", 9)
+    early = new_request("early", 9)
     scheduler.add_remote_request(early, 5)
     scheduler.abort("early")
     assert scheduler.kv_cache_manager.num_free_blocks == 32
     output, _ = _report(scheduler)
     assert (output.kv_connector.receives, output.kv_connector.cancels) == ([], [5])
-    late = _request("late", 9)
+    late = new_request("late", 9)
     scheduler.add_remote_request(late, 6)
     _report(scheduler)
     scheduler.abort("late")
@@ -125,14 +125,14 @@ def test_a_failed_step_cancels_its_send_and_reruns_the_prompt_without_one(make_s
     cancelled (the decode side recomputes), its blocks held until the sender lets go, and the
     request reruns to give its first token, sending nothing."""
     scheduler = make_scheduler()
-    request = _request("p", 10)
+    request = new_request("p", 10)
     request.kv_send, request.remote_decode = DESTINATION, True
     scheduler.add_request(request)
     failed = scheduler.schedule()
     assert failed.kv_connector.sends
     assert scheduler.reset_step(failed) == []
     assert list(scheduler.kv_cache_manager.held) == [77] and request.kv_send is None
-    rerun = _step(scheduler)
+    rerun = step(scheduler)
     assert rerun.kv_connector.cancels == [77] and rerun.kv_connector.sends == []
     assert request.status == RequestStatus.FINISHED_REMOTE and request.output_token_ids == [TOKEN]
     _report(scheduler, KVTransferResult(77, False, error="cancelled", cancelled=True))
@@ -146,12 +146,12 @@ def test_reservations_that_fill_the_pool_leave_each_the_slots_of_its_first_step(
     nothing ever freed one. Now the first step's slot is reserved with the prompt's, and the
     workers are told only of the blocks the transfer fills."""
     scheduler = make_scheduler(num_blocks=8)
-    first, second = _request("a", 16, max_tokens=2), _request("b", 16, max_tokens=2)
+    first, second = new_request("a", 16, max_tokens=2), new_request("b", 16, max_tokens=2)
     assert scheduler.add_remote_request(first, 5)
     assert scheduler.kv_cache_manager.block_ids("a") == [0, 1, 2, 3, 4]
     assert not scheduler.add_remote_request(second, 6)  # 3 blocks left: the router tries another replica
     announced, _ = _report(scheduler)
     assert [(s.transfer_id, s.block_ids) for s in announced.kv_connector.receives] == [(5, [0, 1, 2, 3])]
     _report(scheduler, KVTransferResult(5, True, first_token_id=42))
-    assert _step(scheduler).num_scheduled_tokens == {"a": 1}
+    assert step(scheduler).num_scheduled_tokens == {"a": 1}
     assert first.output_token_ids == [42, TOKEN] and first.finish_reason == "length"

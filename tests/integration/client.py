@@ -88,3 +88,19 @@ def settled(cluster, url: str, timeout_s: float = 30) -> dict:
             break
         time.sleep(0.5)
     return cluster.integrity(url)
+
+
+def duet_status(url: str) -> dict:
+    return httpx.get(f"{url}/duet/status", timeout=10).json()
+
+
+def running_per_replica(url: str, pool: str) -> dict[str, int]:
+    """Sequences running per replica of a pool (the replicas that report stats)."""
+    return {stats["replica_id"]: stats["num_running"] for stats in duet_status(url)["pools"][pool]["stats"]}
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)

@@ -23,7 +23,9 @@ import time
 import httpx
 import pytest
 
-from tests.integration.client import complete, complete_text, greedy_body, metric, random_prompt, settled
+from tests.integration.client import (
+    complete, complete_text, duet_status, greedy_body, metric, random_prompt, running_per_replica, settled, wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,31 +51,13 @@ def _moves_app(max_migrations: int) -> dict:
         "roles": {"move": False},
     }
 
-
-def _status(url: str) -> dict:
-    return httpx.get(f"{url}/duet/status", timeout=10).json()
-
-
-def _running(url: str, pool: str) -> dict[str, int]:
-    """Sequences running per replica of a pool (the replicas that report stats)."""
-    return {stats["replica_id"]: stats["num_running"] for stats in _status(url)["pools"][pool]["stats"]}
-
-
 def _pinned_at(url: str, pool: str, replicas: int) -> bool:
     """The pool's policy holds the pin (a scale-down decided before it may still be under way
     when it is set), and that many replicas run and report."""
-    status = _status(url)["pools"][pool]
+    status = duet_status(url)["pools"][pool]
     record = status.get("autoscaler") or {}
     settled = (record.get("reason"), record.get("target"), record.get("running")) == ("pinned", replicas, replicas)
     return settled and len(status["stats"]) == replicas
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
-
 
 def _scale(url: str, pool: str, replicas: int | None) -> None:
     response = httpx.post(f"{url}/duet/scale", json={"pool": pool, "replicas": replicas}, timeout=10)
@@ -89,7 +73,7 @@ async def _stream_text(client: httpx.AsyncClient, url: str, body: dict, token_id
 def _streams_scaled_down_midway(url: str, bodies: list[dict]) -> list[tuple[str, list[int], list[dict]]]:
     """Run the streams on both decode replicas and scale the pool down to one meanwhile."""
     _scale(url, "decode", 2)
-    _wait_for(lambda: _pinned_at(url, "decode", 2), 120, "two decode replicas, pinned")
+    wait_for(lambda: _pinned_at(url, "decode", 2), 120, "two decode replicas, pinned")
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -102,7 +86,7 @@ def _streams_scaled_down_midway(url: str, bodies: list[dict]) -> list[tuple[str,
             while True:
                 await asyncio.sleep(0.2)
                 decoding = all(len(ids) >= 2 or task.done() for ids, task in zip(seen, tasks))
-                running = _running(url, "decode")
+                running = running_per_replica(url, "decode")
                 if decoding and len(running) == 2 and all(running.values()):
                     break
                 assert time.monotonic() < deadline, (
@@ -188,7 +172,7 @@ def test_a_scale_down_moves_live_streams_by_kv_and_they_read_on_unchanged(cluste
     assert call.name == "record" and len(json.loads(call.arguments)["values"]) == LONG_ARRAY["minItems"]
     migrations = _migrations(url)
     assert migrations["kv"] >= 1 and migrations["recompute"] == 0, migrations
-    assert len(_running(url, "decode")) == 1
+    assert len(running_per_replica(url, "decode")) == 1
     assert settled(cluster, url)["ok"]
 
 
@@ -237,7 +221,7 @@ class _Timeline:
         seen = set()
         while not self._stop.wait(0.5):
             try:
-                pools = _status(self.url)["pools"]
+                pools = duet_status(self.url)["pools"]
             except httpx.HTTPError:
                 continue
             self.samples.append((self.phase, len(pools["prefill"]["stats"]), len(pools["decode"]["stats"])))
@@ -324,7 +308,7 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
         timeline.phase = "decode-heavy"
         decode_heavy = asyncio.run(_load(url, 32, decode_tokens, concurrency=8, until=grown("decode"), max_s=180, rng=rng))
         timeline.phase = "idle"
-        _wait_for(lambda: len(timeline.counts("idle", "prefill")) > 4 and timeline.counts("idle", "prefill")[-1] == 1
+        wait_for(lambda: len(timeline.counts("idle", "prefill")) > 4 and timeline.counts("idle", "prefill")[-1] == 1
                   and timeline.counts("idle", "decode")[-1] == 1, 60, "both pools back to one replica")
 
     summary = [(phase, record["stage"], record["current"], record["target"], record["reason"]) for phase, record in timeline.decisions]
@@ -341,68 +325,3 @@ def test_each_pool_follows_its_own_load(cluster, tiny_offline, deploy):
             assert tokens == want
     assert len(prompt_heavy) >= 50 and len(decode_heavy) >= 8
     assert settled(cluster, url)["ok"]
-
-
-def _stages(url: str, pool: str) -> list[str]:
-    """The role each reporting replica of a pool serves."""
-    return [stats["stage"] for stats in _status(url)["pools"][pool]["stats"]]
-
-
-@pytest.mark.parametrize("cores", ["static", "shared"])
-def test_a_decode_pool_of_one_killed_a_prefill_replica_takes_the_role_until_the_replacement(
-    cluster, tiny_offline, deploy, ray_driver, cores
-):
-    """#38: the only decode replica dies under live streams. The prefill replica takes the decode
-    role at once: the live streams finish on it with the offline engine's exact tokens, new
-    requests are answered there before Serve's replacement is up (the time is printed, not
-    asserted), and once the replacement serves the prefill replica goes home; nothing leaks. The
-    same with the pools sharing the cores (``cores.share``): the replica's share follows its role."""
-    from tests.integration.test_faults import _kill_replica
-
-    url = deploy(f"roles-{cores}", {
-        "mode": "pd", "engine": {"max_model_len": 1024, "num_kv_blocks": 4096, "max_num_seqs": 32},
-        "prefill": SMALL_POOL, "decode": SMALL_POOL, "router": {"ray_actor_options": {"num_cpus": 0}},
-        "cores": {"share": cores == "shared"},
-    })
-    rng = random.Random(38)
-    prompts = [random_prompt(rng, 24) for _ in range(3)]
-    fresh = random_prompt(rng, 30)
-
-    async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
-            seen: list[list[int]] = [[] for _ in prompts]
-            bodies = [greedy_body(prompt, 600, stream=True) for prompt in prompts]
-            tasks = [asyncio.create_task(complete_text(client, url, body, ids)) for body, ids in zip(bodies, seen)]
-            deadline = time.monotonic() + 60
-            while not all(len(ids) >= 2 for ids in seen):
-                assert time.monotonic() < deadline and not any(task.done() for task in tasks), "streams decoding before the kill"
-                await asyncio.sleep(0.1)
-            killed = _kill_replica(ray_driver, f"roles-{cores}", "decode")
-            killed_at = time.monotonic()
-            for attempt in range(120):  # bounded: a refusal (503) is retried
-                sent_at = time.monotonic()
-                status, tokens, errors = await complete(client, url, greedy_body(fresh, 16))
-                if status == 200:
-                    break
-                await asyncio.sleep(0.5)
-            answered_s = time.monotonic() - killed_at
-            print(f"\nanswered {answered_s:.1f} s after the only decode replica was killed ({attempt} refused; the answer took "
-                  f"{time.monotonic() - sent_at:.1f} s)")
-            # The role as the prefill replica last reported it: its stats come every second or
-            # so, and an answer can be quicker than the report (bounded wait).
-            deadline = time.monotonic() + 10
-            while (stages := _stages(url, "prefill")) != ["decode"] and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            return killed, answered_s, (status, tokens, errors), stages, await asyncio.gather(*tasks)
-
-    killed, answered_s, (status, tokens, errors), stages, streams = asyncio.run(run())
-    assert (status, errors) == (200, []) and tokens == tiny_offline([fresh], 16)[0]
-    assert stages == ["decode"]
-    for (stream_status, _, stream_tokens, stream_errors), want in zip(streams, tiny_offline(prompts, 600)):
-        assert (stream_status, stream_errors) == (200, [])
-        assert stream_tokens == want
-    _wait_for(lambda: any(rid != killed for rid in _running(url, "decode")), 120, "Serve's replacement decode replica")
-    _wait_for(lambda: _stages(url, "prefill") == ["prefill"], 60, "the prefill replica back in its role")
-    assert settled(cluster, url)["ok"]
-    changes = {labels.split('reason="')[1].split('"')[0]: value for labels, value in metric(url, "duet:role_changes_total").items()}
-    assert changes.get("no_decode_replica", 0) >= 1 and changes.get("home", 0) >= 1, changes

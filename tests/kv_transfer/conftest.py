@@ -1,4 +1,4 @@
-"""The sender in a process of its own that the transfer tests drive (``_sender_process``)."""
+"""The sender in a process of its own that the transfer tests drive (``sender_process``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import multiprocessing as mp
 import pytest
 
 from duet.kv_transfer.spec import KVSpec
-from tests.kv_transfer.test_transfer import SHAPE, SPEC, _sender_process
+from tests.kv_transfer.sender_process import SHAPE, SPEC, sender_process
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def start_sender():
     ):
         parent, child = mp.get_context("spawn").Pipe()
         args = (child, spec.to_dict(), shape, crash, message_bytes, faults, dtype, layers, cancel_at_start, shared_memory, shm_full)
-        process = mp.get_context("spawn").Process(target=_sender_process, args=args)
+        process = mp.get_context("spawn").Process(target=sender_process, args=args)
         process.start()
         processes.append(process)
         return parent

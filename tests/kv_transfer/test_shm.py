@@ -13,7 +13,7 @@ import torch
 from duet.distributed import connect_store, host_store
 from duet.kv_transfer.shm import SHM_DIR, SharedRuns, agree
 from duet.kv_transfer.receiver import KVReceiver
-from tests.kv_transfer.test_transfer import SHAPE, SPEC, _assert_arrived, _wait_results
+from tests.kv_transfer.sender_process import SHAPE, SPEC, assert_arrived, wait_results
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
 
@@ -99,9 +99,9 @@ def test_transfers_of_many_runs_and_growing_sizes_arrive_intact_through_shared_m
         for transfer_id, src, dst in jobs:  # one at a time: each lands in blocks the next may overwrite
             receiver.expect(transfer_id, dst)
             conn.send(("send", transfer_id, src, receiver.endpoint))
-            results |= _wait_results(receiver, 1)
+            results |= wait_results(receiver, 1)
             assert results[transfer_id] == (True, None)
-            _assert_arrived(receiver, src, dst)
+            assert_arrived(receiver, src, dst)
         conn.send(("results", len(jobs)))
         assert sorted(r[:2] for r in conn.recv()) == [(j[0], True) for j in jobs]
     finally:
@@ -127,8 +127,8 @@ def test_a_sender_whose_shared_memory_is_full_sends_on_the_wire(start_sender, mo
         for transfer_id, src, dst in jobs:
             receiver.expect(transfer_id, dst)
             conn.send(("send", transfer_id, src, receiver.endpoint))
-            assert _wait_results(receiver, 1) == {transfer_id: (True, None)}
-            _assert_arrived(receiver, src, dst)
+            assert wait_results(receiver, 1) == {transfer_id: (True, None)}
+            assert_arrived(receiver, src, dst)
         conn.send(("results", len(jobs)))
         assert sorted(r[:2] for r in conn.recv()) == [(j[0], True) for j in jobs]
     finally:
