@@ -6,8 +6,12 @@ meet are swapped for ones that do.
   qkv rows, its KV cache and its attention call are those of a smaller model of the same group
   size. With fewer KV heads than ranks, each KV head is replicated on ``world_size /
   num_kv_heads`` ranks, which split its query heads. ``o_proj`` keeps the rank's heads' columns
-  and its partial sums are added over the ranks: one all-reduce per attention block.
+  and its partial sums are added over the ranks: one all-reduce per attention block. An
+  activation-ordered GPTQ ``o_proj`` (its groups of input features span every rank's heads) is
+  kept whole instead: the ranks gather the heads' outputs, one all-gather, and each computes it.
 - MLP: gate and up rows, down columns, split over the intermediate features; one all-reduce.
+  An activation-ordered down projection splits by whole groups of its own order, and gate and
+  up compute its share of the features in that order.
 - Experts (a Mixtral, with expert parallelism): each rank holds a contiguous range of whole
   experts; every rank routes every token (the router is replicated, its choices identical),
   computes its own experts' weighted outputs, and the ranks add them (one all-reduce per MoE
@@ -102,37 +106,46 @@ def check_layout(arch: LlamaArch, world_size: int, expert_parallel: bool) -> int
     return max(shard_heads(arch.num_heads, arch.num_kv_heads, world_size, rank).num_kv_heads for rank in range(world_size))
 
 
-def _offset(part: slice, by: int) -> slice:
-    return slice(part.start + by, part.stop + by)
+def _offset(part: slice | torch.Tensor, by: int) -> slice | torch.Tensor:
+    return part + by if isinstance(part, torch.Tensor) else slice(part.start + by, part.stop + by)
+
+
+Rows = list[slice | torch.Tensor]  # output features: ranges, or index tensors, concatenated
 
 
 @dataclasses.dataclass(frozen=True)
 class PartOfWeight:
     """What a tensor-parallel shard holds of the whole weight (``[out_features, in_features]``):
-    these rows, concatenated, and these input features (None: all). A LoRA adapter's A and B
-    are cut the same way (``duet.lora``)."""
+    these rows, concatenated, and these input features (None: all; an index tensor where the
+    shard takes them in an order of their own). A LoRA adapter's A and B are cut the same way
+    (``duet.lora``)."""
 
-    rows: list[slice]
-    columns: slice | None
+    rows: Rows
+    columns: slice | torch.Tensor | None
     out_features: int
     in_features: int
 
 
-def shard_linear(linear: Linear, rows: list[slice], columns: slice | None = None) -> Linear:
+def shard_linear(linear: Linear, rows: Rows, columns: slice | None = None, in_input_order: bool = False) -> Linear:
     """A Linear holding these output rows (concatenated) and, with ``columns``, these input
     features of ``linear``; its GGUF blocks too where the columns fall on block boundaries (a
     weight kept as blocks alone must have them there). A weight whose input features are in an
-    order of their own (``Linear.input_order``) splits by rows only."""
-    if linear.input_order is not None and columns is not None:
-        raise ConfigError("an activation-ordered GPTQ weight does not split by input features (row-parallel); use tensor_parallel_size 1")
+    order of their own (``Linear.input_order``: GPTQ's activation order) splits by input
+    features only where the caller hands the shard its input in that order
+    (``in_input_order``): ``columns`` are then positions in it, and the shard takes its input
+    as it comes."""
+    reorders = linear.input_order is not None and columns is not None
+    if reorders and not in_input_order:
+        raise ConfigError("an activation-ordered GPTQ weight splits by input features only when its input comes in its order")
     shard = _shard(linear, rows, columns)
-    shard.input_order = linear.input_order
+    shard.input_order = None if reorders else linear.input_order
     shard.input_quantization = linear.input_quantization
-    shard.part_of = PartOfWeight(rows, columns, linear.out_features, linear.in_features)
+    whole_columns = linear.input_order[columns] if reorders else columns
+    shard.part_of = PartOfWeight(rows, whole_columns, linear.out_features, linear.in_features)
     return shard
 
 
-def _shard(linear: Linear, rows: list[slice], columns: slice | None) -> Linear:
+def _shard(linear: Linear, rows: Rows, columns: slice | None) -> Linear:
     if linear.weight is None:
         try:
             blocks = linear.gguf.shard(rows, columns)
@@ -176,6 +189,33 @@ class SummedOverRanks(Module):
         return self.group.all_reduce(self.module(x))
 
 
+class WholeInput(Module):
+    """A Linear whose input features the ranks hold parts of, computed whole on every rank:
+    each gathers the whole rows and takes the product as one process would, so no sum over
+    ranks follows. For an input in an order of its own that the parts cut across (GPTQ's
+    activation order on ``o_proj``: its groups span every rank's heads). ``parts``: each rank's
+    input features, in order."""
+
+    def __init__(self, module: Linear, parts: list[slice], group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.module = module
+        self.parts = parts
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(_gathered_rows(x, self.parts, self.module.in_features, self.group))
+
+
+def _gathered_rows(x: torch.Tensor, parts: list[slice], width: int, group: TensorParallelGroup) -> torch.Tensor:
+    """The whole rows of ``width`` features, each rank's ``x`` holding its part of them."""
+    widest = max(part.stop - part.start for part in parts)
+    gathered = group.all_gather(F.pad(x, (0, widest - x.shape[1])).contiguous())
+    rows = x.new_empty(x.shape[0], width)
+    for part, piece in zip(parts, gathered):
+        rows[:, part] = piece[:, : part.stop - part.start]
+    return rows
+
+
 class WholeRowNorm(Module):
     """A norm over features that the ranks hold parts of (OLMo 2's q/k norms over all heads):
     every rank gathers the whole rows, normalises them as one process would, and keeps its part.
@@ -189,11 +229,7 @@ class WholeRowNorm(Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        widest = max(part.stop - part.start for part in self.parts)
-        gathered = self.group.all_gather(F.pad(x, (0, widest - x.shape[1])).contiguous())
-        rows = x.new_empty(x.shape[0], self.norm.weight.shape[0])
-        for part, piece in zip(self.parts, gathered):
-            rows[:, part] = piece[:, : part.stop - part.start]
+        rows = _gathered_rows(x, self.parts, self.norm.weight.shape[0], self.group)
         return self.norm(rows)[:, self.parts[self.rank]].contiguous()
 
 
@@ -240,13 +276,17 @@ class VocabParallelLMHead(nn.Module):
 
 def _shard_dense_mlp(mlp, dense: slice) -> None:
     """Keep ``dense``, this rank's features of a gated MLP: its rows of gate and up (and of their
-    biases), its columns of down, whose output is then this rank's part of a sum over ranks."""
+    biases), its columns of down, whose output is then this rank's part of a sum over ranks.
+    Where down takes its input in an order of its own (GPTQ's activation order), ``dense`` is a
+    range of that order (whole groups), and gate and up compute its features in it."""
     size = mlp.down_proj.in_features
-    mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [dense, _offset(dense, size)])
+    order = mlp.down_proj.input_order
+    features = dense if order is None else order[dense]
+    mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, [features, _offset(features, size)])
     if mlp.gate_up_bias is not None:  # the down projection's is added once, to the sum over ranks
-        bias = torch.cat([mlp.gate_up_bias[dense], mlp.gate_up_bias[_offset(dense, size)]])
+        bias = torch.cat([mlp.gate_up_bias[features], mlp.gate_up_bias[_offset(features, size)]])
         mlp.gate_up_bias = nn.Parameter(bias, requires_grad=False)
-    mlp.down_proj = shard_linear(mlp.down_proj, [slice(None)], dense)
+    mlp.down_proj = shard_linear(mlp.down_proj, [slice(None)], dense, in_input_order=True)
 
 
 def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, expert_parallel: bool = False) -> None:
@@ -274,11 +314,14 @@ def apply_tensor_parallel(model: LlamaForCausalLM, group: TensorParallelGroup, e
         if attention.qkv_bias is not None:
             bias = torch.cat([attention.qkv_bias[rows] for rows in (q_rows, k_rows, v_rows)]).contiguous()
             attention.qkv_bias = nn.Parameter(bias, requires_grad=False)
-        attention.o_proj = SummedOverRanks(shard_linear(attention.o_proj, [slice(None)], q_rows), group)
+        shards = [shard_heads(arch.num_heads, arch.num_kv_heads, world_size, index) for index in range(world_size)]
+        q_parts = [slice(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim) for shard in shards]
+        if attention.o_proj.input_order is None:
+            attention.o_proj = SummedOverRanks(shard_linear(attention.o_proj, [slice(None)], q_rows), group)
+        else:  # its groups span every rank's heads
+            attention.o_proj = WholeInput(shard_linear(attention.o_proj, [slice(None)]), q_parts, group)
         attention.num_heads, attention.num_kv_heads = heads.num_heads, heads.num_kv_heads
         if attention.q_norm is not None and attention.qk_norm_across_heads:
-            shards = [shard_heads(arch.num_heads, arch.num_kv_heads, world_size, index) for index in range(world_size)]
-            q_parts = [slice(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim) for shard in shards]
             k_parts = [slice(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim) for shard in shards]
             attention.q_norm = WholeRowNorm(attention.q_norm, q_parts, rank, group)
             attention.k_norm = WholeRowNorm(attention.k_norm, k_parts, rank, group)

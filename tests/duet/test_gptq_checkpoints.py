@@ -186,18 +186,40 @@ def test_what_duet_does_not_read_is_refused_naming_the_field(checkpoints, tmp_pa
     })
 
 
-def test_an_activation_ordered_weight_splits_by_rows_only(checkpoints):
-    """Tensor parallelism splits q/k/v and gate/up by rows (each shard keeps the input order);
-    o and down by input features, which an order of their own does not allow: refused."""
-    from duet.config import ConfigError
+def test_an_activation_ordered_mlp_splits_by_whole_groups_of_its_order(checkpoints):
+    """Tensor parallelism splits gate/up by rows and down by input features; down's groups are
+    spread over its input features (GPTQ's activation order), so each rank takes whole groups of
+    down's own order, gate/up compute those features in it, and down's shard takes its input as
+    it comes: its blocks are the whole weight's, the ranks' parts add up to the whole product.
+    (Before, a split of down was refused and such a checkpoint ran at TP=1 only.)"""
     from duet.models.loader import load_model
-    from duet.models.tensor_parallel import shard_linear
+    from duet.models.tensor_parallel import _shard_dense_mlp, split_range
 
     path, _, _ = checkpoints("llama-w4-g32-asym-act-order")
-    layer = load_model(path, torch.float32, "cpu", 256).layers[0]
-    qkv = layer.self_attn.qkv_proj
-    shard = shard_linear(qkv, [slice(0, 32)])
-    x = torch.randn(3, qkv.in_features)
-    assert torch.equal(shard.input_order, qkv.input_order) and torch.equal(shard(x), qkv(x)[:, :32])
-    with pytest.raises(ConfigError, match="does not split by input features"):
-        shard_linear(layer.mlp.down_proj, [slice(0, layer.mlp.down_proj.out_features)], slice(0, 64))
+    mlp = load_model(path, torch.float32, "cpu", 256).layers[0].mlp
+    down = mlp.down_proj
+    assert down.input_order is not None
+    x = torch.randn(5, mlp.gate_up_proj.in_features)
+    parts = []
+    for rank in range(2):
+        shard = load_model(path, torch.float32, "cpu", 256).layers[0].mlp
+        dense = split_range(down.in_features, 2, rank, 32)
+        _shard_dense_mlp(shard, dense)
+        assert shard.down_proj.input_order is None
+        assert torch.equal(shard.down_proj.part_of.columns, down.input_order[dense])
+        assert torch.equal(shard.down_proj.gguf.dequantize(), down.gguf.dequantize()[:, dense])
+        parts.append(shard(x))
+    torch.testing.assert_close(parts[0] + parts[1], mlp(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_an_activation_ordered_checkpoint_at_tp2_matches_transformers(ray_cluster, checkpoints):
+    """Its o_proj's groups span both ranks' heads: each rank gathers the heads' outputs and
+    computes it whole (``WholeInput``); its down projection splits as above."""
+    path, _, references = checkpoints("llama-w4-g32-asym-act-order")
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+        check_outputs(llm.generate(PROMPTS, params), references, "activation order at TP=2")
+    finally:
+        llm.engine.close()
