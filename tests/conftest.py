@@ -253,7 +253,7 @@ def make_tiny_model(
 
 def make_compressed_checkpoint(
     source: Path, target: Path, num_bits: int = 4, group_size: int | None = 32, dtype=torch.float32, symmetric: bool = True,
-    w8a8: str | None = None,
+    w8a8: str | None = None, actorder: str | None = None,
 ) -> Path:
     """``source`` quantized as llm-compressor leaves a W4A16 / W8A16 checkpoint: compressed-tensors
     itself applies the scheme, computes each group's scale from its min and max (as its min-max
@@ -261,7 +261,8 @@ def make_compressed_checkpoint(
     ``group_size=None`` gives a scale per output channel; the scales take ``dtype``. ``w8a8``:
     llm-compressor's W8A8 schemes instead, inputs quantized per token at run time: ``"int"``
     (INT8: int8 codes saved as they are, ``int-quantized``) or ``"float"`` (FP8_DYNAMIC: float8
-    weights, ``float-quantized``)."""
+    weights, ``float-quantized``). ``actorder``: the weights' activation ordering as GPTQ's
+    calibration records it (``"weight"``: groups stay in order)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config,
@@ -272,6 +273,7 @@ def make_compressed_checkpoint(
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
     args = QuantizationArgs(
         num_bits=num_bits, type=w8a8 or "int", symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size,
+        actorder=actorder,
     )
     inputs = QuantizationArgs(num_bits=8, type=w8a8, symmetric=True, strategy="token", dynamic=True) if w8a8 else None
     config = QuantizationConfig(

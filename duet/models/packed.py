@@ -32,9 +32,11 @@ the row's largest magnitude over 448). The block kernels have no float8 blocks: 
 dequantized at load, as compressed-tensors does (``w * s`` in the scale's dtype, exact in fp32),
 a float copy the size of the model's in that dtype.
 
-Groups of a multiple of 32 features or whole channels, no activation ordering, no 8-bit zero
-points (``q - z`` spans 9 bits), and no activation schemes but W8A8's (dynamic, per token): each
-other is refused at load, naming the field.
+Groups of a multiple of 32 features or whole channels, no 8-bit zero points (``q - z`` spans 9
+bits), and no activation schemes but W8A8's (dynamic, per token): each other is refused at load,
+naming the field. Activation ordering ``weight`` (or ``static``) leaves the groups in order and
+the format as it is; ``group`` (features in groups out of order, a ``weight_g_idx`` per weight,
+which compressed-tensors no longer writes) is refused.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
@@ -129,7 +131,9 @@ def read_scheme(path: Path) -> PackedScheme | None:
         ("num_bits", args.get("num_bits"), args.get("num_bits") in (4, 8), "4 or 8"),
         ("symmetric", args.get("symmetric"), args.get("symmetric") is True or args.get("num_bits") == 4, "true (false: 4 bits only)"),
         ("strategy", args.get("strategy"), args.get("strategy") in ("group", "channel"), "'group' or 'channel'"),
-        ("actorder", args.get("actorder"), args.get("actorder") in (None, False), "none"),
+        # 'weight' (alias 'static', llm-compressor's default): GPTQ visits the features in the
+        # activations' order, but groups stay in order, so the format is as without it.
+        ("actorder", args.get("actorder"), args.get("actorder") in (None, False, "weight", "static"), "none, 'weight' or 'static'"),
         ("dynamic", args.get("dynamic"), not args.get("dynamic"), "false"),
     )
     for field, value, ok, wanted in checks:

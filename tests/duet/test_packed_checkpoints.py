@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") i
 
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NEW_TOKENS = 10
-# (family, bits, group size: None for a scale per channel, shape overrides[, symmetric[, W8A8]]):
-# groups of 128 need 128-wide inputs.
+# (family, bits, group size: None for a scale per channel, shape overrides[, symmetric[, W8A8[,
+# activation ordering]]]): groups of 128 need 128-wide inputs.
 SCHEMES = {
     "qwen3-w4-g32": ("qwen3", 4, 32, {}),
     "qwen3-w4-channel": ("qwen3", 4, None, {}),
@@ -39,6 +39,8 @@ SCHEMES = {
     "qwen3-w8a8-channel": ("qwen3", 8, None, {}, True, "int"),
     "phi3-w8a8-g32": ("phi3", 8, 32, {}, True, "int"),
     "qwen3-fp8-channel": ("qwen3", 8, None, {}, True, "float"),
+    # llm-compressor's GPTQ default: its config says so, its format is W4A16's.
+    "llama-w4-g32-static-order": ("llama3-rope", 4, 32, {}, True, None, "static"),
 }
 
 
@@ -49,10 +51,10 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
     def get(name: str):
         if name not in made:
             family, bits, group_size, shape, *options = SCHEMES[name]
-            symmetric, w8a8 = options + [True, None][len(options):]
+            symmetric, w8a8, actorder = options + [True, None, None][len(options):]
             root = tmp_path_factory.mktemp(name)
             source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-            path = make_compressed_checkpoint(source, root / "packed", bits, group_size, symmetric=symmetric, w8a8=w8a8)
+            path = make_compressed_checkpoint(source, root / "packed", bits, group_size, symmetric=symmetric, w8a8=w8a8, actorder=actorder)
             # transformers loads no packed zero points (it expects them unpacked): an asymmetric
             # checkpoint's reference is transformers on its weights as compressed-tensors dequantizes them.
             reference = path if symmetric else _dequantized_twin(path, root / "dequantized")
@@ -121,7 +123,9 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("name", ["qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym", "llama-w4-g32-static-order"]
+)
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
     """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows; a zero
     point's codes ``q - z`` are int8 blocks (Q8_0), a symmetric 4-bit scheme's Q4_1 blocks."""
@@ -142,6 +146,15 @@ def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is
         checked += 1
     assert checked == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
     assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
+
+
+def test_a_checkpoint_calibrated_in_activation_order_says_so_and_is_read_as_any_other(checkpoints):
+    """llm-compressor's GPTQ records ``actorder: static`` by default (its groups stay in order):
+    such a checkpoint was refused before, naming the field; its parity and blocks are checked above."""
+    path, _ = checkpoints("llama-w4-g32-static-order")
+    weights = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert weights["actorder"] in ("static", "weight")
+    assert LLM(model=str(path), num_kv_blocks=16).engine.num_blocks == 16
 
 
 def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(checkpoints, tmp_path, tiny_tokenizer_dir):
