@@ -19,7 +19,7 @@ def _chat(args: argparse.Namespace) -> int:
     except CheckpointError as error:  # not found, or a checkpoint duet does not run (the error names what)
         hint = (
             "; pass --model smollm2 (fetched on first use), the path of a local Hugging Face model directory "
-            "(config.json and *.safetensors) or a .gguf file"
+            "(config.json and *.safetensors), a .gguf file or a hub id (org/name)"
         ) if isinstance(error, ModelNotFoundError) else ""
         print(f"duet chat: {error}{hint}", file=sys.stderr)
         return 1

@@ -1,10 +1,12 @@
-"""Find a model by alias or path and load its safetensors weights into duet's own modules."""
+"""Find a model by alias, path or Hugging Face hub id and load its safetensors weights into duet's
+own modules."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -20,6 +22,10 @@ from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, qua
 
 ROTARIES = ("rotary", "local_rotary", "no_rotary")  # a model's RoPE tables (``RotaryEmbedding``), or None
 MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
+# A hub repository's files that serving reads: config and generation config, weights and their
+# index, tokenizer and its chat template.
+HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")  # org/name[@revision]
 # A Phi-3 checkpoint whose gate and up projections are two tensors (as GPTQModel writes it), its
 # q/k/v still one: ``arch.checkpoint_names`` once the file is read.
 PHI3_SPLIT_MLP = "phi3-split-mlp"
@@ -28,12 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 class ModelNotFoundError(CheckpointError):
-    """The model name is neither a known alias nor a Hugging Face model directory."""
+    """The model name is neither a known alias, a Hugging Face model directory, a GGUF file nor a
+    hub repository with a snapshot here or on the hub."""
 
 
 def resolve_model_path(model: str) -> Path:
-    """An alias (``smollm2``), a directory holding ``config.json`` and ``*.safetensors``, or a
-    GGUF file (converted once into the cache: ``gguf_convert.ensure_converted``)."""
+    """An alias (``smollm2``), a directory holding ``config.json`` and ``*.safetensors``, a
+    GGUF file (converted once into the cache: ``gguf_convert.ensure_converted``), or a Hugging
+    Face hub repository id (``org/name``, ``org/name@revision``) that names no local path: its
+    snapshot in huggingface_hub's cache (``HF_HUB_CACHE``), fetched there first where the hub
+    can be reached (``HF_HUB_OFFLINE=1``: the cache alone)."""
     if model.lower() in MODEL_ALIASES:
         from duet.models.gguf_convert import ensure_smollm2
 
@@ -45,10 +55,28 @@ def resolve_model_path(model: str) -> Path:
         from duet.models.gguf_convert import ensure_converted
 
         return ensure_converted(path)
+    if HUB_ID.fullmatch(model) and not path.exists():
+        return _hub_snapshot(model)
     raise ModelNotFoundError(
         f"model {model!r} is not a known alias ({', '.join(sorted(MODEL_ALIASES))}), "
-        "a directory with a Hugging Face config.json, nor a .gguf file"
+        "a directory with a Hugging Face config.json, a .gguf file, nor a hub id (org/name)"
     )
+
+
+def _hub_snapshot(model: str) -> Path:
+    """The folder of a hub repository's snapshot (``HUB_FILES``), cached or fetched."""
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = model.partition("@")
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=list(HUB_FILES)))
+    except Exception as error:  # noqa: BLE001 - unknown, gated, or neither reachable nor cached: said in the message
+        raise ModelNotFoundError(
+            f"model {model!r} names no local directory, and the Hugging Face hub gave no snapshot of it: {error}"
+        ) from None
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"model {model!r}: its hub snapshot ({folder}) has no config.json, which duet reads a checkpoint by")
+    return folder
 
 
 def max_positions(path: Path) -> int:

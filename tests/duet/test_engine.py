@@ -270,6 +270,48 @@ def test_unknown_model_names_the_aliases():
         LLM(model="no-such-model")
 
 
+HUB_RUN = """
+import json
+from duet import LLM, SamplingParams
+from duet.models.loader import ModelNotFoundError
+llm = LLM(model="duet-tests/tiny-llama@main", num_kv_blocks=64, max_model_len=256)
+tokens = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))[0].outputs[0].token_ids
+try:
+    LLM(model="duet-tests/not-there")
+    missing = ""
+except ModelNotFoundError as error:
+    missing = str(error)
+print(json.dumps({"tokens": tokens, "missing": missing}))
+"""
+
+
+def test_a_hub_id_is_served_from_huggingface_hubs_cache(tiny_llama_dir, tmp_path):
+    """``model: org/name`` (as vLLM takes it) resolves through huggingface_hub's
+    ``snapshot_download``: here offline (``HF_HUB_OFFLINE=1``), from its cache, laid out as it
+    keeps a download (a snapshot per commit, ``refs/main`` naming it). An id in neither the
+    cache nor a reachable hub is refused, naming both."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--duet-tests--tiny-llama"
+    shutil.copytree(tiny_llama_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", HUB_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256).generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    )[0].outputs[0].token_ids
+    assert report["tokens"] == expected
+    assert "'duet-tests/not-there' names no local directory, and the Hugging Face hub gave no snapshot" in report["missing"]
+
+
 @pytest.mark.slow
 def test_workers_as_ray_actors_give_the_in_process_tokens(tiny_llama_dir):
     """The executor seam: the same engine with its worker in a Ray actor (the backend a replica's
