@@ -25,6 +25,9 @@ MODEL_ALIASES = {"smollm2": "SmolLM2-135M-Instruct", "smollm2-135m-instruct": "S
 # A hub repository's files that serving reads: config and generation config, weights and their
 # index, tokenizer and its chat template.
 HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model")
+# What some repositories ship beside that and duet does not read: Mistral's own format (the same
+# weights again, in one file), Meta's originals.
+HUB_SKIPPED = ("consolidated*", "original/*")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")  # org/name[@revision]
 # A Phi-3 checkpoint whose gate and up projections are two tensors (as GPTQModel writes it), its
 # q/k/v still one: ``arch.checkpoint_names`` once the file is read.
@@ -69,7 +72,9 @@ def _hub_snapshot(model: str) -> Path:
 
     repo_id, _, revision = model.partition("@")
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=list(HUB_FILES)))
+        folder = Path(snapshot_download(
+            repo_id, revision=revision or None, allow_patterns=list(HUB_FILES), ignore_patterns=list(HUB_SKIPPED),
+        ))
     except Exception as error:  # noqa: BLE001 - unknown, gated, or neither reachable nor cached: said in the message
         raise ModelNotFoundError(
             f"model {model!r} names no local directory, and the Hugging Face hub gave no snapshot of it: {error}"
