@@ -1,13 +1,10 @@
 """Linear layer without bias, with CPU fast paths for the small row counts of decode steps.
 
 On CPU, oneDNN with a weight reordered once into its blocked layout runs the
-``[rows, in] x [in, out]`` products of decode steps (2 to ~128 rows) about 1.25x faster in
-fp32, and 1.4-2x in bf16, than ``F.linear``. Both are kept, and each call picks by rows. At
-the two ends of fp32's range the winner depends on the CPU: on an AVX-512 Xeon ``F.linear``
-(MKL) is as fast for a single row and for long prompt chunks; on an AMD EPYC (Zen, AVX-512)
-it took 8.1 ms for a SmolLM2 step's 120 products at one row against oneDNN's 5.1, and 2.3-2.8x
-oneDNN's time at 256 to 2,048 rows. So whether oneDNN also serves one row, and rows past 128,
-is measured once per process (``_packed_wins``).
+``[rows, in] x [in, out]`` products of decode steps (2 to ~128 rows) faster than ``F.linear``.
+Both are kept, and each call picks by rows; whether oneDNN also serves one row, and rows past
+128, depends on the CPU and is measured once per process (``_packed_wins``; figures in
+docs/benchmarks.md, "GGUF products and the measured rules").
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): fp32 products
 of up to as many rows as this CPU measured the blocks at least as fast as the float weights
@@ -29,9 +26,7 @@ SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a 
 A float weight may also be laid out in panels (``kernels/csrc/batch_invariant.cpp``: each output
 summed over k by one fused multiply-add a k, a thread per panel, tiles of rows by outer products),
 which serves fp32 products of up to as many rows as this CPU measured it faster than oneDNN's and
-MKL's paths (``_float_panel_rows``, once per process; on this project's AMD EPYC it took 2.7 ms
-for a set of SmolLM2's products at one row against oneDNN's 5.0 and 6.9 against 9.1 at 32), and
-replaces oneDNN's copy where it serves the rows that copy would. Under ``batch_invariant``
+MKL's paths (``_float_panel_rows``, once per process), and replaces oneDNN's copy where it serves the rows that copy would. Under ``batch_invariant``
 (``duet.models.batch_invariant``) every product sums each output over k in that one order whatever
 the row count (``make_batch_invariant``): by those panels, or the GGUF blocks by theirs.
 
@@ -55,14 +50,15 @@ from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_OUT_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
+from duet.kernels.int8 import RULE as INT8_RULE
+from duet.kernels.int8 import Int8Weight, exact_int_mm, int8_min_rows, int8_product
 from duet.lora import current_step as current_lora_step
 from duet.models.module import Module
-from duet.models.packed import dynamic_per_token
+from duet.models.packed import INT8_PER_TOKEN, dynamic_per_token, per_token_codes
 
 logger = logging.getLogger(__name__)
 
-# Row-count window where the reordered oneDNN weight wins, measured per dtype on
-# AVX-512 CPUs (see benchmarks/offline.py for the end-to-end effect).
+# Row-count window where the reordered oneDNN weight wins, measured per dtype on AVX-512 CPUs.
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
 _PACK_BATCH_HINT = 32
 # oneDNN takes single fp32 rows, and prompt chunks, only where it is clearly faster (a margin
@@ -72,19 +68,11 @@ _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 # Rows up to which reading GGUF blocks beats the float weights, measured once per process on
 # this CPU (``_gguf_float_max_rows``) at these row counts: the blocks serve every count up to the
 # first where oneDNN's packed float weight is ``_FLOAT_MARGIN`` times faster (a tie goes to the
-# blocks, which read a quarter to a sixth of the bytes). The measured figures disagree across
-# CPUs: on two AVX-512 cores of a Xeon, SmolLM2's 121 products took 2.7 ms from its Q4_1/Q8_0
-# codes at 1 row against 8.1 (F.linear), 21.7 against 39.9 (packed) at 16 rows, 44 against 48 at
-# 48, 55 against 50 at 56; on an AMD EPYC with AVX-512, by tiles of rows alone, 17.5 against 18.4
-# at 16 and 26.2 against 24.3 at 24, and with the panel layout 24.5 against 28.4 at 32 and 41.4
-# against 48.5 at 64; on an AVX2-only EPYC's one core, 45 against 63 at 8, 129 against 118 at 24.
+# blocks, which read a quarter to a sixth of the bytes).
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
 _FLOAT_MARGIN = 1.05
 # A bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on CPUs with
-# AVX512_BF16) are measured the same way against oneDNN's packed bf16 weights: on a Xeon with
-# AMX, by tiles of rows, 6.0 ms for a SmolLM2 step's products against 11.6 at 1 row, 8.6 against
-# 12.3 at 4, 15.7 against 11.1 at 8; on an AMD EPYC with AVX512_BF16, by panels, the blocks win
-# to 64 rows (3.4 against 4.3 ms over the sample weights at 32 rows).
+# AVX512_BF16) are measured the same way against oneDNN's packed bf16 weights.
 # Weights kept as blocks alone (quantized at load) have no packed float weight to fall back
 # on: past this many rows they dequantize for the call.
 GGUF_MAX_ROWS = 64
@@ -117,6 +105,10 @@ class Linear(Module):
         # Where its input features are split over tensor-parallel ranks: each row's largest
         # magnitude over every rank's features, from this rank's (the scale W8A8 quantizes by).
         self.input_row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # W8A8's int8 codes with a scale per channel, for products of ``_int8_rows`` rows or more
+        # in integers (``kernels.int8``: ``use_int8_products``); None: the blocks' float products.
+        self.int8: Int8Weight | None = None
+        self._int8_rows = cpu_ops.NEVER
         # A tensor-parallel shard's place in the whole weight (``tensor_parallel.PartOfWeight``); None: whole.
         self.part_of = None
 
@@ -170,6 +162,9 @@ class Linear(Module):
         same arithmetic, a fused multiply-add a k from zero, as on their float weights), else from
         the float weight laid out for ``invariant_linear``. The other paths' copies are dropped.
         False, changing nothing, where the weight is blocks alone without a panel layout."""
+        if self.int8 is not None and exact_int_mm():  # W8A8 in integers: exact sums whatever the rows
+            self._int8_rows = 1
+            return True
         blocks = self.gguf
         if blocks is not None and self.weight is not None and self.weight.dtype != torch.float32 and not blocks.ops.has_bf16():
             blocks = None  # bf16 rows the blocks' kernels do not take here
@@ -199,9 +194,20 @@ class Linear(Module):
         self._block_rows = GGUF_MAX_ROWS
         self._lay_out_panels()
 
+    def use_int8_products(self) -> None:
+        """Compute W8A8's products in integers from as many rows as this CPU measured that faster,
+        where the weight's blocks are int8 codes with a scale per channel."""
+        if self.input_quantization == INT8_PER_TOKEN and self.gguf is not None and self.input_order is None:
+            self.int8 = Int8Weight.from_blocks(self.gguf)
+            self._int8_rows = cpu_ops.NEVER if self.int8 is None else int8_min_rows()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        quantized = x if self.input_quantization is None else dynamic_per_token(x, self.input_quantization, self.input_row_max)
-        y = self._product(self._ordered(quantized))
+        if x.shape[0] >= self._int8_rows and self.input_quantization is not None:
+            codes, scales = per_token_codes(x, INT8_PER_TOKEN, self.input_row_max)
+            y = int8_product(codes.to(torch.int8), scales, self.int8).to(x.dtype)
+        else:
+            quantized = x if self.input_quantization is None else dynamic_per_token(x, self.input_quantization, self.input_row_max)
+            y = self._product(self._ordered(quantized))
         step = None if self.lora_name is None else current_lora_step()
         return y if step is None else step.apply(self.lora_name, x, y)
 
@@ -274,8 +280,7 @@ def _float_panel_rows() -> int:
     model's; 2 of them from 256 rows, where the products are bound by arithmetic); the panels
     serve every count up to the first where the faster of the others is ``_PANEL_MARGIN`` times
     faster than they are. 0 where the C++ kernels are unavailable. Once per process, under a
-    second and 170 MB for that moment. On this project's AMD EPYC the others took 1.66x the
-    panels' time at 1 row, 1.17x at 32, 0.98x at 128 and 1.00x at 512."""
+    second and 170 MB for that moment."""
     ops = cpu_ops.load_gguf()
     if ops is None or not torch.backends.mkldnn.is_available():
         return 0
@@ -330,7 +335,7 @@ def measured_cpu_rules() -> dict[str, int]:
     if ops is None:
         return {}
     rules = {"gguf_panel_min_rows": ops.panel_min_rows(), "float_panel_rows": _float_panel_rows(),
-             "gguf_float_max_rows": _gguf_float_max_rows(ops)}
+             "gguf_float_max_rows": _gguf_float_max_rows(ops), INT8_RULE: int8_min_rows()}
     return rules | ({"gguf_bf16_amx_min_rows": ops.bf16_amx_min_rows()} if ops.has_amx() else {})
 
 
@@ -353,10 +358,7 @@ def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     moment.
 
     On a GPU (``device``; ``ops``: the Triton kernels) the same race runs there against
-    ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none: on an H200 the
-    float weights won at 1 and 32 rows, 2 to 8 times faster on SmolLM2's MLP shapes (only its
-    Q8_0 LM head at one row was faster from the blocks, by a fifth), where a fixed 48 rows had
-    sent every decode step's products to the blocks."""
+    ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none (as on an H200)."""
     gpu = device != "cpu"
     if dtype == torch.bfloat16 and not gpu and not ops.has_bf16():
         return -1  # the blocks take no bf16 rows on a CPU without AVX512_BF16 (nor would oneDNN's packing)

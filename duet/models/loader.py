@@ -330,6 +330,7 @@ def load_model(
         linear.keep_blocks_only()
         linear.input_order = order
         linear.input_quantization = activations
+        linear.use_int8_products()
     for name, param in model.named_parameters():
         tensor = state.pop(name)
         if tensor.shape != param.shape:

@@ -192,12 +192,21 @@ def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
 
 def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``x``'s rows as W8A8 quantizes a product's input before it, to the bit as compressed-tensors'
-    forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): each row's scale
-    ``s`` is its largest magnitude (zero counted) over half the codes' range (127.5 for int8, 448
-    for float8; the eps of ``x``'s dtype where that is 0), and the row becomes ``x / s`` clamped
-    to the codes, rounded to one (half to even), times ``s``. ``row_max``: where ``x`` holds part
-    of each row's features (a row-parallel shard's), the largest magnitudes over the whole rows
-    from those of this part."""
+    forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): ``codes * scale`` of
+    ``per_token_codes``."""
+    codes, scale = per_token_codes(x, scheme, row_max)
+    return codes * scale
+
+
+def per_token_codes(
+    x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes W8A8 quantizes ``x``'s rows to, and each row's scale ``s`` (``[rows, 1]``), both
+    in ``x``'s dtype: ``s`` is the row's largest magnitude (zero counted) over half the codes'
+    range (127.5 for int8, 448 for float8; the eps of ``x``'s dtype where that is 0), and the
+    codes are ``x / s`` clamped to the codes' range, rounded to one (int8: to an integer, half to
+    even; float8: to e4m3). ``row_max``: where ``x`` holds part of each row's features (a
+    row-parallel shard's), the largest magnitudes over the whole rows from those of this part."""
     zero = torch.zeros((), dtype=x.dtype)
     low, high = torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero)
     half_range = 127.5 if scheme == INT8_PER_TOKEN else FLOAT8_MAX
@@ -207,8 +216,8 @@ def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Ten
     scale = largest / torch.tensor(half_range, dtype=x.dtype)
     scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
     if scheme == INT8_PER_TOKEN:
-        return torch.round(torch.clamp(x / scale, -128, 127)) * scale
-    return torch.clamp(x / scale, -FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+        return torch.round(torch.clamp(x / scale, -128, 127)), scale
+    return torch.clamp(x / scale, -FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn).to(x.dtype), scale
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:

@@ -142,6 +142,7 @@ def shard_linear(linear: Linear, rows: Rows, columns: slice | None = None, in_in
     shard.input_quantization = linear.input_quantization
     whole_columns = linear.input_order[columns] if reorders else columns
     shard.part_of = PartOfWeight(rows, whole_columns, linear.out_features, linear.in_features)
+    shard.use_int8_products()
     return shard
 
 

@@ -1,0 +1,119 @@
+"""W8A8's products in integers (``kernels.int8``): exact int32 sums scaled by the row's and the
+channel's scales, taken only where this CPU's ``torch._int_mm`` is exact; a W8A8 checkpoint
+computed that way matches transformers as the blocks' float products do, and keeps a request's
+bits whatever shares its batch (``batch_invariant``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from duet import LLM, SamplingParams
+from duet.kernels import cpu_ops
+from duet.kernels.cpu_ops import RULES_ENV
+from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
+from duet.kernels.int8 import RULE, Int8Weight, exact_int_mm, int8_min_rows, int8_product
+from duet.models.linear import Linear
+from tests.conftest import make_compressed_checkpoint, make_tiny_model
+from tests.duet.test_batch_invariant import GREEDY, HEADS_OF_64, TARGET, _prompts, _signature
+from tests.duet.test_packed_checkpoints import PROMPTS, _greedy, checkpoints  # noqa: F401 (a fixture)
+from tests.reference import check_outputs
+
+needs_exact = pytest.mark.skipif(not exact_int_mm(), reason="torch._int_mm is not exact on this CPU: W8A8 keeps the blocks' products")
+
+
+@pytest.fixture
+def integers_from_one_row(monkeypatch):
+    """W8A8's products in integers from one row, as a CPU that measured them faster would have them."""
+    monkeypatch.setenv(RULES_ENV, json.dumps(json.loads(os.environ.get(RULES_ENV) or "{}") | {RULE: 1}))
+    int8_min_rows.cache_clear()
+    yield
+    int8_min_rows.cache_clear()
+
+
+def _w8a8_linears(llm: LLM) -> list[Linear]:
+    model = llm.engine.executor.worker.runner.model
+    return [module for module in model.modules() if isinstance(module, Linear) and module.input_quantization is not None]
+
+
+@needs_exact
+def test_the_sums_are_exact_and_scaled_by_the_rows_and_the_channels_scales():
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (33, 4096), dtype=torch.int8, generator=generator)
+    weight_codes = torch.randint(-128, 128, (96, 4096), dtype=torch.int8, generator=generator)
+    codes[0], codes[1], weight_codes[0], weight_codes[1] = -128, 127, -128, 127  # sums of +-2^26
+    weight = Int8Weight(weight_codes, torch.rand(96, generator=generator))
+    row_scales = torch.rand(33, 1, generator=generator)
+    expected = (codes.long() @ weight_codes.long().t()).float() * row_scales * weight.scales
+    for rows in (1, 7, 33):
+        assert torch.equal(int8_product(codes[:rows].contiguous(), row_scales[:rows], weight), expected[:rows]), rows
+    assert expected[0, 0] == 2**26 * row_scales[0, 0] * weight.scales[0]
+
+
+def test_a_kernel_whose_sums_saturate_is_not_taken(monkeypatch):
+    """oneDNN without VNNI may add code products in int16 pairs, which saturate at the codes'
+    extremes: such a kernel is found out, and an exact one is taken."""
+
+    def pairwise(a: torch.Tensor, b: torch.Tensor, saturate: bool) -> torch.Tensor:
+        products = a.long().unsqueeze(1) * b.t().long().unsqueeze(0)  # [rows, out, in]
+        pairs = products.view(*products.shape[:2], -1, 2).sum(-1)
+        return (pairs.clamp(-(2**15), 2**15 - 1) if saturate else pairs).sum(-1).int()
+
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: pairwise(a, b, saturate=True))
+    assert not exact_int_mm.__wrapped__()
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: pairwise(a, b, saturate=False))
+    assert exact_int_mm.__wrapped__()
+
+
+def test_only_q8_0_blocks_with_a_scale_per_channel_are_taken_as_they_are():
+    generator = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=generator)
+    per_channel = torch.rand(64, 1, generator=generator).expand(-1, 4).contiguous()
+    ops = cpu_ops.load_gguf()
+    weight = Int8Weight.from_blocks(GGUFWeight(codes, per_channel, Q8_0, 128, ops))
+    assert weight.codes.data_ptr() == codes.data_ptr() and torch.equal(weight.codes, codes.view(torch.int8))
+    assert torch.equal(weight.scales, per_channel[:, 0])
+    grouped = per_channel.clone()
+    grouped[5, 2] *= 2
+    assert Int8Weight.from_blocks(GGUFWeight(codes, grouped, Q8_0, 128, ops)) is None
+    assert Int8Weight.from_blocks(GGUFWeight(codes[:, :64], torch.rand(64, 8), Q4_1, 128, ops)) is None
+
+
+@needs_exact
+def test_a_w8a8_checkpoint_in_integers_matches_transformers(checkpoints, integers_from_one_row, monkeypatch):  # noqa: F811
+    """Every per-channel product of the checkpoint runs in integers, and its greedy tokens are
+    transformers' on the same checkpoint; the grouped scheme keeps the blocks'."""
+    path, references = checkpoints("qwen3-w8a8-channel")
+    llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    linears = _w8a8_linears(llm)
+    assert linears and all(linear.int8 is not None for linear in linears)
+    calls = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or int_mm(a, b))
+    check_outputs(llm.generate(PROMPTS, _greedy()), references, "W8A8 in integers")
+    assert 1 in calls and len(calls) >= len(linears) * 10  # a prompt's chunks and every decode step
+    llm.engine.check_integrity()
+    grouped, _ = checkpoints("phi3-w8a8-g32")
+    llm = LLM(model=str(grouped), num_kv_blocks=64, max_model_len=256)
+    assert all(linear.int8 is None for linear in _w8a8_linears(llm))
+
+
+@needs_exact
+def test_w8a8_in_integers_gives_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir):
+    """The integer sums are exact, so under ``batch_invariant`` every row count takes them, and a
+    request's tokens and logprobs are its own alone amid other requests and in other chunks."""
+    source = make_tiny_model(tmp_path / "float", tiny_tokenizer_dir, "llama3-rope", **HEADS_OF_64)
+    path = make_compressed_checkpoint(source, tmp_path / "w8a8", 8, None, w8a8="int")
+    llm = LLM(model=str(path), batch_invariant=True, max_model_len=512, enable_prefix_caching=False, max_num_batched_tokens=48)
+    assert all(linear.int8 is not None for linear in _w8a8_linears(llm))
+    alone = _signature(llm.generate([TARGET], GREEDY)[0])
+    for size, place in ((5, 2), (24, 0), (24, 23)):
+        background = _prompts(size - 1, seed=size + place)
+        prompts = background[:place] + [TARGET] + background[place:]
+        params = [SamplingParams(temperature=0.0, max_tokens=1 + index % 9) for index in range(size - 1)]
+        params.insert(place, GREEDY)
+        assert _signature(llm.generate(prompts, params)[place]) == alone, (size, place)
+    llm.engine.check_integrity()
