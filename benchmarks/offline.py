@@ -1,6 +1,6 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
-    duet bench offline [--model smollm2,DIR] [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4]
+    duet bench offline [--model smollm2,DIR] [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4,w8a8]
                        [--kv-cache-dtype auto,int8,fp8_e4m3] [--lora N [--lora-rank 16]] [--batch-invariant]
                        [--peer vllm --peer-python VENV/bin/python] [--json out.json] [--plot out.png]
 
@@ -9,7 +9,7 @@ its float twin, say) on this machine: batch-32 x 128-token decode throughput,
 single-stream decode, prefill of one 512-token prompt, and time-to-first-token with and
 without a prefix-cache hit on a 400-token shared system prompt; for each ``--quantization``
 setting (``auto``: the engine's default, from the GGUF blocks where that applies;
-``dequantized``: the float weights alone; ``int8``, ``int4``: quantized at load time) and each
+``dequantized``: the float weights alone; ``int8``, ``int4``, ``w8a8``: quantized at load time) and each
 ``--kv-cache-dtype``, every pair of the two, with the KV blocks each fits in
 ``kv_cache_memory_gib``. Machines differ, so the figures that matter are the ratios, measured
 here in the same run. ``--lora N`` also decodes the batch with N LoRA adapters mixed across it
@@ -258,6 +258,8 @@ def measure_duet(
     """Seconds for each measure (and the KV blocks), and what the weights were read from (GGUF
     or packed blocks, alone or beside the floats, or floats)."""
     from duet import LLM, SamplingParams
+    from duet.kernels.cpu_ops import NEVER
+    from duet.kernels.int8 import int8_min_rows
     from duet.models.linear import Linear
 
     llm = LLM(
@@ -272,6 +274,9 @@ def measure_duet(
         "blocks" if blocks_alone == len(linears) else f"blocks, {len(linears) - blocks_alone} in floats" if blocks_alone
         else "gguf" if any(m.gguf is not None for m in linears) else "float"
     )
+    in_integers = sum(m.int8 is not None for m in linears)
+    if in_integers:  # W8A8's products in int8 from this many rows (``kernels.int8``)
+        label += f", {in_integers} in int8 from {int8_min_rows()} rows" if int8_min_rows() < NEVER else ", int8 never here"
     tokenizer = llm.get_tokenizer()
     prompts = batch_prompts(tokenizer)
     decode = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
     parser.add_argument(
-        "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized, int8, int4"
+        "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized, int8, int4, w8a8"
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes, each measured with every --quantization: auto, int8, fp8_e4m3")
     parser.add_argument("--lora", type=int, default=0, help="also decode with this many LoRA adapters mixed across the batch, against the base")

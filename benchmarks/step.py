@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--quantization", default="auto", help="auto (the engine's default), dequantized, int8, int4")
+    parser.add_argument("--quantization", default="auto", help="auto (the engine's default), dequantized, int8, int4, w8a8")
     parser.add_argument("--layers", default="native", help="native (the C++ decoder stack), python (the layer loop), or both: python,native")
     parser.add_argument("--json", help="also write the profiles here")
     args = parser.parse_args(argv)

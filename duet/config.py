@@ -229,7 +229,7 @@ def import_object(import_path: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-QUANTIZATIONS = (None, "gguf", "dequantized", "int8", "int4")
+QUANTIZATIONS = (None, "gguf", "dequantized", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,9 @@ class EngineArgs:
     model: str = "smollm2"
     dtype: str = "float32"
     # None: compute from a GGUF checkpoint's own blocks where that is exact and runs here (CPU,
-    # float32); "gguf": insist on it; "dequantized": the float weights alone; "int8" / "int4":
-    # linear weights quantized at load time, any model (duet.models.quantize).
+    # float32); "gguf": insist on it; "dequantized": the float weights alone; "int8" / "int4" /
+    # "w8a8": linear weights (and for w8a8 their inputs) quantized at load time, any model
+    # (duet.models.quantize).
     quantization: str | None = None
     device: str = "cpu"
     seed: int = 0

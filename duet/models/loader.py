@@ -302,7 +302,7 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``;
     with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_backend``),
-    or with its linear weights quantized to blocks (``int8``, ``int4``: ``duet.models.quantize``)."""
+    or with its linear weights quantized to blocks (``int8``, ``int4``, ``w8a8``: ``duet.models.quantize``)."""
     arch = read_arch(path)
     with torch.device("meta"):
         model = model_class(arch)(arch, max_positions)
@@ -348,10 +348,11 @@ def load_model(
                 module.input_quantization = scheme.activations
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
-        return model.eval()
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is not None:
             module.pack_for_cpu()
+    if quantization in LOAD_TIME_QUANTIZATIONS:
+        return model.eval()
     backend = _gguf_backend(path, dtype, device, quantization)
     if backend is not None:
         _attach_gguf(model, path, backend)

@@ -1,4 +1,4 @@
-"""Weights quantized at load time (``quantization: int8 | int4``) for any model loaded from floats.
+"""Weights quantized at load time (``quantization: int8 | int4 | w8a8``) for any model loaded from floats.
 
 Each ``Linear`` (attention and MLP projections, the LM head) becomes rows of 32-weight blocks in
 GGUF's own layouts, computed by the same kernels as a GGUF checkpoint's blocks
@@ -8,8 +8,13 @@ GGUF's own layouts, computed by the same kernels as a GGUF checkpoint's blocks
   scales widened to fp32 once, ``kernels.gguf``). Finer than a scale per output channel for an
   eighth of a byte more, and the decode kernels already read it.
 - ``int4``: Q4_1, a scale and a minimum (fp16) per 32 weights: 0.75 byte a weight resident.
+- ``w8a8``: llm-compressor's W8A8 scheme, computed as a checkpoint of it is (``duet.models.
+  packed``): int8 codes with one scale per output channel (its largest magnitude over 127.5, as
+  compressed-tensors' min-max observer has it) and each product's input quantized per token at
+  run time, so that the products go in integers where the CPU measured that faster
+  (``kernels.int8``). The LM head stays in floats, as llm-compressor's recipes leave it.
 
-Blocks are made by ``gguf.quants`` (llama.cpp's reference quantizers). The token embedding
+The int8 and int4 blocks are made by ``gguf.quants`` (llama.cpp's reference quantizers). The token embedding
 stays in floats (a step reads one row of it per token), as do a mixture of experts' experts.
 """
 
@@ -21,8 +26,9 @@ import torch
 
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight
 from duet.models.linear import Linear
+from duet.models.packed import INT8_PER_TOKEN
 
-LOAD_TIME_QUANTIZATIONS = {"int8": Q8_0, "int4": Q4_1}
+LOAD_TIME_QUANTIZATIONS = {"int8": Q8_0, "int4": Q4_1, "w8a8": Q8_0}
 
 logger = logging.getLogger(__name__)
 
@@ -39,19 +45,40 @@ def quantize_blocks(weight: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.quantize(rows, gguf.GGMLQuantizationType(qtype)))
 
 
+def per_channel_int8(weight: torch.Tensor, backend) -> GGUFWeight:
+    """An ``[out, in]`` float weight as W8A8 quantizes it: codes ``round(w / s)`` clamped to
+    -128..127, ``s`` each output channel's largest magnitude (zero counted) over 127.5 (fp32's eps
+    where that is 0), as Q8_0 blocks whose every block of a row has the row's scale."""
+    weight = weight.detach().float()
+    zero = torch.zeros(())
+    largest = torch.maximum(torch.minimum(weight.amin(1, keepdim=True), zero).abs(), torch.maximum(weight.amax(1, keepdim=True), zero))
+    scale = largest / 127.5
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    codes = torch.round(torch.clamp(weight / scale, -128, 127)).to(torch.int8)
+    out_features, in_features = weight.shape
+    return GGUFWeight(codes.view(torch.uint8), scale.expand(-1, in_features // BLOCK).contiguous(), Q8_0, in_features, backend)
+
+
 def quantize_linears(model: torch.nn.Module, quantization: str, backend) -> int:
     """Replace every Linear's float weight by its ``quantization`` blocks, computed with ``backend``
-    (``cpu_ops.load_gguf()`` or ``kernels.triton_gguf``); the number of weights quantized."""
+    (``cpu_ops.load_gguf()`` or ``kernels.triton_gguf``), but W8A8's LM head; the number of weights
+    quantized."""
     qtype = LOAD_TIME_QUANTIZATIONS[quantization]
     count = 0
     for name, linear in model.named_modules():
-        if not isinstance(linear, Linear):
+        if not isinstance(linear, Linear) or (quantization == "w8a8" and name == "lm_head"):
             continue
         if linear.in_features % BLOCK:
             raise QuantizationError(f"quantization={quantization!r}: {name} has {linear.in_features} input features, not a multiple of {BLOCK}")
-        blocks = quantize_blocks(linear.weight, qtype).to(linear.weight.device)
-        linear.attach_gguf(GGUFWeight.from_blocks(blocks, qtype, linear.in_features, backend))
+        if quantization == "w8a8":
+            linear.attach_gguf(per_channel_int8(linear.weight, backend))
+        else:
+            blocks = quantize_blocks(linear.weight, qtype).to(linear.weight.device)
+            linear.attach_gguf(GGUFWeight.from_blocks(blocks, qtype, linear.in_features, backend))
         linear.keep_blocks_only()
+        if quantization == "w8a8":
+            linear.input_quantization = INT8_PER_TOKEN
+            linear.use_int8_products()
         count += linear.out_features * linear.in_features
     logger.info("quantized %d weights to %s (GGUF type %d) at load time", count, quantization, qtype)
     return count

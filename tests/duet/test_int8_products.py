@@ -19,8 +19,8 @@ from duet.kernels.int8 import RULE, Int8Weight, exact_int_mm, int8_min_rows, int
 from duet.models.linear import Linear
 from tests.conftest import make_compressed_checkpoint, make_tiny_model
 from tests.duet.test_batch_invariant import GREEDY, HEADS_OF_64, TARGET, _prompts, _signature
-from tests.duet.test_packed_checkpoints import PROMPTS, _greedy, checkpoints  # noqa: F401 (a fixture)
-from tests.reference import check_outputs
+from tests.duet.test_packed_checkpoints import NEW_TOKENS, PROMPTS, _greedy, checkpoints  # noqa: F401 (a fixture)
+from tests.reference import check_outputs, hf_greedy
 
 needs_exact = pytest.mark.skipif(not exact_int_mm(), reason="torch._int_mm is not exact on this CPU: W8A8 keeps the blocks' products")
 
@@ -117,3 +117,29 @@ def test_w8a8_in_integers_gives_a_request_the_same_bits_in_any_batch_and_chunks(
         params.insert(place, GREEDY)
         assert _signature(llm.generate(prompts, params)[place]) == alone, (size, place)
     llm.engine.check_integrity()
+
+
+def test_w8a8_at_load_is_llm_compressors_w8a8_of_the_same_weights(tmp_path, tiny_tokenizer_dir):
+    """``quantization="w8a8"`` gives a float checkpoint's products the codes and scales that
+    compressed-tensors writes for W8A8 from the same weights, bit for bit, the LM head left in
+    floats as llm-compressor leaves it: so the tokens and logprobs of that checkpoint, and
+    transformers' greedy tokens on it."""
+    source = make_tiny_model(tmp_path / "float", tiny_tokenizer_dir, "qwen3")
+    shipped_path = make_compressed_checkpoint(source, tmp_path / "w8a8", 8, None, w8a8="int")
+    references = hf_greedy(shipped_path, PROMPTS, NEW_TOKENS)
+    engines = {}
+    for name, model, quantization in (("at load", source, "w8a8"), ("shipped", shipped_path, None)):
+        engines[name] = LLM(model=str(model), quantization=quantization, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
+    linears = {name: dict(llm.engine.executor.worker.runner.model.named_modules()) for name, llm in engines.items()}
+    quantized = [name for name, module in linears["shipped"].items() if isinstance(module, Linear) and module.input_quantization is not None]
+    assert len(quantized) == sum(isinstance(module, Linear) for module in linears["at load"].values()) - 1  # all but the LM head
+    for name in quantized:
+        at_load, shipped = linears["at load"][name], linears["shipped"][name]
+        assert at_load.input_quantization == shipped.input_quantization, name
+        assert torch.equal(at_load.gguf.codes, shipped.gguf.codes) and torch.equal(at_load.gguf.scales, shipped.gguf.scales), name
+        assert (at_load.int8 is None) == (shipped.int8 is None), name
+    assert linears["at load"]["lm_head"].weight is not None and linears["at load"]["lm_head"].gguf is None
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=2)
+    outputs = {name: llm.generate(PROMPTS, params) for name, llm in engines.items()}
+    assert [_signature(output) for output in outputs["at load"]] == [_signature(output) for output in outputs["shipped"]]
+    check_outputs(outputs["at load"], references, "w8a8 at load")
