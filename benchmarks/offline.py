@@ -259,7 +259,7 @@ def measure_duet(
     or packed blocks, alone or beside the floats, or floats)."""
     from duet import LLM, SamplingParams
     from duet.kernels.cpu_ops import NEVER
-    from duet.kernels.int8 import int8_min_rows
+    from duet.kernels.w8a8 import int8_min_rows
     from duet.models.linear import Linear
 
     llm = LLM(
@@ -275,7 +275,7 @@ def measure_duet(
         else "gguf" if any(m.gguf is not None for m in linears) else "float"
     )
     in_integers = sum(m.int8 is not None for m in linears)
-    if in_integers:  # W8A8's products in int8 from this many rows (``kernels.int8``)
+    if in_integers:  # W8A8's products in int8 from this many rows (``kernels.w8a8``)
         label += f", {in_integers} in int8 from {int8_min_rows()} rows" if int8_min_rows() < NEVER else ", int8 never here"
     tokenizer = llm.get_tokenizer()
     prompts = batch_prompts(tokenizer)

@@ -2,8 +2,8 @@
 ``csrc/cpu_ops.cpp`` (attention, norms, activations), the decoder stack of
 ``csrc/decoder_stack.cpp`` (a model's layers in one call) and the LoRA updates of
 ``csrc/lora.cpp``, ``load_gguf()`` the matmuls over GGUF
-weight blocks of ``csrc/gguf_ops.cpp`` and the batch-invariant products of
-``csrc/batch_invariant.cpp`` (built apart: without -ffast-math, so that nothing reassociates
+weight blocks of ``csrc/gguf_ops.cpp``, the batch-invariant products of
+``csrc/batch_invariant.cpp`` and W8A8's of ``csrc/int8_rows.cpp`` (built apart: without -ffast-math, so that nothing reassociates
 their dequantization or their sums; registered as torch operators too, for the decoder stack).
 
 Each build takes one to three minutes once per machine (torch caches it under
@@ -64,7 +64,7 @@ def load_gguf():
     the float weights' panel products (``invariant_linear``), or None when they cannot be built or
     are switched off. GGUF products of many rows go by panels or by tiles of rows as this CPU
     measured faster (``panel_min_rows``, once per process)."""
-    ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp", "batch_invariant.cpp"], [], [])
+    ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp", "batch_invariant.cpp", "int8_rows.cpp"], [], [])
     if ops is not None:
         pinned = pinned_rule("gguf_panel_min_rows")
         ops.set_panel_min_rows(panel_min_rows(ops) if pinned is None else pinned)

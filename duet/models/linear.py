@@ -50,11 +50,9 @@ from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_OUT_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
-from duet.kernels.int8 import RULE as INT8_RULE
-from duet.kernels.int8 import Int8Weight, exact_int_mm, int8_min_rows, int8_product
+from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE as INT8_RULE, Int8Weight, dynamic_per_token, exact_int_mm, int8_linear, int8_min_rows
 from duet.lora import current_step as current_lora_step
 from duet.models.module import Module
-from duet.models.packed import INT8_PER_TOKEN, dynamic_per_token, per_token_codes
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +97,14 @@ class Linear(Module):
         # The input features in the order the weight's columns hold them (GPTQ's activation
         # order, its groups made contiguous: ``duet.models.gptq``); None: as given.
         self.input_order: torch.Tensor | None = None
-        # How the input is quantized before the product (W8A8's ``packed.INT8_PER_TOKEN`` or
-        # ``FLOAT8_PER_TOKEN``: ``packed.dynamic_per_token``); None: not.
+        # How the input is quantized before the product (W8A8's ``w8a8.INT8_PER_TOKEN`` or
+        # ``FLOAT8_PER_TOKEN``: ``w8a8.dynamic_per_token``); None: not.
         self.input_quantization: str | None = None
         # Where its input features are split over tensor-parallel ranks: each row's largest
         # magnitude over every rank's features, from this rank's (the scale W8A8 quantizes by).
         self.input_row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
         # W8A8's int8 codes with a scale per channel, for products of ``_int8_rows`` rows or more
-        # in integers (``kernels.int8``: ``use_int8_products``); None: the blocks' float products.
+        # in integers (``kernels.w8a8``: ``use_int8_products``); None: the blocks' float products.
         self.int8: Int8Weight | None = None
         self._int8_rows = cpu_ops.NEVER
         # A tensor-parallel shard's place in the whole weight (``tensor_parallel.PartOfWeight``); None: whole.
@@ -195,16 +193,14 @@ class Linear(Module):
         self._lay_out_panels()
 
     def use_int8_products(self) -> None:
-        """Compute W8A8's products in integers from as many rows as this CPU measured that faster,
-        where the weight's blocks are int8 codes with a scale per channel."""
+        """W8A8's products in integers (from the rows this CPU measured faster) where the blocks allow."""
         if self.input_quantization == INT8_PER_TOKEN and self.gguf is not None and self.input_order is None:
             self.int8 = Int8Weight.from_blocks(self.gguf)
             self._int8_rows = cpu_ops.NEVER if self.int8 is None else int8_min_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self._int8_rows and self.input_quantization is not None:
-            codes, scales = per_token_codes(x, INT8_PER_TOKEN, self.input_row_max)
-            y = int8_product(codes.to(torch.int8), scales, self.int8).to(x.dtype)
+            y = int8_linear(x, self.int8, self.input_row_max)
         else:
             quantized = x if self.input_quantization is None else dynamic_per_token(x, self.input_quantization, self.input_row_max)
             y = self._product(self._ordered(quantized))

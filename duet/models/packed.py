@@ -23,7 +23,7 @@ per output channel); its weight is ``q * s``. Each group of a multiple of 32 fea
 int8) beside its scales: Q8_0 blocks as above. W8A8 quantizes each product's input too, per
 token and at run time (``input_activations``: int8, ``token``, dynamic, symmetric): its rows
 become ``round(x / s) * s`` clamped to the int8 codes, ``s`` the row's largest magnitude over
-127.5, exactly as compressed-tensors' own forward does (``dynamic_per_token``), and the
+127.5, exactly as compressed-tensors' own forward does (``kernels.w8a8.dynamic_per_token``), and the
 product is then computed from them as from any input.
 
 ``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3) weights with a
@@ -47,19 +47,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
+from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, INT8_PER_TOKEN
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
-INT8_PER_TOKEN = "int8-per-token"  # W8A8's inputs (``PackedScheme.activations``)
-FLOAT8_PER_TOKEN = "float8-per-token"  # FP8 W8A8's
-FLOAT8_MAX = 448.0  # e4m3's largest finite value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,36 +185,6 @@ def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
             raise DamagedCheckpointError(f"{path}: {name}_scale has shape {tuple(scale.shape)}: neither one scale nor one a channel")
         state[name] = state[name].to(scale.dtype) * scale.reshape(-1, 1)
     return names
-
-
-def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """``x``'s rows as W8A8 quantizes a product's input before it, to the bit as compressed-tensors'
-    forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): ``codes * scale`` of
-    ``per_token_codes``."""
-    codes, scale = per_token_codes(x, scheme, row_max)
-    return codes * scale
-
-
-def per_token_codes(
-    x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes W8A8 quantizes ``x``'s rows to, and each row's scale ``s`` (``[rows, 1]``), both
-    in ``x``'s dtype: ``s`` is the row's largest magnitude (zero counted) over half the codes'
-    range (127.5 for int8, 448 for float8; the eps of ``x``'s dtype where that is 0), and the
-    codes are ``x / s`` clamped to the codes' range, rounded to one (int8: to an integer, half to
-    even; float8: to e4m3). ``row_max``: where ``x`` holds part of each row's features (a
-    row-parallel shard's), the largest magnitudes over the whole rows from those of this part."""
-    zero = torch.zeros((), dtype=x.dtype)
-    low, high = torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero)
-    half_range = 127.5 if scheme == INT8_PER_TOKEN else FLOAT8_MAX
-    largest = torch.maximum(low.abs(), high.abs())
-    if row_max is not None:
-        largest = row_max(largest)
-    scale = largest / torch.tensor(half_range, dtype=x.dtype)
-    scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
-    if scheme == INT8_PER_TOKEN:
-        return torch.round(torch.clamp(x / scale, -128, 127)), scale
-    return torch.clamp(x / scale, -FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn).to(x.dtype), scale
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:

@@ -12,7 +12,7 @@ GGUF's own layouts, computed by the same kernels as a GGUF checkpoint's blocks
   packed``): int8 codes with one scale per output channel (its largest magnitude over 127.5, as
   compressed-tensors' min-max observer has it) and each product's input quantized per token at
   run time, so that the products go in integers where the CPU measured that faster
-  (``kernels.int8``). The LM head stays in floats, as llm-compressor's recipes leave it.
+  (``kernels.w8a8``). The LM head stays in floats, as llm-compressor's recipes leave it.
 
 The int8 and int4 blocks are made by ``gguf.quants`` (llama.cpp's reference quantizers). The token embedding
 stays in floats (a step reads one row of it per token), as do a mixture of experts' experts.
@@ -26,7 +26,7 @@ import torch
 
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight
 from duet.models.linear import Linear
-from duet.models.packed import INT8_PER_TOKEN
+from duet.kernels.w8a8 import INT8_PER_TOKEN
 
 LOAD_TIME_QUANTIZATIONS = {"int8": Q8_0, "int4": Q4_1, "w8a8": Q8_0}
 

@@ -421,6 +421,8 @@ namespace duet_gguf {
 // batch_invariant.cpp's.
 int64_t invariant_panel_width();
 torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features);
+// int8_rows.cpp's.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight_codes, torch::Tensor weight_scales);
 }  // namespace duet_gguf
 
 // The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to
@@ -459,6 +461,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa);
   m.def("invariant_linear", &invariant_linear, "x [M, K] times weights in panels: every output summed over k in one order");
   m.def("invariant_panel_width", &invariant_panel_width);
+  m.def("int8_linear", &int8_linear, "W8A8: x's rows quantized per token, their int8 sums with the codes, scaled per row and channel");
   m.def("set_panel_min_rows", &set_panel_min_rows, "Products of at least this many rows go by panels, in this process");
   m.def("panel_min_rows", &panel_min_rows);
 }

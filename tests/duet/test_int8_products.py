@@ -1,4 +1,4 @@
-"""W8A8's products in integers (``kernels.int8``): exact int32 sums scaled by the row's and the
+"""W8A8's products in integers (``kernels.w8a8``): exact int32 sums scaled by the row's and the
 channel's scales, taken only where this CPU's ``torch._int_mm`` is exact; a W8A8 checkpoint
 computed that way matches transformers as the blocks' float products do, and keeps a request's
 bits whatever shares its batch (``batch_invariant``)."""
@@ -15,7 +15,7 @@ from duet import LLM, SamplingParams
 from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import RULES_ENV
 from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
-from duet.kernels.int8 import RULE, Int8Weight, exact_int_mm, int8_min_rows, int8_product
+from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE, Int8Weight, exact_int_mm, int8_min_rows, int8_product, per_token_codes
 from duet.models.linear import Linear
 from tests.conftest import make_compressed_checkpoint, make_tiny_model
 from tests.duet.test_batch_invariant import GREEDY, HEADS_OF_64, TARGET, _prompts, _signature
@@ -51,6 +51,26 @@ def test_the_sums_are_exact_and_scaled_by_the_rows_and_the_channels_scales():
     for rows in (1, 7, 33):
         assert torch.equal(int8_product(codes[:rows].contiguous(), row_scales[:rows], weight), expected[:rows]), rows
     assert expected[0, 0] == 2**26 * row_scales[0, 0] * weight.scales[0]
+
+
+@needs_exact
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_call_product_is_the_torch_compositions_bit_for_bit(dtype):
+    """``int8_linear`` (C++: quantize, ``_int_mm``, scale) gives what ``per_token_codes`` then
+    ``int8_product`` give in torch, in fp32 and in bf16 (where every step rounds to bf16), on rows
+    with codes at half-way points, a zero row and outliers."""
+    generator = torch.Generator().manual_seed(2)
+    x = (torch.randn(40, 576, generator=generator) * torch.rand(40, 1, generator=generator) * 4).to(dtype)
+    x[3] = 0
+    x[5, :8] = torch.tensor([127.5, -127.5, 0.5, 1.5, 2.5, -0.5, 63.75, -1.0]).to(dtype)  # its scale is 1: ties at .5
+    x[7, 100] = 1e4
+    weight = Int8Weight(torch.randint(-128, 128, (96, 576), dtype=torch.int8, generator=generator), torch.rand(96, generator=generator))
+    codes, scales = per_token_codes(x, INT8_PER_TOKEN)
+    assert scales[5].item() == 1.0 and codes[5, :5].tolist() == [127, -128, 0, 2, 2]
+    expected = int8_product(codes.to(torch.int8), scales, weight).to(dtype)
+    for rows in (1, 8, 40):
+        got = cpu_ops.load_gguf().int8_linear(x[:rows], weight.codes, weight.scales)
+        assert got.dtype == dtype and torch.equal(got, expected[:rows]), rows
 
 
 def test_a_kernel_whose_sums_saturate_is_not_taken(monkeypatch):
@@ -91,8 +111,9 @@ def test_a_w8a8_checkpoint_in_integers_matches_transformers(checkpoints, integer
     linears = _w8a8_linears(llm)
     assert linears and all(linear.int8 is not None for linear in linears)
     calls = []
-    int_mm = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or int_mm(a, b))
+    ops = cpu_ops.load_gguf()
+    int8_linear = ops.int8_linear
+    monkeypatch.setattr(ops, "int8_linear", lambda x, *weight: calls.append(x.shape[0]) or int8_linear(x, *weight))
     check_outputs(llm.generate(PROMPTS, _greedy()), references, "W8A8 in integers")
     assert 1 in calls and len(calls) >= len(linears) * 10  # a prompt's chunks and every decode step
     llm.engine.check_integrity()

@@ -1,6 +1,6 @@
-"""W8A8's products in integers: the input's int8 codes (quantized per token, as
-compressed-tensors quantizes them: ``duet.models.packed.per_token_codes``) times the weight's
-int8 codes, summed in int32 by ``torch._int_mm`` (oneDNN's int8 kernels: AMX-INT8 tiles or
+"""W8A8's products: each input row quantized per token at run time (``per_token_codes``, to
+the bit as compressed-tensors' forward does), and, in integers, the input's int8 codes times the
+weight's int8 codes, summed in int32 by ``torch._int_mm`` (oneDNN's int8 kernels: AMX-INT8 tiles or
 VNNI where the CPU has them), then scaled by the row's and the output channel's scales,
 ``y = float(sum_k qx * qw) * sx * sw``, as vLLM computes W8A8 on CPUs. The sums are exact, so no
 batch, split or order of additions changes them; compressed-tensors' own forward multiplies
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,9 @@ from duet.kernels.gguf import BLOCK, Q8_0, GGUFWeight
 
 logger = logging.getLogger(__name__)
 
+INT8_PER_TOKEN = "int8-per-token"  # W8A8's inputs (``Linear.input_quantization``)
+FLOAT8_PER_TOKEN = "float8-per-token"  # FP8 W8A8's
+FLOAT8_MAX = 448.0  # e4m3's largest finite value
 RULE = "int8_min_rows"
 INT8_ROWS = (1, 2, 4, 8, 16, 32)  # row counts the two paths are timed at
 _MARGIN = 1.05  # by which the integer path must win to take the rows (a noisy tie keeps the blocks)
@@ -58,14 +62,54 @@ def int8_product(codes: torch.Tensor, row_scales: torch.Tensor, weight: Int8Weig
     return sums.float() * row_scales.float() * weight.scales
 
 
+def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """``x``'s rows as W8A8 quantizes a product's input before it, to the bit as compressed-tensors'
+    forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): ``codes * scale`` of
+    ``per_token_codes``."""
+    codes, scale = per_token_codes(x, scheme, row_max)
+    return codes * scale
+
+
+def per_token_codes(
+    x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes W8A8 quantizes ``x``'s rows to, and each row's scale ``s`` (``[rows, 1]``), both
+    in ``x``'s dtype: ``s`` is the row's largest magnitude (zero counted) over half the codes'
+    range (127.5 for int8, 448 for float8; the eps of ``x``'s dtype where that is 0), and the
+    codes are ``x / s`` clamped to the codes' range, rounded to one (int8: to an integer, half to
+    even; float8: to e4m3). ``row_max``: where ``x`` holds part of each row's features (a
+    row-parallel shard's), the largest magnitudes over the whole rows from those of this part."""
+    zero = torch.zeros((), dtype=x.dtype)
+    low, high = torch.minimum(x.amin(-1, keepdim=True), zero), torch.maximum(x.amax(-1, keepdim=True), zero)
+    half_range = 127.5 if scheme == INT8_PER_TOKEN else FLOAT8_MAX
+    largest = torch.maximum(low.abs(), high.abs())
+    if row_max is not None:
+        largest = row_max(largest)
+    scale = largest / torch.tensor(half_range, dtype=x.dtype)
+    scale = torch.where(scale == 0, torch.tensor(torch.finfo(x.dtype).eps, dtype=x.dtype), scale)
+    if scheme == INT8_PER_TOKEN:
+        return torch.round(torch.clamp(x / scale, -128, 127)), scale
+    return torch.clamp(x / scale, -FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn).to(x.dtype), scale
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """W8A8's product of ``x``'s rows in integers, in ``x``'s dtype: in one C++ call
+    (``csrc/int8_rows.cpp``), or where ``row_max`` gives the row scales over other ranks'
+    features too, by ``per_token_codes`` and ``int8_product``."""
+    if row_max is None:
+        return cpu_ops.load_gguf().int8_linear(x, weight.codes, weight.scales)
+    codes, scales = per_token_codes(x, INT8_PER_TOKEN, row_max)
+    return int8_product(codes.to(torch.int8), scales, weight).to(x.dtype)
+
+
 @functools.cache
 def int8_min_rows() -> int:
-    """The fewest rows from which W8A8's products go by ``int8_product`` on this CPU, or
-    ``NEVER``: never where ``torch._int_mm`` is not exact here (``exact_int_mm``); else the first
-    of ``INT8_ROWS`` from which it is ``_MARGIN`` times faster than the Q8_0 blocks' float
-    products at every count measured, timed over ``SAMPLE_WEIGHTS`` per-channel int8 weights of a
-    SmolLM2 MLP's shape (32 MB, read from memory as a step reads a model's), best of 3
-    interleaved rounds each way. ``DUET_CPU_RULES`` may give it (``cpu_ops.pinned_rule``)."""
+    """The fewest rows from which W8A8's products go in integers on this CPU, or ``NEVER``: never
+    where ``torch._int_mm`` is not exact here (``exact_int_mm``); else the first of ``INT8_ROWS``
+    from which ``int8_linear`` is ``_MARGIN`` times faster than the Q8_0 blocks' float products
+    of the quantized rows at every count measured, over ``SAMPLE_WEIGHTS`` per-channel int8
+    weights of a SmolLM2 MLP's shape (32 MB, read from memory as a step reads a model's), best
+    of 3 interleaved rounds each way. ``DUET_CPU_RULES`` may give it (``cpu_ops.pinned_rule``)."""
     if (pinned := cpu_ops.pinned_rule(RULE)) is not None:
         return pinned
     ops = cpu_ops.load_gguf()
@@ -83,12 +127,10 @@ def int8_min_rows() -> int:
     wins = []
     for rows in INT8_ROWS:
         x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
-        x_codes = torch.randint(-128, 128, (rows, SAMPLE_IN_FEATURES), dtype=torch.int8, generator=generator)
-        x_scales = torch.rand(rows, 1, generator=generator)
         times = best_times(
             {
-                "blocks": lambda: [blocks.matmul(x) for blocks, _ in weights],
-                "int8": lambda: [int8_product(x_codes, x_scales, weight) for _, weight in weights],
+                "blocks": lambda: [blocks.matmul(dynamic_per_token(x, INT8_PER_TOKEN)) for blocks, _ in weights],
+                "int8": lambda: [int8_linear(x, weight) for _, weight in weights],
             },
             rounds=3,
         )
