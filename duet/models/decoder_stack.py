@@ -9,8 +9,8 @@ and the GIL with it while the layers run. A step with LoRA adapters' rows (``due
 here too, each product adding their updates with the same C++ call ``Linear`` makes. Prompt
 chunks keep the Python loop (their Python is a small share of their step; their attention is
 ``cpu_ops``' prompt kernel), as do models whose layers are not plain Llama ones
-(tensor-parallel ranks, MoE, Qwen's q/k/v biases and q/k norms), GPU models, and every model
-where the C++ kernels are unavailable.
+(tensor-parallel ranks, MoE, Qwen's q/k/v biases and q/k norms), W8A8 products not in integers
+at every row count, GPU models, and every model where the C++ kernels are unavailable.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class DecoderStack:
                 return None
             if layer.self_attn.softcap is not None or layer.residual_multiplier is not None:  # Gemma 2's caps, Granite's multiplier
                 return None
-            if any(type(linear) is not Linear or linear.input_quantization is not None for linear in _linears(layer)):
-                return None  # W8A8's quantized inputs: Python
+            if any(type(linear) is not Linear or (linear.input_quantization is not None and not linear.int8_at_every_row) for linear in _linears(layer)):
+                return None  # W8A8's inputs quantized in torch: Python
         ops = cpu_ops.load()
         if ops is None or cpu_ops.load_gguf() is None:  # the stack reaches the block products through their operators
             return None

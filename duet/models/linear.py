@@ -15,13 +15,11 @@ use (in registers, by tiles of rows or by panels kept in cache, as the CPU measu
 longer products, prompt chunks, keep oneDNN's float paths. On a GPU the Triton kernels race
 cuBLAS the same way, and serve no rows where they lose at one (as on an H200).
 
-A weight quantized at load time (``quantization: int8 | int4``, ``duet.models.quantize``) keeps
-its blocks alone (``weight`` is None): longer products dequantize it for the call, which
-measures faster than the block kernels from about 128 rows (prompt chunks) and costs a
-fraction of the product there. Rows of another dtype (bf16) go through the kernels in fp32.
+A weight quantized at load time (``quantization``, ``duet.models.quantize``) keeps its blocks
+alone (``weight`` is None): longer products dequantize it for the call. W8A8's products with a
+scale per channel go in integers where this CPU measured that faster (``kernels.w8a8``).
 
-An LM head whose rows only need their greedy token (``argmax``) skips writing its logits: for
-SmolLM2 at 32 rows, 6.3 MB written and read again by ``torch.argmax`` (1.4 ms a step).
+An LM head whose rows only need their greedy token (``argmax``) skips writing its logits.
 
 A float weight may also be laid out in panels (``kernels/csrc/batch_invariant.cpp``: each output
 summed over k by one fused multiply-add a k, a thread per panel, tiles of rows by outer products),
@@ -228,18 +226,25 @@ class Linear(Module):
         """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
         to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
         qtype, block_rows, panel_codes, panel_scales, invariant_panels, out_features, panel_rows,
-        panel_min_rows, input_order)``, None for what this layer lacks."""
+        panel_min_rows, input_order, int8_codes, int8_scales)``, None for what this layer lacks; the
+        int8 codes only where every row count goes in integers in one call (``int8_at_every_row``)."""
         blocks = self.gguf
         low, high = self._packed_rows
         invariant = (self.invariant_panels, self.out_features, self._panel_rows)
+        int8 = (self.int8.codes, self.int8.scales) if self.int8_at_every_row else (None, None)
         if blocks is None:
             return (
-                self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1, self.input_order,
+                self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1, self.input_order, *int8,
             )
         return (
             self.weight, self.packed_weight, low, high, blocks.codes, blocks.scales, blocks.qtype, self._block_rows,
-            blocks.panel_codes, blocks.panel_scales, *invariant, blocks.panel_min_rows, self.input_order,
+            blocks.panel_codes, blocks.panel_scales, *invariant, blocks.panel_min_rows, self.input_order, *int8,
         )
+
+    @property
+    def int8_at_every_row(self) -> bool:
+        """Whether every product goes in integers in one C++ call (W8A8 whole rows, ``int8_linear``)."""
+        return self.int8 is not None and self._int8_rows <= 1 and self.input_quantization is not None and self.input_row_max is None
 
     def argmax(self, x: torch.Tensor, excluded_token_ids: torch.Tensor) -> torch.Tensor:
         """``greedy_argmax(self(x).float(), excluded_token_ids)``: an LM head's greedy tokens.

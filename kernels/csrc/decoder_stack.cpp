@@ -7,7 +7,7 @@
 // 1.19 to 0.41 ms of a single-stream step, and from 1.86 to 1.03 ms of a batch-32 step). Each product picks its path by row count exactly as
 // Linear.forward does: GGUF blocks (duet_gguf::matmul, another extension's operator, reached
 // through the dispatcher), the float weight's panels (batch_invariant.cpp), oneDNN's packed
-// weight, or at::linear; under batch_invariant every attention row takes the prompt kernel. The
+// weight, W8A8's int8 product (int8_rows.cpp), or at::linear; under batch_invariant every attention row takes the prompt kernel. The
 // GIL is released for the whole stack, so a replica's other threads (KV transfer, the event
 // loop) run meanwhile.
 
@@ -41,6 +41,7 @@ struct LinearPlan {
   int64_t out_features = 0;
   int64_t panel_rows = -1;  // rows up to which those panels serve the product (past the blocks'; -1: none)
   torch::Tensor input_order;  // the input features in the weight's column order (GPTQ's activation order), or undefined
+  torch::Tensor int8_codes, int8_scales;  // W8A8's int8 codes and channel scales, in integers at every row count; or undefined
 };
 
 struct LayerPlan {
@@ -54,6 +55,7 @@ using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, 
                                    std::optional<torch::Tensor>);
 using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
 using InvariantProduct = torch::Tensor(torch::Tensor, torch::Tensor, int64_t);
+using Int8Product = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor);
 using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
                                     c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
 
@@ -66,8 +68,9 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumPart
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 15, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
-                              "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows, input_order)");
+  TORCH_CHECK(t.size() == 17, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+                              "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows, input_order, "
+                              "int8_codes, int8_scales)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -87,6 +90,8 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   plan.panel_rows = t[12].cast<int64_t>();
   plan.panel_min_rows = t[13].cast<int64_t>();
   plan.input_order = tensor(14);
+  plan.int8_codes = tensor(15);
+  plan.int8_scales = tensor(16);
   TORCH_CHECK(plan.panel_rows < 0 || plan.invariant.defined(), "a linear served by float panels needs them");
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
@@ -103,7 +108,8 @@ class DecoderStack {
         gguf_matmul_bf16_(op<BlockProduct>("duet_gguf::matmul_bf16")),
         gguf_dequantize_(op<Dequantize>("duet_gguf::dequantize")),
         linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")),
-        invariant_linear_(op<InvariantProduct>("duet_gguf::invariant_linear")) {
+        invariant_linear_(op<InvariantProduct>("duet_gguf::invariant_linear")),
+        int8_linear_(op<Int8Product>("duet_gguf::int8_linear")) {
     for (const auto& layer : layers) {
       TORCH_CHECK(layer.size() == 8, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down, window, rotates)");
       layers_.push_back({layer[0].cast<torch::Tensor>(), layer[1].cast<torch::Tensor>(), linear_plan(layer[2]),
@@ -212,7 +218,9 @@ class DecoderStack {
     timed(kProducts, [&] {
       const torch::Tensor x = plan.input_order.defined() ? given.index_select(-1, plan.input_order) : given;
       const int64_t rows = x.size(0);
-      if (!plan.weight.defined()) {  // quantized at load
+      if (plan.int8_codes.defined()) {  // W8A8: quantized per token, in integers
+        out = int8_linear_.call(x, plan.int8_codes, plan.int8_scales);
+      } else if (!plan.weight.defined()) {  // quantized at load
         if (rows > plan.block_rows)
           out = at::linear(x, gguf_dequantize_.call(plan.codes, plan.scales, plan.qtype, x.size(1)).to(x.scalar_type()));
         else
@@ -253,6 +261,7 @@ class DecoderStack {
   c10::TypedOperatorHandle<Dequantize> gguf_dequantize_;
   c10::TypedOperatorHandle<PackedProduct> linear_packed_;
   c10::TypedOperatorHandle<InvariantProduct> invariant_linear_;
+  c10::TypedOperatorHandle<Int8Product> int8_linear_;
   // This run's LoRA updates (run's arguments, alive while it runs; no slots: none).
   const torch::Tensor* lora_slots_ = nullptr;
   const std::vector<std::vector<torch::Tensor>>* lora_a_ = nullptr;

@@ -438,6 +438,7 @@ TORCH_LIBRARY(duet_gguf, m) {
   });
   m.def("dequantize", &duet_gguf::gguf_dequantize);
   m.def("invariant_linear", &duet_gguf::invariant_linear);
+  m.def("int8_linear", &duet_gguf::int8_linear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

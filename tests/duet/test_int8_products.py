@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from duet import LLM, SamplingParams
+from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import RULES_ENV
 from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
@@ -19,6 +20,7 @@ from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE, Int8Weight, exact_int_mm, in
 from duet.models.linear import Linear
 from tests.conftest import make_compressed_checkpoint, make_tiny_model
 from tests.duet.test_batch_invariant import GREEDY, HEADS_OF_64, TARGET, _prompts, _signature
+from tests.duet.test_decoder_stack import _check_every_short_step, _generate
 from tests.duet.test_packed_checkpoints import NEW_TOKENS, PROMPTS, _greedy, checkpoints  # noqa: F401 (a fixture)
 from tests.reference import check_outputs, hf_greedy
 
@@ -164,3 +166,19 @@ def test_w8a8_at_load_is_llm_compressors_w8a8_of_the_same_weights(tmp_path, tiny
     outputs = {name: llm.generate(PROMPTS, params) for name, llm in engines.items()}
     assert [_signature(output) for output in outputs["at load"]] == [_signature(output) for output in outputs["shipped"]]
     check_outputs(outputs["at load"], references, "w8a8 at load")
+
+
+@needs_exact
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_w8a8_in_integers_runs_in_the_decoder_stack_to_the_loops_bits(tiny_llama_dir, integers_from_one_row, dtype):
+    """Where every row count goes in integers, W8A8's layers leave Python for the C++ decoder
+    stack, which computes each short step to the very bits of the layer loop."""
+    if dtype == "bfloat16" and not cpu_has_fast_bf16():
+        pytest.skip("bf16 models take the dequantized float path on CPUs without native bf16")
+    llm = LLM(model=str(tiny_llama_dir), quantization="w8a8", dtype=dtype, num_kv_blocks=1024, max_num_seqs=136, max_num_batched_tokens=2048)
+    model = llm.engine.executor.worker.runner.model
+    assert model.decoder_stack() is not None and all(linear.int8_at_every_row for linear in _w8a8_linears(llm))
+    rows = _check_every_short_step(model)
+    _generate(llm, [1, 5, 60, 136])
+    assert {1, 5, 60, 136} <= set(rows["stack"]) and rows["python"]
+    llm.engine.check_integrity()
