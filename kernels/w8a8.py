@@ -1,16 +1,18 @@
 """W8A8's products: each input row quantized per token at run time (``per_token_codes``, to
 the bit as compressed-tensors' forward does), and, in integers, the input's int8 codes times the
-weight's int8 codes, summed in int32 by ``torch._int_mm`` (oneDNN's int8 kernels: AMX-INT8 tiles or
-VNNI where the CPU has them), then scaled by the row's and the output channel's scales,
+weight's int8 codes, summed exactly in int32 by oneDNN's int8 product over the weight packed once
+in its layout (``onednn::qlinear_pointwise``, as PyTorch's x86 quantization runs it: AMX-INT8
+tiles or VNNI where the CPU has them), then scaled by the row's and the output channel's scales,
 ``y = float(sum_k qx * qw) * sx * sw``, as vLLM computes W8A8 on CPUs. The sums are exact, so no
 batch, split or order of additions changes them; compressed-tensors' own forward multiplies
 the dequantized floats instead, which rounds at every addition: the two differ in the outputs'
 last bits.
 
 Taken for a weight with one scale per output channel (a grouped scheme keeps the Q8_0 blocks'
-float products), on CPUs where this process found ``torch._int_mm`` exact at the codes'
-extremes (a kernel that sums pairs in int16 saturates there), and from as many rows as it
-measured the integer path faster than the blocks' (``int8_min_rows``, once per process).
+float products), on CPUs where this process found the product exact at the codes' extremes (a
+kernel that adds pairs in int16 saturates there), and from as many rows as it measured the
+integer path faster than the blocks' (``int8_min_rows``, once per process). The packed copy is
+a byte a weight beside the blocks' (kept for tensor-parallel sharding and fewer rows).
 """
 
 from __future__ import annotations
@@ -38,28 +40,47 @@ _MARGIN = 1.05  # by which the integer path must win to take the rows (a noisy t
 
 @dataclasses.dataclass
 class Int8Weight:
-    """A weight's int8 codes ``[out_features, in_features]`` and its fp32 scale per output channel."""
+    """A weight's int8 codes packed for oneDNN's int8 product (``[in, out]`` in its layout), its
+    fp32 scale per output channel, and the unit scales and zero points the product is called with
+    (so that it gives the sums themselves)."""
 
-    codes: torch.Tensor
+    packed: torch.Tensor
     scales: torch.Tensor
+    unit_scales: torch.Tensor
+    zero_points: torch.Tensor
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor) -> Int8Weight:
+        """From int8 codes ``[out, in]`` and a scale per output channel."""
+        out_features = codes.shape[0]
+        return cls(
+            torch.ops.onednn.qlinear_prepack(codes, None), scales.float().contiguous(), torch.ones(out_features),
+            torch.zeros(out_features, dtype=torch.int64),
+        )
 
     @classmethod
     def from_blocks(cls, blocks: GGUFWeight) -> Int8Weight | None:
-        """The Q8_0 blocks' own codes (a view: no copy) where every block of a row has the row's
-        scale; None for other blocks, grouped scales or a GPU's."""
-        if blocks.qtype != Q8_0 or blocks.codes.device.type != "cpu":
+        """From Q8_0 blocks whose every block of a row has the row's scale; None for other blocks,
+        grouped scales, a GPU's, or a torch without oneDNN's int8 product."""
+        if blocks.qtype != Q8_0 or blocks.codes.device.type != "cpu" or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
             return None
         scales = blocks.scales
         if not bool((scales == scales[:, :1]).all()):
             return None
-        return cls(blocks.codes.view(torch.int8), scales[:, 0].contiguous())
+        return cls.from_codes(blocks.codes.view(torch.int8), scales[:, 0])
+
+
+def int8_sums(codes: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """``codes @ W.T`` for int8 ``codes`` ``[rows, in]``: the exact int32 sums, as fp32."""
+    return torch.ops.onednn.qlinear_pointwise(
+        codes, 1.0, 0, weight.packed, weight.unit_scales, weight.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+    )
 
 
 def int8_product(codes: torch.Tensor, row_scales: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-    """``float(codes @ weight.codes.T) * row_scales * weight.scales`` in fp32: ``codes`` int8
+    """``float(codes @ W.T) * row_scales * weight.scales`` in fp32: ``codes`` int8
     ``[rows, in_features]``, ``row_scales`` ``[rows, 1]``."""
-    sums = torch._int_mm(codes, weight.codes.t())
-    return sums.float() * row_scales.float() * weight.scales
+    return int8_sums(codes, weight) * row_scales.float() * weight.scales
 
 
 def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
@@ -97,7 +118,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, row_max: Callable[[torch.Te
     (``csrc/int8_rows.cpp``), or where ``row_max`` gives the row scales over other ranks'
     features too, by ``per_token_codes`` and ``int8_product``."""
     if row_max is None:
-        return cpu_ops.load_gguf().int8_linear(x, weight.codes, weight.scales)
+        return cpu_ops.load_gguf().int8_linear(x, weight.packed, weight.scales, weight.unit_scales, weight.zero_points)
     codes, scales = per_token_codes(x, INT8_PER_TOKEN, row_max)
     return int8_product(codes.to(torch.int8), scales, weight).to(x.dtype)
 
@@ -105,7 +126,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, row_max: Callable[[torch.Te
 @functools.cache
 def int8_min_rows() -> int:
     """The fewest rows from which W8A8's products go in integers on this CPU, or ``NEVER``: never
-    where ``torch._int_mm`` is not exact here (``exact_int_mm``); else the first of ``INT8_ROWS``
+    where oneDNN's int8 product is not exact here (``exact_int8_sums``); else the first of ``INT8_ROWS``
     from which ``int8_linear`` is ``_MARGIN`` times faster than the Q8_0 blocks' float products
     of the quantized rows at every count measured, over ``SAMPLE_WEIGHTS`` per-channel int8
     weights of a SmolLM2 MLP's shape (32 MB, read from memory as a step reads a model's), best
@@ -113,8 +134,8 @@ def int8_min_rows() -> int:
     if (pinned := cpu_ops.pinned_rule(RULE)) is not None:
         return pinned
     ops = cpu_ops.load_gguf()
-    if ops is None or not exact_int_mm():
-        logger.info("W8A8 products go by the Q8_0 blocks on this CPU: torch._int_mm is %s", "not exact" if ops else "beside no C++ kernels")
+    if ops is None or not exact_int8_sums():
+        logger.info("W8A8 products go by the Q8_0 blocks on this CPU: oneDNN's int8 product is %s", "not exact" if ops else "beside no C++ kernels")
         return NEVER
     generator = torch.Generator().manual_seed(4)
     weights = []
@@ -145,19 +166,23 @@ def int8_min_rows() -> int:
 
 
 @functools.cache
-def exact_int_mm() -> bool:
-    """Whether ``torch._int_mm`` gives the exact int32 sums here, at the codes' extremes (-128 and
-    127 in every pairing, over 4,096 features: sums to 2^26) and on random codes, for one row
-    and for many."""
+def exact_int8_sums() -> bool:
+    """Whether oneDNN's int8 product (``int8_sums``) gives the exact sums here (``sums_are_exact``)."""
+    try:
+        return sums_are_exact(lambda x, w: int8_sums(x, Int8Weight.from_codes(w, torch.ones(w.shape[0]))))
+    except (RuntimeError, AttributeError):  # no oneDNN, or no int8 product in it
+        return False
+
+
+def sums_are_exact(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``product(x, w)`` (int8 codes ``[rows, in]`` and ``[out, in]``) gives ``x @ w.T``'s
+    exact sums as fp32, at the codes' extremes (-128 and 127 in every pairing, over 4,096
+    features: sums to 2^26) and on random codes, for one row and for many."""
     generator = torch.Generator().manual_seed(5)
     features = 4096
     x = torch.randint(-128, 128, (37, features), dtype=torch.int8, generator=generator)
     w = torch.randint(-128, 128, (48, features), dtype=torch.int8, generator=generator)
     x[0], x[1], x[2, ::2], x[2, 1::2] = -128, 127, -128, 127
     w[0], w[1], w[2, ::2], w[2, 1::2] = -128, 127, 127, -128
-    try:
-        sums = [torch._int_mm(x[:1].contiguous(), w.t()), torch._int_mm(x, w.t())]
-    except RuntimeError:
-        return False
-    exact = x.long() @ w.long().t()
-    return sums[0].dtype == torch.int32 and torch.equal(sums[0].long(), exact[:1]) and torch.equal(sums[1].long(), exact)
+    exact = (x.long() @ w.long().t()).float()
+    return torch.equal(product(x[:1].contiguous(), w), exact[:1]) and torch.equal(product(x, w), exact)

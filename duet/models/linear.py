@@ -48,14 +48,13 @@ from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_OUT_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import Q4_1, GGUFWeight
-from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE as INT8_RULE, Int8Weight, dynamic_per_token, exact_int_mm, int8_linear, int8_min_rows
+from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE as INT8_RULE, Int8Weight, dynamic_per_token, exact_int8_sums, int8_linear, int8_min_rows
 from duet.lora import current_step as current_lora_step
 from duet.models.module import Module
 
 logger = logging.getLogger(__name__)
 
-# Row-count window where the reordered oneDNN weight wins, measured per dtype on AVX-512 CPUs.
-_PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}
+_PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}  # rows oneDNN's reordered weight serves
 _PACK_BATCH_HINT = 32
 # oneDNN takes single fp32 rows, and prompt chunks, only where it is clearly faster (a margin
 # that a noisy measurement on a CPU where both paths tie does not cross: the choice stays put).
@@ -158,7 +157,7 @@ class Linear(Module):
         same arithmetic, a fused multiply-add a k from zero, as on their float weights), else from
         the float weight laid out for ``invariant_linear``. The other paths' copies are dropped.
         False, changing nothing, where the weight is blocks alone without a panel layout."""
-        if self.int8 is not None and exact_int_mm():  # W8A8 in integers: exact sums whatever the rows
+        if self.int8 is not None and exact_int8_sums():  # W8A8 in integers: exact sums whatever the rows
             self._int8_rows = 1
             return True
         blocks = self.gguf
@@ -226,12 +225,12 @@ class Linear(Module):
         """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
         to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
         qtype, block_rows, panel_codes, panel_scales, invariant_panels, out_features, panel_rows,
-        panel_min_rows, input_order, int8_codes, int8_scales)``, None for what this layer lacks; the
-        int8 codes only where every row count goes in integers in one call (``int8_at_every_row``)."""
+        panel_min_rows, input_order, *Int8Weight's four)``, None for what this layer lacks; the
+        int8 weight only where every row count goes in integers in one call (``int8_at_every_row``)."""
         blocks = self.gguf
         low, high = self._packed_rows
         invariant = (self.invariant_panels, self.out_features, self._panel_rows)
-        int8 = (self.int8.codes, self.int8.scales) if self.int8_at_every_row else (None, None)
+        int8 = (self.int8.packed, self.int8.scales, self.int8.unit_scales, self.int8.zero_points) if self.int8_at_every_row else (None,) * 4
         if blocks is None:
             return (
                 self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1, self.input_order, *int8,

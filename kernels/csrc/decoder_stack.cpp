@@ -41,7 +41,7 @@ struct LinearPlan {
   int64_t out_features = 0;
   int64_t panel_rows = -1;  // rows up to which those panels serve the product (past the blocks'; -1: none)
   torch::Tensor input_order;  // the input features in the weight's column order (GPTQ's activation order), or undefined
-  torch::Tensor int8_codes, int8_scales;  // W8A8's int8 codes and channel scales, in integers at every row count; or undefined
+  torch::Tensor int8_packed, int8_scales, int8_unit_scales, int8_zero_points;  // W8A8 in integers at every row count (w8a8.py's Int8Weight), or undefined
 };
 
 struct LayerPlan {
@@ -55,7 +55,7 @@ using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, 
                                    std::optional<torch::Tensor>);
 using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
 using InvariantProduct = torch::Tensor(torch::Tensor, torch::Tensor, int64_t);
-using Int8Product = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor);
+using Int8Product = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
 using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
                                     c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
 
@@ -68,9 +68,9 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumPart
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 17, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+  TORCH_CHECK(t.size() == 19, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
                               "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows, input_order, "
-                              "int8_codes, int8_scales)");
+                              "int8_packed, int8_scales, int8_unit_scales, int8_zero_points)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -90,8 +90,10 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   plan.panel_rows = t[12].cast<int64_t>();
   plan.panel_min_rows = t[13].cast<int64_t>();
   plan.input_order = tensor(14);
-  plan.int8_codes = tensor(15);
+  plan.int8_packed = tensor(15);
   plan.int8_scales = tensor(16);
+  plan.int8_unit_scales = tensor(17);
+  plan.int8_zero_points = tensor(18);
   TORCH_CHECK(plan.panel_rows < 0 || plan.invariant.defined(), "a linear served by float panels needs them");
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
@@ -218,8 +220,8 @@ class DecoderStack {
     timed(kProducts, [&] {
       const torch::Tensor x = plan.input_order.defined() ? given.index_select(-1, plan.input_order) : given;
       const int64_t rows = x.size(0);
-      if (plan.int8_codes.defined()) {  // W8A8: quantized per token, in integers
-        out = int8_linear_.call(x, plan.int8_codes, plan.int8_scales);
+      if (plan.int8_packed.defined()) {  // W8A8: quantized per token, in integers
+        out = int8_linear_.call(x, plan.int8_packed, plan.int8_scales, plan.int8_unit_scales, plan.int8_zero_points);
       } else if (!plan.weight.defined()) {  // quantized at load
         if (rows > plan.block_rows)
           out = at::linear(x, gguf_dequantize_.call(plan.codes, plan.scales, plan.qtype, x.size(1)).to(x.scalar_type()));

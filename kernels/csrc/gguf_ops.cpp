@@ -422,7 +422,8 @@ namespace duet_gguf {
 int64_t invariant_panel_width();
 torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor panels, int64_t out_features);
 // int8_rows.cpp's.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight_codes, torch::Tensor weight_scales);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scales, torch::Tensor unit_scales,
+                          torch::Tensor zero_points);
 }  // namespace duet_gguf
 
 // The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to

@@ -2,8 +2,9 @@
 // exactly as duet.models.packed.per_token_codes does in torch (the scale is the row's largest
 // magnitude over 127.5, or the dtype's eps where that is 0; a code is x / scale clamped to
 // -128..127 and rounded half to even; in bf16 each of those steps rounds to bf16, as torch's
-// bf16 ops do), their int32 sums with the weight's codes by at::_int_mm (oneDNN: AMX-INT8 or
-// VNNI), then float(sum) * row scale * channel scale, rounded once to x's dtype: one pass over
+// bf16 ops do), their exact sums with the weight's packed codes by onednn::qlinear_pointwise
+// (AMX-INT8 or VNNI; unit scales, fp32 out), then float(sum) * row scale * channel scale,
+// rounded once to x's dtype: one pass over
 // the rows and one over the outputs, where the torch composition's dozen calls cost as much as
 // the product itself at a decode step's rows.
 //
@@ -12,11 +13,13 @@
 #include <torch/types.h>  // not torch/extension.h: only the binding files include that (compile time)
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace duet_gguf {
@@ -39,9 +42,16 @@ float quantize_row(const T* x, int64_t K, int8_t* codes) {
   return scale;
 }
 
+using Int8Sums = torch::Tensor(torch::Tensor, double, int64_t, torch::Tensor, torch::Tensor, torch::Tensor, std::optional<torch::Tensor>,
+                               double, int64_t, std::optional<c10::ScalarType>, c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                               c10::string_view);  // as the operator is registered (qlinear.cpp)
+
 template <typename T>
-torch::Tensor int8_linear_as(const torch::Tensor& x, const torch::Tensor& weight_codes, const torch::Tensor& weight_scales) {
-  const int64_t rows = x.size(0), features = x.size(1), outputs = weight_codes.size(0);
+torch::Tensor int8_linear_as(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& weight_scales,
+                             const torch::Tensor& unit_scales, const torch::Tensor& zero_points) {
+  static const auto int8_sums =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "").typed<Int8Sums>();
+  const int64_t rows = x.size(0), features = x.size(1), outputs = weight_scales.size(0);
   auto codes = torch::empty({rows, features}, x.options().dtype(torch::kChar));
   std::vector<float> row_scales(rows);
   const T* xs = x.data_ptr<T>();
@@ -49,16 +59,16 @@ torch::Tensor int8_linear_as(const torch::Tensor& x, const torch::Tensor& weight
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) row_scales[r] = quantize_row(xs + r * features, features, cs + r * features);
   });
-  const auto sums = at::_int_mm(codes, weight_codes.t()).contiguous();
+  const auto sums = int8_sums.call(codes, 1.0, 0, packed, unit_scales, zero_points, std::nullopt, 1.0, 0, torch::kFloat, "none",
+                                   c10::List<std::optional<c10::Scalar>>(), "")
+                        .contiguous();
   auto out = torch::empty({rows, outputs}, x.options());
-  const int32_t* ss = sums.data_ptr<int32_t>();
+  const float* ss = sums.data_ptr<float>();
   const float* ws = weight_scales.data_ptr<float>();
   T* os = out.data_ptr<T>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      for (int64_t n = 0; n < outputs; ++n) {
-        os[r * outputs + n] = static_cast<T>(static_cast<float>(ss[r * outputs + n]) * row_scales[r] * ws[n]);
-      }
+      for (int64_t n = 0; n < outputs; ++n) os[r * outputs + n] = static_cast<T>(ss[r * outputs + n] * row_scales[r] * ws[n]);
     }
   });
   return out;
@@ -66,15 +76,15 @@ torch::Tensor int8_linear_as(const torch::Tensor& x, const torch::Tensor& weight
 
 }  // namespace
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight_codes, torch::Tensor weight_scales) {
-  TORCH_CHECK(x.dim() == 2 && weight_codes.dim() == 2 && x.size(1) == weight_codes.size(1), "int8_linear: x [M, K] and codes [N, K]");
-  TORCH_CHECK(weight_codes.scalar_type() == torch::kChar && weight_scales.scalar_type() == torch::kFloat, "int8_linear: int8 codes, fp32 scales");
-  TORCH_CHECK(weight_codes.is_contiguous() && weight_scales.is_contiguous() && weight_scales.numel() == weight_codes.size(0),
-              "int8_linear: contiguous codes and a scale per output");
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scales, torch::Tensor unit_scales,
+                          torch::Tensor zero_points) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(0), "int8_linear: x [M, K] and codes packed [K, N]");
+  TORCH_CHECK(packed.scalar_type() == torch::kChar && weight_scales.scalar_type() == torch::kFloat, "int8_linear: int8 codes, fp32 scales");
+  TORCH_CHECK(weight_scales.is_contiguous() && weight_scales.numel() == packed.size(1), "int8_linear: a scale per output");
   const auto rows = x.contiguous();
-  if (rows.scalar_type() == torch::kBFloat16) return int8_linear_as<c10::BFloat16>(rows, weight_codes, weight_scales);
+  if (rows.scalar_type() == torch::kBFloat16) return int8_linear_as<c10::BFloat16>(rows, packed, weight_scales, unit_scales, zero_points);
   TORCH_CHECK(rows.scalar_type() == torch::kFloat, "int8_linear: fp32 or bf16 rows");
-  return int8_linear_as<float>(rows, weight_codes, weight_scales);
+  return int8_linear_as<float>(rows, packed, weight_scales, unit_scales, zero_points);
 }
 
 }  // namespace duet_gguf

@@ -16,7 +16,7 @@ from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
 from duet.kernels.cpu_ops import RULES_ENV
 from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
-from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE, Int8Weight, exact_int_mm, int8_min_rows, int8_product, per_token_codes
+from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE, Int8Weight, exact_int8_sums, int8_min_rows, int8_product, int8_sums, per_token_codes, sums_are_exact
 from duet.models.linear import Linear
 from tests.conftest import make_compressed_checkpoint, make_tiny_model
 from tests.duet.test_batch_invariant import GREEDY, HEADS_OF_64, TARGET, _prompts, _signature
@@ -24,7 +24,7 @@ from tests.duet.test_decoder_stack import _check_every_short_step, _generate
 from tests.duet.test_packed_checkpoints import NEW_TOKENS, PROMPTS, _greedy, checkpoints  # noqa: F401 (a fixture)
 from tests.reference import check_outputs, hf_greedy
 
-needs_exact = pytest.mark.skipif(not exact_int_mm(), reason="torch._int_mm is not exact on this CPU: W8A8 keeps the blocks' products")
+needs_exact = pytest.mark.skipif(not exact_int8_sums(), reason="oneDNN's int8 product is not exact on this CPU: W8A8 keeps the blocks' products")
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_the_sums_are_exact_and_scaled_by_the_rows_and_the_channels_scales():
     codes = torch.randint(-128, 128, (33, 4096), dtype=torch.int8, generator=generator)
     weight_codes = torch.randint(-128, 128, (96, 4096), dtype=torch.int8, generator=generator)
     codes[0], codes[1], weight_codes[0], weight_codes[1] = -128, 127, -128, 127  # sums of +-2^26
-    weight = Int8Weight(weight_codes, torch.rand(96, generator=generator))
+    weight = Int8Weight.from_codes(weight_codes, torch.rand(96, generator=generator))
     row_scales = torch.rand(33, 1, generator=generator)
     expected = (codes.long() @ weight_codes.long().t()).float() * row_scales * weight.scales
     for rows in (1, 7, 33):
@@ -66,37 +66,37 @@ def test_the_one_call_product_is_the_torch_compositions_bit_for_bit(dtype):
     x[3] = 0
     x[5, :8] = torch.tensor([127.5, -127.5, 0.5, 1.5, 2.5, -0.5, 63.75, -1.0]).to(dtype)  # its scale is 1: ties at .5
     x[7, 100] = 1e4
-    weight = Int8Weight(torch.randint(-128, 128, (96, 576), dtype=torch.int8, generator=generator), torch.rand(96, generator=generator))
+    weight = Int8Weight.from_codes(torch.randint(-128, 128, (96, 576), dtype=torch.int8, generator=generator), torch.rand(96, generator=generator))
     codes, scales = per_token_codes(x, INT8_PER_TOKEN)
     assert scales[5].item() == 1.0 and codes[5, :5].tolist() == [127, -128, 0, 2, 2]
     expected = int8_product(codes.to(torch.int8), scales, weight).to(dtype)
     for rows in (1, 8, 40):
-        got = cpu_ops.load_gguf().int8_linear(x[:rows], weight.codes, weight.scales)
+        got = cpu_ops.load_gguf().int8_linear(x[:rows], weight.packed, weight.scales, weight.unit_scales, weight.zero_points)
         assert got.dtype == dtype and torch.equal(got, expected[:rows]), rows
 
 
-def test_a_kernel_whose_sums_saturate_is_not_taken(monkeypatch):
+def test_a_kernel_whose_sums_saturate_is_not_taken():
     """oneDNN without VNNI may add code products in int16 pairs, which saturate at the codes'
     extremes: such a kernel is found out, and an exact one is taken."""
 
     def pairwise(a: torch.Tensor, b: torch.Tensor, saturate: bool) -> torch.Tensor:
-        products = a.long().unsqueeze(1) * b.t().long().unsqueeze(0)  # [rows, out, in]
+        products = a.long().unsqueeze(1) * b.long().unsqueeze(0)  # [rows, out, in]
         pairs = products.view(*products.shape[:2], -1, 2).sum(-1)
-        return (pairs.clamp(-(2**15), 2**15 - 1) if saturate else pairs).sum(-1).int()
+        return (pairs.clamp(-(2**15), 2**15 - 1) if saturate else pairs).sum(-1).float()
 
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: pairwise(a, b, saturate=True))
-    assert not exact_int_mm.__wrapped__()
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: pairwise(a, b, saturate=False))
-    assert exact_int_mm.__wrapped__()
+    assert not sums_are_exact(lambda a, b: pairwise(a, b, saturate=True))
+    assert sums_are_exact(lambda a, b: pairwise(a, b, saturate=False))
 
 
-def test_only_q8_0_blocks_with_a_scale_per_channel_are_taken_as_they_are():
+@needs_exact
+def test_only_q8_0_blocks_with_a_scale_per_channel_are_taken():
     generator = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=generator)
     per_channel = torch.rand(64, 1, generator=generator).expand(-1, 4).contiguous()
     ops = cpu_ops.load_gguf()
     weight = Int8Weight.from_blocks(GGUFWeight(codes, per_channel, Q8_0, 128, ops))
-    assert weight.codes.data_ptr() == codes.data_ptr() and torch.equal(weight.codes, codes.view(torch.int8))
+    x = torch.randint(-128, 128, (3, 128), dtype=torch.int8, generator=generator)
+    assert torch.equal(int8_sums(x, weight), (x.long() @ codes.view(torch.int8).long().t()).float())
     assert torch.equal(weight.scales, per_channel[:, 0])
     grouped = per_channel.clone()
     grouped[5, 2] *= 2
