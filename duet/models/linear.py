@@ -192,8 +192,9 @@ class Linear(Module):
     def use_int8_products(self) -> None:
         """W8A8's products in integers (from the rows this CPU measured faster) where the blocks allow."""
         if self.input_quantization == INT8_PER_TOKEN and self.gguf is not None and self.input_order is None:
-            self.int8 = Int8Weight.from_blocks(self.gguf)
-            self._int8_rows = cpu_ops.NEVER if self.int8 is None else int8_min_rows()
+            rows = int8_min_rows()  # never where this CPU's int8 product is not exact: no packed copy then
+            self.int8 = Int8Weight.from_blocks(self.gguf) if rows < cpu_ops.NEVER and exact_int8_sums() else None
+            self._int8_rows = cpu_ops.NEVER if self.int8 is None else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self._int8_rows and self.input_quantization is not None:

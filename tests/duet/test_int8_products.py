@@ -1,5 +1,5 @@
 """W8A8's products in integers (``kernels.w8a8``): exact int32 sums scaled by the row's and the
-channel's scales, taken only where this CPU's ``torch._int_mm`` is exact; a W8A8 checkpoint
+channel's scales, taken only where this CPU's oneDNN int8 product is exact; a W8A8 checkpoint
 computed that way matches transformers as the blocks' float products do, and keeps a request's
 bits whatever shares its batch (``batch_invariant``)."""
 
@@ -58,7 +58,7 @@ def test_the_sums_are_exact_and_scaled_by_the_rows_and_the_channels_scales():
 @needs_exact
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_one_call_product_is_the_torch_compositions_bit_for_bit(dtype):
-    """``int8_linear`` (C++: quantize, ``_int_mm``, scale) gives what ``per_token_codes`` then
+    """``int8_linear`` (C++: quantize, oneDNN's int8 product, scale) gives what ``per_token_codes`` then
     ``int8_product`` give in torch, in fp32 and in bf16 (where every step rounds to bf16), on rows
     with codes at half-way points, a zero row and outliers."""
     generator = torch.Generator().manual_seed(2)
