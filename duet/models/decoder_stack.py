@@ -57,7 +57,9 @@ class DecoderStack:
                 return None
             if layer.self_attn.softcap is not None or layer.residual_multiplier is not None:  # Gemma 2's caps, Granite's multiplier
                 return None
-            if any(type(linear) is not Linear or (linear.input_quantization is not None and not linear.int8_at_every_row) for linear in _linears(layer)):
+            if any(type(linear) is not Linear for linear in _linears(layer)):
+                return None
+            if any(linear.input_quantization is not None and not linear.int8_at_every_row for linear in _linears(layer)):
                 return None  # W8A8's inputs quantized in torch: Python
         ops = cpu_ops.load()
         if ops is None or cpu_ops.load_gguf() is None:  # the stack reaches the block products through their operators

@@ -24,9 +24,10 @@ An LM head whose rows only need their greedy token (``argmax``) skips writing it
 A float weight may also be laid out in panels (``kernels/csrc/batch_invariant.cpp``: each output
 summed over k by one fused multiply-add a k, a thread per panel, tiles of rows by outer products),
 which serves fp32 products of up to as many rows as this CPU measured it faster than oneDNN's and
-MKL's paths (``_float_panel_rows``, once per process), and replaces oneDNN's copy where it serves the rows that copy would. Under ``batch_invariant``
-(``duet.models.batch_invariant``) every product sums each output over k in that one order whatever
-the row count (``make_batch_invariant``): by those panels, or the GGUF blocks by theirs.
+MKL's paths (``_float_panel_rows``, once per process), and replaces oneDNN's copy where it
+serves the rows that copy would. Under ``batch_invariant`` (``duet.models.batch_invariant``)
+every product sums each output over k in that one order whatever the row count
+(``make_batch_invariant``): by those panels, the GGUF blocks by theirs, W8A8 in integers.
 
 Where a step has rows with LoRA adapters (``duet.lora``), each adapter's low-rank update is
 added to its rows after the base product, whichever path computed it.
@@ -100,8 +101,7 @@ class Linear(Module):
         # Where its input features are split over tensor-parallel ranks: each row's largest
         # magnitude over every rank's features, from this rank's (the scale W8A8 quantizes by).
         self.input_row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # W8A8's int8 codes with a scale per channel, for products of ``_int8_rows`` rows or more
-        # in integers (``kernels.w8a8``: ``use_int8_products``); None: the blocks' float products.
+        # W8A8's int8 weight, for products of ``_int8_rows`` rows or more (``use_int8_products``).
         self.int8: Int8Weight | None = None
         self._int8_rows = cpu_ops.NEVER
         # A tensor-parallel shard's place in the whole weight (``tensor_parallel.PartOfWeight``); None: whole.

@@ -14,8 +14,9 @@ GGUF's own layouts, computed by the same kernels as a GGUF checkpoint's blocks
   run time, so that the products go in integers where the CPU measured that faster
   (``kernels.w8a8``). The LM head stays in floats, as llm-compressor's recipes leave it.
 
-The int8 and int4 blocks are made by ``gguf.quants`` (llama.cpp's reference quantizers). The token embedding
-stays in floats (a step reads one row of it per token), as do a mixture of experts' experts.
+The int8 and int4 blocks are made by ``gguf.quants`` (llama.cpp's reference quantizers). The
+token embedding stays in floats (a step reads one row of it per token), as do a mixture of
+experts' experts.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import logging
 import torch
 
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight
-from duet.models.linear import Linear
 from duet.kernels.w8a8 import INT8_PER_TOKEN
+from duet.models.linear import Linear
 
 LOAD_TIME_QUANTIZATIONS = {"int8": Q8_0, "int4": Q4_1, "w8a8": Q8_0}
 
@@ -55,7 +56,7 @@ def per_channel_int8(weight: torch.Tensor, backend) -> GGUFWeight:
     scale = largest / 127.5
     scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
     codes = torch.round(torch.clamp(weight / scale, -128, 127)).to(torch.int8)
-    out_features, in_features = weight.shape
+    in_features = weight.shape[1]
     return GGUFWeight(codes.view(torch.uint8), scale.expand(-1, in_features // BLOCK).contiguous(), Q8_0, in_features, backend)
 
 

@@ -7,9 +7,9 @@
 // 1.19 to 0.41 ms of a single-stream step, and from 1.86 to 1.03 ms of a batch-32 step). Each product picks its path by row count exactly as
 // Linear.forward does: GGUF blocks (duet_gguf::matmul, another extension's operator, reached
 // through the dispatcher), the float weight's panels (batch_invariant.cpp), oneDNN's packed
-// weight, W8A8's int8 product (int8_rows.cpp), or at::linear; under batch_invariant every attention row takes the prompt kernel. The
-// GIL is released for the whole stack, so a replica's other threads (KV transfer, the event
-// loop) run meanwhile.
+// weight, W8A8's int8 product (int8_rows.cpp), or at::linear; under batch_invariant every
+// attention row takes the prompt kernel. The GIL is released for the whole stack, so a
+// replica's other threads (KV transfer, the event loop) run meanwhile.
 
 #include "cpu_ops.h"
 
@@ -41,7 +41,8 @@ struct LinearPlan {
   int64_t out_features = 0;
   int64_t panel_rows = -1;  // rows up to which those panels serve the product (past the blocks'; -1: none)
   torch::Tensor input_order;  // the input features in the weight's column order (GPTQ's activation order), or undefined
-  torch::Tensor int8_packed, int8_scales, int8_unit_scales, int8_zero_points;  // W8A8 in integers at every row count (w8a8.py's Int8Weight), or undefined
+  // W8A8 in integers at every row count (w8a8.py's Int8Weight), or undefined
+  torch::Tensor int8_packed, int8_scales, int8_unit_scales, int8_zero_points;
 };
 
 struct LayerPlan {

@@ -1,12 +1,11 @@
-// W8A8's product in one call (kernels/int8.py): the rows of x quantized per token to int8 codes
-// exactly as duet.models.packed.per_token_codes does in torch (the scale is the row's largest
-// magnitude over 127.5, or the dtype's eps where that is 0; a code is x / scale clamped to
-// -128..127 and rounded half to even; in bf16 each of those steps rounds to bf16, as torch's
-// bf16 ops do), their exact sums with the weight's packed codes by onednn::qlinear_pointwise
-// (AMX-INT8 or VNNI; unit scales, fp32 out), then float(sum) * row scale * channel scale,
-// rounded once to x's dtype: one pass over
-// the rows and one over the outputs, where the torch composition's dozen calls cost as much as
-// the product itself at a decode step's rows.
+// W8A8's product in one call (kernels/w8a8.py): the rows of x quantized per token to int8 codes
+// exactly as per_token_codes does in torch (the scale is the row's largest magnitude over 127.5,
+// or the dtype's eps where that is 0; a code is x / scale clamped to -128..127 and rounded half to
+// even; in bf16 each of those steps rounds to bf16, as torch's bf16 ops do), their exact sums with
+// the weight's packed codes by onednn::qlinear_pointwise (AMX-INT8 or VNNI; unit scales, fp32
+// out), then float(sum) * row scale * channel scale, rounded once to x's dtype: one pass over the
+// rows and one over the outputs, where the torch composition's dozen calls cost as much as the
+// product itself at a decode step's rows.
 //
 // Built in the GGUF extension, without -ffast-math: the division must stay a division.
 
