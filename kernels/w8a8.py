@@ -61,8 +61,8 @@ class Int8Weight:
     @classmethod
     def from_blocks(cls, blocks: GGUFWeight) -> Int8Weight | None:
         """From Q8_0 blocks whose every block of a row has the row's scale; None for other blocks,
-        grouped scales, a GPU's, or a torch without oneDNN's int8 product."""
-        if blocks.qtype != Q8_0 or blocks.codes.device.type != "cpu" or not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        grouped scales or a GPU's."""
+        if blocks.qtype != Q8_0 or blocks.codes.device.type != "cpu":
             return None
         scales = blocks.scales
         if not bool((scales == scales[:, :1]).all()):

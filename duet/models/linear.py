@@ -157,7 +157,7 @@ class Linear(Module):
         same arithmetic, a fused multiply-add a k from zero, as on their float weights), else from
         the float weight laid out for ``invariant_linear``. The other paths' copies are dropped.
         False, changing nothing, where the weight is blocks alone without a panel layout."""
-        if self.int8 is not None and exact_int8_sums():  # W8A8 in integers: exact sums whatever the rows
+        if self.int8 is not None:  # W8A8 in integers (taken only where exact): the same sums whatever the rows
             self._int8_rows = 1
             return True
         blocks = self.gguf

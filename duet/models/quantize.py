@@ -26,7 +26,7 @@ import logging
 import torch
 
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight
-from duet.kernels.w8a8 import INT8_PER_TOKEN
+from duet.kernels.w8a8 import INT8_PER_TOKEN, per_token_codes
 from duet.models.linear import Linear
 
 LOAD_TIME_QUANTIZATIONS = {"int8": Q8_0, "int4": Q4_1, "w8a8": Q8_0}
@@ -47,17 +47,12 @@ def quantize_blocks(weight: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def per_channel_int8(weight: torch.Tensor, backend) -> GGUFWeight:
-    """An ``[out, in]`` float weight as W8A8 quantizes it: codes ``round(w / s)`` clamped to
-    -128..127, ``s`` each output channel's largest magnitude (zero counted) over 127.5 (fp32's eps
-    where that is 0), as Q8_0 blocks whose every block of a row has the row's scale."""
-    weight = weight.detach().float()
-    zero = torch.zeros(())
-    largest = torch.maximum(torch.minimum(weight.amin(1, keepdim=True), zero).abs(), torch.maximum(weight.amax(1, keepdim=True), zero))
-    scale = largest / 127.5
-    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
-    codes = torch.round(torch.clamp(weight / scale, -128, 127)).to(torch.int8)
+    """An ``[out, in]`` float weight as W8A8 quantizes it: each output channel's row as
+    ``per_token_codes`` quantizes an input row in fp32 (the same min-max rule), as Q8_0 blocks
+    whose every block of a row has the row's scale."""
+    codes, scale = per_token_codes(weight.detach().float(), INT8_PER_TOKEN)
     in_features = weight.shape[1]
-    return GGUFWeight(codes.view(torch.uint8), scale.expand(-1, in_features // BLOCK).contiguous(), Q8_0, in_features, backend)
+    return GGUFWeight(codes.to(torch.int8).view(torch.uint8), scale.expand(-1, in_features // BLOCK).contiguous(), Q8_0, in_features, backend)
 
 
 def quantize_linears(model: torch.nn.Module, quantization: str, backend) -> int:
