@@ -3,10 +3,12 @@ configured by its role (``prefill_node.role``, ``decode_node.role``).
 
 Every sequence is placed on a decode (or colocated) replica the same way, new, moved or
 recomputed: ``reserve`` adds it and answers its ``Placement`` (its replica, and for a
-``kv_receive`` request the ``KVDestination`` of the blocks it reserved), then a streamed
-``attach`` reads its ``TokenDelta``s. A prefill replica's call is ``generate``, whose stream is
-the prompt's first token. Calls that name a ``replica_id`` (``abort``, ``attach``,
-``check_integrity``) are pinned to that replica (see ``duet.router.routing``).
+``kv_receive`` request the ``KVDestination`` of the blocks it reserved), then ``attach_to``
+sends its ``TokenDelta``s through the router's ``channel`` from this replica, one message a
+step for all its sequences (``duet.decode_node.channel``; ``attach`` streams one in this
+process). A prefill replica's call is ``generate``, whose stream is the prompt's first token.
+Calls that name a ``replica_id`` (``abort``, ``channel``, ``attach_to``, ``check_integrity``)
+are pinned to that replica (see ``duet.router.routing``).
 
 A replica of a PD application serves its pool's role or, while the router's ``RoleKeeper``
 has it so, the other one (``take_role``; ``duet.router.roles``): ``generate`` and ``reserve``
@@ -15,7 +17,7 @@ role the replica takes next.
 
 A decode replica that leaves its pool while alive moves its sequences to the others
 (``duet.decode_node.migration``): it watches its own pool through a handle of its own, which
-is also how it reaches the others (``_ServePeers``). A leaving prefill replica finishes what
+is also how it reaches the others (``duet.cluster.peers``). A leaving prefill replica finishes what
 it has (Serve routes nothing new to it; streams it serves in the decode role end within
 Serve's graceful shutdown, or are recomputed) and its transfers before its engine closes.
 """
@@ -34,8 +36,10 @@ from ray import serve
 
 from duet.block_pool import BlockIntegrityError
 from duet.cluster.autoscale import autoscaling_metrics
+from duet.cluster.peers import ServePeers
 from duet.config import EngineArgs
 from duet.cores import CoreShare, machine_cores
+from duet.decode_node.channel import Channels
 from duet.decode_node.migration import DRAIN_TIMEOUT_S, Migration, Peers, Stream, Target
 from duet.decode_node.role import DecodeRole
 from duet.engine import LLMEngine
@@ -43,7 +47,7 @@ from duet.engine_loop import EngineLoop, EngineThread
 from duet.errors import InvalidRequestError, KVTransferFailedError, ReplicaFullError, ReplicaGoneError, RequestFailedError
 from duet.messages import EngineRequest, KVDestination, Moved, Placement, ReplicaStats, TokenDelta
 from duet.prefill_node.role import PrefillRole
-from duet.router.serve_internals import keep_replica_on_loopback, new_call_context, replica_ids, watch_departure
+from duet.router.serve_internals import keep_replica_on_loopback, watch_departure
 from duet.structured_output import build_before_serving
 
 logger = logging.getLogger(__name__)
@@ -55,31 +59,6 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 60.0
 # Serve probes each replica this often (its default is 10 s): one whose worker died is found,
 # and replaced, within seconds.
 HEALTH_CHECK_PERIOD_S = 2.0
-MOVE_CALL_TIMEOUT_S = 10.0
-
-
-class _ServePeers:
-    """The other replicas serving decode (``decode_node.migration.Peers``), through Serve handles
-    on the pools held by the replica itself: ``pools`` by name, ``stage`` the decode pool's."""
-
-    def __init__(self, pools: dict, stage: str) -> None:
-        self._pools = pools
-        self._stage = stage
-
-    async def reserve(self, request: EngineRequest, num_prompt_blocks: int, to: Target | None = None) -> Placement:
-        new_call_context()  # the moves' calls overlap (an abort, the next move)
-        if to is None:
-            call = self._pools[self._stage].reserve.remote(request, num_prompt_blocks=num_prompt_blocks, lora=request.lora)
-        else:
-            call = self._pools[to.pool].reserve.remote(request, num_prompt_blocks=num_prompt_blocks, replica_id=to.replica_id)
-        return await asyncio.wait_for(call, MOVE_CALL_TIMEOUT_S)
-
-    def abort(self, request_id: str, replica_id: str, pool: str | None = None) -> None:
-        new_call_context()
-        self._pools[pool or self._stage].abort.remote(request_id, replica_id=replica_id)
-
-    def any_running(self) -> bool:
-        return bool(replica_ids(self._stage))
 
 
 class EngineReplica:
@@ -114,6 +93,7 @@ class EngineReplica:
         )
         self.draining = False
         self._streams: dict[str, Stream] = {}
+        self.channels = Channels()
         self._tasks: set[asyncio.Task] = set()
         self.migration = None
         if peers is not None:
@@ -181,13 +161,27 @@ class EngineReplica:
 
     async def attach(self, request_id: str, replica_id: str) -> AsyncIterator[TokenDelta | Moved]:
         """Stream a sequence placed here by ``reserve``, from its first token made here."""
+        async with aclosing(self._follow(self._attached(request_id, replica_id))) as items:
+            async for item in items:
+                yield item
+
+    async def channel(self, channel_id: str, replica_id: str) -> AsyncIterator[list]:
+        """A router's one stream from this replica: its sequences' items, a batch a step
+        (``duet.decode_node.channel``)."""
+        ReplicaGoneError.check(replica_id, self.replica_id)
+        async with aclosing(self.channels.serve(channel_id)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def attach_to(self, request_id: str, replica_id: str, channel_id: str) -> None:
+        """``attach`` through the router's ``channel_id``: returns when the sequence has ended."""
+        await self.channels.feed(channel_id, request_id, self._follow(self._attached(request_id, replica_id)))
+
+    def _attached(self, request_id: str, replica_id: str) -> Stream:
         ReplicaGoneError.check(replica_id, self.replica_id)
         if self.migration is None:
             raise ReplicaGoneError(f"{request_id} is not held on replica {self.replica_id}: a prefill replica places no sequence")
-        stream = self.migration.attach(request_id)
-        async with aclosing(self._follow(stream)) as items:
-            async for item in items:
-                yield item
+        return self.migration.attach(request_id)
 
     async def _follow(self, stream: Stream) -> AsyncIterator[TokenDelta | Moved]:
         request_id = stream.request.request_id
@@ -384,7 +378,7 @@ class ServeReplica(EngineReplica):
             # has it so (``take_role``).
             pools = ("decode", "prefill") if kv_transfer is not None else (context.deployment,)
             handles = {name: serve.get_deployment_handle(name, context.app_name).options(stream=False) for name in pools}
-            peers = _ServePeers(handles, pools[0])
+            peers = ServePeers(handles, pools[0])
         engine, thread = build_engine(args, num_threads, f"{role}-loop")
         if core_sharing is not None:
             engine.core_share = CoreShare(decode=role_.stage != "prefill", tpot_budget_s=core_sharing["tpot_budget_s"])

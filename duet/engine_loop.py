@@ -192,14 +192,26 @@ class EngineLoop:
             # Runnable work exists only in the background (transfers): do not spin a core.
             self._wake.wait(self._busy_poll_s)
             self._wake.clear()
+        # A step's outputs reach each event loop in one callback: readers that batch what they
+        # are given (a router's channel, duet.decode_node.channel) see the whole step at once.
+        puts: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
-            self._deliver(self._key(output), output)
+            subscriber = self._subscribers.get(self._key(output))
+            if subscriber is not None:
+                puts.setdefault(subscriber[0], []).append((subscriber[1], output))
+        for loop, items in puts.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         subscriber = self._subscribers.get(request_id)
         if subscriber is not None:
             loop, outputs = subscriber
             loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for outputs, item in items:
+        outputs.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -39,25 +38,23 @@ from duet.errors import (
     InvalidRequestError,
     KVTransferFailedError,
     PoolUnavailableError,
-    ReplicaFullError,
     ReplicaGoneError,
     RequestFailedError,
     WorkerDiedError,
 )
-from duet.messages import EngineRequest, KVDestination, Moved, Placement, TokenDelta
+from duet.messages import EngineRequest, KVDestination, Moved, TokenDelta
 from duet.router.balance import Choice, StageBalancer
+from duet.router.channels import Channels
+from duet.router.decode_stream import DecodeStream, pin
 from duet.router.roles import RoleView, away_or_home
 from duet.router.serve_internals import new_call_context, replica_running
 from duet.router.sequence import Action, Failure, Phase, Sequence, TooManyMigrations
-from duet.router.waiting import ROOM_WAIT_S, WaitingRoom
+from duet.router.waiting import WaitingRoom
 from duet.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 PINNED_CALL_TIMEOUT_S = 30.0  # a busy replica answers between two steps; only a dead one takes this long
-# The longest a placement waits for a decode replica's answer, room waits (backing off up to a
-# second at a time) included.
-PLACE_WAIT_S = ROOM_WAIT_S + 10.0
 FAILURE_POLICIES = ("recompute", "fail")
 # What a prefill replica runs to fill a resumed sequence's KV: the one token it samples is not used.
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
@@ -93,7 +90,8 @@ class Orchestrator:
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
-        self.open_streams: set[_DecodeStream] = set()  # not yet finished or closed
+        self.open_streams: set[DecodeStream] = set()  # not yet finished or closed
+        self.channels = Channels(self.handles, new_call_context)  # each replica's one stream of every sequence's items
         if balancer is not None:
             balancer.live_streams = lambda: len(self.open_streams)
 
@@ -110,12 +108,12 @@ class Orchestrator:
             stream = None
             try:
                 if sequence.phase is Phase.MOVING:
-                    stream = _DecodeStream(self, moved, replica_id=moved_to, pool=moved_pool)
+                    stream = DecodeStream(self, moved, replica_id=moved_to, pool=moved_pool)
                     sequence.to(Phase.DECODING)
                 else:
                     async with aclosing(self._start(sequence)) as items:
                         async for item in items:
-                            if isinstance(item, _DecodeStream):
+                            if isinstance(item, DecodeStream):
                                 stream = item
                             else:
                                 sequence.token_ids += item.token_ids
@@ -160,7 +158,7 @@ class Orchestrator:
                 if stream is not None:
                     await stream.aclose()
 
-    async def _start(self, sequence: Sequence) -> AsyncIterator[TokenDelta | _DecodeStream]:
+    async def _start(self, sequence: Sequence) -> AsyncIterator[TokenDelta | DecodeStream]:
         """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
         context computed by the prefill pool or there; yields the prefill's first token of a
         new sequence, then the decode stream (none if that token ended it), the caller's to close."""
@@ -171,7 +169,7 @@ class Orchestrator:
             yield stream
             return
         num_blocks = -(-sequence.num_context_tokens // self.block_size)
-        stream = _DecodeStream(self, sequence.resumed(kv_receive=True), num_prompt_blocks=num_blocks)
+        stream = DecodeStream(self, sequence.resumed(kv_receive=True), num_prompt_blocks=num_blocks)
         try:
             placement = await stream.place()
             sequence.to(Phase.PREFILLING)
@@ -210,8 +208,8 @@ class Orchestrator:
         sequence.to(Phase.DECODING)
         yield stream
 
-    async def _place_local(self, sequence: Sequence, choice: Choice | None = None) -> _DecodeStream:
-        stream = _DecodeStream(self, sequence.resumed(), choice=choice)
+    async def _place_local(self, sequence: Sequence, choice: Choice | None = None) -> DecodeStream:
+        stream = DecodeStream(self, sequence.resumed(), choice=choice)
         try:
             await stream.place()
         except BaseException:
@@ -235,7 +233,7 @@ class Orchestrator:
         hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, request.lora, request.lora_path)
         pool, pinned = self.prefill_target()
         new_call_context()
-        stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, lora=request.lora, **_pin(pinned))
+        stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, lora=request.lora, **pin(pinned))
         try:
             async for delta in stream:
                 return None if sequence.token_ids else delta
@@ -292,108 +290,3 @@ class Orchestrator:
         task = asyncio.get_running_loop().create_task(settle())
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
-
-
-def _pin(replica_id: str | None) -> dict:
-    return {} if replica_id is None else {"replica_id": replica_id}
-
-
-class _DecodeStream:
-    """One sequence's stream from a decode replica, placed the one way every sequence is:
-    ``place()`` has a replica ``reserve`` it (a full or leaving replica sends it to another) and
-    answers where it runs (and its KV destination); iterating ``attach``es to it there. A
-    sequence moved there by KV (``replica_id`` given) is attached to at once. Iterating gives
-    its deltas, and a final ``Moved`` if it leaves that replica; the first delta settles the
-    balancer's ``choice``. Closing it before it finished cancels it, and aborts the sequence
-    there. ``pool``: the pool of the replica (placing it may choose a replica serving decode
-    away from its pool; a sequence moved by KV says where it went)."""
-
-    def __init__(
-        self,
-        orchestrator: Orchestrator,
-        request: EngineRequest,
-        num_prompt_blocks: int = 0,
-        replica_id: str | None = None,
-        choice: Choice | None = None,
-        pool: str | None = None,
-    ):
-        self.orchestrator = orchestrator
-        self.request = request
-        self.num_prompt_blocks = num_prompt_blocks
-        self.replica_id = replica_id
-        self.choice = choice
-        self.pool = pool or orchestrator.decode_pool
-        self.finished = False
-        self._call = None  # the reservation in flight
-        self._stream = None
-        self._items = self._attach()
-        orchestrator.open_streams.add(self)
-
-    async def place(self) -> Placement:
-        """Where the sequence runs. Bounded: while Serve lists no replica of the pool (its last one
-        died and the next is not up, or none can be placed), a call waits in Serve's queue
-        without limit, its client's admission held."""
-        try:
-            async with asyncio.timeout(PLACE_WAIT_S):
-                placement = await self._reserve()
-        except TimeoutError:
-            raise PoolUnavailableError(f"no decode replica took this request in {PLACE_WAIT_S:.0f} s; retry it") from None
-        self.replica_id = placement.replica_id
-        return placement
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenDelta | Moved:
-        item = await anext(self._items)
-        if self.choice is not None:
-            self.choice.done(first_token=isinstance(item, TokenDelta))
-        self.finished = isinstance(item, Moved) or item.finished
-        if self.finished:
-            self.orchestrator.open_streams.discard(self)
-        return item
-
-    async def _reserve(self) -> Placement:
-        deadline = time.monotonic() + ROOM_WAIT_S
-        refused = 0
-        while True:
-            pool, pinned = self.orchestrator.decode_target()
-            if pool is None:
-                self.orchestrator.roles.want()
-            else:
-                new_call_context()  # an abort of an earlier placement may still be on its way
-                handle = self.orchestrator.handles[pool]
-                self._call = handle.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, **_pin(pinned))
-                try:
-                    placement = await self._call
-                except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone
-                    refused += 1
-                else:
-                    self._call = None
-                    self.pool = pool
-                    return placement
-            if time.monotonic() >= deadline:
-                raise PoolUnavailableError(f"no decode replica had room for this request for {ROOM_WAIT_S:.0f} s; retry it") from None
-            # Backing off from full replicas; a role about to be taken, within a planning round.
-            await asyncio.sleep(min(1.0, 0.05 * 2 ** (refused - 1)) if pool is not None else 0.05)
-
-    async def _attach(self) -> AsyncIterator[TokenDelta | Moved]:
-        new_call_context()
-        handle = self.orchestrator.handles[self.pool]
-        self._stream = handle.options(stream=True).attach.remote(self.request.request_id, replica_id=self.replica_id)
-        async for item in self._stream:
-            yield item
-
-    async def aclose(self) -> None:
-        self.orchestrator.open_streams.discard(self)
-        if self.choice is not None:
-            self.choice.done()
-        if self.finished:
-            return
-        self.finished = True
-        for call in (self._call, self._stream):
-            if call is not None:
-                call.cancel()
-        if self.replica_id is not None:
-            replica_id, request_id, handle = self.replica_id, self.request.request_id, self.orchestrator.handles[self.pool]
-            self.orchestrator.fire(self.pool, replica_id, lambda: handle.abort.remote(request_id, replica_id=replica_id))

@@ -4,7 +4,7 @@ Replicas report a ``ReplicaStats`` dict through Serve's ``record_routing_stats``
 registers itself (``duet.router.serve_internals``), so the ingress's view of the pools and a
 decode replica's notice of its own departure come from the routers in its process.
 
-Every call that names a ``replica_id`` keyword (``abort``, ``attach``, ``check_integrity``) is
+Every call that names a ``replica_id`` keyword (``abort``, ``channel``, ``attach_to``, ``check_integrity``) is
 pinned to that replica: it concerns state only that replica holds. When
 that replica is gone the call goes to any live one, which refuses it at once
 (``ReplicaGoneError``): waiting for a replica that will never come back would hold the call,

@@ -12,13 +12,9 @@ import time
 
 import pytest
 
-from duet.cluster.replica import EngineReplica
-from duet.config import EngineArgs
-from duet.decode_node.role import DecodeRole
-from duet.engine import LLMEngine
 from duet.messages import EngineRequest
 from duet.sampling_params import SamplingParams
-from tests.cluster.replica_pair import DirectPeers, placed, read_stream, settled
+from tests.cluster.replica_pair import placed, read_stream, settled
 
 
 def test_a_placement_cancelled_while_the_engine_is_busy_frees_its_reserved_blocks(replica):
@@ -42,41 +38,6 @@ def test_a_placement_cancelled_while_the_engine_is_busy_frees_its_reserved_block
     assert (requests, free_blocks) == ({}, engine.num_blocks)
     engine.check_integrity()
 
-def _decode_pair(tiny_llama_dir, **engine_kwargs):
-    """Two decode replicas that can move sequences to one another by KV, over a real pair."""
-    made = []
-
-    def make(name: str, peers: DirectPeers) -> EngineReplica:
-        engine = LLMEngine(
-            EngineArgs(
-                model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, kv_transfer_config={"name": name, "timeout_s": 20.0},
-                **engine_kwargs,
-            )
-        )
-        made.append(EngineReplica(name, DecodeRole(), engine, peers))
-        return made[-1]
-
-    leaving_peers, staying_peers = DirectPeers(), DirectPeers()
-    leaving, staying = make("leaving", leaving_peers), make("staying", staying_peers)
-    leaving_peers.other, staying_peers.other = staying, leaving
-    yield leaving, staying
-    for replica in made:
-        for task in replica._tasks:
-            task.cancel()
-        replica.loop.stop()
-        replica.engine.close()
-
-
-@pytest.fixture
-def decode_pair(tiny_llama_dir):
-    yield from _decode_pair(tiny_llama_dir)
-
-
-@pytest.fixture
-def speculating_pair(tiny_llama_dir):
-    """The pair, drafting with a draft model (the tiny Llama itself: its drafts are mostly kept)."""
-    config = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
-    yield from _decode_pair(tiny_llama_dir, speculative_config=config)
 
 def test_a_stream_closed_while_its_sequence_moves_by_kv_frees_it_on_the_new_replica(decode_pair):
     """Guards the leak a review found: a sequence moved by KV off a leaving replica, its client

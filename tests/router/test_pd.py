@@ -1,5 +1,5 @@
 """The orchestrator's decode streams, against a pool handle that answers in this process: every
-sequence is placed by ``reserve`` and streamed by ``attach``."""
+sequence is placed by ``reserve`` and streamed through its replica's channel (``attach_to``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import asyncio
 
 import pytest
 
+import duet.router.decode_stream as decode_stream
 import duet.router.pd as pd
 from duet.errors import KVTransferFailedError
 from duet.messages import EngineRequest, Moved, Placement, TokenDelta
 from duet.sampling_params import SamplingParams
+from tests.router.channel_end import ChannelEnd
 
 
 class _SilentCall:
@@ -40,7 +42,7 @@ class _SilentPool:
 def test_a_placement_no_replica_answers_fails_in_bounded_time(monkeypatch):
     """Guards the clients of a pool whose last replica died: Serve, listing none, queues the call
     without limit, and the request hung (its admission held) until a replica came back, if ever."""
-    monkeypatch.setattr(pd, "PLACE_WAIT_S", 0.2)
+    monkeypatch.setattr(decode_stream, "PLACE_WAIT_S", 0.2)
     pool = _SilentPool()
     orchestrator = pd.Orchestrator(None, pool, 16, None)
     fired = []
@@ -48,7 +50,7 @@ def test_a_placement_no_replica_answers_fails_in_bounded_time(monkeypatch):
     request = EngineRequest("waiting", [1, 2, 3], SamplingParams(max_tokens=4))
 
     async def run():
-        stream = pd._DecodeStream(orchestrator, request)
+        stream = decode_stream.DecodeStream(orchestrator, request)
         with pytest.raises(pd.PoolUnavailableError, match="no decode replica took this request"):
             await asyncio.wait_for(stream.place(), 5)
         await stream.aclose()
@@ -58,35 +60,15 @@ def test_a_placement_no_replica_answers_fails_in_bounded_time(monkeypatch):
     assert fired == []  # it ran nowhere: nothing to abort
 
 
-class _Scripted:
-    """A Serve streaming call that plays its items (an exception among them is raised there)."""
-
-    def __init__(self, items) -> None:
-        self._items = iter(items)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        item = next(self._items, None)
-        if item is None:
-            raise StopAsyncIteration
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def cancel(self) -> None:
-        pass
-
-
 class _ScriptedPool:
     """A decode pool whose ``reserve`` calls answer the placements given (an exception is raised)
-    and whose ``attach`` calls play the scripts given, in order."""
+    and whose ``attach_to`` calls play the scripts given, in order."""
 
     def __init__(self, placements: list, attaches: list) -> None:
         self.placements, self.attaches, self.calls = list(placements), list(attaches), []
         self.reserve = _Method(self._reserve)
-        self.attach = _Method(lambda request_id, **_: self._play(request_id))
+        end = ChannelEnd(self._play)
+        self.channel, self.attach_to = end.channel, end.attach_to
         self.abort = _Method(lambda *args, **kwargs: asyncio.sleep(0))
 
     def options(self, stream: bool):
@@ -99,9 +81,10 @@ class _ScriptedPool:
             raise placement
         return placement
 
-    def _play(self, request_id: str) -> _Scripted:
+    async def _play(self, request_id: str, replica_id: str):
         self.calls.append(("attach", request_id))
-        return _Scripted(self.attaches.pop(0))
+        for item in self.attaches.pop(0):
+            yield item
 
 
 class _Method:

@@ -8,10 +8,12 @@ import asyncio
 import dataclasses
 import time
 
+import duet.router.decode_stream as decode_stream
 import duet.router.pd as pd
 from duet.messages import Placement, TokenDelta
 from duet.router.roles import Member, RoleKeeper, RoleSettings, RoleView, plan
 from duet.sampling_params import SamplingParams
+from tests.router.channel_end import ChannelEnd
 from tests.router.fake_serve import make_stats
 
 TTFT_S, TPOT_S = 2.0, 0.2
@@ -160,13 +162,14 @@ def test_a_pool_not_seen_yet_has_no_size_rather_than_zero():
 
 
 class _Pool:
-    """A pool handle whose ``reserve`` and ``attach`` record their keywords and answer."""
+    """A pool handle whose ``reserve`` and ``attach_to`` record their keywords and answer."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.calls = []
         self.reserve = _Remote(self._reserve)
-        self.attach = _Remote(self._attach)
+        end = ChannelEnd(self._attach)
+        self.channel, self.attach_to = end.channel, end.attach_to
         self.abort = _Remote(lambda *args, **kwargs: asyncio.sleep(0))
 
     def options(self, stream: bool):
@@ -196,7 +199,7 @@ def test_a_sequence_goes_to_a_prefill_replica_serving_decode_when_it_is_the_leas
     request = pd.EngineRequest("s", [1, 2, 3], SamplingParams(max_tokens=1))
 
     async def run():
-        stream = pd._DecodeStream(orchestrator, request)
+        stream = decode_stream.DecodeStream(orchestrator, request)
         placement = await stream.place()
         items = [item async for item in stream]
         return placement, items, stream.pool
