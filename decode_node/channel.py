@@ -2,8 +2,8 @@
 
 A router that read each sequence through a streaming call of its own got one Serve message (a
 Ray object and its report) per token and sequence: measured on a 2-core Xeon, the router spent
-about 0.65 CPU-ms on each token it received that way, its process and Serve's proxy together
-about 1 ms, on the cores the engine steps on (docs/benchmarks.md). Here a router opens one
+about 0.65 CPU-ms on each token it received that way (1.0 with the proxy's streamed chunk
+out; Serve's proxy 0.55 more), on the cores the engine steps on (docs/benchmarks.md). Here a router opens one
 ``channel`` call per replica (``duet.router.channels``), and each sequence it follows there
 goes through it: what a step gives all of them is one message.
 

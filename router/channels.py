@@ -35,8 +35,6 @@ class _Open:
         self.call = None
         self.task: asyncio.Task | None = None
         self.closing: asyncio.TimerHandle | None = None
-        self.batches = 0
-        self.items = 0
 
 
 class Channels:
@@ -49,6 +47,8 @@ class Channels:
         self._ids = (f"{os.getpid()}-{id(self):x}-{n}" for n in itertools.count())
         self._open: dict[str, _Open] = {}  # by replica id
         self.opened = 0
+        self.messages = 0  # read from every channel; each carries a step's items (``items``)
+        self.items = 0
 
     def follow(self, pool: str, replica_id: str, request_id: str) -> tuple[str, asyncio.Queue]:
         """The channel id to attach ``request_id`` with, and the queue its items come to."""
@@ -87,8 +87,8 @@ class Channels:
             self._new_call_context()
             channel.call = self._handles[pool].options(stream=True).channel.remote(channel.channel_id, replica_id=replica_id)
             async for batch in channel.call:
-                channel.batches += 1
-                channel.items += len(batch)
+                self.messages += 1
+                self.items += len(batch)
                 for request_id, item in batch:
                     queue = channel.followers.get(request_id)
                     if queue is not None:

@@ -36,9 +36,8 @@ class DecodeStream:
     ``place()`` has a replica ``reserve`` it (a full or leaving replica sends it to another) and
     answers where it runs (and its KV destination); iterating reads it there (``attach_to``, its
     items through the router's channel). A sequence moved there by KV (``replica_id`` given) is
-    read at once. Iterating gives
-    its deltas, and a final ``Moved`` if it leaves that replica; the first delta settles the
-    balancer's ``choice``. Closing it before it finished cancels it, and aborts the sequence
+    read at once. Iterating gives its deltas, and a final ``Moved`` if it leaves that replica;
+    the first delta settles the balancer's ``choice``. Closing it before it finished cancels it, and aborts the sequence
     there. ``pool``: the pool of the replica (placing it may choose a replica serving decode
     away from its pool; a sequence moved by KV says where it went)."""
 

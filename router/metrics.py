@@ -156,6 +156,14 @@ class _RoutingCollector:
         for how, count in self.orchestrator.migrations.items():
             migrations.add_metric([self.model_name, how], count)
         yield migrations
+        channels = self.orchestrator.channels
+        for name, count, text in (
+            ("duet:channel_messages", channels.messages, "Messages read from the replicas' channels, a step's items for this router's sequences each."),
+            ("duet:channel_items", channels.items, "Sequences' items (tokens, moves, errors) those messages carried."),
+        ):
+            counter = CounterMetricFamily(name, text, labels=["model_name"])
+            counter.add_metric([self.model_name], count)
+            yield counter
         balancer = self.orchestrator.balancer
         if balancer is not None:
             fallbacks = CounterMetricFamily(

@@ -222,3 +222,38 @@ def httpx_tokenize(cluster, prompt: str) -> list[int]:
 
     headers = {"Authorization": f"Bearer {cluster.api_key}"}
     return httpx.post(f"{cluster.url}/tokenize", json={"model": "smollm2", "prompt": prompt}, headers=headers, timeout=60).json()["tokens"]
+
+
+def test_sequences_decoded_side_by_side_each_get_their_own_items_through_their_replicas_channel(cluster):
+    """A replica sends each router one message a step for all the sequences it follows there
+    (``duet.decode_node.channel``): streams read side by side each end at their own length, with
+    their own token ids, and the messages carried more than one item each. Through the colocated
+    application: the PD one's router admits two sequences at a time (``MAX_RUNNING``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.client import metric
+
+    client = cluster.client(colocated=True)
+    lengths = [24, 28, 32, 36, 40, 44]
+
+    def read(length: int) -> tuple[int, int, str]:
+        stream = client.completions.create(
+            model="smollm2", prompt=f"Count slowly from one to {length}:", max_tokens=length, temperature=0, stream=True,
+            extra_body={"min_tokens": length, "return_token_ids": True},
+        )
+        token_ids, reason = [], None
+        for chunk in stream:
+            token_ids += chunk.choices[0].model_extra.get("token_ids") or []
+            reason = chunk.choices[0].finish_reason or reason
+        return len(token_ids), length, reason
+
+    def counts() -> tuple[float, float]:
+        samples = [metric(cluster.colocated_url, f"duet:channel_{name}_total") for name in ("messages", "items")]
+        return sum(samples[0].values()), sum(samples[1].values())
+
+    messages_before, items_before = counts()
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        results = list(pool.map(read, lengths))
+    messages, items = (after - before for after, before in zip(counts(), (messages_before, items_before)))
+    assert all(got == asked and reason == "length" for got, asked, reason in results)
+    assert 0 < messages < items

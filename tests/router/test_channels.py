@@ -54,6 +54,7 @@ def test_one_channel_serves_every_sequence_on_a_replica_and_closes_once_none_fol
     assert set(open_after) == {"r1", "r2"} and closed == {}
     assert again[0] not in {first[0][0], first[2][0]} and again[1] == [[0], [1], [2]]
     assert channels.opened == 3
+    assert channels.items == 12 and 4 <= channels.messages <= 12  # a message holds one step's items or more
 
 
 def test_a_channel_that_fails_tells_every_sequence_on_it_that_its_replica_is_gone():
