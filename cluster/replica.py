@@ -5,9 +5,8 @@ Every sequence is placed on a decode (or colocated) replica the same way, new, m
 recomputed: ``reserve`` adds it and answers its ``Placement`` (its replica, and for a
 ``kv_receive`` request the ``KVDestination`` of the blocks it reserved), then ``attach_to``
 sends its ``TokenDelta``s through the router's ``channel`` from this replica, one message a
-step for all its sequences (``duet.decode_node.channel``; ``attach`` streams one in this
-process). A prefill replica's call is ``generate``, whose stream is the prompt's first token.
-Calls that name a ``replica_id`` (``abort``, ``channel``, ``attach_to``, ``check_integrity``)
+step for all its sequences (``duet.decode_node.channel``). A prefill replica's call is
+``generate``, whose stream is the prompt's first token. Calls that name a ``replica_id`` (``abort``, ``channel``, ``attach_to``, ``check_integrity``)
 are pinned to that replica (see ``duet.router.routing``).
 
 A replica of a PD application serves its pool's role or, while the router's ``RoleKeeper``
@@ -106,7 +105,7 @@ class EngineReplica:
         """The prefill role's call: compute the prompt, stream its KV to ``request.kv_send``, and
         answer with the first token. ``prefix_hashes`` and ``lora`` (its adapter) are hints for the pool's request router;
         ``replica_id`` pins the call to this replica. The decode role places sequences by
-        ``reserve`` and ``attach``."""
+        ``reserve`` and ``attach_to``."""
         if replica_id is not None:
             ReplicaGoneError.check(replica_id, self.replica_id)
         self._check_role("prefill")
@@ -122,7 +121,7 @@ class EngineReplica:
     ) -> Placement:
         """The decode role's call: place a sequence here, add it to the engine (its blocks
         reserved, for KV from elsewhere when ``kv_receive``) and answer where it runs and where
-        its KV goes. Its outputs wait for ``attach``; nobody attaching within
+        its KV goes. Its outputs wait for ``attach_to``; nobody attaching within
         ``ATTACH_TIMEOUT_S`` drops it. ``num_prompt_blocks`` and ``lora`` (its adapter) are
         hints for the pool's request router; ``replica_id`` pins the call to this replica."""
         if replica_id is not None:
@@ -159,12 +158,6 @@ class EngineReplica:
         (``InvalidRequestError``: why it does not fit)."""
         await asyncio.to_thread(self.engine.check_lora, name, path)
 
-    async def attach(self, request_id: str, replica_id: str) -> AsyncIterator[TokenDelta | Moved]:
-        """Stream a sequence placed here by ``reserve``, from its first token made here."""
-        async with aclosing(self._follow(self._attached(request_id, replica_id))) as items:
-            async for item in items:
-                yield item
-
     async def channel(self, channel_id: str, replica_id: str) -> AsyncIterator[list]:
         """A router's one stream from this replica: its sequences' items, a batch a step
         (``duet.decode_node.channel``)."""
@@ -174,7 +167,9 @@ class EngineReplica:
                 yield batch
 
     async def attach_to(self, request_id: str, replica_id: str, channel_id: str) -> None:
-        """``attach`` through the router's ``channel_id``: returns when the sequence has ended."""
+        """Stream a sequence placed here by ``reserve``, from its first token made here, through
+        the router's ``channel_id``: returns when the sequence has ended (cancelled: its reader
+        left, and it is aborted)."""
         await self.channels.feed(channel_id, request_id, self._follow(self._attached(request_id, replica_id)))
 
     def _attached(self, request_id: str, replica_id: str) -> Stream:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 from duet.cluster.replica import EngineReplica
-from duet.messages import EngineRequest, Moved, Placement
+from duet.messages import EngineRequest, Moved, Placement, TokenDelta
 
 
 class DirectPeers:
@@ -40,10 +41,39 @@ async def settled(replica: EngineReplica, within_s: float = 20.0) -> tuple[dict,
 
 
 async def placed(replica: EngineReplica, request: EngineRequest):
-    """A sequence placed on a replica as the router places one (``reserve``), and its stream (``attach``)."""
+    """A sequence placed on a replica as the router places one (``reserve``), and its stream."""
     placement = await replica.reserve(request)
     assert placement.replica_id == replica.replica_id
-    return replica.attach(request.request_id, replica.replica_id)
+    return attached(replica, request.request_id)
+
+
+async def attached(replica: EngineReplica, request_id: str, replica_id: str | None = None) -> AsyncIterator[TokenDelta | Moved]:
+    """A sequence placed on ``replica`` read as a router reads it: ``attach_to`` through a
+    channel of its own (``channel``), its items until the last, an error that ends it raised
+    (also one of the ``attach_to`` call itself: a sequence not held there). Closing it before
+    the end cancels ``attach_to``, which aborts the sequence. ``replica_id``: the id the calls
+    name (the replica's own by default)."""
+    channel_id = f"test-{request_id}"
+    reader = replica.channel(channel_id, replica.replica_id)
+    feed = asyncio.ensure_future(replica.attach_to(request_id, replica_id or replica.replica_id, channel_id))
+    try:
+        while True:
+            batch = asyncio.ensure_future(anext(reader))
+            await asyncio.wait({batch, feed}, return_when=asyncio.FIRST_COMPLETED)
+            if not batch.done() and feed.exception() is not None:  # the call failed before it put anything
+                batch.cancel()
+                raise feed.exception()
+            for item_id, item in await batch:
+                assert item_id == request_id
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if isinstance(item, Moved) or item.finished:
+                    return
+    finally:
+        if not feed.done():
+            feed.cancel()
+        await reader.aclose()
 
 
 async def read_stream(stream) -> tuple[list[int], Moved | None]:

@@ -14,7 +14,7 @@ import pytest
 
 from duet.messages import EngineRequest
 from duet.sampling_params import SamplingParams
-from tests.cluster.replica_pair import placed, read_stream, settled
+from tests.cluster.replica_pair import attached, placed, read_stream, settled
 
 
 def test_a_placement_cancelled_while_the_engine_is_busy_frees_its_reserved_blocks(replica):
@@ -98,7 +98,7 @@ def test_a_seeded_sequence_moved_by_kv_while_speculating_goes_on_as_if_it_had_st
         leaving.draining = True
         await leaving.migration.move("moving", by_kv=True)
         before, moved = await read_stream(stream)
-        after, _ = await read_stream(staying.attach("moving", "staying"))
+        after, _ = await read_stream(attached(staying, "moving", "staying"))
         return undisturbed, moved, after
 
     undisturbed, moved, after = asyncio.run(run())

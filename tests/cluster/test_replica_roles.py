@@ -15,7 +15,7 @@ from duet.engine import LLMEngine
 from duet.messages import EngineRequest, ReplicaStats
 from duet.prefill_node.role import PrefillRole
 from duet.sampling_params import SamplingParams
-from tests.cluster.replica_pair import DirectPeers, placed, read_stream, settled
+from tests.cluster.replica_pair import DirectPeers, attached, placed, read_stream, settled
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_a_role_change_under_live_streams_loses_and_duplicates_no_token(home_pai
         # Through PD: the decode replica reserves, the prefill replica (its own streams running) computes.
         placement = await decode.reserve(EngineRequest("pd", prompt, greedy, kv_receive=True))
         first = [delta async for delta in prefill.generate(EngineRequest("pd", prompt, greedy, kv_send=placement.destination))]
-        pd_stream = decode.attach("pd", "d")
+        pd_stream = attached(decode, "pd", "d")
         pd_tokens = [token for delta in first for token in delta.token_ids] + await read_until(pd_stream, "pd", decode, 8)
         assert await decode.take_role("prefill", "d") == "prefill"
         with pytest.raises(ReplicaFullError):
@@ -153,7 +153,7 @@ def test_a_busy_decode_replica_sheds_sequences_by_kv_to_one_that_took_the_role(h
             read[index] += token_ids
             if moved is not None:
                 moves[index] = (moved.replica_id, moved.pool)
-                read[index] += (await read_stream(prefill.attach(f"s{index}", "p")))[0]
+                read[index] += (await read_stream(attached(prefill, f"s{index}", "p")))[0]
         return undisturbed, shed, again, read, moves, await settled(prefill), await settled(decode)
 
     undisturbed, shed, again, read, moves, prefill_state, decode_state = asyncio.run(run())
@@ -194,7 +194,7 @@ def test_a_prefill_replica_serving_decode_moves_its_streams_when_it_leaves_its_p
             await stream.aclose()  # the router closes a stream that told it of a move
             read[name] += token_ids
             moves[name] = None if moved is None else moved.replica_id
-            read[name] += (await read_stream(decode.attach(name, "d")))[0]
+            read[name] += (await read_stream(attached(decode, name, "d")))[0]
         await asyncio.wait_for(leaving, 10)
         with pytest.raises(ReplicaFullError, match="leaving its pool"):
             await prefill.reserve(EngineRequest("late", prompt, params["greedy"]))
