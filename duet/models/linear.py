@@ -6,11 +6,10 @@ Both are kept, and each call picks by rows; whether oneDNN also serves one row, 
 128, depends on the CPU and is measured once per process (``_packed_wins``; figures in
 docs/benchmarks.md, "GGUF products and the measured rules").
 
-A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): fp32 products
-of up to as many rows as this CPU measured the blocks at least as fast as the float weights
-(``_gguf_float_max_rows``, once per process: up to 64 rows on this project's AMD EPYC) then read the
-quantized codes (0.75 byte a weight for Q4_1, 1.125 for Q8_0, scales included, against 4)
-through ``kernels.gguf``, which dequantizes them exactly to the float weights the other paths
+A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of up
+to as many rows as this CPU measured the blocks at least as fast as the float weights
+(``_gguf_float_max_rows``) then read the quantized codes (0.75 byte a weight for Q4_1, 1.125
+for Q8_0, scales included, against 4 in fp32 and 2 in bf16) through ``kernels.gguf``, which dequantizes them exactly to the float weights the other paths
 use (in registers, by tiles of rows or by panels kept in cache, as the CPU measured faster);
 longer products, prompt chunks, keep oneDNN's float paths. On a GPU the Triton kernels race
 cuBLAS the same way, and serve no rows where they lose at one (as on an H200).
@@ -61,14 +60,12 @@ _PACK_BATCH_HINT = 32
 # that a noisy measurement on a CPU where both paths tie does not cross: the choice stays put).
 _PACKED_MARGIN = 1.25
 _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
-# Rows up to which reading GGUF blocks beats the float weights, measured once per process on
-# this CPU (``_gguf_float_max_rows``) at these row counts: the blocks serve every count up to the
-# first where oneDNN's packed float weight is ``_FLOAT_MARGIN`` times faster (a tie goes to the
-# blocks, which read a quarter to a sixth of the bytes).
+# Rows up to which reading GGUF blocks beats the float weights (fp32; bf16 on CPUs with
+# AVX512_BF16, against oneDNN's packed bf16 weights), measured once per process on this CPU
+# (``_gguf_float_max_rows``) at these row counts: the blocks serve every count up to the first
+# where oneDNN's packed float weight is ``_FLOAT_MARGIN`` times faster (a tie goes to the blocks).
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
 _FLOAT_MARGIN = 1.05
-# A bf16 model's products (bf16 rows, weights rounded to bf16 from the blocks, on CPUs with
-# AVX512_BF16) are measured the same way against oneDNN's packed bf16 weights.
 # Weights kept as blocks alone (quantized at load) have no packed float weight to fall back
 # on: past this many rows they dequantize for the call.
 GGUF_MAX_ROWS = 64
@@ -337,13 +334,14 @@ def measured_cpu_rules() -> dict[str, int]:
         return {}
     rules = {"gguf_panel_min_rows": ops.panel_min_rows(), "float_panel_rows": _float_panel_rows(),
              "gguf_float_max_rows": _gguf_float_max_rows(ops), INT8_RULE: int8_min_rows()}
+    if ops.has_bf16():
+        rules["gguf_bf16_max_rows"] = _gguf_float_max_rows(ops, torch.bfloat16)
     return rules | ({"gguf_bf16_amx_min_rows": ops.bf16_amx_min_rows()} if ops.has_amx() else {})
 
 
 def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = "cpu") -> int:
-    """See ``_measured_gguf_float_max_rows``: measured once per process, ``ops``, dtype and device,
-    whether the defaults are passed or not (``functools.cache`` keys on the arguments as written,
-    and a second measurement may differ from the first)."""
+    """``_measured_gguf_float_max_rows``, once per process, ``ops``, dtype and device, defaults
+    passed or not (``functools.cache`` keys on the arguments as written)."""
     return _measured_gguf_float_max_rows(ops, dtype, device)
 
 
@@ -352,22 +350,24 @@ def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16, elsewhere -1: none) a
     product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the
     process's rule for tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are
-    timed, best of 3 interleaved rounds each way, over ``SAMPLE_WEIGHTS`` Q4_1 weights of a
-    SmolLM2 MLP's shape: 127 MB of fp32 weights, read from memory as a step reads a model's (in
-    cache, where they are bound by arithmetic alone, they measured a third as many rows for the
-    blocks as a SmolLM2 step does). Once per process and dtype, about 0.3 s and 250 MB for that
-    moment.
+    timed, best of 3 interleaved rounds each way, over Q4_1 weights of a SmolLM2 MLP's shape:
+    127 MB of float weights (``SAMPLE_WEIGHTS`` in fp32, twice as many in bf16), read from memory
+    as a step reads a model's (in cache, where they are bound by arithmetic alone, they measured
+    a third as many rows for the blocks as a SmolLM2 step does). Once per process and dtype,
+    about 0.3 s and 250 MB for that moment. ``DUET_CPU_RULES`` may give it (``gguf_float_max_rows``,
+    ``gguf_bf16_max_rows``).
 
     On a GPU (``device``; ``ops``: the Triton kernels) the same race runs there against
     ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none (as on an H200)."""
     gpu = device != "cpu"
     if dtype == torch.bfloat16 and not gpu and not ops.has_bf16():
         return -1  # the blocks take no bf16 rows on a CPU without AVX512_BF16 (nor would oneDNN's packing)
-    if dtype == torch.float32 and not gpu and (pinned := cpu_ops.pinned_rule("gguf_float_max_rows")) is not None:
+    rule = {torch.float32: "gguf_float_max_rows", torch.bfloat16: "gguf_bf16_max_rows"}.get(dtype)
+    if rule is not None and not gpu and (pinned := cpu_ops.pinned_rule(rule)) is not None:
         return pinned
     packed = not gpu and torch.backends.mkldnn.is_available()
     weights = []
-    for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS):
+    for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS * 4 // dtype.itemsize):
         blocks = GGUFWeight(codes.to(device), scales.to(device), Q4_1, SAMPLE_IN_FEATURES, ops)
         blocks.lay_out_panels()
         weight = blocks.dequantize().to(dtype)

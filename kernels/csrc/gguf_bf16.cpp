@@ -16,8 +16,8 @@
 // about 6; vdpbf16ps runs at half the rate of the FMA ports there.
 //
 // On CPUs with AMX-BF16, a panel's bf16 pairs are already the tiles' layout (16 rows of k pairs,
-// 64 bytes of 16 features' pairs each): tdpbf16ps multiplies up to 16 rows of x by a panel's two
-// halves at a time, 32 k a step, instead of a vdpbf16ps per row and pair (``amx_panel_tile``).
+// 64 bytes of 16 features' pairs each): tdpbf16ps multiplies two tiles of up to 16 rows of x by
+// a panel's two halves, 32 k a step, instead of a vdpbf16ps per row and pair (``amx_panel_rows``).
 // From how many rows it does, rather than by vdpbf16ps tiles or panels, is measured once per
 // process (``set_bf16_amx_min_rows``), and it serves only the process's rule: a product whose
 // rows are given a rule of their own (``panel_min_rows`` >= 0, ``batch_invariant``'s) keeps
@@ -131,44 +131,84 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// out[r, 0..31] = x[r, :] times panel features 0..31 for R rows (R <= 16): tile 0 holds R rows of
-// 32 k of x, tiles 1 and 2 the panel's 16 pairs of k for features 0-15 and 16-31 (a panel row of
-// pairs is 32 cells apart), tiles 3 and 4 the sums. Each tdpbf16ps adds, per output, a k pair's
-// two exact products into its fp32 sum, k in order. The tiles are configured for R rows on each
-// call: the configuration is the calling thread's.
-template <int R>
-void amx_panel_tile(const uint16_t* x, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
+// The tiles of one shape of rows: tile 0 holds up to 16 rows of 32 k of x and tile 1 the next
+// up to 16 (none where ``rows`` <= 16), tiles 2 and 3 a panel's 16 pairs of k for features 0-15
+// and 16-31 (a panel row of pairs is 32 cells apart), tiles 4 and 5 tile 0's sums, 6 and 7 tile
+// 1's. A thread configures its tiles for the first shape of rows it meets in a product and again
+// only when the shape changes (loading a configuration costs about what a k step's products do);
+// AmxChunk releases them when its panels are done (tiles left in use are saved with the thread's
+// state, 8 KB, at every context switch).
+thread_local int64_t amx_configured_rows = -1;
+
+inline void configure_amx_tiles(int64_t m) {
+  if (m == amx_configured_rows) return;
+  amx_configured_rows = m;
+  const uint8_t first = static_cast<uint8_t>(std::min<int64_t>(m, 16)), second = static_cast<uint8_t>(m - first);
   TileConfig config;
-  config.rows[0] = config.rows[3] = config.rows[4] = R;
-  config.rows[1] = config.rows[2] = 16;
-  for (int t = 0; t < 5; ++t) config.bytes_per_row[t] = 64;
+  config.rows[0] = config.rows[4] = config.rows[5] = first;
+  config.rows[1] = config.rows[6] = config.rows[7] = second;
+  config.rows[2] = config.rows[3] = 16;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = config.rows[t] ? 64 : 0;
+  asm volatile("" : : "r"(&config) : "memory");  // GCC does not see ldtilecfg read the stores (it dropped them)
   _tile_loadconfig(&config);
-  _tile_zero(3);
+}
+
+struct AmxChunk {
+  ~AmxChunk() {
+    if (amx_configured_rows >= 0) _tile_release();
+    amx_configured_rows = -1;
+  }
+};
+
+// out[r, 0..31] = x[r, :] times panel features 0..31 for the configured rows (up to 32). Each
+// tdpbf16ps adds, per output, a k pair's two exact products into its fp32 sum, k in order: the
+// same sums whether a row goes in tile 0 or 1. A panel's tiles are loaded once for both row
+// tiles, and the four sums are independent of each other.
+template <bool Two>
+void amx_panel_rows(const uint16_t* x, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
   _tile_zero(4);
+  _tile_zero(5);
+  if constexpr (Two) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
   constexpr int64_t kPairRows = kBlock / 2;  // a tile of B: 16 rows of k pairs
   for (int64_t j = 0; j < K / kBlock; ++j) {
     for (int64_t line = 0; line < kPairRows; ++line) ahead.fetch(j * kPairRows + line);
+    _tile_loadd(2, panel + j * kPairRows * kPanelWidth, kPanelWidth * sizeof(uint32_t));
+    _tile_loadd(3, panel + j * kPairRows * kPanelWidth + 16, kPanelWidth * sizeof(uint32_t));
     _tile_loadd(0, x + j * kBlock, K * sizeof(uint16_t));
-    _tile_loadd(1, panel + j * kPairRows * kPanelWidth, kPanelWidth * sizeof(uint32_t));
-    _tile_loadd(2, panel + j * kPairRows * kPanelWidth + 16, kPanelWidth * sizeof(uint32_t));
-    _tile_dpbf16ps(3, 0, 1);
     _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if constexpr (Two) {
+      _tile_loadd(1, x + 16 * K + j * kBlock, K * sizeof(uint16_t));
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
   }
-  _tile_stored(3, out, N * sizeof(float));
-  _tile_stored(4, out + 16, N * sizeof(float));
+  _tile_stored(4, out, N * sizeof(float));
+  _tile_stored(5, out + 16, N * sizeof(float));
+  if constexpr (Two) {
+    _tile_stored(6, out + 16 * N, N * sizeof(float));
+    _tile_stored(7, out + 16 * N + 16, N * sizeof(float));
+  }
 }
 
-constexpr int kAmxTileRows = 16;
+constexpr int kAmxTileRows = 32;  // two tiles of rows a panel
 
 template <int64_t QType>
 void products_by_amx_panels(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  by_panels<QType, kAmxTileRows, uint32_t>(
+  by_panels<QType, kAmxTileRows, uint32_t, AmxChunk>(
       M, N, kPanelWidth * K / 2, w, [&](int64_t p, uint32_t* panel) { dequant_panel<Bf16Panels, QType>(w, p, panel); },
       [&](auto rows, int64_t r, int64_t p, const uint32_t* panel, const Ahead& ahead) {
-        amx_panel_tile<decltype(rows)::value>(x + r * K, K, panel, out + r * N + p * kPanelWidth, N, ahead);
+        configure_amx_tiles(decltype(rows)::value);
+        const uint16_t* rows_x = x + r * K;
+        float* rows_out = out + r * N + p * kPanelWidth;
+        if constexpr (decltype(rows)::value > 16) amx_panel_rows<true>(rows_x, K, panel, rows_out, N, ahead);
+        else amx_panel_rows<false>(rows_x, K, panel, rows_out, N, ahead);
       });
-  _tile_release();
 }
+
 #else
 bool amx_permitted() { return false; }
 #endif

@@ -77,6 +77,8 @@ def test_rules_given_by_the_environment_are_taken_without_timing():
     """``DUET_CPU_RULES`` (as the tests hand it to Ray's processes): a new process takes each rule
     given, including values its own timing would not choose, and times only the others."""
     given = {"gguf_panel_min_rows": 24, "float_panel_rows": 1, "gguf_float_max_rows": 4}
+    if cpu_ops.load_gguf().has_bf16():  # the rows bf16 products read the blocks for
+        given["gguf_bf16_max_rows"] = 16
     if cpu_ops.load_gguf().has_amx():  # and on AMX, the rows from which bf16 products go by its tiles
         given["gguf_bf16_amx_min_rows"] = 40
     script = (
@@ -93,3 +95,4 @@ def test_rules_given_by_the_environment_are_taken_without_timing():
         if pinned is not given:  # the others measured: the values timing chooses from
             assert rules["gguf_panel_min_rows"] in (*cpu_ops.PANEL_ROWS, cpu_ops.NEVER)
             assert rules["gguf_float_max_rows"] in (1, *GGUF_FLOAT_ROWS)
+            assert rules.get("gguf_bf16_max_rows", 1) in (1, *GGUF_FLOAT_ROWS)

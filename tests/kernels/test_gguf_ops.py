@@ -266,10 +266,10 @@ def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name
 
 @pytest.mark.skipif(OPS is None or not OPS.has_amx(), reason="no AMX-BF16 tiles on this CPU (or in this build)")
 @pytest.mark.parametrize("name", [*TYPES, "Q5_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 40, 64])
 def test_amx_tiles_multiply_the_panels_bf16_weights_under_the_process_rule_alone(name, rows):
-    """On AMX, bf16 panels multiply by tiles of up to 16 rows (17 and 40: tiles of 16 and the
-    rest): one-hot rows read the weights rounded to bf16 back bit for bit, random rows equal a
+    """On AMX, bf16 panels multiply by tiles of up to 16 rows, two at a time (17: 16 and 1; 33:
+    17 then 16, the tiles configured again between; 40: 20 and 20; 64: 32 and 32): one-hot rows read the weights rounded to bf16 back bit for bit, random rows equal a
     float product over them; a product given a rule of its own (batch_invariant's) keeps
     vdpbf16ps whatever the process's AMX rule."""
     if name in ("Q5_K", "Q6_K"):
