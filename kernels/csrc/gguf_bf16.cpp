@@ -134,38 +134,38 @@ struct alignas(64) TileConfig {
 // The tiles of one shape of rows: tile 0 holds up to 16 rows of 32 k of x and tile 1 the next
 // up to 16 (none where ``rows`` <= 16), tiles 2 and 3 a panel's 16 pairs of k for features 0-15
 // and 16-31 (a panel row of pairs is 32 cells apart), tiles 4 and 5 tile 0's sums, 6 and 7 tile
-// 1's. A thread configures its tiles for the first shape of rows it meets in a product and again
-// only when the shape changes (loading a configuration costs about what a k step's products do);
-// AmxChunk releases them when its panels are done (tiles left in use are saved with the thread's
-// state, 8 KB, at every context switch).
-thread_local int64_t amx_configured_rows = -1;
-
-inline void configure_amx_tiles(int64_t m) {
-  if (m == amx_configured_rows) return;
-  amx_configured_rows = m;
-  const uint8_t first = static_cast<uint8_t>(std::min<int64_t>(m, 16)), second = static_cast<uint8_t>(m - first);
-  TileConfig config;
-  config.rows[0] = config.rows[4] = config.rows[5] = first;
-  config.rows[1] = config.rows[6] = config.rows[7] = second;
-  config.rows[2] = config.rows[3] = 16;
-  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = config.rows[t] ? 64 : 0;
-  asm volatile("" : : "r"(&config) : "memory");  // GCC does not see ldtilecfg read the stores (it dropped them)
-  _tile_loadconfig(&config);
-}
-
+// 1's. A thread's AmxChunk configures its tiles for the first shape of rows it meets and again
+// only when the shape changes (loading a configuration costs about what a k step's products
+// do), and releases them when the thread's panels are done (tiles left in use are saved with the
+// thread's state, 8 KB, at every context switch).
 struct AmxChunk {
+  int64_t rows = -1;  // the shape configured, none yet
+
+  void configure(int64_t m) {
+    if (m == rows) return;
+    rows = m;
+    const uint8_t first = static_cast<uint8_t>(std::min<int64_t>(m, 16)), second = static_cast<uint8_t>(m - first);
+    TileConfig config;
+    config.rows[0] = config.rows[4] = config.rows[5] = first;
+    config.rows[1] = config.rows[6] = config.rows[7] = second;
+    config.rows[2] = config.rows[3] = 16;
+    for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = config.rows[t] ? 64 : 0;
+    asm volatile("" : : "r"(&config) : "memory");  // GCC does not see ldtilecfg read the stores (it dropped them)
+    _tile_loadconfig(&config);
+  }
+
   ~AmxChunk() {
-    if (amx_configured_rows >= 0) _tile_release();
-    amx_configured_rows = -1;
+    if (rows >= 0) _tile_release();
   }
 };
 
 // out[r, 0..31] = x[r, :] times panel features 0..31 for the configured rows (up to 32). Each
 // tdpbf16ps adds, per output, a k pair's two exact products into its fp32 sum, k in order: the
 // same sums whether a row goes in tile 0 or 1. A panel's tiles are loaded once for both row
-// tiles, and the four sums are independent of each other.
-template <bool Two>
-void amx_panel_rows(const uint16_t* x, int64_t K, const uint32_t* panel, float* out, int64_t N, const Ahead& ahead) {
+// tiles, and the four sums are independent of each other. ``between(j)`` runs at each step j
+// of 32 k, while the tiles compute (the next panel's block j is dequantized there).
+template <bool Two, typename Between>
+void amx_panel_rows(const uint16_t* x, int64_t K, const uint32_t* panel, float* out, int64_t N, Between&& between) {
   _tile_zero(4);
   _tile_zero(5);
   if constexpr (Two) {
@@ -174,7 +174,6 @@ void amx_panel_rows(const uint16_t* x, int64_t K, const uint32_t* panel, float* 
   }
   constexpr int64_t kPairRows = kBlock / 2;  // a tile of B: 16 rows of k pairs
   for (int64_t j = 0; j < K / kBlock; ++j) {
-    for (int64_t line = 0; line < kPairRows; ++line) ahead.fetch(j * kPairRows + line);
     _tile_loadd(2, panel + j * kPairRows * kPanelWidth, kPanelWidth * sizeof(uint32_t));
     _tile_loadd(3, panel + j * kPairRows * kPanelWidth + 16, kPanelWidth * sizeof(uint32_t));
     _tile_loadd(0, x + j * kBlock, K * sizeof(uint16_t));
@@ -185,6 +184,7 @@ void amx_panel_rows(const uint16_t* x, int64_t K, const uint32_t* panel, float* 
       _tile_dpbf16ps(6, 1, 2);
       _tile_dpbf16ps(7, 1, 3);
     }
+    between(j);
   }
   _tile_stored(4, out, N * sizeof(float));
   _tile_stored(5, out + 16, N * sizeof(float));
@@ -194,19 +194,39 @@ void amx_panel_rows(const uint16_t* x, int64_t K, const uint32_t* panel, float* 
   }
 }
 
-constexpr int kAmxTileRows = 32;  // two tiles of rows a panel
+constexpr int64_t kAmxTileRows = 32;  // two tiles of rows a panel
 
+// by_panels' plan (gguf_blocks.h) with two panel buffers: while the tiles multiply panel p's
+// first rows, its next panel is dequantized block by block into the other buffer (vector
+// instructions beside the tiles' own unit, where the two in turn took about as long each), and
+// the one after it is read into cache.
 template <int64_t QType>
 void products_by_amx_panels(const uint16_t* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  by_panels<QType, kAmxTileRows, uint32_t, AmxChunk>(
-      M, N, kPanelWidth * K / 2, w, [&](int64_t p, uint32_t* panel) { dequant_panel<Bf16Panels, QType>(w, p, panel); },
-      [&](auto rows, int64_t r, int64_t p, const uint32_t* panel, const Ahead& ahead) {
-        configure_amx_tiles(decltype(rows)::value);
-        const uint16_t* rows_x = x + r * K;
-        float* rows_out = out + r * N + p * kPanelWidth;
-        if constexpr (decltype(rows)::value > 16) amx_panel_rows<true>(rows_x, K, panel, rows_out, N, ahead);
-        else amx_panel_rows<false>(rows_x, K, panel, rows_out, N, ahead);
-      });
+  const int64_t num_tiles = (M + kAmxTileRows - 1) / kAmxTileRows, tile_rows = (M + num_tiles - 1) / num_tiles;
+  const int64_t panel_cells = kPanelWidth * K / 2;
+  constexpr int64_t kPairRows = kBlock / 2;
+  at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
+    AmxChunk tiles;
+    std::vector<uint32_t> buffers(2 * panel_cells);
+    uint32_t* panel = buffers.data();
+    uint32_t* next = panel + panel_cells;
+    dequant_panel<Bf16Panels, QType>(w, begin, panel);
+    for (int64_t p = begin; p < end; ++p) {
+      const Ahead ahead = p + 2 < end ? Ahead::panel<QType>(w, p + 2) : Ahead();
+      for (int64_t r = 0; r < M; r += tile_rows) {
+        const int64_t rows = std::min(tile_rows, M - r);
+        tiles.configure(rows);
+        auto between = [&](int64_t j) {
+          if (r != 0) return;
+          for (int64_t line = 0; line < kPairRows; ++line) ahead.fetch(j * kPairRows + line);
+          if (p + 1 < end) panel_block<QType>(w, p + 1, j, Bf16Panels::Pack(next + j * kPairRows * kPanelWidth));
+        };
+        if (rows > 16) amx_panel_rows<true>(x + r * K, K, panel, out + r * N + p * kPanelWidth, N, between);
+        else amx_panel_rows<false>(x + r * K, K, panel, out + r * N + p * kPanelWidth, N, between);
+      }
+      std::swap(panel, next);
+    }
+  });
 }
 
 #else

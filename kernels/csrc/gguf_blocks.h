@@ -370,15 +370,11 @@ inline void with_rows(int64_t rows, F&& f) {
 // and tile(rows, first_row, p, buffer, ahead) multiplies it with up to MaxRows rows of x, rows an
 // std::integral_constant. Tiles are of even size (32 rows at most 12: 11, 11, 10), so that none
 // is left with a few rows; the first tile of a panel reads the next panel's layout into cache as
-// it goes (``ahead``), so that dequantizing it does not wait on memory. A Guard lives while a
-// thread computes its panels (AMX's releases the thread's tiles when it ends).
-struct NoGuard {};
-
-template <int64_t QType, int MaxRows, typename Elem, typename Guard = NoGuard, typename Dequant, typename Tile>
+// it goes (``ahead``), so that dequantizing it does not wait on memory.
+template <int64_t QType, int MaxRows, typename Elem, typename Dequant, typename Tile>
 inline void by_panels(int64_t M, int64_t N, int64_t panel_elems, const Weights& w, Dequant&& dequant, Tile&& tile) {
   const int64_t num_tiles = (M + MaxRows - 1) / MaxRows, tile_rows = (M + num_tiles - 1) / num_tiles;
   at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
-    [[maybe_unused]] Guard guard;
     std::vector<Elem> panel(panel_elems);
     for (int64_t p = begin; p < end; ++p) {
       dequant(p, panel.data());
