@@ -6,8 +6,9 @@ recomputed: ``reserve`` adds it and answers its ``Placement`` (its replica, and 
 ``kv_receive`` request the ``KVDestination`` of the blocks it reserved), then ``attach_to``
 sends its ``TokenDelta``s through the router's ``channel`` from this replica, one message a
 step for all its sequences (``duet.decode_node.channel``). A prefill replica's call is
-``generate``, whose stream is the prompt's first token. Calls that name a ``replica_id`` (``abort``, ``channel``, ``attach_to``, ``check_integrity``)
-are pinned to that replica (see ``duet.router.routing``).
+``generate``, whose stream is the prompt's first token. Calls that name a ``replica_id``
+(``abort``, ``channel``, ``attach_to``, ``check_integrity``) are pinned to that replica (see
+``duet.router.routing``).
 
 A replica of a PD application serves its pool's role or, while the router's ``RoleKeeper``
 has it so, the other one (``take_role``; ``duet.router.roles``): ``generate`` and ``reserve``

@@ -9,8 +9,9 @@ docs/benchmarks.md, "GGUF products and the measured rules").
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of up
 to as many rows as this CPU measured the blocks at least as fast as the float weights
 (``_gguf_float_max_rows``) then read the quantized codes (0.75 byte a weight for Q4_1, 1.125
-for Q8_0, scales included, against 4 in fp32 and 2 in bf16) through ``kernels.gguf``, which dequantizes them exactly to the float weights the other paths
-use (in registers, by tiles of rows or by panels kept in cache, as the CPU measured faster);
+for Q8_0, scales included, against 4 in fp32 and 2 in bf16) through ``kernels.gguf``, which
+dequantizes them exactly to the float weights the other paths use (in registers, by tiles of
+rows or by panels kept in cache, as the CPU measured faster);
 longer products, prompt chunks, keep oneDNN's float paths. On a GPU the Triton kernels race
 cuBLAS the same way, and serve no rows where they lose at one (as on an H200).
 
@@ -354,8 +355,7 @@ def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     127 MB of float weights (``SAMPLE_WEIGHTS`` in fp32, twice as many in bf16), read from memory
     as a step reads a model's (in cache, where they are bound by arithmetic alone, they measured
     a third as many rows for the blocks as a SmolLM2 step does). Once per process and dtype,
-    about 0.3 s and 250 MB for that moment. ``DUET_CPU_RULES`` may give it (``gguf_float_max_rows``,
-    ``gguf_bf16_max_rows``).
+    about 0.3 s and 250 MB, unless ``DUET_CPU_RULES`` gives it (``gguf_float_max_rows``, ``gguf_bf16_max_rows``).
 
     On a GPU (``device``; ``ops``: the Triton kernels) the same race runs there against
     ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none (as on an H200)."""
