@@ -351,7 +351,11 @@ void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tens
   });
 }
 
-// out = silu(x[:, :n]) * x[:, n:], silu computed in fp32 and rounded, as in transformers.
+// out = silu(x[:, :n]) * x[:, n:], silu computed in fp32 and rounded, as in transformers. Below
+// -ln(FLT_MAX) exp(-g) overflows and torch's silu is -0: so it is here (under -ffast-math the
+// vectorized division by that infinite sum gave NaN, for gates from about -89 to -104).
+constexpr float kSiluZeroBelow = -88.72283935546875f;
+
 template <typename scalar_t>
 void silu_and_mul_kernel(torch::Tensor& out, const torch::Tensor& x) {
   const int64_t rows = x.size(0), width = out.size(1);
@@ -365,7 +369,7 @@ void silu_and_mul_kernel(torch::Tensor& out, const torch::Tensor& x) {
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
         const float g = to_float(gate[i]);
-        const scalar_t act = from_float<scalar_t>(g / (1.f + expf(-g)));
+        const scalar_t act = from_float<scalar_t>(g < kSiluZeroBelow ? -0.f : g / (1.f + expf(-g)));
         dst[i] = from_float<scalar_t>(to_float(act) * to_float(up[i]));
       }
     }

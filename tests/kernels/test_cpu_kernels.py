@@ -209,3 +209,36 @@ def test_fused_layer_ops_match_transformers_formulas():
     torch.testing.assert_close(k, expected_k, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(key_cache.view(2, 32, 16)[:, slots].transpose(0, 1), expected_k, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(value_cache.view(2, 32, 16)[:, slots].transpose(0, 1), v, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
+def test_bf16_silu_and_mul_rounds_as_torch_does():
+    """bf16's SiLU-and-mul: silu in fp32 rounded to bf16, then the product rounded to nearest
+    even, as torch's bf16 ops round them. Gates of 16 to 64 make silu(g) = g exactly, so every
+    product's rounding (ties among them) is checked bit for bit; with random gates an fp32 silu
+    a last bit away from torch's (another exponential) may round to the next bf16 on a few
+    elements, and the product to one more step."""
+    generator = torch.Generator().manual_seed(0)
+    up = torch.randn(64, 512, generator=generator).to(torch.bfloat16)
+    gate = torch.randint(16, 65, (64, 512), generator=generator).to(torch.bfloat16)
+    exact = silu_and_mul(torch.cat([gate, up], dim=1))
+    assert torch.equal(exact, F.silu(gate) * up)
+    gate = torch.randn(64, 512, generator=generator).mul(4).to(torch.bfloat16)
+    gate[0, :3] = torch.tensor([0.0, -50.0, 100.0])
+    out, expected = silu_and_mul(torch.cat([gate, up], dim=1)), F.silu(gate) * up
+    same = out == expected
+    assert same.float().mean() > 0.999, same.float().mean()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-6, atol=0)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_of_very_negative_gates_is_zero_not_nan(dtype):
+    """Guards gates below -ln(FLT_MAX), where exp(-g) overflows: torch's silu is -0 there; the
+    kernel's vectorized division (under -ffast-math) gave NaN for gates from about -89 to -104.
+    Just above, silu is under 1e-36 (the kernel may flush it to zero)."""
+    gate = torch.linspace(-110.0, -80.0, 256).to(dtype)[None].repeat(4, 1)
+    up = torch.ones_like(gate)
+    out, expected = silu_and_mul(torch.cat([gate, up], dim=1)), F.silu(gate) * up
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1e-5, atol=1e-35)
