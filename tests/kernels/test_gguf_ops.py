@@ -270,9 +270,10 @@ def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name
 def test_amx_tiles_multiply_the_panels_bf16_weights_under_the_process_rule_alone(name, rows):
     """On AMX, bf16 panels multiply by tiles of up to 16 rows, two at a time (17: 16 and 1; 33:
     17 then 16, the tiles configured again between; 40: 20 and 20; 64: 32 and 32), each panel of
-    a thread's several dequantized while the tiles multiply the one before: one-hot rows read the weights rounded to bf16 back bit for bit, random rows equal a
-    float product over them; a product given a rule of its own (batch_invariant's) keeps
-    vdpbf16ps whatever the process's AMX rule."""
+    a thread's several dequantized while the tiles multiply the one before: one-hot rows read
+    the weights rounded to bf16 back bit for bit, random rows equal a float product over them; a
+    product given a rule of its own (batch_invariant's) keeps vdpbf16ps whatever the process's
+    AMX rule."""
     if name in ("Q5_K", "Q6_K"):
         qtype = int(gguf.GGMLQuantizationType[name])
         weight = GGUFWeight.from_blocks(torch.from_numpy(k_quant_blocks(320, 256, qtype, magnitude=0.0001)), qtype, 256, OPS)
