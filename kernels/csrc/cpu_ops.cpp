@@ -353,7 +353,7 @@ void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tens
 
 // out = silu(x[:, :n]) * x[:, n:], silu computed in fp32 and rounded, as in transformers. Below
 // -ln(FLT_MAX) exp(-g) overflows and torch's silu is -0: so it is here (under -ffast-math the
-// vectorized division by that infinite sum gave NaN, for gates from about -89 to -104).
+// vectorized division by that infinite sum gave NaN: gates of -89 and -100 did, -1000 not).
 constexpr float kSiluZeroBelow = -88.72283935546875f;
 
 template <typename scalar_t>

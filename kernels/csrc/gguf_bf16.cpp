@@ -135,9 +135,9 @@ struct alignas(64) TileConfig {
 // up to 16 (none where ``rows`` <= 16), tiles 2 and 3 a panel's 16 pairs of k for features 0-15
 // and 16-31 (a panel row of pairs is 32 cells apart), tiles 4 and 5 tile 0's sums, 6 and 7 tile
 // 1's. A thread's AmxChunk configures its tiles for the first shape of rows it meets and again
-// only when the shape changes (loading a configuration costs about what a k step's products
-// do), and releases them when the thread's panels are done (tiles left in use are saved with the
-// thread's state, 8 KB, at every context switch).
+// only when the shape changes (it was loaded for every panel), and releases them when the
+// thread's panels are done (tiles left in use are saved with the thread's state, 8 KB, at every
+// context switch).
 struct AmxChunk {
   int64_t rows = -1;  // the shape configured, none yet
 

@@ -235,7 +235,7 @@ def test_bf16_silu_and_mul_rounds_as_torch_does():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_of_very_negative_gates_is_zero_not_nan(dtype):
     """Guards gates below -ln(FLT_MAX), where exp(-g) overflows: torch's silu is -0 there; the
-    kernel's vectorized division (under -ffast-math) gave NaN for gates from about -89 to -104.
+    kernel's vectorized division (under -ffast-math) gave NaN for gates of -89 and -100.
     Just above, silu is under 1e-36 (the kernel may flush it to zero)."""
     gate = torch.linspace(-110.0, -80.0, 256).to(dtype)[None].repeat(4, 1)
     up = torch.ones_like(gate)
