@@ -14,7 +14,9 @@ shape is SmolLM2's by default (9 query heads, 3 KV heads, head_dim 64), the cach
 sliding windows); ``--softcap``: scores capped as Gemma 2 caps them (short queries' caps are
 torch's on both ways). Prints milliseconds a layer (best of ``--rounds`` rounds that take the
 two ways in turn), the kernel's speed-up, and the GFLOP/s of the products it computes (causal:
-a prompt's tokens see half the prompt on average, or the window where it is shorter).
+a prompt's tokens see half the prompt on average, or the window where it is shorter). Where bf16
+prompts over a bf16 cache go by AMX tiles, a row ``prompt N no AMX`` follows each such prompt:
+the same kernel with its fp32 products instead, timed in the same rounds.
 """
 
 from __future__ import annotations
@@ -101,16 +103,25 @@ def measure(prompt_tokens, decode_batch, context, dtypes, kv_cache_dtypes, heads
             for case, query_lens, seq_lens, flop in cases:
                 query, key_cache, value_cache, metadata = _layer(query_lens, seq_lens, heads, dtype, cache_dtype, generator)
                 scale = head_dim**-0.5
-                times = cpu_ops.best_times(
-                    {
-                        "kernel": lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale, native_ops=ops, **options),
-                        "torch": lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale, **options),
-                    },
-                    rounds=rounds,
-                )
-                timings.append(Timing(case, dtype_name, kv_name, times["kernel"] * 1e3, times["torch"] * 1e3, flop / 1e9))
-                print(_row(timings[-1]), flush=True)
+                kernel = lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale, native_ops=ops, **options)  # noqa: E731
+                ways = {"kernel": kernel, "torch": lambda: paged_attention_torch(query, key_cache, value_cache, metadata, scale, **options)}
+                if case.startswith("prompt") and cache_dtype == torch.bfloat16 and ops.prompt_attention_amx():
+                    ways["fp32"] = lambda: _without_amx(ops, kernel)
+                times = cpu_ops.best_times(ways, rounds=rounds)
+                for label, way in ((case, "kernel"), (f"{case} no AMX", "fp32")):
+                    if way in times:
+                        timings.append(Timing(label, dtype_name, kv_name, times[way] * 1e3, times["torch"] * 1e3, flop / 1e9))
+                        print(_row(timings[-1]), flush=True)
     return timings
+
+
+def _without_amx(ops, kernel) -> None:
+    """The prompt kernel with its fp32 products where it would take AMX tiles."""
+    ops.set_prompt_attention_amx(False)
+    try:
+        kernel()
+    finally:
+        ops.set_prompt_attention_amx(True)
 
 
 def _row(timing: Timing) -> str:

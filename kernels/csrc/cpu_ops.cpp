@@ -496,6 +496,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("prompt_attention", &prompt_attention);
   m.def("prompt_attention_takes", &prompt_attention_takes);
+  m.def("prompt_attention_amx", &prompt_attention_amx, "whether bf16 prompts over a bf16 cache go by AMX tiles here");
+  m.def("set_prompt_attention_amx", &set_prompt_attention_amx, "switch AMX tiles for bf16 prompt attention (on only where permitted)");
   m.def("rms_norm", &rms_norm);
   m.def("rope_and_cache", &rope_and_cache);
   m.def("silu_and_mul", &silu_and_mul);

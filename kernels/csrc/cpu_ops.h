@@ -33,6 +33,10 @@ bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
                       std::vector<int64_t> seq_ids, double scale, int64_t window, double softcap);
 // Whether prompt_attention takes heads of head_dim.
 bool prompt_attention_takes(int64_t head_dim);
+// Whether bf16 prompts over a bf16 cache go by AMX tiles (the CPU, the build and the kernel's
+// permission allow it, and it is not switched off), and switching it.
+bool prompt_attention_amx();
+void set_prompt_attention_amx(bool on);
 void rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps, bool add_residual);
 void rope_and_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions, torch::Tensor cos,
                     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping);

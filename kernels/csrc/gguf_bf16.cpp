@@ -28,11 +28,7 @@
 #include <atomic>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define DUET_AMX 1
-#endif
+#include "amx.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 
@@ -113,23 +109,7 @@ struct Bf16Panels {
 };
 
 #ifdef DUET_AMX
-// Linux gives a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM
-// for XFEATURE_XTILEDATA); without them a tile instruction is SIGILL.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
+bool amx_permitted() { return duet_amx::permitted(); }
 
 // The tiles of one shape of rows: tile 0 holds up to 16 rows of 32 k of x and tile 1 the next
 // up to 16 (none where ``rows`` <= 16), tiles 2 and 3 a panel's 16 pairs of k for features 0-15
@@ -145,13 +125,12 @@ struct AmxChunk {
     if (m == rows) return;
     rows = m;
     const uint8_t first = static_cast<uint8_t>(std::min<int64_t>(m, 16)), second = static_cast<uint8_t>(m - first);
-    TileConfig config;
+    duet_amx::TileConfig config;
     config.rows[0] = config.rows[4] = config.rows[5] = first;
     config.rows[1] = config.rows[6] = config.rows[7] = second;
     config.rows[2] = config.rows[3] = 16;
     for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = config.rows[t] ? 64 : 0;
-    asm volatile("" : : "r"(&config) : "memory");  // GCC does not see ldtilecfg read the stores (it dropped them)
-    _tile_loadconfig(&config);
+    config.load();
   }
 
   ~AmxChunk() {

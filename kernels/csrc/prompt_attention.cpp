@@ -12,6 +12,13 @@
 // are taken heaviest first by whichever thread is free, so a causal prompt's long last rows do
 // not leave one core waiting.
 //
+// On CPUs with AMX-BF16, a bf16 model's prompts over a bf16 cache go by AMX tiles instead
+// (AmxWay): the keys and values repacked as the tiles read them (pairs of a key's dims, pairs of
+// two keys' values), tdpbf16ps for the scores (scaled after, in fp32, as torch's flash kernel
+// scales them) and for the weighted sum, with the probabilities rounded to bf16 (to nearest
+// even, as torch's flash kernel rounds them for its bf16 product) and summed as rounded, so the
+// weights that multiply the values are the ones the output is divided by.
+//
 // torch's SDPA (its CPU flash kernel) took about 3.5 ms a layer on a 512-token SmolLM2 prompt
 // here, about 85 GFLOP/s where the cores reach over 400 in a large matmul.
 
@@ -23,6 +30,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -72,6 +80,70 @@ inline void value_tile(const float* probs, const float* values, int64_t head_dim
     for (int j = 0; j < kTileVectors; ++j) std::memcpy(sums + r * head_dim + j * kLanes, &acc[r][j], sizeof(vf));
 }
 
+// How a row's scores become weights: the AMX way scales them (its queries are not), both cap them
+// at softcap (> 0) as softcap * tanh(score / softcap).
+struct Softmax {
+  float scale, softcap, inverse_cap;
+};
+
+// A way to compute the products: how a chunk's keys and values are unpacked (``put``: key and
+// value rows of token t of the chunk; ``clear``: slot t holds no token), a tile's query rows
+// held, and the scores and weighted sums computed for ``rows`` rows (a multiple of kRows).
+// FloatWay: fp32 FMAs over keys unpacked to fp32 and transposed, queries scaled before.
+struct FloatWay {
+  using Elem = float;
+  static constexpr int64_t kRows = kRowTile;
+
+  template <typename Rows>
+  static void put(const typename Rows::cache_t* key, const typename Rows::cache_t* value, int64_t t, int64_t head_dim,
+                  float* key_dst, float* value_dst) {
+    const float key_scale = Rows::scale(key, head_dim), value_scale = Rows::scale(value, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      key_dst[d * kKeyChunk + t] = Rows::value(key, d) * key_scale;
+      value_dst[t * head_dim + d] = Rows::value(value, d) * value_scale;
+    }
+  }
+  static void clear(int64_t t, int64_t head_dim, float* key_dst, float* value_dst) {
+    for (int64_t d = 0; d < head_dim; ++d) key_dst[d * kKeyChunk + t] = value_dst[t * head_dim + d] = 0.f;
+  }
+  template <typename scalar_t>
+  static void query(const scalar_t* src, int64_t head_dim, float scale, float* dst) {
+    for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale;
+  }
+
+  struct Thread {
+    Thread(int64_t, int64_t) {}
+    // Row r's chunk of scores (of scaled queries) in, as weights (0 outside [seen, visible)).
+    void softmax(int64_t, float* p, int64_t seen, int64_t visible, const Softmax& how, float& row_max, float& row_sum,
+                 float& rescale) {
+      if (how.softcap > 0)
+        for (int64_t k = seen; k < visible; ++k) p[k] = how.softcap * tanhf(p[k] * how.inverse_cap);
+      float chunk_max = kMasked;
+      for (int64_t k = seen; k < visible; ++k) chunk_max = std::max(chunk_max, p[k]);
+      const float new_max = std::max(row_max, chunk_max);
+      rescale = row_max == kMasked ? 0.f : expf(row_max - new_max);
+      row_max = new_max;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < kKeyChunk; ++k) {
+        p[k] = k >= seen && k < visible ? expf(p[k] - new_max) : 0.f;
+        sum += p[k];
+      }
+      row_sum = row_sum * rescale + sum;
+    }
+    void scores(const float* q, const float* keys, int64_t rows, int64_t head_dim, float* scores) {
+      for (int64_t r = 0; r < rows; r += kRows) score_tile(q + r * head_dim, keys, head_dim, scores + r * kKeyChunk);
+    }
+    void values(const float* probs, const float* values, int64_t rows, int64_t head_dim, const float* rescale, float* sums) {
+      for (int64_t r = 0; r < rows; r += kRows)
+        for (int64_t d = 0; d < head_dim; d += kTileWidth)
+          value_tile(probs + r * kKeyChunk, values + d, head_dim, rescale + r, sums + r * head_dim + d);
+    }
+  };
+};
+
+#include "prompt_attention_amx.h"  // AmxWay, where the build has AMX
+
 struct WorkItem {
   int64_t seq;          // index into the call's sequences
   int64_t kv_head;
@@ -80,32 +152,26 @@ struct WorkItem {
   int64_t chunks;       // key chunks up to the last its rows see
 };
 
-// Attends the query rows of the sequences seq_ids names (the call's tensors: PagedCall, kv_rows.h).
-template <typename scalar_t, typename Rows>
+// Attends the query rows of the sequences seq_ids names (the call's tensors: PagedCall, kv_rows.h),
+// the products the Way's.
+template <typename Way, typename scalar_t, typename Rows>
 void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
                              double scale, int64_t window, double softcap) {
-  using cache_t = typename Rows::cache_t;
+  using Elem = typename Way::Elem;
   const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads, group = call.group;
   const int64_t num_seqs = static_cast<int64_t>(seq_ids.size());
-  const int64_t chunk_floats = kKeyChunk * head_dim;
+  const int64_t chunk_elems = kKeyChunk * head_dim;
 
-  // Key chunk c of KV head h of sequence i (seq_ids' i-th), unpacked to fp32: keys transposed,
-  // values as rows; the slots past the sequence's keys zero.
-  auto unpack = [&](int64_t i, int64_t h, int64_t c, float* key_dst, float* value_dst) {
+  // Key chunk c of KV head h of sequence i (seq_ids' i-th), unpacked as the Way reads it; the
+  // slots past the sequence's keys zero.
+  auto unpack = [&](int64_t i, int64_t h, int64_t c, Elem* key_dst, Elem* value_dst) {
     const int64_t s = seq_ids[i], key0 = c * kKeyChunk;
     const int64_t count = std::min<int64_t>(kKeyChunk, call.lens[s] - key0);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t offset = call.kv_offset(s, h, key0 + t);
-      const cache_t* key = call.k_ptr + offset;
-      const cache_t* value = call.v_ptr + offset;
-      const float key_scale = Rows::scale(key, head_dim), value_scale = Rows::scale(value, head_dim);
-      for (int64_t d = 0; d < head_dim; ++d) {
-        key_dst[d * kKeyChunk + t] = Rows::value(key, d) * key_scale;
-        value_dst[t * head_dim + d] = Rows::value(value, d) * value_scale;
-      }
+      Way::template put<Rows>(call.k_ptr + offset, call.v_ptr + offset, t, head_dim, key_dst, value_dst);
     }
-    for (int64_t t = count; t < kKeyChunk; ++t)
-      for (int64_t d = 0; d < head_dim; ++d) key_dst[d * kKeyChunk + t] = value_dst[t * head_dim + d] = 0.f;
+    for (int64_t t = count; t < kKeyChunk; ++t) Way::clear(t, head_dim, key_dst, value_dst);
   };
 
   // A sequence of more than one query tile has its keys and values unpacked once for all its
@@ -118,13 +184,13 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
     first_chunk[i + 1] = first_chunk[i] + (shared ? (call.lens[seq_ids[i]] + kKeyChunk - 1) / kKeyChunk : 0);
   }
   const int64_t num_chunks = first_chunk[num_seqs] * num_kv_heads;
-  std::vector<float> keys(num_chunks * chunk_floats), values(num_chunks * chunk_floats);
+  std::vector<Elem> keys(num_chunks * chunk_elems), values(num_chunks * chunk_elems);
   std::vector<int64_t> chunk_seq(first_chunk[num_seqs]);
   for (int64_t i = 0; i < num_seqs; ++i) std::fill(chunk_seq.begin() + first_chunk[i], chunk_seq.begin() + first_chunk[i + 1], i);
   at::parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t index = begin; index < end; ++index) {
       const int64_t h = index % num_kv_heads, i = chunk_seq[index / num_kv_heads];
-      unpack(i, h, index / num_kv_heads - first_chunk[i], keys.data() + index * chunk_floats, values.data() + index * chunk_floats);
+      unpack(i, h, index / num_kv_heads - first_chunk[i], keys.data() + index * chunk_elems, values.data() + index * chunk_elems);
     }
   });
 
@@ -142,16 +208,18 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
   std::stable_sort(items.begin(), items.end(),
                    [](const WorkItem& a, const WorkItem& b) { return a.chunks - a.first_chunk > b.chunks - b.first_chunk; });
 
-  const int64_t max_rows = (kQueryTile * group + kRowTile - 1) / kRowTile * kRowTile;
+  const int64_t max_rows = (kQueryTile * group + Way::kRows - 1) / Way::kRows * Way::kRows;
   const float scale_f = static_cast<float>(scale);
-  const float cap = static_cast<float>(softcap), inverse_cap = softcap > 0 ? static_cast<float>(1.0 / softcap) : 0.f;
+  const Softmax how{scale_f, static_cast<float>(softcap), softcap > 0 ? static_cast<float>(1.0 / softcap) : 0.f};
   std::atomic<int64_t> next_item{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // row r: query head h * group + r % group of the item's token r / group (rows past the
     // last token repeat its position, with a zero query, to fill the last tile)
-    std::vector<float> q(max_rows * head_dim), sums(max_rows * head_dim), scores(max_rows * kKeyChunk);
-    std::vector<float> own_keys(chunk_floats), own_values(chunk_floats);  // a single tile's chunk
+    typename Way::Thread products(max_rows, head_dim);
+    std::vector<Elem> q(max_rows * head_dim);
+    std::vector<float> sums(max_rows * head_dim), scores(max_rows * kKeyChunk);
+    std::vector<Elem> own_keys(chunk_elems), own_values(chunk_elems);  // a single tile's chunk
     std::vector<float> row_max(max_rows), row_sum(max_rows), rescale(max_rows);
     std::vector<int64_t> position(max_rows);
     for (int64_t index = next_item++; index < static_cast<int64_t>(items.size()); index = next_item++) {
@@ -159,8 +227,8 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
       const int64_t s = seq_ids[item.seq], h = item.kv_head;
       const int64_t query_len = call.query_len(s), context = call.context_len(s);
       const int64_t tokens = std::min(kQueryTile, query_len - item.first_token);
-      const int64_t rows = (tokens * group + kRowTile - 1) / kRowTile * kRowTile;
-      std::fill(q.begin(), q.end(), 0.f);
+      const int64_t rows = (tokens * group + Way::kRows - 1) / Way::kRows * Way::kRows;
+      std::fill(q.begin(), q.end(), Elem{});
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t token = std::min(r / group, tokens - 1);
         position[r] = context + item.first_token + token;
@@ -168,46 +236,28 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
         row_sum[r] = 0.f;
         if (r >= tokens * group) continue;
         const scalar_t* src = call.query_at(call.starts[s] + item.first_token + token, h * group + r % group);
-        for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] = to_float(src[d]) * scale_f;
+        Way::query(src, head_dim, scale_f, q.data() + r * head_dim);
       }
       std::fill(sums.begin(), sums.begin() + rows * head_dim, 0.f);
       const bool shared = first_chunk[item.seq + 1] > first_chunk[item.seq];
       for (int64_t c = item.first_chunk; c < item.chunks; ++c) {
-        const float* chunk_keys = own_keys.data();
-        const float* chunk_values = own_values.data();
+        const Elem* chunk_keys = own_keys.data();
+        const Elem* chunk_values = own_values.data();
         if (shared) {
           const int64_t chunk = (first_chunk[item.seq] + c) * num_kv_heads + h;
-          chunk_keys = keys.data() + chunk * chunk_floats;
-          chunk_values = values.data() + chunk * chunk_floats;
+          chunk_keys = keys.data() + chunk * chunk_elems;
+          chunk_values = values.data() + chunk * chunk_elems;
         } else {
           unpack(item.seq, h, c, own_keys.data(), own_values.data());
         }
-        for (int64_t r = 0; r < rows; r += kRowTile)
-          score_tile(q.data() + r * head_dim, chunk_keys, head_dim, scores.data() + r * kKeyChunk);
+        products.scores(q.data(), chunk_keys, rows, head_dim, scores.data());
         for (int64_t r = 0; r < rows; ++r) {  // the online softmax, this chunk's keys in
-          float* p = scores.data() + r * kKeyChunk;
           // keys [seen, visible) of the chunk: up to the row's own, and within its window
           const int64_t visible = std::clamp<int64_t>(position[r] - c * kKeyChunk + 1, 0, kKeyChunk);
           const int64_t seen = window > 0 ? std::clamp<int64_t>(position[r] - window + 1 - c * kKeyChunk, 0, kKeyChunk) : 0;
-          if (softcap > 0)
-            for (int64_t k = seen; k < visible; ++k) p[k] = cap * tanhf(p[k] * inverse_cap);
-          float chunk_max = kMasked;
-          for (int64_t k = seen; k < visible; ++k) chunk_max = std::max(chunk_max, p[k]);
-          const float new_max = std::max(row_max[r], chunk_max);
-          rescale[r] = row_max[r] == kMasked ? 0.f : expf(row_max[r] - new_max);
-          row_max[r] = new_max;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t k = 0; k < kKeyChunk; ++k) {
-            p[k] = k >= seen && k < visible ? expf(p[k] - new_max) : 0.f;
-            sum += p[k];
-          }
-          row_sum[r] = row_sum[r] * rescale[r] + sum;
+          products.softmax(r, scores.data() + r * kKeyChunk, seen, visible, how, row_max[r], row_sum[r], rescale[r]);
         }
-        for (int64_t r = 0; r < rows; r += kRowTile)
-          for (int64_t d = 0; d < head_dim; d += kTileWidth)
-            value_tile(scores.data() + r * kKeyChunk, chunk_values + d, head_dim, rescale.data() + r,
-                       sums.data() + r * head_dim + d);
+        products.values(scores.data(), chunk_values, rows, head_dim, rescale.data(), sums.data());
       }
       for (int64_t r = 0; r < tokens * group; ++r) {
         scalar_t* dst = call.out_at(call.starts[s] + item.first_token + r / group, h * group + r % group);
@@ -224,6 +274,23 @@ namespace duet_cpu {
 
 bool prompt_attention_takes(int64_t head_dim) { return head_dim % kTileWidth == 0; }
 
+bool prompt_attention_amx() {
+#ifdef DUET_AMX
+  return amx_attention.load() && duet_amx::permitted();
+#else
+  return false;
+#endif
+}
+
+void set_prompt_attention_amx(bool on) {
+#ifdef DUET_AMX
+  TORCH_CHECK(!on || duet_amx::permitted(), "AMX tiles need a CPU with AMX-BF16 (and a build for it)");
+  amx_attention.store(on);
+#else
+  TORCH_CHECK(!on, "AMX tiles need a CPU with AMX-BF16 (and a build for it)");
+#endif
+}
+
 bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
                       std::vector<int64_t> seq_ids, double scale, int64_t window, double softcap) {
@@ -236,7 +303,13 @@ bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
       using Rows = decltype(rows);
       const PagedCall<scalar_t, typename Rows::cache_t> call(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                              query_start_loc);
-      prompt_attention_kernel<scalar_t, Rows>(call, seq_ids, scale, window, softcap);
+#ifdef DUET_AMX
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<Rows, FloatRows<c10::BFloat16>>) {
+        if (amx_attention.load() && duet_amx::permitted())
+          return prompt_attention_kernel<AmxWay, scalar_t, Rows>(call, seq_ids, scale, window, softcap);
+      }
+#endif
+      prompt_attention_kernel<FloatWay, scalar_t, Rows>(call, seq_ids, scale, window, softcap);
     });
   });
   return true;

@@ -168,6 +168,48 @@ def test_native_prompt_attention_over_many_key_chunks(head_dim, block_size, head
     torch.testing.assert_close(got.double(), expected, **tolerance)
 
 
+@pytest.mark.skipif(NATIVE is None or not NATIVE.prompt_attention_amx(), reason="no AMX-BF16 here")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1), (12, 2)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (40, None), (None, 0.5)])
+def test_amx_prompt_attention_is_as_close_as_fp32_products(head_dim, heads, window, softcap):
+    """bf16 prompts by AMX tiles (probabilities rounded to bf16, as torch's flash kernel rounds
+    them) against the same kernel's fp32 products over the same bf16 values: both within the
+    bf16 tolerance of the float64 reference, and AMX's mean error at most twice fp32's (the
+    output's rounding to bf16 is the larger part of both). A sequence's rows come out bitwise the
+    same in a call of their own (batch invariance: a row's sums do not depend on the tile's
+    other rows)."""
+    md, query, key_cache, value_cache = _rising_keys(
+        [203, 37, 9], [203, 300, 9], heads, head_dim, 16, torch.bfloat16, seed=3
+    )
+    expected = _reference_attention(query, key_cache, value_cache, md, head_dim**-0.5, window, softcap)
+    outputs = {}
+    try:
+        for amx in (False, True):
+            NATIVE.set_prompt_attention_amx(amx)
+            got = torch.full_like(query, float("nan"))
+            assert NATIVE.prompt_attention(
+                got, query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, [0, 1, 2],
+                head_dim**-0.5, window or 0, softcap or 0.0,
+            )
+            torch.testing.assert_close(got.double(), expected, atol=1e-2, rtol=1e-2)
+            outputs[amx] = got
+        starts = md.query_start_loc.tolist()
+        for seq in (1, 2):
+            alone = torch.full_like(query, float("nan"))
+            NATIVE.prompt_attention(
+                alone, query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc, [seq],
+                head_dim**-0.5, window or 0, softcap or 0.0,
+            )
+            rows = slice(starts[seq], starts[seq + 1])
+            assert torch.equal(alone[rows], outputs[True][rows])
+    finally:
+        NATIVE.set_prompt_attention_amx(True)
+    errors = {amx: (out.double() - expected).abs().mean().item() for amx, out in outputs.items()}
+    print(f"mean errors: fp32 products {errors[False]:.2e}, AMX {errors[True]:.2e}")
+    assert errors[True] <= 2 * errors[False], errors
+
+
 def test_write_kv_cache_stores_each_token_at_its_slot():
     """Guards against K/V landing in the wrong block, offset or head."""
     key_cache = torch.zeros(2, 4, 4, 8)
