@@ -7,6 +7,7 @@
 #include "cpu_ops.h"
 #include "kv_rows.h"
 #include "cascade.h"
+#include "bf16_lanes.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -15,7 +16,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
 
 namespace {
 
@@ -273,6 +276,14 @@ void rms_norm_kernel(torch::Tensor& x, torch::Tensor& residual, const torch::Ten
     for (int64_t row = begin; row < end; ++row) {
       scalar_t* xr = x_ptr + row * hidden;
       float sum_sq = 0.f;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (hidden % 16 == 0) {
+          bf16_rms_norm_row(xr, add_residual ? r_ptr + row * hidden : nullptr, w_ptr, hidden, eps_f);
+          continue;
+        }
+      }
+#endif
       if (add_residual) {
         scalar_t* rr = r_ptr + row * hidden;
         for (int64_t i = 0; i < hidden; ++i) {
@@ -351,11 +362,8 @@ void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tens
   });
 }
 
-// out = silu(x[:, :n]) * x[:, n:], silu computed in fp32 and rounded, as in transformers. Below
-// -ln(FLT_MAX) exp(-g) overflows and torch's silu is -0: so it is here (under -ffast-math the
-// vectorized division by that infinite sum gave NaN: gates of -89 and -100 did, -1000 not).
-constexpr float kSiluZeroBelow = -88.72283935546875f;
 
+// out = silu(x[:, :n]) * x[:, n:] (bf16_lanes.h says how it rounds, and why -0 below kSiluZeroBelow).
 template <typename scalar_t>
 void silu_and_mul_kernel(torch::Tensor& out, const torch::Tensor& x) {
   const int64_t rows = x.size(0), width = out.size(1);
@@ -366,8 +374,14 @@ void silu_and_mul_kernel(torch::Tensor& out, const torch::Tensor& x) {
       const scalar_t* gate = x_ptr + row * 2 * width;
       const scalar_t* up = gate + width;
       scalar_t* dst = o_ptr + row * width;
+      int64_t first = 0;  // of the outputs the loop below computes
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>)
+        for (; first + 16 <= width; first += 16)
+          store_bf16(dst + first, silu_and_mul_16(gate + first, up + first));
+#endif
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {
+      for (int64_t i = first; i < width; ++i) {
         const float g = to_float(gate[i]);
         const scalar_t act = from_float<scalar_t>(g < kSiluZeroBelow ? -0.f : g / (1.f + expf(-g)));
         dst[i] = from_float<scalar_t>(to_float(act) * to_float(up[i]));

@@ -259,18 +259,45 @@ def test_bf16_silu_and_mul_rounds_as_torch_does():
     even, as torch's bf16 ops round them. Gates of 16 to 64 make silu(g) = g exactly, so every
     product's rounding (ties among them) is checked bit for bit; with random gates an fp32 silu
     a bit or two away from torch's (another exponential, another division) may round to the
-    next bf16 (0.1% of them on a Xeon), and the product to one more step."""
+    next bf16 (0.1% of them on a Xeon), and the product to one more step. Rows of 520: AVX-512's
+    16 at a time and the rest one by one."""
     generator = torch.Generator().manual_seed(0)
-    up = torch.randn(64, 512, generator=generator).to(torch.bfloat16)
-    gate = torch.randint(16, 65, (64, 512), generator=generator).to(torch.bfloat16)
+    up = torch.randn(64, 520, generator=generator).to(torch.bfloat16)
+    gate = torch.randint(16, 65, (64, 520), generator=generator).to(torch.bfloat16)
     exact = silu_and_mul(torch.cat([gate, up], dim=1))
     assert torch.equal(exact, F.silu(gate) * up)
-    gate = torch.randn(64, 512, generator=generator).mul(4).to(torch.bfloat16)
+    gate = torch.randn(64, 520, generator=generator).mul(4).to(torch.bfloat16)
     gate[0, :3] = torch.tensor([0.0, -50.0, 100.0])
     out, expected = silu_and_mul(torch.cat([gate, up], dim=1)), F.silu(gate) * up
     same = out == expected
     assert same.float().mean() > 0.99, same.float().mean()
     torch.testing.assert_close(out.float(), expected.float(), rtol=2**-6, atol=0)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
+@pytest.mark.parametrize("hidden", [576, 100])  # 16 lanes at a time (AVX512_BF16), one by one
+def test_bf16_rms_norm_rounds_as_transformers_does(hidden):
+    """bf16's fused residual add and RMSNorm as transformers computes them: the residual's sum
+    rounded to bf16, the row normed in fp32 and rounded, times the weight and rounded. The
+    squares' sum in another order may move the norm by an ulp, and a normed value to the next
+    bf16: nearly all outputs equal, each within a bf16 step or two."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(64, hidden, generator=generator).mul(3).to(torch.bfloat16)
+    residual = torch.randn(64, hidden, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(hidden, generator=generator).to(torch.bfloat16)
+
+    def transformers_norm(h: torch.Tensor) -> torch.Tensor:
+        h32 = h.float()
+        return weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+
+    summed = residual + x
+    cases = [(rms_norm(x, weight, 1e-5), transformers_norm(x))]
+    kept = residual.clone()
+    cases.append((add_rms_norm(x.clone(), kept, weight, 1e-5), transformers_norm(summed)))
+    assert torch.equal(kept, summed)
+    for got, expected in cases:
+        assert (got == expected).float().mean() > 0.99
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=1e-6)
 
 
 @pytest.mark.skipif(NATIVE is None, reason="no C++ toolchain")
