@@ -1,8 +1,8 @@
 // Causal attention of prompt chunks over paged KV, in tiles (flash attention's plan on a CPU).
 //
 // A work item is kQueryTile tokens of one sequence with the `group` query heads of one KV
-// head: its rows. It walks the keys the rows see kKeyChunk at a time. Scores and the weighted
-// sum of values are small matrix products, done as outer products into registers (a query's or
+// head: its rows. It walks the keys the rows see a chunk at a time (the Way's kKeys). Scores and
+// the weighted sum of values are small matrix products, done as outer products into registers (a query's or
 // a probability's broadcast times a vector of keys, or of a value's dims), with the softmax
 // online between them: a running max and sum per row, the sum of values rescaled when the max
 // grows. The keys and values are unpacked to fp32 (keys transposed, chunk by chunk), so the
@@ -86,13 +86,14 @@ struct Softmax {
   float scale, softcap, inverse_cap;
 };
 
-// A way to compute the products: how a chunk's keys and values are unpacked (``put``: key and
+// A way to compute the products: its chunks of keys (kKeys), how a chunk's keys and values are unpacked (``put``: key and
 // value rows of token t of the chunk; ``clear``: slot t holds no token), a tile's query rows
 // held, and the scores and weighted sums computed for ``rows`` rows (a multiple of kRows).
 // FloatWay: fp32 FMAs over keys unpacked to fp32 and transposed, queries scaled before.
 struct FloatWay {
   using Elem = float;
   static constexpr int64_t kRows = kRowTile;
+  static constexpr int64_t kKeys = kKeyChunk;
 
   template <typename Rows>
   static void put(const typename Rows::cache_t* key, const typename Rows::cache_t* value, int64_t t, int64_t head_dim,
@@ -158,20 +159,21 @@ template <typename Way, typename scalar_t, typename Rows>
 void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& call, const std::vector<int64_t>& seq_ids,
                              double scale, int64_t window, double softcap) {
   using Elem = typename Way::Elem;
+  constexpr int64_t kKeys = Way::kKeys;  // a chunk of keys
   const int64_t head_dim = call.head_dim, num_kv_heads = call.num_kv_heads, group = call.group;
   const int64_t num_seqs = static_cast<int64_t>(seq_ids.size());
-  const int64_t chunk_elems = kKeyChunk * head_dim;
+  const int64_t chunk_elems = kKeys * head_dim;
 
   // Key chunk c of KV head h of sequence i (seq_ids' i-th), unpacked as the Way reads it; the
   // slots past the sequence's keys zero.
   auto unpack = [&](int64_t i, int64_t h, int64_t c, Elem* key_dst, Elem* value_dst) {
-    const int64_t s = seq_ids[i], key0 = c * kKeyChunk;
-    const int64_t count = std::min<int64_t>(kKeyChunk, call.lens[s] - key0);
+    const int64_t s = seq_ids[i], key0 = c * kKeys;
+    const int64_t count = std::min<int64_t>(kKeys, call.lens[s] - key0);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t offset = call.kv_offset(s, h, key0 + t);
       Way::template put<Rows>(call.k_ptr + offset, call.v_ptr + offset, t, head_dim, key_dst, value_dst);
     }
-    for (int64_t t = count; t < kKeyChunk; ++t) Way::clear(t, head_dim, key_dst, value_dst);
+    for (int64_t t = count; t < kKeys; ++t) Way::clear(t, head_dim, key_dst, value_dst);
   };
 
   // A sequence of more than one query tile has its keys and values unpacked once for all its
@@ -181,7 +183,7 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
   std::vector<int64_t> first_chunk(num_seqs + 1, 0);
   for (int64_t i = 0; i < num_seqs; ++i) {
     const bool shared = call.query_len(seq_ids[i]) > kQueryTile;
-    first_chunk[i + 1] = first_chunk[i] + (shared ? (call.lens[seq_ids[i]] + kKeyChunk - 1) / kKeyChunk : 0);
+    first_chunk[i + 1] = first_chunk[i] + (shared ? (call.lens[seq_ids[i]] + kKeys - 1) / kKeys : 0);
   }
   const int64_t num_chunks = first_chunk[num_seqs] * num_kv_heads;
   std::vector<Elem> keys(num_chunks * chunk_elems), values(num_chunks * chunk_elems);
@@ -201,8 +203,8 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
       const int64_t last_position = context + std::min(first + kQueryTile, query_len) - 1;
       // With a window, the chunks before the first key any of its rows sees are skipped: for a
       // row they are masked whole, which would leave its max, sum and output as they were.
-      const int64_t first_chunk_seen = window > 0 ? std::max<int64_t>(0, context + first - window + 1) / kKeyChunk : 0;
-      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, h, first, first_chunk_seen, last_position / kKeyChunk + 1});
+      const int64_t first_chunk_seen = window > 0 ? std::max<int64_t>(0, context + first - window + 1) / kKeys : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({i, h, first, first_chunk_seen, last_position / kKeys + 1});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -218,7 +220,7 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
     // last token repeat its position, with a zero query, to fill the last tile)
     typename Way::Thread products(max_rows, head_dim);
     std::vector<Elem> q(max_rows * head_dim);
-    std::vector<float> sums(max_rows * head_dim), scores(max_rows * kKeyChunk);
+    std::vector<float> sums(max_rows * head_dim), scores(max_rows * kKeys);
     std::vector<Elem> own_keys(chunk_elems), own_values(chunk_elems);  // a single tile's chunk
     std::vector<float> row_max(max_rows), row_sum(max_rows), rescale(max_rows);
     std::vector<int64_t> position(max_rows);
@@ -253,9 +255,9 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
         products.scores(q.data(), chunk_keys, rows, head_dim, scores.data());
         for (int64_t r = 0; r < rows; ++r) {  // the online softmax, this chunk's keys in
           // keys [seen, visible) of the chunk: up to the row's own, and within its window
-          const int64_t visible = std::clamp<int64_t>(position[r] - c * kKeyChunk + 1, 0, kKeyChunk);
-          const int64_t seen = window > 0 ? std::clamp<int64_t>(position[r] - window + 1 - c * kKeyChunk, 0, kKeyChunk) : 0;
-          products.softmax(r, scores.data() + r * kKeyChunk, seen, visible, how, row_max[r], row_sum[r], rescale[r]);
+          const int64_t visible = std::clamp<int64_t>(position[r] - c * kKeys + 1, 0, kKeys);
+          const int64_t seen = window > 0 ? std::clamp<int64_t>(position[r] - window + 1 - c * kKeys, 0, kKeys) : 0;
+          products.softmax(r, scores.data() + r * kKeys, seen, visible, how, row_max[r], row_sum[r], rescale[r]);
         }
         products.values(scores.data(), chunk_values, rows, head_dim, rescale.data(), sums.data());
       }

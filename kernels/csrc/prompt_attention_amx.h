@@ -1,5 +1,5 @@
-// The AMX way of prompt_attention.cpp's kernel (AmxWay): included there, after the chunks'
-// constants (kKeyChunk, kMasked) and Softmax, which it shares with the fp32 way.
+// The AMX way of prompt_attention.cpp's kernel (AmxWay): included there, after kMasked and
+// Softmax, which it shares with the fp32 way.
 #pragma once
 
 #include "amx.h"
@@ -12,12 +12,15 @@ namespace {
 
 #ifdef DUET_AMX
 // AmxWay: bf16 queries and keys in tiles of 16 rows. A chunk's keys are words of two dims,
-// word p of key n at keys[p * kKeyChunk + n] (a tile of B: 16 pairs of dims by 16 keys); its
+// word p of key n at keys[p * kAmxKeys + n] (a tile of B: 16 pairs of dims by 16 keys); its
 // values words of two keys, keys 2q and 2q + 1 at dim d in word q * head_dim + d (16 pairs of
 // keys by 16 dims). Tile 0 holds A (16 query rows of 32 dims, or 16 rows' 32 probabilities),
 // tiles 1-3 B, tiles 4-7 the sums (16 keys' scores each, or 16 dims' weighted sums).
-static_assert(kKeyChunk == 64, "AmxWay's chunks are two steps of 32 keys");
 constexpr int64_t kAmxRows = 16;
+// A chunk's keys: a row's max, sum and sums are rescaled once a chunk. On a 2-core AMX Xeon
+// (SmolLM2's heads, ms a layer at 128 / 512 / 2,048 tokens): 64 keys 0.083 / 0.679 / 9.02,
+// 128 keys 0.082 / 0.593 / 7.38, 256 keys 0.128 / 0.615 / 7.52.
+constexpr int64_t kAmxKeys = 128;
 
 // e^x for x <= 0 (a score less its row's max), to a few parts in 10^7 (the weights are rounded
 // to bf16's 4 parts in 10^3 after): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its Taylor terms to
@@ -35,6 +38,7 @@ inline __m512 exp_of_nonpositive(__m512 x) {
 struct AmxWay {
   using Elem = uint16_t;  // bf16's bits
   static constexpr int64_t kRows = kAmxRows;
+  static constexpr int64_t kKeys = kAmxKeys;
 
   template <typename Rows>
   static void put(const typename Rows::cache_t* key, const typename Rows::cache_t* value, int64_t t, int64_t head_dim,
@@ -42,13 +46,13 @@ struct AmxWay {
     const auto* key_bits = reinterpret_cast<const uint16_t*>(key);
     const auto* value_bits = reinterpret_cast<const uint16_t*>(value);
     for (int64_t p = 0; p < head_dim / 2; ++p) {
-      key_dst[2 * (p * kKeyChunk + t)] = key_bits[2 * p];
-      key_dst[2 * (p * kKeyChunk + t) + 1] = key_bits[2 * p + 1];
+      key_dst[2 * (p * kAmxKeys + t)] = key_bits[2 * p];
+      key_dst[2 * (p * kAmxKeys + t) + 1] = key_bits[2 * p + 1];
     }
     for (int64_t d = 0; d < head_dim; ++d) value_dst[2 * ((t / 2) * head_dim + d) + t % 2] = value_bits[d];
   }
   static void clear(int64_t t, int64_t head_dim, uint16_t* key_dst, uint16_t* value_dst) {
-    for (int64_t p = 0; p < head_dim / 2; ++p) key_dst[2 * (p * kKeyChunk + t)] = key_dst[2 * (p * kKeyChunk + t) + 1] = 0;
+    for (int64_t p = 0; p < head_dim / 2; ++p) key_dst[2 * (p * kAmxKeys + t)] = key_dst[2 * (p * kAmxKeys + t) + 1] = 0;
     for (int64_t d = 0; d < head_dim; ++d) value_dst[2 * ((t / 2) * head_dim + d) + t % 2] = 0;
   }
   template <typename scalar_t>
@@ -57,7 +61,7 @@ struct AmxWay {
   }
 
   struct Thread {
-    Thread(int64_t max_rows, int64_t) : probs16(max_rows * kKeyChunk), weighted(kAmxRows * kKeyChunk) {
+    Thread(int64_t max_rows, int64_t) : probs16(max_rows * kAmxKeys), weighted(kAmxRows * 64) {
       duet_amx::TileConfig config;
       for (int t = 0; t < 8; ++t) {
         config.rows[t] = kAmxRows;
@@ -69,24 +73,26 @@ struct AmxWay {
 
     void scores(const uint16_t* q, const uint16_t* keys, int64_t rows, int64_t head_dim, float* scores) {
       for (int64_t r = 0; r < rows; r += kAmxRows) {
-        zero_sums();
-        for (int64_t b = 0; b < head_dim / 32; ++b) {
-          _tile_loadd(0, q + r * head_dim + b * 32, head_dim * sizeof(uint16_t));
-          const uint16_t* pairs = keys + 2 * (b * 16 * kKeyChunk);  // dims b * 32 on, as 16 rows of pairs
-          _tile_loadd(1, pairs, kKeyChunk * 4);
-          _tile_dpbf16ps(4, 0, 1);
-          _tile_loadd(2, pairs + 2 * 16, kKeyChunk * 4);
-          _tile_dpbf16ps(5, 0, 2);
-          _tile_loadd(3, pairs + 2 * 32, kKeyChunk * 4);
-          _tile_dpbf16ps(6, 0, 3);
-          _tile_loadd(1, pairs + 2 * 48, kKeyChunk * 4);
-          _tile_dpbf16ps(7, 0, 1);
+        for (int64_t k0 = 0; k0 < kAmxKeys; k0 += 64) {  // 64 keys a pass, 16 in each of tiles 4-7
+          zero_sums();
+          for (int64_t b = 0; b < head_dim / 32; ++b) {
+            _tile_loadd(0, q + r * head_dim + b * 32, head_dim * sizeof(uint16_t));
+            const uint16_t* pairs = keys + 2 * (b * 16 * kAmxKeys + k0);  // dims b * 32 on, as 16 rows of pairs
+            _tile_loadd(1, pairs, kAmxKeys * 4);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(2, pairs + 2 * 16, kAmxKeys * 4);
+            _tile_dpbf16ps(5, 0, 2);
+            _tile_loadd(3, pairs + 2 * 32, kAmxKeys * 4);
+            _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, pairs + 2 * 48, kAmxKeys * 4);
+            _tile_dpbf16ps(7, 0, 1);
+          }
+          float* out = scores + r * kAmxKeys + k0;
+          _tile_stored(4, out, kAmxKeys * sizeof(float));
+          _tile_stored(5, out + 16, kAmxKeys * sizeof(float));
+          _tile_stored(6, out + 32, kAmxKeys * sizeof(float));
+          _tile_stored(7, out + 48, kAmxKeys * sizeof(float));
         }
-        float* out = scores + r * kKeyChunk;
-        _tile_stored(4, out, kKeyChunk * sizeof(float));
-        _tile_stored(5, out + 16, kKeyChunk * sizeof(float));
-        _tile_stored(6, out + 32, kKeyChunk * sizeof(float));
-        _tile_stored(7, out + 48, kKeyChunk * sizeof(float));
       }
     }
 
@@ -101,10 +107,10 @@ struct AmxWay {
         scale = 1.f;
       }
       const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      __m512 v[kKeyChunk / 16];
-      __mmask16 in[kKeyChunk / 16];
+      __m512 v[kAmxKeys / 16];
+      __mmask16 in[kAmxKeys / 16];
       __m512 most = _mm512_set1_ps(kMasked);
-      for (int j = 0; j < kKeyChunk / 16; ++j) {
+      for (int j = 0; j < kAmxKeys / 16; ++j) {
         const __m512i k = _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * j));
         in[j] = _mm512_cmpge_epi32_mask(k, _mm512_set1_epi32(static_cast<int>(seen))) &
                 _mm512_cmplt_epi32_mask(k, _mm512_set1_epi32(static_cast<int>(visible)));
@@ -115,10 +121,15 @@ struct AmxWay {
       rescale = row_max == kMasked ? 0.f : expf(row_max - new_max);
       row_max = new_max;
       __m512 sum = _mm512_setzero_ps();
-      for (int j = 0; j < kKeyChunk / 16; ++j) {
+      for (int j = 0; j < kAmxKeys / 16; ++j) {
+        uint16_t* out = probs16.data() + r * kAmxKeys + 16 * j;
+        if (in[j] == 0) {  // no key here this row sees
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_setzero_si256());
+          continue;
+        }
         const __m512 weight = _mm512_maskz_mov_ps(in[j], exp_of_nonpositive(_mm512_sub_ps(v[j], _mm512_set1_ps(new_max))));
         const __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(weight);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs16.data() + r * kKeyChunk + 16 * j), bf16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16);
         sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)));
       }
       row_sum = row_sum * rescale + _mm512_reduce_add_ps(sum);
@@ -129,8 +140,8 @@ struct AmxWay {
       for (int64_t r = 0; r < rows; r += kAmxRows) {
         for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
           zero_sums();
-          for (int64_t step = 0; step < kKeyChunk / 32; ++step) {
-            _tile_loadd(0, probs16.data() + r * kKeyChunk + step * 32, kKeyChunk * sizeof(uint16_t));
+          for (int64_t step = 0; step < kAmxKeys / 32; ++step) {
+            _tile_loadd(0, probs16.data() + r * kAmxKeys + step * 32, kAmxKeys * sizeof(uint16_t));
             const uint16_t* pairs = values + 2 * (step * 16 * head_dim + d0);  // keys step * 32 on, in pairs
             _tile_loadd(1, pairs, head_dim * 4);
             _tile_dpbf16ps(4, 0, 1);
