@@ -19,7 +19,6 @@
 #include <type_traits>
 #include <vector>
 
-
 namespace {
 
 // The first key a query row sees: with a sliding window (window > 0) of `window` keys, itself
@@ -361,7 +360,6 @@ void rope_and_cache_kernel(torch::Tensor& q, torch::Tensor& k, const torch::Tens
     }
   });
 }
-
 
 // out = silu(x[:, :n]) * x[:, n:] (bf16_lanes.h says how it rounds, and why -0 below kSiluZeroBelow).
 template <typename scalar_t>

@@ -1,16 +1,16 @@
 // Causal attention of prompt chunks over paged KV, in tiles (flash attention's plan on a CPU).
 //
-// A work item is kQueryTile tokens of one sequence with the `group` query heads of one KV
-// head: its rows. It walks the keys the rows see a chunk at a time (the Way's kKeys). Scores and
-// the weighted sum of values are small matrix products, done as outer products into registers (a query's or
-// a probability's broadcast times a vector of keys, or of a value's dims), with the softmax
-// online between them: a running max and sum per row, the sum of values rescaled when the max
-// grows. The keys and values are unpacked to fp32 (keys transposed, chunk by chunk), so the
-// products read contiguous floats whatever the cache holds: fp32, bf16, or int8 / fp8 codes with
-// their scales; once for all the items of a sequence of several query tiles, by the item itself
-// for a sequence of one (decode rows under batch_invariant, which all take this kernel). Items
-// are taken heaviest first by whichever thread is free, so a causal prompt's long last rows do
-// not leave one core waiting.
+// A work item is kQueryTile tokens of one sequence with the `group` query heads of one KV head:
+// its rows. It walks the keys the rows see a chunk at a time (the Way's kKeys). Scores and the
+// weighted sum of values are small matrix products, done as outer products into registers (a
+// query's or a probability's broadcast times a vector of keys, or of a value's dims), with the
+// softmax online between them: a running max and sum per row, the sum of values rescaled when
+// the max grows. The keys and values are unpacked to fp32 (keys transposed, chunk by chunk), so
+// the products read contiguous floats whatever the cache holds: fp32, bf16, or int8 / fp8 codes
+// with their scales; once for all the items of a sequence of several query tiles, by the item
+// itself for a sequence of one (decode rows under batch_invariant, which all take this kernel).
+// Items are taken heaviest first by whichever thread is free, so a causal prompt's long last
+// rows do not leave one core waiting.
 //
 // On CPUs with AMX-BF16, a bf16 model's prompts over a bf16 cache go by AMX tiles instead
 // (AmxWay): the keys and values repacked as the tiles read them (pairs of a key's dims, pairs of
@@ -86,9 +86,10 @@ struct Softmax {
   float scale, softcap, inverse_cap;
 };
 
-// A way to compute the products: its chunks of keys (kKeys), how a chunk's keys and values are unpacked (``put``: key and
-// value rows of token t of the chunk; ``clear``: slot t holds no token), a tile's query rows
-// held, and the scores and weighted sums computed for ``rows`` rows (a multiple of kRows).
+// A way to compute the products: its chunks of keys (kKeys), how a chunk's keys and values are
+// unpacked (``put``: key and value rows of token t of the chunk; ``clear``: slot t holds no
+// token), a tile's query rows held, and the scores, softmax and weighted sums computed for
+// ``rows`` rows (a multiple of kRows).
 // FloatWay: fp32 FMAs over keys unpacked to fp32 and transposed, queries scaled before.
 struct FloatWay {
   using Elem = float;
