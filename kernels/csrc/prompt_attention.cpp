@@ -114,7 +114,7 @@ struct FloatWay {
   }
 
   struct Thread {
-    Thread(int64_t, int64_t) {}
+    explicit Thread(int64_t) {}
     // Row r's chunk of scores (of scaled queries) in, as weights (0 outside [seen, visible)).
     void softmax(int64_t, float* p, int64_t seen, int64_t visible, const Softmax& how, float& row_max, float& row_sum,
                  float& rescale) {
@@ -219,7 +219,7 @@ void prompt_attention_kernel(const PagedCall<scalar_t, typename Rows::cache_t>& 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // row r: query head h * group + r % group of the item's token r / group (rows past the
     // last token repeat its position, with a zero query, to fill the last tile)
-    typename Way::Thread products(max_rows, head_dim);
+    typename Way::Thread products(max_rows);
     std::vector<Elem> q(max_rows * head_dim);
     std::vector<float> sums(max_rows * head_dim), scores(max_rows * kKeys);
     std::vector<Elem> own_keys(chunk_elems), own_values(chunk_elems);  // a single tile's chunk
@@ -308,7 +308,7 @@ bool prompt_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_
                                                              query_start_loc);
 #ifdef DUET_AMX
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<Rows, FloatRows<c10::BFloat16>>) {
-        if (amx_attention.load() && duet_amx::permitted())
+        if (duet_cpu::prompt_attention_amx())
           return prompt_attention_kernel<AmxWay, scalar_t, Rows>(call, seq_ids, scale, window, softcap);
       }
 #endif

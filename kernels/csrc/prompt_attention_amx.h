@@ -3,6 +3,7 @@
 #pragma once
 
 #include "amx.h"
+#include "bf16_lanes.h"
 #include "kv_rows.h"
 
 #include <atomic>
@@ -21,19 +22,6 @@ constexpr int64_t kAmxRows = 16;
 // (SmolLM2's heads, ms a layer at 128 / 512 / 2,048 tokens): 64 keys 0.083 / 0.679 / 9.02,
 // 128 keys 0.082 / 0.593 / 7.38, 256 keys 0.128 / 0.615 / 7.52.
 constexpr int64_t kAmxKeys = 128;
-
-// e^x for x <= 0 (a score less its row's max), to a few parts in 10^7 (the weights are rounded
-// to bf16's 4 parts in 10^3 after): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by its Taylor terms to
-// r^6, times 2^n. Below -87 it gives e^-87 (1.6e-38: nothing beside the row's largest weight, 1).
-inline __m512 exp_of_nonpositive(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_setzero_ps());
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: n * the first is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 e = _mm512_set1_ps(1.f / 720);
-  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(e, n);
-}
 
 struct AmxWay {
   using Elem = uint16_t;  // bf16's bits
@@ -61,7 +49,7 @@ struct AmxWay {
   }
 
   struct Thread {
-    Thread(int64_t max_rows, int64_t) : probs16(max_rows * kAmxKeys), weighted(kAmxRows * 64) {
+    explicit Thread(int64_t max_rows) : probs16(max_rows * kAmxKeys), weighted(kAmxRows * 64) {
       duet_amx::TileConfig config;
       for (int t = 0; t < 8; ++t) {
         config.rows[t] = kAmxRows;
@@ -97,8 +85,7 @@ struct AmxWay {
     }
 
     // Row r's chunk of scores (unscaled) in: scaled, soft-capped, and the weights rounded to
-    // bf16 (vcvtneps2bf16: to nearest even; a weight below 2^-126, which it flushes to 0, is
-    // summed as 0 too) into row r of the tile of probabilities, summed as rounded.
+    // bf16 (to nearest even) into row r of the tile of probabilities, summed as rounded.
     void softmax(int64_t r, float* p, int64_t seen, int64_t visible, const Softmax& how, float& row_max, float& row_sum,
                  float& rescale) {
       float scale = how.scale;
@@ -127,10 +114,12 @@ struct AmxWay {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_setzero_si256());
           continue;
         }
-        const __m512 weight = _mm512_maskz_mov_ps(in[j], exp_of_nonpositive(_mm512_sub_ps(v[j], _mm512_set1_ps(new_max))));
-        const __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(weight);
+        // a score less the max, at least -87 (e^-87, 1.6e-38, is nothing beside the max's weight, 1);
+        // lanes of keys the row does not see may overflow, and are zeroed
+        const __m512 x = _mm512_max_ps(_mm512_sub_ps(v[j], _mm512_set1_ps(new_max)), _mm512_set1_ps(-87.f));
+        const __m256i bf16 = to_bf16(_mm512_maskz_mov_ps(in[j], exp_lanes(x)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16);
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16)));
+        sum = _mm512_add_ps(sum, widen(bf16));
       }
       row_sum = row_sum * rescale + _mm512_reduce_add_ps(sum);
     }
