@@ -1,5 +1,6 @@
 """The C++ CPU kernels, compiled for this machine at first use: ``load()`` gives those of
-``csrc/cpu_ops.cpp`` (attention, norms, activations), the decoder stack of
+``csrc/cpu_ops.cpp`` (norms, activations, the bindings), ``csrc/paged_attention.cpp`` and
+``csrc/prompt_attention.cpp`` (attention), the decoder stack of
 ``csrc/decoder_stack.cpp`` (a model's layers in one call) and the LoRA updates of
 ``csrc/lora.cpp``, ``load_gguf()`` the matmuls over GGUF
 weight blocks of ``csrc/gguf_ops.cpp``, the batch-invariant products of
@@ -55,7 +56,7 @@ def load():
     # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
     # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
     # never produce or consume infinities (softmax subtracts the max of visible scores).
-    return _build("duet_cpu_ops", ["cpu_ops.cpp", "prompt_attention.cpp", "decoder_stack.cpp", "lora.cpp"], ["-ffast-math"], ["-lmvec"])
+    return _build("duet_cpu_ops", ["cpu_ops.cpp", "paged_attention.cpp", "prompt_attention.cpp", "decoder_stack.cpp", "lora.cpp"], ["-ffast-math"], ["-lmvec"])
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-// The entry points of cpu_ops.cpp and prompt_attention.cpp (decoder_stack.cpp calls some of
-// them directly, without Python).
+// The entry points of cpu_ops.cpp, paged_attention.cpp and prompt_attention.cpp
+// (decoder_stack.cpp calls some of them directly, without Python).
 #pragma once
 
 #include <torch/types.h>  // a third of torch/extension.h's compile time; only the binding files include that

@@ -1,5 +1,6 @@
-// What the CPU attention kernels share (cpu_ops.cpp, prompt_attention.cpp): gcc vectors of one
-// register's fp32 lanes, and the rows of a KV cache as the kernels read and write them.
+// What the CPU attention kernels share (paged_attention.cpp, prompt_attention.cpp, cascade.h):
+// gcc vectors of one register's fp32 lanes, and the rows of a KV cache as the kernels read and
+// write them.
 #pragma once
 
 #include <torch/types.h>  // a third of torch/extension.h's compile time; only the binding files include that
