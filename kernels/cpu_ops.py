@@ -12,10 +12,8 @@ Each build takes one to three minutes once per machine (torch caches it under
 it as it is: ``_build_stamp``). Where no compiler works, or with ``DUET_CPU_OPS=0``, both return
 None and callers use the torch implementations (and the dequantized float weights).
 
-The rules each process times at first use (which way products of so many rows go) can be
-given instead by ``DUET_CPU_RULES``, JSON of a rule's name to its value (``pinned_rule``): a
-process that measured them passes them on to the processes it starts, which then skip the
-timing (seconds each on a slow 2-core machine) and take the same ways.
+The rules timed at first use (which way products of so many rows go) are measured once per
+machine and thread count, or given by ``DUET_CPU_RULES`` (``cpu_rules``).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import platform
@@ -33,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from duet.kernels.cpu_rules import rule
 from duet.kernels.gguf import Q4_1
 
 logger = logging.getLogger(__name__)
@@ -40,14 +38,6 @@ logger = logging.getLogger(__name__)
 _SOURCES = Path(__file__).parent / "csrc"
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
 
-
-RULES_ENV = "DUET_CPU_RULES"
-
-
-def pinned_rule(name: str) -> int | None:
-    """The value ``DUET_CPU_RULES`` gives the rule ``name``; None where it gives none (measure)."""
-    value = json.loads(os.environ.get(RULES_ENV) or "{}").get(name)
-    return None if value is None else int(value)
 
 
 @functools.cache
@@ -64,16 +54,14 @@ def load_gguf():
     """The GGUF block matmuls (fp32, and bf16 where the CPU has AVX512_BF16: ``has_bf16()``) and
     the float weights' panel products (``invariant_linear``), or None when they cannot be built or
     are switched off. GGUF products of many rows go by panels or by tiles of rows as this CPU
-    measured faster (``panel_min_rows``, once per process)."""
+    measured faster (``panel_min_rows``, once per machine: ``cpu_rules``)."""
     ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp", "batch_invariant.cpp", "int8_rows.cpp"], [], [])
     if ops is not None:
-        pinned = pinned_rule("gguf_panel_min_rows")
-        ops.set_panel_min_rows(panel_min_rows(ops) if pinned is None else pinned)
+        ops.set_panel_min_rows(rule("gguf_panel_min_rows", lambda: panel_min_rows(ops)))
         if ops.has_bf16():
-            ops.set_bf16_panel_min_rows(panel_min_rows(ops, torch.bfloat16))
+            ops.set_bf16_panel_min_rows(rule("gguf_bf16_panel_min_rows", lambda: panel_min_rows(ops, torch.bfloat16)))
         if ops.has_amx():
-            pinned = pinned_rule("gguf_bf16_amx_min_rows")
-            ops.set_bf16_amx_min_rows(amx_min_rows(ops) if pinned is None else pinned)
+            ops.set_bf16_amx_min_rows(rule("gguf_bf16_amx_min_rows", lambda: amx_min_rows(ops)))
     return ops
 
 
@@ -92,7 +80,7 @@ def panel_min_rows(ops, dtype: torch.dtype = torch.float32) -> int:
     ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape, with their panel layout where the
     panels read one: 48 MB, read from memory as a step reads a model's (in cache they measured
     fp32 panels faster from 8 rows where a SmolLM2 step had them faster from 16). Best of 3
-    interleaved rounds each way, about 0.2 s once per process. A Xeon measured fp32 panels
+    interleaved rounds each way, about 0.2 s once per machine (``cpu_rules``). A Xeon measured fp32 panels
     faster from 13 rows (AVX-512, before the panel layout) and a Zen 4 from 8 (AVX2)."""
     bf16 = dtype == torch.bfloat16
     if bf16 and not ops.panels_need_layout():

@@ -11,7 +11,7 @@ last bits.
 Taken for a weight with one scale per output channel (a grouped scheme keeps the Q8_0 blocks'
 float products), on CPUs where this process found the product exact at the codes' extremes (a
 kernel that adds pairs in int16 saturates there), and from as many rows as it measured the
-integer path faster than the blocks' (``int8_min_rows``, once per process). The packed copy is
+integer path faster than the blocks' (``int8_min_rows``, once per machine). The packed copy is
 a byte a weight beside the blocks' (kept for tensor-parallel sharding and fewer rows).
 """
 
@@ -130,9 +130,11 @@ def int8_min_rows() -> int:
     from which ``int8_linear`` is ``_MARGIN`` times faster than the Q8_0 blocks' float products
     of the quantized rows at every count measured, over ``SAMPLE_WEIGHTS`` per-channel int8
     weights of a SmolLM2 MLP's shape (32 MB, read from memory as a step reads a model's), best
-    of 3 interleaved rounds each way. ``DUET_CPU_RULES`` may give it (``cpu_ops.pinned_rule``)."""
-    if (pinned := cpu_ops.pinned_rule(RULE)) is not None:
-        return pinned
+    of 3 interleaved rounds each way. Once per machine, or as ``DUET_CPU_RULES`` gives it (``cpu_rules``)."""
+    return cpu_ops.rule(RULE, _measured_int8_min_rows)
+
+
+def _measured_int8_min_rows() -> int:
     ops = cpu_ops.load_gguf()
     if ops is None or not exact_int8_sums():
         logger.info("W8A8 products go by the Q8_0 blocks on this CPU: oneDNN's int8 product is %s", "not exact" if ops else "beside no C++ kernels")

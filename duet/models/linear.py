@@ -3,7 +3,7 @@
 On CPU, oneDNN with a weight reordered once into its blocked layout runs the
 ``[rows, in] x [in, out]`` products of decode steps (2 to ~128 rows) faster than ``F.linear``.
 Both are kept, and each call picks by rows; whether oneDNN also serves one row, and rows past
-128, depends on the CPU and is measured once per process (``_packed_wins``; figures in
+128, depends on the CPU and is measured once per machine (``_packed_wins``; figures in
 docs/benchmarks.md, "GGUF products and the measured rules").
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of up
@@ -24,7 +24,7 @@ An LM head whose rows only need their greedy token (``argmax``) skips writing it
 A float weight may also be laid out in panels (``kernels/csrc/batch_invariant.cpp``: each output
 summed over k by one fused multiply-add a k, a thread per panel, tiles of rows by outer products),
 which serves fp32 products of up to as many rows as this CPU measured it faster than oneDNN's and
-MKL's paths (``_float_panel_rows``, once per process), and replaces oneDNN's copy where it
+MKL's paths (``_float_panel_rows``, once per machine), and replaces oneDNN's copy where it
 serves the rows that copy would. Under ``batch_invariant`` (``duet.models.batch_invariant``)
 every product sums each output over k in that one order whatever the row count
 (``make_batch_invariant``): by those panels, the GGUF blocks by theirs, W8A8 in integers.
@@ -62,7 +62,7 @@ _PACK_BATCH_HINT = 32
 _PACKED_MARGIN = 1.25
 _CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 # Rows up to which reading GGUF blocks beats the float weights (fp32; bf16 on CPUs with
-# AVX512_BF16, against oneDNN's packed bf16 weights), measured once per process on this CPU
+# AVX512_BF16, against oneDNN's packed bf16 weights), measured once per machine on this CPU
 # (``_gguf_float_max_rows``) at these row counts: the blocks serve every count up to the first
 # where oneDNN's packed float weight is ``_FLOAT_MARGIN`` times faster (a tie goes to the blocks).
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
@@ -278,13 +278,15 @@ def _float_panel_rows() -> int:
     way, over 16 weights of a SmolLM2 MLP's shape (56 MB, read from memory as a step reads a
     model's; 2 of them from 256 rows, where the products are bound by arithmetic); the panels
     serve every count up to the first where the faster of the others is ``_PANEL_MARGIN`` times
-    faster than they are. 0 where the C++ kernels are unavailable. Once per process, under a
-    second and 170 MB for that moment."""
+    faster than they are. 0 where the C++ kernels are unavailable. Once per machine
+    (``cpu_rules``), under a second and 170 MB for that moment."""
     ops = cpu_ops.load_gguf()
     if ops is None or not torch.backends.mkldnn.is_available():
         return 0
-    if (pinned := cpu_ops.pinned_rule("float_panel_rows")) is not None:
-        return pinned
+    return cpu_ops.rule("float_panel_rows", lambda: _measured_float_panel_rows(ops))
+
+
+def _measured_float_panel_rows(ops) -> int:
     generator = torch.Generator().manual_seed(2)
     weights = [torch.randn(SAMPLE_OUT_FEATURES, SAMPLE_IN_FEATURES, generator=generator) for _ in range(16)]
     panels = [float_panels(weight, ops.invariant_panel_width()) for weight in weights]
@@ -312,9 +314,13 @@ def _float_panel_rows() -> int:
 def _packed_wins(rows: int) -> bool:
     """Whether oneDNN's packed weight multiplies ``rows`` fp32 rows at least ``_PACKED_MARGIN``
     times faster than ``F.linear`` on this CPU, by the best of 5 interleaved rounds each way (about
-    0.1 s, once per process). One row is bound by reading the weight, so it is timed on a weight
+    0.1 s, once per machine: ``cpu_rules``). One row is bound by reading the weight, so it is timed on a weight
     past the caches that matter (16 MB; 4 MB measured 1.5x where 16 MB measured 2.5x); a chunk is
     bound by compute, timed on a small weight."""
+    return bool(cpu_ops.rule(f"packed_wins_{rows}_rows", lambda: _timed_packed_wins(rows)))
+
+
+def _timed_packed_wins(rows: int) -> bool:
     side, calls = (2048, 10) if rows == 1 else (512, 2)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(side, side, generator=generator)
@@ -328,8 +334,8 @@ def _packed_wins(rows: int) -> bool:
 
 
 def measured_cpu_rules() -> dict[str, int]:
-    """This process's CPU rules as ``DUET_CPU_RULES`` takes them (``cpu_ops.pinned_rule``),
-    measured where the environment does not give them; none without the C++ kernels."""
+    """This process's CPU rules as ``DUET_CPU_RULES`` takes them (``cpu_rules``), measured where
+    neither the environment nor this machine's rules file gives them; none without the C++ kernels."""
     ops = cpu_ops.load_gguf()
     if ops is None:
         return {}
@@ -337,6 +343,7 @@ def measured_cpu_rules() -> dict[str, int]:
              "gguf_float_max_rows": _gguf_float_max_rows(ops), INT8_RULE: int8_min_rows()}
     if ops.has_bf16():
         rules["gguf_bf16_max_rows"] = _gguf_float_max_rows(ops, torch.bfloat16)
+        rules["gguf_bf16_panel_min_rows"] = ops.bf16_panel_min_rows()
     return rules | ({"gguf_bf16_amx_min_rows": ops.bf16_amx_min_rows()} if ops.has_amx() else {})
 
 
@@ -354,8 +361,8 @@ def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     timed, best of 3 interleaved rounds each way, over Q4_1 weights of a SmolLM2 MLP's shape:
     127 MB of float weights (``SAMPLE_WEIGHTS`` in fp32, twice as many in bf16), read from memory
     as a step reads a model's (in cache, where they are bound by arithmetic alone, they measured
-    a third as many rows for the blocks as a SmolLM2 step does). Once per process and dtype,
-    about 0.3 s and 250 MB, unless ``DUET_CPU_RULES`` gives it (``gguf_float_max_rows``, ``gguf_bf16_max_rows``).
+    a third as many rows for the blocks as a SmolLM2 step does). On a CPU once per machine and
+    dtype (``cpu_rules``: ``gguf_float_max_rows``, ``gguf_bf16_max_rows``), about 0.3 s and 250 MB.
 
     On a GPU (``device``; ``ops``: the Triton kernels) the same race runs there against
     ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none (as on an H200)."""
@@ -363,8 +370,13 @@ def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
     if dtype == torch.bfloat16 and not gpu and not ops.has_bf16():
         return -1  # the blocks take no bf16 rows on a CPU without AVX512_BF16 (nor would oneDNN's packing)
     rule = {torch.float32: "gguf_float_max_rows", torch.bfloat16: "gguf_bf16_max_rows"}.get(dtype)
-    if rule is not None and not gpu and (pinned := cpu_ops.pinned_rule(rule)) is not None:
-        return pinned
+    if rule is not None and not gpu:
+        return cpu_ops.rule(rule, lambda: _timed_gguf_float_max_rows(ops, dtype, device))
+    return _timed_gguf_float_max_rows(ops, dtype, device)
+
+
+def _timed_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
+    gpu = device != "cpu"
     packed = not gpu and torch.backends.mkldnn.is_available()
     weights = []
     for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS * 4 // dtype.itemsize):

@@ -14,7 +14,7 @@ import torch
 from duet import LLM, SamplingParams
 from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
-from duet.kernels.cpu_ops import RULES_ENV
+from duet.kernels.cpu_rules import RULES_ENV
 from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
 from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE, Int8Weight, exact_int8_sums, int8_min_rows, int8_product, int8_sums, per_token_codes, sums_are_exact
 from duet.models.linear import Linear

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from duet.kernels import cpu_ops
+from duet.kernels import cpu_ops, cpu_rules
 from duet.kernels.gguf import GGUFWeight
 from duet.models.linear import FLOAT_PANEL_ROWS, _CHUNK_ROWS, GGUF_FLOAT_ROWS, Linear, _float_panel_rows, _gguf_float_max_rows, _packed_wins
 
@@ -71,6 +71,66 @@ def test_gguf_blocks_serve_fp32_products_up_to_the_rows_this_cpu_measured_them_f
         torch.testing.assert_close(linear(rows), F.linear(rows, linear.weight), rtol=1e-4, atol=1e-4)
 
 
+def test_a_rule_is_measured_once_per_machine_and_thread_count(tmp_path, monkeypatch):
+    """``cpu_rules.rule``: the environment's value first, then the rules file's, then the
+    measurement, which the file keeps; another thread count reads another file."""
+    monkeypatch.delenv(cpu_rules.RULES_ENV, raising=False)
+    monkeypatch.setenv(cpu_rules.CACHE_ENV, str(tmp_path))
+    timed = []
+
+    def measure(value):
+        return lambda: timed.append(value) or value
+
+    assert cpu_rules.rule("some_rule", measure(7)) == 7
+    assert cpu_rules.rule("some_rule", measure(9)) == 7  # read, not timed again
+    assert cpu_rules.rule("other_rule", measure(3)) == 3
+    assert timed == [7, 3]
+    [kept] = tmp_path.iterdir()
+    assert kept == cpu_rules.rules_file() and json.loads(kept.read_text()) == {"some_rule": 7, "other_rule": 3}
+    monkeypatch.setenv(cpu_rules.RULES_ENV, json.dumps({"some_rule": 5}))
+    assert cpu_rules.rule("some_rule", measure(9)) == 5 and timed == [7, 3]
+    monkeypatch.delenv(cpu_rules.RULES_ENV)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cpu_rules.rules_file() != kept
+        assert cpu_rules.rule("some_rule", measure(8)) == 8 and timed == [7, 3, 8]
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_rules.rule("some_rule", measure(9)) == 7 and len(list(tmp_path.iterdir())) == 2
+    kept.write_text("{not json")  # damaged: measured again and written whole
+    assert cpu_rules.rule("some_rule", measure(6)) == 6 and json.loads(kept.read_text()) == {"some_rule": 6}
+    monkeypatch.setenv(cpu_rules.CACHE_ENV, "off")
+    assert cpu_rules.rules_file() is None and cpu_rules.rule("some_rule", measure(4)) == 4
+
+
+@pytest.mark.slow  # two new processes, one of them timing the rules: seconds
+@pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
+def test_a_new_process_takes_the_rules_this_machine_measured(tmp_path):
+    """A replica that a pool adds under load times no rule a process before it measured here: the
+    first process writes every rule it timed to the rules file, and the next takes the file's
+    values, including ones its own timing would not choose."""
+    script = (
+        "import json; from duet.kernels import cpu_ops; from duet.models.linear import measured_cpu_rules; "
+        "print(json.dumps([measured_cpu_rules(), cpu_ops.load_gguf().panel_min_rows()]))"
+    )
+    env = {name: value for name, value in os.environ.items() if name != cpu_rules.RULES_ENV} | {cpu_rules.CACHE_ENV: str(tmp_path)}
+
+    def new_process():
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    measured, _ = new_process()
+    [kept] = tmp_path.iterdir()
+    file_rules = json.loads(kept.read_text())
+    assert {name: file_rules[name] for name in measured} == measured
+    file_rules |= {"gguf_panel_min_rows": 23, "float_panel_rows": 3, "gguf_float_max_rows": 5}
+    kept.write_text(json.dumps(file_rules))
+    taken, panel_min_rows = new_process()
+    assert taken == {name: file_rules[name] for name in measured} and panel_min_rows == 23
+
+
 @pytest.mark.slow  # two new processes, one of them timing two rules: seconds
 @pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
 def test_rules_given_by_the_environment_are_taken_without_timing():
@@ -86,7 +146,8 @@ def test_rules_given_by_the_environment_are_taken_without_timing():
         "print(json.dumps([measured_cpu_rules(), cpu_ops.load_gguf().panel_min_rows()]))"
     )
     for pinned in (given, {"float_panel_rows": 1}):
-        env = {name: value for name, value in os.environ.items() if name != cpu_ops.RULES_ENV} | {cpu_ops.RULES_ENV: json.dumps(pinned)}
+        env = {name: value for name, value in os.environ.items() if name != cpu_rules.RULES_ENV} | {
+            cpu_rules.RULES_ENV: json.dumps(pinned), cpu_rules.CACHE_ENV: "off"}  # the others timed, not read
         run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         rules, panel_min_rows = json.loads(run.stdout.strip().splitlines()[-1])
