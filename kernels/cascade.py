@@ -9,7 +9,7 @@ member's query rows.
 
 Whether a group pays depends on how many rows share the prefix and how long it is: few rows
 over a short prefix cost the products' fixed price without reading much less. ``auto`` asks a
-``CascadeRule`` measured once per process on this CPU, with the model's heads: for each group
+``CascadeRule`` measured once per machine (``cpu_rules``), with the model's heads: for each group
 size, the shortest prefix from which the cascade is faster (``fit_rule``). ``on`` takes every
 group of two sequences or more over at least one block; ``off`` none. The values differ from the
 plain kernel's only in the order of their additions, so greedy tokens stay transformers'.
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from duet.kernels.cpu_rules import remembered
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ def shared_prefixes(
 class CascadePlanner:
     """A runner's cascade decisions (``AttentionMetadata.cascade``): ``on`` takes every group,
     ``auto`` asks ``fit_rule``'s rule, measured at the first step that has a group (once per
-    process and model shape) by ``fit``."""
+    machine and model shape) by ``fit``."""
 
     def __init__(self, mode: str, fit: Callable[[], CascadeRule]) -> None:
         if mode not in ("auto", "on"):
@@ -106,7 +108,22 @@ def fit_rule(
     """For each of ``FIT_SEQS``, the shortest of ``FIT_PREFIX_TOKENS`` (those of whole blocks)
     from which the cascade is ``FIT_MARGIN`` times faster than the plain decode kernel at it and
     every longer one measured (``NEVER`` if none): one query row a sequence with this model's heads, the prefix in
-    consecutive blocks as a fresh cache holds it, best of 3 rounds each way."""
+    consecutive blocks as a fresh cache holds it, best of 3 rounds each way. Once per machine
+    and shape (``cpu_rules``)."""
+    shape = f"{num_heads}x{num_kv_heads}x{head_dim}_{dtype}_{kv_dtype}_{block_size}".replace("torch.", "")
+    chosen = remembered(
+        f"cascade_min_prefix_tokens_{shape}",
+        lambda: _timed_min_prefix_tokens(ops, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, block_size),
+    )
+    rule = CascadeRule(seqs=FIT_SEQS, min_prefix_tokens=tuple(chosen))
+    shown = ", ".join(f"{n} seqs from {'never' if t == NEVER else t}" for n, t in zip(rule.seqs, rule.min_prefix_tokens))
+    logger.info("cascade attention on this CPU: %s prefix tokens", shown)
+    return rule
+
+
+def _timed_min_prefix_tokens(
+    ops, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int
+) -> list[int]:
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     prefixes = [tokens for tokens in FIT_PREFIX_TOKENS if tokens % block_size == 0]  # a prefix is whole blocks
@@ -128,10 +145,8 @@ def fit_rule(
             wins.append(plain >= FIT_MARGIN * cascade)
         first = next((i for i in range(len(wins)) if all(wins[i:])), None)
         chosen.append(NEVER if first is None else prefixes[first])
-    rule = CascadeRule(seqs=FIT_SEQS, min_prefix_tokens=tuple(chosen))
-    shown = ", ".join(f"{n} seqs from {'never' if t == NEVER else t}" for n, t in zip(rule.seqs, rule.min_prefix_tokens))
-    logger.info("cascade attention on this CPU: %s prefix tokens (measured in %.2f s)", shown, time.perf_counter() - started)
-    return rule
+    logger.info("cascade attention's rule measured in %.2f s", time.perf_counter() - started)
+    return chosen
 
 
 def _as_cache(rows: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:

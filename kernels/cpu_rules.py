@@ -28,6 +28,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ RULES_ENV = "DUET_CPU_RULES"
 CACHE_ENV = "DUET_CPU_RULES_CACHE"
 _DIR = Path(__file__).resolve().parent
 # What the measurements are made of: the kernels and the Python that times them.
-_SOURCES = ("cpu_ops.py", "w8a8.py", "csrc")
+_SOURCES = ("cpu_ops.py", "w8a8.py", "cascade.py", "csrc")
 _MODULES = ("duet.models.linear",)
 
 
@@ -52,10 +53,16 @@ def rule(name: str, measure: Callable[[], int]) -> int:
     else ``measure()`` (then kept in the rules file)."""
     if (pinned := pinned_rule(name)) is not None:
         return pinned
+    return int(remembered(name, measure))
+
+
+def remembered(name: str, measure: Callable[[], Any]) -> Any:
+    """A measurement of this machine's (any JSON value) as an earlier process made it, else
+    ``measure()``'s, then kept in the rules file."""
     path = rules_file()
     if path is not None and (known := _read(path).get(name)) is not None:
-        return int(known)
-    value = int(measure())
+        return known
+    value = measure()
     if path is not None:
         _keep(path, name, value)
     return value
@@ -82,7 +89,7 @@ def _read(path: Path) -> dict:
         return {}  # none yet, or unreadable: measure (and write it whole again)
 
 
-def _keep(path: Path, name: str, value: int) -> None:
+def _keep(path: Path, name: str, value: Any) -> None:
     """Adds ``name`` to the file, written whole and renamed into place, so that a reader never
     sees half of it (two processes writing at once may each lose the other's new rule, which
     the next process measures again)."""
@@ -91,6 +98,7 @@ def _keep(path: Path, name: str, value: int) -> None:
         rules = _read(path) | {name: value}
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
             json.dump(rules, out, sort_keys=True)
+        os.chmod(out.name, 0o644)
         os.replace(out.name, path)
     except OSError as error:
         logger.warning("could not keep the CPU rule %s in %s (%s); the next process measures it again", name, path, error)

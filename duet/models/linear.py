@@ -314,9 +314,9 @@ def _measured_float_panel_rows(ops) -> int:
 def _packed_wins(rows: int) -> bool:
     """Whether oneDNN's packed weight multiplies ``rows`` fp32 rows at least ``_PACKED_MARGIN``
     times faster than ``F.linear`` on this CPU, by the best of 5 interleaved rounds each way (about
-    0.1 s, once per machine: ``cpu_rules``). One row is bound by reading the weight, so it is timed on a weight
-    past the caches that matter (16 MB; 4 MB measured 1.5x where 16 MB measured 2.5x); a chunk is
-    bound by compute, timed on a small weight."""
+    0.1 s, once per machine: ``cpu_rules``). One row is bound by reading the weight, so it is
+    timed on a weight past the caches that matter (16 MB; 4 MB measured 1.5x where 16 MB measured
+    2.5x); a chunk is bound by compute, timed on a small weight."""
     return bool(cpu_ops.rule(f"packed_wins_{rows}_rows", lambda: _timed_packed_wins(rows)))
 
 

@@ -4,11 +4,13 @@ decode kernel gives each row alone."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from duet.kernels import cpu_ops
+from duet.kernels import cpu_ops, cpu_rules
 from duet.kernels.cascade import ALWAYS, FIT_SEQS, NEVER, CascadePlanner, CascadeRule, fit_rule, shared_prefixes
 from duet.kernels.kv_quant import quantize_rows
 
@@ -129,9 +131,18 @@ def test_the_planner_asks_for_its_rule_only_when_a_step_has_a_group():
 
 
 @needs_kernels
-def test_the_measured_rule_names_only_prefixes_of_whole_blocks():
+def test_the_measured_rule_names_only_prefixes_of_whole_blocks(tmp_path, monkeypatch):
     """Blocks of 128 tokens: the rule is timed at 128 tokens and past (64 is no whole block, and a
-    cascade prefix of it is refused), over an int8 cache. Which lengths win is this CPU's answer."""
-    rule = fit_rule(cpu_ops.load(), 9, 3, 64, torch.float32, torch.int8, 128)
+    cascade prefix of it is refused), over an int8 cache. Which lengths win is this CPU's answer.
+    The machine's rules file keeps it for the shape: a later process reads it and times nothing."""
+    monkeypatch.setenv(cpu_rules.CACHE_ENV, str(tmp_path))
+    rule = fit_rule.__wrapped__(cpu_ops.load(), 9, 3, 64, torch.float32, torch.int8, 128)
     assert rule.seqs == FIT_SEQS
     assert all(tokens == NEVER or tokens in (128, 256, 512, 1024, 2048) for tokens in rule.min_prefix_tokens)
+    kept = json.loads(cpu_rules.rules_file().read_text())
+    [name] = [name for name in kept if name.startswith("cascade_min_prefix_tokens_")]
+    assert kept[name] == list(rule.min_prefix_tokens)
+    cpu_rules.rules_file().write_text(json.dumps({name: [256, 256, 128, 128, 128]}))
+    assert fit_rule.__wrapped__(cpu_ops.load(), 9, 3, 64, torch.float32, torch.int8, 128).min_prefix_tokens == (256, 256, 128, 128, 128)
+    other = fit_rule.__wrapped__(cpu_ops.load(), 9, 3, 64, torch.float32, torch.int8, 256)  # another shape: timed
+    assert all(tokens == NEVER or tokens in (256, 512, 1024, 2048) for tokens in other.min_prefix_tokens)
