@@ -26,6 +26,7 @@ import time
 import torch
 
 from duet.benchmarks.plots import saved_figure
+from duet.engine_loop import BUSY_POLL_S
 from duet.kv_transfer.group import RECEIVER_RANK, SENDER_RANK, PairGroup, connect_store
 from duet.kv_transfer.progress import LayerProgress
 from duet.kv_transfer.receiver import KVReceiver
@@ -215,7 +216,8 @@ def _time_one(prefill, decode, request_id, prompt, params, streamed) -> float:
     while waiting.status == RequestStatus.WAITING_FOR_REMOTE_KV:
         if time.perf_counter() > deadline:
             raise TimeoutError(f"request {request_id} did not reach the decode engine in 120 s")
-        decode.step()
+        if not decode.step():  # nothing to step while the KV comes: poll as a replica's engine loop does, not spin
+            time.sleep(BUSY_POLL_S)
     end = time.perf_counter()
     while prefill.receive() is not None or decode.has_unfinished_requests():
         decode.step()

@@ -26,6 +26,12 @@ from duet.errors import WorkerDiedError
 logger = logging.getLogger(__name__)
 
 
+# A step that gave no outputs while work exists only in the background (a KV transfer coming in)
+# waits this long before the next, rather than spinning a core the transfer and the other
+# replicas need.
+BUSY_POLL_S = 0.002
+
+
 class EngineLoopError(RuntimeError):
     """A step failed; every request in flight at that moment gets this error."""
 
@@ -80,7 +86,7 @@ class EngineLoop:
         step: Callable[[], list],
         key: Callable[[Any], str],
         has_work: Callable[[], bool],
-        busy_poll_s: float = 0.002,
+        busy_poll_s: float = BUSY_POLL_S,
         idle_wait_s: float = 0.05,
         name: str = "engine-loop",
         on_idle: Callable[[], None] | None = None,
