@@ -163,9 +163,11 @@ def main(argv: list[str] | None = None) -> int | None:
     _options_for_the_suite(profile, "the config and options: `duet profile --help`")
     simulate = commands.add_parser("simulate", help="`duet bench serve`'s load on a model of a config's cluster, from a profile")
     _options_for_the_suite(simulate, "options: `duet simulate --help`")
+    plan = commands.add_parser("plan", help="the layout of the cores that a profile says serves a load best, as a config")
+    _options_for_the_suite(plan, "options: `duet plan --help`")
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("profile", "simulate"):  # every option is the command's own, leading ones too
+    if argv and argv[0] in ("profile", "simulate", "plan"):  # every option is the command's own, leading ones too
         return _run_suite(argv[0], argv[1:])
     args = parser.parse_args(argv)
     if args.command == "scale":
