@@ -135,7 +135,8 @@ def measure_overlap(repeats: int = 2) -> dict:
 
     Real SmolLM2 engines, prefill in a child process, decode here, as the cluster runs them:
     the decode engine reserves the blocks first, the prefill engine streams each run of layers
-    as its forward writes it. ``streamed``: from submitting a 1024-token prompt until the decode
+    as its forward writes it. Each computes on half the machine's cores (``THREADS``), as a
+    prefill and a decode replica sharing it do. ``streamed``: from submitting a 1024-token prompt until the decode
     engine has its KV and first token; ``prefill``: the same prompt's prefill alone (no
     transfer); ``transfer``: the KV alone, from the throughput measurement. hidden =
     (prefill + transfer - streamed) / transfer, not clipped (noise can push it past 1).
@@ -146,7 +147,8 @@ def measure_overlap(repeats: int = 2) -> dict:
     from duet.engine_process import EngineProcess
 
     engine_kwargs = dict(model="smollm2", max_model_len=2048)
-    prefill = EngineProcess(engine_kwargs | {"kv_transfer_config": {"name": "prefill-bench"}})
+    prefill = EngineProcess(engine_kwargs | {"kv_transfer_config": {"name": "prefill-bench"}}, setup=_half_the_cores)
+    torch.set_num_threads(THREADS)
     decode = LLMEngine(EngineArgs(**engine_kwargs, kv_transfer_config={"name": "decode-bench"}))
     params = SamplingParams(temperature=0.0, max_tokens=2)
     timings = {"prefill": [], "streamed": []}
@@ -162,6 +164,10 @@ def measure_overlap(repeats: int = 2) -> dict:
         prefill.stop()
         decode.close()
     return {"tokens": OVERLAP_TOKENS, "prefill_s": min(timings["prefill"]), "streamed_s": min(timings["streamed"])}
+
+
+def _half_the_cores(engine) -> None:
+    torch.set_num_threads(THREADS)
 
 
 def measure_tier(path: str | None = None) -> list[dict]:
