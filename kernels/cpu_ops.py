@@ -39,7 +39,6 @@ _SOURCES = Path(__file__).parent / "csrc"
 STALE_LOCK_S = 900.0  # a build lock older than this was left by a build that died
 
 
-
 @functools.cache
 def load():
     """The attention, norm and activation kernels, or None when they cannot be built or are switched off."""
@@ -80,8 +79,8 @@ def panel_min_rows(ops, dtype: torch.dtype = torch.float32) -> int:
     ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape, with their panel layout where the
     panels read one: 48 MB, read from memory as a step reads a model's (in cache they measured
     fp32 panels faster from 8 rows where a SmolLM2 step had them faster from 16). Best of 3
-    interleaved rounds each way, about 0.2 s once per machine (``cpu_rules``). A Xeon measured fp32 panels
-    faster from 13 rows (AVX-512, before the panel layout) and a Zen 4 from 8 (AVX2)."""
+    interleaved rounds each way, about 0.2 s once per machine (``cpu_rules``). A Xeon measured
+    fp32 panels faster from 13 rows (AVX-512, before the panel layout) and a Zen 4 from 8 (AVX2)."""
     bf16 = dtype == torch.bfloat16
     if bf16 and not ops.panels_need_layout():
         return NEVER  # bf16 panels read the panel layout alone

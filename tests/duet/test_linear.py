@@ -100,6 +100,8 @@ def test_a_rule_is_measured_once_per_machine_and_thread_count(tmp_path, monkeypa
     assert cpu_rules.rule("some_rule", measure(9)) == 7 and len(list(tmp_path.iterdir())) == 2
     kept.write_text("{not json")  # damaged: measured again and written whole
     assert cpu_rules.rule("some_rule", measure(6)) == 6 and json.loads(kept.read_text()) == {"some_rule": 6}
+    assert cpu_rules.remembered("a_set", lambda: {1, 2}) == {1, 2}  # JSON cannot hold it: given, not kept
+    assert json.loads(kept.read_text()) == {"some_rule": 6} and not list(tmp_path.glob("*.tmp"))
     monkeypatch.setenv(cpu_rules.CACHE_ENV, "off")
     assert cpu_rules.rules_file() is None and cpu_rules.rule("some_rule", measure(4)) == 4
 
