@@ -136,10 +136,10 @@ def measure_overlap(repeats: int = 2) -> dict:
     Real SmolLM2 engines, prefill in a child process, decode here, as the cluster runs them:
     the decode engine reserves the blocks first, the prefill engine streams each run of layers
     as its forward writes it. Each computes on half the machine's cores (``THREADS``), as a
-    prefill and a decode replica sharing it do. ``streamed``: from submitting a 1024-token prompt until the decode
-    engine has its KV and first token; ``prefill``: the same prompt's prefill alone (no
-    transfer); ``transfer``: the KV alone, from the throughput measurement. hidden =
-    (prefill + transfer - streamed) / transfer, not clipped (noise can push it past 1).
+    prefill and a decode replica sharing it do. ``streamed``: from submitting a 1024-token
+    prompt until the decode engine has its KV and first token; ``prefill``: the same prompt's
+    prefill alone (no transfer); ``transfer``: the KV alone, from the throughput measurement.
+    hidden = (prefill + transfer - streamed) / transfer, not clipped (noise can push it past 1).
     """
     from duet import SamplingParams
     from duet.config import EngineArgs
