@@ -32,10 +32,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from duet.benchmarks.serve import add_load_arguments, chosen_workloads, make_sessions, run_label, run_seed, summarise
+from duet.benchmarks.serve import add_load_arguments, chosen_workloads, summarise
 from duet.benchmarks.sim_model import ClusterModel, PoolModel, cluster_model
 from duet.benchmarks.sim_run import Simulation
-from duet.benchmarks.workloads import session_arrivals
+from duet.benchmarks.simulate import load_runs
 
 DEFAULT_BUDGETS = "256,512,1024,2048"
 
@@ -119,8 +119,7 @@ def write_config(template_path: str, layout: Layout, slo_ms: tuple[float, float]
     args["slo"] = {"ttft_ms": slo_ms[0], "tpot_ms": slo_ms[1]}
     counts = {"prefill": layout.prefill, "decode": layout.decode} if layout.mode == "pd" else {"decode": layout.decode}
     for stage, count in counts.items():
-        pool = args.setdefault(stage, {}) or {}
-        args[stage] = pool
+        pool = args[stage] = args.get(stage) or {}
         pool.pop("autoscaling_config", None)
         pool["num_replicas"] = count
         if "max_num_batched_tokens" in (pool.get("engine") or {}):
@@ -163,12 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     candidates = layouts(profile, set(templates), cores, [int(budget) for budget in args.budgets.split(",")])
     if not candidates:
         parser.error(f"no layout of {', '.join(templates)} fits {cores} cores with the profile's pools")
-    rates = [float(rate) for rate in args.rate.split(",")]
-    runs = []
-    for (index, rate), workload in ((pair, workload) for pair in enumerate(rates) for workload in workloads):
-        seed = run_seed(args, index, workload)
-        sessions = make_sessions(args, workload, seed)
-        runs.append((run_label(workload, rate, rates), sessions, session_arrivals(sessions, rate, seed)))
+    runs = load_runs(args, workloads)
     evaluations = [
         evaluate(layout, templates[layout.mode][1], profile, runs, slo, args.think_time_s)
         for layout in tqdm(candidates, desc="duet plan: layouts simulated", unit="layout")

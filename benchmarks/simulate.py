@@ -57,15 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     chosen = chosen_workloads(parser, args)
     profile = json.loads(Path(args.profile).read_text())
-    rates = [float(rate) for rate in args.rate.split(",")]
     summaries = []
     for config in args.config:
-        for (index, rate), workload in itertools.product(enumerate(rates), chosen):
-            seed, label = run_seed(args, index, workload), run_label(workload, rate, rates)
-            sessions = make_sessions(args, workload, seed)
+        for label, sessions, arrivals in load_runs(args, chosen):
             started = time.perf_counter()
             simulation = Simulation(cluster_model(config, profile), args.think_time_s)
-            results, duration = simulation.run(sessions, session_arrivals(sessions, rate, seed))
+            results, duration = simulation.run(sessions, arrivals)
             wall = time.perf_counter() - started
             summaries.append(summarise(Path(config).stem, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
             print(f"{Path(config).stem}/{label}: {duration:.1f} s simulated in {wall:.2f} s ({duration / max(wall, 1e-9):.0f}x real time)")
@@ -86,6 +83,18 @@ def main(argv: list[str] | None = None) -> None:
         from duet.benchmarks.serve_plots import plot
 
         plot(summaries, args.plot)
+
+
+def load_runs(args: argparse.Namespace, workloads: list[str]) -> list[tuple[str, list, list[float]]]:
+    """``duet bench serve``'s runs for ``add_load_arguments``' options: each rate's and workload's
+    label, sessions and arrival times, from the seeds ``duet bench serve`` uses."""
+    rates = [float(rate) for rate in args.rate.split(",")]
+    runs = []
+    for (index, rate), workload in itertools.product(enumerate(rates), workloads):
+        seed = run_seed(args, index, workload)
+        sessions = make_sessions(args, workload, seed)
+        runs.append((run_label(workload, rate, rates), sessions, session_arrivals(sessions, rate, seed)))
+    return runs
 
 
 # What a prediction is checked on: (label, where in a summary).

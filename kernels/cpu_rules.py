@@ -1,5 +1,5 @@
 """The CPU rules: which way products of so many rows go on this CPU (``cpu_ops.panel_min_rows``,
-``linear._float_panel_rows``, ``w8a8.int8_min_rows``, ...), each timed by the first process that
+``linear_rules.float_panel_rows``, ``w8a8.int8_min_rows``, ...), each timed by the first process that
 needs it. ``rule(name, measure)`` gives a rule's value from, in order:
 
 1. ``DUET_CPU_RULES``: JSON of a rule's name to its value, given by the process that started
@@ -42,7 +42,7 @@ CACHE_ENV = "DUET_CPU_RULES_CACHE"
 _DIR = Path(__file__).resolve().parent
 # What the measurements are made of: the kernels and the Python that times them.
 _SOURCES = ("cpu_ops.py", "w8a8.py", "cascade.py", "csrc")
-_MODULES = ("duet.models.linear",)
+_MODULES = ("duet.models.linear_rules",)
 
 
 def pinned_rule(name: str) -> int | None:

@@ -131,10 +131,10 @@ def int8_min_rows() -> int:
     of the quantized rows at every count measured, over ``SAMPLE_WEIGHTS`` per-channel int8
     weights of a SmolLM2 MLP's shape (32 MB, read from memory as a step reads a model's), best
     of 3 interleaved rounds each way. Once per machine, or as ``DUET_CPU_RULES`` gives it (``cpu_rules``)."""
-    return cpu_ops.rule(RULE, _measured_int8_min_rows)
+    return cpu_ops.rule(RULE, _timed_int8_min_rows)
 
 
-def _measured_int8_min_rows() -> int:
+def _timed_int8_min_rows() -> int:
     ops = cpu_ops.load_gguf()
     if ops is None or not exact_int8_sums():
         logger.info("W8A8 products go by the Q8_0 blocks on this CPU: oneDNN's int8 product is %s", "not exact" if ops else "beside no C++ kernels")

@@ -52,7 +52,7 @@ def pin_cpu_rules() -> None:
     started from now on: Ray's replicas and workers skip their timing (3-4 s each on a 2-core
     AVX2 EPYC, a process start) and take the ways this process takes."""
     from duet.kernels.cpu_rules import RULES_ENV
-    from duet.models.linear import measured_cpu_rules
+    from duet.models.linear_rules import measured_cpu_rules
 
     if RULES_ENV not in os.environ:
         os.environ[RULES_ENV] = json.dumps(measured_cpu_rules())

@@ -3,12 +3,12 @@
 On CPU, oneDNN with a weight reordered once into its blocked layout runs the
 ``[rows, in] x [in, out]`` products of decode steps (2 to ~128 rows) faster than ``F.linear``.
 Both are kept, and each call picks by rows; whether oneDNN also serves one row, and rows past
-128, depends on the CPU and is measured once per machine (``_packed_wins``; figures in
+128, depends on the CPU and is measured once per machine (``linear_rules``; figures in
 docs/benchmarks.md, "GGUF products and the measured rules").
 
 A weight that came from a GGUF file may also keep its blocks (``attach_gguf``): products of up
 to as many rows as this CPU measured the blocks at least as fast as the float weights
-(``_gguf_float_max_rows``) then read the quantized codes (0.75 byte a weight for Q4_1, 1.125
+(``linear_rules``) then read the quantized codes (0.75 byte a weight for Q4_1, 1.125
 for Q8_0, scales included, against 4 in fp32 and 2 in bf16) through ``kernels.gguf``, which
 dequantizes them exactly to the float weights the other paths use (in registers, by tiles of
 rows or by panels kept in cache, as the CPU measured faster);
@@ -24,7 +24,7 @@ An LM head whose rows only need their greedy token (``argmax``) skips writing it
 A float weight may also be laid out in panels (``kernels/csrc/batch_invariant.cpp``: each output
 summed over k by one fused multiply-add a k, a thread per panel, tiles of rows by outer products),
 which serves fp32 products of up to as many rows as this CPU measured it faster than oneDNN's and
-MKL's paths (``_float_panel_rows``, once per machine), and replaces oneDNN's copy where it
+MKL's paths (``linear_rules``, once per machine), and replaces oneDNN's copy where it
 serves the rows that copy would. Under ``batch_invariant`` (``duet.models.batch_invariant``)
 every product sums each output over k in that one order whatever the row count
 (``make_batch_invariant``): by those panels, the GGUF blocks by theirs, W8A8 in integers.
@@ -35,7 +35,6 @@ added to its rows after the base product, whichever path computed it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -46,27 +45,16 @@ from torch import nn
 
 from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
-from duet.kernels.cpu_ops import SAMPLE_IN_FEATURES, SAMPLE_OUT_FEATURES, SAMPLE_WEIGHTS, best_times, sample_q4_1_weights
 from duet.kernels.fused import greedy_argmax
-from duet.kernels.gguf import Q4_1, GGUFWeight
-from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE as INT8_RULE, Int8Weight, dynamic_per_token, exact_int8_sums, int8_linear, int8_min_rows
+from duet.kernels.gguf import GGUFWeight
+from duet.kernels.w8a8 import INT8_PER_TOKEN, Int8Weight, dynamic_per_token, exact_int8_sums, int8_linear, int8_min_rows
 from duet.lora import current_step as current_lora_step
+from duet.models.linear_rules import CHUNK_ROWS, PACK_BATCH_HINT, float_panel_rows, float_panels, gguf_float_max_rows, packed_wins
 from duet.models.module import Module
 
 logger = logging.getLogger(__name__)
 
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}  # rows oneDNN's reordered weight serves
-_PACK_BATCH_HINT = 32
-# oneDNN takes single fp32 rows, and prompt chunks, only where it is clearly faster (a margin
-# that a noisy measurement on a CPU where both paths tie does not cross: the choice stays put).
-_PACKED_MARGIN = 1.25
-_CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
-# Rows up to which reading GGUF blocks beats the float weights (fp32; bf16 on CPUs with
-# AVX512_BF16, against oneDNN's packed bf16 weights), measured once per machine on this CPU
-# (``_gguf_float_max_rows``) at these row counts: the blocks serve every count up to the first
-# where oneDNN's packed float weight is ``_FLOAT_MARGIN`` times faster (a tie goes to the blocks).
-GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
-_FLOAT_MARGIN = 1.05
 # Weights kept as blocks alone (quantized at load) have no packed float weight to fall back
 # on: past this many rows they dequantize for the call.
 GGUF_MAX_ROWS = 64
@@ -115,14 +103,14 @@ class Linear(Module):
             return  # oneDNN would emulate bf16 on AVX2-only CPUs; the plain path is the safe one
         low, high = rows
         if self.weight.dtype == torch.float32:
-            low, high = (1 if _packed_wins(1) else low), (sys.maxsize if _packed_wins(_CHUNK_ROWS) else high)
-            panel_rows = _float_panel_rows()
+            low, high = (1 if packed_wins(1) else low), (sys.maxsize if packed_wins(CHUNK_ROWS) else high)
+            panel_rows = float_panel_rows()
             if panel_rows > 0:
                 self._lay_out_float_panels()
                 self._panel_rows = panel_rows
                 low = max(low, panel_rows + 1)
         if low <= high:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
         self._packed_rows = (low, high)
 
     def _lay_out_float_panels(self) -> None:
@@ -135,7 +123,7 @@ class Linear(Module):
         self.gguf = weight
         # The blocks' device, not the float weight's: that is on meta where the blocks are the weight.
         dtype = torch.float32 if self.weight is None else self.weight.dtype  # None: the blocks alone are the weight
-        self._block_rows = _gguf_float_max_rows(weight.ops, dtype, weight.codes.device.type)
+        self._block_rows = gguf_float_max_rows(weight.ops, dtype, weight.codes.device.type)
         if 0 < self._panel_rows <= self._block_rows:  # the blocks serve every row count the float panels would
             self.invariant_panels, self._panel_rows = None, -1
         self._lay_out_panels()
@@ -253,160 +241,3 @@ class Linear(Module):
         if fused and x.shape[0] <= self._block_rows:
             return self.gguf.matmul_argmax(self._ordered(x), excluded_token_ids)
         return greedy_argmax(self(x).float(), excluded_token_ids)
-
-
-def float_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
-    """``weight`` ``[out, in]`` as ``invariant_linear`` reads it: ``[ceil(out / width), in, width]``,
-    output features padded with zeros."""
-    out_features, in_features = weight.shape
-    padded = torch.zeros(-(-out_features // width) * width, in_features, dtype=weight.dtype)
-    padded[:out_features] = weight
-    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
-
-
-# Row counts at which fp32 products by panels race the other float paths (``_float_panel_rows``),
-# and the margin by which another must win to take over (panels that tie keep the rows: they
-# replace oneDNN's copy where they serve every row count it would, and sum in one order).
-FLOAT_PANEL_ROWS = (1, 32, 128, 512)
-_PANEL_MARGIN = 1.05
-
-
-@functools.cache
-def _float_panel_rows() -> int:
-    """The most fp32 rows a product takes by panels on this CPU: the panels, oneDNN's packed
-    weight and ``F.linear`` are timed at ``FLOAT_PANEL_ROWS``, best of 3 interleaved rounds each
-    way, over 16 weights of a SmolLM2 MLP's shape (56 MB, read from memory as a step reads a
-    model's; 2 of them from 256 rows, where the products are bound by arithmetic); the panels
-    serve every count up to the first where the faster of the others is ``_PANEL_MARGIN`` times
-    faster than they are. 0 where the C++ kernels are unavailable. Once per machine
-    (``cpu_rules``), under a second and 170 MB for that moment."""
-    ops = cpu_ops.load_gguf()
-    if ops is None or not torch.backends.mkldnn.is_available():
-        return 0
-    return cpu_ops.rule("float_panel_rows", lambda: _measured_float_panel_rows(ops))
-
-
-def _measured_float_panel_rows(ops) -> int:
-    generator = torch.Generator().manual_seed(2)
-    weights = [torch.randn(SAMPLE_OUT_FEATURES, SAMPLE_IN_FEATURES, generator=generator) for _ in range(16)]
-    panels = [float_panels(weight, ops.invariant_panel_width()) for weight in weights]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) for weight in weights]
-    chosen = 0
-    for rows in FLOAT_PANEL_ROWS:
-        count = 16 if rows <= 128 else 2
-        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
-        times = best_times(
-            {
-                "panels": lambda: [ops.invariant_linear(x, p, SAMPLE_OUT_FEATURES) for p in panels[:count]],
-                "packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed[:count]],
-                "plain": lambda: [F.linear(x, w) for w in weights[:count]],
-            },
-            rounds=3,
-        )
-        if _PANEL_MARGIN * min(times["packed"], times["plain"]) < times["panels"]:
-            break
-        chosen = rows
-    logger.info("fp32 products of up to %d rows go by panels on this CPU", chosen)
-    return chosen
-
-
-@functools.cache
-def _packed_wins(rows: int) -> bool:
-    """Whether oneDNN's packed weight multiplies ``rows`` fp32 rows at least ``_PACKED_MARGIN``
-    times faster than ``F.linear`` on this CPU, by the best of 5 interleaved rounds each way (about
-    0.1 s, once per machine: ``cpu_rules``). One row is bound by reading the weight, so it is
-    timed on a weight past the caches that matter (16 MB; 4 MB measured 1.5x where 16 MB measured
-    2.5x); a chunk is bound by compute, timed on a small weight."""
-    return bool(cpu_ops.rule(f"packed_wins_{rows}_rows", lambda: _timed_packed_wins(rows)))
-
-
-def _timed_packed_wins(rows: int) -> bool:
-    side, calls = (2048, 10) if rows == 1 else (512, 2)
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(side, side, generator=generator)
-    x = torch.randn(rows, side, generator=generator)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-    times = best_times(
-        {"plain": lambda: F.linear(x, weight), "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")},
-        calls=calls,
-    )
-    return times["plain"] >= _PACKED_MARGIN * times["packed"]
-
-
-def measured_cpu_rules() -> dict[str, int]:
-    """This process's CPU rules as ``DUET_CPU_RULES`` takes them (``cpu_rules``), measured where
-    neither the environment nor this machine's rules file gives them; none without the C++ kernels."""
-    ops = cpu_ops.load_gguf()
-    if ops is None:
-        return {}
-    rules = {"gguf_panel_min_rows": ops.panel_min_rows(), "float_panel_rows": _float_panel_rows(),
-             "gguf_float_max_rows": _gguf_float_max_rows(ops), INT8_RULE: int8_min_rows()}
-    if ops.has_bf16():
-        rules["gguf_bf16_max_rows"] = _gguf_float_max_rows(ops, torch.bfloat16)
-        rules["gguf_bf16_panel_min_rows"] = ops.bf16_panel_min_rows()
-    return rules | ({"gguf_bf16_amx_min_rows": ops.bf16_amx_min_rows()} if ops.has_amx() else {})
-
-
-def _gguf_float_max_rows(ops, dtype: torch.dtype = torch.float32, device: str = "cpu") -> int:
-    """``_measured_gguf_float_max_rows``, once per process, ``ops``, dtype and device, defaults
-    passed or not (``functools.cache`` keys on the arguments as written)."""
-    return _measured_gguf_float_max_rows(ops, dtype, device)
-
-
-@functools.cache
-def _measured_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
-    """The most rows of ``dtype`` (fp32; bf16 on CPUs with AVX512_BF16, elsewhere -1: none) a
-    product reads GGUF blocks for, on this CPU (``GGUF_FLOAT_ROWS``): the blocks (``ops``, by the
-    process's rule for tiles and panels) and the float weights' path for those rows (oneDNN's packed weight) are
-    timed, best of 3 interleaved rounds each way, over Q4_1 weights of a SmolLM2 MLP's shape:
-    127 MB of float weights (``SAMPLE_WEIGHTS`` in fp32, twice as many in bf16), read from memory
-    as a step reads a model's (in cache, where they are bound by arithmetic alone, they measured
-    a third as many rows for the blocks as a SmolLM2 step does). On a CPU once per machine and
-    dtype (``cpu_rules``: ``gguf_float_max_rows``, ``gguf_bf16_max_rows``), about 0.3 s and 250 MB.
-
-    On a GPU (``device``; ``ops``: the Triton kernels) the same race runs there against
-    ``F.linear`` (cuBLAS), from one row, and 0 means the blocks serve none (as on an H200)."""
-    gpu = device != "cpu"
-    if dtype == torch.bfloat16 and not gpu and not ops.has_bf16():
-        return -1  # the blocks take no bf16 rows on a CPU without AVX512_BF16 (nor would oneDNN's packing)
-    rule = {torch.float32: "gguf_float_max_rows", torch.bfloat16: "gguf_bf16_max_rows"}.get(dtype)
-    if rule is not None and not gpu:
-        return cpu_ops.rule(rule, lambda: _timed_gguf_float_max_rows(ops, dtype, device))
-    return _timed_gguf_float_max_rows(ops, dtype, device)
-
-
-def _timed_gguf_float_max_rows(ops, dtype: torch.dtype, device: str) -> int:
-    gpu = device != "cpu"
-    packed = not gpu and torch.backends.mkldnn.is_available()
-    weights = []
-    for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS * 4 // dtype.itemsize):
-        blocks = GGUFWeight(codes.to(device), scales.to(device), Q4_1, SAMPLE_IN_FEATURES, ops)
-        blocks.lay_out_panels()
-        weight = blocks.dequantize().to(dtype)
-        weights.append((blocks, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT) if packed else weight))
-
-    def floats(x):
-        for _, weight in weights:
-            if packed:
-                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-            else:
-                F.linear(x, weight)
-        if gpu:
-            torch.cuda.synchronize(device)
-
-    def blocks(x):
-        for weight, _ in weights:
-            weight.matmul(x)
-        if gpu:
-            torch.cuda.synchronize(device)
-
-    generator = torch.Generator().manual_seed(1)
-    chosen = 0 if gpu else 1
-    for rows in ((1,) if gpu else ()) + GGUF_FLOAT_ROWS:
-        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator).to(dtype).to(device)
-        times = best_times({"blocks": lambda: blocks(x), "floats": lambda: floats(x)}, rounds=3)
-        if times["blocks"] > _FLOAT_MARGIN * times["floats"]:
-            break
-        chosen = rows
-    logger.info("%s products of up to %d rows read the GGUF blocks on %s, longer ones the float weights", dtype, chosen, device)
-    return chosen

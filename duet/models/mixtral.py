@@ -24,7 +24,8 @@ from torch import nn
 
 from duet.kernels import cpu_ops
 from duet.kernels.fused import silu_and_mul
-from duet.models.linear import Linear, float_panels
+from duet.models.linear import Linear
+from duet.models.linear_rules import float_panels
 from duet.models.llama import LlamaArch, LlamaForCausalLM, LlamaMLP, by_row
 from duet.models.module import Module
 

@@ -59,9 +59,9 @@ def _generate(llm, batches: list[int]) -> list[list[int]]:
 
 
 CASES = {
-    # rows 2-128: oneDNN packed; 1 and past 128: F.linear or oneDNN, as this CPU measured (linear._packed_wins)
+    # rows 2-128: oneDNN packed; 1 and past 128: F.linear or oneDNN, as this CPU measured (linear_rules.packed_wins)
     "float32": ("tiny_llama_dir", {}),
-    # rows up to what this CPU measured (linear._gguf_float_max_rows): GGUF blocks, by tiles of
+    # rows up to what this CPU measured (linear_rules.gguf_float_max_rows): GGUF blocks, by tiles of
     # rows and from cpu_ops.panel_min_rows by panels; then packed
     "gguf": ("tiny_gguf_llama_dir", {}),
     "gguf, int8 KV": ("tiny_gguf_llama_dir", {"kv_cache_dtype": "int8"}),

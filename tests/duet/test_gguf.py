@@ -11,7 +11,8 @@ import torch
 
 from duet import LLM, SamplingParams
 from duet.kernels import cpu_ops
-from duet.models.linear import GGUF_FLOAT_ROWS, Linear
+from duet.models.linear import Linear
+from duet.models.linear_rules import GGUF_FLOAT_ROWS
 from duet.models.loader import ModelNotFoundError
 from tests.conftest import TINY_VOCAB
 from tests.reference import compare_to_reference, hf_greedy

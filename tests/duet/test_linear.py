@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from duet.kernels import cpu_ops, cpu_rules
 from duet.kernels.gguf import GGUFWeight
-from duet.models.linear import FLOAT_PANEL_ROWS, _CHUNK_ROWS, GGUF_FLOAT_ROWS, Linear, _float_panel_rows, _gguf_float_max_rows, _packed_wins
+from duet.models.linear import Linear
+from duet.models.linear_rules import CHUNK_ROWS, FLOAT_PANEL_ROWS, GGUF_FLOAT_ROWS, float_panel_rows, gguf_float_max_rows, packed_wins
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
@@ -27,12 +28,12 @@ def test_fp32_products_take_panels_then_onednn_only_where_they_measured_faster()
     linear = Linear(256, 96)
     linear.weight.data = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
     linear.pack_for_cpu()
-    panel_rows = _float_panel_rows()
+    panel_rows = float_panel_rows()
     assert panel_rows in (0, *FLOAT_PANEL_ROWS) or cpu_ops.load_gguf() is None
     _, _, packed_low, packed_high, *_, plan_panel_rows, _, _, _, _, _, _ = linear.plan()
     assert plan_panel_rows == (panel_rows if panel_rows > 0 else -1)
-    assert packed_low == max(1 if _packed_wins(1) else 2, panel_rows + 1)
-    assert packed_high == (sys.maxsize if _packed_wins(_CHUNK_ROWS) else 128)
+    assert packed_low == max(1 if packed_wins(1) else 2, panel_rows + 1)
+    assert packed_high == (sys.maxsize if packed_wins(CHUNK_ROWS) else 128)
     assert (linear.packed_weight is None) == (packed_low > packed_high)
     for rows in (1, 2, 130, 600):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
@@ -50,7 +51,7 @@ def test_fp32_products_take_panels_then_onednn_only_where_they_measured_faster()
 @pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")
 def test_gguf_blocks_serve_fp32_products_up_to_the_rows_this_cpu_measured_them_faster():
     ops = cpu_ops.load_gguf()
-    limit = _gguf_float_max_rows(ops)
+    limit = gguf_float_max_rows(ops)
     assert limit in (1, *GGUF_FLOAT_ROWS)
     [(codes, scales)] = cpu_ops.sample_q4_1_weights()
     blocks = GGUFWeight(codes, scales, 3, cpu_ops.SAMPLE_IN_FEATURES, ops)
@@ -113,7 +114,7 @@ def test_a_new_process_takes_the_rules_this_machine_measured(tmp_path):
     first process writes every rule it timed to the rules file, and the next takes the file's
     values, including ones its own timing would not choose."""
     script = (
-        "import json; from duet.kernels import cpu_ops; from duet.models.linear import measured_cpu_rules; "
+        "import json; from duet.kernels import cpu_ops; from duet.models.linear_rules import measured_cpu_rules; "
         "print(json.dumps([measured_cpu_rules(), cpu_ops.load_gguf().panel_min_rows()]))"
     )
     env = {name: value for name, value in os.environ.items() if name != cpu_rules.RULES_ENV} | {cpu_rules.CACHE_ENV: str(tmp_path)}
@@ -144,7 +145,7 @@ def test_rules_given_by_the_environment_are_taken_without_timing():
     if cpu_ops.load_gguf().has_amx():  # and on AMX, the rows from which bf16 products go by its tiles
         given["gguf_bf16_amx_min_rows"] = 40
     script = (
-        "import json; from duet.kernels import cpu_ops; from duet.models.linear import measured_cpu_rules; "
+        "import json; from duet.kernels import cpu_ops; from duet.models.linear_rules import measured_cpu_rules; "
         "print(json.dumps([measured_cpu_rules(), cpu_ops.load_gguf().panel_min_rows()]))"
     )
     for pinned in (given, {"float_panel_rows": 1}):
