@@ -54,7 +54,7 @@ def load_gguf():
     the float weights' panel products (``invariant_linear``), or None when they cannot be built or
     are switched off. GGUF products of many rows go by panels or by tiles of rows as this CPU
     measured faster (``panel_min_rows``, once per machine: ``cpu_rules``)."""
-    ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_bf16.cpp", "batch_invariant.cpp", "int8_rows.cpp"], [], [])
+    ops = _build("duet_gguf_ops", ["gguf_ops.cpp", "gguf_argmax.cpp", "gguf_bf16.cpp", "batch_invariant.cpp", "int8_rows.cpp"], [], [])
     if ops is not None:
         ops.set_panel_min_rows(rule("gguf_panel_min_rows", lambda: panel_min_rows(ops)))
         if ops.has_bf16():

@@ -7,7 +7,7 @@
 //
 // Rows go by tiles of up to 8, each block dequantized in registers once per tile, or (from the
 // rows this process measured faster, ``set_bf16_panel_min_rows``, with the weights' panel
-// layout) by panels as the fp32 ones on AVX-512 (gguf_blocks.h's panel products, written once for
+// layout) by panels as the fp32 ones on AVX-512 (gguf_panels.h's panel products, written once for
 // both and given the rows' type by Bf16Panels below): a panel of 32 features is dequantized once
 // into bf16 pairs (for each pair of k, a vector per 16 features whose 32-bit lanes hold a
 // feature's weights at k and k + 1, rounded as above), which tiles of up to 12 rows multiply by
@@ -23,7 +23,7 @@
 // rows are given a rule of their own (``panel_min_rows`` >= 0, ``batch_invariant``'s) keeps
 // vdpbf16ps, whose sums run in one order whatever the rows.
 
-#include "gguf_blocks.h"
+#include "gguf_panels.h"
 
 #include <atomic>
 #include <optional>
@@ -33,7 +33,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 
 namespace duet_gguf {
-void round_to_bf16(float* values, int64_t n);  // gguf_ops.cpp's: as .to(torch.bfloat16) rounds
+void round_to_bf16(float* values, int64_t n);  // gguf_argmax.cpp's: as .to(torch.bfloat16) rounds
 
 namespace {
 
@@ -81,7 +81,7 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
   return _mm512_permutexvar_epi16(side_by_side, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
-// Rows of bf16, for the panel products of gguf_blocks.h: panels of bf16 pairs, a feature's
+// Rows of bf16, for the panel products of gguf_panels.h: panels of bf16 pairs, a feature's
 // weights at k and k + 1 in a cell (panel[(k / 2) * 32 + c], k even), rounded as bf16_block's;
 // a broadcast pair of each row's x meets them in vdpbf16ps.
 struct Bf16Panels {
@@ -175,7 +175,7 @@ void amx_panel_rows(const uint16_t* x, int64_t K, const uint32_t* panel, float* 
 
 constexpr int64_t kAmxTileRows = 32;  // two tiles of rows a panel
 
-// by_panels' plan (gguf_blocks.h) with two panel buffers: while the tiles multiply panel p's
+// by_panels' plan (gguf_panels.h) with two panel buffers: while the tiles multiply panel p's
 // first rows, its next panel is dequantized block by block into the other buffer (vector
 // instructions beside the tiles' own unit, where the two in turn took about as long each), and
 // the one after it is read into cache.
