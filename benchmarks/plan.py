@@ -18,9 +18,10 @@ cluster, and they are ranked by goodput (summed over the rates), then fewer core
 p90. The winner is written as its mode's config (the first ``--config`` of that mode) with its
 replica counts, its token budget and the SLO it was ranked on.
 
-The ranking is as good as the simulation: what ``duet simulate`` leaves out (its docstring: the
-serving path's CPU, speculation's accepted tokens, autoscaling, roles that move) it leaves out
-too, and a profile says how this machine's engines step, not another's. Its predictions against
+The ranking is as good as the simulation: what ``duet simulate`` leaves out (its docstring:
+speculation's accepted tokens, autoscaling, roles that move; the serving path's CPU unless the
+profile was measured ``--serving``) it leaves out too, and a profile says how this machine's
+engines step, not another's. Its predictions against
 measured runs are in docs/benchmarks.md ("duet profile and duet simulate").
 """
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     templates: dict[str, tuple[str, ClusterModel]] = {}
     for path in args.config:
-        model = dataclasses.replace(cluster_model(path, profile), ttft_s=slo[0], tpot_s=slo[1])
+        model = dataclasses.replace(cluster_model(path, profile), ttft_s=slo[0], tpot_s=slo[1], cores=cores)
         templates.setdefault("colocated" if model.colocated else "pd", (path, model))
     candidates = layouts(profile, set(templates), cores, [int(budget) for budget in args.budgets.split(",")])
     if not candidates:

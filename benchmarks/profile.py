@@ -1,7 +1,7 @@
 """``duet profile CONFIG``: how long each pool's engine steps take on this machine, as a profile
 JSON that ``duet simulate`` runs on.
 
-    duet profile configs/local-pd.yaml [configs/colocated.yaml ...] [--app NAME] [--out profile.json] [--quick] [--transfer]
+    duet profile configs/local-pd.yaml [configs/colocated.yaml ...] [--app NAME] [--out profile.json] [--quick] [--transfer] [--serving]
 
 For each pool of each config's application (by stage: ``prefill``, ``decode``, ``colocated``)
 (its merged engine settings and its threads, as a replica of it runs them), one engine in this
@@ -18,7 +18,10 @@ token, attention per token over its context), a decode step ``a + b B + c B C``.
 mixes prompt chunks and decode rows is priced as ``max(a) +`` both sums (``step_seconds``).
 With ``--transfer``, the KV transfer's time against tokens (``a + b tokens``) is fitted to
 ``duet bench transfer``'s measurement (SmolLM2's cache layout, whatever the model); without it
-``duet simulate`` takes transfers as free, and says so. The machine (CPU model, the flags that
+``duet simulate`` takes transfers as free, and says so. With ``--serving``, each config is
+brought up and the CPU its serving path takes beside the engines is measured
+(``profile_serving``), by mode (``pd``, ``colocated``: a PD request's calls are not a colocated
+one's); without it ``duet simulate`` leaves the engines every core. The machine (CPU model, the flags that
 choose kernels, cores) and each pool's settings are written beside the samples and the fits.
 """
 
@@ -59,7 +62,7 @@ def machine() -> dict:
     }
 
 
-def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
+def nonnegative_least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
     """Least squares with every coefficient kept at zero or above (a column whose coefficient
     comes out negative is dropped and the rest refitted): times do not fall as work grows."""
     import numpy as np
@@ -78,19 +81,19 @@ def _fit(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 def fit_prompt(samples: list[list[float]]) -> dict[str, float]:
     """``[T, C, seconds]`` samples: ``a + b T + c T (C + T/2)``."""
-    a, b, c = _fit([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in samples], [s for _, _, s in samples])
+    a, b, c = nonnegative_least_squares([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in samples], [s for _, _, s in samples])
     return {"base_s": a, "per_token_s": b, "per_token_context_s": c}
 
 
 def fit_decode(samples: list[list[float]]) -> dict[str, float]:
     """``[B, C, seconds]`` samples: ``a + b B + c B C``."""
-    a, b, c = _fit([[1.0, batch, batch * ctx] for batch, ctx, _ in samples], [s for _, _, s in samples])
+    a, b, c = nonnegative_least_squares([[1.0, batch, batch * ctx] for batch, ctx, _ in samples], [s for _, _, s in samples])
     return {"base_s": a, "per_row_s": b, "per_row_context_s": c}
 
 
 def fit_transfer(samples: list[list[float]]) -> dict[str, float]:
     """``[tokens, seconds]`` samples: ``a + b tokens``."""
-    a, b = _fit([[1.0, tokens] for tokens, _ in samples], [s for _, s in samples])
+    a, b = nonnegative_least_squares([[1.0, tokens] for tokens, _ in samples], [s for _, s in samples])
     return {"base_s": a, "per_token_s": b}
 
 
@@ -314,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="profile.json")
     parser.add_argument("--quick", action="store_true", help="a smaller grid (about a minute and a half a pool on two cores)")
     parser.add_argument("--transfer", action="store_true", help="also time KV transfers (duet bench transfer's measurement)")
+    parser.add_argument("--serving", action="store_true", help="also measure the serving path's CPU, each config brought up")
     parser.add_argument(
         "--neighbours", type=int, default=None,
         help="busy engines to time each pool beside (default: the config's other replicas, one per other core at most; 0: none)",
@@ -334,9 +338,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.transfer and "prefill" in profile["pools"]:
         samples = transfer_samples()
         profile["transfer"] = {"samples": samples, "fit": fit_transfer(samples)}
+    if args.serving:
+        from duet.benchmarks.profile_serving import measure
+
+        profile["serving"] = {}
+        for config in args.config:
+            app_args, pools = pools_of(config, args.app)
+            threads = {stage: num_threads for stage, (_, num_threads, _) in pools.items()}
+            mode = "colocated" if "colocated" in pools else "pd"
+            profile["serving"][mode] = measure(config, threads, app_args.get("model_id") or app_args.get("model"))
     Path(args.out).write_text(json.dumps(profile, indent=1))
     for stage, pool in profile["pools"].items():
         print(f"{stage}: prompt {_shown(pool['prompt']['fit'])}; decode {_shown(pool['decode']['fit'])}")
+    for mode, serving in profile.get("serving", {}).items():
+        fit = serving["fit"]
+        print(f"serving path ({mode}): {fit['base_cores']:.3f} cores idle, {fit['per_request_s'] * 1e3:.2f} CPU ms a request, "
+              f"{fit['per_token_s'] * 1e3:.3f} a streamed token")
     print(f"wrote {args.out} ({profile['machine']['cpu']})")
 
 

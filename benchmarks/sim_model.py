@@ -1,6 +1,7 @@
 """The parts ``duet simulate`` models a cluster with: a pool's step times (``duet profile``'s
 fits), a replica stepping its engine's real ``Scheduler``, ``KVCacheManager`` and ``LoadTracker``
-in simulated time, and a config's application read into pools and router settings."""
+in simulated time, the cores the serving path takes from the engines, and a config's
+application read into pools and router settings."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ from pathlib import Path
 
 TOKEN = 1000  # what every simulated step samples; requests end at their length (EOS ignored)
 EMPTY_STEP_S = 0.001  # an engine step that computes nothing (it only takes in KV that arrived)
+MIN_ENGINE_SHARE = 0.25  # of the cores, what the engines keep however busy the serving path is
+
+
+def cpu_stretch(busy_threads: int, serving_cores: float, cores: int) -> float:
+    """How much longer the engines' steps take while ``busy_threads`` engine threads compute and
+    the serving path (``duet profile --serving``) uses ``serving_cores`` of the machine's
+    ``cores``: the serving path runs first (short bursts, which the scheduler lets run before
+    long-running threads), and the engines share what is left, at least ``MIN_ENGINE_SHARE``
+    of the cores. No stretch while the engines' threads fit in what is left (or with no cores
+    given: a model without the machine)."""
+    if cores <= 0 or busy_threads <= 0:
+        return 1.0
+    left = max(cores - serving_cores, MIN_ENGINE_SHARE * cores)
+    return max(1.0, busy_threads / left)
 
 
 @dataclass
@@ -20,10 +35,11 @@ class PoolModel:
     decode: dict[str, float]
     settings: dict
     neighbours: dict | None = None  # its steps' slowdown beside busy engines (``duet profile``'s)
+    threads: int = 1  # the cores a step of it computes on
 
     @classmethod
     def from_profile(cls, pool: dict) -> PoolModel:
-        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], pool.get("neighbours"))
+        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], pool.get("neighbours"), pool.get("num_threads", 1))
 
     def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: int, row_context: int, busy_neighbours: int = 0) -> float:
         """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's
@@ -66,9 +82,9 @@ class Replica:
         self.kv_results: list = []  # transfers that ended, reported with the next step
         self._step = None
 
-    def start(self, busy_neighbours: int = 0) -> float | None:
-        """Schedule a step (``busy_neighbours``: other replicas stepping meanwhile); its duration,
-        or None when there is nothing to do."""
+    def start(self, busy_neighbours: int = 0, stretch: float = 1.0) -> float | None:
+        """Schedule a step (``busy_neighbours``: other replicas stepping meanwhile; ``stretch``:
+        ``cpu_stretch``'s); its duration, or None when there is nothing to do."""
         output = self.scheduler.schedule()
         if output.is_empty and not self.kv_results:
             return None
@@ -82,7 +98,7 @@ class Replica:
             else:
                 rows += 1
                 row_context += request.num_computed_tokens
-        seconds = self.model.step_seconds(prompt_tokens, prompt_work, rows, row_context, busy_neighbours)
+        seconds = self.model.step_seconds(prompt_tokens, prompt_work, rows, row_context, busy_neighbours) * stretch
         self._step = (output, seconds)
         self.busy = True
         return seconds
@@ -140,6 +156,8 @@ class ClusterModel:
     ttft_s: float
     tpot_s: float
     transfer: dict[str, float] | None
+    cores: int = 0  # the machine's (0: the engines never wait for a core)
+    serving: dict[str, float] | None = None  # the serving path's CPU (``duet profile --serving``'s fit for the mode)
 
 
 def cluster_model(config_path: str, profile: dict, app_name: str | None = None) -> ClusterModel:
@@ -167,4 +185,6 @@ def cluster_model(config_path: str, profile: dict, app_name: str | None = None) 
         ttft_s=config.slo.ttft_ms / 1e3,
         tpot_s=config.slo.tpot_ms / 1e3,
         transfer=(profile.get("transfer") or {}).get("fit"),
+        cores=profile["machine"]["cores"],
+        serving=((profile.get("serving") or {}).get("colocated" if colocated else "pd") or {}).get("fit"),
     )

@@ -1,18 +1,23 @@
 """``duet simulate``'s events in simulated time: sessions arriving, replicas' steps ending, KV
 transfers arriving, the replicas' reports and the router's waiting room asking its own
-``StageBalancer`` where each context is computed."""
+``StageBalancer`` where each context is computed. A step starting takes longer by
+``cpu_stretch`` of the engines' threads stepping and the serving path's cores: its base, and its
+CPU per request, prompt token and streamed token spread over the last ``SERVING_WINDOW_S``."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 from duet.benchmarks.serve import RequestResult
-from duet.benchmarks.sim_model import TOKEN, ClusterModel, Replica
+from duet.benchmarks.sim_model import TOKEN, ClusterModel, Replica, cpu_stretch
 from duet.benchmarks.workloads import TurnSpec
 from duet.messages import ROUTING_STATS_PERIOD_S
 from duet.router.waiting import ROOM_WAIT_S, WAIT_POLL_S
+
+SERVING_WINDOW_S = 1.0  # the serving path's recent CPU, as a rate over this long
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Simulation:
         self._open = 0  # requests of the sessions not ended yet (sent or still to come)
         self._polling = False
         self._sessions: dict[int, list[TurnSpec]] = {}
+        self._serving: deque[tuple[float, float]] = deque()  # (when, CPU seconds) the serving path spent
 
     def clock(self) -> float:
         return self.now
@@ -96,8 +102,26 @@ class Simulation:
         if self._open:
             self.at(self.now + ROUTING_STATS_PERIOD_S, self._report)
 
+    def _spend(self, prompt_tokens: int | None = None, tokens: int = 0) -> None:
+        """The serving path's CPU for a request of ``prompt_tokens`` arriving (None: none) and
+        ``tokens`` streamed now."""
+        fit = self.cluster.serving
+        if fit:
+            arrived = 0.0 if prompt_tokens is None else fit["per_request_s"] + fit["per_prompt_token_s"] * prompt_tokens
+            self._serving.append((self.now, arrived + fit["per_token_s"] * tokens))
+
+    def serving_cores(self) -> float:
+        """The cores the serving path uses now: its base and its recent CPU's rate."""
+        fit = self.cluster.serving
+        if not fit:
+            return 0.0
+        while self._serving and self._serving[0][0] < self.now - SERVING_WINDOW_S:
+            self._serving.popleft()
+        return fit["base_cores"] + sum(spent for _, spent in self._serving) / SERVING_WINDOW_S
+
     def _arrive(self, session: int, turn: int) -> None:
         request_id = f"s{session}-t{turn}"
+        self._spend(prompt_tokens=len(self._sessions[session][turn].prompt))
         self.sequences[request_id] = Sequence(self._sessions[session][turn], session, turn, self.now)
         self._admission.append(request_id)
         self._admit()
@@ -172,7 +196,9 @@ class Simulation:
 
     def _kick(self, replica: Replica) -> None:
         if not replica.busy:
-            seconds = replica.start(sum(other.busy for other in (*self.prefill, *self.decode) if other is not replica))
+            others = [other for other in (*self.prefill, *self.decode) if other.busy and other is not replica]
+            threads = replica.model.threads + sum(other.model.threads for other in others)
+            seconds = replica.start(len(others), cpu_stretch(threads, self.serving_cores(), self.cluster.cores))
             if seconds is not None:
                 self.at(self.now + seconds, self._finished_step, replica)
 
@@ -182,6 +208,7 @@ class Simulation:
             if replica.stage == "prefill":
                 if request.output_token_ids and not sequence.token_times:
                     sequence.token_times.append(self.now)  # the router streams the first token on
+                    self._spend(tokens=1)
                     self._first_token(request.request_id)
                     tokens = len(request.prompt_token_ids)
                     self.at(self.now + self._transfer_s(tokens), self._arrived, replica, request.kv_send.transfer_id)
@@ -189,6 +216,7 @@ class Simulation:
             new = len(request.output_token_ids) - len(sequence.token_times)
             if new > 0:
                 sequence.token_times += [self.now] * new
+                self._spend(tokens=new)
                 self._first_token(request.request_id)
             if request.is_finished:
                 self._ended(request.request_id)

@@ -23,11 +23,15 @@ figure's error (``--plot``: predicted against measured).
 
 Replicas on one machine slow each other's steps (cores, caches, memory bandwidth): a step is
 slowed by the profile's ratio beside busy engines (``duet profile``'s neighbours), in proportion
-to how many of the other replicas are stepping when it starts.
+to how many of the other replicas are stepping when it starts. The serving path (the router,
+Serve's proxy and controller, Ray, the replicas' threads beside their engines) takes cores from
+them: with a profile measured ``--serving``, a step starting while the engines' threads stepping
+do not fit in the cores the serving path leaves (its idle base, and its CPU per request and per
+streamed token over the last second) takes longer in proportion (``sim_model.cpu_stretch``).
 
-Not modelled yet: the CPU the router, Serve's proxy and Ray take from the engines; speculative
-decoding's accepted tokens (no drafts); autoscaling (each pool at its starting size); roles that
-move; prefix-affinity routing (least pending prompt tokens instead).
+Not modelled yet: speculative decoding's accepted tokens (no drafts); autoscaling (each pool at
+its starting size); roles that move; prefix-affinity routing (least pending prompt tokens
+instead); the serving path's own latency (a token reaches the client when its step ends).
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nsimulated on {args.profile} ({profile['machine']['cpu']})")
     if "transfer" not in profile:
         print("KV transfers taken as free: the profile has no transfer fit (`duet profile --transfer`)")
+    if not profile.get("serving"):
+        print("the engines keep every core: the profile has no serving path's CPU (`duet profile --serving`)")
     print(format_table(summaries))
     predicted = [asdict(summary) for summary in summaries]
     if args.json:

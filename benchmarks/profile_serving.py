@@ -1,0 +1,129 @@
+"""The serving path's CPU, for ``duet profile --serving``: what everything on the machine but the
+engines takes of its cores while a config serves (the router, Serve's proxy and controller,
+Ray's own processes, and in each engine replica's process the threads beside its engine's:
+messages, streaming, the KV transfer), as ``base + per request + per prompt token + per
+streamed token``.
+
+The config is brought up on a local cluster (``duet up``'s), and every process's CPU time, and
+in each engine replica's process every thread's, is read before and after four windows: idle,
+then ``REQUESTS`` requests at once of ``SHORT_PROMPT`` tokens for one token each, of
+``LONG_PROMPT`` for one, and of ``SHORT_PROMPT`` for ``LONG_OUTPUT``. A replica's engine is its
+``num_threads`` busiest threads (its engine thread and the intra-op threads it computes with);
+the rest of its threads, and every other process but this one (the benchmark client), are the
+serving path. The idle window gives the base; least squares share the rest among requests,
+prompt tokens and streamed tokens.
+
+``duet simulate`` takes those cores from the engines' (``sim_model.cpu_stretch``): on two cores
+the serving path is a tenth of a core or more under load, taken first, as the scheduler gives
+threads that run in short bursts their turn before long-running ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import time
+
+IDLE_S = 5.0
+REQUESTS = 24
+SHORT_PROMPT, LONG_PROMPT = 32, 256
+LONG_OUTPUT = 64
+WARM_UP_PROMPT, WARM_UP_OUTPUT = 8, 4  # the request run_load sends before its load (duet.benchmarks.serve)
+_REPLICA = re.compile(r"ServeReplica:[^:\s]+:(\w+)")
+
+
+def reading() -> dict[int, tuple[str, float, dict[int, float]]]:
+    """Every process's title, CPU seconds and, for Serve replicas, each thread's CPU seconds."""
+    import psutil
+
+    found = {}
+    for process in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        try:
+            title = " ".join(process.info["cmdline"] or []) or process.name()
+            times = process.info["cpu_times"]
+            threads = {thread.id: thread.user_time + thread.system_time for thread in process.threads()} if "ServeReplica" in title else {}
+            found[process.info["pid"]] = (title, times.user + times.system, threads)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, TypeError):
+            continue
+    return found
+
+
+def serving_seconds(before: dict, after: dict, engine_threads: dict[str, int], exclude: set[int]) -> float:
+    """CPU seconds spent between two ``reading``s outside the engines: in every process but
+    ``exclude``, less, in an engine replica's (``ServeReplica:<app>:<pool>``, ``engine_threads``
+    its pool's threads), its pool's number of busiest threads."""
+    spent = 0.0
+    for pid, (title, total, threads) in after.items():
+        if pid in exclude:
+            continue
+        _, total_before, threads_before = before.get(pid, (title, 0.0, {}))
+        used = total - total_before
+        match = _REPLICA.search(title)
+        if match and match.group(1) in engine_threads:
+            deltas = sorted((cpu - threads_before.get(tid, 0.0) for tid, cpu in threads.items()), reverse=True)
+            used -= sum(deltas[: engine_threads[match.group(1)]])
+        spent += max(0.0, used)
+    return spent
+
+
+def fit(idle: tuple[float, float], loads: list[tuple[float, float, int, int, int]]) -> dict[str, float]:
+    """The figures from the windows: ``idle`` (seconds, CPU seconds) gives ``base_cores``; each
+    of ``loads`` (seconds, CPU seconds, requests, prompt tokens, streamed tokens) what it spent
+    beyond the base, which least squares share into ``per_request_s``, ``per_prompt_token_s`` and
+    ``per_token_s``, each kept at zero or above."""
+    from duet.benchmarks.profile import nonnegative_least_squares
+
+    base = max(0.0, idle[1] / idle[0])
+    rows = [[float(requests), float(prompt), float(tokens)] for _, _, requests, prompt, tokens in loads]
+    extra = [spent - base * seconds for seconds, spent, *_ in loads]
+    per_request, per_prompt_token, per_token = nonnegative_least_squares(rows, extra)
+    return {"base_cores": base, "per_request_s": per_request, "per_prompt_token_s": per_prompt_token, "per_token_s": per_token}
+
+
+def measure(config_path: str, engine_threads: dict[str, int], model: str, log=print) -> dict:
+    """``config_path`` brought up and measured; the samples and the fit."""
+    from duet.benchmarks.serve import run_load
+    from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, TurnSpec
+    from duet.cluster.deploy import down, up
+
+    log(f"serving path: bringing up {config_path} ...")
+    url = up(config_path).urls[0]
+    me = {os.getpid()}
+    rng = random.Random(0)
+
+    def sessions(prompt: int, output: int) -> list[list[TurnSpec]]:
+        # random prompts, as duet bench serve's: their continuations seldom repeat, so n-gram
+        # drafts seldom pass and each streamed chunk is a token
+        return [[TurnSpec([rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(prompt)], output)] for _ in range(REQUESTS)]
+
+    def window(label: str, load: list[list[TurnSpec]] | None) -> tuple:
+        before, started = reading(), time.perf_counter()
+        if load is None:
+            time.sleep(IDLE_S)
+        else:
+            results, _ = asyncio.run(run_load(url, model, load, 0.0, 0.0, 0, None, f"serving path: {label}"))
+        seconds = time.perf_counter() - started
+        spent = serving_seconds(before, reading(), engine_threads, me)
+        if load is None:
+            log(f"serving path: {label}: {spent:.2f} CPU s in {seconds:.1f} s")
+            return seconds, spent
+        # run_load's own warm-up request (WARM_UP_PROMPT tokens, WARM_UP_OUTPUT out) is in the window too
+        requests = len(results) + 1
+        prompt = sum(len(turn.prompt) for session in load for turn in session) + WARM_UP_PROMPT
+        tokens = sum(result.output_tokens for result in results) + WARM_UP_OUTPUT
+        log(f"serving path: {label}: {spent:.2f} CPU s in {seconds:.1f} s, {requests} requests, {prompt} prompt tokens, {tokens} streamed")
+        return seconds, spent, requests, prompt, tokens
+
+    try:
+        window("warm-up", sessions(SHORT_PROMPT, 1))
+        idle = window("idle", None)
+        loads = [
+            window(f"{SHORT_PROMPT}-token prompts, 1 token each", sessions(SHORT_PROMPT, 1)),
+            window(f"{LONG_PROMPT}-token prompts, 1 token each", sessions(LONG_PROMPT, 1)),
+            window(f"{SHORT_PROMPT}-token prompts, {LONG_OUTPUT} tokens each", sessions(SHORT_PROMPT, LONG_OUTPUT)),
+        ]
+    finally:
+        down()
+    return {"config": config_path, "samples": {"idle": idle, "loads": loads}, "fit": fit(idle, loads)}
