@@ -19,9 +19,9 @@ p90. The winner is written as its mode's config (the first ``--config`` of that 
 replica counts, its token budget and the SLO it was ranked on.
 
 The ranking is as good as the simulation: what ``duet simulate`` leaves out (its docstring:
-speculation's accepted tokens, autoscaling, roles that move; the serving path's CPU unless the
-profile was measured ``--serving``) it leaves out too, and a profile says how this machine's
-engines step, not another's. Its predictions against
+autoscaling, roles that move; the serving path's CPU unless the profile was measured
+``--serving``) it leaves out too, and a profile says how this machine's engines step, not
+another's. Its predictions against
 measured runs are in docs/benchmarks.md ("duet profile and duet simulate").
 """
 

@@ -13,7 +13,8 @@ process is timed:
 - decode steps: ``B`` sequences of ``C`` tokens each, one token a step (EOS ignored), the median
   step over several.
 
-Each kind is fitted by least squares: a prompt step ``a + b T + c T (C + T/2)`` (the products per
+A pool that drafts (``speculative_config``) is also timed decoding with its drafts
+(``profile_spec``), as a factor on its decode steps. Each kind is fitted by least squares: a prompt step ``a + b T + c T (C + T/2)`` (the products per
 token, attention per token over its context), a decode step ``a + b B + c B C``. A step that
 mixes prompt chunks and decode rows is priced as ``max(a) +`` both sums (``step_seconds``).
 With ``--transfer``, the KV transfer's time against tokens (``a + b tokens``) is fitted to
@@ -246,6 +247,7 @@ def profile_pool(stage: str, engine_args: dict, num_threads: int, quick: bool, s
     import torch
 
     from duet import LLM
+    from duet.benchmarks.profile_spec import measure as measure_speculation
 
     torch.set_num_threads(num_threads)
     llm = LLM(**engine_args)
@@ -259,6 +261,10 @@ def profile_pool(stage: str, engine_args: dict, num_threads: int, quick: bool, s
         print(f"{stage}: {len(prompts)} prompt steps timed", flush=True)
         decode = measure_decode(llm, max_seqs, max_context, rng, steps=8 if quick else 16, quick=quick)
         print(f"{stage}: {len(decode)} decode steps timed", flush=True)
+        speculation = measure_speculation(llm, fit_decode(decode), seed)
+        if speculation:
+            print(f"{stage}: decoding with its drafts x{speculation['decode_factor']:.2f} the time of steps without "
+                  f"(acceptance {speculation['acceptance']:.2f})", flush=True)
         shared = None
         if neighbours:
             alone = {"prompt": prompts, "decode": decode}
@@ -277,6 +283,7 @@ def profile_pool(stage: str, engine_args: dict, num_threads: int, quick: bool, s
         },
         "prompt": {"samples": prompts, "fit": fit_prompt(prompts)},
         "decode": {"samples": decode, "fit": fit_decode(decode)},
+        "speculation": speculation,
     }
 
 

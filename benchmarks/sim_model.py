@@ -36,10 +36,13 @@ class PoolModel:
     settings: dict
     neighbours: dict | None = None  # its steps' slowdown beside busy engines (``duet profile``'s)
     threads: int = 1  # the cores a step of it computes on
+    draft_factor: float = 1.0  # its drafts' effect on its decoding time (``duet profile``'s speculation)
 
     @classmethod
     def from_profile(cls, pool: dict) -> PoolModel:
-        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], pool.get("neighbours"), pool.get("num_threads", 1))
+        drafts = (pool.get("speculation") or {}).get("decode_factor", 1.0)
+        neighbours, threads = pool.get("neighbours"), pool.get("num_threads", 1)
+        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, drafts)
 
     def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: int, row_context: int, busy_neighbours: int = 0) -> float:
         """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's
@@ -54,14 +57,16 @@ class PoolModel:
             prompt_factor = 1.0 + (self.neighbours["prompt_slowdown"] - 1.0) * share
             decode_factor = 1.0 + (self.neighbours["decode_slowdown"] - 1.0) * share
         prompt_s = self.prompt["base_s"] + self.prompt["per_token_s"] * prompt_tokens + self.prompt["per_token_context_s"] * prompt_work
-        decode_s = self.decode["base_s"] + self.decode["per_row_s"] * rows + self.decode["per_row_context_s"] * row_context
+        # drafts (``draft_factor``): fewer steps a token where they pass, each verifying more
+        decode_base = self.decode["base_s"] * self.draft_factor
+        decode_s = decode_base + (self.decode["per_row_s"] * rows + self.decode["per_row_context_s"] * row_context) * self.draft_factor
         if not prompt_tokens:
             return decode_s * decode_factor
         if not rows:
             return prompt_s * prompt_factor
         # One fixed cost for the step (the larger one), each part's work on top.
-        base = max(self.prompt["base_s"] * prompt_factor, self.decode["base_s"] * decode_factor)
-        return base + (prompt_s - self.prompt["base_s"]) * prompt_factor + (decode_s - self.decode["base_s"]) * decode_factor
+        base = max(self.prompt["base_s"] * prompt_factor, decode_base * decode_factor)
+        return base + (prompt_s - self.prompt["base_s"]) * prompt_factor + (decode_s - decode_base) * decode_factor
 
 
 class Replica:

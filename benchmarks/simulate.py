@@ -29,9 +29,13 @@ them: with a profile measured ``--serving``, a step starting while the engines' 
 do not fit in the cores the serving path leaves (its idle base, and its CPU per request and per
 streamed token over the last second) takes longer in proportion (``sim_model.cpu_stretch``).
 
-Not modelled yet: speculative decoding's accepted tokens (no drafts); autoscaling (each pool at
-its starting size); roles that move; prefix-affinity routing (least pending prompt tokens
-instead); the serving path's own latency (a token reaches the client when its step ends).
+A pool that drafts decodes in its profile's factor of the time (``duet profile``'s speculation:
+its engine decoding random prompts with its drafts, against its steps without): drafts are not
+proposed one by one, and the factor holds for text like the profile's.
+
+Not modelled yet: autoscaling (each pool at its starting size); roles that move;
+prefix-affinity routing (least pending prompt tokens instead); the serving path's own latency
+(a token reaches the client when its step ends).
 """
 
 from __future__ import annotations

@@ -176,6 +176,7 @@ def test_a_profile_of_a_real_engine_times_its_prompt_and_decode_steps(tiny_llama
         assert min(pool["prompt"]["fit"].values()) >= 0 and min(pool["decode"]["fit"].values()) >= 0
         shared = pool["neighbours"]
         assert shared["neighbours"] == 1 and shared["prompt_slowdown"] >= 1.0 and shared["decode_slowdown"] >= 1.0
+        assert pool["speculation"] is None  # neither pool drafts
     simulate(["--profile", str(tmp_path / "profile.json"), "--config", str(config), "--rate", "4", "--num-requests", "6",
               "--input-len", "64", "--output-len", "4", "--workloads", "random", "--json", str(tmp_path / "sim.json")])
     (summary,) = json.loads((tmp_path / "sim.json").read_text())

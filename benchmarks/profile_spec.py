@@ -1,0 +1,62 @@
+"""Speculative decoding's effect on a pool's decoding, for ``duet profile``: what ``duet
+simulate``, which drafts nothing, multiplies its decode work by.
+
+``duet profile``'s decode samples are steps without drafts (one token a sequence), fitted as
+``a + b B + c B C``. A pool with a ``speculative_config`` decodes otherwise: steps verify drafts
+and, where they are accepted, give a sequence several tokens. So the pool's engine, as the
+config runs it, decodes ``BATCH`` of ``duet bench serve``'s random prompts (``PROMPT`` tokens
+from its vocabulary range) for ``OUTPUT`` tokens each, every step timed; the time its decode
+steps took, over what the fit gives for ``OUTPUT`` steps of the same batch and contexts, is the
+pool's ``decode_factor``: under one where drafts pay. It holds for this workload's kind of text
+(greedy continuations of random prompts repeat, so n-gram drafts pass often); other text drafts
+otherwise, and a model's accepted length is not measured apart from it.
+"""
+
+from __future__ import annotations
+
+import random
+
+BATCH = 8
+PROMPT = 256
+OUTPUT = 64
+
+
+def measure(llm, fit: dict[str, float], seed: int) -> dict | None:
+    """The pool's decode factor, with what it came from; None for a pool that drafts nothing."""
+    from duet import SamplingParams
+    from duet.benchmarks.profile import _timed_steps
+    from duet.benchmarks.workloads import SAFE_TOKEN_RANGE
+    from duet.messages import EngineRequest
+
+    engine = llm.engine
+    if not engine.speculative_config:
+        return None
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size  # a small model's: the range's part within it
+    low, high = min(SAFE_TOKEN_RANGE[0], vocab // 2), min(SAFE_TOKEN_RANGE[1], vocab)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT, min_tokens=OUTPUT, ignore_eos=True)
+    for index in range(BATCH):
+        prompt = [rng.randrange(low, high) for _ in range(PROMPT)]
+        engine.add_request(EngineRequest(f"speculation-{index}", prompt, params))
+    before = engine.scheduler.spec_stats.stats()
+    steps = _timed_steps(engine, lambda: not engine.has_unfinished_requests())
+    after = engine.scheduler.spec_stats.stats()
+    # a decode step schedules no prompt: every sequence in it has its prompt computed
+    decode = [seconds for seconds, output in steps if output.num_scheduled_tokens and _decoding_only(engine, output)]
+    plain = sum(fit["base_s"] + fit["per_row_s"] * BATCH + fit["per_row_context_s"] * BATCH * (PROMPT + i) for i in range(1, OUTPUT))
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    return {
+        "decode_factor": sum(decode) / plain if plain > 0 else 1.0,
+        "decode_steps": len(decode), "decode_s": sum(decode), "plain_s": plain,
+        "acceptance": (after.num_accepted_tokens - before.num_accepted_tokens) / drafted if drafted else 0.0,
+    }
+
+
+def _decoding_only(engine, output) -> bool:
+    """Whether a step computed no prompt: each sequence scheduled had its prompt computed
+    (its first token is sampled after the prompt's last chunk, so a step of the prompt's last
+    chunk counts as prompt work)."""
+    for request_id, num_tokens in output.num_scheduled_tokens.items():
+        if num_tokens > 1 + len(output.scheduled_spec_token_ids.get(request_id, ())):
+            return False
+    return True
