@@ -21,8 +21,8 @@ replica counts, its token budget and the SLO it was ranked on.
 The ranking is as good as the simulation: what ``duet simulate`` leaves out (its docstring:
 autoscaling, roles that move; the serving path's CPU unless the profile was measured
 ``--serving``) it leaves out too, and a profile says how this machine's engines step, not
-another's. Its predictions against
-measured runs are in docs/benchmarks.md ("duet profile and duet simulate").
+another's. Its predictions against measured runs are in docs/benchmarks.md ("duet profile and
+duet simulate").
 """
 
 from __future__ import annotations

@@ -13,17 +13,20 @@ process is timed:
 - decode steps: ``B`` sequences of ``C`` tokens each, one token a step (EOS ignored), the median
   step over several.
 
-A pool that drafts (``speculative_config``) is also timed decoding with its drafts
-(``profile_spec``), as a factor on its decode steps. Each kind is fitted by least squares: a prompt step ``a + b T + c T (C + T/2)`` (the products per
+Each kind is fitted by least squares: a prompt step ``a + b T + c T (C + T/2)`` (the products per
 token, attention per token over its context), a decode step ``a + b B + c B C``. A step that
-mixes prompt chunks and decode rows is priced as ``max(a) +`` both sums (``step_seconds``).
+mixes prompt chunks and decode rows is priced as ``max(a) +`` both sums (``step_seconds``). A
+pool that drafts (``speculative_config``) is also timed decoding with its drafts
+(``profile_spec``), as a factor on its decode steps.
+
 With ``--transfer``, the KV transfer's time against tokens (``a + b tokens``) is fitted to
 ``duet bench transfer``'s measurement (SmolLM2's cache layout, whatever the model); without it
 ``duet simulate`` takes transfers as free, and says so. With ``--serving``, each config is
 brought up and the CPU its serving path takes beside the engines is measured
 (``profile_serving``), by mode (``pd``, ``colocated``: a PD request's calls are not a colocated
-one's); without it ``duet simulate`` leaves the engines every core. The machine (CPU model, the flags that
-choose kernels, cores) and each pool's settings are written beside the samples and the fits.
+one's); without it ``duet simulate`` leaves the engines every core. The machine (CPU model, the
+flags that choose kernels, cores) and each pool's settings are written beside the samples and
+the fits.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ serving path. The idle window gives the base; least squares share the rest among
 prompt tokens and streamed tokens.
 
 ``duet simulate`` takes those cores from the engines' (``sim_model.cpu_stretch``): on two cores
-the serving path is a tenth of a core or more under load, taken first, as the scheduler gives
-threads that run in short bursts their turn before long-running ones.
+of a Xeon the serving path takes a ninth of the machine idle and more under load, first, as the
+scheduler gives threads that run in short bursts their turn before long-running ones.
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ def reading() -> dict[int, tuple[str, float, dict[int, float]]]:
         try:
             title = " ".join(process.info["cmdline"] or []) or process.name()
             times = process.info["cpu_times"]
+            if times is None:  # not ours to read
+                continue
             threads = {thread.id: thread.user_time + thread.system_time for thread in process.threads()} if "ServeReplica" in title else {}
             found[process.info["pid"]] = (title, times.user + times.system, threads)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, TypeError):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
 
@@ -94,8 +96,8 @@ def measure(config_path: str, engine_threads: dict[str, int], model: str, log=pr
     rng = random.Random(0)
 
     def sessions(prompt: int, output: int) -> list[list[TurnSpec]]:
-        # random prompts, as duet bench serve's: their continuations seldom repeat, so n-gram
-        # drafts seldom pass and each streamed chunk is a token
+        # random prompts, as duet bench serve's: where a config drafts, its chunks carry as many
+        # tokens as they do on that workload
         return [[TurnSpec([rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(prompt)], output)] for _ in range(REQUESTS)]
 
     def window(label: str, load: list[list[TurnSpec]] | None) -> tuple:

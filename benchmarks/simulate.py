@@ -26,8 +26,9 @@ slowed by the profile's ratio beside busy engines (``duet profile``'s neighbours
 to how many of the other replicas are stepping when it starts. The serving path (the router,
 Serve's proxy and controller, Ray, the replicas' threads beside their engines) takes cores from
 them: with a profile measured ``--serving``, a step starting while the engines' threads stepping
-do not fit in the cores the serving path leaves (its idle base, and its CPU per request and per
-streamed token over the last second) takes longer in proportion (``sim_model.cpu_stretch``).
+do not fit in the cores the serving path leaves (its idle base, and its CPU per request, prompt
+token and streamed token over the last second) takes longer in proportion
+(``sim_model.cpu_stretch``).
 
 A pool that drafts decodes in its profile's factor of the time (``duet profile``'s speculation:
 its engine decoding random prompts with its drafts, against its steps without): drafts are not
