@@ -131,3 +131,16 @@ def test_a_config_is_simulated_with_its_own_modes_serving_path_and_the_machines_
     assert model.serving == colocated and model.cores == 2 and model.decode[0].threads == 1
     del profile["serving"]
     assert cluster_model(str(configs / "local-pd.yaml"), profile).serving is None
+
+
+def test_through_pd_the_first_token_streamed_from_the_prefill_pool_costs_the_serving_path_too():
+    settings = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 2048}
+    pool = PoolModel(PROMPT, DECODE, settings)
+
+    def second_token_gap(serving: dict | None) -> float:
+        cluster = ClusterModel(False, [pool], [pool], 16, False, 1000, 1.5, 0.2, None, cores=1, serving=serving)
+        (result,), _ = Simulation(cluster).run([[TurnSpec(list(range(100, 300)), 2)]], [0.0])
+        return result.itls[0]
+
+    # the only token streamed before the decode pool's first step is the prefill pool's
+    assert second_token_gap(_serving(token=0.5)) > second_token_gap(None)

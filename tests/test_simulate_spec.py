@@ -60,3 +60,15 @@ def test_the_profile_times_a_drafting_engine_decoding_and_none_for_one_that_does
         assert measure(plain, fit, seed=0) is None
     finally:
         plain.engine.close()
+
+
+def test_a_decode_step_is_one_whose_every_sequence_computes_its_next_token_and_drafts():
+    from duet.benchmarks.profile_spec import _decoding_only
+    from duet.outputs import SchedulerOutput
+
+    def output(tokens: dict[str, int], drafts: dict[str, list[int]]) -> SchedulerOutput:
+        return SchedulerOutput([], [], tokens, scheduled_spec_token_ids=drafts)
+
+    assert _decoding_only(None, output({"a": 1, "b": 4}, {"b": [5, 6, 7]}))
+    assert not _decoding_only(None, output({"a": 1, "b": 4}, {"b": [5, 6]}))  # b computes a chunk too
+    assert not _decoding_only(None, output({"a": 256}, {}))  # a prompt
