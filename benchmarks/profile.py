@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode, serving in profile.get("serving", {}).items():
         fit = serving["fit"]
         print(f"serving path ({mode}): {fit['base_cores']:.3f} cores idle, {fit['per_request_s'] * 1e3:.2f} CPU ms a request, "
-              f"{fit['per_token_s'] * 1e3:.3f} a streamed token")
+              f"{fit['per_prompt_token_s'] * 1e3:.3f} a prompt token, {fit['per_token_s'] * 1e3:.3f} a streamed token")
     print(f"wrote {args.out} ({profile['machine']['cpu']})")
 
 
