@@ -5,13 +5,18 @@ messages, streaming, the KV transfer), as ``base + per request + per prompt toke
 streamed token``.
 
 The config is brought up on a local cluster (``duet up``'s), and every process's CPU time, and
-in each engine replica's process every thread's, is read before and after four windows: idle,
-then ``REQUESTS`` requests at once of ``SHORT_PROMPT`` tokens for one token each, of
-``LONG_PROMPT`` for one, and of ``SHORT_PROMPT`` for ``LONG_OUTPUT``. A replica's engine is its
+in each engine replica's process every thread's, is read before and after each window: idle
+(the least of ``IDLE_WINDOWS``: a burst of background work only adds), then ``REQUESTS``
+requests at once of ``SHORT_PROMPT`` tokens for one token each, of ``LONG_PROMPT`` for one, and
+of ``SHORT_PROMPT`` for ``LONG_OUTPUT``. A replica's engine is its
 ``num_threads`` busiest threads (its engine thread and the intra-op threads it computes with);
 the rest of its threads, and every other process but this one (the benchmark client), are the
 serving path. The idle window gives the base; least squares share the rest among requests,
-prompt tokens and streamed tokens.
+prompt tokens and streamed tokens. Then ``LATENCY_REQUESTS`` requests of ``SHORT_PROMPT``
+tokens, one at a time on the idle cluster: their median time to the first token, less the
+engine's step for such a prompt (the profile's fit), is the path's own latency a request (the
+router's calls to the pools, the token's way back), which ``duet simulate`` adds before a
+request reaches the router's admission.
 
 ``duet simulate`` takes those cores from the engines' (``sim_model.cpu_stretch``): on two cores
 of a Xeon the serving path takes a ninth of the machine idle and more under load, first, as the
@@ -24,13 +29,16 @@ import asyncio
 import os
 import random
 import re
+import statistics
 import time
 
-IDLE_S = 5.0
+IDLE_S = 4.0
+IDLE_WINDOWS = 3
 REQUESTS = 24
 SHORT_PROMPT, LONG_PROMPT = 32, 256
 LONG_OUTPUT = 64
 WARM_UP_PROMPT, WARM_UP_OUTPUT = 8, 4  # the request run_load sends before its load (duet.benchmarks.serve)
+LATENCY_REQUESTS = 8
 _REPLICA = re.compile(r"ServeReplica:[^:\s]+:(\w+)")
 
 
@@ -84,8 +92,9 @@ def fit(idle: tuple[float, float], loads: list[tuple[float, float, int, int, int
     return {"base_cores": base, "per_request_s": per_request, "per_prompt_token_s": per_prompt_token, "per_token_s": per_token}
 
 
-def measure(config_path: str, engine_threads: dict[str, int], model: str, log=print) -> dict:
-    """``config_path`` brought up and measured; the samples and the fit."""
+def measure(config_path: str, engine_threads: dict[str, int], model: str, prompt_step_s: float, log=print) -> dict:
+    """``config_path`` brought up and measured; the samples and the fit. ``prompt_step_s``: the
+    engine's step for a ``SHORT_PROMPT``-token prompt alone (the first pool a prompt meets)."""
     from duet.benchmarks.serve import run_load
     from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, TurnSpec
     from duet.cluster.deploy import down, up
@@ -120,12 +129,20 @@ def measure(config_path: str, engine_threads: dict[str, int], model: str, log=pr
 
     try:
         window("warm-up", sessions(SHORT_PROMPT, 1))
-        idle = window("idle", None)
+        idle = min((window("idle", None) for _ in range(IDLE_WINDOWS)), key=lambda sample: sample[1] / sample[0])
         loads = [
             window(f"{SHORT_PROMPT}-token prompts, 1 token each", sessions(SHORT_PROMPT, 1)),
             window(f"{LONG_PROMPT}-token prompts, 1 token each", sessions(LONG_PROMPT, 1)),
             window(f"{SHORT_PROMPT}-token prompts, {LONG_OUTPUT} tokens each", sessions(SHORT_PROMPT, LONG_OUTPUT)),
         ]
+        ttfts = [
+            asyncio.run(run_load(url, model, [session], 0.0, 0.0, 0, None, "serving path: latency"))[0][0].ttft
+            for session in sessions(SHORT_PROMPT, 1)[:LATENCY_REQUESTS]
+        ]
     finally:
         down()
-    return {"config": config_path, "samples": {"idle": idle, "loads": loads}, "fit": fit(idle, loads)}
+    figures = fit(idle, loads) | {"latency_s": max(0.0, statistics.median(ttfts) - prompt_step_s)}
+    log(f"serving path: alone, the first token in {statistics.median(ttfts) * 1e3:.0f} ms (median), the engine's step "
+        f"{prompt_step_s * 1e3:.0f} ms of it")
+    samples = {"idle": idle, "loads": loads, "ttfts": ttfts, "prompt_step_s": prompt_step_s}
+    return {"config": config_path, "samples": samples, "fit": figures}

@@ -2,7 +2,8 @@
 transfers arriving, the replicas' reports and the router's waiting room asking its own
 ``StageBalancer`` where each context is computed. A step starting takes longer by
 ``cpu_stretch`` of the engines' threads stepping and the serving path's cores: its base, and its
-CPU per request, prompt token and streamed token spread over the last ``SERVING_WINDOW_S``."""
+CPU per request, prompt token and streamed token spread over the last ``SERVING_WINDOW_S``; a
+request reaches the router's admission after the serving path's latency."""
 
 from __future__ import annotations
 
@@ -120,9 +121,17 @@ class Simulation:
         return fit["base_cores"] + sum(spent for _, spent in self._serving) / SERVING_WINDOW_S
 
     def _arrive(self, session: int, turn: int) -> None:
+        """A request sent: it reaches the router's admission after the serving path's latency."""
         request_id = f"s{session}-t{turn}"
         self._spend(prompt_tokens=len(self._sessions[session][turn].prompt))
         self.sequences[request_id] = Sequence(self._sessions[session][turn], session, turn, self.now)
+        latency = (self.cluster.serving or {}).get("latency_s", 0.0)
+        if latency:
+            self.at(self.now + latency, self._reach, request_id)
+        else:
+            self._reach(request_id)
+
+    def _reach(self, request_id: str) -> None:
         self._admission.append(request_id)
         self._admit()
 

@@ -28,15 +28,16 @@ Serve's proxy and controller, Ray, the replicas' threads beside their engines) t
 them: with a profile measured ``--serving``, a step starting while the engines' threads stepping
 do not fit in the cores the serving path leaves (its idle base, and its CPU per request, prompt
 token and streamed token over the last second) takes longer in proportion
-(``sim_model.cpu_stretch``).
+(``sim_model.cpu_stretch``), and a request reaches the router's admission after the path's
+latency measured alone (its calls to the pools, the first token's way back).
 
 A pool that drafts decodes in its profile's factor of the time (``duet profile``'s speculation:
 its engine decoding random prompts with its drafts, against its steps without): drafts are not
 proposed one by one, and the factor holds for text like the profile's.
 
 Not modelled yet: autoscaling (each pool at its starting size); roles that move;
-prefix-affinity routing (least pending prompt tokens instead); the serving path's own latency
-(a token reaches the client when its step ends).
+prefix-affinity routing (least pending prompt tokens instead); the serving path's latency
+under load, and a later token's way to the client (it arrives when its step ends).
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ def _decode_s(context: int) -> float:
     return DECODE["base_s"] + DECODE["per_row_s"] + DECODE["per_row_context_s"] * context
 
 
-def _serving(base: float = 0.0, request: float = 0.0, token: float = 0.0, prompt_token: float = 0.0) -> dict:
-    return {"base_cores": base, "per_request_s": request, "per_prompt_token_s": prompt_token, "per_token_s": token}
+def _serving(base: float = 0.0, request: float = 0.0, token: float = 0.0, prompt_token: float = 0.0, latency: float = 0.0) -> dict:
+    return {"base_cores": base, "per_request_s": request, "per_prompt_token_s": prompt_token, "per_token_s": token, "latency_s": latency}
 
 
 def test_the_engines_share_what_the_serving_path_leaves_of_the_cores():
@@ -144,3 +144,11 @@ def test_through_pd_the_first_token_streamed_from_the_prefill_pool_costs_the_ser
 
     # the only token streamed before the decode pool's first step is the prefill pool's
     assert second_token_gap(_serving(token=0.5)) > second_token_gap(None)
+
+
+def test_a_request_reaches_the_pools_after_the_serving_paths_latency():
+    prompt = list(range(100, 300))
+    plain, _ = Simulation(_colocated(4, None)).run([[TurnSpec(prompt, 3)]], [1.0])
+    late, duration = Simulation(_colocated(4, _serving(latency=0.07))).run([[TurnSpec(prompt, 3)]], [1.0])
+    assert late[0].sent_s == 1.0 and late[0].ttft == pytest.approx(plain[0].ttft + 0.07)
+    assert late[0].itls == pytest.approx(plain[0].itls) and duration == pytest.approx(1.0 + plain[0].e2e + 0.07)
