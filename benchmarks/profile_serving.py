@@ -135,12 +135,15 @@ def measure(config_path: str, engine_threads: dict[str, int], model: str, prompt
             window(f"{LONG_PROMPT}-token prompts, 1 token each", sessions(LONG_PROMPT, 1)),
             window(f"{SHORT_PROMPT}-token prompts, {LONG_OUTPUT} tokens each", sessions(SHORT_PROMPT, LONG_OUTPUT)),
         ]
-        ttfts = [
-            asyncio.run(run_load(url, model, [session], 0.0, 0.0, 0, None, "serving path: latency"))[0][0].ttft
+        alone = [
+            asyncio.run(run_load(url, model, [session], 0.0, 0.0, 0, None, "serving path: latency"))[0][0]
             for session in sessions(SHORT_PROMPT, 1)[:LATENCY_REQUESTS]
         ]
     finally:
         down()
+    ttfts = [result.ttft for result in alone if result.ok]
+    if not ttfts:
+        raise RuntimeError(f"no request served alone on {config_path}: {alone[0].error}")
     figures = fit(idle, loads) | {"latency_s": max(0.0, statistics.median(ttfts) - prompt_step_s)}
     log(f"serving path: alone, the first token in {statistics.median(ttfts) * 1e3:.0f} ms (median), the engine's step "
         f"{prompt_step_s * 1e3:.0f} ms of it")
