@@ -1,6 +1,6 @@
-"""The serving path's CPU in ``duet simulate`` and ``duet profile --serving``: the engines' steps
-stretched by closed-form amounts when the serving path leaves them too few cores, and the
-profile's figures recovered from known CPU readings."""
+"""The serving path in ``duet simulate`` and ``duet profile --serving``: the engines' steps
+stretched by closed-form amounts when the serving path leaves them too few cores, its latency
+added before admission, and the profile's figures recovered from known CPU readings."""
 
 from __future__ import annotations
 
