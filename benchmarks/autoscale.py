@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from duet.benchmarks.plots import saved_figure
-from duet.benchmarks.serve import RequestResult, _one_request
+from duet.benchmarks.serve import WARM_UP_OUTPUT, WARM_UP_PROMPT, RequestResult, _one_request
 from duet.benchmarks.workloads import SAFE_TOKEN_RANGE
 
 
@@ -91,7 +91,7 @@ async def run(url: str, model: str, phases: list[Phase], seed: int, api_key: str
     samples: list[Sample] = []
     bounds: dict[str, tuple[float, float]] = {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
-        await _one_request(client, url, model, [SAFE_TOKEN_RANGE[0]] * 8, 4, api_key)  # warm the path
+        await _one_request(client, url, model, [SAFE_TOKEN_RANGE[0]] * WARM_UP_PROMPT, WARM_UP_OUTPUT, api_key)  # warm the path
         origin = time.perf_counter()
         stop = asyncio.Event()
         watcher = asyncio.create_task(_watch(client, url, origin, samples, stop))

@@ -105,7 +105,7 @@ def _prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(length)]
 
 
-def _timed_steps(engine, until) -> list[tuple[float, object]]:
+def timed_steps(engine, until) -> list[tuple[float, object]]:
     """Step the engine until ``until()``; each step's seconds and its scheduler output."""
     steps = []
     original = engine.scheduler.schedule
@@ -154,9 +154,9 @@ def measure_prompts(llm, budget: int, max_context: int, rng: random.Random, repe
                 history = _prompt(rng, context - context % block, vocab)
                 if history:  # in the prefix cache, as a conversation's earlier turns are
                     engine.add_request(EngineRequest(f"history-{context}-{chunk}-{repeat}", history, one))
-                    _timed_steps(engine, lambda: not engine.has_unfinished_requests())
+                    timed_steps(engine, lambda: not engine.has_unfinished_requests())
                 engine.add_request(EngineRequest(f"prompt-{context}-{chunk}-{repeat}", history + _prompt(rng, chunk, vocab), one))
-                steps = _timed_steps(engine, lambda: not engine.has_unfinished_requests())
+                steps = timed_steps(engine, lambda: not engine.has_unfinished_requests())
                 computed = [(seconds, output) for seconds, output in steps if output.total_num_scheduled_tokens]
                 if len(computed) == 1 and computed[0][1].total_num_scheduled_tokens == chunk:
                     times.append(computed[0][0])
@@ -179,7 +179,7 @@ def measure_decode(llm, max_seqs: int, max_context: int, rng: random.Random, ste
             params = SamplingParams(temperature=0.0, max_tokens=steps + 4, min_tokens=steps + 4, ignore_eos=True)
             for index in range(batch):
                 engine.add_request(EngineRequest(f"decode-{context}-{batch}-{index}", _prompt(rng, context, vocab), params))
-            timed = _timed_steps(engine, lambda: not engine.has_unfinished_requests())
+            timed = timed_steps(engine, lambda: not engine.has_unfinished_requests())
             decode_only = [
                 seconds for seconds, output in timed
                 if len(output.num_scheduled_tokens) == batch and output.total_num_scheduled_tokens == batch

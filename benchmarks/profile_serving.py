@@ -19,7 +19,7 @@ router's calls to the pools, the token's way back), which ``duet simulate`` adds
 request reaches the router's admission.
 
 ``duet simulate`` takes those cores from the engines' (``sim_model.cpu_stretch``): on two cores
-of a Xeon the serving path takes a ninth of the machine idle and more under load, first, as the
+of a Xeon the serving path took 0.2-0.36 cores idle and more under load, first, as the
 scheduler gives threads that run in short bursts their turn before long-running ones.
 """
 
@@ -37,7 +37,6 @@ IDLE_WINDOWS = 3
 REQUESTS = 24
 SHORT_PROMPT, LONG_PROMPT = 32, 256
 LONG_OUTPUT = 64
-WARM_UP_PROMPT, WARM_UP_OUTPUT = 8, 4  # the request run_load sends before its load (duet.benchmarks.serve)
 LATENCY_REQUESTS = 8
 _REPLICA = re.compile(r"ServeReplica:[^:\s]+:(\w+)")
 
@@ -95,7 +94,7 @@ def fit(idle: tuple[float, float], loads: list[tuple[float, float, int, int, int
 def measure(config_path: str, engine_threads: dict[str, int], model: str, prompt_step_s: float, log=print) -> dict:
     """``config_path`` brought up and measured; the samples and the fit. ``prompt_step_s``: the
     engine's step for a ``SHORT_PROMPT``-token prompt alone (the first pool a prompt meets)."""
-    from duet.benchmarks.serve import run_load
+    from duet.benchmarks.serve import WARM_UP_OUTPUT, WARM_UP_PROMPT, run_load
     from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, TurnSpec
     from duet.cluster.deploy import down, up
 
@@ -135,10 +134,8 @@ def measure(config_path: str, engine_threads: dict[str, int], model: str, prompt
             window(f"{LONG_PROMPT}-token prompts, 1 token each", sessions(LONG_PROMPT, 1)),
             window(f"{SHORT_PROMPT}-token prompts, {LONG_OUTPUT} tokens each", sessions(SHORT_PROMPT, LONG_OUTPUT)),
         ]
-        alone = [
-            asyncio.run(run_load(url, model, [session], 0.0, 0.0, 0, None, "serving path: latency"))[0][0]
-            for session in sessions(SHORT_PROMPT, 1)[:LATENCY_REQUESTS]
-        ]
+        one_at_a_time = [[session[0] for session in sessions(SHORT_PROMPT, 1)[:LATENCY_REQUESTS]]]  # a session's turns
+        alone, _ = asyncio.run(run_load(url, model, one_at_a_time, 0.0, 0.0, 0, None, "serving path: latency"))
     finally:
         down()
     ttfts = [result.ttft for result in alone if result.ok]

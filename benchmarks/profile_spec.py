@@ -24,7 +24,8 @@ OUTPUT = 64
 def measure(llm, fit: dict[str, float], seed: int) -> dict | None:
     """The pool's decode factor, with what it came from; None for a pool that drafts nothing."""
     from duet import SamplingParams
-    from duet.benchmarks.profile import _timed_steps
+    from duet.benchmarks.profile import timed_steps
+    from duet.benchmarks.sim_model import decode_seconds
     from duet.benchmarks.workloads import SAFE_TOKEN_RANGE
     from duet.messages import EngineRequest
 
@@ -39,11 +40,11 @@ def measure(llm, fit: dict[str, float], seed: int) -> dict | None:
         prompt = [rng.randrange(low, high) for _ in range(PROMPT)]
         engine.add_request(EngineRequest(f"speculation-{index}", prompt, params))
     before = engine.scheduler.spec_stats.stats()
-    steps = _timed_steps(engine, lambda: not engine.has_unfinished_requests())
+    steps = timed_steps(engine, lambda: not engine.has_unfinished_requests())
     after = engine.scheduler.spec_stats.stats()
     # a decode step schedules no prompt: every sequence in it has its prompt computed
-    decode = [seconds for seconds, output in steps if output.num_scheduled_tokens and _decoding_only(engine, output)]
-    plain = sum(fit["base_s"] + fit["per_row_s"] * BATCH + fit["per_row_context_s"] * BATCH * (PROMPT + i) for i in range(1, OUTPUT))
+    decode = [seconds for seconds, output in steps if output.num_scheduled_tokens and _decoding_only(output)]
+    plain = sum(decode_seconds(fit, BATCH, BATCH * (PROMPT + i)) for i in range(1, OUTPUT))
     drafted = after.num_draft_tokens - before.num_draft_tokens
     return {
         "decode_factor": sum(decode) / plain if plain > 0 else 1.0,
@@ -52,7 +53,7 @@ def measure(llm, fit: dict[str, float], seed: int) -> dict | None:
     }
 
 
-def _decoding_only(engine, output) -> bool:
+def _decoding_only(output) -> bool:
     """Whether a step computed no prompt: each sequence scheduled had its prompt computed
     (its first token is sampled after the prompt's last chunk, so a step of the prompt's last
     chunk counts as prompt work)."""

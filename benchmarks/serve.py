@@ -41,6 +41,9 @@ from duet.benchmarks.workloads import (
 )
 
 
+WARM_UP_PROMPT, WARM_UP_OUTPUT = 8, 4  # the request run_load sends before its load, outside the measurement
+
+
 @dataclass
 class RequestResult:
     ok: bool
@@ -154,7 +157,7 @@ async def run_load(
                     break  # a session whose turn failed goes no further
 
         # Warm up the path (and the prefix cache's bookkeeping) with one request outside the measurement.
-        await _one_request(client, url, model, [SAFE_TOKEN_RANGE[0]] * 8, 4, api_key)
+        await _one_request(client, url, model, [SAFE_TOKEN_RANGE[0]] * WARM_UP_PROMPT, WARM_UP_OUTPUT, api_key)
         tasks = []
         start = time.perf_counter()
         stop = asyncio.Event()

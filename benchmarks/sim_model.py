@@ -27,6 +27,12 @@ def cpu_stretch(busy_threads: int, serving_cores: float, cores: int) -> float:
     return max(1.0, busy_threads / left)
 
 
+def decode_seconds(fit: dict[str, float], rows: int, row_context: int) -> float:
+    """A decode step of ``rows`` sequences of ``row_context`` tokens in all, by ``duet profile``'s
+    fit ``a + b B + c B C``."""
+    return fit["base_s"] + fit["per_row_s"] * rows + fit["per_row_context_s"] * row_context
+
+
 @dataclass
 class PoolModel:
     """A pool's step times (``duet profile``'s fits) and engine settings."""
@@ -59,7 +65,7 @@ class PoolModel:
         prompt_s = self.prompt["base_s"] + self.prompt["per_token_s"] * prompt_tokens + self.prompt["per_token_context_s"] * prompt_work
         # drafts (``draft_factor``): fewer steps a token where they pass, each verifying more
         decode_base = self.decode["base_s"] * self.draft_factor
-        decode_s = decode_base + (self.decode["per_row_s"] * rows + self.decode["per_row_context_s"] * row_context) * self.draft_factor
+        decode_s = decode_seconds(self.decode, rows, row_context) * self.draft_factor
         if not prompt_tokens:
             return decode_s * decode_factor
         if not rows:

@@ -75,6 +75,7 @@ class Simulation:
         self._polling = False
         self._sessions: dict[int, list[TurnSpec]] = {}
         self._serving: deque[tuple[float, float]] = deque()  # (when, CPU seconds) the serving path spent
+        self._serving_spent = 0.0  # their sum
 
     def clock(self) -> float:
         return self.now
@@ -109,7 +110,9 @@ class Simulation:
         fit = self.cluster.serving
         if fit:
             arrived = 0.0 if prompt_tokens is None else fit["per_request_s"] + fit["per_prompt_token_s"] * prompt_tokens
-            self._serving.append((self.now, arrived + fit["per_token_s"] * tokens))
+            spent = arrived + fit["per_token_s"] * tokens
+            self._serving.append((self.now, spent))
+            self._serving_spent += spent
 
     def serving_cores(self) -> float:
         """The cores the serving path uses now: its base and its recent CPU's rate."""
@@ -117,8 +120,8 @@ class Simulation:
         if not fit:
             return 0.0
         while self._serving and self._serving[0][0] < self.now - SERVING_WINDOW_S:
-            self._serving.popleft()
-        return fit["base_cores"] + sum(spent for _, spent in self._serving) / SERVING_WINDOW_S
+            self._serving_spent -= self._serving.popleft()[1]
+        return fit["base_cores"] + max(0.0, self._serving_spent) / SERVING_WINDOW_S
 
     def _arrive(self, session: int, turn: int) -> None:
         """A request sent: it reaches the router's admission after the serving path's latency."""

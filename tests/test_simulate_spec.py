@@ -69,6 +69,6 @@ def test_a_decode_step_is_one_whose_every_sequence_computes_its_next_token_and_d
     def output(tokens: dict[str, int], drafts: dict[str, list[int]]) -> SchedulerOutput:
         return SchedulerOutput([], [], tokens, scheduled_spec_token_ids=drafts)
 
-    assert _decoding_only(None, output({"a": 1, "b": 4}, {"b": [5, 6, 7]}))
-    assert not _decoding_only(None, output({"a": 1, "b": 4}, {"b": [5, 6]}))  # b computes a chunk too
-    assert not _decoding_only(None, output({"a": 256}, {}))  # a prompt
+    assert _decoding_only(output({"a": 1, "b": 4}, {"b": [5, 6, 7]}))
+    assert not _decoding_only(output({"a": 1, "b": 4}, {"b": [5, 6]}))  # b computes a chunk too
+    assert not _decoding_only(output({"a": 256}, {}))  # a prompt
