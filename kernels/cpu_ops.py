@@ -1,8 +1,8 @@
 """The C++ CPU kernels, compiled for this machine at first use: ``load()`` gives those of
 ``csrc/cpu_ops.cpp`` (norms, activations, the bindings), ``csrc/paged_attention.cpp`` and
 ``csrc/prompt_attention.cpp`` (attention), the decoder stack of
-``csrc/decoder_stack.cpp`` (a model's layers in one call) and the LoRA updates of
-``csrc/lora.cpp``, ``load_gguf()`` the matmuls over GGUF
+``csrc/decoder_stack.cpp`` (a model's layers in one call), the LoRA updates of
+``csrc/lora.cpp`` and the KV transfer's block copies of ``csrc/block_copy.cpp``, ``load_gguf()`` the matmuls over GGUF
 weight blocks of ``csrc/gguf_ops.cpp``, the batch-invariant products of
 ``csrc/batch_invariant.cpp`` and W8A8's of ``csrc/int8_rows.cpp`` (built apart: without -ffast-math, so that nothing reassociates
 their dequantization or their sums; registered as torch operators too, for the decoder stack).
@@ -45,7 +45,7 @@ def load():
     # -ffast-math at compile time only lets gcc vectorise expf through libmvec; it is not
     # passed to the linker, so no flush-to-zero mode leaks into the process. The kernels
     # never produce or consume infinities (softmax subtracts the max of visible scores).
-    return _build("duet_cpu_ops", ["cpu_ops.cpp", "paged_attention.cpp", "prompt_attention.cpp", "decoder_stack.cpp", "lora.cpp"], ["-ffast-math"], ["-lmvec"])
+    return _build("duet_cpu_ops", ["cpu_ops.cpp", "paged_attention.cpp", "prompt_attention.cpp", "decoder_stack.cpp", "lora.cpp", "block_copy.cpp"], ["-ffast-math"], ["-lmvec"])
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import torch
 
 from duet.kv_transfer.group import PairGroup
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import TARGET_MESSAGE_BYTES, layer_runs, packed_shape
+from duet.kv_transfer.wire import TARGET_MESSAGE_BYTES, block_ops, layer_runs, packed_shape
 from duet.outputs import KVTransferResult
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class TransferEndpoint:
         self.timeout_s = timeout_s
         self.shared_memory = shared_memory  # runs through shared memory where a pair's ends share a machine (shm.py)
         self.use_cuda = kv_cache.is_cuda
+        self.block_ops = block_ops(kv_cache)  # blocks copied and summed in one pass (built now, not in a transfer)
         self.closed = threading.Event()
         self._results: queue.SimpleQueue[KVTransferResult] = queue.SimpleQueue()
         self._lock = threading.Condition()

@@ -45,7 +45,7 @@ from duet.kv_transfer.faults import checksum
 from duet.kv_transfer.group import RECEIVER_RANK, connect_store
 from duet.kv_transfer.shm import FREE_TAG_BASE
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import packed_shape, unpack_layers
+from duet.kv_transfer.wire import packed_shape, unpack_summed
 from duet.messages import KVEndpoint
 from duet.outputs import KVTransferResult
 
@@ -292,10 +292,12 @@ class KVReceiver(TransferEndpoint):
         runs, here = self.runs(num_blocks, heads, layers)
         checksums, num_bytes = [], 0
         for index, start, end, run in self._incoming(group, transfer_id, runs, num_blocks, heads, layers):
-            checksums.append(checksum(run))
             num_bytes += run.numel() * run.element_size()
             if job is not None and mismatch is None:
-                unpack_layers(self.kv_cache, here + start, here + end, job.block_ids, run, self.local_heads(heads))
+                heads_here = self.local_heads(heads)
+                checksums.append(unpack_summed(self.kv_cache, here + start, here + end, job.block_ids, run, heads_here, self.block_ops))
+            else:
+                checksums.append(checksum(run))
         trailer = torch.zeros(3 + len(runs), dtype=torch.int64, device=self.kv_cache.device)  # NCCL moves GPU tensors only
         self.wait(group.recv(trailer, TRAILER_TAG), f"trailer of transfer {transfer_id}")
         corruption = _corrupted(layers[0], runs, checksums, trailer[3:].tolist())

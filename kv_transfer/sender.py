@@ -39,7 +39,7 @@ from duet.kv_transfer.group import SENDER_RANK, connect_store
 from duet.kv_transfer.progress import LayerProgress, TransferCancelled
 from duet.kv_transfer.shm import FREE_TAG_BASE, WIRE_SIGNAL
 from duet.kv_transfer.spec import KVSpec
-from duet.kv_transfer.wire import pack_layers, packed_shape
+from duet.kv_transfer.wire import pack_summed, packed_shape
 from duet.messages import KVEndpoint
 from duet.outputs import KVTransferResult
 
@@ -264,15 +264,16 @@ class _SenderPair:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
             if shared is not None and index >= 2:  # its slot held run index - 2: the receiver must be done with it
                 owner.wait(group.recv(torch.zeros(1, dtype=torch.int64), FREE_TAG_BASE + index - 2), f"slot of transfer {job.transfer_id}")
-            packed = pack_layers(owner.kv_cache, here + start, here + end, block_ids, heads, out=staged[index])
+            packed = staged[index]
+            total = pack_summed(owner.kv_cache, here + start, here + end, block_ids, heads, packed, owner.block_ops)
             corrupting = faults is not None and index == 0
             if corrupting:  # the run's checksum is taken before the fault flips a bit
-                checksums.append(checksum(packed))
+                checksums.append(checksum(packed) if total is None else total)
                 faults.corrupt(packed)
             message = packed if shared is None else shared.signal(index)
             work = group.send(message, FIRST_LAYER_TAG + index)
-            if not corrupting:  # read while the wire (or the receiver) reads it too (the trailer carries it)
-                checksums.append(checksum(packed))
+            if not corrupting:  # taken in the pack, or read while the wire (or the receiver) reads it too
+                checksums.append(checksum(packed) if total is None else total)
             if in_flight is not None:
                 owner.wait(in_flight[0], f"layers before {job.layers[0] + start} of transfer {job.transfer_id}")
             in_flight = (work, message)

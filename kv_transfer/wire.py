@@ -8,6 +8,10 @@ ranks hold different heads, pipeline stages different layers, on each side). A p
 block travels whole: positions past the request's length are never read. Layers travel in runs
 of about ``TARGET_MESSAGE_BYTES``: one message per layer costs gloo ~1 ms each, which dominated
 small prompts.
+
+On CPUs the C++ kernels copy the blocks and take the packed run's checksum (``faults.checksum``)
+in one pass (``pack_summed``, ``unpack_summed``): packing, then reading the run again for its
+checksum, took two passes over every byte on each side.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from duet.kernels.block_copy import copy_block_runs, num_runs
+from duet.kv_transfer.faults import checksum
 
 TARGET_MESSAGE_BYTES = 8 << 20
 
@@ -57,6 +62,42 @@ def unpack_layers(
         return
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     layers.index_copy_(3, index, packed.to(kv_cache.dtype))
+
+
+def block_ops(kv_cache: torch.Tensor):
+    """The C++ kernels that copy this cache's blocks and sum them in one pass (``copy_blocks_sum``),
+    or None: a GPU cache, blocks not a multiple of 8 bytes, or no kernels here (torch copies)."""
+    _, _, _, _, block_size, head_dim = kv_cache.shape
+    if kv_cache.is_cuda or not kv_cache.is_contiguous() or (block_size * head_dim * kv_cache.element_size()) % 8:
+        return None
+    from duet.kernels import cpu_ops
+
+    return cpu_ops.load()
+
+
+def pack_summed(
+    kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], heads: slice, out: torch.Tensor, ops
+) -> int | None:
+    """``pack_layers`` into ``out``, and the packed run's ``checksum`` where ``ops`` (``block_ops``)
+    copied it in the same pass; None where torch packed it (its checksum not taken)."""
+    if ops is None or out.dtype != kv_cache.dtype or not out.is_contiguous():
+        pack_layers(kv_cache, start, end, block_ids, heads, out=out)
+        return None
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    return ops.copy_blocks_sum(out, kv_cache[start:end, :, heads], ids, torch.arange(len(block_ids)))
+
+
+def unpack_summed(
+    kv_cache: torch.Tensor, start: int, end: int, block_ids: list[int], packed: torch.Tensor, heads: slice, ops
+) -> int:
+    """``unpack_layers``, returning the packed run's ``checksum`` (taken in the same pass where
+    ``ops``, ``block_ops``, copies it)."""
+    if ops is None or packed.dtype != kv_cache.dtype or not packed.is_contiguous():
+        total = checksum(packed)
+        unpack_layers(kv_cache, start, end, block_ids, packed, heads)
+        return total
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    return ops.copy_blocks_sum(kv_cache[start:end, :, heads], packed, torch.arange(len(block_ids)), ids)
 
 
 def _by_runs(block_ids: list[int]) -> bool:

@@ -248,5 +248,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("apply_token_bitmask", &apply_token_bitmask);
   m.def("lora_add", &lora_add);
+  m.def("copy_blocks_sum", &copy_blocks_sum, "KV blocks copied, and the copied bytes' checksum",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   bind_decoder_stack(m);
 }

@@ -45,5 +45,10 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x);
 // empty A leaves the row as it is.
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor row_slots, const std::vector<torch::Tensor>& a,
               const std::vector<torch::Tensor>& bt);
+// destination's blocks destination_blocks[i] = source's blocks source_blocks[i] (block_copy.cpp),
+// for every layer, K and V and head of the two [layers, 2, heads, blocks, block_size, head_dim]
+// views; returns the copied bytes' checksum (the wrapping sum of their 64-bit words).
+int64_t copy_blocks_sum(torch::Tensor destination, torch::Tensor source, torch::Tensor source_blocks,
+                        torch::Tensor destination_blocks);
 
 }  // namespace duet_cpu
