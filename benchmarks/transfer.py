@@ -40,6 +40,14 @@ SPEC = KVSpec("smollm2", LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
 NUM_BLOCKS = max(TOKENS) // BLOCK + 8
 REPEATS = 3
 THREADS = max(1, (os.cpu_count() or 2) // 2)  # each side's compute threads: half the machine
+# A short transfer takes a few ms, and one slow round in three (a thread taken off its core)
+# moved its best by 3x between runs: more rounds for the shorter ones, about the same time each.
+REPEATS_TOKENS = 1024
+
+
+def repeats(tokens: int) -> int:
+    """Rounds of each kind of transfer of ``tokens`` (the best one counts)."""
+    return max(REPEATS, REPEATS * REPEATS_TOKENS // tokens)
 
 
 def _cache() -> torch.Tensor:
@@ -88,7 +96,7 @@ def measure(progress) -> list[dict]:
         kv_bytes = LAYERS * 2 * KV_HEADS * num_blocks * BLOCK * HEAD_DIM * 4
         times: dict[str, list[float]] = {"kv": [], "kv-wire": [], "warm": [], "fresh": []}
         payload = torch.randn(kv_bytes // 4)
-        for _ in range(REPEATS + 1):  # the first round builds the groups and warms up
+        for _ in range(repeats(tokens) + 1):  # the first round builds the groups and warms up
             for kind, sender in senders.items():
                 transfer_id += 1
                 conn.send((kind, transfer_id, num_blocks))
@@ -256,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
             overlap["transfer_s"] = record["seconds"]
             overlap["overlap_hidden_frac"] = (overlap["prefill_s"] + record["seconds"] - overlap["streamed_s"]) / record["seconds"]
             record["overlap_hidden_frac"] = overlap["overlap_hidden_frac"]
-    print(f"\nKV transfer vs raw send/recv over gloo, SmolLM2 layout ({LAYERS} layers), {THREADS} thread(s) a side, best of {REPEATS}")
+    rounds = f"best of {repeats(max(TOKENS))}-{repeats(min(TOKENS))} (more for fewer tokens)"
+    print(f"\nKV transfer vs raw send/recv over gloo, SmolLM2 layout ({LAYERS} layers), {THREADS} thread(s) a side, {rounds}")
     print("(KV: through shared memory, the default on one machine; KV wire: over the socket; ratios against raw warm)")
     print(f"{'tokens':>7} {'KV MB':>8} {'KV GB/s':>8} {'ratio':>6} {'KV wire':>8} {'ratio':>6} {'raw warm':>9} {'raw fresh':>10}")
     for r in records:
