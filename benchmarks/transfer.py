@@ -40,8 +40,8 @@ SPEC = KVSpec("smollm2", LAYERS, KV_HEADS, HEAD_DIM, BLOCK, "float32")
 NUM_BLOCKS = max(TOKENS) // BLOCK + 8
 REPEATS = 3
 THREADS = max(1, (os.cpu_count() or 2) // 2)  # each side's compute threads: half the machine
-# A short transfer takes a few ms, and one slow round in three (a thread taken off its core)
-# moved its best by 3x between runs: more rounds for the shorter ones, about the same time each.
+# A short transfer takes a few ms, and with best of three its figure (and raw's) moved by up to
+# 3x between runs on a 2-core Xeon: more rounds for the shorter ones, about the same time each.
 REPEATS_TOKENS = 1024
 
 
