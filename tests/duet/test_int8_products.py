@@ -125,7 +125,7 @@ def test_a_w8a8_checkpoint_in_integers_matches_transformers(checkpoints, integer
 
 
 @needs_exact
-def test_w8a8_in_integers_gives_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir):
+def test_w8a8_in_integers_gives_a_request_the_same_bits_in_any_batch_and_chunks(tmp_path, tiny_tokenizer_dir, integers_from_one_row):
     """The integer sums are exact, so under ``batch_invariant`` every row count takes them, and a
     request's tokens and logprobs are its own alone amid other requests and in other chunks."""
     source = make_tiny_model(tmp_path / "float", tiny_tokenizer_dir, "llama3-rope", **HEADS_OF_64)
