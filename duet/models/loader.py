@@ -17,7 +17,7 @@ from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
 from duet.models.mixtral import MixtralArch
-from duet.models.packed import dequantize_float8, is_packed, packed_weight, read_scheme
+from duet.models.packed import dequantize_float8, dequantize_zero_points, is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 ROTARIES = ("rotary", "local_rotary", "no_rotary")  # a model's RoPE tables (``RotaryEmbedding``), or None
@@ -310,7 +310,9 @@ def load_model(
     if arch.checkpoint_names == "phi3" and not any(".mlp.gate_up_proj." in name for name in raw_state):
         model.arch = arch = dataclasses.replace(arch, checkpoint_names=PHI3_SPLIT_MLP)
     scheme = read_scheme(path)
-    float8 = dequantize_float8(raw_state, path) if scheme is not None and scheme.format == "float-quantized" else set()
+    floats = set()  # the weights that ship quantized and are dequantized here (FP8; 8-bit codes with zero points)
+    if scheme is not None and scheme.dequantized_at_load:
+        floats = dequantize_float8(raw_state, path) if scheme.format == "float-quantized" else dequantize_zero_points(raw_state, scheme, path)
     packed = _packed_linears(model, raw_state, path, device, quantization, scheme)
     for name in packed:  # their blocks are their weights: no float copy is ever allocated
         model.get_submodule(name).weight = None
@@ -341,10 +343,10 @@ def load_model(
         if arch.norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, added in fp32 as transformers does
             tensor = 1.0 + tensor.float()
         param.data = tensor.to(device=device, dtype=dtype).contiguous()
-    if float8:  # FP8 W8A8: floats now, inputs quantized still
+    if floats and scheme.activations is not None:  # W8A8: floats now, inputs quantized still
         plan = _fusion_plan(arch)
         for name, module in model.named_modules():
-            if isinstance(module, Linear) and any(part in float8 for part in plan[f"{name}.weight"]):
+            if isinstance(module, Linear) and any(part in floats for part in plan[f"{name}.weight"]):
                 module.input_quantization = scheme.activations
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))

@@ -32,9 +32,14 @@ the row's largest magnitude over 448). The block kernels have no float8 blocks: 
 dequantized at load, as compressed-tensors does (``w * s`` in the scale's dtype, exact in fp32),
 a float copy the size of the model's in that dtype.
 
-Groups of a multiple of 32 features or whole channels, no 8-bit zero points (``q - z`` spans 9
-bits), and no activation schemes but W8A8's (dynamic, per token): each other is refused at load,
-naming the field. Activation ordering ``weight`` (or ``static``) leaves the groups in order and
+8-bit codes with a zero point per group or channel (``W8A16`` or ``W8A8`` with
+``symmetric: false``, either format) have ``q - z`` spanning 9 bits, which no int8 block holds,
+and a Q8_1-like ``d u + m`` would round where compressed-tensors does not: their weights are
+dequantized at load as compressed-tensors does, ``(q - z) * s`` in the scale's dtype (exact),
+a float copy the size of the model's in that dtype, as FP8's is.
+
+Groups of a multiple of 32 features or whole channels, and no activation schemes but W8A8's
+(dynamic, per token): each other is refused at load, naming the field. Activation ordering ``weight`` (or ``static``) leaves the groups in order and
 the format as it is; ``group`` (features in groups out of order, a ``weight_g_idx`` per weight,
 which compressed-tensors no longer writes) is refused.
 
@@ -65,16 +70,22 @@ class PackedScheme:
 
     num_bits: int
     group_size: int | None  # None: a scale per output channel
-    symmetric: bool = True  # False: a zero point per group too (4 bits); GPTQ, AWQ: each weight's zeros say
+    symmetric: bool = True  # False: a zero point per group too (8 bits: dequantized at load); GPTQ, AWQ: each weight's zeros say
     layout: Layout | None = None  # a GPTQ or AWQ checkpoint's (None: compressed-tensors)
     format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, or int8 as they are
     activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN); None: not
 
+    @property
+    def dequantized_at_load(self) -> bool:
+        """Whether the weights become floats at load, not blocks: float8 ones, and compressed-tensors'
+        8-bit codes with zero points (``dequantize_zero_points``)."""
+        return self.format == "float-quantized" or (self.layout is None and self.num_bits == 8 and not self.symmetric)
+
     def ships_codes(self, state: dict[str, torch.Tensor], part: str) -> bool:
         """Whether the checkpoint holds ``part``'s codes for the block kernels (an ``int-quantized``
-        one: as int8; a ``float-quantized`` one's float8 weights are dequantized at load, not blocks)."""
+        one: as int8; weights ``dequantized_at_load`` are floats, not blocks)."""
         name = self.packed_name(part)
-        if self.format == "float-quantized":
+        if self.dequantized_at_load:
             return False
         return name in state and (self.format != "int-quantized" or state[name].dtype == torch.int8)
 
@@ -126,7 +137,7 @@ def read_scheme(path: Path) -> PackedScheme | None:
     checks = (
         ("type", args.get("type"), args.get("type") == "int", "'int'"),
         ("num_bits", args.get("num_bits"), args.get("num_bits") in (4, 8), "4 or 8"),
-        ("symmetric", args.get("symmetric"), args.get("symmetric") is True or args.get("num_bits") == 4, "true (false: 4 bits only)"),
+        ("symmetric", args.get("symmetric"), args.get("symmetric") in (None, True, False), "true or false"),
         ("strategy", args.get("strategy"), args.get("strategy") in ("group", "channel"), "'group' or 'channel'"),
         # 'weight' (alias 'static', llm-compressor's default): GPTQ visits the features in the
         # activations' order, but groups stay in order, so the format is as without it.
@@ -205,6 +216,20 @@ def _codes(
         return layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path)
     if scheme.format == "int-quantized":
         return _int8_codes(state, part, scheme, path)
+    codes = _unpacked_codes(state, part, scheme, path)
+    out_features, in_features = codes.shape
+    scale = _group_scales(state, part, scheme, codes.shape, path).float()
+    group = scheme.group_size or in_features
+    if scheme.symmetric:
+        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1), True, None
+    zero = _zero_points(state[part + "_zero_point"], scheme.num_bits, out_features, in_features // group, part, path)
+    signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
+    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1), False, None
+
+
+def _unpacked_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> torch.Tensor:
+    """A ``pack-quantized`` weight's unsigned codes ``u = q + 2^(bits-1)``, ``[out, in]`` (int32),
+    after checking that its tensors are all there and whole blocks."""
     for suffix in ("_packed", "_scale") + (() if scheme.symmetric else ("_zero_point",)):
         if part + suffix not in state:
             raise DamagedCheckpointError(f"{path}: tensor {part}{suffix} is missing")
@@ -220,16 +245,17 @@ def _codes(
         raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not a multiple of {BLOCK}")
     per_word = 32 // scheme.num_bits
     shifts = torch.arange(per_word, dtype=torch.int32) * scheme.num_bits
-    codes = ((packed.unsqueeze(-1) >> shifts) & ((1 << scheme.num_bits) - 1)).reshape(out_features, in_features)
-    scale = state[part + "_scale"].float()
-    group = scheme.group_size or in_features
-    if scale.shape != (out_features, in_features // group):
-        raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, in_features // group)}")
-    if scheme.symmetric:
-        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1), True, None
-    zero = _zero_points(state[part + "_zero_point"], out_features, in_features // group, part, path)
-    signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
-    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1), False, None
+    return ((packed.unsqueeze(-1) >> shifts) & ((1 << scheme.num_bits) - 1)).reshape(out_features, in_features)
+
+
+def _group_scales(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, shape, path: Path) -> torch.Tensor:
+    """``part``'s scales ``[out, groups]`` as the checkpoint has them, their shape checked against ``shape``'s."""
+    out_features, in_features = shape
+    scale = state[part + "_scale"]
+    groups = in_features // (scheme.group_size or in_features)
+    if scale.shape != (out_features, groups):
+        raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, groups)}")
+    return scale
 
 
 def _int8_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path):
@@ -240,26 +266,52 @@ def _int8_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme,
     out_features, in_features = codes.shape
     if in_features % BLOCK:
         raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not a multiple of {BLOCK}")
-    scale = state[part + "_scale"].float()
+    scale = _group_scales(state, part, scheme, codes.shape, path).float()
     group = scheme.group_size or in_features
-    if scale.shape != (out_features, in_features // group):
-        raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)} where the scheme gives {(out_features, in_features // group)}")
     unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
     return unsigned, scale.repeat_interleave(group // BLOCK, dim=1), True, None
 
 
-def _zero_points(packed: torch.Tensor, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:
-    """4-bit zero points ``[out, groups]`` (signed, as the codes are), which compressed-tensors
-    packs along the output features: word ``w`` of a group holds features ``8w .. 8w + 7``."""
-    num_words = -(-out_features // 8)
+def _zero_points(packed: torch.Tensor, bits: int, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:
+    """``bits``-bit zero points ``[out, groups]`` (signed, as the codes are, int16), which
+    compressed-tensors packs along the output features: word ``w`` of a group holds features
+    ``n w .. n w + n - 1``, ``n = 32 / bits``."""
+    per_word = 32 // bits
+    num_words = -(-out_features // per_word)
     if packed.dtype != torch.int32 or packed.shape != (num_words, num_groups):
         raise DamagedCheckpointError(
-            f"{path}: {part}_zero_point is {packed.dtype} {tuple(packed.shape)}, not 4-bit zero points of {out_features} features "
+            f"{path}: {part}_zero_point is {packed.dtype} {tuple(packed.shape)}, not {bits}-bit zero points of {out_features} features "
             f"packed in int32 words {(num_words, num_groups)}"
         )
-    shifts = torch.arange(8, dtype=torch.int32) * 4
-    unsigned = (packed.T.unsqueeze(-1) >> shifts) & 0x0F  # [groups, words, 8]
-    return unsigned.reshape(num_groups, -1)[:, :out_features].T.to(torch.int16) - 8
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    unsigned = (packed.T.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [groups, words, per_word]
+    return unsigned.reshape(num_groups, -1)[:, :out_features].T.to(torch.int16) - (1 << (bits - 1))
+
+
+def dequantize_zero_points(state: dict[str, torch.Tensor], scheme: PackedScheme, path: Path) -> set[str]:
+    """Replace each 8-bit weight with zero points (either format) by ``(q - z) * s`` in its
+    scale's dtype, as compressed-tensors dequantizes it (``q - z`` and the product exact in fp32
+    and bf16: |q - z| <= 255); the weights' names."""
+    names = {name.removesuffix("_zero_point") for name in state if name.endswith(".weight_zero_point")}
+    for name in names:
+        if scheme.format == "int-quantized":
+            if name + "_scale" not in state or state.get(name, torch.empty(0)).dtype != torch.int8:
+                raise DamagedCheckpointError(f"{path}: {name} is not int8 codes beside {name}_scale")
+            codes = state[name].to(torch.int16)
+            zero = state[name + "_zero_point"]
+            if zero.dtype != torch.int8 or zero.shape != _group_scales(state, name, scheme, codes.shape, path).shape:
+                raise DamagedCheckpointError(f"{path}: {name}_zero_point is {zero.dtype} {tuple(zero.shape)}, not int8 zero points beside its scales")
+        else:
+            codes = _unpacked_codes(state, name, scheme, path).to(torch.int16) - 128
+            groups = _group_scales(state, name, scheme, codes.shape, path).shape[1]
+            zero = _zero_points(state[name + "_zero_point"], 8, codes.shape[0], groups, name, path)
+        scale = state.pop(name + "_scale")
+        group = codes.shape[1] // scale.shape[1]
+        weight = codes.to(scale.dtype) - zero.to(scale.dtype).repeat_interleave(group, dim=1)
+        state[name] = weight * scale.repeat_interleave(group, dim=1)
+        for suffix in ("_packed", "_shape", "_zero_point"):
+            state.pop(name + suffix, None)
+    return names
 
 
 def packed_weight(

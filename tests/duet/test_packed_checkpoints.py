@@ -2,7 +2,8 @@
 (``pack-quantized`` W4A16, W4A16_ASYM as AWQ leaves it, and W8A16), kept in their packed form: every packed weight computes
 from blocks that dequantize to compressed-tensors' own dequantization bit for bit, greedy
 output equals transformers running the same checkpoint, no float copy of a packed weight is
-kept, and schemes duet does not compute exactly are refused naming the field."""
+kept, and schemes duet does not compute exactly are refused naming the field. 8-bit codes with
+zero points are the exception: no int8 block holds ``q - z``, so they are dequantized at load."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ SCHEMES = {
     "phi3-w8-channel": ("phi3", 8, None, {}),
     "llama-w4-g128-asym": ("llama3-rope", 4, 128, dict(hidden_size=128, intermediate_size=256), False),  # AWQ's
     "qwen3-w4-channel-asym": ("qwen3", 4, None, {}, False),
+    # 8-bit codes with zero points (q - z spans 9 bits): dequantized at load.
+    "qwen3-w8-g32-asym": ("qwen3", 8, 32, {}, False),
+    "phi3-w8-channel-asym": ("phi3", 8, None, {}, False),
     # W8A8 (int-quantized: int8 codes as they are; float-quantized: FP8), inputs quantized per token at run time.
     "qwen3-w8a8-channel": ("qwen3", 8, None, {}, True, "int"),
     "phi3-w8a8-g32": ("phi3", 8, 32, {}, True, "int"),
@@ -148,6 +152,28 @@ def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is
     assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
 
 
+@pytest.mark.parametrize("name", ["qwen3-w8-g32-asym", "phi3-w8-channel-asym"])
+def test_8bit_codes_with_zero_points_are_dequantized_at_load_as_compressed_tensors_dequantizes_them(checkpoints, name):
+    """``q - z`` spans 9 bits, which no int8 block holds: each such weight is a float weight,
+    bit for bit compressed-tensors' own ``(q - z) * s`` (fused products holding their parts'
+    rows), and no blocks are kept; the parity with transformers is checked above."""
+    from duet.models.loader import _fusion_plan, load_model
+
+    path, _ = checkpoints(name)
+    model = load_model(path, torch.float32, "cpu", 256)
+    reference = _reference_weights(path)
+    plan = _fusion_plan(model.arch)
+    checked = 0
+    for module_name, linear in model.named_modules():
+        if not isinstance(linear, Linear) or module_name == "lm_head":
+            continue
+        assert linear.gguf is None, f"{module_name} keeps blocks"
+        expected = torch.cat([reference[part] for part in plan[f"{module_name}.weight"]])
+        assert torch.equal(linear.weight, expected), module_name
+        checked += 1
+    assert checked == 4 * model.arch.num_layers
+
+
 def test_a_checkpoint_calibrated_in_activation_order_says_so_and_is_read_as_any_other(checkpoints):
     """llm-compressor's GPTQ records ``actorder: static`` by default (its groups stay in order):
     such a checkpoint was refused before, naming the field; its parity and blocks are checked above."""
@@ -157,11 +183,7 @@ def test_a_checkpoint_calibrated_in_activation_order_says_so_and_is_read_as_any_
     assert LLM(model=str(path), num_kv_blocks=16).engine.num_blocks == 16
 
 
-def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(checkpoints, tmp_path, tiny_tokenizer_dir):
-    source = make_tiny_model(tmp_path / "float", tiny_tokenizer_dir, "qwen3")
-    asymmetric = make_compressed_checkpoint(source, tmp_path / "asym", 8, 32, symmetric=False)  # q - z spans 9 bits
-    with pytest.raises(UnsupportedCheckpointError, match="weights.symmetric=False is not supported"):
-        LLM(model=str(asymmetric), num_kv_blocks=16)
+def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(checkpoints, tmp_path):
     path, _ = checkpoints("qwen3-w4-g32")
     refusals(path, tmp_path, {
         "weights.group_size=16": lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16),
@@ -169,7 +191,9 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
             input_activations={"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}
         ),
         "quant_method='bitsandbytes' is not supported": lambda q: q.update(quant_method="bitsandbytes"),
+        # features in groups out of order (a weight_g_idx per weight), which compressed-tensors no longer writes
         "weights.actorder='group' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"),
+        "weights.symmetric='no' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric="no"),
     })
     with pytest.raises(QuantizationError, match="ships quantized .4-bit weights.: quantization='int8' does not apply"):
         LLM(model=str(path), num_kv_blocks=16, quantization="int8")
