@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 INT8_PER_TOKEN = "int8-per-token"  # W8A8's inputs (``Linear.input_quantization``)
 FLOAT8_PER_TOKEN = "float8-per-token"  # FP8 W8A8's
+INT8_STATIC = "int8-static"  # a checkpoint's inputs at one calibrated scale a tensor (a ``StaticInput`` each Linear)
+FLOAT8_STATIC = "float8-static"
 FLOAT8_MAX = 448.0  # e4m3's largest finite value
 RULE = "int8_min_rows"
 INT8_ROWS = (1, 2, 4, 8, 16, 32)  # row counts the two paths are timed at
@@ -81,6 +83,45 @@ def int8_product(codes: torch.Tensor, row_scales: torch.Tensor, weight: Int8Weig
     """``float(codes @ W.T) * row_scales * weight.scales`` in fp32: ``codes`` int8
     ``[rows, in_features]``, ``row_scales`` ``[rows, 1]``."""
     return int8_sums(codes, weight) * row_scales.float() * weight.scales
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInput:
+    """A product's input quantized at the checkpoint's own calibrated scale ``s`` (and zero point
+    ``z``, int8 only) for the whole tensor (llm-compressor's static schemes: FP8's and W8A8's with
+    ``dynamic: false``, ``strategy: tensor``), to the bit as compressed-tensors' forward does
+    (``_quantize_dequantize``): ``(round(clamp(x / s + z)) - z) * s``, rounded to an integer half
+    to even (int8, clamped to -128..127) or to e4m3 (float8, clamped to +-448), the codes taken
+    to the scale's dtype before ``z`` and ``s`` are applied."""
+
+    kind: str  # INT8_STATIC or FLOAT8_STATIC
+    scale: torch.Tensor  # one element
+    zero_point: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = x / self.scale
+        if self.zero_point is not None:
+            scaled = scaled + self.zero_point.to(x.dtype)
+        if self.kind == INT8_STATIC:
+            codes = torch.round(torch.clamp(scaled, -128, 127))
+        else:
+            codes = torch.clamp(scaled, -FLOAT8_MAX, FLOAT8_MAX).to(torch.float8_e4m3fn).to(scaled.dtype)
+        values = codes.to(self.scale.dtype)
+        if self.zero_point is not None:
+            values = values - self.zero_point.to(self.scale.dtype)
+        return (values * self.scale).to(x.dtype)
+
+    def to(self, device) -> StaticInput:
+        zero_point = None if self.zero_point is None else self.zero_point.to(device)
+        return StaticInput(self.kind, self.scale.to(device), zero_point)
+
+
+def quantize_input(x: torch.Tensor, scheme, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """``x`` as a product's input scheme quantizes it: a ``StaticInput``'s own scale, or each
+    row's (``dynamic_per_token``); ``row_max`` only matters to the latter."""
+    if isinstance(scheme, StaticInput):
+        return scheme(x)
+    return dynamic_per_token(x, scheme, row_max)
 
 
 def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:

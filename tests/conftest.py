@@ -253,7 +253,7 @@ def make_tiny_model(
 
 def make_compressed_checkpoint(
     source: Path, target: Path, num_bits: int = 4, group_size: int | None = 32, dtype=torch.float32, symmetric: bool = True,
-    w8a8: str | None = None, actorder: str | None = None,
+    w8a8: str | None = None, actorder: str | None = None, static_inputs: bool | str = False,
 ) -> Path:
     """``source`` quantized as llm-compressor leaves a W4A16 / W8A16 checkpoint: compressed-tensors
     itself applies the scheme, computes each group's scale from its min and max (as its min-max
@@ -262,7 +262,10 @@ def make_compressed_checkpoint(
     llm-compressor's W8A8 schemes instead, inputs quantized per token at run time: ``"int"``
     (INT8: int8 codes saved as they are, ``int-quantized``) or ``"float"`` (FP8_DYNAMIC: float8
     weights, ``float-quantized``). ``actorder``: the weights' activation ordering as GPTQ's
-    calibration records it (``"weight"``: groups stay in order)."""
+    calibration records it (``"weight"``: groups stay in order). ``static_inputs`` (with
+    ``w8a8``): the inputs at one scale a tensor, calibrated as a min-max observer does on a few
+    prompts (llm-compressor's static schemes, FP8's default); ``"asymmetric"``: with a zero
+    point (int8)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config,
@@ -271,11 +274,16 @@ def make_compressed_checkpoint(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    observed = _observed_inputs(model) if static_inputs else {}
     args = QuantizationArgs(
         num_bits=num_bits, type=w8a8 or "int", symmetric=symmetric, strategy="group" if group_size else "channel", group_size=group_size,
         actorder=actorder,
     )
-    inputs = QuantizationArgs(num_bits=8, type=w8a8, symmetric=True, strategy="token", dynamic=True) if w8a8 else None
+    inputs = None
+    if w8a8 and static_inputs:
+        inputs = QuantizationArgs(num_bits=8, type=w8a8, symmetric=static_inputs != "asymmetric", strategy="tensor", dynamic=False)
+    elif w8a8:
+        inputs = QuantizationArgs(num_bits=8, type=w8a8, symmetric=True, strategy="token", dynamic=True)
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args, input_activations=inputs)}, ignore=["lm_head"],
         quantization_status=QuantizationStatus.INITIALIZED,
@@ -290,6 +298,12 @@ def make_compressed_checkpoint(
                 module.weight_scale.copy_(scale.view_as(module.weight_scale))
                 if hasattr(module, "weight_zero_point"):
                     module.weight_zero_point.copy_(zero_point.view_as(module.weight_zero_point))
+        for name, (low, high) in observed.items():
+            module = model.get_submodule(name)
+            scale, zero_point = calculate_qparams(low.reshape(1), high.reshape(1), inputs)
+            module.input_scale.copy_(scale.view_as(module.input_scale))
+            if hasattr(module, "input_zero_point"):
+                module.input_zero_point.copy_(zero_point.view_as(module.input_zero_point))
     quantization_format = {None: "pack-quantized", "int": "int-quantized", "float": "float-quantized"}[w8a8]
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=quantization_format)
     compressor.compress_model(model)
@@ -297,6 +311,28 @@ def make_compressed_checkpoint(
     compressor.update_config(str(target))
     AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(target))
     return target
+
+
+def _observed_inputs(model) -> dict:
+    """Each linear layer's (but the LM head's) smallest and largest input value over a few
+    calibration prompts, as llm-compressor's min-max observer records them (zero included)."""
+    observed, hooks = {}, []
+
+    def observe(name):
+        def hook(module, args):
+            low, high = observed.get(name, (torch.zeros(()), torch.zeros(())))
+            observed[name] = (torch.minimum(low, args[0].detach().amin().float()), torch.maximum(high, args[0].detach().amax().float()))
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            hooks.append(module.register_forward_pre_hook(observe(name)))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        model(torch.randint(3, model.config.vocab_size, (4, 48), generator=generator))
+    for hook in hooks:
+        hook.remove()
+    return observed
 
 
 def refusals(path: Path, tmp_path: Path, edits: dict) -> None:

@@ -47,7 +47,7 @@ from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import GGUFWeight
-from duet.kernels.w8a8 import INT8_PER_TOKEN, Int8Weight, dynamic_per_token, exact_int8_sums, int8_linear, int8_min_rows
+from duet.kernels.w8a8 import INT8_PER_TOKEN, Int8Weight, StaticInput, exact_int8_sums, int8_linear, int8_min_rows, quantize_input
 from duet.lora import current_step as current_lora_step
 from duet.models.linear_rules import CHUNK_ROWS, PACK_BATCH_HINT, float_panel_rows, float_panels, gguf_float_max_rows, packed_wins
 from duet.models.module import Module
@@ -82,8 +82,9 @@ class Linear(Module):
         # order, its groups made contiguous: ``duet.models.gptq``); None: as given.
         self.input_order: torch.Tensor | None = None
         # How the input is quantized before the product (W8A8's ``w8a8.INT8_PER_TOKEN`` or
-        # ``FLOAT8_PER_TOKEN``: ``w8a8.dynamic_per_token``); None: not.
-        self.input_quantization: str | None = None
+        # ``FLOAT8_PER_TOKEN``: ``w8a8.dynamic_per_token``; a static scheme's ``w8a8.StaticInput``);
+        # None: not.
+        self.input_quantization: str | StaticInput | None = None
         # Where its input features are split over tensor-parallel ranks: each row's largest
         # magnitude over every rank's features, from this rank's (the scale W8A8 quantizes by).
         self.input_row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -186,7 +187,7 @@ class Linear(Module):
         if x.shape[0] >= self._int8_rows and self.input_quantization is not None:
             y = int8_linear(x, self.int8, self.input_row_max)
         else:
-            quantized = x if self.input_quantization is None else dynamic_per_token(x, self.input_quantization, self.input_row_max)
+            quantized = x if self.input_quantization is None else quantize_input(x, self.input_quantization, self.input_row_max)
             y = self._product(self._ordered(quantized))
         step = None if self.lora_name is None else current_lora_step()
         return y if step is None else step.apply(self.lora_name, x, y)

@@ -26,6 +26,10 @@ become ``round(x / s) * s`` clamped to the int8 codes, ``s`` the row's largest m
 127.5, exactly as compressed-tensors' own forward does (``kernels.w8a8.dynamic_per_token``), and the
 product is then computed from them as from any input.
 
+Static schemes (``dynamic: false``, ``strategy: tensor``: FP8's and static W8A8's) quantize each
+input at the checkpoint's calibrated ``input_scale`` (and ``input_zero_point``, int8) instead
+(``static_inputs``, ``kernels.w8a8.StaticInput``).
+
 ``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3) weights with a
 scale per channel or per tensor, and quantizes inputs per token to float8 likewise (the scale
 the row's largest magnitude over 448). The block kernels have no float8 blocks: its weights are
@@ -39,7 +43,7 @@ dequantized at load as compressed-tensors does, ``(q - z) * s`` in the scale's d
 a float copy the size of the model's in that dtype, as FP8's is.
 
 Groups of a multiple of 32 features or whole channels, and no activation schemes but W8A8's
-(dynamic, per token): each other is refused at load, naming the field. Activation ordering ``weight`` (or ``static``) leaves the groups in order and
+(dynamic per token, or static per tensor): each other is refused at load, naming the field. Activation ordering ``weight`` (or ``static``) leaves the groups in order and
 the format as it is; ``group`` (features in groups out of order, a ``weight_g_idx`` per weight,
 which compressed-tensors no longer writes) is refused.
 
@@ -58,7 +62,7 @@ import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
-from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, INT8_PER_TOKEN
+from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC, StaticInput
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
@@ -73,7 +77,7 @@ class PackedScheme:
     symmetric: bool = True  # False: a zero point per group too (8 bits: dequantized at load); GPTQ, AWQ: each weight's zeros say
     layout: Layout | None = None  # a GPTQ or AWQ checkpoint's (None: compressed-tensors)
     format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, or int8 as they are
-    activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN); None: not
+    activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN, INT8_STATIC, ...); None: not
 
     @property
     def dequantized_at_load(self) -> bool:
@@ -127,13 +131,14 @@ def read_scheme(path: Path) -> PackedScheme | None:
         if group.get("output_activations") is not None:
             refuse(f"config_groups.{name}.output_activations", "...", "none")
         inputs = group.get("input_activations")
-        if inputs is None and any(other is not None for other in activations):
-            refuse(f"config_groups.{name}.input_activations", None, "one activation scheme for every group")
+        if inputs != activations[0]:
+            refuse(f"config_groups.{name}.input_activations", "..." if inputs else inputs, "one activation scheme for every group")
         if inputs is not None:
             _check_activations(inputs, group_format, f"config_groups.{name}.input_activations", refuse)
     args = weights[0] or {}
+    inputs = None if activations[0] is None else _check_activations(activations[0], next(iter(formats)), "input_activations", refuse)
     if formats == {"float-quantized"}:
-        return _float8_scheme(args, activations[0], refuse)
+        return _float8_scheme(args, inputs, refuse)
     checks = (
         ("type", args.get("type"), args.get("type") == "int", "'int'"),
         ("num_bits", args.get("num_bits"), args.get("num_bits") in (4, 8), "4 or 8"),
@@ -152,26 +157,31 @@ def read_scheme(path: Path) -> PackedScheme | None:
         refuse("weights.group_size", group_size, f"a multiple of {BLOCK}")
     if formats == {"int-quantized"} and args["num_bits"] != 8:
         refuse("weights.num_bits", args["num_bits"], "8 in the int-quantized format")
-    return PackedScheme(
-        args["num_bits"], group_size, args.get("symmetric") is not False, format=formats.pop(),
-        activations=None if activations[0] is None else INT8_PER_TOKEN,
-    )
+    return PackedScheme(args["num_bits"], group_size, args.get("symmetric") is not False, format=formats.pop(), activations=inputs)
 
 
-def _check_activations(args: dict, group_format: str, field: str, refuse) -> None:
-    """W8A8's input scheme (int8, or float8 for FP8 weights; per token, dynamic, symmetric)."""
+def _check_activations(args: dict, group_format: str, field: str, refuse) -> str:
+    """W8A8's input scheme (int8, or float8 for FP8 weights): per token and dynamic, symmetric
+    (``INT8_PER_TOKEN``, ``FLOAT8_PER_TOKEN``), or one calibrated scale a tensor, static, with a
+    zero point too for int8 where asymmetric (``INT8_STATIC``, ``FLOAT8_STATIC``)."""
     if group_format == "pack-quantized":
         refuse(field, "...", "weight-only schemes in the pack-quantized format (W4A16, W8A16)")
     kind = "int" if group_format == "int-quantized" else "float"
-    checks = (
-        ("type", kind), ("num_bits", 8), ("strategy", "token"), ("dynamic", True), ("symmetric", True),
+    static = args.get("dynamic") is False and args.get("strategy") == "tensor"
+    checks = (("type", kind), ("num_bits", 8)) + (
+        (("strategy", "tensor"), ("dynamic", False)) if static else (("strategy", "token"), ("dynamic", True), ("symmetric", True))
     )
     for key, wanted in checks:
         if args.get(key) != wanted:
-            refuse(f"{field}.{key}", args.get(key), repr(wanted).lower() + f" (W8A8: {kind}8 per token, dynamic, symmetric)")
+            refuse(f"{field}.{key}", args.get(key), repr(wanted).lower() + f" (W8A8: {kind}8 per token, dynamic, symmetric; or per tensor, static)")
+    if static and kind == "float" and args.get("symmetric") is False:
+        refuse(f"{field}.symmetric", False, "true for float8 inputs")
+    if static:
+        return INT8_STATIC if kind == "int" else FLOAT8_STATIC
+    return INT8_PER_TOKEN if kind == "int" else FLOAT8_PER_TOKEN
 
 
-def _float8_scheme(args: dict, activations: dict | None, refuse) -> PackedScheme:
+def _float8_scheme(args: dict, activations: str | None, refuse) -> PackedScheme:
     """FP8 weights (e4m3, symmetric, a scale per channel or per tensor), inputs as ``_check_activations`` allows."""
     checks = (
         ("type", args.get("type") == "float", "'float'"), ("num_bits", args.get("num_bits") == 8, "8"),
@@ -181,7 +191,7 @@ def _float8_scheme(args: dict, activations: dict | None, refuse) -> PackedScheme
     for field, ok, wanted in checks:
         if not ok:
             refuse(f"weights.{field}", args.get(field), wanted)
-    return PackedScheme(8, None, format="float-quantized", activations=None if activations is None else FLOAT8_PER_TOKEN)
+    return PackedScheme(8, None, format="float-quantized", activations=activations)
 
 
 def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
@@ -196,6 +206,33 @@ def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
             raise DamagedCheckpointError(f"{path}: {name}_scale has shape {tuple(scale.shape)}: neither one scale nor one a channel")
         state[name] = state[name].to(scale.dtype) * scale.reshape(-1, 1)
     return names
+
+
+def static_inputs(state: dict[str, torch.Tensor], linears: dict[str, list[str]], scheme: PackedScheme, path: Path) -> dict[str, StaticInput]:
+    """Each Linear's ``StaticInput`` (by module name; ``linears``: the checkpoint weights each is
+    made of) from its parts' calibrated ``input_scale`` (and ``input_zero_point``), taken out of
+    ``state``: a fused product's parts read one input, so they must share them. None for a
+    dynamic scheme; a static scale left over (a weight duet computes from floats) is refused."""
+    if scheme.activations not in (INT8_STATIC, FLOAT8_STATIC):
+        return {}
+    inputs = {}
+    for name, parts in linears.items():
+        bases = [part.removesuffix(".weight") for part in parts]
+        if not any(base + ".input_scale" in state for base in bases):
+            continue
+        found = []
+        for suffix in (".input_scale", ".input_zero_point"):
+            tensors = [state.pop(base + suffix, None) for base in bases]
+            if suffix == ".input_scale" and any(tensor is None or tensor.numel() != 1 for tensor in tensors):
+                raise DamagedCheckpointError(f"{path}: {', '.join(bases)} need one input_scale each for a static scheme a tensor")
+            if any((tensor is None) != (tensors[0] is None) or (tensor is not None and not torch.equal(tensor, tensors[0])) for tensor in tensors):
+                raise UnsupportedCheckpointError(f"{path}: {', '.join(bases)} quantize their one input with different {suffix[1:]}s, and are computed as one product")
+            found.append(None if tensors[0] is None else tensors[0].reshape(()))
+        inputs[name] = StaticInput(scheme.activations, found[0], found[1] if scheme.activations == INT8_STATIC else None)
+    stray = sorted(name for name in state if name.endswith((".input_scale", ".input_zero_point")))
+    if stray:
+        raise UnsupportedCheckpointError(f"{path}: {stray[0]} quantizes an input that duet computes in floats (quantized experts are not built)")
+    return inputs
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:

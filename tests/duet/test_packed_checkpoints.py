@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") i
 PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
 NEW_TOKENS = 10
 # (family, bits, group size: None for a scale per channel, shape overrides[, symmetric[, W8A8[,
-# activation ordering]]]): groups of 128 need 128-wide inputs.
+# activation ordering[, static inputs]]]]): groups of 128 need 128-wide inputs.
 SCHEMES = {
     "qwen3-w4-g32": ("qwen3", 4, 32, {}),
     "qwen3-w4-channel": ("qwen3", 4, None, {}),
@@ -43,6 +43,10 @@ SCHEMES = {
     "qwen3-w8a8-channel": ("qwen3", 8, None, {}, True, "int"),
     "phi3-w8a8-g32": ("phi3", 8, 32, {}, True, "int"),
     "qwen3-fp8-channel": ("qwen3", 8, None, {}, True, "float"),
+    # Static schemes: the inputs at one calibrated scale a tensor (FP8's default in llm-compressor).
+    "qwen3-w8a8-static": ("qwen3", 8, None, {}, True, "int", None, True),
+    "phi3-w8a8-static-asym": ("phi3", 8, None, {}, True, "int", None, "asymmetric"),
+    "llama-fp8-static": ("llama3-rope", 8, None, {}, True, "float", None, True),
     # llm-compressor's GPTQ default: its config says so, its format is W4A16's.
     "llama-w4-g32-static-order": ("llama3-rope", 4, 32, {}, True, None, "static"),
 }
@@ -55,10 +59,12 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
     def get(name: str):
         if name not in made:
             family, bits, group_size, shape, *options = SCHEMES[name]
-            symmetric, w8a8, actorder = options + [True, None, None][len(options):]
+            symmetric, w8a8, actorder, static = options + [True, None, None, False][len(options):]
             root = tmp_path_factory.mktemp(name)
             source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-            path = make_compressed_checkpoint(source, root / "packed", bits, group_size, symmetric=symmetric, w8a8=w8a8, actorder=actorder)
+            path = make_compressed_checkpoint(
+                source, root / "packed", bits, group_size, symmetric=symmetric, w8a8=w8a8, actorder=actorder, static_inputs=static,
+            )
             # transformers loads no packed zero points (it expects them unpacked): an asymmetric
             # checkpoint's reference is transformers on its weights as compressed-tensors dequantizes them.
             reference = path if symmetric else _dequantized_twin(path, root / "dequantized")
@@ -204,6 +210,30 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
     })
 
 
+def test_a_static_scheme_needs_one_input_scale_for_the_parts_of_a_fused_product(checkpoints, tmp_path):
+    """q/k/v (and gate/up) read one input and are computed as one product: calibrated apart to
+    different scales, they are refused, naming the parts; a Linear without its scale likewise."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from duet.errors import DamagedCheckpointError
+
+    path, _ = checkpoints("qwen3-w8a8-static")
+    state = load_file(str(path / "model.safetensors"))
+    for name, edit in {"different": lambda t: t.update({"model.layers.0.self_attn.k_proj.input_scale": t["model.layers.0.self_attn.k_proj.input_scale"] * 2}),
+                       "missing": lambda t: t.pop("model.layers.1.mlp.down_proj.input_scale")}.items():
+        edited = tmp_path / name
+        shutil.copytree(path, edited)
+        tensors = dict(state)
+        edit(tensors)
+        save_file(tensors, str(edited / "model.safetensors"), metadata={"format": "pt"})
+        error = UnsupportedCheckpointError if name == "different" else DamagedCheckpointError
+        message = "q_proj, .*k_proj, .*v_proj quantize their one input with different input_scales" if name == "different" else "no input_scale for .*down_proj.weight"
+        with pytest.raises(error, match=message):
+            LLM(model=str(edited), num_kv_blocks=16)
+
+
 @pytest.mark.slow
 def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, checkpoints):
     path, references = checkpoints("qwen3-w4-g32")
@@ -214,9 +244,12 @@ def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, check
         llm.engine.close()
 
 
-@pytest.mark.parametrize("name", ["qwen3-w8a8-channel", "phi3-w8a8-g32", "qwen3-fp8-channel"])
-def test_w8a8_quantizes_each_products_input_per_token_as_compressed_tensors_does(checkpoints, name):
-    """A 70-token prompt's log-probabilities, every product's input quantized row by row, against
+@pytest.mark.parametrize(
+    "name", ["qwen3-w8a8-channel", "phi3-w8a8-g32", "qwen3-fp8-channel", "qwen3-w8a8-static", "phi3-w8a8-static-asym", "llama-fp8-static"]
+)
+def test_w8a8_quantizes_each_products_input_as_compressed_tensors_does(checkpoints, name):
+    """A 70-token prompt's log-probabilities, every product's input quantized row by row (or at
+    the checkpoint's calibrated scale for the whole tensor: a static scheme), against
     transformers running the same checkpoint: most within a few ulps, a few rows apart where an
     input sat on a rounding boundary (products summed in another order move it across, and the
     code it takes changes by one step of 1/127.5 of the row's largest value, and attention carries
@@ -247,12 +280,13 @@ def test_w8a8_quantizes_each_products_input_per_token_as_compressed_tensors_does
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-w8a8-channel", "phi3-w8a8-g32"])
+@pytest.mark.parametrize("name", ["qwen3-w8a8-channel", "phi3-w8a8-g32", "phi3-w8a8-static-asym"])
 def test_w8a8_at_tp2_scales_each_row_over_every_ranks_features(ray_cluster, checkpoints, name):
     """A row's scale is its largest magnitude over all its features, which o and down split over
     the ranks: each rank takes the largest of every rank's, so the prompt's log-probabilities are
     transformers' within as many rounding-boundary rows as one process's (a rank scaling
-    by its own features alone moves every row of those products), and greedy tokens are too."""
+    by its own features alone moves every row of those products), and greedy tokens are too. A
+    static scheme's one scale holds on every rank."""
     from tests.duet.test_length_rope import transformers_run
 
     path, references = checkpoints(name)
