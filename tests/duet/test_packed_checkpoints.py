@@ -234,6 +234,28 @@ def test_a_static_scheme_needs_one_input_scale_for_the_parts_of_a_fused_product(
             LLM(model=str(edited), num_kv_blocks=16)
 
 
+def test_experts_shipped_in_float8_with_quantized_inputs_are_refused(tmp_path, tiny_tokenizer_dir):
+    """compressed-tensors 0.20 leaves transformers' fused experts in floats; earlier versions
+    quantized each expert's linears (FP8 Mixtral checkpoints ship so). duet dequantizes such
+    weights but quantizes inputs for linear layers only: refused, not computed on unquantized
+    inputs. (The expert's weight is made float8 here as those versions wrote it.)"""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = make_tiny_model(tmp_path / "float", tiny_tokenizer_dir, "qwen3-moe")
+    path = make_compressed_checkpoint(source, tmp_path / "fp8", 8, None, w8a8="float")
+    state = load_file(str(path / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.0.up_proj.weight"
+    scale = state[name].abs().amax(1, keepdim=True) / 448
+    state[name], state[name + "_scale"] = (state[name] / scale).to(torch.float8_e4m3fn), scale
+    edited = tmp_path / "edited"
+    shutil.copytree(path, edited)
+    save_file(state, str(edited / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedCheckpointError, match=f"{name} quantizes its inputs, which duet does only for linear layers"):
+        LLM(model=str(edited), num_kv_blocks=16)
+
+
 @pytest.mark.slow
 def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, checkpoints):
     path, references = checkpoints("qwen3-w4-g32")
