@@ -100,8 +100,17 @@ def evaluate(layout: Layout, template: ClusterModel, profile: dict, runs: list, 
         "ttft_p90_ms": max(summary.percentiles["ttft_ms"]["p90"] for summary in summaries),
         "tpot_p90_ms": max(summary.percentiles["tpot_ms"]["p90"] for summary in summaries),
         "failed": sum(summary.failed for summary in summaries),
-        "runs": [{"workload": s.workload, "goodput": s.goodput, "percentiles": s.percentiles} for s in summaries],
+        "runs": [
+            {"workload": s.workload, "goodput": s.goodput, "slo_attainment": attainment(s, *slo), "percentiles": s.percentiles}
+            for s in summaries
+        ],
     }
+
+
+def attainment(summary, slo_ttft_s: float, slo_tpot_s: float) -> float:
+    """The share of a run's requests that finished within both SLOs (DistServe's measure)."""
+    good = [r for r in summary.requests if r["ok"] and r["ttft_ms"] <= slo_ttft_s * 1e3 and r["tpot_ms"] <= slo_tpot_s * 1e3]
+    return len(good) / max(1, len(summary.requests))
 
 
 def ranked(evaluations: list[dict]) -> list[dict]:

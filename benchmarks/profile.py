@@ -2,6 +2,7 @@
 JSON that ``duet simulate`` runs on.
 
     duet profile configs/local-pd.yaml [configs/colocated.yaml ...] [--app NAME] [--out profile.json] [--quick] [--transfer] [--serving]
+    duet profile configs/local-pd.yaml --roofline h100 --model-shape llama-2-13b [--tp 2]   (hardware not here: computed)
 
 For each pool of each config's application (by stage: ``prefill``, ``decode``, ``colocated``)
 (its merged engine settings and its threads, as a replica of it runs them), one engine in this
@@ -39,6 +40,8 @@ import random
 import statistics
 import time
 from pathlib import Path
+
+from duet.benchmarks.roofline import add_arguments as add_roofline_arguments, from_arguments as roofline_profile
 
 FIRST_TOKEN = 3  # past the special ids of the tokenizers duet ships with
 
@@ -290,9 +293,10 @@ def profile_pool(stage: str, engine_args: dict, num_threads: int, quick: bool, s
     }
 
 
-def pools_of(config_path: str, app_name: str | None) -> tuple[dict, dict[str, tuple[dict, int]]]:
+def pools_of(config_path: str, app_name: str | None, resolve: bool = True) -> tuple[dict, dict[str, tuple[dict, int]]]:
     """The application's args, and per pool (``colocated``, or ``prefill`` and ``decode``) its
-    engine's arguments and threads, as ``duet.cluster.app`` builds them, and its starting size."""
+    engine's arguments and threads, as ``duet.cluster.app`` builds them, and its starting size
+    (``resolve=False``: the model as the config names it, not downloaded or looked up)."""
     import yaml
 
     from duet.cluster.config import parse_args
@@ -304,7 +308,7 @@ def pools_of(config_path: str, app_name: str | None) -> tuple[dict, dict[str, tu
     if app is None:
         raise SystemExit(f"{config_path} has no application named {app_name!r}")
     config = parse_args(app.get("args") or {})
-    model_dir = str(resolve_model_path(config.model))
+    model_dir = str(resolve_model_path(config.model)) if resolve else config.model
     pools = {"colocated": config.decode} if config.mode == "colocated" else {"prefill": config.prefill, "decode": config.decode}
     engines = {stage: pool.merged_engine(config.engine) for stage, pool in pools.items()}
     return app.get("args") or {}, {
@@ -333,8 +337,21 @@ def main(argv: list[str] | None = None) -> None:
         help="busy engines to time each pool beside (default: the config's other replicas, one per other core at most; 0: none)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    add_roofline_arguments(parser)
     args = parser.parse_args(argv)
 
+    if args.roofline:
+        pools = {}
+        for config in args.config:
+            app_args, config_pools = pools_of(config, args.app, resolve=args.model_shape is None)
+            pools |= {stage: engine_args for stage, (engine_args, _, _) in config_pools.items()}
+        profile = roofline_profile(args, pools, next(iter(pools.values()))["model"])
+        profile["model"] = args.model_shape or app_args.get("model")
+        Path(args.out).write_text(json.dumps(profile, indent=1))
+        for stage, pool in profile["pools"].items():
+            print(f"{stage}: prompt {_shown(pool['prompt']['fit'])}; decode {_shown(pool['decode']['fit'])}; {pool['settings']['num_blocks']} blocks")
+        print(f"wrote {args.out} ({profile['machine']['cpu']}, TP={args.tp})")
+        return
     profile = {"machine": machine(), "configs": args.config, "pools": {}}
     cores = profile["machine"]["cores"]
     for config in args.config:
