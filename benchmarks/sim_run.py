@@ -157,9 +157,11 @@ class Simulation:
                     self._place_local(context.request_id, choice)
                 else:
                     self._place_remote(context.request_id, choice)
-        for context in [context for context in self._contexts if self.now - context.since >= ROOM_WAIT_S]:
-            self._contexts.remove(context)  # the client gets a 503
+        expired = [context for context in self._contexts if self.now - context.since >= ROOM_WAIT_S]
+        for context in expired:  # the clients get a 503; each end admits more (this method again), so out of the list first
+            self._contexts.remove(context)
             self.sequences[context.request_id].failed_at = self.now
+        for context in expired:
             self._ended(context.request_id, ok=False)
         if self._contexts and not self._polling:
             self._polling = True

@@ -206,3 +206,21 @@ def test_a_context_no_decode_replica_can_take_gets_a_503_after_the_wait_and_its_
     results, duration = Simulation(_cluster([_pool()], [small])).run(sessions, [0.0, 1.0])
     assert [(result.ok, result.turn) for result in results] == [(False, 0), (True, 0)]
     assert results[1].sent_s + results[1].e2e < ROOM_WAIT_S <= duration < ROOM_WAIT_S + 1  # the run ends with the 503
+
+
+def test_contexts_that_fail_together_free_their_places_for_those_admitted_after_them():
+    """Two prompts that fit no decode replica reach their wait's end in the same round of the
+    waiting room, beside a third one that fits, with a fourth request held at admission
+    (``max_running``: 3): each 503 admits another request in the middle of that round, whose
+    list must stay whole. Both fail, and the requests that fit are served."""
+    from duet.router.waiting import ROOM_WAIT_S
+
+    small = _pool()
+    small.settings = small.settings | {"num_blocks": 8}  # 128 tokens of KV
+    cluster = _cluster([_pool()], [small])
+    cluster.max_running = 3
+    too_long = [TurnSpec(list(range(100, 400)), 4)]
+    sessions = [too_long, too_long, [TurnSpec(list(range(500, 540)), 4)], [TurnSpec(list(range(600, 640)), 4)]]
+    results, duration = Simulation(cluster).run(sessions, [0.0, 0.0, 0.0, 0.1])
+    assert [result.ok for result in results] == [False, False, True, True]
+    assert ROOM_WAIT_S <= duration < ROOM_WAIT_S + 1
