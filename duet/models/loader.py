@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 
 from duet.errors import CheckpointError, DamagedCheckpointError, UnsupportedCheckpointError
-from duet.kernels.w8a8 import FLOAT8_STATIC, INT8_STATIC, StaticInput
+from duet.kernels.w8a8 import StaticInput
 from duet.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, model_class
 from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
 from duet.models.mixtral import MixtralArch
-from duet.models.packed import dequantize_float8, dequantize_zero_points, is_packed, packed_weight, read_scheme, static_inputs
+from duet.models.input_schemes import input_schemes
+from duet.models.packed import dequantize_float8, dequantize_zero_points, is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 ROTARIES = ("rotary", "local_rotary", "no_rotary")  # a model's RoPE tables (``RotaryEmbedding``), or None
@@ -226,29 +227,6 @@ def _packed_linears(
     return packed
 
 
-def _input_schemes(model: LlamaForCausalLM, state: dict[str, torch.Tensor], path: Path, scheme, packed, floats: set[str]) -> dict[str, object]:
-    """How each Linear whose weight ships quantized (``packed`` or dequantized here, ``floats``)
-    quantizes its input first, by module name (W8A8's and FP8's schemes: a ``kernels.w8a8``
-    scheme name, or a static scheme's ``StaticInput``): none for weight-only schemes. A weight
-    dequantized here that is no Linear's (a MoE's experts) would skip its inputs' quantization:
-    refused."""
-    if scheme is None or scheme.activations is None:
-        return {}
-    plan = _fusion_plan(model.arch)
-    linears = {name: plan[f"{name}.weight"] for name, module in model.named_modules() if isinstance(module, Linear)}
-    quantized = {name: parts for name, parts in linears.items() if name in packed or any(part in floats for part in parts)}
-    uncovered = sorted(floats - {part for parts in quantized.values() for part in parts})
-    if uncovered:
-        raise UnsupportedCheckpointError(f"{path}: {uncovered[0]} quantizes its inputs, which duet does only for linear layers (quantized experts are not built)")
-    statics = static_inputs(state, quantized, scheme, path)
-    if scheme.activations not in (INT8_STATIC, FLOAT8_STATIC):
-        return {name: scheme.activations for name in quantized}
-    missing = sorted(set(quantized) - set(statics))
-    if missing:
-        raise DamagedCheckpointError(f"{path}: no input_scale for {', '.join(quantized[missing[0]])}, which a static scheme needs")
-    return statics
-
-
 def _gguf_backend(path: Path, dtype: torch.dtype, device: str, quantization: str | None):
     """How this load computes from the checkpoint's GGUF blocks: the C++ kernels' module on CPU,
     ``kernels.triton_gguf`` on a GPU, None when it does not. ``quantization=None`` takes them wherever they
@@ -338,7 +316,10 @@ def load_model(
     if scheme is not None and scheme.dequantized_at_load:
         floats = dequantize_float8(raw_state, path) if scheme.format == "float-quantized" else dequantize_zero_points(raw_state, scheme, path)
     packed = _packed_linears(model, raw_state, path, device, quantization, scheme)
-    inputs = {name: how.to(device) if isinstance(how, StaticInput) else how for name, how in _input_schemes(model, raw_state, path, scheme, packed, floats).items()}
+    plan = _fusion_plan(arch)
+    linears = {name: plan[f"{name}.weight"] for name, module in model.named_modules() if isinstance(module, Linear)}
+    inputs = input_schemes(linears, raw_state, path, scheme, packed, floats)
+    inputs = {name: how.to(device) if isinstance(how, StaticInput) else how for name, how in inputs.items()}
     for name in packed:  # their blocks are their weights: no float copy is ever allocated
         model.get_submodule(name).weight = None
     # The RoPE tables are real even under the meta device (``RotaryEmbedding``): kept apart

@@ -28,7 +28,7 @@ product is then computed from them as from any input.
 
 Static schemes (``dynamic: false``, ``strategy: tensor``: FP8's and static W8A8's) quantize each
 input at the checkpoint's calibrated ``input_scale`` (and ``input_zero_point``, int8) instead
-(``static_inputs``, ``kernels.w8a8.StaticInput``).
+(``duet.models.input_schemes``, ``kernels.w8a8.StaticInput``).
 
 ``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3) weights with a
 scale per channel or per tensor, and quantizes inputs per token to float8 likewise (the scale
@@ -62,7 +62,7 @@ import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
-from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC, StaticInput
+from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
@@ -206,33 +206,6 @@ def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
             raise DamagedCheckpointError(f"{path}: {name}_scale has shape {tuple(scale.shape)}: neither one scale nor one a channel")
         state[name] = state[name].to(scale.dtype) * scale.reshape(-1, 1)
     return names
-
-
-def static_inputs(state: dict[str, torch.Tensor], linears: dict[str, list[str]], scheme: PackedScheme, path: Path) -> dict[str, StaticInput]:
-    """Each Linear's ``StaticInput`` (by module name; ``linears``: the checkpoint weights each is
-    made of) from its parts' calibrated ``input_scale`` (and ``input_zero_point``), taken out of
-    ``state``: a fused product's parts read one input, so they must share them. None for a
-    dynamic scheme; a static scale left over (a weight duet computes from floats) is refused."""
-    if scheme.activations not in (INT8_STATIC, FLOAT8_STATIC):
-        return {}
-    inputs = {}
-    for name, parts in linears.items():
-        bases = [part.removesuffix(".weight") for part in parts]
-        if not any(base + ".input_scale" in state for base in bases):
-            continue
-        found = []
-        for suffix in (".input_scale", ".input_zero_point"):
-            tensors = [state.pop(base + suffix, None) for base in bases]
-            if suffix == ".input_scale" and any(tensor is None or tensor.numel() != 1 for tensor in tensors):
-                raise DamagedCheckpointError(f"{path}: {', '.join(bases)} need one input_scale each for a static scheme a tensor")
-            if any((tensor is None) != (tensors[0] is None) or (tensor is not None and not torch.equal(tensor, tensors[0])) for tensor in tensors):
-                raise UnsupportedCheckpointError(f"{path}: {', '.join(bases)} quantize their one input with different {suffix[1:]}s, and are computed as one product")
-            found.append(None if tensors[0] is None else tensors[0].reshape(()))
-        inputs[name] = StaticInput(scheme.activations, found[0], found[1] if scheme.activations == INT8_STATIC else None)
-    stray = sorted(name for name in state if name.endswith((".input_scale", ".input_zero_point")))
-    if stray:
-        raise UnsupportedCheckpointError(f"{path}: {stray[0]} quantizes an input that duet computes in floats (quantized experts are not built)")
-    return inputs
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:
