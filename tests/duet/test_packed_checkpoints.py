@@ -125,6 +125,23 @@ def _dequantized_twin(path, target):
     return target
 
 
+def _linears_and_their_weights(checkpoints, name: str):
+    """The checkpoint's model, loaded, and each of its linear layers but the LM head with the
+    weight compressed-tensors' own code dequantizes its parts to (fused products: their rows)."""
+    from duet.models.loader import _fusion_plan, load_model
+
+    path, _ = checkpoints(name)
+    model = load_model(path, torch.float32, "cpu", 256)
+    reference = _reference_weights(path)
+    plan = _fusion_plan(model.arch)
+    linears = [
+        (module_name, linear, torch.cat([reference[part] for part in plan[f"{module_name}.weight"]]))
+        for module_name, linear in model.named_modules() if isinstance(linear, Linear) and module_name != "lm_head"
+    ]
+    assert len(linears) == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
+    return model, linears
+
+
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(checkpoints, name):
     path, references = checkpoints(name)
@@ -139,22 +156,11 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
     """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows; a zero
     point's codes ``q - z`` are int8 blocks (Q8_0), a symmetric 4-bit scheme's Q4_1 blocks."""
-    from duet.models.loader import _fusion_plan, load_model
-
-    path, _ = checkpoints(name)
-    model = load_model(path, torch.float32, "cpu", 256)
-    reference = _reference_weights(path)
-    plan = _fusion_plan(model.arch)
-    checked = 0
-    for module_name, linear in model.named_modules():
-        if not isinstance(linear, Linear) or module_name == "lm_head":
-            continue
+    model, linears = _linears_and_their_weights(checkpoints, name)
+    for module_name, linear, expected in linears:
         assert linear.weight is None and linear.packed_weight is None, f"{module_name} keeps a float weight"
-        expected = torch.cat([reference[part] for part in plan[f"{module_name}.weight"]]).float()
-        assert torch.equal(linear.gguf.dequantize(), expected), module_name
+        assert torch.equal(linear.gguf.dequantize(), expected.float()), module_name
         assert linear.gguf.qtype == (3 if name.startswith(("qwen3-w4", "llama-w4")) and not name.endswith("asym") else 8)
-        checked += 1
-    assert checked == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
     assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
 
 
@@ -163,21 +169,10 @@ def test_8bit_codes_with_zero_points_are_dequantized_at_load_as_compressed_tenso
     """``q - z`` spans 9 bits, which no int8 block holds: each such weight is a float weight,
     bit for bit compressed-tensors' own ``(q - z) * s`` (fused products holding their parts'
     rows), and no blocks are kept; the parity with transformers is checked above."""
-    from duet.models.loader import _fusion_plan, load_model
-
-    path, _ = checkpoints(name)
-    model = load_model(path, torch.float32, "cpu", 256)
-    reference = _reference_weights(path)
-    plan = _fusion_plan(model.arch)
-    checked = 0
-    for module_name, linear in model.named_modules():
-        if not isinstance(linear, Linear) or module_name == "lm_head":
-            continue
+    _, linears = _linears_and_their_weights(checkpoints, name)
+    for module_name, linear, expected in linears:
         assert linear.gguf is None, f"{module_name} keeps blocks"
-        expected = torch.cat([reference[part] for part in plan[f"{module_name}.weight"]])
         assert torch.equal(linear.weight, expected), module_name
-        checked += 1
-    assert checked == 4 * model.arch.num_layers
 
 
 def test_a_checkpoint_calibrated_in_activation_order_says_so_and_is_read_as_any_other(checkpoints):
