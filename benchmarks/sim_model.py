@@ -62,7 +62,8 @@ class PoolModel:
             share = min(busy_neighbours, self.neighbours["neighbours"]) / self.neighbours["neighbours"]
             prompt_factor = 1.0 + (self.neighbours["prompt_slowdown"] - 1.0) * share
             decode_factor = 1.0 + (self.neighbours["decode_slowdown"] - 1.0) * share
-        prompt_s = self.prompt["base_s"] + self.prompt["per_token_s"] * prompt_tokens + self.prompt["per_token_context_s"] * prompt_work
+        prompt_linear = self.prompt["base_s"] + self.prompt["per_token_s"] * prompt_tokens + self.prompt["per_token_context_s"] * prompt_work
+        prompt_s = max(self.prompt.get("floor_s", 0.0), prompt_linear)  # a roofline profile's: no step beats reading the weights
         # drafts (``draft_factor``): fewer steps a token where they pass, each verifying more
         decode_base = self.decode["base_s"] * self.draft_factor
         decode_s = decode_seconds(self.decode, rows, row_context) * self.draft_factor
@@ -72,7 +73,7 @@ class PoolModel:
             return prompt_s * prompt_factor
         # One fixed cost for the step (the larger one), each part's work on top.
         base = max(self.prompt["base_s"] * prompt_factor, decode_base * decode_factor)
-        return base + (prompt_s - self.prompt["base_s"]) * prompt_factor + (decode_s - decode_base) * decode_factor
+        return base + (prompt_linear - self.prompt["base_s"]) * prompt_factor + (decode_s - decode_base) * decode_factor  # decode's base reads them
 
 
 class Replica:

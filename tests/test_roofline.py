@@ -98,6 +98,11 @@ def test_duet_profile_roofline_writes_a_profile_that_simulate_and_plan_run_on(tm
     for rows, context in ((1, 64), (8, 8 * 1024), (32, 32 * 256)):
         assert decode.step_seconds(0, 0, rows, context) == pytest.approx(roofline.decode_seconds(rows, context), rel=0.02)
     assert written["pools"]["decode"]["settings"]["num_blocks"] == roofline.num_blocks(16)
+    # Prompt steps are the roofline's both where the weights' reading binds and where the arithmetic does.
+    prefill = PoolModel.from_profile(written["pools"]["prefill"])
+    for tokens, cached in ((16, 0), (64, 256), (512, 0), (512, 1024)):
+        work = tokens * (cached + tokens / 2)
+        assert prefill.step_seconds(tokens, work, 0, 0) == pytest.approx(roofline.prompt_seconds(tokens, cached), rel=0.03), (tokens, cached)
     assert written["transfer"]["fit"]["per_token_s"] == pytest.approx(LLAMA_7B.kv_bytes_per_token / H100.link_bandwidth)
     ranking = tmp_path / "ranking.json"
     plan([
