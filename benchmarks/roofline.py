@@ -2,7 +2,8 @@
 machine is not, from the model's shape and the device's figures.
 
     duet profile CONFIG --roofline h100 [--model-shape llama-2-13b | --model-shape config.json]
-                 [--tp N] [--devices 8] [--max-num-seqs N] [--flops F --bandwidth B --memory-gib M --link-bandwidth L]
+                 [--tp N] [--devices 8] [--max-num-seqs N]
+                 [--flops F --bandwidth B --memory-gib M --link-bandwidth L]   (any preset's figure, or a device's all)
 
 Each step takes the longer of its arithmetic at ``compute_efficiency`` of the device's peak and
 its memory traffic at ``memory_efficiency`` of its bandwidth, plus a fixed cost a step

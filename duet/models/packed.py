@@ -39,13 +39,14 @@ a float copy the size of the model's in that dtype.
 8-bit codes with a zero point per group or channel (``W8A16`` or ``W8A8`` with
 ``symmetric: false``, either format) have ``q - z`` spanning 9 bits, which no int8 block holds,
 and a Q8_1-like ``d u + m`` would round where compressed-tensors does not: their weights are
-dequantized at load as compressed-tensors does, ``(q - z) * s`` in the scale's dtype (exact),
-a float copy the size of the model's in that dtype, as FP8's is.
+dequantized at load as compressed-tensors does, ``(q - z) * s`` in the scale's dtype (the
+same bits), a float copy the size of the model's in that dtype, as FP8's is.
 
 Groups of a multiple of 32 features or whole channels, and no activation schemes but W8A8's
-(dynamic per token, or static per tensor): each other is refused at load, naming the field. Activation ordering ``weight`` (or ``static``) leaves the groups in order and
-the format as it is; ``group`` (features in groups out of order, a ``weight_g_idx`` per weight,
-which compressed-tensors no longer writes) is refused.
+(dynamic per token, or static per tensor): each other is refused at load, naming the field.
+Activation ordering ``weight`` (or ``static``) leaves the groups in order and the format as it
+is; ``group`` (features in groups out of order, a ``weight_g_idx`` per weight, which
+compressed-tensors no longer writes) is refused.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
@@ -300,8 +301,8 @@ def _zero_points(packed: torch.Tensor, bits: int, out_features: int, num_groups:
 
 def dequantize_zero_points(state: dict[str, torch.Tensor], scheme: PackedScheme, path: Path) -> set[str]:
     """Replace each 8-bit weight with zero points (either format) by ``(q - z) * s`` in its
-    scale's dtype, as compressed-tensors dequantizes it (``q - z`` and the product exact in fp32
-    and bf16: |q - z| <= 255); the weights' names."""
+    scale's dtype, as compressed-tensors dequantizes it (``q - z`` is exact in fp32 and bf16,
+    |q - z| <= 255, and the product rounds once, as its does); the weights' names."""
     names = {name.removesuffix("_zero_point") for name in state if name.endswith(".weight_zero_point")}
     for name in names:
         if scheme.format == "int-quantized":
