@@ -31,7 +31,7 @@ between replicas on one node. Figures of the presets are the vendors' dense bf16
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 
@@ -85,7 +85,7 @@ class ModelShape:
             kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             intermediate=config.get("intermediate_size") or 0, vocab=config["vocab_size"],
             tied_embeddings=bool(config.get("tie_word_embeddings", False)), experts=experts,
-            experts_per_token=config.get("num_experts_per_tok") or 0 if experts else 0,
+            experts_per_token=(config.get("num_experts_per_tok") or 0) if experts else 0,
             expert_intermediate=(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0) if experts else 0,
             dtype_bytes=dtype_bytes,
         )
@@ -255,15 +255,13 @@ def roofline_profile(pools: dict[str, dict], shape: ModelShape, device: Device, 
 
 def device_from(name: str, flops: float | None, bandwidth: float | None, memory_gib: float | None, link: float | None) -> Device:
     """A preset (``DEVICES``) with any figure given instead, or a device of the figures alone."""
-    if name in DEVICES:
-        base = DEVICES[name]
-    elif None in (flops, bandwidth, memory_gib, link):
-        raise SystemExit(f"--roofline {name!r}: a preset ({', '.join(DEVICES)}) or every figure (--flops, --bandwidth, --memory-gib, --link-bandwidth)")
-    else:
-        base = Device(f"{name} (roofline)", flops, bandwidth, memory_gib * 2**30, link)
-    changes = {"flops": flops, "bandwidth": bandwidth, "memory_bytes": None if memory_gib is None else memory_gib * 2**30, "link_bandwidth": link}
-    values = {key: value for key, value in changes.items() if value is not None}
-    return Device(**{**asdict(base), **values})
+    memory = None if memory_gib is None else memory_gib * 2**30
+    if name not in DEVICES:
+        if None in (flops, bandwidth, memory, link):
+            raise SystemExit(f"--roofline {name!r}: a preset ({', '.join(DEVICES)}) or every figure (--flops, --bandwidth, --memory-gib, --link-bandwidth)")
+        return Device(f"{name} (roofline)", flops, bandwidth, memory, link)
+    changes = {"flops": flops, "bandwidth": bandwidth, "memory_bytes": memory, "link_bandwidth": link}
+    return replace(DEVICES[name], **{key: value for key, value in changes.items() if value is not None})
 
 
 def add_arguments(parser) -> None:

@@ -28,9 +28,9 @@ def input_schemes(
     uncovered = sorted(floats - {part for parts in quantized.values() for part in parts})
     if uncovered:
         raise UnsupportedCheckpointError(f"{path}: {uncovered[0]} quantizes its inputs, which duet does only for linear layers (quantized experts are not built)")
-    statics = static_inputs(state, quantized, scheme, path)
     if scheme.activations not in (INT8_STATIC, FLOAT8_STATIC):
         return {name: scheme.activations for name in quantized}
+    statics = static_inputs(state, quantized, scheme, path)
     missing = sorted(set(quantized) - set(statics))
     if missing:
         raise DamagedCheckpointError(f"{path}: no input_scale for {', '.join(quantized[missing[0]])}, which a static scheme needs")
@@ -40,10 +40,8 @@ def input_schemes(
 def static_inputs(state: dict[str, torch.Tensor], linears: dict[str, list[str]], scheme: PackedScheme, path: Path) -> dict[str, StaticInput]:
     """Each Linear's ``StaticInput`` (by module name; ``linears``: the checkpoint weights each is
     made of) from its parts' calibrated ``input_scale`` (and ``input_zero_point``), taken out of
-    ``state``: a fused product's parts read one input, so they must share them. None for a
-    dynamic scheme; a static scale left over (a weight duet computes from floats) is refused."""
-    if scheme.activations not in (INT8_STATIC, FLOAT8_STATIC):
-        return {}
+    ``state``: a fused product's parts read one input, so they must share them. A static scale
+    left over (a weight duet computes from floats) is refused."""
     inputs = {}
     for name, parts in linears.items():
         bases = [part.removesuffix(".weight") for part in parts]

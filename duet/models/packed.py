@@ -125,19 +125,19 @@ def read_scheme(path: Path) -> PackedScheme | None:
         refuse("config_groups", sorted(groups), "one weight scheme for every group")
     formats = {group.get("format") or config.get("format") for group in groups.values()}
     activations = [group.get("input_activations") for group in groups.values()]
+    inputs = None  # the groups' one activation scheme (``_check_activations``), None: weight-only
     for name, group in groups.items():
         group_format = group.get("format") or config.get("format")
         if group_format not in FORMATS or len(formats) > 1:
             refuse(f"config_groups.{name}.format", group_format, f"one of {', '.join(FORMATS)} for every group")
         if group.get("output_activations") is not None:
             refuse(f"config_groups.{name}.output_activations", "...", "none")
-        inputs = group.get("input_activations")
-        if inputs != activations[0]:
-            refuse(f"config_groups.{name}.input_activations", "..." if inputs else inputs, "one activation scheme for every group")
-        if inputs is not None:
-            _check_activations(inputs, group_format, f"config_groups.{name}.input_activations", refuse)
+        group_inputs = group.get("input_activations")
+        if group_inputs != activations[0]:
+            refuse(f"config_groups.{name}.input_activations", "..." if group_inputs else group_inputs, "one activation scheme for every group")
+        if group_inputs is not None:
+            inputs = _check_activations(group_inputs, group_format, f"config_groups.{name}.input_activations", refuse)
     args = weights[0] or {}
-    inputs = None if activations[0] is None else _check_activations(activations[0], next(iter(formats)), "input_activations", refuse)
     if formats == {"float-quantized"}:
         return _float8_scheme(args, inputs, refuse)
     checks = (
