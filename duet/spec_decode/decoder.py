@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 # Acceptance assumed for a request with no verified drafts yet, before any request has any.
 _INITIAL_ACCEPTANCE = 0.5
+# A request joins a step's probes once this share of its probe interval has passed.
+_PROBE_JOIN = 0.5
 
 
 @dataclass
@@ -100,9 +102,16 @@ class SpeculativeDecoder:
         alphas = [track.acceptance.alpha(prior) for track in tracks]
         draft_cost = self.proposer.seconds_per_forward / max(1, len(tracks))
         lengths = choose_draft_lengths(alphas, max_lengths, num_running, self.step_cost.fit(), draft_cost)
-        for index, track in enumerate(tracks):
-            if track.acceptance.wants_probe(drafting=lengths[index] > 0):
-                lengths[index] = 1
+        for track, length in zip(tracks, lengths):
+            track.acceptance.count_step(drafting=length > 0)
+        # Requests without drafts probe (one draft) when due; once one does, those due within
+        # half their interval join it, so that probes share the steps that pay for verification.
+        idle = [index for index, length in enumerate(lengths) if not length]
+        if any(tracks[index].acceptance.probe_due() for index in idle):
+            for index in idle:
+                if tracks[index].acceptance.probe_due(within=_PROBE_JOIN):
+                    tracks[index].acceptance.start_probe()
+                    lengths[index] = 1
         return lengths
 
     def verify(self, logits: torch.Tensor, states: list[CachedRequestState], drafts: list[list[int]]) -> list[list[int]]:
