@@ -1,8 +1,15 @@
 """GPTQ and AWQ checkpoints written by GPTQModel itself, as they are published:
 ``gptq_checkpoints`` quantizes float checkpoints with GPTQModel's own GPTQ or AWQ (calibrated on
-random token ids) and saves it in the format it ships in (``gptq``; AWQ's ``gemm``), then writes
-each quantized linear's weight as GPTQModel's own code dequantizes it (the reference for the
-format's conventions: packing order, zero offsets, groups).
+random token ids) and saves it in the format it ships in (``gptq``; AWQ's ``gemm`` or
+``gemv``), then writes each quantized linear's weight as GPTQModel's own code dequantizes it (the
+reference for the format's conventions: packing order, zero offsets, groups).
+
+GPTQModel has no dequantization of AWQ's ``gemv`` layout, and refuses to write it for a CPU
+device (its kernel for it is CUDA's; the packing is torch's, on any device): a ``gemv`` job lifts
+that device check and also writes a ``gemm`` twin from the same source in the same process,
+whose codes, zeros and scales come out the same (AWQ's search is deterministic on a CPU, from the
+same seed), and the twin's dequantization is the reference. Both load the source in fp16, the
+only dtype GPTQModel's ``gemv`` layer takes.
 
 GPTQModel requires a newer torch than duet pins, and a CUDA one from the index; its CPU path
 needs none of that. So it is installed once, without its dependencies, into a folder of the
@@ -53,6 +60,7 @@ class Quantization:
     sym: bool
     desc_act: bool = False
     method: str = "gptq"
+    format: str = "gemm"  # AWQ's: gemm or gemv
 
 
 def gptq_checkpoints(quantizations: list[Quantization], logs: Path) -> None:
@@ -76,31 +84,21 @@ def gptq_checkpoints(quantizations: list[Quantization], logs: Path) -> None:
 
 def _write(settings: dict) -> None:
     import torch
-    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
-    from gptqmodel.quantization import FORMAT, METHOD
     from safetensors.torch import save_file
 
-    torch.manual_seed(0)
     awq = settings["method"] == "awq"
-    # GPTQ's act_group_aware is on by default, where its other settings allow it.
-    gptq = dict(desc_act=settings["desc_act"], act_group_aware=settings["group_size"] > 0 and not settings["desc_act"])
-    method = dict(quant_method=METHOD.AWQ, format=FORMAT.GEMM) if awq else gptq
-    config = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"], **method)
-    model = GPTQModel.load(settings["source"], config, device="cpu")
-    vocab = model.model.config.vocab_size
-    calibration = [
-        {"input_ids": torch.randint(3, vocab, (1, 64)), "attention_mask": torch.ones(1, 64, dtype=torch.long)} for _ in range(16)
-    ]
-    model.quantize(calibration, batch_size=1)
-    model.save(settings["target"])
-    del model
+    gemv = awq and settings["format"] == "gemv"
+    if gemv:
+        _quantize(settings | {"target": settings["target"] + "-gemm-twin", "format": "gemm"}, torch.float16)
+    _quantize(settings, torch.float16 if gemv else None)
     weights = {}
-    if awq:  # its functional dequantization, on the tensors as saved
+    if awq:  # its functional dequantization, on the tensors as saved (a gemv checkpoint's gemm twin's)
         from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
         from safetensors.torch import load_file
 
-        state = load_file(str(Path(settings["target"]) / "model.safetensors"))
+        state = load_file(str(Path(settings["target"] + ("-gemm-twin" if gemv else "")) / "model.safetensors"))
         for name in state:
             if name.endswith(".qweight"):
                 base = name[: -len("qweight")]
@@ -113,6 +111,33 @@ def _write(settings: dict) -> None:
                 weights[name + ".weight"] = module.dequantize_weight().T.contiguous().cpu()
     Path(settings["reference"]).mkdir(parents=True, exist_ok=True)
     save_file(weights, str(Path(settings["reference"]) / "dequantized.safetensors"))
+
+
+def _quantize(settings: dict, dtype) -> None:
+    """``settings["source"]`` quantized by GPTQModel and saved to ``settings["target"]``, loaded in
+    ``dtype`` (None: the checkpoint's)."""
+    import torch
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.quantization import FORMAT, METHOD
+
+    torch.manual_seed(0)
+    awq = settings["method"] == "awq"
+    if awq and settings["format"] == "gemv":
+        from gptqmodel.models._const import DEVICE
+        from gptqmodel.nn_modules.qlinear.gemv_awq import AwqGEMVLinear
+
+        AwqGEMVLinear.SUPPORTS_DEVICES = [*AwqGEMVLinear.SUPPORTS_DEVICES, DEVICE.CPU]
+    # GPTQ's act_group_aware is on by default, where its other settings allow it.
+    gptq = dict(desc_act=settings["desc_act"], act_group_aware=settings["group_size"] > 0 and not settings["desc_act"])
+    method = dict(quant_method=METHOD.AWQ, format=FORMAT(settings["format"])) if awq else gptq
+    config = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"], **method)
+    model = GPTQModel.load(settings["source"], config, device="cpu", **({} if dtype is None else dict(dtype=dtype)))
+    vocab = model.model.config.vocab_size
+    calibration = [
+        {"input_ids": torch.randint(3, vocab, (1, 64)), "attention_mask": torch.ones(1, 64, dtype=torch.long)} for _ in range(16)
+    ]
+    model.quantize(calibration, batch_size=1)
+    model.save(settings["target"])
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """GPTQ and AWQ checkpoints (``quant_method: gptq`` or ``awq``, as GPTQModel writes them; AWQ in
-AutoAWQ's ``gemm`` format), read into the codes and scales ``duet.models.packed`` makes blocks
-of: never a float copy.
+AutoAWQ's ``gemm`` and ``gemv`` formats), read into the codes and scales ``duet.models.packed``
+makes blocks of: never a float copy.
 
 Both ship, per linear ``x``, ``x.qweight`` (codes in int32 words), ``x.scales`` (``[groups,
 out]``) and ``x.qzeros`` (int32 ``[groups, out * bits / 32]``, a zero per group and output
-feature, packed along the output features); the weight is ``s * (q - z)``.
+feature, packed along the output features); the weight is ``s * (q - z)``. AWQ's ``gemv``
+transposes all three (below).
 
 - **GPTQ** packs ``qweight`` along the input features (``[in * bits / 32, out]``: code ``i`` of
   a word is input feature ``32 / bits * row + i``, at bits ``bits * i``) and its zeros in the
@@ -13,6 +14,11 @@ feature, packed along the output features); the weight is ``s * (q - z)``.
 - **AWQ** (``version: gemm``) packs ``qweight`` along the output features (``[in, out / 8]``)
   with the codes of a word's eight features in the order ``AWQ_ORDER``, and its zeros the same
   way; groups are in order. 4 bits.
+- **AWQ** (``version: gemv``) keeps the output features first: ``qweight`` ``[out, in / 8]``
+  packed along the input features in order (code ``i`` of a word is input feature ``8 * word +
+  i``), ``qzeros`` ``[out, words]`` packed along the groups likewise and ``scales`` ``[out, 8 *
+  words]``, both padded past the last group (``words`` at least ``groups / 8``: AutoAWQ rounds it
+  up for its kernel). 4 bits.
 
 A weight whose zeros are all at the middle (``2^(bits-1)``: a symmetric scheme, or zeros that
 happen to be) gives compressed-tensors' symmetric codes, Q4_1 or Q8_0 blocks, exact; other
@@ -43,6 +49,7 @@ class Layout:
 
     method: str  # gptq or awq
     zero_offset: int = 0  # what the stored zeros lack
+    gemv: bool = False  # AWQ's gemv version: the output features first
 
 
 def read_layout(config: dict, path: Path, refuse) -> tuple[int, int | None, Layout]:
@@ -52,11 +59,11 @@ def read_layout(config: dict, path: Path, refuse) -> tuple[int, int | None, Layo
     bits, group_size = config.get("bits"), config.get("group_size", -1)
     if method == "awq":
         version = str(config.get("version") or config.get("checkpoint_format") or "gemm").lower()
-        if version != "gemm":
-            refuse("version", version, "'gemm'")
+        if version not in ("gemm", "gemv"):
+            refuse("version", version, "'gemm' or 'gemv'")
         if bits != 4:
             refuse("bits", bits, "4")
-        layout = Layout("awq")
+        layout = Layout("awq", gemv=version == "gemv")
     else:
         checkpoint_format = config.get("checkpoint_format") or config.get("format") or "gptq"
         if bits not in (4, 8):
@@ -111,7 +118,29 @@ def layout_codes(
     for suffix in SUFFIXES:
         if tensor_name(part, suffix) not in state:
             raise DamagedCheckpointError(f"{path}: tensor {tensor_name(part, suffix)} is missing")
-    qweight, scales, qzeros = (state[tensor_name(part, suffix)] for suffix in SUFFIXES)
+    tensors = [state[tensor_name(part, suffix)] for suffix in SUFFIXES]
+    unpacked = _gemv_codes if layout.gemv else _codes
+    codes, scales, zeros = unpacked(*tensors, bits, group_size, layout, lambda suffix: f"{path}: {tensor_name(part, suffix)}")
+    in_features = codes.shape[1]
+    if in_features % 32:
+        raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not whole blocks of 32")
+    groups = torch.arange(in_features) // (group_size or in_features)  # the last one may be short (576 features in groups of 128)
+    order = input_order(state, part, groups, path) if layout.method == "gptq" else None
+    if order is not None:  # the input features sorted by group: each group's features side by side
+        codes = codes[:, order]
+    block_scales = scales.float()[:, groups[::32]]
+    if bool((zeros == 1 << (bits - 1)).all()):
+        return codes.to(torch.uint8), block_scales, True, order
+    if bits == 8:
+        zeros_name = tensor_name(part, "qzeros")
+        raise UnsupportedCheckpointError(f"{path}: {zeros_name} holds 8-bit zero points off the middle; duet reads 4-bit ones")
+    signed = codes.to(torch.int16) - zeros[:, groups]  # q - z, in -16..15
+    return signed.to(torch.int8), block_scales, False, order
+
+
+def _codes(qweight, scales, qzeros, bits: int, group_size: int | None, layout: Layout, named) -> tuple[torch.Tensor, ...]:
+    """GPTQ's and AWQ gemm's codes ``[out, in]``, scales and zeros ``[out, groups]``; ``named(suffix)``
+    names a tensor in an error."""
     per_word = 32 // bits
     awq = layout.method == "awq"
     in_features, out_features = (qweight.shape[0], qweight.shape[1] * per_word) if awq else (qweight.shape[0] * per_word, qweight.shape[1])
@@ -125,23 +154,30 @@ def layout_codes(
     for suffix, (tensor, dtype, shape) in expected.items():
         if tuple(tensor.shape) != shape or (dtype is not None and tensor.dtype != dtype):
             raise DamagedCheckpointError(
-                f"{path}: {tensor_name(part, suffix)} is {tensor.dtype} {tuple(tensor.shape)}, where {bits}-bit {layout.method.upper()} "
+                f"{named(suffix)} is {tensor.dtype} {tuple(tensor.shape)}, where {bits}-bit {layout.method.upper()} "
                 f"codes of {in_features} features in groups of {group} give {dtype or 'floats'} {shape}"
             )
-    if in_features % 32:
-        raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not whole blocks of 32")
-    groups = torch.arange(in_features) // group  # the last one may be short (576 features in groups of 128)
-    order = input_order(state, part, groups, path) if not awq else None
     packing = AWQ_ORDER if awq else None
     codes = _unpack(qweight, bits, along_rows=not awq, order=packing)  # [in, out]
-    if order is not None:  # the input features sorted by group: each group's features side by side
-        codes = codes[order]
     zeros = _unpack(qzeros, bits, along_rows=False, order=packing)[:, :out_features].to(torch.int16) + layout.zero_offset  # [groups, out]
-    block_scales = scales.float().T[:, groups[::32]]
-    if bool((zeros == 1 << (bits - 1)).all()):
-        return codes.T.to(torch.uint8), block_scales, True, order
-    if bits == 8:
-        zeros_name = tensor_name(part, "qzeros")
-        raise UnsupportedCheckpointError(f"{path}: {zeros_name} holds 8-bit zero points off the middle; duet reads 4-bit ones")
-    signed = codes.T.to(torch.int16) - zeros.T[:, groups]  # q - z, in -16..15
-    return signed.to(torch.int8), block_scales, False, order
+    return codes.T, scales.T, zeros.T
+
+
+def _gemv_codes(qweight, scales, qzeros, bits: int, group_size: int | None, layout: Layout, named) -> tuple[torch.Tensor, ...]:
+    """AWQ gemv's codes ``[out, in]``, scales and zeros ``[out, groups]`` (the padding past the
+    last group dropped); ``named(suffix)`` names a tensor in an error."""
+    per_word = 32 // bits
+    out_features, in_features = qweight.shape[0], qweight.shape[1] * per_word
+    num_groups = -(-in_features // (group_size or in_features))
+    for suffix, tensor, dtype, width in (
+        ("qweight", qweight, torch.int32, qweight.shape[1]), ("qzeros", qzeros, torch.int32, -(-num_groups // per_word)),
+        ("scales", scales, None, num_groups),
+    ):
+        if tensor.dim() != 2 or tensor.shape[0] != out_features or tensor.shape[1] < width or (dtype is not None and tensor.dtype != dtype):
+            raise DamagedCheckpointError(
+                f"{named(suffix)} is {tensor.dtype} {tuple(tensor.shape)}, where {bits}-bit AWQ gemv codes of {in_features} features "
+                f"in {num_groups} groups give {dtype or 'floats'} [{out_features}, at least {width}]"
+            )
+    codes = _unpack(qweight, bits, along_rows=False)
+    zeros = _unpack(qzeros, bits, along_rows=False)[:, :num_groups].to(torch.int16) + layout.zero_offset
+    return codes, scales[:, :num_groups], zeros

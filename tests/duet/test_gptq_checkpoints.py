@@ -1,6 +1,6 @@
 """GPTQ and AWQ checkpoints written by GPTQModel (``tests/gptq_writer.py``): GPTQ at 4 and 8
 bits, groups of 32 and 128 and a scale per channel, symmetric and not, the ``gptq`` format it is
-published in; AWQ's ``gemm`` format with zero points and without.
+published in; AWQ's ``gemm`` and ``gemv`` formats with zero points and without.
 Each packed weight computes from blocks that equal the checkpoint's exact weights ``s * (q -
 z)`` bit for bit (and those, computed in bf16, equal GPTQModel's own dequantization: its
 packing, zeros and groups read right), no float copy is kept, and greedy output equals
@@ -38,6 +38,8 @@ SCHEMES = {
     # AWQ's clip search takes output features 64 at a time: k/v projections of 64
     "llama-awq-g128-zero": ("llama3-rope", 4, 128, False, WIDE | dict(num_key_value_heads=2), "awq"),
     "qwen3-awq-g32-sym": ("qwen3", 4, 32, True, dict(intermediate_size=128), "awq"),
+    "llama-awq-gemv-g128-zero": ("llama3-rope", 4, 128, False, WIDE | dict(num_key_value_heads=2), "awq-gemv"),
+    "qwen3-awq-gemv-g64-sym": ("qwen3", 4, 64, True, dict(intermediate_size=128), "awq-gemv"),  # gemv: groups of 64 or 128
 }
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's: code i of a word is feature AWQ_ORDER[i] of its 8
 
@@ -64,7 +66,13 @@ def _exact_weights(path, scale_dtype=torch.float32) -> dict[str, torch.Tensor]:
     state = load_file(str(path / "model.safetensors"))
     weights = {}
     for name in state:
-        if name.endswith(".qweight"):
+        if name.endswith(".qweight") and config.get("version") == "gemv":  # [out, in], each word's codes in order
+            base = name[: -len(".qweight")]
+            q = _unpack(state[name], bits, along_rows=False)
+            groups = torch.arange(q.shape[1]) // config["group_size"]
+            zeros = _unpack(state[base + ".qzeros"], bits, along_rows=False)[:, groups]
+            weights[base + ".weight"] = state[base + ".scales"].to(scale_dtype).float()[:, groups] * (q - zeros).float()
+        elif name.endswith(".qweight"):
             base = name[: -len(".qweight")]
             order = AWQ_ORDER if awq else None
             q = _unpack(state[name], bits, along_rows=not awq, order=order)  # [in, out]
@@ -110,7 +118,9 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
             for scheme, (family, bits, group_size, sym, shape, method, *act_order) in SCHEMES.items():
                 root = roots[scheme] = tmp_path_factory.mktemp(scheme)
                 source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-                jobs.append(Quantization(source, root / "packed", root / "reference", bits, group_size, sym, any(act_order), method))
+                method, _, layout = method.partition("-")
+                job = Quantization(source, root / "packed", root / "reference", bits, group_size, sym, any(act_order), method, layout or "gemm")
+                jobs.append(job)
             gptq_checkpoints(jobs, tmp_path_factory.mktemp("gptqmodel"))
             for scheme, root in roots.items():
                 twin = _exact_twin(root / "packed", root / "twin")
@@ -134,7 +144,7 @@ def test_a_gptq_checkpoint_computes_from_its_codes_and_matches_transformers(chec
 def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoints, name):
     """Fused products hold their parts' rows; symmetric 4-bit weights are Q4_1 blocks, the
     others (8 bits, zero points off the middle) int8 codes (Q8_0). GPTQModel dequantizes in the
-    model's dtype (bf16): its scales rounded to it, then their products."""
+    model's dtype (bf16; fp16 for a gemv checkpoint's twin): its scales rounded to it, then their products."""
     from safetensors.torch import load_file
 
     from duet.models.loader import _fusion_plan, load_model
@@ -181,7 +191,7 @@ def test_what_duet_does_not_read_is_refused_naming_the_field(checkpoints, tmp_pa
     })
     awq, _, _ = checkpoints("qwen3-awq-g32-sym")
     refusals(awq, tmp_path / "awq", {
-        "version='gemv' is not supported": lambda q: q.update(version="gemv"),
+        "version='gemv_fast' is not supported": lambda q: q.update(version="gemv_fast"),
         "bits=8 is not supported: duet reads 4": lambda q: q.update(bits=8),
     })
 
@@ -223,3 +233,20 @@ def test_an_activation_ordered_checkpoint_at_tp2_matches_transformers(ray_cluste
         check_outputs(llm.generate(PROMPTS, params), references, "activation order at TP=2")
     finally:
         llm.engine.close()
+
+
+def test_a_gemv_checkpoint_short_of_its_groups_is_refused_naming_the_tensor(checkpoints, tmp_path):
+    """AWQ gemv pads its zeros and scales past the last group; fewer than the groups is damage."""
+    from safetensors.torch import load_file, save_file
+
+    from duet.errors import DamagedCheckpointError
+
+    path, _, _ = checkpoints("llama-awq-gemv-g128-zero")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    state = load_file(str(damaged / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.scales"  # 256 input features: 2 groups of 128
+    state[name] = state[name][:, :1].contiguous()
+    save_file(state, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DamagedCheckpointError, match=r"down_proj\.scales is torch\.float16 \(128, 1\), where 4-bit AWQ gemv .* 2 groups"):
+        LLM(model=str(damaged), num_kv_blocks=64, max_model_len=256)
