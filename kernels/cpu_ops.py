@@ -66,7 +66,9 @@ def load_gguf():
 
 # Row counts at which the GGUF products' two ways for many rows are timed, and the margin by
 # which panels must beat tiles of rows to take over (a noisy tie leaves the rule where it is).
-PANEL_ROWS = (4, 8, 12, 16, 24, 32, 48, 64)
+# 10: bf16 panels tie tiles at 8 rows over the sample weights and win by 1.2x at 12, where
+# SmolLM2's bf16 products took 17.8 ms by tiles and 12.6 by panels at 10 (a 2-core EPYC Zen 4).
+PANEL_ROWS = (4, 8, 10, 12, 16, 24, 32, 48, 64)
 PANEL_MARGIN = 1.1
 NEVER = 1 << 30  # a row count no product reaches
 
