@@ -268,9 +268,8 @@ class ModelRunner:
         if self.spec is None:
             return {}
         # Sampling returned host lists, so the device work is done and the time is real.
-        self.spec.step_cost.observe(
-            scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started, verifies=bool(scheduler_output.scheduled_spec_token_ids)
-        )
+        verifies = bool(scheduler_output.scheduled_spec_token_ids)
+        self.spec.step_cost.observe(scheduler_output.total_num_scheduled_tokens, time.perf_counter() - started, verifies=verifies)
         if not sampled:
             return {}
         states = [self.requests[request_id] for request_id in sampled]

@@ -78,9 +78,10 @@ def panel_min_rows(ops, dtype: torch.dtype = torch.float32) -> int:
     products go by panels of dequantized features rather than by tiles of rows
     (``csrc/gguf_ops.cpp``, ``csrc/gguf_bf16.cpp``): the first of ``PANEL_ROWS`` from which panels
     are ``PANEL_MARGIN`` times faster at every count measured, or never. Timed over
-    ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's two shapes (``_first_rows_that_win``), with
-    their panel layout where the panels read one: 48 MB, read from memory as a step reads a model's (in cache they measured
-    fp32 panels faster from 8 rows where a SmolLM2 step had them faster from 16). Best of 3
+    ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's two shapes (``_first_rows_that_win``),
+    with their panel layout where the panels read one: 48 MB, read from memory as a step reads a
+    model's (in cache they measured fp32 panels faster from 8 rows where a SmolLM2 step had them
+    faster from 16). Best of 3
     interleaved rounds each way, about 0.2 s once per machine (``cpu_rules``). A Xeon measured
     fp32 panels faster from 13 rows (AVX-512, before the panel layout) and a Zen 4 from 8 (AVX2)."""
     bf16 = dtype == torch.bfloat16
@@ -137,7 +138,8 @@ def _first_rows_that_win(old, new, dtype: torch.dtype, with_layout: bool, ops) -
     for rows in PANEL_ROWS:
         xs = {in_features: torch.randn(rows, in_features, generator=generator).to(dtype) for _, in_features in shapes}
         ways = {
-            name: (lambda way=way: [way(weight, xs[in_features]) for weight, in_features in weights]) for name, way in (("old", old), ("new", new))
+            name: (lambda way=way: [way(weight, xs[in_features]) for weight, in_features in weights])
+            for name, way in (("old", old), ("new", new))
         }
         times = best_times(ways, rounds=3)
         wins.append(times["old"] >= PANEL_MARGIN * times["new"])

@@ -126,7 +126,8 @@ def _quantize(settings: dict, dtype) -> None:
         from gptqmodel.models._const import DEVICE
         from gptqmodel.nn_modules.qlinear.gemv_awq import AwqGEMVLinear
 
-        AwqGEMVLinear.SUPPORTS_DEVICES = [*AwqGEMVLinear.SUPPORTS_DEVICES, DEVICE.CPU]
+        if DEVICE.CPU not in AwqGEMVLinear.SUPPORTS_DEVICES:
+            AwqGEMVLinear.SUPPORTS_DEVICES = [*AwqGEMVLinear.SUPPORTS_DEVICES, DEVICE.CPU]
     # GPTQ's act_group_aware is on by default, where its other settings allow it.
     gptq = dict(desc_act=settings["desc_act"], act_group_aware=settings["group_size"] > 0 and not settings["desc_act"])
     method = dict(quant_method=METHOD.AWQ, format=FORMAT(settings["format"])) if awq else gptq

@@ -4,7 +4,7 @@ A step's time is modelled as ``a + b * tokens``, plus ``c`` when it verifies dra
 online, with forgetting, to the target's measured steps). ``c`` is verification's fixed price:
 a step with drafts writes every row's logits and samples them, where a greedy step without
 drafts takes each row's token from the LM head's fused argmax (on a 2-core EPYC Zen 4 at batch 8,
-4-6 ms on a 22 ms step). On a GPU or a CPU at batch 1 ``a`` dominates and verification is
+fitted at 2-7 ms on a 20-22 ms step). On a GPU or a CPU at batch 1 ``a`` dominates and verification is
 nearly free; on a CPU at batch 8 ``b`` and ``c`` are large and a rejected draft costs real time.
 A request's drafts are accepted one after another with probability ``alpha`` each, estimated
 from its own verified drafts. Drafting one more token for a request adds ``alpha ** j`` expected

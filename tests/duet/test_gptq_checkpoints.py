@@ -118,9 +118,9 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
             for scheme, (family, bits, group_size, sym, shape, method, *act_order) in SCHEMES.items():
                 root = roots[scheme] = tmp_path_factory.mktemp(scheme)
                 source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-                method, _, layout = method.partition("-")
-                job = Quantization(source, root / "packed", root / "reference", bits, group_size, sym, any(act_order), method, layout or "gemm")
-                jobs.append(job)
+                method, _, layout = method.partition("-")  # awq-gemv: AWQ in its gemv layout
+                settings = (bits, group_size, sym, any(act_order), method, layout or "gemm")
+                jobs.append(Quantization(source, root / "packed", root / "reference", *settings))
             gptq_checkpoints(jobs, tmp_path_factory.mktemp("gptqmodel"))
             for scheme, root in roots.items():
                 twin = _exact_twin(root / "packed", root / "twin")
