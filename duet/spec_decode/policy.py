@@ -100,8 +100,10 @@ class AcceptanceEstimate:
         return (self.accepted + prior) / (self.trials + 1.0)
 
     def count_step(self, drafting: bool) -> None:
-        """Called once per step with whether the policy gave the request drafts."""
+        """Called once per step with whether the policy gave the request drafts (a probe started
+        last step was verified before this one, or had no draft to verify)."""
         self.steps_idle = 0 if drafting else self.steps_idle + 1
+        self.probing = False
 
     def probe_due(self, within: float = 1.0) -> bool:
         """Whether the request has gone ``within`` of its probe interval without drafting."""

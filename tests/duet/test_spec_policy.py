@@ -127,3 +127,13 @@ def test_probes_due_within_half_an_interval_share_a_step():
     # probe together, one interval on.
     everyone = ("late", "half", "due")
     assert steps_with_probes == [(3, ("half", "due")), (15, everyone), (31, everyone)]
+
+
+def test_a_probe_lasts_one_step():
+    """A probe with nothing to verify (no n-gram match) ends with its step: the request's next
+    drafts, the policy's own, do not count as its result."""
+    estimate = AcceptanceEstimate()
+    estimate.start_probe()
+    estimate.count_step(drafting=True)
+    estimate.observe(num_drafts=4, num_accepted=0)
+    assert estimate.probe_interval == PROBE_INTERVAL
