@@ -44,7 +44,9 @@ Q4_K = 12
 Q5_K = 13
 Q6_K = 14
 _LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), code bytes
-_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
+# Not a GGML type: float8 (e4m3fn) weights with a scale a block (compressed-tensors' FP8: ``float8_blocks``).
+F8 = 1000
+_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32)}  # per block in the kernels: fp32 scales, code bytes
 TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K})  # what the kernels read (some rewritten at load)
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
@@ -144,6 +146,18 @@ def _from_q3_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     third = (rows[..., :32].reshape(out, n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=device).view(1, 1, 8, 1)) & 0x01
     codes = low_bits.reshape(out, n, 256).to(torch.int8) - ((third.reshape(out, n, 256) ^ 1) << 2).to(torch.int8)
     return codes.view(torch.uint8).reshape(out, -1).contiguous(), (d * sc).reshape(out, -1).contiguous()
+
+
+def float8_blocks(weight: torch.Tensor, scales: torch.Tensor, ops) -> GGUFWeight:
+    """Float8 (e4m3fn) weights ``[out, in]`` and their fp32 scales, one per 32-weight block
+    ``[out, in / 32]``, as the kernels' F8 blocks: the codes' bytes as they are, beside the scales.
+    The kernels' weight is ``w.float() * s`` rounded once (``csrc/gguf_blocks.h``), compressed-tensors'
+    own dequantization; a byte a weight plus 4 a block (1.125), against 4 (fp32) or 2 (bf16)."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.float8_e4m3fn or in_features % BLOCK or scales.shape != (out_features, in_features // BLOCK):
+        raise ValueError(f"float8 blocks take e4m3fn weights [out, in] (in a multiple of {BLOCK}) and a scale a block, not {weight.dtype} "
+                         f"{tuple(weight.shape)} with scales {tuple(scales.shape)}")
+    return GGUFWeight(weight.contiguous().view(torch.uint8), scales.float().contiguous(), F8, in_features, ops)
 
 
 @dataclasses.dataclass

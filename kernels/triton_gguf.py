@@ -7,7 +7,7 @@ and accumulates in fp32.
 Q4_1 codes are 16 bytes a block laid out as four 32-bit words (``kernels.gguf._q4_1_words``): weight
 ``e``'s code sits in byte ``4 * (e % 4) + 2 * (e // 16) + (e % 16) // 8`` of the block, at bit
 ``4 * ((e % 8) // 4)``. Q8_0 codes are the 32 int8 as they are; Q6_K's too, with two scales;
-Q5_K's are 32 bytes of 0-31, with Q4_1's d and m.
+Q5_K's are 32 bytes of 0-31, with Q4_1's d and m; F8's 32 float8 (e4m3fn) bytes, with one scale.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ def _dequant_tile(codes_ptr, scales_ptr, rows, row_mask, block, num_blocks, QTYP
         half = (rows[:, None] * num_blocks + block) * 2 + e[None, :] // 16
         d = tl.load(scales_ptr + half, mask=row_mask[:, None], other=0.0)
         return q * d
+    elif QTYPE == 1000:  # F8: float8 (e4m3fn) codes, a scale a block (kernels.gguf.float8_blocks)
+        offsets = (rows[:, None] * num_blocks + block) * 32 + e[None, :]
+        codes = tl.load(codes_ptr + offsets, mask=row_mask[:, None], other=0).to(tl.int32)
+        # read as the fp16 of the code's sign at bit 15 and other bits at 7-13 (2^-8 its value,
+        # subnormals too), as the C++ kernels do: no float8 type, which older GPUs lack
+        halves = (((codes & 0x7F) << 7) | ((codes & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        d = tl.load(scales_ptr + rows * num_blocks + block, mask=row_mask, other=0.0)
+        return halves.to(tl.float32) * (d * 256.0)[:, None]
     else:
         offsets = (rows[:, None] * num_blocks + block) * 32 + e[None, :]
         q = tl.load(codes_ptr + offsets, mask=row_mask[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)

@@ -19,7 +19,7 @@ from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
 from duet.models.mixtral import MixtralArch
 from duet.models.input_schemes import input_schemes
-from duet.models.packed import dequantize_float8, dequantize_zero_points, is_packed, packed_weight, read_scheme
+from duet.models.packed import dequantize_zero_points, is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 ROTARIES = ("rotary", "local_rotary", "no_rotary")  # a model's RoPE tables (``RotaryEmbedding``), or None
@@ -312,9 +312,9 @@ def load_model(
     if arch.checkpoint_names == "phi3" and not any(".mlp.gate_up_proj." in name for name in raw_state):
         model.arch = arch = dataclasses.replace(arch, checkpoint_names=PHI3_SPLIT_MLP)
     scheme = read_scheme(path)
-    floats = set()  # the weights that ship quantized and are dequantized here (FP8; 8-bit codes with zero points)
+    floats = set()  # the weights that ship quantized and are dequantized here (8-bit codes with zero points)
     if scheme is not None and scheme.dequantized_at_load:
-        floats = dequantize_float8(raw_state, path) if scheme.format == "float-quantized" else dequantize_zero_points(raw_state, scheme, path)
+        floats = dequantize_zero_points(raw_state, scheme, path)
     packed = _packed_linears(model, raw_state, path, device, quantization, scheme)
     plan = _fusion_plan(arch)
     linears = {name: plan[f"{name}.weight"] for name, module in model.named_modules() if isinstance(module, Linear)}

@@ -30,11 +30,13 @@ Static schemes (``dynamic: false``, ``strategy: tensor``: FP8's and static W8A8'
 input at the checkpoint's calibrated ``input_scale`` (and ``input_zero_point``, int8) instead
 (``duet.models.input_schemes``, ``kernels.w8a8.StaticInput``).
 
-``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3) weights with a
+``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3fn) weights with a
 scale per channel or per tensor, and quantizes inputs per token to float8 likewise (the scale
-the row's largest magnitude over 448). The block kernels have no float8 blocks: its weights are
-dequantized at load, as compressed-tensors does (``w * s`` in the scale's dtype, exact in fp32),
-a float copy the size of the model's in that dtype.
+the row's largest magnitude over 448). Its weights are kept as they ship, the kernels' float8
+blocks (``kernels.gguf.float8_blocks``: the codes' bytes, and the scale widened to fp32 beside
+each block of 32), computed as ``w.float() * s`` rounded once, compressed-tensors' own
+dequantization in fp32: 1.125 bytes a weight resident. A NaN code (0x7F, 0xFF), which no
+quantizer writes, is refused as damage.
 
 8-bit codes with a zero point per group or channel (``W8A16`` or ``W8A8`` with
 ``symmetric: false``, either format) have ``q - z`` spanning 9 bits, which no int8 block holds,
@@ -50,7 +52,7 @@ compressed-tensors no longer writes) is refused.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
-computes on those very weights, an fp32 one on ``q * s`` unrounded.
+computes on those very weights, an fp32 one on ``q * s`` unrounded (float8 weights alike).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from pathlib import Path
 import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
-from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
+from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, float8_blocks, q4_1_words
 from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
@@ -82,17 +84,19 @@ class PackedScheme:
 
     @property
     def dequantized_at_load(self) -> bool:
-        """Whether the weights become floats at load, not blocks: float8 ones, and compressed-tensors'
-        8-bit codes with zero points (``dequantize_zero_points``)."""
-        return self.format == "float-quantized" or (self.layout is None and self.num_bits == 8 and not self.symmetric)
+        """Whether the weights become floats at load, not blocks: compressed-tensors' 8-bit codes
+        with zero points (``dequantize_zero_points``)."""
+        return self.layout is None and self.num_bits == 8 and not self.symmetric
 
     def ships_codes(self, state: dict[str, torch.Tensor], part: str) -> bool:
         """Whether the checkpoint holds ``part``'s codes for the block kernels (an ``int-quantized``
-        one: as int8; weights ``dequantized_at_load`` are floats, not blocks)."""
+        one: as int8; a ``float-quantized`` one: as float8; weights ``dequantized_at_load`` are
+        floats, not blocks)."""
         name = self.packed_name(part)
-        if self.dequantized_at_load:
+        if self.dequantized_at_load or name not in state:
             return False
-        return name in state and (self.format != "int-quantized" or state[name].dtype == torch.int8)
+        wanted = {"int-quantized": torch.int8, "float-quantized": torch.float8_e4m3fn}.get(self.format)
+        return wanted is None or state[name].dtype == wanted
 
     def packed_name(self, part: str) -> str:
         """The tensor that holds ``part``'s (``x.weight``) codes."""
@@ -195,18 +199,24 @@ def _float8_scheme(args: dict, activations: str | None, refuse) -> PackedScheme:
     return PackedScheme(8, None, format="float-quantized", activations=activations)
 
 
-def dequantize_float8(state: dict[str, torch.Tensor], path: Path) -> set[str]:
-    """Replace each float8 weight of ``state`` by ``w * s`` in its scale's dtype, as
-    compressed-tensors dequantizes it (exact in fp32); the weights' names."""
-    names = {name for name, tensor in state.items() if tensor.dtype == torch.float8_e4m3fn and name.endswith(".weight")}
-    for name in names:
-        if name + "_scale" not in state:
-            raise DamagedCheckpointError(f"{path}: tensor {name}_scale is missing")
-        scale = state.pop(name + "_scale")
-        if scale.numel() not in (1, state[name].shape[0]):
-            raise DamagedCheckpointError(f"{path}: {name}_scale has shape {tuple(scale.shape)}: neither one scale nor one a channel")
-        state[name] = state[name].to(scale.dtype) * scale.reshape(-1, 1)
-    return names
+def _float8_parts(state: dict[str, torch.Tensor], parts: list[str], path: Path, ops) -> GGUFWeight:
+    """The float8 weights ``parts`` (rows of one product) as the kernels' float8 blocks, each
+    part's scale (one a channel, or one for the tensor) beside each of its rows' blocks."""
+    weights, scales = [], []
+    for part in parts:
+        if part + "_scale" not in state:
+            raise DamagedCheckpointError(f"{path}: tensor {part}_scale is missing")
+        weight, scale = state[part], state[part + "_scale"]
+        out_features, in_features = weight.shape
+        if scale.numel() not in (1, out_features):
+            raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)}: neither one scale nor one a channel")
+        if in_features % BLOCK:
+            raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not a multiple of {BLOCK}")
+        if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():
+            raise DamagedCheckpointError(f"{path}: {part} holds NaN codes, which no quantizer writes")
+        weights.append(weight)
+        scales.append(scale.float().reshape(-1, 1).expand(out_features, in_features // BLOCK))
+    return float8_blocks(torch.cat(weights), torch.cat(scales), ops)
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:
@@ -329,9 +339,12 @@ def packed_weight(
     state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops
 ) -> tuple[GGUFWeight, torch.Tensor | None]:
     """The weight made of ``parts``' rows (a fused q/k/v or gate/up product), as blocks for ``ops``:
-    of symmetric codes where every part's are, else of ``q - z`` (a symmetric part's ``u - 8``);
+    float8 blocks of float8 weights; of symmetric codes where every part's are, else of ``q - z``
+    (a symmetric part's ``u - 8``);
     and the order the blocks take their input features in (``Linear.input_order``), which the
     parts share (they read one input)."""
+    if scheme.format == "float-quantized":
+        return _float8_parts(state, parts, path, ops), None
     codes, scales, symmetric, orders = zip(*(_codes(state, part, scheme, path) for part in parts))
     first = orders[0]
     if any((order is None) != (first is None) or (order is not None and not torch.equal(order, first)) for order in orders):

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -27,11 +28,37 @@ constexpr int64_t kQ4_1 = 3;  // GGML's type ids
 constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kQ5_K = 13;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes 0-31, d and m
 constexpr int64_t kQ6_K = 14;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes less 32
+// Not a GGML type: float8 (e4m3fn) weights, 32 codes a block and the block's scale s, s * w
+// (compressed-tensors' FP8, kernels/gguf.py's float8_blocks). A code is read as the fp16 whose
+// bits are its sign at 15 and its other 7 bits at 7-13: that fp16 is 2^-8 times the code's
+// value, normal or subnormal (the fp16 exponent's bias is 15, e4m3's 7), and vcvtph2ps widens
+// it exactly, so the weight is that float times 2^8 s (exact) rounded once, as
+// compressed-tensors' w.float() * s is.
+constexpr int64_t kF8 = 1000;
 
 // Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
-// Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31).
+// Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31; F8: 32 e4m3, s).
 constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
-constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 ? 1 : 2; }
+constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 || qtype == kF8 ? 1 : 2; }
+constexpr float kF8Unit = 256.0f;  // an F8 code's value over its fp16 reading (above)
+
+// A float8 (e4m3fn) code's value, exactly, for the plain C++ kernels and the tests' references:
+// (1 + m / 8) 2^(e - 7), or m / 8 2^-6 where e is 0. NaN codes (0x7F, 0xFF) never reach here
+// (the loader refuses them).
+inline float f8_value(uint8_t code) {
+  const int e = (code >> 3) & 0x0F, m = code & 0x07;
+  const float magnitude = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+  return code & 0x80 ? -magnitude : magnitude;
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// Eight float8 codes (the low 8 bytes of ``bytes``) as the fp16 readings above, 16 bits a lane.
+inline __m128i f8_halves(__m128i bytes) {
+  const __m128i wide = _mm_cvtepu8_epi16(bytes);
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7),
+                      _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8));
+}
+#endif
 
 // One ISA's vectors: a block of 32 weights is kVecs vectors of kLanes floats.
 //
@@ -95,6 +122,17 @@ struct Isa {
       const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), _mm512_set1_ps(scales[i]));
     }
+  }
+  // 16 float8 codes as their fp16 readings (f8_halves), widened to fp32: 2^-8 times their values.
+  static V f8_readings(const uint8_t* codes) {
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m256i halves = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7),
+                                           _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_cvtph_ps(halves);
+  }
+  static void f8(const uint8_t* codes, const float* scales, V* w) {
+    const V s = _mm512_set1_ps(scales[0] * kF8Unit);
+    for (int i = 0; i < 2; ++i) w[i] = _mm512_mul_ps(f8_readings(codes + 16 * i), s);
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -160,6 +198,17 @@ struct Isa {
       w[i] = _mm256_mul_ps(widen(qs, true), _mm256_set1_ps(scales[i / 2]));
     }
   }
+  static void f8(const uint8_t* codes, const float* scales, V* w) {
+#if defined(__F16C__)
+    const V s = _mm256_set1_ps(scales[0] * kF8Unit);
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_mul_ps(_mm256_cvtph_ps(f8_halves(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i)))), s);
+#else
+    alignas(32) float values[32];
+    for (int j = 0; j < 32; ++j) values[j] = f8_value(codes[j]) * scales[0];
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_load_ps(values + 8 * i);
+#endif
+  }
 };
 #else
 struct Isa {
@@ -191,6 +240,9 @@ struct Isa {
   }
   static void q6_k(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = scales[j / 16] * static_cast<float>(static_cast<int8_t>(codes[j]));
+  }
+  static void f8(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = f8_value(codes[j]) * scales[0];
   }
 };
 #endif
@@ -274,6 +326,7 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   if constexpr (QType == kQ4_1) Isa::q4_1(codes, scales, out);
   else if constexpr (QType == kQ5_K) Isa::q5_k(codes, scales, out);
   else if constexpr (QType == kQ6_K) Isa::q6_k(codes, scales, out);
+  else if constexpr (QType == kF8) Isa::f8(codes, scales, out);
   else Isa::q8_0(codes, scales, out);
 }
 
@@ -284,6 +337,7 @@ inline void with_qtype(int64_t qtype, F&& f) {
     case kQ4_1: f(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
     case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
+    case kF8: f(std::integral_constant<int64_t, kF8>{}); break;
     default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
   }
 }
@@ -298,8 +352,8 @@ constexpr int kBf16Tiles = 0, kBf16Panels = 1, kBf16Amx = 2;
 constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
 
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K, "GGUF type ", qtype,
-              " is not supported (Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14)");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K || qtype == kF8, "GGUF type ", qtype,
+              " is not supported (Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14, F8 = 1000)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
   const int64_t num_blocks = in_features / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&

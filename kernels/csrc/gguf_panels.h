@@ -10,7 +10,8 @@
 namespace duet_gguf {
 
 // Block b of panel p, k by k: row(k, features 0-15's weights at k, features 16-31's), exactly
-// the weights dequant gives (Q4_1 and Q5_K: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact).
+// the weights dequant gives (Q4_1 and Q5_K: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact;
+// F8: its reading times 2^8 s, rounded once).
 template <int64_t QType, typename Row>
 inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
   const uint8_t* codes = w.panel_codes + (p * w.num_blocks + b) * kBlock * panel_code_bytes(QType);
@@ -33,6 +34,11 @@ inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
       row(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), d0, m0),
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), d1, m1));
     }
+  } else if constexpr (QType == kF8) {
+    const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(kF8Unit));
+    const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scales + 16), _mm512_set1_ps(kF8Unit));
+    for (int64_t k = 0; k < kBlock; ++k)
+      row(k, _mm512_mul_ps(Isa::f8_readings(codes + k * 32), s0), _mm512_mul_ps(Isa::f8_readings(codes + k * 32 + 16), s1));
   } else {
     for (int64_t k = 0; k < kBlock; ++k) {
       const float* d = scales + (QType == kQ6_K ? (k / 16) * kPanelWidth : 0);  // Q6_K: a scale per 16 weights

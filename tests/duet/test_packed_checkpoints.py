@@ -1,5 +1,6 @@
 """Checkpoints that ship quantized, written by compressed-tensors as llm-compressor writes them
-(``pack-quantized`` W4A16, W4A16_ASYM as AWQ leaves it, and W8A16), kept in their packed form: every packed weight computes
+(``pack-quantized`` W4A16, W4A16_ASYM as AWQ leaves it, and W8A16; ``int-quantized`` W8A8;
+``float-quantized`` FP8), kept in their packed form: every packed weight computes
 from blocks that dequantize to compressed-tensors' own dequantization bit for bit, greedy
 output equals transformers running the same checkpoint, no float copy of a packed weight is
 kept, and schemes duet does not compute exactly are refused naming the field. 8-bit codes with
@@ -15,6 +16,7 @@ import torch
 
 from duet import LLM, SamplingParams
 from duet.errors import UnsupportedCheckpointError
+from duet.kernels.gguf import F8
 from duet.models.linear import Linear
 from duet.models.quantize import QuantizationError
 from tests.conftest import make_compressed_checkpoint, make_tiny_model, refusals
@@ -90,7 +92,9 @@ def _reference_weights(path) -> dict[str, torch.Tensor]:
     state = load_file(str(path / "model.safetensors"))
     weights = {}
     for name in state:
-        if name.endswith(".weight_packed"):
+        if state[name].dtype == torch.float8_e4m3fn:  # float-quantized: the weight as it ships
+            weights[name] = dequantize(state[name], state[name + "_scale"], args=args)
+        elif name.endswith(".weight_packed"):
             base = name[: -len("_packed")]
             shape = torch.Size(state[base + "_shape"].tolist())
             codes = unpack_from_int32(state[name], args.num_bits, shape)
@@ -112,7 +116,7 @@ def _dequantized_twin(path, target):
     state = load_file(str(path / "model.safetensors"))
     weights = _reference_weights(path)
     packed = tuple(f"{name}_" for name in weights)  # x.weight_packed, x.weight_scale, ...
-    floats = {name: tensor for name, tensor in state.items() if not name.startswith(packed)}
+    floats = {name: tensor for name, tensor in state.items() if not name.startswith(packed) and name not in weights}
     floats |= {name: weight.contiguous() for name, weight in weights.items()}
     target.mkdir()
     for file in path.iterdir():
@@ -151,16 +155,25 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym", "llama-w4-g32-static-order"]
+    "name",
+    [
+        "qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym", "llama-w4-g32-static-order",
+        "qwen3-fp8-channel", "llama-fp8-static",
+    ],
 )
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
     """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows; a zero
-    point's codes ``q - z`` are int8 blocks (Q8_0), a symmetric 4-bit scheme's Q4_1 blocks."""
+    point's codes ``q - z`` are int8 blocks (Q8_0), a symmetric 4-bit scheme's Q4_1 blocks, FP8's
+    float8 weights float8 blocks (a scale a channel, or the tensor's: ``llama-fp8-static``)."""
     model, linears = _linears_and_their_weights(checkpoints, name)
     for module_name, linear, expected in linears:
         assert linear.weight is None and linear.packed_weight is None, f"{module_name} keeps a float weight"
         assert torch.equal(linear.gguf.dequantize(), expected.float()), module_name
-        assert linear.gguf.qtype == (3 if name.startswith(("qwen3-w4", "llama-w4")) and not name.endswith("asym") else 8)
+        assert linear.gguf.codes.element_size() * linear.gguf.codes.numel() <= expected.numel()  # at most a byte a weight
+        if "fp8" in name:
+            assert linear.gguf.qtype == F8
+        else:
+            assert linear.gguf.qtype == (3 if name.startswith(("qwen3-w4", "llama-w4")) and not name.endswith("asym") else 8)
     assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
 
 
@@ -229,11 +242,11 @@ def test_a_static_scheme_needs_one_input_scale_for_the_parts_of_a_fused_product(
             LLM(model=str(edited), num_kv_blocks=16)
 
 
-def test_experts_shipped_in_float8_with_quantized_inputs_are_refused(tmp_path, tiny_tokenizer_dir):
+def test_experts_shipped_in_float8_are_refused(tmp_path, tiny_tokenizer_dir):
     """compressed-tensors 0.20 leaves transformers' fused experts in floats; earlier versions
-    quantized each expert's linears (FP8 Mixtral checkpoints ship so). duet dequantizes such
-    weights but quantizes inputs for linear layers only: refused, not computed on unquantized
-    inputs. (The expert's weight is made float8 here as those versions wrote it.)"""
+    quantized each expert's linears (FP8 Mixtral checkpoints ship so). duet keeps float8 weights
+    as blocks, and quantizes inputs, for linear layers only: refused, not computed on floats and
+    unquantized inputs. (The expert's weight is made float8 here as those versions wrote it.)"""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -247,7 +260,7 @@ def test_experts_shipped_in_float8_with_quantized_inputs_are_refused(tmp_path, t
     edited = tmp_path / "edited"
     shutil.copytree(path, edited)
     save_file(state, str(edited / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(UnsupportedCheckpointError, match=f"{name} quantizes its inputs, which duet does only for linear layers"):
+    with pytest.raises(UnsupportedCheckpointError, match=f"{name} ships packed, and duet computes it from floats only .quantized experts"):
         LLM(model=str(edited), num_kv_blocks=16)
 
 

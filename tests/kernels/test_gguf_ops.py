@@ -1,5 +1,7 @@
 """The GGUF block matmuls (``kernels/csrc/gguf_ops.cpp``): their weights are gguf's own
-dequantization bit for bit, and their products equal float matmuls over those weights."""
+dequantization bit for bit, and their products equal float matmuls over those weights. Float8
+blocks (``F8``, compressed-tensors' FP8 weights kept as they ship) go through every test the GGUF
+types do, their reference torch's own ``w.float() * s``."""
 
 from __future__ import annotations
 
@@ -9,16 +11,32 @@ import pytest
 import torch
 
 from duet.kernels import cpu_ops
-from duet.kernels.gguf import GGUFWeight
+from duet.kernels.gguf import F8, GGUFWeight, float8_blocks
 from tests.gguf_writer import k_quant_blocks
 
 OPS = cpu_ops.load_gguf()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ toolchain")
-TYPES = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+TYPES = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0, "F8": F8}
+
+
+def float8_codes(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random float8 (e4m3fn) weights ``[rows, cols]`` over every code but NaN's (0x7F, 0xFF), the
+    first 254 weights each code once: subnormals, both zeros and +-448 included."""
+    codes = torch.randint(0, 254, (rows, cols), dtype=torch.int32, generator=torch.Generator().manual_seed(seed))
+    flat = codes.view(-1)
+    count = min(254, flat.numel())
+    flat[:count] = torch.arange(count, dtype=torch.int32)
+    codes = codes + (codes >= 0x7F).int()  # skip 0x7F; 0xFF is past 253 + 1
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
 def quantized(rows: int, cols: int, qtype, seed: int = 0) -> tuple[GGUFWeight, torch.Tensor]:
-    """Random weights as GGUF blocks, and gguf's own dequantization of them."""
+    """Random weights as GGUF blocks, and gguf's own dequantization of them (float8 blocks:
+    torch's ``w.float() * s`` of random codes and scales)."""
+    if qtype == F8:
+        weights = float8_codes(rows, cols, seed)
+        scales = torch.rand(rows, cols // 32, generator=torch.Generator().manual_seed(seed + 1)) * 1e-3 + 1e-5
+        return float8_blocks(weights, scales, OPS), weights.float() * scales.repeat_interleave(32, dim=1)
     values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.1
     blocks = gguf.quants.quantize(values, qtype)
     dequantized = gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(rows, cols)
@@ -167,6 +185,8 @@ def test_malformed_weights_are_refused_with_a_reason():
         OPS.gguf_matmul(torch.randn(1, 64), weight.codes, weight.scales, 2)
     with pytest.raises(ValueError, match="do not hold rows of 96"):
         GGUFWeight.from_blocks(torch.zeros(4, 40, dtype=torch.uint8), int(TYPES["Q4_1"]), 96, OPS)
+    with pytest.raises(ValueError, match="a scale a block"):
+        float8_blocks(float8_codes(4, 64, seed=0), torch.ones(4, 1), OPS)
 
 
 @pytest.mark.parametrize("name", TYPES)

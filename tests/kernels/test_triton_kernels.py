@@ -196,3 +196,18 @@ def test_triton_gguf_kernels_read_k_quants_as_rewritten_bit_for_bit(qtype):
     assert torch.equal(weight.dequantize(), reference)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_gguf_kernels_read_float8_blocks_bit_for_bit():
+    """compressed-tensors' FP8 weights kept as float8 blocks (``kernels.gguf.float8_blocks``):
+    every code but NaN's, subnormals included, read as torch reads them, times the block's scale."""
+    from duet.kernels.gguf import float8_blocks
+    from tests.kernels.test_gguf_ops import float8_codes
+
+    weights = float8_codes(37, 256, seed=2)
+    scales = torch.rand(37, 8, generator=torch.Generator().manual_seed(3)) * 1e-3 + 1e-5
+    reference = weights.float() * scales.repeat_interleave(32, dim=1)
+    weight = float8_blocks(weights, scales, triton_gguf)
+    assert torch.equal(weight.dequantize(), reference)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
