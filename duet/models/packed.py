@@ -33,10 +33,8 @@ input at the checkpoint's calibrated ``input_scale`` (and ``input_zero_point``, 
 ``float-quantized`` (FP8 W8A8, llm-compressor's FP8_DYNAMIC) ships float8 (e4m3fn) weights with a
 scale per channel or per tensor, and quantizes inputs per token to float8 likewise (the scale
 the row's largest magnitude over 448). Its weights are kept as they ship, the kernels' float8
-blocks (``kernels.gguf.float8_blocks``: the codes' bytes, and the scale widened to fp32 beside
-each block of 32), computed as ``w.float() * s`` rounded once, compressed-tensors' own
-dequantization in fp32: 1.125 bytes a weight resident. A NaN code (0x7F, 0xFF), which no
-quantizer writes, is refused as damage.
+blocks (``duet.models.float8``, which reads Hugging Face's own ``quant_method: fp8`` too): 1.125
+bytes a weight resident.
 
 8-bit codes with a zero point per group or channel (``W8A16`` or ``W8A8`` with
 ``symmetric: false``, either format) have ``q - z`` spanning 9 bits, which no int8 block holds,
@@ -64,8 +62,9 @@ from pathlib import Path
 import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
-from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, float8_blocks, q4_1_words
+from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
 from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC
+from duet.models import float8
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
@@ -79,7 +78,8 @@ class PackedScheme:
     group_size: int | None  # None: a scale per output channel
     symmetric: bool = True  # False: a zero point per group too (8 bits: dequantized at load); GPTQ, AWQ: each weight's zeros say
     layout: Layout | None = None  # a GPTQ or AWQ checkpoint's (None: compressed-tensors)
-    format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, or int8 as they are
+    format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, int8 or float8 as they are; "fp8": transformers'
+    float8_block: tuple[int, int] | None = None  # "fp8": the rows and input features a scale covers (None: the tensor)
     activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN, INT8_STATIC, ...); None: not
 
     @property
@@ -95,14 +95,14 @@ class PackedScheme:
         name = self.packed_name(part)
         if self.dequantized_at_load or name not in state:
             return False
-        wanted = {"int-quantized": torch.int8, "float-quantized": torch.float8_e4m3fn}.get(self.format)
+        wanted = {"int-quantized": torch.int8, float8.COMPRESSED_TENSORS: torch.float8_e4m3fn, float8.HUGGING_FACE: torch.float8_e4m3fn}.get(self.format)
         return wanted is None or state[name].dtype == wanted
 
     def packed_name(self, part: str) -> str:
         """The tensor that holds ``part``'s (``x.weight``) codes."""
         if self.layout is not None:
             return tensor_name(part, "qweight")
-        return part if self.format in ("int-quantized", "float-quantized") else part + "_packed"
+        return part if self.format in ("int-quantized", float8.COMPRESSED_TENSORS, float8.HUGGING_FACE) else part + "_packed"
 
 
 def read_scheme(path: Path) -> PackedScheme | None:
@@ -119,8 +119,10 @@ def read_scheme(path: Path) -> PackedScheme | None:
     if method in ("gptq", "awq"):
         bits, group_size, layout = read_layout(config, path, refuse)
         return PackedScheme(bits, group_size, symmetric=False, layout=layout)
+    if method == float8.HUGGING_FACE:
+        return PackedScheme(8, None, format=float8.HUGGING_FACE, float8_block=float8.hugging_face_block(config, refuse))
     if method != "compressed-tensors":
-        refuse("quant_method", method, "'compressed-tensors', 'gptq' or 'awq' checkpoints")
+        refuse("quant_method", method, "'compressed-tensors', 'gptq', 'awq' or 'fp8' checkpoints")
     groups = config.get("config_groups") or {}
     if not groups:
         refuse("config_groups", groups, "one group of quantized weights")
@@ -143,7 +145,8 @@ def read_scheme(path: Path) -> PackedScheme | None:
             inputs = _check_activations(group_inputs, group_format, f"config_groups.{name}.input_activations", refuse)
     args = weights[0] or {}
     if formats == {"float-quantized"}:
-        return _float8_scheme(args, inputs, refuse)
+        float8.check_compressed_tensors(args, refuse)
+        return PackedScheme(8, None, format=float8.COMPRESSED_TENSORS, activations=inputs)
     checks = (
         ("type", args.get("type"), args.get("type") == "int", "'int'"),
         ("num_bits", args.get("num_bits"), args.get("num_bits") in (4, 8), "4 or 8"),
@@ -184,39 +187,6 @@ def _check_activations(args: dict, group_format: str, field: str, refuse) -> str
     if static:
         return INT8_STATIC if kind == "int" else FLOAT8_STATIC
     return INT8_PER_TOKEN if kind == "int" else FLOAT8_PER_TOKEN
-
-
-def _float8_scheme(args: dict, activations: str | None, refuse) -> PackedScheme:
-    """FP8 weights (e4m3, symmetric, a scale per channel or per tensor), inputs as ``_check_activations`` allows."""
-    checks = (
-        ("type", args.get("type") == "float", "'float'"), ("num_bits", args.get("num_bits") == 8, "8"),
-        ("symmetric", args.get("symmetric") is True, "true"), ("strategy", args.get("strategy") in ("channel", "tensor"), "'channel' or 'tensor'"),
-        ("dynamic", not args.get("dynamic"), "false"),
-    )
-    for field, ok, wanted in checks:
-        if not ok:
-            refuse(f"weights.{field}", args.get(field), wanted)
-    return PackedScheme(8, None, format="float-quantized", activations=activations)
-
-
-def _float8_parts(state: dict[str, torch.Tensor], parts: list[str], path: Path, ops) -> GGUFWeight:
-    """The float8 weights ``parts`` (rows of one product) as the kernels' float8 blocks, each
-    part's scale (one a channel, or one for the tensor) beside each of its rows' blocks."""
-    weights, scales = [], []
-    for part in parts:
-        if part + "_scale" not in state:
-            raise DamagedCheckpointError(f"{path}: tensor {part}_scale is missing")
-        weight, scale = state[part], state[part + "_scale"]
-        out_features, in_features = weight.shape
-        if scale.numel() not in (1, out_features):
-            raise DamagedCheckpointError(f"{path}: {part}_scale has shape {tuple(scale.shape)}: neither one scale nor one a channel")
-        if in_features % BLOCK:
-            raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not a multiple of {BLOCK}")
-        if ((weight.view(torch.uint8) & 0x7F) == 0x7F).any():
-            raise DamagedCheckpointError(f"{path}: {part} holds NaN codes, which no quantizer writes")
-        weights.append(weight)
-        scales.append(scale.float().reshape(-1, 1).expand(out_features, in_features // BLOCK))
-    return float8_blocks(torch.cat(weights), torch.cat(scales), ops)
 
 
 def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme) -> bool:
@@ -343,8 +313,8 @@ def packed_weight(
     (a symmetric part's ``u - 8``);
     and the order the blocks take their input features in (``Linear.input_order``), which the
     parts share (they read one input)."""
-    if scheme.format == "float-quantized":
-        return _float8_parts(state, parts, path, ops), None
+    if scheme.format in (float8.COMPRESSED_TENSORS, float8.HUGGING_FACE):
+        return float8.float8_weight(state, parts, scheme, path, ops), None
     codes, scales, symmetric, orders = zip(*(_codes(state, part, scheme, path) for part in parts))
     first = orders[0]
     if any((order is None) != (first is None) or (order is not None and not torch.equal(order, first)) for order in orders):
