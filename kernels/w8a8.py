@@ -127,7 +127,12 @@ def quantize_input(x: torch.Tensor, scheme, row_max: Callable[[torch.Tensor], to
 def dynamic_per_token(x: torch.Tensor, scheme: str, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``x``'s rows as W8A8 quantizes a product's input before it, to the bit as compressed-tensors'
     forward does (``compute_dynamic_scales_and_zp`` then ``fake_quantize``): ``codes * scale`` of
-    ``per_token_codes``."""
+    ``per_token_codes``; float8 rows on CPU in one C++ call (``csrc/int8_rows.cpp``'s
+    ``float8_rows``, the same bits) where the kernels are built."""
+    if scheme == FLOAT8_PER_TOKEN and row_max is None and x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+        ops = cpu_ops.load_gguf()
+        if ops is not None:
+            return ops.float8_rows(x)
     codes, scale = per_token_codes(x, scheme, row_max)
     return codes * scale
 

@@ -59,8 +59,11 @@ class DecoderStack:
                 return None
             if any(type(linear) is not Linear for linear in _linears(layer)):
                 return None
-            if any(linear.input_quantization is not None and not linear.int8_at_every_row for linear in _linears(layer)):
-                return None  # W8A8's inputs quantized in torch: Python
+            if any(
+                linear.input_quantization is not None and not (linear.int8_at_every_row or linear.float8_inputs_per_token)
+                for linear in _linears(layer)
+            ):
+                return None  # static schemes' inputs, and rows scaled over other ranks' features: Python
         ops = cpu_ops.load()
         if ops is None or cpu_ops.load_gguf() is None:  # the stack reaches the block products through their operators
             return None

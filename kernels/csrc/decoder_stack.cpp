@@ -43,6 +43,7 @@ struct LinearPlan {
   torch::Tensor input_order;  // the input features in the weight's column order (GPTQ's activation order), or undefined
   // W8A8 in integers at every row count (w8a8.py's Int8Weight), or undefined
   torch::Tensor int8_packed, int8_scales, int8_unit_scales, int8_zero_points;
+  bool float8_inputs = false;  // FP8 W8A8: each input quantized to float8 per token first (duet_gguf::float8_rows)
 };
 
 struct LayerPlan {
@@ -57,6 +58,7 @@ using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, 
 using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
 using InvariantProduct = torch::Tensor(torch::Tensor, torch::Tensor, int64_t);
 using Int8Product = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
+using Float8Rows = torch::Tensor(torch::Tensor);
 using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
                                     c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
 
@@ -69,9 +71,9 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumPart
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 19, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+  TORCH_CHECK(t.size() == 20, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
                               "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows, input_order, "
-                              "int8_packed, int8_scales, int8_unit_scales, int8_zero_points)");
+                              "int8_packed, int8_scales, int8_unit_scales, int8_zero_points, float8_inputs)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -95,6 +97,7 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   plan.int8_scales = tensor(16);
   plan.int8_unit_scales = tensor(17);
   plan.int8_zero_points = tensor(18);
+  plan.float8_inputs = t[19].cast<bool>();
   TORCH_CHECK(plan.panel_rows < 0 || plan.invariant.defined(), "a linear served by float panels needs them");
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
@@ -112,7 +115,8 @@ class DecoderStack {
         gguf_dequantize_(op<Dequantize>("duet_gguf::dequantize")),
         linear_packed_(op<PackedProduct>("mkldnn::_linear_pointwise")),
         invariant_linear_(op<InvariantProduct>("duet_gguf::invariant_linear")),
-        int8_linear_(op<Int8Product>("duet_gguf::int8_linear")) {
+        int8_linear_(op<Int8Product>("duet_gguf::int8_linear")),
+        float8_rows_(op<Float8Rows>("duet_gguf::float8_rows")) {
     for (const auto& layer : layers) {
       TORCH_CHECK(layer.size() == 8, "a layer's plan is (input_norm, post_norm, qkv, o, gate_up, down, window, rotates)");
       layers_.push_back({layer[0].cast<torch::Tensor>(), layer[1].cast<torch::Tensor>(), linear_plan(layer[2]),
@@ -219,7 +223,8 @@ class DecoderStack {
   torch::Tensor linear(const torch::Tensor& given, const LinearPlan& plan, size_t lora) {
     torch::Tensor out;
     timed(kProducts, [&] {
-      const torch::Tensor x = plan.input_order.defined() ? given.index_select(-1, plan.input_order) : given;
+      const torch::Tensor quantized = plan.float8_inputs ? float8_rows_.call(given) : given;
+      const torch::Tensor x = plan.input_order.defined() ? quantized.index_select(-1, plan.input_order) : quantized;
       const int64_t rows = x.size(0);
       if (plan.int8_packed.defined()) {  // W8A8: quantized per token, in integers
         out = int8_linear_.call(x, plan.int8_packed, plan.int8_scales, plan.int8_unit_scales, plan.int8_zero_points);
@@ -265,6 +270,7 @@ class DecoderStack {
   c10::TypedOperatorHandle<PackedProduct> linear_packed_;
   c10::TypedOperatorHandle<InvariantProduct> invariant_linear_;
   c10::TypedOperatorHandle<Int8Product> int8_linear_;
+  c10::TypedOperatorHandle<Float8Rows> float8_rows_;
   // This run's LoRA updates (run's arguments, alive while it runs; no slots: none).
   const torch::Tensor* lora_slots_ = nullptr;
   const std::vector<std::vector<torch::Tensor>>* lora_a_ = nullptr;

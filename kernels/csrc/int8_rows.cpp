@@ -7,6 +7,11 @@
 // rows and one over the outputs, where the torch composition's dozen calls cost as much as the
 // product itself at a decode step's rows.
 //
+// FP8 W8A8's inputs likewise (float8_rows): each row quantized per token to float8 (e4m3fn) and
+// back, times its scale, as per_token_codes and dynamic_per_token do in torch (the scale is the
+// row's largest magnitude over 448; a code is x / scale clamped to +-448 and rounded to e4m3 by
+// c10's own conversion, torch's), in one pass where the torch composition took a dozen calls.
+//
 // Built in the GGUF extension, without -ffast-math: the division must stay a division.
 
 #include <torch/types.h>  // not torch/extension.h: only the binding files include that (compile time)
@@ -14,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -73,7 +79,48 @@ torch::Tensor int8_linear_as(const torch::Tensor& x, const torch::Tensor& packed
   return out;
 }
 
+// One row of x quantized to float8 and back, times its scale, into out (a value of T each, every
+// step rounded to T as torch's ops in T round). A NaN makes the row's scale NaN, as amax does.
+template <typename T>
+void float8_row(const T* x, int64_t K, T* out) {
+  constexpr float kFloat8Max = 448.0f;
+  float largest = 0.0f;
+  bool nan = false;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = static_cast<float>(x[k]);
+    nan = nan || std::isnan(v);
+    largest = std::max(largest, std::fabs(v));
+  }
+  float scale = nan ? std::numeric_limits<float>::quiet_NaN() : as_dtype(largest / kFloat8Max, T{});
+  if (scale == 0.0f) scale = static_cast<float>(std::numeric_limits<T>::epsilon());
+  for (int64_t k = 0; k < K; ++k) {
+    const float q = std::min(std::max(as_dtype(static_cast<float>(x[k]) / scale, T{}), -kFloat8Max), kFloat8Max);
+    const float code = std::isnan(q) ? q : static_cast<float>(c10::Float8_e4m3fn(q));
+    out[k] = static_cast<T>(code * scale);
+  }
+}
+
+template <typename T>
+torch::Tensor float8_rows_as(const torch::Tensor& x) {
+  const int64_t rows = x.size(0), features = x.size(1);
+  auto out = torch::empty_like(x);
+  const T* xs = x.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) float8_row(xs + r * features, features, os + r * features);
+  });
+  return out;
+}
+
 }  // namespace
+
+torch::Tensor float8_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "float8_rows: x [M, K]");
+  const auto rows = x.contiguous();
+  if (rows.scalar_type() == torch::kBFloat16) return float8_rows_as<c10::BFloat16>(rows);
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat, "float8_rows: fp32 or bf16 rows");
+  return float8_rows_as<float>(rows);
+}
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scales, torch::Tensor unit_scales,
                           torch::Tensor zero_points) {

@@ -45,6 +45,7 @@ SCHEMES = {
     "qwen3-w8a8-channel": ("qwen3", 8, None, {}, True, "int"),
     "phi3-w8a8-g32": ("phi3", 8, 32, {}, True, "int"),
     "qwen3-fp8-channel": ("qwen3", 8, None, {}, True, "float"),
+    "llama-fp8-channel": ("llama3-rope", 8, None, {}, True, "float"),  # plain Llama layers: the C++ decoder stack's
     # Static schemes: the inputs at one calibrated scale a tensor (FP8's default in llm-compressor).
     "qwen3-w8a8-static": ("qwen3", 8, None, {}, True, "int", None, True),
     "phi3-w8a8-static-asym": ("phi3", 8, None, {}, True, "int", None, "asymmetric"),
@@ -332,3 +333,45 @@ def test_w8a8_at_tp2_scales_each_row_over_every_ranks_features(ray_cluster, chec
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float8_inputs_in_one_call_are_the_torch_compositions_bit_for_bit(dtype):
+    """FP8 W8A8's inputs in one C++ call (``float8_rows``) are ``per_token_codes``' codes times
+    scales in torch, in fp32 and in bf16 (every step rounded to bf16), on rows with a zero row,
+    values half-way between float8 codes, subnormal codes, an outlier and a NaN (its row all NaN)."""
+    from duet.kernels import cpu_ops
+    from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, dynamic_per_token, per_token_codes
+
+    ops = cpu_ops.load_gguf()
+    if ops is None:
+        pytest.skip("no C++ toolchain")
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 576, generator=generator) * torch.logspace(-4, 3, 40)[:, None]).to(dtype)
+    x[3] = 0
+    x[5, :6] = torch.tensor([448.0, 1.0625, -1.1875, 0.01, 2.0**-9 * 1.5, 3.0]).to(dtype)  # scale 1: ties, a subnormal
+    x[7, 100] = 1e4
+    x[9, 9] = float("nan")
+    codes, scales = per_token_codes(x, FLOAT8_PER_TOKEN)
+    expected = codes * scales
+    got = ops.float8_rows(x)
+    assert got.dtype == dtype and torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+    assert got[9].isnan().all() and scales[5].item() == 1.0 and got[5, 1].item() in (1.0, 1.125)
+    assert torch.equal(dynamic_per_token(x[:8], FLOAT8_PER_TOKEN), expected[:8])  # the Python path takes the call
+
+
+def test_fp8_w8a8_runs_in_the_decoder_stack_to_the_loops_bits(checkpoints):
+    """FP8 W8A8 per token with plain Llama layers leaves Python for the C++ decoder stack (its
+    inputs quantized there by the same call), which computes each short step to the very bits
+    of the layer loop; its greedy parity with transformers is checked above."""
+    from tests.duet.test_decoder_stack import _check_every_short_step, _generate
+
+    path, _ = checkpoints("llama-fp8-channel")
+    llm = LLM(model=str(path), num_kv_blocks=1024, max_num_seqs=136, max_num_batched_tokens=2048)
+    model = llm.engine.executor.worker.runner.model
+    linears = [module for module in model.modules() if isinstance(module, Linear) and module.input_quantization is not None]
+    assert model.decoder_stack() is not None and linears and all(linear.float8_inputs_per_token for linear in linears)
+    rows = _check_every_short_step(model)
+    _generate(llm, [1, 5, 60, 136])
+    assert {1, 5, 60, 136} <= set(rows["stack"]) and rows["python"]
+    llm.engine.check_integrity()
