@@ -118,13 +118,15 @@ class EngineReplica:
                 yield item
 
     async def reserve(
-        self, request: EngineRequest, num_prompt_blocks: int = 0, replica_id: str | None = None, lora: str | None = None
+        self, request: EngineRequest, num_prompt_blocks: int = 0, replica_id: str | None = None, lora: str | None = None,
+        prefix_hashes: list[int] | None = None,
     ) -> Placement:
         """The decode role's call: place a sequence here, add it to the engine (its blocks
         reserved, for KV from elsewhere when ``kv_receive``) and answer where it runs and where
         its KV goes. Its outputs wait for ``attach_to``; nobody attaching within
-        ``ATTACH_TIMEOUT_S`` drops it. ``num_prompt_blocks`` and ``lora`` (its adapter) are
-        hints for the pool's request router; ``replica_id`` pins the call to this replica."""
+        ``ATTACH_TIMEOUT_S`` drops it. ``num_prompt_blocks``, ``prefix_hashes`` (a context
+        computed here) and ``lora`` (its adapter) are hints for the pool's request router;
+        ``replica_id`` pins the call to this replica."""
         if replica_id is not None:
             ReplicaGoneError.check(replica_id, self.replica_id)
         self._check_role("decode")

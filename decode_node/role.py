@@ -5,11 +5,14 @@ prompt's blocks at once and the replica answers with the ``KVDestination`` the p
 streams into; the sequence joins the continuous batch (with speculative decoding) when its KV
 and first token are in, and its tokens stream back. Short prompts, and sequences resumed after
 their KV was lost, come without ``kv_receive`` and are prefilled here. A colocated replica does
-everything locally and receives no KV.
+everything locally and receives no KV. Either reports the routing hashes of the prompts it
+computed itself that its prefix cache still holds (``duet.block_pool.RecalledPrefixes``), so
+that its pool's router sends a conversation's next turn where its history is.
 """
 
 from __future__ import annotations
 
+from duet.block_pool import RecalledPrefixes
 from duet.errors import InvalidRequestError
 from duet.messages import EngineRequest
 
@@ -18,6 +21,7 @@ class DecodeRole:
     def __init__(self, colocated: bool = False) -> None:
         self.stage = "colocated" if colocated else "decode"
         self.colocated = colocated
+        self._prefixes = RecalledPrefixes()
 
     @staticmethod
     def engine_args(args: dict) -> dict:
@@ -28,8 +32,9 @@ class DecodeRole:
             raise InvalidRequestError("a decode replica does not send prompt KV (kv_send)")
         if self.colocated and request.kv_receive:
             raise InvalidRequestError("a colocated replica computes its own prompts; it receives no KV")
+        if not request.kv_receive:
+            self._prefixes.add(request.prompt_token_ids, block_size, request.lora, request.lora_path)
 
-    @staticmethod
-    def prefix_hashes(engine) -> list[int]:
-        """A decode pool's router ranks by room, not by cached prefixes: it reports none."""
-        return []
+    def prefix_hashes(self, engine) -> list[int]:
+        """The recalled prompts' prefixes still in the engine's prefix cache, for its routing report."""
+        return self._prefixes.cached(engine)

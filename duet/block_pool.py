@@ -70,6 +70,27 @@ def routing_block_hashes(token_ids: Sequence[int], block_size: int, lora: str | 
     return hashes
 
 
+class RecalledPrefixes:
+    """The routing hashes (``routing_block_hashes``) of the prompts a replica computed, most recent
+    last, at most ``limit`` of them (9 for a 2,048-token prompt; a conversation's turns share
+    theirs): what its routing report names, those of them still in its prefix cache."""
+
+    def __init__(self, limit: int = 2048) -> None:
+        self.limit = limit
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def add(self, token_ids: Sequence[int], block_size: int, lora: str | None = None, lora_path: str | None = None) -> None:
+        for block_hash in routing_block_hashes(token_ids, block_size, lora, lora_path):
+            self._hashes[block_hash] = None
+            self._hashes.move_to_end(block_hash)
+        while len(self._hashes) > self.limit:
+            self._hashes.popitem(last=False)
+
+    def cached(self, engine) -> list[int]:
+        """Those still in ``engine``'s prefix cache (``LLMEngine.cached_prefixes``)."""
+        return engine.cached_prefixes(list(self._hashes))
+
+
 @dataclass
 class KVCacheBlock:
     block_id: int

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from duet.block_pool import routing_block_hashes
 from duet.errors import PoolUnavailableError, ReplicaFullError, ReplicaGoneError
 from duet.messages import EngineRequest, Moved, Placement, TokenDelta
 from duet.router.balance import Choice
@@ -87,6 +88,14 @@ class DecodeStream:
             self.orchestrator.open_streams.discard(self)
         return item
 
+    def _prefix_hashes(self) -> list[int] | None:
+        """The routing hashes of a context the replica computes itself (colocated, or prefilled
+        there), for its pool's router to send it where its history is; None for KV received."""
+        request = self.request
+        if request.kv_receive:
+            return None
+        return routing_block_hashes(request.prompt_token_ids, self.orchestrator.block_size, request.lora, request.lora_path)
+
     async def _reserve(self) -> Placement:
         deadline = time.monotonic() + ROOM_WAIT_S
         refused = 0
@@ -97,7 +106,9 @@ class DecodeStream:
             else:
                 new_call_context()  # an abort of an earlier placement may still be on its way
                 handle = self.orchestrator.handles[pool]
-                self._call = handle.reserve.remote(self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, **pin(pinned))
+                self._call = handle.reserve.remote(
+                    self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, prefix_hashes=self._prefix_hashes(), **pin(pinned)
+                )
                 try:
                     placement = await self._call
                 except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone

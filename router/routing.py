@@ -92,12 +92,20 @@ def _leading_match(prefix_hashes: list[int], stats: ReplicaStats | None) -> int:
 
 
 class KVCapacityRouter(_PoolRouter):
-    """Decode pool: replicas with room for the prompt's KV (``num_prompt_blocks`` keyword) first,
-    fewest running sequences first, most free blocks breaking ties."""
+    """Decode (or colocated) pool: replicas with room for the prompt's KV (``num_prompt_blocks``
+    keyword) first, fewest running sequences first, most free blocks breaking ties; a context
+    computed there (``prefix_hashes`` keyword: a colocated request, or a prompt prefilled locally)
+    goes first to the replica with room holding the longest run of its leading blocks, unless it
+    is busier than the least loaded by more than ``imbalance_threshold`` requests."""
+
+    def initialize_state(self, pool: str, imbalance_threshold: int = 4) -> None:
+        super().initialize_state(pool)
+        self.imbalance_threshold = imbalance_threshold
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
         loads = self._loads(candidates, kwargs)
-        return rank_by_capacity(candidates, loads, kwargs.get("num_prompt_blocks", 0))
+        ranks = rank_by_capacity(candidates, loads, kwargs.get("num_prompt_blocks", 0))
+        return prefix_first(ranks, loads, kwargs.get("prefix_hashes") or [], self.imbalance_threshold, kwargs.get("num_prompt_blocks", 0))
 
 
 # What the routers decide, as functions of the candidates (whose ``routing_stats`` are their
@@ -155,6 +163,28 @@ def rank_by_prefix(
     if best is not None and loads[best.replica_id] - least <= imbalance_threshold:
         return [[best], [replica for replica in by_load if replica is not best]]
     return [[replica] for replica in by_load]
+
+
+def prefix_first(
+    ranks: list[list[RunningReplica]], loads: dict, prefix_hashes: list[int], imbalance_threshold: int, num_prompt_blocks: int
+) -> list[list[RunningReplica]]:
+    """``rank_by_capacity``'s ``ranks`` with the replica holding the longest run of
+    ``prefix_hashes`` first, where it has room for ``num_prompt_blocks`` and its load passes the
+    least loaded's by ``imbalance_threshold`` at most (its history is then not recomputed)."""
+    order = [rank[0] for rank in ranks]
+    if not prefix_hashes or not order:
+        return ranks
+    best, best_match = None, 0
+    for replica in order:
+        stats = reported_stats(replica)
+        if stats is not None and stats.kv.num_free_blocks < num_prompt_blocks:
+            continue
+        match = _leading_match(prefix_hashes, stats)
+        if match > best_match:
+            best, best_match = replica, match
+    if best is None or loads[best.replica_id] - min(loads[replica.replica_id] for replica in order) > imbalance_threshold:
+        return ranks
+    return [[best]] + [[replica] for replica in order if replica is not best]
 
 
 def rank_by_capacity(candidates: list[RunningReplica], loads: dict, num_prompt_blocks: int) -> list[list[RunningReplica]]:

@@ -88,6 +88,26 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
     assert "prefill-test" in table.splitlines()[2]
 
 
+def test_a_decode_or_colocated_replica_reports_the_prompts_it_computed_still_cached(tiny_llama_dir):
+    """A colocated replica (and a decode replica prefilling a prompt itself) recalls the routing
+    hashes of the prompts it computed, and reports those its prefix cache still holds, so that
+    its pool's router sends a conversation's next turn there; a prompt whose KV it received is
+    not its own computing, and not recalled."""
+    from duet.decode_node.role import DecodeRole
+
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
+    prompt, received = list(range(10, 90)), list(range(300, 364))  # 5 and 4 full blocks
+    llm.generate([prompt, received], SamplingParams(temperature=0.0, max_tokens=4))  # both in the prefix cache
+    engine = llm.engine
+    for role in (DecodeRole(colocated=True), DecodeRole()):
+        role.admit(EngineRequest("r", prompt, SamplingParams()), engine.block_size)
+        role.admit(EngineRequest("never-run", list(range(200, 264)), SamplingParams()), engine.block_size)
+        if not role.colocated:
+            role.admit(EngineRequest("received", received, SamplingParams(), kv_receive=True), engine.block_size)
+        assert role.prefix_hashes(engine) == routing_block_hashes(prompt, engine.block_size) != []
+
+
+
 def test_a_decode_replica_reports_no_prefixes(replica):
     stats = ReplicaStats.from_dict(asyncio.run(replica.record_routing_stats()))
     assert (stats.stage, stats.prefix_hashes, stats.kv.num_blocks) == ("decode", [], replica.engine.num_blocks)

@@ -31,10 +31,12 @@ class _SilentCall:
 class _SilentPool:
     def __init__(self) -> None:
         self.calls: list[_SilentCall] = []
+        self.kwargs: list[dict] = []
         self.reserve = self
 
     def remote(self, *args, **kwargs) -> _SilentCall:
         self.calls.append(_SilentCall())
+        self.kwargs.append(kwargs)
         return self.calls[-1]
 
 
@@ -58,6 +60,31 @@ def test_a_placement_no_replica_answers_fails_in_bounded_time(monkeypatch):
     asyncio.run(run())
     assert len(pool.calls) == 1 and pool.calls[0].cancelled
     assert fired == []  # it ran nowhere: nothing to abort
+
+
+def test_a_context_computed_where_it_is_placed_names_its_prefix_to_the_pools_router(monkeypatch):
+    """A sequence whose context the decode (or colocated) replica computes itself asks its
+    pool's router for the replica holding that context's prefix (``prefix_hashes``); one whose
+    KV comes from a prefill replica names none (routed by room alone)."""
+    from duet.block_pool import routing_block_hashes
+
+    monkeypatch.setattr(decode_stream, "PLACE_WAIT_S", 0.1)
+    prompt = list(range(100, 150))
+    for kv_receive, expected in ((False, routing_block_hashes(prompt, 16)), (True, None)):
+        pool = _SilentPool()
+        orchestrator = pd.Orchestrator(None, pool, 16, None)
+        orchestrator.fire = lambda *args: None
+        request = EngineRequest("placed", prompt, SamplingParams(max_tokens=4), kv_receive=kv_receive)
+
+        async def run():
+            stream = decode_stream.DecodeStream(orchestrator, request, num_prompt_blocks=4)
+            with pytest.raises(pd.PoolUnavailableError):
+                await asyncio.wait_for(stream.place(), 5)
+            await stream.aclose()
+
+        asyncio.run(run())
+        assert pool.kwargs[0]["prefix_hashes"] == expected and pool.kwargs[0]["num_prompt_blocks"] == 4
+    assert len(expected or routing_block_hashes(prompt, 16)) == 3
 
 
 class _ScriptedPool:

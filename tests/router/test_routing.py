@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from duet.block_pool import routing_block_hashes
-from duet.router.routing import ADAPTER_LOAD_CREDIT, adapter_loads, choose, rank_by_capacity, rank_by_prefix
+from duet.router.routing import ADAPTER_LOAD_CREDIT, adapter_loads, choose, prefix_first, rank_by_capacity, rank_by_prefix
 from tests.router.fake_serve import make_stats
 
 
@@ -58,6 +58,29 @@ def test_decode_prefers_room_for_the_prompt_then_fewer_running_then_more_free_bl
     idle_big = _replica("idle-big", num_free_blocks=80)
     ranks = rank_by_capacity([full, busy, idle_small, idle_big], {"full": 0, "busy": 5, "idle-small": 1, "idle-big": 1}, 10)
     assert [rank[0].replica_id for rank in ranks] == ["idle-big", "idle-small", "busy", "full"]
+
+
+def test_a_context_computed_on_a_decode_or_colocated_replica_goes_where_its_history_is():
+    """A colocated request (or a prompt prefilled on a decode replica) goes first to the replica
+    with room holding the longest run of its leading blocks, not to the emptiest: a conversation's
+    next turn then starts from its history's KV. Not where that replica lacks room for the
+    prompt, nor where it is busier than the least loaded by more than the threshold."""
+    system = list(range(5000, 5000 + 16 * 8))
+    session = system + list(range(100, 400))
+    next_turn = routing_block_hashes(session + list(range(900, 964)), 16)
+    holder = _replica("holder", num_free_blocks=50, prefix_hashes=routing_block_hashes(session, 16))
+    shares_system = _replica("system", num_free_blocks=70, prefix_hashes=routing_block_hashes(system + [1] * 32, 16))
+    idle = _replica("idle", num_free_blocks=90)
+
+    def first(loads, blocks=10, hashes=next_turn):
+        ranks = prefix_first(rank_by_capacity([idle, shares_system, holder], loads, blocks), loads, hashes, 4, blocks)
+        assert sorted(rank[0].replica_id for rank in ranks) == ["holder", "idle", "system"]
+        return ranks[0][0].replica_id
+
+    assert first({"holder": 2, "system": 0, "idle": 0}) == "holder"
+    assert first({"holder": 2, "system": 0, "idle": 0}, hashes=[]) == "idle"  # KV received: by room and load alone
+    assert first({"holder": 2, "system": 0, "idle": 0}, blocks=60) == "system"  # no room on the holder: the next best match
+    assert first({"holder": 5, "system": 0, "idle": 0}) == "idle"  # the holder busier by more than 4: by room and load
 
 
 def test_a_replica_holding_the_calls_adapter_is_preferred_unless_busier_by_more_than_the_credit():
