@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="duet bench step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--model", default="smollm2", help="an alias or a checkpoint directory (one that ships quantized, say)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default="auto", help="auto (the engine's default), dequantized, int8, int4, w8a8")
     parser.add_argument("--layers", default="native", help="native (the C++ decoder stack), python (the layer loop), or both: python,native")
@@ -160,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
     batches = [int(batch) for batch in args.batches.split(",")]
     quantization = None if args.quantization == "auto" else args.quantization
-    llm = LLM(model="smollm2", dtype=args.dtype, quantization=quantization, max_num_seqs=max(batches), kv_cache_memory_gib=1.0)
-    prompts = batch_prompts(AutoTokenizer.from_pretrained(str(resolve_model_path("smollm2"))))
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=quantization, max_num_seqs=max(batches), kv_cache_memory_gib=1.0)
+    prompts = batch_prompts(AutoTokenizer.from_pretrained(str(resolve_model_path(args.model))))
     profiles = [profile(llm, prompts, batch, args.steps, layers) for batch in batches for layers in args.layers.split(",")]
-    print(f"SmolLM2 decode step, {args.dtype}, quantization {args.quantization}, mean of {args.steps} steps")
+    print(f"{args.model} decode step, {args.dtype}, quantization {args.quantization}, mean of {args.steps} steps")
     print(report(profiles))
     if args.json:
         with open(args.json, "w") as out:

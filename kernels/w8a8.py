@@ -99,6 +99,14 @@ class StaticInput:
     zero_point: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == FLOAT8_STATIC and x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+            ops = cpu_ops.load_gguf()
+            if ops is not None:  # the same bits in one C++ call (csrc/int8_rows.cpp's float8_rows)
+                return ops.float8_rows(x, self.scale)
+        return self.in_torch(x)
+
+    def in_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """``__call__`` composed of torch's own operations (the reference)."""
         scaled = x / self.scale
         if self.zero_point is not None:
             scaled = scaled + self.zero_point.to(x.dtype)

@@ -60,10 +60,10 @@ class DecoderStack:
             if any(type(linear) is not Linear for linear in _linears(layer)):
                 return None
             if any(
-                linear.input_quantization is not None and not (linear.int8_at_every_row or linear.float8_inputs_per_token)
+                linear.input_quantization is not None and not (linear.int8_at_every_row or linear.float8_inputs_in_one_call)
                 for linear in _linears(layer)
             ):
-                return None  # static schemes' inputs, and rows scaled over other ranks' features: Python
+                return None  # static int8 inputs, and rows scaled over other ranks' features: Python
         ops = cpu_ops.load()
         if ops is None or cpu_ops.load_gguf() is None:  # the stack reaches the block products through their operators
             return None

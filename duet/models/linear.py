@@ -47,7 +47,7 @@ from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import GGUFWeight
-from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, INT8_PER_TOKEN, Int8Weight, StaticInput, exact_int8_sums, int8_linear, int8_min_rows, quantize_input
+from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, Int8Weight, StaticInput, exact_int8_sums, int8_linear, int8_min_rows, quantize_input
 from duet.lora import current_step as current_lora_step
 from duet.models.linear_rules import CHUNK_ROWS, PACK_BATCH_HINT, float_panel_rows, float_panels, gguf_float_max_rows, packed_wins
 from duet.models.module import Module
@@ -213,30 +213,36 @@ class Linear(Module):
         """What ``forward`` chooses from, for the C++ decoder stack (``duet.models.decoder_stack``)
         to choose the same way: ``(weight, packed_weight, packed_low, packed_high, codes, scales,
         qtype, block_rows, panel_codes, panel_scales, invariant_panels, out_features, panel_rows,
-        panel_min_rows, input_order, *Int8Weight's four, float8_inputs)``, None for what this layer
-        lacks; the int8 weight only where every row count goes in integers in one call
-        (``int8_at_every_row``); ``float8_inputs`` where each input is quantized to float8 per token
-        first (``float8_inputs_per_token``)."""
+        panel_min_rows, input_order, *Int8Weight's four, float8_inputs, float8_scale)``, None for
+        what this layer lacks; the int8 weight only where every row count goes in integers in one
+        call (``int8_at_every_row``); ``float8_inputs`` where each input is quantized to float8
+        first in one call (``float8_inputs_in_one_call``), at ``float8_scale`` (a static scheme's)
+        or per token."""
         blocks = self.gguf
         low, high = self._packed_rows
         invariant = (self.invariant_panels, self.out_features, self._panel_rows)
         int8 = (self.int8.packed, self.int8.scales, self.int8.unit_scales, self.int8.zero_points) if self.int8_at_every_row else (None,) * 4
-        float8 = self.float8_inputs_per_token
+        scheme = self.input_quantization
+        float8 = (self.float8_inputs_in_one_call, scheme.scale if isinstance(scheme, StaticInput) else None)
         if blocks is None:
             return (
                 self.weight, self.packed_weight, low, high, None, None, 0, self._block_rows, None, None, *invariant, -1, self.input_order, *int8,
-                float8,
+                *float8,
             )
         return (
             self.weight, self.packed_weight, low, high, blocks.codes, blocks.scales, blocks.qtype, self._block_rows,
-            blocks.panel_codes, blocks.panel_scales, *invariant, blocks.panel_min_rows, self.input_order, *int8, float8,
+            blocks.panel_codes, blocks.panel_scales, *invariant, blocks.panel_min_rows, self.input_order, *int8, *float8,
         )
 
     @property
-    def float8_inputs_per_token(self) -> bool:
-        """Whether each input is quantized to float8 per token over its own features (FP8 W8A8 in
-        one process: ``kernels.w8a8.dynamic_per_token``, one C++ call)."""
-        return self.input_quantization == FLOAT8_PER_TOKEN and self.input_row_max is None
+    def float8_inputs_in_one_call(self) -> bool:
+        """Whether each input is quantized to float8 in one C++ call (``kernels.w8a8``'s
+        ``float8_rows``): FP8 W8A8 per token over the row's own features (one process), or at a
+        static scheme's one scale."""
+        scheme = self.input_quantization
+        if isinstance(scheme, StaticInput):
+            return scheme.kind == FLOAT8_STATIC and scheme.scale.device.type == "cpu"
+        return scheme == FLOAT8_PER_TOKEN and self.input_row_max is None
 
     @property
     def int8_at_every_row(self) -> bool:

@@ -43,7 +43,10 @@ struct LinearPlan {
   torch::Tensor input_order;  // the input features in the weight's column order (GPTQ's activation order), or undefined
   // W8A8 in integers at every row count (w8a8.py's Int8Weight), or undefined
   torch::Tensor int8_packed, int8_scales, int8_unit_scales, int8_zero_points;
-  bool float8_inputs = false;  // FP8 W8A8: each input quantized to float8 per token first (duet_gguf::float8_rows)
+  // FP8 W8A8: each input quantized to float8 first (duet_gguf::float8_rows), per token or at
+  // float8_scale (a static scheme's; undefined: per token)
+  bool float8_inputs = false;
+  torch::Tensor float8_scale;
 };
 
 struct LayerPlan {
@@ -58,7 +61,7 @@ using BlockProduct = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, 
 using Dequantize = torch::Tensor(torch::Tensor, torch::Tensor, int64_t, int64_t);
 using InvariantProduct = torch::Tensor(torch::Tensor, torch::Tensor, int64_t);
 using Int8Product = torch::Tensor(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
-using Float8Rows = torch::Tensor(torch::Tensor);
+using Float8Rows = torch::Tensor(torch::Tensor, std::optional<torch::Tensor>);
 using PackedProduct = torch::Tensor(const torch::Tensor&, const torch::Tensor&, const std::optional<torch::Tensor>&,
                                     c10::string_view, c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>);
 
@@ -71,9 +74,9 @@ enum Part { kProducts, kAttention, kRopeKV, kNorms, kActivation, kLoRA, kNumPart
 const char* const kPartNames[kNumParts] = {"products", "attention", "RoPE + KV write", "norms", "activation", "LoRA updates"};
 
 LinearPlan linear_plan(const pybind11::tuple& t) {
-  TORCH_CHECK(t.size() == 20, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
+  TORCH_CHECK(t.size() == 21, "a linear's plan is (weight, packed, packed_low, packed_high, codes, scales, qtype, block_rows, "
                               "panel_codes, panel_scales, invariant_panels, out_features, panel_rows, panel_min_rows, input_order, "
-                              "int8_packed, int8_scales, int8_unit_scales, int8_zero_points, float8_inputs)");
+                              "int8_packed, int8_scales, int8_unit_scales, int8_zero_points, float8_inputs, float8_scale)");
   auto tensor = [&](int i) { return t[i].is_none() ? torch::Tensor() : t[i].cast<torch::Tensor>(); };
   LinearPlan plan;
   plan.weight = tensor(0);
@@ -98,6 +101,7 @@ LinearPlan linear_plan(const pybind11::tuple& t) {
   plan.int8_unit_scales = tensor(17);
   plan.int8_zero_points = tensor(18);
   plan.float8_inputs = t[19].cast<bool>();
+  plan.float8_scale = tensor(20);
   TORCH_CHECK(plan.panel_rows < 0 || plan.invariant.defined(), "a linear served by float panels needs them");
   TORCH_CHECK(plan.block_rows < 0 || plan.codes.defined(), "a linear served by blocks needs its codes");
   TORCH_CHECK(plan.weight.defined() || plan.codes.defined(), "a linear needs a weight or blocks");
@@ -223,7 +227,10 @@ class DecoderStack {
   torch::Tensor linear(const torch::Tensor& given, const LinearPlan& plan, size_t lora) {
     torch::Tensor out;
     timed(kProducts, [&] {
-      const torch::Tensor quantized = plan.float8_inputs ? float8_rows_.call(given) : given;
+      const torch::Tensor quantized =
+          plan.float8_inputs
+              ? float8_rows_.call(given, plan.float8_scale.defined() ? std::optional<torch::Tensor>(plan.float8_scale) : std::nullopt)
+              : given;
       const torch::Tensor x = plan.input_order.defined() ? quantized.index_select(-1, plan.input_order) : quantized;
       const int64_t rows = x.size(0);
       if (plan.int8_packed.defined()) {  // W8A8: quantized per token, in integers

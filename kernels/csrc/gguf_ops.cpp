@@ -312,7 +312,7 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor panels, int64_t ou
 // int8_rows.cpp's.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scales, torch::Tensor unit_scales,
                           torch::Tensor zero_points);
-torch::Tensor float8_rows(torch::Tensor x);
+torch::Tensor float8_rows(torch::Tensor x, std::optional<torch::Tensor> scale);
 }  // namespace duet_gguf
 
 // The products as torch operators too, for C++ in another extension (cpu_ops' decoder stack) to
@@ -354,7 +354,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("invariant_linear", &invariant_linear, "x [M, K] times weights in panels: every output summed over k in one order");
   m.def("invariant_panel_width", &invariant_panel_width);
   m.def("int8_linear", &int8_linear, "W8A8: x's rows quantized per token, their int8 sums with the codes, scaled per row and channel");
-  m.def("float8_rows", &float8_rows, "FP8 W8A8's inputs: x's rows quantized per token to float8 and back, times their scales");
+  m.def("float8_rows", &float8_rows, py::arg("x"), py::arg("scale") = py::none(),
+        "FP8 W8A8's inputs: x's rows quantized to float8 and back, times their scales (per token, or the static scale given)");
   m.def("set_panel_min_rows", &set_panel_min_rows, "Products of at least this many rows go by panels, in this process");
   m.def("panel_min_rows", &panel_min_rows);
 }

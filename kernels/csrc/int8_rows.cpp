@@ -10,7 +10,10 @@
 // FP8 W8A8's inputs likewise (float8_rows): each row quantized per token to float8 (e4m3fn) and
 // back, times its scale, as per_token_codes and dynamic_per_token do in torch (the scale is the
 // row's largest magnitude over 448; a code is x / scale clamped to +-448 and rounded to e4m3 by
-// c10's own conversion, torch's), in one pass where the torch composition took a dozen calls.
+// c10's own conversion, torch's), in one pass where the torch composition took a dozen calls;
+// or, given a static scheme's one calibrated scale, as StaticInput does (each step in the dtype
+// torch's type promotion gives it: x / s in x's and s's promoted dtype, codes * s in s's, the
+// result in x's).
 //
 // Built in the GGUF extension, without -ffast-math: the division must stay a division.
 
@@ -112,14 +115,40 @@ torch::Tensor float8_rows_as(const torch::Tensor& x) {
   return out;
 }
 
+// v rounded to bf16 (as torch rounds an fp32 result into bf16), or kept (fp32).
+inline float rounded(float v, bool bf16) { return bf16 ? static_cast<float>(c10::BFloat16(v)) : v; }
+
+// x [M, K] (T) at one static scale s: ((clamp(x / s) to e4m3) * s), each step rounded as above.
+template <typename T>
+torch::Tensor float8_static_as(const torch::Tensor& x, float s, bool divide_bf16, bool scale_bf16) {
+  constexpr float kFloat8Max = 448.0f;
+  auto out = torch::empty_like(x);
+  const T* xs = x.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+  at::parallel_for(0, x.numel(), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float q = std::min(std::max(rounded(static_cast<float>(xs[i]) / s, divide_bf16), -kFloat8Max), kFloat8Max);
+      const float code = std::isnan(q) ? q : static_cast<float>(c10::Float8_e4m3fn(q));
+      os[i] = static_cast<T>(rounded(code * s, scale_bf16));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-torch::Tensor float8_rows(torch::Tensor x) {
+torch::Tensor float8_rows(torch::Tensor x, std::optional<torch::Tensor> scale) {
   TORCH_CHECK(x.dim() == 2, "float8_rows: x [M, K]");
   const auto rows = x.contiguous();
-  if (rows.scalar_type() == torch::kBFloat16) return float8_rows_as<c10::BFloat16>(rows);
-  TORCH_CHECK(rows.scalar_type() == torch::kFloat, "float8_rows: fp32 or bf16 rows");
-  return float8_rows_as<float>(rows);
+  const bool bf16 = rows.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || rows.scalar_type() == torch::kFloat, "float8_rows: fp32 or bf16 rows");
+  if (!scale.has_value()) return bf16 ? float8_rows_as<c10::BFloat16>(rows) : float8_rows_as<float>(rows);
+  TORCH_CHECK(scale->numel() == 1 && (scale->scalar_type() == torch::kFloat || scale->scalar_type() == torch::kBFloat16),
+              "float8_rows: one fp32 or bf16 scale");
+  const bool scale_bf16 = scale->scalar_type() == torch::kBFloat16;
+  const bool divide_bf16 = at::result_type(rows, *scale) == torch::kBFloat16;
+  const float s = scale->to(torch::kFloat).item<float>();
+  return bf16 ? float8_static_as<c10::BFloat16>(rows, s, divide_bf16, scale_bf16) : float8_static_as<float>(rows, s, divide_bf16, scale_bf16);
 }
 
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scales, torch::Tensor unit_scales,

@@ -30,7 +30,7 @@ def test_fp32_products_take_panels_then_onednn_only_where_they_measured_faster()
     linear.pack_for_cpu()
     panel_rows = float_panel_rows()
     assert panel_rows in (0, *FLOAT_PANEL_ROWS) or cpu_ops.load_gguf() is None
-    _, _, packed_low, packed_high, *_, plan_panel_rows, _, _, _, _, _, _, _ = linear.plan()
+    _, _, packed_low, packed_high, *_, plan_panel_rows, _, _, _, _, _, _, _, _ = linear.plan()
     assert plan_panel_rows == (panel_rows if panel_rows > 0 else -1)
     assert packed_low == max(1 if packed_wins(1) else 2, panel_rows + 1)
     assert packed_high == (sys.maxsize if packed_wins(CHUNK_ROWS) else 128)

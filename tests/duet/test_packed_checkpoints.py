@@ -339,9 +339,10 @@ def test_w8a8_at_tp2_scales_each_row_over_every_ranks_features(ray_cluster, chec
 def test_float8_inputs_in_one_call_are_the_torch_compositions_bit_for_bit(dtype):
     """FP8 W8A8's inputs in one C++ call (``float8_rows``) are ``per_token_codes``' codes times
     scales in torch, in fp32 and in bf16 (every step rounded to bf16), on rows with a zero row,
-    values half-way between float8 codes, subnormal codes, an outlier and a NaN (its row all NaN)."""
+    values half-way between float8 codes, subnormal codes, an outlier and a NaN (its row all NaN);
+    and at a static scheme's scale, ``StaticInput``'s torch composition."""
     from duet.kernels import cpu_ops
-    from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, dynamic_per_token, per_token_codes
+    from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, StaticInput, dynamic_per_token, per_token_codes
 
     ops = cpu_ops.load_gguf()
     if ops is None:
@@ -358,19 +359,28 @@ def test_float8_inputs_in_one_call_are_the_torch_compositions_bit_for_bit(dtype)
     assert got.dtype == dtype and torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
     assert got[9].isnan().all() and scales[5].item() == 1.0 and got[5, 1].item() in (1.0, 1.125)
     assert torch.equal(dynamic_per_token(x[:8], FLOAT8_PER_TOKEN), expected[:8])  # the Python path takes the call
+    # a static scheme's one calibrated scale (fp32 or bf16, as the checkpoint has it): each step in
+    # the dtype torch's type promotion gives it, as StaticInput composes it in torch
+    for scale_dtype in (torch.float32, torch.bfloat16):
+        static = StaticInput(FLOAT8_STATIC, torch.tensor([0.0371], dtype=scale_dtype))
+        expected = static.in_torch(x)
+        got = ops.float8_rows(x, static.scale)
+        assert got.dtype == dtype and torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0)), scale_dtype
+        assert torch.equal(static(x[:8]), got[:8])
 
 
-def test_fp8_w8a8_runs_in_the_decoder_stack_to_the_loops_bits(checkpoints):
-    """FP8 W8A8 per token with plain Llama layers leaves Python for the C++ decoder stack (its
-    inputs quantized there by the same call), which computes each short step to the very bits
-    of the layer loop; its greedy parity with transformers is checked above."""
+@pytest.mark.parametrize("name", ["llama-fp8-channel", "llama-fp8-static"])
+def test_fp8_w8a8_runs_in_the_decoder_stack_to_the_loops_bits(checkpoints, name):
+    """FP8 W8A8 (per token, or at a static scale) with plain Llama layers leaves Python for the C++
+    decoder stack (its inputs quantized there by the same call), which computes each short step
+    to the very bits of the layer loop; its greedy parity with transformers is checked above."""
     from tests.duet.test_decoder_stack import _check_every_short_step, _generate
 
-    path, _ = checkpoints("llama-fp8-channel")
+    path, _ = checkpoints(name)
     llm = LLM(model=str(path), num_kv_blocks=1024, max_num_seqs=136, max_num_batched_tokens=2048)
     model = llm.engine.executor.worker.runner.model
     linears = [module for module in model.modules() if isinstance(module, Linear) and module.input_quantization is not None]
-    assert model.decoder_stack() is not None and linears and all(linear.float8_inputs_per_token for linear in linears)
+    assert model.decoder_stack() is not None and linears and all(linear.float8_inputs_in_one_call for linear in linears)
     rows = _check_every_short_step(model)
     _generate(llm, [1, 5, 60, 136])
     assert {1, 5, 60, 136} <= set(rows["stack"]) and rows["python"]
