@@ -22,9 +22,12 @@ min ``-dmin * m``: gguf's ``d * sc * q - dmin * m`` rounds once, as the kernels'
 Q5_K block the same with its 5-bit codes a byte each (``Q5_K``'s layout in the kernels); a
 Q6_K block of 32 keeps its codes less 32 as int8 and the fp32 scales ``d * sc`` of its two
 halves (``Q6_K``'s layout in the kernels: fp16 times int8 times a 6-bit code is exact in fp32),
-and a Q3_K block the same with its codes less 4 and the scales ``d * (sc - 32)``. The codes
-stay 3- to 6-bit values; only their container widens (Q4_K: 0.75 byte a weight against 0.5625
-in the file; Q5_K: 1.25 against 0.6875; Q6_K: 1.25 against 0.82; Q3_K: 1.25 against 0.43).
+and a Q3_K block the same with its codes less 4 and the scales ``d * (sc - 32)``. A Q2_K
+block of 32 (``Q2_K``'s layout in the kernels) keeps its 2-bit codes a byte each and the scale
+and min of each half, ``d * sc`` and ``-dmin * m`` (fp16 times 4-bit integers: exact), its weights
+one fma each, rounded once as gguf's ``d * sc * q - dmin * m``. The codes stay 2- to 6-bit
+values; only their container widens (Q4_K: 0.75 byte a weight against 0.5625 in the file; Q5_K:
+1.25 against 0.6875; Q6_K: 1.25 against 0.82; Q3_K: 1.25 against 0.43; Q2_K: 1.5 against 0.33).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import dataclasses
 import gguf
 import torch
 
-Q4_0 = 2  # GGML's type ids
+Q2_K = 10  # GGML's type ids
+Q4_0 = 2
 Q4_1 = 3
 Q5_0 = 6
 Q5_1 = 7
@@ -46,13 +50,13 @@ Q6_K = 14
 _LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), code bytes
 # Not a GGML type: float8 (e4m3fn) weights with a scale a block (compressed-tensors' FP8: ``float8_blocks``).
 F8 = 1000
-_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32)}  # per block in the kernels: fp32 scales, code bytes
-TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K})  # what the kernels read (some rewritten at load)
+_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32), Q2_K: (4, 32)}  # per block in the kernels: fp32 scales, code bytes
+TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # what the kernels read (some rewritten at load)
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
 SUPER_BLOCK = 256  # weights of a K-quant super-block
 # weights and bytes of a super-block
-_K_LAYOUTS = {Q3_K: (SUPER_BLOCK, 110), Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210)}
+_K_LAYOUTS = {Q2_K: (SUPER_BLOCK, 84), Q3_K: (SUPER_BLOCK, 110), Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210)}
 
 
 def q4_1_words(codes: torch.Tensor) -> torch.Tensor:
@@ -160,6 +164,21 @@ def float8_blocks(weight: torch.Tensor, scales: torch.Tensor, ops) -> GGUFWeight
     return GGUFWeight(weight.contiguous().view(torch.uint8), scales.float().contiguous(), F8, in_features, ops)
 
 
+def _from_q2_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q2_K super-blocks ``[out, n, 84]`` (16 bytes of 4-bit scales, low, and mins, high; 64 bytes
+    of 2-bit codes: weight 128h + 32j + i at bits 2j of byte 32h + i; fp16 d and dmin) as 8n
+    blocks of 32 codes (0-3, a byte each) and the fp32 scale and min of each half, ``d * sc``
+    and ``-dmin * m`` (exact)."""
+    out, n = rows.shape[:2]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=rows.device).view(1, 1, 1, 4, 1)
+    codes = (rows[..., 16:80].reshape(out, n, 2, 1, 32) >> shifts) & 0x03  # [out, n, h, j, i]
+    d = rows[..., 80:82].contiguous().view(torch.float16).float()
+    dmin = rows[..., 82:84].contiguous().view(torch.float16).float()
+    packed = rows[..., :16]
+    scales = torch.stack([d * (packed & 0x0F).float(), -(dmin * (packed >> 4).float())], dim=-1)  # [out, n, 16 halves, 2]
+    return codes.reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
+
+
 @dataclasses.dataclass
 class GGUFWeight:
     """An ``[out_features, in_features]`` weight as codes ``[out, blocks * code bytes]`` (uint8)
@@ -183,7 +202,7 @@ class GGUFWeight:
         """From the file's rows of blocks (uint8 ``[out_features, blocks * block bytes]``)."""
         if qtype not in TYPES:
             supported = (
-                f"Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q5_0 = {Q5_0}, Q5_1 = {Q5_1}, Q8_0 = {Q8_0}, Q3_K = {Q3_K}, Q4_K = {Q4_K}, "
+                f"Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q5_0 = {Q5_0}, Q5_1 = {Q5_1}, Q8_0 = {Q8_0}, Q2_K = {Q2_K}, Q3_K = {Q3_K}, Q4_K = {Q4_K}, "
                 f"Q5_K = {Q5_K}, Q6_K = {Q6_K}"
             )
             raise ValueError(f"GGUF type {qtype} is not supported ({supported})")
@@ -199,6 +218,8 @@ class GGUFWeight:
             return cls(*_from_q6_k(rows), Q6_K, in_features, ops)
         if qtype == Q3_K:
             return cls(*_from_q3_k(rows), Q6_K, in_features, ops)
+        if qtype == Q2_K:
+            return cls(*_from_q2_k(rows), Q2_K, in_features, ops)
         num_scales = _LAYOUTS[qtype][0]
         scales = rows[..., : 2 * num_scales].contiguous().view(torch.float16).float()
         codes = rows[..., 2 * num_scales :]

@@ -15,9 +15,9 @@ from tests.conftest import make_tiny_llama, make_tiny_model
 
 
 def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int = 0):
-    """Random Q3_K, Q4_K, Q5_K or Q6_K super-blocks (gguf's quantizer makes none): random codes and
-    integer scales under fp16 super-block scales up to ``magnitude``; ``[rows, cols / 256 * bytes]``
-    uint8."""
+    """Random Q2_K, Q3_K, Q4_K, Q5_K or Q6_K super-blocks (gguf's quantizer makes none): random
+    codes and integer scales under fp16 super-block scales up to ``magnitude``; ``[rows, cols /
+    256 * bytes]`` uint8."""
     import gguf
     import numpy as np
 
@@ -27,6 +27,8 @@ def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int
     scales = (rng.random((rows, cols // 256, 2)) * magnitude).astype(np.float16).view(np.uint8)
     if with_min:
         blocks[..., 0:4] = scales  # d, dmin
+    elif qtype == gguf.GGMLQuantizationType.Q2_K:
+        blocks[..., 80:84] = scales  # d, dmin
     elif qtype == gguf.GGMLQuantizationType.Q3_K:
         blocks[..., 108:110] = scales[..., :2]  # d
     else:
@@ -57,7 +59,8 @@ def make_tiny_gguf_llama(
         if k_quants and "embed" not in name:
             q4_k = any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
             qtype = gguf.GGMLQuantizationType[k_quant] if q4_k else gguf.GGMLQuantizationType.Q6_K
-            magnitude = (0.0004 if k_quant == "Q4_K" else 0.0001) if q4_k else 0.00005  # Q5_K's codes reach 31
+            # Q5_K's codes reach 31; Q2_K's 3 (its scales 15)
+            magnitude = {"Q4_K": 0.0004, "Q2_K": 0.004}.get(k_quant, 0.0001) if q4_k else 0.00005
             quantized = k_quant_blocks(*weight.shape, int(qtype), magnitude=magnitude, seed=len(blocks))
         else:
             qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0

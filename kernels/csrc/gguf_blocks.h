@@ -24,7 +24,8 @@
 namespace duet_gguf {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1 = 3;  // GGML's type ids
+constexpr int64_t kQ2_K = 10;  // GGML's type ids; Q2_K as kernels/gguf.py rewrites it: codes 0-3 a byte, d and m per 16
+constexpr int64_t kQ4_1 = 3;
 constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kQ5_K = 13;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes 0-31, d and m
 constexpr int64_t kQ6_K = 14;  // as kernels/gguf.py rewrites it: 32-weight blocks of codes less 32
@@ -37,9 +38,10 @@ constexpr int64_t kQ6_K = 14;  // as kernels/gguf.py rewrites it: 32-weight bloc
 constexpr int64_t kF8 = 1000;
 
 // Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
-// Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31; F8: 32 e4m3, s).
+// Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31; F8: 32 e4m3, s;
+// Q2_K: 32 uint8, d and m of weights 0-15, then of 16-31).
 constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
-constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 || qtype == kF8 ? 1 : 2; }
+constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 || qtype == kF8 ? 1 : qtype == kQ2_K ? 4 : 2; }
 constexpr float kF8Unit = 256.0f;  // an F8 code's value over its fp16 reading (above)
 
 // A float8 (e4m3fn) code's value, exactly, for the plain C++ kernels and the tests' references:
@@ -123,6 +125,12 @@ struct Isa {
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), _mm512_set1_ps(scales[i]));
     }
   }
+  static void q2_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int i = 0; i < 2; ++i) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+      w[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qs)), _mm512_set1_ps(scales[2 * i]), _mm512_set1_ps(scales[2 * i + 1]));
+    }
+  }
   // 16 float8 codes as their fp16 readings (f8_halves), widened to fp32: 2^-8 times their values.
   static V f8_readings(const uint8_t* codes) {
     const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
@@ -198,6 +206,12 @@ struct Isa {
       w[i] = _mm256_mul_ps(widen(qs, true), _mm256_set1_ps(scales[i / 2]));
     }
   }
+  static void q2_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
+      w[i] = _mm256_fmadd_ps(widen(qs, false), _mm256_set1_ps(scales[2 * (i / 2)]), _mm256_set1_ps(scales[2 * (i / 2) + 1]));
+    }
+  }
   static void f8(const uint8_t* codes, const float* scales, V* w) {
 #if defined(__F16C__)
     const V s = _mm256_set1_ps(scales[0] * kF8Unit);
@@ -243,6 +257,9 @@ struct Isa {
   }
   static void f8(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = f8_value(codes[j]) * scales[0];
+  }
+  static void q2_k(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = std::fma(scales[2 * (j / 16)], static_cast<float>(codes[j]), scales[2 * (j / 16) + 1]);
   }
 };
 #endif
@@ -327,6 +344,7 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   else if constexpr (QType == kQ5_K) Isa::q5_k(codes, scales, out);
   else if constexpr (QType == kQ6_K) Isa::q6_k(codes, scales, out);
   else if constexpr (QType == kF8) Isa::f8(codes, scales, out);
+  else if constexpr (QType == kQ2_K) Isa::q2_k(codes, scales, out);
   else Isa::q8_0(codes, scales, out);
 }
 
@@ -338,6 +356,7 @@ inline void with_qtype(int64_t qtype, F&& f) {
     case kQ5_K: f(std::integral_constant<int64_t, kQ5_K>{}); break;
     case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
     case kF8: f(std::integral_constant<int64_t, kF8>{}); break;
+    case kQ2_K: f(std::integral_constant<int64_t, kQ2_K>{}); break;
     default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
   }
 }
@@ -352,8 +371,8 @@ constexpr int kBf16Tiles = 0, kBf16Panels = 1, kBf16Amx = 2;
 constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
 
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K || qtype == kF8, "GGUF type ", qtype,
-              " is not supported (Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14, F8 = 1000)");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K || qtype == kF8 || qtype == kQ2_K, "GGUF type ",
+              qtype, " is not supported (Q2_K = 10, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14, F8 = 1000)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
   const int64_t num_blocks = in_features / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&

@@ -10,7 +10,7 @@
 namespace duet_gguf {
 
 // Block b of panel p, k by k: row(k, features 0-15's weights at k, features 16-31's), exactly
-// the weights dequant gives (Q4_1 and Q5_K: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact;
+// the weights dequant gives (Q4_1, Q5_K and Q2_K: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact;
 // F8: its reading times 2^8 s, rounded once).
 template <int64_t QType, typename Row>
 inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
@@ -33,6 +33,14 @@ inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
       const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + 16));
       row(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), d0, m0),
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), d1, m1));
+    }
+  } else if constexpr (QType == kQ2_K) {  // d and m of weights 0-15, then of 16-31: [4][32]
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const float* dm = scales + (k / 16) * 2 * kPanelWidth;
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + 16));
+      row(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), _mm512_loadu_ps(dm), _mm512_loadu_ps(dm + kPanelWidth)),
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), _mm512_loadu_ps(dm + 16), _mm512_loadu_ps(dm + kPanelWidth + 16)));
     }
   } else if constexpr (QType == kF8) {
     const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(kF8Unit));

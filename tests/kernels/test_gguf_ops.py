@@ -89,14 +89,14 @@ def test_panel_products_equal_float_matmuls_over_the_dequantized_weights(name, r
         torch.testing.assert_close(odd.matmul(x), (x.double() @ odd_weights.double().T).float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", [*TYPES, "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", [*TYPES, "Q2_K", "Q5_K", "Q6_K"])
 def test_the_panel_layout_dequantizes_to_the_same_weights(name):
     """Panels of the panel layout hold exactly the weights the blocks dequantize to: a product of
     one-hot rows from the panels (each output is then one weight times 1, plus zeros) is the
     dequantized weight, bit for bit, for every qtype the kernels read."""
     if not OPS.panels_need_layout():
         pytest.skip("this CPU's panels read the codes themselves")
-    if name in ("Q5_K", "Q6_K"):
+    if name in ("Q2_K", "Q5_K", "Q6_K"):
         qtype = int(gguf.GGMLQuantizationType[name])
         weight = GGUFWeight.from_blocks(torch.from_numpy(k_quant_blocks(64, 256, qtype, magnitude=0.0001)), qtype, 256, OPS)
     else:
@@ -134,16 +134,17 @@ def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follow
         OPS.set_panel_min_rows(0)
 
 
-@pytest.mark.parametrize("name", ["Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(name):
     """Q4_K becomes Q4_1 blocks (scale d * sc, min -dmin * m), Q5_K blocks of a byte a code with
-    the same scale and min, Q6_K and Q3_K int8 blocks with a scale per 16: each dequantizes to
-    gguf's own floats exactly, and multiplies as float matmuls over them."""
+    the same scale and min, Q6_K and Q3_K int8 blocks with a scale per 16, Q2_K blocks of a byte
+    a code with a scale and min per 16: each dequantizes to gguf's own floats exactly, and
+    multiplies as float matmuls over them."""
     qtype = getattr(gguf.GGMLQuantizationType, name)
-    blocks = k_quant_blocks(48, 512, int(qtype), magnitude=0.002 if name == "Q4_K" else 0.0001)
+    blocks = k_quant_blocks(48, 512, int(qtype), magnitude=0.002 if name in ("Q2_K", "Q4_K") else 0.0001)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(48, 512))
     weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 512, OPS)
-    assert weight.qtype == {"Q3_K": 14, "Q4_K": 3, "Q5_K": 13, "Q6_K": 14}[name]
+    assert weight.qtype == {"Q2_K": 10, "Q3_K": 14, "Q4_K": 3, "Q5_K": 13, "Q6_K": 14}[name]
     assert torch.equal(weight.dequantize(), reference)
     for rows in (1, 3, 20):  # tiles of rows, and panels
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -285,7 +286,7 @@ def test_bf16_products_use_the_weights_rounded_to_bf16_as_torch_rounds_them(name
 
 
 @pytest.mark.skipif(OPS is None or not OPS.has_amx(), reason="no AMX-BF16 tiles on this CPU (or in this build)")
-@pytest.mark.parametrize("name", [*TYPES, "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", [*TYPES, "Q2_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 40, 64])
 def test_amx_tiles_multiply_the_panels_bf16_weights_under_the_process_rule_alone(name, rows):
     """On AMX, bf16 panels multiply by tiles of up to 16 rows, two at a time (17: 16 and 1; 33:
@@ -294,7 +295,7 @@ def test_amx_tiles_multiply_the_panels_bf16_weights_under_the_process_rule_alone
     the weights rounded to bf16 back bit for bit, random rows equal a float product over them; a
     product given a rule of its own (batch_invariant's) keeps vdpbf16ps whatever the process's
     AMX rule."""
-    if name in ("Q5_K", "Q6_K"):
+    if name in ("Q2_K", "Q5_K", "Q6_K"):
         qtype = int(gguf.GGMLQuantizationType[name])
         weight = GGUFWeight.from_blocks(torch.from_numpy(k_quant_blocks(320, 256, qtype, magnitude=0.0001)), qtype, 256, OPS)
         weights = weight.dequantize()

@@ -186,7 +186,9 @@ def test_triton_gguf_kernels_use_ggufs_weights_bit_for_bit_and_multiply_them(qty
     assert torch.equal(weight.matmul_argmax(x, excluded), products.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K]
+)
 def test_triton_gguf_kernels_read_k_quants_as_rewritten_bit_for_bit(qtype):
     from tests.gguf_writer import k_quant_blocks
 
