@@ -194,7 +194,8 @@ class GGUFWeight:
     panel_codes: torch.Tensor | None = None
     panel_scales: torch.Tensor | None = None
     # Products of at least this many rows go by panels, given the layout (-1: the process's rule;
-    # 1: every product, each output summed over k in one order whatever the rows: batch_invariant).
+    # 1: every product, each output summed over k in one order whatever the rows: batch_invariant;
+    # NEVER, without the layout: every product by tiles of rows, in one order too: batch_invariant).
     panel_min_rows: int = -1
 
     @classmethod
@@ -268,7 +269,7 @@ class GGUFWeight:
                 x, self.codes, self.scales, self.qtype, self.panel_min_rows, self.panel_codes, self.panel_scales
             )
             return products.to(torch.bfloat16)
-        if self.panel_codes is not None:
+        if self.panel_codes is not None or self.panel_min_rows != -1:  # (the CPU kernels')
             return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype, self.panel_min_rows, self.panel_codes, self.panel_scales)
         return self.ops.gguf_matmul(x, self.codes, self.scales, self.qtype)
 
@@ -276,7 +277,7 @@ class GGUFWeight:
         """``greedy_argmax(self.matmul(x).float(), excluded_token_ids)`` (``kernels.fused``),
         without the ``[M, out_features]`` products where the kernels fuse the two (on CPU; bf16
         rows there too)."""
-        if self.panel_codes is not None:
+        if self.panel_codes is not None or self.panel_min_rows != -1:
             return self.ops.gguf_matmul_argmax(
                 x, self.codes, self.scales, self.qtype, excluded_token_ids, self.panel_min_rows, self.panel_codes, self.panel_scales
             )

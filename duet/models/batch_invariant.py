@@ -10,7 +10,8 @@ batch. Under this mode every computation a token depends on is free of that:
   (``Linear.make_batch_invariant``): GGUF blocks with AVX-512's panel layout by panels for every
   row count (as the default takes them from 12 rows or so), other weights through a kernel of
   their own over the float weight laid out in panels (``kernels/csrc/batch_invariant.cpp``), in
-  place of oneDNN's packed copy.
+  place of oneDNN's packed copy, and blocks alone without the panel layout (CPUs without
+  AVX-512) by tiles of rows for every row count.
 - **Attention** of every query row, prompt chunks, decode steps and speculative verification
   alike, goes through the C++ prompt kernel (``kernels/csrc/prompt_attention.cpp``): a row's
   scores, online softmax and weighted sum run over the keys in chunks of fixed size from
@@ -25,9 +26,7 @@ batch. Under this mode every computation a token depends on is free of that:
   threads, by the tensor's size: under this mode it is called on one row at a time
   (``llama.by_row``). Attention's soft caps are the prompt kernel's, per row.
 
-What is not built yet: GPU models (the Triton path); blocks alone (quantized at load, or a
-GGUF file's) on CPUs without AVX-512.
-``make_batch_invariant`` refuses them.
+What is not built yet: GPU models (the Triton path). ``make_batch_invariant`` refuses them.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def make_batch_invariant(model: nn.Module) -> None:
                 refuse(f"has a head size ({module.head_dim}) the C++ prompt attention does not take")
     for name, module in model.named_modules():
         if isinstance(module, Linear) and not module.make_batch_invariant():
-            refuse(f"keeps {name}'s weights as quantized blocks that this CPU's kernels multiply by tiles of rows alone")
+            refuse(f"has {name} with neither a weight nor blocks")
         elif isinstance(module, LlamaAttention):
             module.batch_invariant = True
         elif isinstance(module, MixtralMoE):

@@ -142,8 +142,11 @@ class Linear(Module):
         """Compute every product, whatever its rows, in one order for each output (``duet.models.
         batch_invariant``): from the GGUF blocks by panels where they have the panel layout (the
         same arithmetic, a fused multiply-add a k from zero, as on their float weights), else from
-        the float weight laid out for ``invariant_linear``. The other paths' copies are dropped.
-        False, changing nothing, where the weight is blocks alone without a panel layout."""
+        the float weight laid out for ``invariant_linear``, else (blocks alone without the panel
+        layout: CPUs without AVX-512, or outputs no whole number of panels) from the blocks by
+        tiles of rows for every row count (each output summed in one order whatever the tile's
+        rows, ``csrc/gguf_blocks.h``; slower for prompts, which would have gone by floats). The
+        other paths' copies are dropped. False, changing nothing, for a layer with neither."""
         if self.int8 is not None:  # W8A8 in integers (taken only where exact): the same sums whatever the rows
             self._int8_rows = 1
             return True
@@ -161,6 +164,9 @@ class Linear(Module):
             self._panel_rows = sys.maxsize
             self.gguf = None
             self._block_rows = -1
+        elif blocks is not None:
+            blocks.panel_min_rows = cpu_ops.NEVER
+            self._block_rows = sys.maxsize
         else:
             return False
         self.packed_weight = None

@@ -139,24 +139,34 @@ def test_a_request_is_bitwise_the_same_whatever_its_prefill_chunks(model_dir, al
     assert _signature(llm.generate([TARGET], SEEDED)[0]) == alone["seeded"]
 
 
-@pytest.mark.parametrize("weights", ["gguf", "int8"])
-def test_blocks_give_a_request_the_same_bits_in_any_batch_and_chunks(model_dir, gguf_dir, weights):
+@pytest.mark.parametrize("weights", ["gguf", "int8", "int8 by tiles"])
+def test_blocks_give_a_request_the_same_bits_in_any_batch_and_chunks(model_dir, gguf_dir, weights, monkeypatch):
     """A GGUF file's blocks kept beside the floats, and weights quantized at load (blocks alone),
     go by panels for every row count where this CPU's kernels have them (AVX-512); elsewhere
-    GGUF's floats take the float kernel and blocks alone are refused."""
+    GGUF's floats take the float kernel and blocks alone go by tiles of rows for every row count
+    ("int8 by tiles": blocks alone with no panel layout, as on a CPU without AVX-512)."""
+    from duet.kernels.gguf import GGUFWeight
+
     directory, kwargs = (gguf_dir, {}) if weights == "gguf" else (model_dir, {"quantization": "int8"})
     panels = cpu_ops.load_gguf().panels_need_layout()
-    if weights == "int8" and not panels:
-        with pytest.raises(ConfigError, match="tiles of rows"):
-            _engine(directory, **kwargs)
-        return
+    if weights == "int8 by tiles":
+        monkeypatch.setattr(GGUFWeight, "lay_out_panels", lambda self: None)
+        panels = False
     llm = _engine(directory, enable_prefix_caching=False, max_num_batched_tokens=48, **kwargs)
     linears = [module for module in llm.engine.executor.worker.runner.model.modules() if isinstance(module, Linear)]
     if panels:
         assert all(linear.gguf is not None and linear.gguf.panel_min_rows == 1 for linear in linears)
+    elif weights != "gguf":  # blocks alone (the LM head in floats, by the float panels)
+        blocks = [linear.gguf for linear in linears if linear.weight is None]
+        assert blocks and all(block.panel_codes is None and block.panel_min_rows == cpu_ops.NEVER for block in blocks)
     alone = _signature(llm.generate([TARGET], GREEDY)[0])
     for size, place in ((5, 2), (32, 0), (32, 31)):
         assert _target_among(llm, GREEDY, size, place, seed=size + place) == alone, (size, place)
+    if weights == "int8 by tiles":  # steps of hundreds of rows (whole prompts at once) go by the tiles too
+        del llm
+        wide = _engine(directory, enable_prefix_caching=False, max_num_batched_tokens=1024, **kwargs)
+        assert _signature(wide.generate([TARGET], GREEDY)[0]) == alone
+        assert _target_among(wide, GREEDY, 16, 3, seed=16) == alone
 
 
 def test_a_prefix_cache_hit_gives_the_same_bits_as_a_miss(model_dir, alone):
