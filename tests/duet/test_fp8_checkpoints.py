@@ -13,16 +13,15 @@ import shutil
 import pytest
 import torch
 
-from duet import LLM, SamplingParams
+from duet import LLM
 from duet.errors import DamagedCheckpointError
 from duet.kernels.gguf import F8
 from duet.models.linear import Linear
 from tests.conftest import make_tiny_model, refusals
+from tests.duet.test_packed_checkpoints import NEW_TOKENS, PROMPTS, _greedy
 from tests.fp8_writer import make_hf_fp8_checkpoint
 from tests.reference import check_outputs, hf_greedy
 
-PROMPTS = [[1, 5, 9, 200, 31], list(range(100, 170)), [7] * 33, list(range(900, 917))]
-NEW_TOKENS = 10
 # (family, shape overrides, weight block): 128 x 128 blocks as Qwen ships them need whole blocks
 # (transformers leaves a weight that is not in floats); intermediate 320 is 2.5 blocks: the MLP
 # stays in floats beside float8 attention. None: one scale a tensor.
@@ -47,10 +46,6 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
         return made[name]
 
     return get
-
-
-def _greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
