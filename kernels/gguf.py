@@ -48,9 +48,11 @@ Q4_K = 12
 Q5_K = 13
 Q6_K = 14
 _LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), code bytes
-# Not a GGML type: float8 (e4m3fn) weights with a scale a block (compressed-tensors' FP8: ``float8_blocks``).
+# Not GGML types: float8 (e4m3fn) weights with a scale a block (compressed-tensors' FP8: ``float8_blocks``),
+# and 8-bit codes with a scale and a zero point a block (compressed-tensors' asymmetric 8 bits: ``zero_point_blocks``).
 F8 = 1000
-_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32), Q2_K: (4, 32)}  # per block in the kernels: fp32 scales, code bytes
+Q8Z = 1001
+_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32), Q2_K: (4, 32), Q8Z: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
 TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # what the kernels read (some rewritten at load)
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
@@ -177,6 +179,17 @@ def _from_q2_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = rows[..., :16]
     scales = torch.stack([d * (packed & 0x0F).float(), -(dmin * (packed >> 4).float())], dim=-1)  # [out, n, 16 halves, 2]
     return codes.reshape(out, -1).contiguous(), scales.reshape(out, -1).contiguous()
+
+
+def zero_point_blocks(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, ops) -> GGUFWeight:
+    """8-bit codes ``u`` ``[out, in]`` (uint8, 0-255) with a scale ``s`` and a zero point ``z`` (an
+    integer, held in fp32) per 32-weight block, ``[out, in / 32]`` each, as the kernels' Q8Z blocks:
+    weight ``(u - z) * s``, rounded once (``u - z`` spans 9 bits, exact in fp32): 1.25 bytes a weight."""
+    out_features, in_features = codes.shape
+    if codes.dtype != torch.uint8 or in_features % BLOCK or scales.shape != zeros.shape or scales.shape != (out_features, in_features // BLOCK):
+        raise ValueError(f"zero-point blocks take uint8 codes [out, in] and a scale and zero a block, not {codes.dtype} {tuple(codes.shape)}")
+    block_scales = torch.stack([scales.float(), zeros.float()], dim=-1).reshape(out_features, -1)
+    return GGUFWeight(codes.contiguous(), block_scales.contiguous(), Q8Z, in_features, ops)
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ and accumulates in fp32.
 Q4_1 codes are 16 bytes a block laid out as four 32-bit words (``kernels.gguf._q4_1_words``): weight
 ``e``'s code sits in byte ``4 * (e % 4) + 2 * (e // 16) + (e % 16) // 8`` of the block, at bit
 ``4 * ((e % 8) // 4)``. Q8_0 codes are the 32 int8 as they are; Q6_K's too, with two scales;
-Q5_K's are 32 bytes of 0-31, with Q4_1's d and m; Q2_K's 32 bytes of 0-3, with a d and m per 16; F8's 32 float8 (e4m3fn) bytes, with one scale.
+Q5_K's are 32 bytes of 0-31, with Q4_1's d and m; Q2_K's 32 bytes of 0-3, with a d and m per 16; Q8Z's 32 bytes of 0-255, with a scale and zero point; F8's 32 float8 (e4m3fn) bytes, with one scale.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def _dequant_tile(codes_ptr, scales_ptr, rows, row_mask, block, num_blocks, QTYP
         d = tl.load(scales_ptr + half, mask=row_mask[:, None], other=0.0)
         m = tl.load(scales_ptr + half + 1, mask=row_mask[:, None], other=0.0)
         return q * d + m
+    elif QTYPE == 1001:  # Q8Z: codes 0-255 a byte each, a scale s and zero point z: (u - z) * s
+        offsets = (rows[:, None] * num_blocks + block) * 32 + e[None, :]
+        q = tl.load(codes_ptr + offsets, mask=row_mask[:, None], other=0).to(tl.float32)
+        d = tl.load(scales_ptr + (rows * num_blocks + block) * 2, mask=row_mask, other=0.0)
+        z = tl.load(scales_ptr + (rows * num_blocks + block) * 2 + 1, mask=row_mask, other=0.0)
+        return (q - z[:, None]) * d[:, None]
     elif QTYPE == 14:  # Q6_K as kernels.gguf rewrites it: int8 codes, a scale per 16
         offsets = (rows[:, None] * num_blocks + block) * 32 + e[None, :]
         q = tl.load(codes_ptr + offsets, mask=row_mask[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)

@@ -16,18 +16,14 @@ from duet.models.packed import PackedScheme
 
 
 def input_schemes(
-    linears: dict[str, list[str]], state: dict[str, torch.Tensor], path: Path, scheme: PackedScheme | None, packed, floats: set[str]
+    linears: dict[str, list[str]], state: dict[str, torch.Tensor], path: Path, scheme: PackedScheme | None, packed
 ) -> dict[str, object]:
-    """How each Linear whose weight ships quantized (``packed`` or dequantized at load,
-    ``floats``) quantizes its input first, by module name (``linears``: each Linear's checkpoint
-    weights): none for weight-only schemes. A weight dequantized at load that is no Linear's (a
-    MoE's experts) would skip its inputs' quantization: refused."""
+    """How each Linear whose weight ships quantized (``packed``) quantizes its input first, by
+    module name (``linears``: each Linear's checkpoint weights): none for weight-only schemes. (A
+    quantized weight that is no Linear's, a MoE's experts, is refused where it is found packed.)"""
     if scheme is None or scheme.activations is None:
         return {}
-    quantized = {name: parts for name, parts in linears.items() if name in packed or any(part in floats for part in parts)}
-    uncovered = sorted(floats - {part for parts in quantized.values() for part in parts})
-    if uncovered:
-        raise UnsupportedCheckpointError(f"{path}: {uncovered[0]} quantizes its inputs, which duet does only for linear layers (quantized experts are not built)")
+    quantized = {name: parts for name, parts in linears.items() if name in packed}
     if scheme.activations not in (INT8_STATIC, FLOAT8_STATIC):
         return {name: scheme.activations for name in quantized}
     statics = static_inputs(state, quantized, scheme, path)

@@ -19,7 +19,7 @@ from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
 from duet.models.mixtral import MixtralArch
 from duet.models.input_schemes import input_schemes
-from duet.models.packed import dequantize_zero_points, is_packed, packed_weight, read_scheme
+from duet.models.packed import is_packed, packed_weight, read_scheme
 from duet.models.quantize import LOAD_TIME_QUANTIZATIONS, QuantizationError, quantize_linears
 
 ROTARIES = ("rotary", "local_rotary", "no_rotary")  # a model's RoPE tables (``RotaryEmbedding``), or None
@@ -312,13 +312,10 @@ def load_model(
     if arch.checkpoint_names == "phi3" and not any(".mlp.gate_up_proj." in name for name in raw_state):
         model.arch = arch = dataclasses.replace(arch, checkpoint_names=PHI3_SPLIT_MLP)
     scheme = read_scheme(path)
-    floats = set()  # the weights that ship quantized and are dequantized here (8-bit codes with zero points)
-    if scheme is not None and scheme.dequantized_at_load:
-        floats = dequantize_zero_points(raw_state, scheme, path)
     packed = _packed_linears(model, raw_state, path, device, quantization, scheme)
     plan = _fusion_plan(arch)
     linears = {name: plan[f"{name}.weight"] for name, module in model.named_modules() if isinstance(module, Linear)}
-    inputs = input_schemes(linears, raw_state, path, scheme, packed, floats)
+    inputs = input_schemes(linears, raw_state, path, scheme, packed)
     inputs = {name: how.to(device) if isinstance(how, StaticInput) else how for name, how in inputs.items()}
     for name in packed:  # their blocks are their weights: no float copy is ever allocated
         model.get_submodule(name).weight = None
@@ -349,9 +346,6 @@ def load_model(
         if arch.norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, added in fp32 as transformers does
             tensor = 1.0 + tensor.float()
         param.data = tensor.to(device=device, dtype=dtype).contiguous()
-    for name, input_scheme in inputs.items():  # W8A8 dequantized here: floats now, inputs quantized still
-        if name not in packed:
-            model.get_submodule(name).input_quantization = input_scheme
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
     for module in model.modules():

@@ -38,9 +38,11 @@ bytes a weight resident.
 
 8-bit codes with a zero point per group or channel (``W8A16`` or ``W8A8`` with
 ``symmetric: false``, either format) have ``q - z`` spanning 9 bits, which no int8 block holds,
-and a Q8_1-like ``d u + m`` would round where compressed-tensors does not: their weights are
-dequantized at load as compressed-tensors does, ``(q - z) * s`` in the scale's dtype (the
-same bits), a float copy the size of the model's in that dtype, as FP8's is.
+and a Q8_1-like ``d u + m`` would round where compressed-tensors does not: they are the
+kernels' Q8Z blocks (``kernels.gguf.zero_point_blocks``), codes ``u = q + 128`` with the scale
+and ``z + 128`` beside each block, ``(u - (z + 128)) * s`` rounded once as compressed-tensors'
+``(q - z) * s``: 1.25 bytes a weight resident (a fused product's symmetric parts take the zero
+point 128).
 
 Groups of a multiple of 32 features or whole channels, and no activation schemes but W8A8's
 (dynamic per token, or static per tensor): each other is refused at load, naming the field.
@@ -62,7 +64,7 @@ from pathlib import Path
 import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
-from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words
+from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words, zero_point_blocks
 from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC
 from duet.models import float8
 from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
@@ -76,24 +78,17 @@ class PackedScheme:
 
     num_bits: int
     group_size: int | None  # None: a scale per output channel
-    symmetric: bool = True  # False: a zero point per group too (8 bits: dequantized at load); GPTQ, AWQ: each weight's zeros say
+    symmetric: bool = True  # False: a zero point per group too; GPTQ, AWQ: each weight's zeros say
     layout: Layout | None = None  # a GPTQ or AWQ checkpoint's (None: compressed-tensors)
     format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, int8 or float8 as they are; "fp8": transformers'
     float8_block: tuple[int, int] | None = None  # "fp8": the rows and input features a scale covers (None: the tensor)
     activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN, INT8_STATIC, ...); None: not
 
-    @property
-    def dequantized_at_load(self) -> bool:
-        """Whether the weights become floats at load, not blocks: compressed-tensors' 8-bit codes
-        with zero points (``dequantize_zero_points``)."""
-        return self.layout is None and self.num_bits == 8 and not self.symmetric
-
     def ships_codes(self, state: dict[str, torch.Tensor], part: str) -> bool:
         """Whether the checkpoint holds ``part``'s codes for the block kernels (an ``int-quantized``
-        one: as int8; a ``float-quantized`` one: as float8; weights ``dequantized_at_load`` are
-        floats, not blocks)."""
+        one: as int8; a ``float-quantized`` one: as float8)."""
         name = self.packed_name(part)
-        if self.dequantized_at_load or name not in state:
+        if name not in state:
             return False
         wanted = {"int-quantized": torch.int8, float8.COMPRESSED_TENSORS: torch.float8_e4m3fn, float8.HUGGING_FACE: torch.float8_e4m3fn}.get(self.format)
         return wanted is None or state[name].dtype == wanted
@@ -199,23 +194,27 @@ def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedSc
 
 def _codes(
     state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path
-) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
-    """A packed weight's unsigned codes ``[out, in]`` (uint8; asymmetric: ``q - z``, int8), its
-    scales per 32-weight block ``[out, in / 32]`` (fp32), whether they are symmetric, and the
-    order its input features are in (GPTQ's activation order; None: as given)."""
+) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None, torch.Tensor | None]:
+    """A packed weight's unsigned codes ``[out, in]`` (uint8; 4 bits asymmetric: ``q - z``, int8),
+    its scales per 32-weight block ``[out, in / 32]`` (fp32), whether they are symmetric, the
+    order its input features are in (GPTQ's activation order; None: as given), and for 8 bits
+    with zero points, each block's zero point offset as the codes are (``z + 128``, fp32; else None)."""
     if scheme.layout is not None:
-        return layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path)
+        return *layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path), None
     if scheme.format == "int-quantized":
         return _int8_codes(state, part, scheme, path)
     codes = _unpacked_codes(state, part, scheme, path)
     out_features, in_features = codes.shape
     scale = _group_scales(state, part, scheme, codes.shape, path).float()
     group = scheme.group_size or in_features
+    block_scales = scale.repeat_interleave(group // BLOCK, dim=1)
     if scheme.symmetric:
-        return codes.to(torch.uint8), scale.repeat_interleave(group // BLOCK, dim=1), True, None
+        return codes.to(torch.uint8), block_scales, True, None, None
     zero = _zero_points(state[part + "_zero_point"], scheme.num_bits, out_features, in_features // group, part, path)
+    if scheme.num_bits == 8:  # u = q + 128 beside z + 128
+        return codes.to(torch.uint8), block_scales, False, None, (zero + 128).float().repeat_interleave(group // BLOCK, dim=1)
     signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
-    return signed.to(torch.int8), scale.repeat_interleave(group // BLOCK, dim=1), False, None
+    return signed.to(torch.int8), block_scales, False, None, None
 
 
 def _unpacked_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> torch.Tensor:
@@ -250,7 +249,8 @@ def _group_scales(state: dict[str, torch.Tensor], part: str, scheme: PackedSchem
 
 
 def _int8_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path):
-    """``_codes`` of an ``int-quantized`` weight: its int8 codes ``q`` offset to ``u = q + 128``."""
+    """``_codes`` of an ``int-quantized`` weight: its int8 codes ``q`` offset to ``u = q + 128``
+    (with zero points: theirs likewise, int8 beside the scales)."""
     if part + "_scale" not in state:
         raise DamagedCheckpointError(f"{path}: tensor {part}_scale is missing")
     codes = state[part]
@@ -260,7 +260,14 @@ def _int8_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme,
     scale = _group_scales(state, part, scheme, codes.shape, path).float()
     group = scheme.group_size or in_features
     unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
-    return unsigned, scale.repeat_interleave(group // BLOCK, dim=1), True, None
+    block_scales = scale.repeat_interleave(group // BLOCK, dim=1)
+    if scheme.symmetric:
+        return unsigned, block_scales, True, None, None
+    zero = state.get(part + "_zero_point")
+    if zero is None or zero.dtype != torch.int8 or zero.shape != scale.shape:
+        found = "missing" if zero is None else f"{zero.dtype} {tuple(zero.shape)}"
+        raise DamagedCheckpointError(f"{path}: {part}_zero_point is {found}, not int8 zero points beside its scales")
+    return unsigned, block_scales, False, None, (zero.float() + 128).repeat_interleave(group // BLOCK, dim=1)
 
 
 def _zero_points(packed: torch.Tensor, bits: int, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:
@@ -279,32 +286,6 @@ def _zero_points(packed: torch.Tensor, bits: int, out_features: int, num_groups:
     return unsigned.reshape(num_groups, -1)[:, :out_features].T.to(torch.int16) - (1 << (bits - 1))
 
 
-def dequantize_zero_points(state: dict[str, torch.Tensor], scheme: PackedScheme, path: Path) -> set[str]:
-    """Replace each 8-bit weight with zero points (either format) by ``(q - z) * s`` in its
-    scale's dtype, as compressed-tensors dequantizes it (``q - z`` is exact in fp32 and bf16,
-    |q - z| <= 255, and the product rounds once, as its does); the weights' names."""
-    names = {name.removesuffix("_zero_point") for name in state if name.endswith(".weight_zero_point")}
-    for name in names:
-        if scheme.format == "int-quantized":
-            if name + "_scale" not in state or state.get(name, torch.empty(0)).dtype != torch.int8:
-                raise DamagedCheckpointError(f"{path}: {name} is not int8 codes beside {name}_scale")
-            codes = state[name].to(torch.int16)
-            zero = state[name + "_zero_point"]
-            if zero.dtype != torch.int8 or zero.shape != _group_scales(state, name, scheme, codes.shape, path).shape:
-                raise DamagedCheckpointError(f"{path}: {name}_zero_point is {zero.dtype} {tuple(zero.shape)}, not int8 zero points beside its scales")
-        else:
-            codes = _unpacked_codes(state, name, scheme, path).to(torch.int16) - 128
-            groups = _group_scales(state, name, scheme, codes.shape, path).shape[1]
-            zero = _zero_points(state[name + "_zero_point"], 8, codes.shape[0], groups, name, path)
-        scale = state.pop(name + "_scale")
-        group = codes.shape[1] // scale.shape[1]
-        weight = codes.to(scale.dtype) - zero.to(scale.dtype).repeat_interleave(group, dim=1)
-        state[name] = weight * scale.repeat_interleave(group, dim=1)
-        for suffix in ("_packed", "_shape", "_zero_point"):
-            state.pop(name + suffix, None)
-    return names
-
-
 def packed_weight(
     state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops
 ) -> tuple[GGUFWeight, torch.Tensor | None]:
@@ -315,10 +296,13 @@ def packed_weight(
     parts share (they read one input)."""
     if scheme.format in (float8.COMPRESSED_TENSORS, float8.HUGGING_FACE):
         return float8.float8_weight(state, parts, scheme, path, ops), None
-    codes, scales, symmetric, orders = zip(*(_codes(state, part, scheme, path) for part in parts))
+    codes, scales, symmetric, orders, zeros = zip(*(_codes(state, part, scheme, path) for part in parts))
     first = orders[0]
     if any((order is None) != (first is None) or (order is not None and not torch.equal(order, first)) for order in orders):
         raise UnsupportedCheckpointError(f"{path}: {', '.join(parts)} order their input features differently, and are computed as one product")
+    if any(zero is not None for zero in zeros):  # 8 bits with zero points: Q8Z blocks (a symmetric part's zero is 128)
+        zeros = [torch.full_like(scale, 128.0) if zero is None else zero for zero, scale in zip(zeros, scales)]
+        return zero_point_blocks(torch.cat(codes), torch.cat(scales), torch.cat(zeros), ops), first
     return _blocks(codes, scales, symmetric, scheme, ops), first
 
 

@@ -36,10 +36,14 @@ constexpr int64_t kQ6_K = 14;  // as kernels/gguf.py rewrites it: 32-weight bloc
 // it exactly, so the weight is that float times 2^8 s (exact) rounded once, as
 // compressed-tensors' w.float() * s is.
 constexpr int64_t kF8 = 1000;
+// Not a GGML type: 8-bit codes u (0-255) with a zero point z and a scale s a block, (u - z) * s
+// (compressed-tensors' 8-bit schemes with zero points: u - z spans 9 bits, which no int8 block
+// holds). u - z is exact in fp32, so the weight rounds once, as compressed-tensors' (q - z) * s.
+constexpr int64_t kQ8Z = 1001;
 
 // Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
 // Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31; F8: 32 e4m3, s;
-// Q2_K: 32 uint8, d and m of weights 0-15, then of 16-31).
+// Q2_K: 32 uint8, d and m of weights 0-15, then of 16-31; Q8Z: 32 uint8, s and z).
 constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
 constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 || qtype == kF8 ? 1 : qtype == kQ2_K ? 4 : 2; }
 constexpr float kF8Unit = 256.0f;  // an F8 code's value over its fp16 reading (above)
@@ -125,6 +129,13 @@ struct Isa {
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), _mm512_set1_ps(scales[i]));
     }
   }
+  static void q8z(const uint8_t* codes, const float* scales, V* w) {
+    const V s = _mm512_set1_ps(scales[0]), z = _mm512_set1_ps(scales[1]);
+    for (int i = 0; i < 2; ++i) {
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
+      w[i] = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qs)), z), s);
+    }
+  }
   static void q2_k(const uint8_t* codes, const float* scales, V* w) {
     for (int i = 0; i < 2; ++i) {
       const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * i));
@@ -206,6 +217,13 @@ struct Isa {
       w[i] = _mm256_mul_ps(widen(qs, true), _mm256_set1_ps(scales[i / 2]));
     }
   }
+  static void q8z(const uint8_t* codes, const float* scales, V* w) {
+    const V s = _mm256_set1_ps(scales[0]), z = _mm256_set1_ps(scales[1]);
+    for (int i = 0; i < 4; ++i) {
+      const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
+      w[i] = _mm256_mul_ps(_mm256_sub_ps(widen(qs, false), z), s);
+    }
+  }
   static void q2_k(const uint8_t* codes, const float* scales, V* w) {
     for (int i = 0; i < 4; ++i) {
       const __m128i qs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * i));
@@ -257,6 +275,9 @@ struct Isa {
   }
   static void f8(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = f8_value(codes[j]) * scales[0];
+  }
+  static void q8z(const uint8_t* codes, const float* scales, V* w) {
+    for (int j = 0; j < 32; ++j) w[j] = (static_cast<float>(codes[j]) - scales[1]) * scales[0];
   }
   static void q2_k(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = std::fma(scales[2 * (j / 16)], static_cast<float>(codes[j]), scales[2 * (j / 16) + 1]);
@@ -345,6 +366,7 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   else if constexpr (QType == kQ6_K) Isa::q6_k(codes, scales, out);
   else if constexpr (QType == kF8) Isa::f8(codes, scales, out);
   else if constexpr (QType == kQ2_K) Isa::q2_k(codes, scales, out);
+  else if constexpr (QType == kQ8Z) Isa::q8z(codes, scales, out);
   else Isa::q8_0(codes, scales, out);
 }
 
@@ -357,6 +379,7 @@ inline void with_qtype(int64_t qtype, F&& f) {
     case kQ6_K: f(std::integral_constant<int64_t, kQ6_K>{}); break;
     case kF8: f(std::integral_constant<int64_t, kF8>{}); break;
     case kQ2_K: f(std::integral_constant<int64_t, kQ2_K>{}); break;
+    case kQ8Z: f(std::integral_constant<int64_t, kQ8Z>{}); break;
     default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
   }
 }
@@ -371,8 +394,8 @@ constexpr int kBf16Tiles = 0, kBf16Panels = 1, kBf16Amx = 2;
 constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
 
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K || qtype == kF8 || qtype == kQ2_K, "GGUF type ",
-              qtype, " is not supported (Q2_K = 10, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14, F8 = 1000)");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K || qtype == kF8 || qtype == kQ2_K || qtype == kQ8Z,
+              "GGUF type ", qtype, " is not supported (Q2_K = 10, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14, F8 = 1000, Q8Z = 1001)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
   const int64_t num_blocks = in_features / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&

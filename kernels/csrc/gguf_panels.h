@@ -11,7 +11,7 @@ namespace duet_gguf {
 
 // Block b of panel p, k by k: row(k, features 0-15's weights at k, features 16-31's), exactly
 // the weights dequant gives (Q4_1, Q5_K and Q2_K: d * q + m by one fma; Q8_0 and Q6_K: d * q, exact;
-// F8: its reading times 2^8 s, rounded once).
+// F8: its reading times 2^8 s, rounded once; Q8Z: (u - z) * s, rounded once).
 template <int64_t QType, typename Row>
 inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
   const uint8_t* codes = w.panel_codes + (p * w.num_blocks + b) * kBlock * panel_code_bytes(QType);
@@ -41,6 +41,15 @@ inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
       const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + 16));
       row(k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), _mm512_loadu_ps(dm), _mm512_loadu_ps(dm + kPanelWidth)),
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), _mm512_loadu_ps(dm + 16), _mm512_loadu_ps(dm + kPanelWidth + 16)));
+    }
+  } else if constexpr (QType == kQ8Z) {  // s, then z: [2][32]
+    const __m512 s0 = _mm512_loadu_ps(scales), s1 = _mm512_loadu_ps(scales + 16);
+    const __m512 z0 = _mm512_loadu_ps(scales + 32), z1 = _mm512_loadu_ps(scales + 48);
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32 + 16));
+      row(k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), z0), s0),
+          _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), z1), s1));
     }
   } else if constexpr (QType == kF8) {
     const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(kF8Unit));

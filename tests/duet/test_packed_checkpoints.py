@@ -1,10 +1,9 @@
 """Checkpoints that ship quantized, written by compressed-tensors as llm-compressor writes them
-(``pack-quantized`` W4A16, W4A16_ASYM as AWQ leaves it, and W8A16; ``int-quantized`` W8A8;
-``float-quantized`` FP8), kept in their packed form: every packed weight computes
-from blocks that dequantize to compressed-tensors' own dequantization bit for bit, greedy
-output equals transformers running the same checkpoint, no float copy of a packed weight is
-kept, and schemes duet does not compute exactly are refused naming the field. 8-bit codes with
-zero points are the exception: no int8 block holds ``q - z``, so they are dequantized at load."""
+(``pack-quantized`` W4A16, W4A16_ASYM as AWQ leaves it, and W8A16, with zero points too;
+``int-quantized`` W8A8; ``float-quantized`` FP8), kept in their packed form: every packed weight
+computes from blocks that dequantize to compressed-tensors' own dequantization bit for bit,
+greedy output equals transformers running the same checkpoint, no float copy of a packed weight
+is kept, and schemes duet does not compute exactly are refused naming the field."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ import torch
 
 from duet import LLM, SamplingParams
 from duet.errors import UnsupportedCheckpointError
-from duet.kernels.gguf import F8
+from duet.kernels.gguf import F8, Q8Z
 from duet.models.linear import Linear
 from duet.models.quantize import QuantizationError
 from tests.conftest import make_compressed_checkpoint, make_tiny_model, refusals
@@ -38,7 +37,7 @@ SCHEMES = {
     "phi3-w8-channel": ("phi3", 8, None, {}),
     "llama-w4-g128-asym": ("llama3-rope", 4, 128, dict(hidden_size=128, intermediate_size=256), False),  # AWQ's
     "qwen3-w4-channel-asym": ("qwen3", 4, None, {}, False),
-    # 8-bit codes with zero points (q - z spans 9 bits): dequantized at load.
+    # 8-bit codes with zero points (q - z spans 9 bits): Q8Z blocks.
     "qwen3-w8-g32-asym": ("qwen3", 8, 32, {}, False),
     "phi3-w8-channel-asym": ("phi3", 8, None, {}, False),
     # W8A8 (int-quantized: int8 codes as they are; float-quantized: FP8), inputs quantized per token at run time.
@@ -159,13 +158,14 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
     "name",
     [
         "qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym", "llama-w4-g32-static-order",
-        "qwen3-fp8-channel", "llama-fp8-static",
+        "qwen3-fp8-channel", "llama-fp8-static", "qwen3-w8-g32-asym", "phi3-w8-channel-asym",
     ],
 )
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
     """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows; a zero
     point's codes ``q - z`` are int8 blocks (Q8_0), a symmetric 4-bit scheme's Q4_1 blocks, FP8's
-    float8 weights float8 blocks (a scale a channel, or the tensor's: ``llama-fp8-static``)."""
+    float8 weights float8 blocks (a scale a channel, or the tensor's: ``llama-fp8-static``), 8-bit
+    codes with zero points Q8Z blocks (``q - z`` spans 9 bits)."""
     model, linears = _linears_and_their_weights(checkpoints, name)
     for module_name, linear, expected in linears:
         assert linear.weight is None and linear.packed_weight is None, f"{module_name} keeps a float weight"
@@ -173,20 +173,11 @@ def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is
         assert linear.gguf.codes.element_size() * linear.gguf.codes.numel() <= expected.numel()  # at most a byte a weight
         if "fp8" in name:
             assert linear.gguf.qtype == F8
+        elif name.startswith(("qwen3-w8", "phi3-w8")) and name.endswith("asym"):
+            assert linear.gguf.qtype == Q8Z
         else:
             assert linear.gguf.qtype == (3 if name.startswith(("qwen3-w4", "llama-w4")) and not name.endswith("asym") else 8)
     assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
-
-
-@pytest.mark.parametrize("name", ["qwen3-w8-g32-asym", "phi3-w8-channel-asym"])
-def test_8bit_codes_with_zero_points_are_dequantized_at_load_as_compressed_tensors_dequantizes_them(checkpoints, name):
-    """``q - z`` spans 9 bits, which no int8 block holds: each such weight is a float weight,
-    bit for bit compressed-tensors' own ``(q - z) * s`` (fused products holding their parts'
-    rows), and no blocks are kept; the parity with transformers is checked above."""
-    _, linears = _linears_and_their_weights(checkpoints, name)
-    for module_name, linear, expected in linears:
-        assert linear.gguf is None, f"{module_name} keeps blocks"
-        assert torch.equal(linear.weight, expected), module_name
 
 
 def test_a_checkpoint_calibrated_in_activation_order_says_so_and_is_read_as_any_other(checkpoints):

@@ -1,7 +1,8 @@
 """The GGUF block matmuls (``kernels/csrc/gguf_ops.cpp``): their weights are gguf's own
 dequantization bit for bit, and their products equal float matmuls over those weights. Float8
-blocks (``F8``, compressed-tensors' FP8 weights kept as they ship) go through every test the GGUF
-types do, their reference torch's own ``w.float() * s``."""
+blocks (``F8``, compressed-tensors' FP8 weights kept as they ship) and zero-point blocks
+(``Q8Z``, its 8-bit codes with zero points) go through every test the GGUF types do, their
+references torch's own ``w.float() * s`` and ``(u - z) * s``."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 import torch
 
 from duet.kernels import cpu_ops
-from duet.kernels.gguf import F8, GGUFWeight, float8_blocks
+from duet.kernels.gguf import F8, Q8Z, GGUFWeight, float8_blocks, zero_point_blocks
 from tests.gguf_writer import k_quant_blocks
 
 OPS = cpu_ops.load_gguf()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ toolchain")
-TYPES = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0, "F8": F8}
+TYPES = {"Q4_1": gguf.GGMLQuantizationType.Q4_1, "Q8_0": gguf.GGMLQuantizationType.Q8_0, "F8": F8, "Q8Z": Q8Z}
 
 
 def float8_codes(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -37,6 +38,13 @@ def quantized(rows: int, cols: int, qtype, seed: int = 0) -> tuple[GGUFWeight, t
         weights = float8_codes(rows, cols, seed)
         scales = torch.rand(rows, cols // 32, generator=torch.Generator().manual_seed(seed + 1)) * 1e-3 + 1e-5
         return float8_blocks(weights, scales, OPS), weights.float() * scales.repeat_interleave(32, dim=1)
+    if qtype == Q8Z:  # compressed-tensors' (q - z) * s of 8-bit codes with zero points, as u - (z + 128)
+        generator = torch.Generator().manual_seed(seed)
+        codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=generator)
+        zeros = torch.randint(0, 256, (rows, cols // 32), generator=generator).float()
+        scales = torch.rand(rows, cols // 32, generator=generator) * 1e-3 + 1e-5
+        weights = (codes.float() - zeros.repeat_interleave(32, dim=1)) * scales.repeat_interleave(32, dim=1)
+        return zero_point_blocks(codes, scales, zeros, OPS), weights
     values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.1
     blocks = gguf.quants.quantize(values, qtype)
     dequantized = gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(rows, cols)
