@@ -290,8 +290,8 @@ def packed_weight(
     state: dict[str, torch.Tensor], parts: list[str], scheme: PackedScheme, path: Path, ops
 ) -> tuple[GGUFWeight, torch.Tensor | None]:
     """The weight made of ``parts``' rows (a fused q/k/v or gate/up product), as blocks for ``ops``:
-    float8 blocks of float8 weights; of symmetric codes where every part's are, else of ``q - z``
-    (a symmetric part's ``u - 8``);
+    float8 blocks of float8 weights; Q8Z blocks of 8-bit codes where a part's have zero points;
+    of symmetric codes where every part's are, else of ``q - z`` (a symmetric part's ``u - 8``);
     and the order the blocks take their input features in (``Linear.input_order``), which the
     parts share (they read one input)."""
     if scheme.format in (float8.COMPRESSED_TENSORS, float8.HUGGING_FACE):
