@@ -99,6 +99,7 @@ class DecodeStream:
     async def _reserve(self) -> Placement:
         deadline = time.monotonic() + ROOM_WAIT_S
         refused = 0
+        prefix_hashes = self._prefix_hashes()  # once: the same for every attempt
         while True:
             pool, pinned = self.orchestrator.decode_target()
             if pool is None:
@@ -107,7 +108,7 @@ class DecodeStream:
                 new_call_context()  # an abort of an earlier placement may still be on its way
                 handle = self.orchestrator.handles[pool]
                 self._call = handle.reserve.remote(
-                    self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, prefix_hashes=self._prefix_hashes(), **pin(pinned)
+                    self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, prefix_hashes=prefix_hashes, **pin(pinned)
                 )
                 try:
                     placement = await self._call
