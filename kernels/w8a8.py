@@ -99,11 +99,17 @@ class StaticInput:
     zero_point: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == FLOAT8_STATIC and x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+        if self.in_one_call and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
             ops = cpu_ops.load_gguf()
             if ops is not None:  # the same bits in one C++ call (csrc/int8_rows.cpp's float8_rows)
                 return ops.float8_rows(x, self.scale)
         return self.in_torch(x)
+
+    @property
+    def in_one_call(self) -> bool:
+        """Whether fp32 or bf16 rows on CPU take ``float8_rows`` (a float8 scheme, one fp32 or bf16
+        scale on CPU: what the C++ call takes)."""
+        return self.kind == FLOAT8_STATIC and self.scale.device.type == "cpu" and self.scale.dtype in (torch.float32, torch.bfloat16)
 
     def in_torch(self, x: torch.Tensor) -> torch.Tensor:
         """``__call__`` composed of torch's own operations (the reference)."""

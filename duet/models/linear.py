@@ -47,7 +47,7 @@ from duet.dtypes import cpu_has_fast_bf16
 from duet.kernels import cpu_ops
 from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import GGUFWeight
-from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, Int8Weight, StaticInput, exact_int8_sums, int8_linear, int8_min_rows, quantize_input
+from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, INT8_PER_TOKEN, Int8Weight, StaticInput, exact_int8_sums, int8_linear, int8_min_rows, quantize_input
 from duet.lora import current_step as current_lora_step
 from duet.models.linear_rules import CHUNK_ROWS, PACK_BATCH_HINT, float_panel_rows, float_panels, gguf_float_max_rows, packed_wins
 from duet.models.module import Module
@@ -247,7 +247,7 @@ class Linear(Module):
         static scheme's one scale."""
         scheme = self.input_quantization
         if isinstance(scheme, StaticInput):
-            return scheme.kind == FLOAT8_STATIC and scheme.scale.device.type == "cpu"
+            return scheme.in_one_call
         return scheme == FLOAT8_PER_TOKEN and self.input_row_max is None
 
     @property

@@ -358,6 +358,8 @@ def test_float8_inputs_in_one_call_are_the_torch_compositions_bit_for_bit(dtype)
         got = ops.float8_rows(x, static.scale)
         assert got.dtype == dtype and torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0)), scale_dtype
         assert torch.equal(static(x[:8]), got[:8])
+    half = StaticInput(FLOAT8_STATIC, torch.tensor([0.0371], dtype=torch.float16))  # a scale the call does not take: torch's way
+    assert not half.in_one_call and torch.equal(half(x[:8]), half.in_torch(x[:8]))
 
 
 @pytest.mark.parametrize("name", ["llama-fp8-channel", "llama-fp8-static"])
