@@ -92,5 +92,5 @@ def _block_scales(scale: torch.Tensor, out_features: int, in_features: int, sche
         return scale.repeat_interleave(rows, dim=0)[:out_features].repeat_interleave(columns // BLOCK, dim=1)[:, :num_blocks].contiguous()
     if scale.numel() == 1 or (scheme.format != HUGGING_FACE and scale.numel() == out_features):
         return scale.reshape(-1, 1).expand(out_features, num_blocks)
-    wanted = "one scale" if scheme.format == HUGGING_FACE else "one scale nor one a channel"
-    raise DamagedCheckpointError(f"{name} has shape {tuple(scale.shape)}: {'not ' if scheme.format == HUGGING_FACE else 'neither '}{wanted}")
+    wanted = "not one scale" if scheme.format == HUGGING_FACE else "neither one scale nor one a channel"
+    raise DamagedCheckpointError(f"{name} has shape {tuple(scale.shape)}: {wanted}")
