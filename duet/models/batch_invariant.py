@@ -60,9 +60,9 @@ def make_batch_invariant(model: nn.Module) -> None:
         if isinstance(module, LlamaAttention):
             if not supports_batch_invariance(module.head_dim):
                 refuse(f"has a head size ({module.head_dim}) the C++ prompt attention does not take")
-    for name, module in model.named_modules():
-        if isinstance(module, Linear) and not module.make_batch_invariant():
-            refuse(f"has {name} with neither a weight nor blocks")
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.make_batch_invariant()
         elif isinstance(module, LlamaAttention):
             module.batch_invariant = True
         elif isinstance(module, MixtralMoE):

@@ -138,7 +138,7 @@ class Linear(Module):
         if (ops.bf16_panel_min_rows() if bf16 else ops.panel_min_rows()) <= self._block_rows:
             self.gguf.lay_out_panels()
 
-    def make_batch_invariant(self) -> bool:
+    def make_batch_invariant(self) -> None:
         """Compute every product, whatever its rows, in one order for each output (``duet.models.
         batch_invariant``): from the GGUF blocks by panels where they have the panel layout (the
         same arithmetic, a fused multiply-add a k from zero, as on their float weights), else from
@@ -146,10 +146,10 @@ class Linear(Module):
         layout: CPUs without AVX-512, or outputs no whole number of panels) from the blocks by
         tiles of rows for every row count (each output summed in one order whatever the tile's
         rows, ``csrc/gguf_blocks.h``; slower for prompts, which would have gone by floats). The
-        other paths' copies are dropped. False, changing nothing, for a layer with neither."""
+        other paths' copies are dropped."""
         if self.int8 is not None:  # W8A8 in integers (taken only where exact): the same sums whatever the rows
             self._int8_rows = 1
-            return True
+            return
         blocks = self.gguf
         if blocks is not None and self.weight is not None and self.weight.dtype != torch.float32 and not blocks.ops.has_bf16():
             blocks = None  # bf16 rows the blocks' kernels do not take here
@@ -164,14 +164,11 @@ class Linear(Module):
             self._panel_rows = sys.maxsize
             self.gguf = None
             self._block_rows = -1
-        elif blocks is not None:
+        else:  # blocks alone
             blocks.panel_min_rows = cpu_ops.NEVER
             self._block_rows = sys.maxsize
-        else:
-            return False
         self.packed_weight = None
         self._packed_rows = (0, -1)
-        return True
 
     def keep_blocks_only(self) -> None:
         """Drop the float weight (and its packed and panel copies): the attached blocks are the weight."""

@@ -82,11 +82,18 @@ torch::Tensor int8_linear_as(const torch::Tensor& x, const torch::Tensor& packed
   return out;
 }
 
+constexpr float kFloat8Max = 448.0f;
+
+// q clamped to +-448 and rounded to e4m3 by c10's own conversion (torch's), as a float; NaN stays.
+inline float float8_code(float q) {
+  q = std::min(std::max(q, -kFloat8Max), kFloat8Max);
+  return std::isnan(q) ? q : static_cast<float>(c10::Float8_e4m3fn(q));
+}
+
 // One row of x quantized to float8 and back, times its scale, into out (a value of T each, every
 // step rounded to T as torch's ops in T round). A NaN makes the row's scale NaN, as amax does.
 template <typename T>
 void float8_row(const T* x, int64_t K, T* out) {
-  constexpr float kFloat8Max = 448.0f;
   float largest = 0.0f;
   bool nan = false;
   for (int64_t k = 0; k < K; ++k) {
@@ -96,11 +103,7 @@ void float8_row(const T* x, int64_t K, T* out) {
   }
   float scale = nan ? std::numeric_limits<float>::quiet_NaN() : as_dtype(largest / kFloat8Max, T{});
   if (scale == 0.0f) scale = static_cast<float>(std::numeric_limits<T>::epsilon());
-  for (int64_t k = 0; k < K; ++k) {
-    const float q = std::min(std::max(as_dtype(static_cast<float>(x[k]) / scale, T{}), -kFloat8Max), kFloat8Max);
-    const float code = std::isnan(q) ? q : static_cast<float>(c10::Float8_e4m3fn(q));
-    out[k] = static_cast<T>(code * scale);
-  }
+  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(float8_code(as_dtype(static_cast<float>(x[k]) / scale, T{})) * scale);
 }
 
 template <typename T>
@@ -121,16 +124,12 @@ inline float rounded(float v, bool bf16) { return bf16 ? static_cast<float>(c10:
 // x [M, K] (T) at one static scale s: ((clamp(x / s) to e4m3) * s), each step rounded as above.
 template <typename T>
 torch::Tensor float8_static_as(const torch::Tensor& x, float s, bool divide_bf16, bool scale_bf16) {
-  constexpr float kFloat8Max = 448.0f;
   auto out = torch::empty_like(x);
   const T* xs = x.data_ptr<T>();
   T* os = out.data_ptr<T>();
   at::parallel_for(0, x.numel(), 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float q = std::min(std::max(rounded(static_cast<float>(xs[i]) / s, divide_bf16), -kFloat8Max), kFloat8Max);
-      const float code = std::isnan(q) ? q : static_cast<float>(c10::Float8_e4m3fn(q));
-      os[i] = static_cast<T>(rounded(code * s, scale_bf16));
-    }
+    for (int64_t i = begin; i < end; ++i)
+      os[i] = static_cast<T>(rounded(float8_code(rounded(static_cast<float>(xs[i]) / s, divide_bf16)) * s, scale_bf16));
   });
   return out;
 }
@@ -143,11 +142,12 @@ torch::Tensor float8_rows(torch::Tensor x, std::optional<torch::Tensor> scale) {
   const bool bf16 = rows.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || rows.scalar_type() == torch::kFloat, "float8_rows: fp32 or bf16 rows");
   if (!scale.has_value()) return bf16 ? float8_rows_as<c10::BFloat16>(rows) : float8_rows_as<float>(rows);
-  TORCH_CHECK(scale->numel() == 1 && (scale->scalar_type() == torch::kFloat || scale->scalar_type() == torch::kBFloat16),
-              "float8_rows: one fp32 or bf16 scale");
+  TORCH_CHECK(scale->numel() == 1 && scale->device().is_cpu() && (scale->scalar_type() == torch::kFloat || scale->scalar_type() == torch::kBFloat16),
+              "float8_rows: one fp32 or bf16 scale on the CPU");
   const bool scale_bf16 = scale->scalar_type() == torch::kBFloat16;
   const bool divide_bf16 = at::result_type(rows, *scale) == torch::kBFloat16;
-  const float s = scale->to(torch::kFloat).item<float>();
+  // read in place (a step calls this for every product: no conversion, no item())
+  const float s = scale_bf16 ? static_cast<float>(*scale->const_data_ptr<c10::BFloat16>()) : *scale->const_data_ptr<float>();
   return bf16 ? float8_static_as<c10::BFloat16>(rows, s, divide_bf16, scale_bf16) : float8_static_as<float>(rows, s, divide_bf16, scale_bf16);
 }
 

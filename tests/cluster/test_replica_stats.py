@@ -107,8 +107,7 @@ def test_a_decode_or_colocated_replica_reports_the_prompts_it_computed_still_cac
         assert role.prefix_hashes(engine) == routing_block_hashes(prompt, engine.block_size) != []
 
 
-
-def test_a_decode_replica_reports_no_prefixes(replica):
+def test_a_decode_replica_that_computed_no_prompt_reports_no_prefixes(replica):
     stats = ReplicaStats.from_dict(asyncio.run(replica.record_routing_stats()))
     assert (stats.stage, stats.prefix_hashes, stats.kv.num_blocks) == ("decode", [], replica.engine.num_blocks)
 

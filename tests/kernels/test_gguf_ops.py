@@ -38,7 +38,7 @@ def quantized(rows: int, cols: int, qtype, seed: int = 0) -> tuple[GGUFWeight, t
         weights = float8_codes(rows, cols, seed)
         scales = torch.rand(rows, cols // 32, generator=torch.Generator().manual_seed(seed + 1)) * 1e-3 + 1e-5
         return float8_blocks(weights, scales, OPS), weights.float() * scales.repeat_interleave(32, dim=1)
-    if qtype == Q8Z:  # compressed-tensors' (q - z) * s of 8-bit codes with zero points, as u - (z + 128)
+    if qtype == Q8Z:  # (u - z) * s: compressed-tensors' (q - z) * s with q and z offset by 128
         generator = torch.Generator().manual_seed(seed)
         codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=generator)
         zeros = torch.randint(0, 256, (rows, cols // 32), generator=generator).float()
