@@ -22,8 +22,9 @@ transposes all three (below).
 
 A weight whose zeros are all at the middle (``2^(bits-1)``: a symmetric scheme, or zeros that
 happen to be) gives compressed-tensors' symmetric codes, Q4_1 or Q8_0 blocks, exact; other
-zeros (4 bits) ``q - z`` as int8 codes, Q8_0 blocks with scale ``s``, exact (an 8-bit ``q -
-z`` spans 9 bits: refused). GPTQ's activation order (``desc_act``) puts input features in
+zeros at 4 bits ``q - z`` as int8 codes, Q8_0 blocks with scale ``s``, exact; at 8 bits (``q -
+z`` spans 9 bits) the codes ``q`` with ``s`` and ``z`` beside each block, the kernels' Q8Z
+blocks, exact likewise. GPTQ's activation order (``desc_act``) puts input features in
 groups out of order (``g_idx`` other than ``feature // group_size``; not when its groups were
 fixed first, ``static_groups``): the codes are read with their input features sorted by group
 (``input_order``), and the Linear takes its input in that order (``Linear.input_order``).
@@ -110,11 +111,12 @@ def input_order(state: dict[str, torch.Tensor], part: str, groups: torch.Tensor,
 
 def layout_codes(
     state: dict[str, torch.Tensor], part: str, bits: int, group_size: int | None, layout: Layout, path: Path
-) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None, torch.Tensor | None]:
     """A GPTQ or AWQ weight's codes ``[out, in]`` and scales per 32-weight block ``[out, in /
     32]`` (fp32), whether they are symmetric (unsigned codes about ``2^(bits-1)``, uint8, when
-    every zero is there, else ``q - z``, int8), and the order of their input features
-    (``input_order``; None: as given)."""
+    every zero is there, else ``q - z`` at 4 bits, int8, and ``q`` at 8, uint8), the order of
+    their input features (``input_order``; None: as given), and the zero point of each block
+    where 8-bit codes have theirs off the middle (fp32, ``[out, in / 32]``; else None)."""
     for suffix in SUFFIXES:
         if tensor_name(part, suffix) not in state:
             raise DamagedCheckpointError(f"{path}: tensor {tensor_name(part, suffix)} is missing")
@@ -130,12 +132,11 @@ def layout_codes(
         codes = codes[:, order]
     block_scales = scales.float()[:, groups[::32]]
     if bool((zeros == 1 << (bits - 1)).all()):
-        return codes.to(torch.uint8), block_scales, True, order
-    if bits == 8:
-        zeros_name = tensor_name(part, "qzeros")
-        raise UnsupportedCheckpointError(f"{path}: {zeros_name} holds 8-bit zero points off the middle; duet reads 4-bit ones")
+        return codes.to(torch.uint8), block_scales, True, order, None
+    if bits == 8:  # q - z spans 9 bits: q beside z (1..256 in the gptq format)
+        return codes.to(torch.uint8), block_scales, False, order, zeros[:, groups[::32]].float()
     signed = codes.to(torch.int16) - zeros[:, groups]  # q - z, in -16..15
-    return signed.to(torch.int8), block_scales, False, order
+    return signed.to(torch.int8), block_scales, False, order, None
 
 
 def _codes(qweight, scales, qzeros, bits: int, group_size: int | None, layout: Layout, named) -> tuple[torch.Tensor, ...]:

@@ -200,7 +200,7 @@ def _codes(
     order its input features are in (GPTQ's activation order; None: as given), and for 8 bits
     with zero points, each block's zero point offset as the codes are (``z + 128``, fp32; else None)."""
     if scheme.layout is not None:
-        return *layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path), None
+        return layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path)
     if scheme.format == "int-quantized":
         return _int8_codes(state, part, scheme, path)
     codes = _unpacked_codes(state, part, scheme, path)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from duet import LLM, SamplingParams
+from duet.kernels.gguf import Q8Z
 from duet.models.linear import Linear
 from tests.conftest import make_tiny_model, refusals
 from tests.gptq_writer import Quantization, gptq_checkpoints
@@ -33,6 +34,7 @@ SCHEMES = {
     "llama-w4-g128-asym": ("llama3-rope", 4, 128, False, WIDE, "gptq"),
     "qwen2-w4-g128-asym": ("qwen2", 4, 128, False, {}, "gptq"),  # q/k/v biases; 64 input features: one short group
     "qwen3-w8-channel-sym": ("qwen3", 8, -1, True, {}, "gptq"),
+    "llama-w8-g32-asym": ("llama3-rope", 8, 32, False, {}, "gptq"),  # zeros off the middle: q beside z (Q8Z)
     "llama-w4-g32-asym-act-order": ("llama3-rope", 4, 32, False, {}, "gptq", True),
     "phi3-w4-g32-sym": ("phi3", 4, 32, True, {}, "gptq"),  # GPTQModel writes its gate/up as two projections
     # AWQ's clip search takes output features 64 at a time: k/v projections of 64
@@ -142,8 +144,9 @@ def test_a_gptq_checkpoint_computes_from_its_codes_and_matches_transformers(chec
 
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoints, name):
-    """Fused products hold their parts' rows; symmetric 4-bit weights are Q4_1 blocks, the
-    others (8 bits, zero points off the middle) int8 codes (Q8_0). GPTQModel dequantizes in the
+    """Fused products hold their parts' rows; symmetric 4-bit weights are Q4_1 blocks, 4-bit
+    ones with zero points off the middle and symmetric 8-bit ones int8 codes (Q8_0), 8-bit ones
+    with zero points off the middle their codes beside each block's zero (Q8Z). GPTQModel dequantizes in the
     model's dtype (bf16; fp16 for a gemv checkpoint's twin): its scales rounded to it, then their products."""
     from safetensors.torch import load_file
 
@@ -177,7 +180,7 @@ def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoint
         else:
             assert linear.input_order is None, module_name
         assert torch.equal(linear.gguf.dequantize(), weight), module_name
-        assert linear.gguf.qtype == (3 if bits == 4 and sym else 8), module_name
+        assert linear.gguf.qtype == (3 if bits == 4 and sym else Q8Z if bits == 8 and not sym else 8), module_name
         checked += 1
     assert checked == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
 
