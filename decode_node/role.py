@@ -5,9 +5,13 @@ prompt's blocks at once and the replica answers with the ``KVDestination`` the p
 streams into; the sequence joins the continuous batch (with speculative decoding) when its KV
 and first token are in, and its tokens stream back. Short prompts, and sequences resumed after
 their KV was lost, come without ``kv_receive`` and are prefilled here. A colocated replica does
-everything locally and receives no KV. Either reports the routing hashes of the prompts it
-computed itself that its prefix cache still holds (``duet.block_pool.RecalledPrefixes``), so
-that its pool's router sends a conversation's next turn where its history is.
+everything locally and receives no KV. Either reports the routing hashes of the contexts its
+prefix cache still holds (``duet.block_pool.RecalledPrefixes``): each sequence's prompt (computed
+here or received) and, once it ends, its prompt with its outputs, whose KV it computed. So a
+conversation's next turn, which resends that history, is computed where the history is: its
+pool's router sends it there, and the PD router's balancer prices it at the tokens past it
+(``duet.router.balance``) rather than sending the whole history to a prefill replica that
+holds at most the last prompt.
 """
 
 from __future__ import annotations
@@ -32,9 +36,14 @@ class DecodeRole:
             raise InvalidRequestError("a decode replica does not send prompt KV (kv_send)")
         if self.colocated and request.kv_receive:
             raise InvalidRequestError("a colocated replica computes its own prompts; it receives no KV")
-        if not request.kv_receive:
-            self._prefixes.add(request.prompt_token_ids, block_size, request.lora, request.lora_path)
+        self._prefixes.add(request.prompt_token_ids, block_size, request.lora, request.lora_path)
 
     def prefix_hashes(self, engine) -> list[int]:
-        """The recalled prompts' prefixes still in the engine's prefix cache, for its routing report."""
+        """The recalled contexts' prefixes still in the engine's prefix cache, for its routing
+        report: the prompts admitted, and the sequences that ended since the last report, each
+        with the tokens it made (the engine's ``finished_contexts``: with a received prompt's
+        first token, which only the engine saw)."""
+        while engine.finished_contexts:
+            token_ids, lora, lora_path = engine.finished_contexts.popleft()
+            self._prefixes.add(token_ids, engine.block_size, lora, lora_path)
         return self._prefixes.cached(engine)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -15,11 +16,14 @@ class BlockIntegrityError(AssertionError):
 # The parent of a prompt's first block. Not None: hash(None) differs between processes
 # before Python 3.12, and routers compare these hashes across replicas.
 ROOT_HASH = 0
-# The depths (in blocks) at which a prompt's chained hash stands for its prefix in routing: the
-# first four blocks, every power of two to 64, then every 64 blocks. A chained hash names the
-# whole prefix before it, so a replica holding a long shared prefix (a system prompt, a
-# conversation's history) is found from a few hashes a prompt, not one per block.
-ROUTING_DEPTHS_DENSE = 4
+# The depths (in blocks) at which a prompt's chained hash stands for its prefix in routing: every
+# ``ROUTING_DEPTHS_FINE`` blocks (and the first few) to ``ROUTING_DEPTHS_FINE_TO``, then every
+# ``ROUTING_DEPTHS_STRIDE``. A chained hash names the whole prefix before it, so a replica
+# holding a long shared prefix (a system prompt, a conversation's history) is found from a few
+# hashes a prompt, not one per block; fine enough that the router tells how much of a
+# conversation a replica holds to within 64 tokens of blocks of 16 (a reply is a few blocks).
+ROUTING_DEPTHS_FINE = 4
+ROUTING_DEPTHS_FINE_TO = 256
 ROUTING_DEPTHS_STRIDE = 64
 # The pool's null block (``BlockPool(null_block=True)``): what a block table names in place of
 # blocks a sequence gave back.
@@ -50,11 +54,22 @@ def chain_root(lora: str | None, lora_path: str | None = None, key: int | None =
 
 def routing_depth(depth: int) -> bool:
     """Whether a prefix of ``depth`` full blocks is one that routing names (``ROUTING_DEPTHS_*``)."""
-    if depth <= ROUTING_DEPTHS_DENSE:
+    if depth <= ROUTING_DEPTHS_FINE:
         return depth >= 1
-    if depth <= ROUTING_DEPTHS_STRIDE:
-        return depth & (depth - 1) == 0
-    return depth % ROUTING_DEPTHS_STRIDE == 0
+    return depth % (ROUTING_DEPTHS_FINE if depth <= ROUTING_DEPTHS_FINE_TO else ROUTING_DEPTHS_STRIDE) == 0
+
+
+def held_blocks(prefix_hashes: Sequence[int], held: Container[int]) -> int:
+    """How many leading full blocks of a prompt whose routing hashes are ``prefix_hashes``
+    (``routing_block_hashes``) a replica reporting ``held`` holds: the deepest routing depth up
+    to which it holds every one of them."""
+    blocks = 0
+    depths = (depth for depth in itertools.count(1) if routing_depth(depth))
+    for block_hash, depth in zip(prefix_hashes, depths):
+        if block_hash not in held:
+            break
+        blocks = depth
+    return blocks
 
 
 def routing_block_hashes(token_ids: Sequence[int], block_size: int, lora: str | None = None, lora_path: str | None = None) -> list[int]:
@@ -71,11 +86,11 @@ def routing_block_hashes(token_ids: Sequence[int], block_size: int, lora: str | 
 
 
 class RecalledPrefixes:
-    """The routing hashes (``routing_block_hashes``) of the prompts a replica computed, most recent
-    last, at most ``limit`` of them (9 for a 2,048-token prompt; a conversation's turns share
+    """The routing hashes (``routing_block_hashes``) of the contexts a replica holds, most recent
+    last, at most ``limit`` of them (36 for a 2,048-token prompt; a conversation's turns share
     theirs): what its routing report names, those of them still in its prefix cache."""
 
-    def __init__(self, limit: int = 2048) -> None:
+    def __init__(self, limit: int = 8192) -> None:
         self.limit = limit
         self._hashes: OrderedDict[int, None] = OrderedDict()
 

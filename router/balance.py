@@ -72,6 +72,15 @@ within the decoders' TPOT room. While the machine is idle (nothing of this route
 decoding, a decode replica reporting nothing running) every prompt goes to such a replica: it
 has every core, as one engine would.
 
+A context whose start some replica holds (a conversation's history: ``prefix_hashes``, against
+the hashes each replica reports holding, ``duet.block_pool.held_blocks``) costs each side only
+the tokens past what its best replica holds: a decode replica holds the last turn's prompt and
+the reply it decoded, a prefill replica at most the last prompt. Where the decode side holds
+more, the prefill pool does not come first: computed there, the next turn's prompt computes
+the reply again and sends the whole history's KV; computed where the history is, only the new
+message (the decode pool's router places it on the replica holding the history,
+``duet.router.routing.prefix_first``). The sooner way decides, within the TPOT room.
+
 Before any prefill replica measured its prompt throughput, the static ``local_prefill_threshold``
 decides for a short prompt (shorter than it stays local). A longer one goes through the prefill
 pool when that pool has none of this router's contexts in flight; otherwise to the side with less
@@ -89,8 +98,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from duet.block_pool import held_blocks
 from duet.messages import ReplicaStats
 
 PD_OVERHEAD_S = 0.05  # two hops and a KV transfer, over computing locally
@@ -137,8 +147,10 @@ class StageBalancer:
         ttft_s: float,
         tpot_s: float,
         clock: Callable[[], float] | None = None,
+        block_size: int = 0,
     ) -> None:
         self.clock = clock or _now  # ``duet simulate`` gives its simulated time
+        self.block_size = block_size  # the replicas' (0: not known, held prefixes are not counted)
         self.stats = stats
         self.pool_size = pool_size
         self.local_prefill_threshold = local_prefill_threshold
@@ -157,25 +169,38 @@ class StageBalancer:
         # waiting for a first token, a decode replica that shares the cores has them all.
         self.live_streams: Callable[[], int] = lambda: 0
 
-    def choose(self, num_tokens: int, waited_s: float = 0.0) -> Choice | None:
-        """Where a context of ``num_tokens`` that has waited ``waited_s`` for it goes, or None: it
-        should wait (through the prefill pool it would give its first token past the TTFT target,
-        that pool has enough queued not to idle, and the decode pool has no room for it)."""
-        local, predicted_s = self._local(num_tokens, waited_s)
+    def choose(self, num_tokens: int, waited_s: float = 0.0, prefix_hashes: Sequence[int] = ()) -> Choice | None:
+        """Where a context of ``num_tokens`` (its routing hashes ``prefix_hashes``) that has waited
+        ``waited_s`` for it goes, or None: it should wait (through the prefill pool it would give
+        its first token past the TTFT target, that pool has enough queued not to idle, and the
+        decode pool has no room for it)."""
+        tokens = self._to_compute(num_tokens, prefix_hashes)
+        local, predicted_s = self._local(tokens, waited_s)
         if local is None:
             return None
         self.decisions[local] += 1
-        self._outstanding[local] += num_tokens
-        choice = Choice(local, num_tokens, self, self.clock(), predicted_s)
+        self._outstanding[local] += tokens[local]
+        choice = Choice(local, tokens[local], self, self.clock(), predicted_s)
         self._in_flight[local].append(choice)
         if local:
-            self._local_sent.append((choice.sent_at, num_tokens))
+            self._local_sent.append((choice.sent_at, tokens[local]))
             self._recent_local_tokens()  # trims: bounded however the choice was made
         return choice
 
+    def _to_compute(self, num_tokens: int, prefix_hashes: Sequence[int]) -> dict[bool, int]:
+        """The tokens each side (local: True) would compute of a context: those past the most its
+        best replica holds (one at least: the last is always computed)."""
+        tokens = {True: num_tokens, False: num_tokens}
+        if not prefix_hashes or not self.block_size:
+            return tokens
+        for local, pool in ((True, "decode"), (False, "prefill")):
+            held = max((held_blocks(prefix_hashes, set(stats.prefix_hashes)) for stats in self._stats(pool) if stats.prefix_hashes), default=0)
+            tokens[local] = max(1, num_tokens - held * self.block_size)
+        return tokens
+
     def admit(self, contexts: list[tuple[int, float]]) -> list[Choice | None]:
-        """Choices for the contexts waiting in the router (``(num_tokens, waited_s)``, in the order
-        they came; None: wait on), asked for the most urgent first: late ones that have waited
+        """Choices for the contexts waiting in the router (``(num_tokens, waited_s)``, or with their
+        ``prefix_hashes`` third, in the order they came; None: wait on), asked for the most urgent first: late ones that have waited
         their turn (``LATE_TURN_TTFTS`` targets), then those still ``in_time``, then the other
         late ones, each group in the order it came. Under a load past both pools, first come
         first served made every context late: each joined the end of a queue that was already
@@ -185,8 +210,8 @@ class StageBalancer:
         try:
             turn_s = LATE_TURN_TTFTS * self.ttft_s
             rank = [
-                1 if self.in_time(num_tokens, waited_s) else 0 if waited_s >= turn_s else 2
-                for num_tokens, waited_s in contexts
+                1 if self.in_time(num_tokens, waited_s, *hashes) else 0 if waited_s >= turn_s else 2
+                for num_tokens, waited_s, *hashes in contexts
             ]
             choices: list[Choice | None] = [None] * len(contexts)
             for index in sorted(range(len(contexts)), key=rank.__getitem__):
@@ -221,21 +246,24 @@ class StageBalancer:
         others = max(0, reported_pending - self._outstanding[local])
         return max(0.0, free_at - self.clock()) + others / tokens_per_s
 
-    def in_time(self, num_tokens: int, waited_s: float) -> bool:
+    def in_time(self, num_tokens: int, waited_s: float, prefix_hashes: Sequence[int] = ()) -> bool:
         """Whether a context that has waited ``waited_s`` could still give its first token within
         the TTFT target the fastest way with nothing queued before it: through a prefill replica,
-        or on a decode replica (True before any replica measured its prompt throughput)."""
+        or on a decode replica, each computing what it does not hold (True before any replica
+        measured its prompt throughput)."""
+        tokens = self._to_compute(num_tokens, prefix_hashes)
         ways = [
-            num_tokens / stats.load.prefill_tokens_per_s + (PD_OVERHEAD_S + self.lateness[False] if pool == "prefill" else self.lateness[True])
-            for pool in ("prefill", "decode")
+            tokens[local] / stats.load.prefill_tokens_per_s + (self.lateness[True] if local else PD_OVERHEAD_S + self.lateness[False])
+            for local, pool in ((False, "prefill"), (True, "decode"))
             for stats in self._stats(pool)
             if stats.load.prefill_tokens_per_s > 0
         ]
         return not ways or waited_s + min(ways) <= self.ttft_s
 
-    def _local(self, num_tokens: int, waited_s: float) -> tuple[bool | None, float | None]:
-        """Where the context goes (None: it waits), and in how long its first token should come by
-        the replicas' speeds and what this router sent, before ``lateness`` (None: not known)."""
+    def _local(self, tokens: dict[bool, int], waited_s: float) -> tuple[bool | None, float | None]:
+        """Where a context goes (None: it waits), ``tokens`` what each side would compute of it
+        (``_to_compute``), and in how long its first token should come by the replicas' speeds
+        and what this router sent, before ``lateness`` (None: not known)."""
         if self.pool_size("prefill") == 0:
             return True, None
         prefill = self._stats("prefill")
@@ -245,23 +273,24 @@ class StageBalancer:
             return True, None  # one engine on every core: no hop, no transfer
         prefill_rates = [stats.load.prefill_tokens_per_s for stats in prefill if stats.load.prefill_tokens_per_s > 0]
         if not prefill_rates or not decode:
-            short = num_tokens < self.local_prefill_threshold
-            return short or (bool(prefill) and bool(decode) and self._unmeasured(num_tokens, prefill, decode)), None
+            short = tokens[True] < self.local_prefill_threshold
+            return short or (bool(prefill) and bool(decode) and self._unmeasured(tokens, prefill, decode)), None
         prefill_rate = sum(prefill_rates)
         per_replica = prefill_rate / len(prefill_rates)
         decode_rate = sum(stats.load.prefill_tokens_per_s or per_replica for stats in decode)
         prefill_wait = self._wait_s(False, prefill_rate, sum(stats.scheduler.prompt_tokens_pending for stats in prefill))
-        through_prefill = prefill_wait + num_tokens / prefill_rate + PD_OVERHEAD_S
-        if not shared and (prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s):
+        through_prefill = prefill_wait + tokens[False] / prefill_rate + PD_OVERHEAD_S
+        prefill_first = not shared and tokens[True] >= tokens[False]  # not where decode holds more of it
+        if prefill_first and (prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s):
             return False, through_prefill
-        on_decode = self._wait_s(True, decode_rate, sum(stats.scheduler.prompt_tokens_pending for stats in decode)) + num_tokens / decode_rate
+        on_decode = self._wait_s(True, decode_rate, sum(stats.scheduler.prompt_tokens_pending for stats in decode)) + tokens[True] / decode_rate
         first_token_s = {False: through_prefill + self.lateness[False], True: on_decode + self.lateness[True]}
         in_time = waited_s + first_token_s[False] <= self.ttft_s
         through_prefill_or_wait = (False, through_prefill) if in_time or prefill_wait <= PREFILL_FEED_S else (None, None)
         if first_token_s[True] >= first_token_s[False]:
             return through_prefill_or_wait
         token_cost_s = len(decode) / sum(stats.load.tokens_per_s or stats.load.prefill_tokens_per_s or per_replica for stats in decode)
-        spent_s = (self._recent_local_tokens() + num_tokens) * token_cost_s
+        spent_s = (self._recent_local_tokens() + tokens[True]) * token_cost_s
         if spent_s <= self._local_prompt_budget_s(decode, DECODE_TPOT_SHARE):
             return True, on_decode
         rescues = not in_time and waited_s + first_token_s[True] <= self.ttft_s
@@ -269,7 +298,7 @@ class StageBalancer:
             return True, on_decode
         return through_prefill_or_wait
 
-    def _unmeasured(self, num_tokens: int, prefill: list[ReplicaStats], decode: list[ReplicaStats]) -> bool:
+    def _unmeasured(self, tokens: dict[bool, int], prefill: list[ReplicaStats], decode: list[ReplicaStats]) -> bool:
         """Before a prompt speed is known: whether the context goes to the decode pool, which has
         room for it. Only while the prefill pool computes this router's earlier contexts: then to
         the side with fewer of them a thread."""
@@ -277,7 +306,7 @@ class StageBalancer:
             return False
 
         def per_thread(local: bool, pool: list[ReplicaStats]) -> float:
-            return (self._outstanding[local] + num_tokens) / sum(max(1, stats.cores.threads) for stats in pool)
+            return (self._outstanding[local] + tokens[local]) / sum(max(1, stats.cores.threads) for stats in pool)
 
         return per_thread(True, decode) < per_thread(False, prefill)
 

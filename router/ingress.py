@@ -118,7 +118,9 @@ class RouterIngress:
                 self.role_keeper = RoleKeeper(view, self.pools, RoleSettings(**roles), ttft_s, tpot_s, new_call_context)
             # Without adaptivity, the static threshold decides alone: no stats to read.
             stats = (lambda pool: None) if not adaptive_local_prefill else view.stats if view is not None else pool_stats
-            balancer = StageBalancer(stats, pool_size if view is None else view.size, local_prefill_threshold, ttft_s, tpot_s)
+            balancer = StageBalancer(
+                stats, pool_size if view is None else view.size, local_prefill_threshold, ttft_s, tpot_s, block_size=block_size
+            )
         self.orchestrator = Orchestrator(prefill, decode, block_size, balancer, on_transfer_failure, max_migrations, view)
         self.max_prompts_per_request = max_prompts_per_request
         self.admission = AdmissionQueue(max_running_sequences, max_queued_requests, max_queue_wait_s)

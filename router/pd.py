@@ -162,7 +162,7 @@ class Orchestrator:
         """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
         context computed by the prefill pool or there; yields the prefill's first token of a
         new sequence, then the decode stream (none if that token ended it), the caller's to close."""
-        choice = Choice(True, 0) if self.prefill is None else await self.waiting_room.choose(sequence.num_context_tokens)
+        choice = Choice(True, 0) if self.prefill is None else await self.waiting_room.choose(sequence.num_context_tokens, self._context_hashes(sequence))
         if choice.local:
             stream = await self._place_local(sequence, choice)
             sequence.to(Phase.DECODING)
@@ -207,6 +207,13 @@ class Orchestrator:
                 return
         sequence.to(Phase.DECODING)
         yield stream
+
+    def _context_hashes(self, sequence: Sequence) -> list[int]:
+        """The routing hashes of the tokens whose KV a (re)start computes: where a replica holds
+        them (a conversation's history), the balancer counts only the rest."""
+        request = sequence.request
+        context = request.prompt_token_ids + sequence.token_ids[:-1]
+        return routing_block_hashes(context, self.block_size, request.lora, request.lora_path)
 
     async def _place_local(self, sequence: Sequence, choice: Choice | None = None) -> DecodeStream:
         stream = DecodeStream(self, sequence.resumed(), choice=choice)

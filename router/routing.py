@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from duet.block_pool import held_blocks
 from duet.messages import ReplicaStats
 from duet.router.serve_internals import departed, register_router, reported_stats
 
@@ -82,13 +83,7 @@ class PrefixAffinityRouter(_PoolRouter):
 def _leading_match(prefix_hashes: list[int], stats: ReplicaStats | None) -> int:
     if stats is None or not stats.prefix_hashes:
         return 0
-    cached = set(stats.prefix_hashes)
-    match = 0
-    for block_hash in prefix_hashes:
-        if block_hash not in cached:
-            break
-        match += 1
-    return match
+    return held_blocks(prefix_hashes, set(stats.prefix_hashes))
 
 
 class KVCapacityRouter(_PoolRouter):

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
 from contextlib import suppress
 
 from duet.errors import PoolUnavailableError
@@ -29,6 +30,7 @@ WAIT_POLL_S = 0.05  # how often the first waiting context asks again for all of 
 class _Waiting:
     num_tokens: int
     since: float
+    prefix_hashes: Sequence[int] = ()
     choice: Choice | None = None
     admitted: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
@@ -39,9 +41,10 @@ class WaitingRoom:
         self.contexts_waited = 0  # contexts the balancer made wait for room in either pool
         self._waiting: list[_Waiting] = []  # first come first
 
-    async def choose(self, num_tokens: int) -> Choice:
-        """The balancer's choice for a context, waiting while it says wait."""
-        waiting = _Waiting(num_tokens, time.monotonic())
+    async def choose(self, num_tokens: int, prefix_hashes: Sequence[int] = ()) -> Choice:
+        """The balancer's choice for a context (``prefix_hashes``: its routing hashes), waiting
+        while it says wait."""
+        waiting = _Waiting(num_tokens, time.monotonic(), prefix_hashes)
         self._waiting.append(waiting)
         try:
             deadline = waiting.since + ROOM_WAIT_S
@@ -71,7 +74,7 @@ class WaitingRoom:
         """Hand the waiting contexts the balancer's choices, the most urgent first."""
         now = time.monotonic()
         pending = [waiting for waiting in self._waiting if waiting.choice is None]
-        choices = self.balancer.admit([(waiting.num_tokens, now - waiting.since) for waiting in pending])
+        choices = self.balancer.admit([(waiting.num_tokens, now - waiting.since, waiting.prefix_hashes) for waiting in pending])
         for waiting, choice in zip(pending, choices):
             if choice is not None:
                 waiting.choice = choice

@@ -88,23 +88,28 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
     assert "prefill-test" in table.splitlines()[2]
 
 
-def test_a_decode_or_colocated_replica_reports_the_prompts_it_computed_still_cached(tiny_llama_dir):
-    """A colocated replica (and a decode replica prefilling a prompt itself) recalls the routing
-    hashes of the prompts it computed, and reports those its prefix cache still holds, so that
-    its pool's router sends a conversation's next turn there; a prompt whose KV it received is
-    not its own computing, and not recalled."""
+def test_a_decode_or_colocated_replica_reports_the_contexts_it_holds_still_cached(tiny_llama_dir):
+    """A colocated or decode replica recalls the routing hashes of each sequence's prompt
+    (computed there, or received) and, once the sequence ends, of its prompt with its outputs,
+    whose KV it computed (the engine's ``finished_contexts``); it reports those its prefix cache
+    still holds, so that a conversation's next turn, which resends that history, is computed there."""
     from duet.decode_node.role import DecodeRole
 
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
-    prompt, received = list(range(10, 90)), list(range(300, 364))  # 5 and 4 full blocks
-    llm.generate([prompt, received], SamplingParams(temperature=0.0, max_tokens=4))  # both in the prefix cache
-    engine = llm.engine
+    engine, block_size = llm.engine, llm.engine.block_size
+    prompt = list(range(10, 122))  # 7 full blocks; with 20 outputs, 8 (the routing depth past 4)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))  # the prompt cached: its one output has no KV
+    engine.finished_contexts.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
     for role in (DecodeRole(colocated=True), DecodeRole()):
-        role.admit(EngineRequest("r", prompt, SamplingParams()), engine.block_size)
-        role.admit(EngineRequest("never-run", list(range(200, 264)), SamplingParams()), engine.block_size)
-        if not role.colocated:
-            role.admit(EngineRequest("received", received, SamplingParams(), kv_receive=True), engine.block_size)
-        assert role.prefix_hashes(engine) == routing_block_hashes(prompt, engine.block_size) != []
+        request = EngineRequest("r", prompt, SamplingParams(), kv_receive=not role.colocated)
+        role.admit(request, block_size)
+        role.admit(EngineRequest("never-run", list(range(200, 264)), SamplingParams()), block_size)
+        assert role.prefix_hashes(engine) == routing_block_hashes(prompt, block_size) != []
+        output_ids = llm.generate([prompt], params)[0].outputs[0].token_ids
+        whole = routing_block_hashes(prompt + output_ids, block_size)
+        assert len(whole) == len(routing_block_hashes(prompt, block_size)) + 1
+        assert role.prefix_hashes(engine) == whole and not engine.finished_contexts
 
 
 def test_a_decode_replica_that_computed_no_prompt_reports_no_prefixes(replica):

@@ -60,3 +60,52 @@ def test_a_colocated_pool_sends_a_conversations_next_turn_where_its_history_is(c
         time.sleep(0.5)
     assert hits >= histories, f"{hits} prompt tokens found cached of the {SESSIONS} sessions' histories ({histories})"
     assert settled(cluster, url)["ok"]
+
+
+PD_APP = {
+    "mode": "pd",
+    "engine": {"max_model_len": 1024, "num_kv_blocks": 2048, "max_num_seqs": 16},
+    "prefill": {"ray_actor_options": {"num_cpus": 0.1}, "engine": {"num_threads": 1}},
+    "decode": {
+        "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}, "local_prefill_threshold": 64, "engine": {"num_threads": 1},
+    },
+    "router": {"ray_actor_options": {"num_cpus": 0}},
+}
+PD_FIRST_TURN, PD_REPLY, PD_MESSAGE = 160, 40, 20  # a first turn and its reply: 12 full blocks of KV on decode
+
+
+def test_a_pd_conversations_next_turn_is_computed_where_its_reply_was_decoded(cluster, tiny_offline, deploy):
+    """Four sessions' first turns, one at a time, through the prefill pool (160 tokens, past the
+    threshold); the decode replica each went to holds its prompt (received) and the reply it
+    decoded, 12 blocks, where the prefill replica holds the prompt's 10. Each second turn (that
+    history and a new message) is computed on the decode replica holding the history, not sent
+    through the prefill pool, which would compute the reply again: a local prefill each (the
+    router's count), the history's 192 tokens found cached, and the offline engine's tokens.
+    With the history held on decode not counted (tried once), the second turns went through the
+    prefill pool and found 160 tokens cached each there (the first prompt; not the reply)."""
+    url = deploy("pd-history", PD_APP)
+    wait_for(lambda: len(duet_status(url)["pools"]["decode"]["stats"]) == 2, 60, "both decode replicas reporting")
+    rng = random.Random(41)
+    first_turns = [random_prompt(rng, PD_FIRST_TURN) for _ in range(SESSIONS - 2)]
+
+    async def turns(prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], int]]:
+        answers = []
+        async with httpx.AsyncClient(timeout=120) as client:
+            for prompt in prompts:  # one at a time
+                response = await client.post(f"{url}/v1/completions", json=greedy_body(prompt, max_tokens))
+                assert response.status_code == 200, response.text
+                body = response.json()
+                answers.append((body["choices"][0]["token_ids"], body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        return answers
+
+    replies = [tokens for tokens, _ in asyncio.run(turns(first_turns, PD_REPLY))]
+    assert duet_status(url)["routing"]["local_prefills"] == 0  # every first turn went through the prefill pool
+    # Each session's prompt and reply: 12 blocks, at the routing depths 1-4, 8 and 12.
+    held = lambda: sum(stats["prefix_hashes"] for stats in duet_status(url)["pools"]["decode"]["stats"])  # noqa: E731
+    wait_for(lambda: held() >= 6 * len(first_turns), 30, "every first turn's history reported by its decode replica")
+    second_turns = [prompt + reply + random_prompt(rng, PD_MESSAGE) for prompt, reply in zip(first_turns, replies)]
+    answers = asyncio.run(turns(second_turns, 8))
+    assert duet_status(url)["routing"]["local_prefills"] == len(second_turns)
+    assert [cached for _, cached in answers] == [192] * len(second_turns)
+    assert [tokens for tokens, _ in answers] == tiny_offline(second_turns, 8)
+    assert settled(cluster, url)["ok"]

@@ -4,6 +4,7 @@ decode pool's time its local prompts took."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -23,7 +24,7 @@ def stats(stage: str, name: str, **fields) -> ReplicaStats:
 def balancer(prefill: list[ReplicaStats] | None, decode: list[ReplicaStats] | None, prefill_replicas: int | None = 1, threshold=64):
     pools = {"prefill": prefill, "decode": decode}
     sizes = {"prefill": prefill_replicas, "decode": len(decode or [])}
-    return StageBalancer(pools.get, sizes.get, threshold, TTFT_S, TPOT_S)
+    return StageBalancer(pools.get, sizes.get, threshold, TTFT_S, TPOT_S, block_size=16)
 
 
 def test_before_any_measurement_the_static_threshold_decides():
@@ -101,6 +102,35 @@ def test_the_prefill_pool_takes_a_prompt_while_idle_or_in_time_even_where_decode
     assert not balancer(in_time, decode).choose(300).local  # 0.45 s there: within 0.5 s
     late = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prompt_tokens_pending=200)]
     assert balancer(late, decode).choose(300).local  # 0.55 s there, 0.15 s here
+
+
+def test_a_turn_whose_history_a_decode_replica_holds_is_computed_there_past_it():
+    """A conversation's next turn (1,200 tokens): the decode replica holds its last prompt and
+    reply (1,024 tokens, 64 blocks), the prefill replica the last prompt (960, 60 blocks). An idle
+    prefill pool does not come first: it would compute 240 tokens and send all 1,200, the decode
+    replica computes 176; it is priced so (what a side computes is what it counts as sent).
+    Where the prefill side holds as much, or nothing is held, the idle prefill pool takes it."""
+    from duet.block_pool import routing_block_hashes
+
+    history = list(range(1000, 2024))
+    turn = history + list(range(5000, 5176))
+    hashes = routing_block_hashes(turn, 16)
+    last_prompt = routing_block_hashes(history[:960], 16)
+    decode = [
+        stats("decode", "empty", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02),
+        stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02, prefix_hashes=routing_block_hashes(history, 16)),
+    ]
+    idle = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prefix_hashes=last_prompt)]
+    chooser = balancer(idle, decode)
+    choice = chooser.choose(len(turn), prefix_hashes=hashes)
+    assert choice.local and choice.num_tokens == 176 and chooser._local_sent[-1][1] == 176
+    assert not balancer(idle, decode).choose(len(turn)).local  # its history not named: the whole context
+    holds_it_too = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prefix_hashes=routing_block_hashes(history, 16))]
+    choice = balancer(holds_it_too, decode).choose(len(turn), prefix_hashes=hashes)
+    assert not choice.local and choice.num_tokens == 176
+    no_room = [dataclasses.replace(decode[1], scheduler=dataclasses.replace(decode[1].scheduler, num_decode_waiting=1))]
+    assert not balancer(idle, no_room).choose(len(turn), prefix_hashes=hashes).local  # no TPOT room: through prefill
+    assert balancer(idle, decode).in_time(len(turn), 1.7, hashes) and not balancer(idle, decode).in_time(len(turn), 1.7)
 
 
 def test_what_it_sent_without_a_first_token_yet_counts_until_done():

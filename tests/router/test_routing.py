@@ -35,13 +35,13 @@ def test_routing_hashes_name_a_long_prompt_at_a_few_depths_of_its_chain():
     any replica rather than the one holding its history."""
     from duet.block_pool import hash_block_tokens, routing_depth
 
-    assert [depth for depth in range(1, 300) if routing_depth(depth)] == [1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256]
+    assert [depth for depth in range(1, 300) if routing_depth(depth)] == [1, 2, 3, 4, *range(8, 257, 4)]
     prompt = list(range(3000))
     chain, parent = [], None
     for index in range(len(prompt) // 16):
         parent = hash_block_tokens(parent, prompt[index * 16 : (index + 1) * 16])
         chain.append(parent)
-    assert routing_block_hashes(prompt, 16) == [chain[depth - 1] for depth in (1, 2, 3, 4, 8, 16, 32, 64, 128)]
+    assert routing_block_hashes(prompt, 16) == [chain[depth - 1] for depth in (1, 2, 3, 4, *range(8, 188, 4))]
     system = list(range(5000, 5000 + 16 * 40))  # a 40-block system prompt every session shares
     session_a, session_b = system + list(range(100, 600)), system + list(range(700, 1200))
     holder_a = _replica("a", prefix_hashes=routing_block_hashes(session_a, 16))

@@ -21,9 +21,9 @@ class _ScriptedBalancer:
         self.admitted: list[int] = []
         self.released: list[int] = []
 
-    def admit(self, contexts: list[tuple[int, float]]) -> list[Choice | None]:
+    def admit(self, contexts: list[tuple[int, float, list[int]]]) -> list[Choice | None]:
         choices = []
-        for num_tokens, _ in contexts:
+        for num_tokens, _, _ in contexts:
             choices.append(Choice(False, num_tokens, self) if self.room > 0 else None)
             if self.room > 0:
                 self.room -= 1
