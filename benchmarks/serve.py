@@ -36,9 +36,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from duet.benchmarks.serve_plots import watch_kv
-from duet.benchmarks.workloads import (
-    SAFE_TOKEN_RANGE, WORKLOADS, TurnSpec, random_sessions, session_arrivals, sharegpt_sessions, trace_sessions,
-)
+from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, WORKLOADS, TurnSpec, make_sessions, session_arrivals
 
 
 WARM_UP_PROMPT, WARM_UP_OUTPUT = 8, 4  # the request run_load sends before its load, outside the measurement
@@ -57,6 +55,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    token_ids: list[int] = field(default_factory=list)  # what it generated
 
     @property
     def tpot(self) -> float:
@@ -108,6 +107,7 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
                     result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if not chunk.get("choices"):
                     continue
+                result.token_ids += chunk["choices"][0].get("token_ids") or []
                 tokens = len(chunk["choices"][0].get("token_ids") or [])
                 if not tokens:
                     continue
@@ -131,11 +131,12 @@ async def _one_request(client, url: str, model: str, prompt: list[int], output_l
 
 async def run_load(
     url: str, model: str, sessions: list[list[TurnSpec]], rate: float, think_time_s: float, seed: int, api_key: str | None, label: str,
-    kv_samples: list[dict] | None = None,
+    kv_samples: list[dict] | None = None, generated_history: bool = False,
 ):
     """Sessions arriving at ``rate`` a second (Poisson, or a trace's own times scaled to that
     mean; 0: all at once), each turn sent once the one before it ended and ``think_time_s``
-    passed; the results of every request, in sending order.
+    passed (``generated_history``: with the replies the server generated in its history, where
+    the template allows, ``TurnSpec.sent_prompt``); the results of every request, in sending order.
     ``kv_samples`` (if given) gets the server's KV blocks, in its pools and its second tier, once a second."""
     import httpx
 
@@ -145,12 +146,15 @@ async def run_load(
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)) as client:
 
         async def session(turns: list[TurnSpec]) -> None:
+            last = None  # the last turn's prompt and reply, where the history is the generated one
             for index, turn in enumerate(turns):
                 if index:
                     await asyncio.sleep(think_time_s)
                 sent_s = time.perf_counter() - start
-                result = await _one_request(client, url, model, turn.prompt, turn.output_len, api_key)
+                prompt = turn.sent_prompt(last)
+                result = await _one_request(client, url, model, prompt, turn.output_len, api_key)
                 result.sent_s, result.turn = sent_s, index
+                last = (prompt, result.token_ids) if generated_history else None
                 results.append(result)
                 progress.update(1)
                 if not result.ok:
@@ -307,21 +311,6 @@ def run_label(workload: str, rate: float, rates: list[float]) -> str:
     return workload if len(rates) == 1 else f"{workload}@{rate:g}/s"
 
 
-def make_sessions(args: argparse.Namespace, workload: str, seed: int) -> list[list[TurnSpec]]:
-    if workload in ("random", "shared-prefix"):
-        prefix = args.shared_prefix if workload == "shared-prefix" else 0
-        return random_sessions(args.num_requests, args.input_len, args.output_len, prefix, seed)
-    if workload == "trace":
-        return trace_sessions(args.trace, args.num_requests, args.max_context, seed, args.trace_scale)
-    from duet.benchmarks.sharegpt import load_conversations
-    from duet.models.loader import resolve_model_path
-    from duet.router.tokenizer import RouterTokenizer
-
-    tokenizer = RouterTokenizer(resolve_model_path(args.tokenizer))
-    turns = 1 if workload == "sharegpt" else args.turns
-    return sharegpt_sessions(tokenizer, load_conversations(), args.num_requests, turns, args.sharegpt_output_cap, args.max_context, seed)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=[], help="a config to bring up and measure (repeat to compare)")
@@ -331,6 +320,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-name", default="peer", help="what to call it in the results")
     parser.add_argument("--peer-model", default=None, help="its model name (default: --model)")
     add_load_arguments(parser)
+    parser.add_argument(
+        "--history", choices=("recorded", "generated"), default="recorded",
+        help="a multiturn session's replies in its history: ShareGPT's, or those the server generated (as a chat client sends)",
+    )
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--json", default=None, help="write the summaries here")
     parser.add_argument("--plot", default=None, help="write a PNG here")
@@ -359,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
                 results, duration = asyncio.run(
                     run_load(
                         url, model, make_sessions(args, workload, seed), rate, args.think_time_s, seed, args.api_key, f"{name}/{label}",
-                        kv_samples,
+                        kv_samples, args.history == "generated",
                     )
                 )
                 summary = summarise(name, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
@@ -373,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     generated = {"random", "shared-prefix"} & set(chosen)
     lengths = f"{args.input_len} prompt + {args.output_len} output tokens" if generated else "lengths as recorded (a trace's scaled)"
-    print(f"{args.num_requests} requests (sessions) at {args.rate}/s of {', '.join(chosen)}, {lengths}; "
+    history = f" ({args.history} replies in the history)" if "multiturn" in chosen else ""
+    print(f"{args.num_requests} requests (sessions) at {args.rate}/s of {', '.join(chosen)}{history}, {lengths}; "
           f"SLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
     print(format_table(summaries))
     for summary in summaries:

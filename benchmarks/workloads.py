@@ -7,7 +7,9 @@ as a Poisson process.
 - ``sharegpt``: the first turn of ShareGPT conversations (vLLM's benchmark set), rendered by the
   model's chat template, output as long as the recorded reply (capped).
 - ``multiturn``: ShareGPT conversations replayed as sessions of up to ``turns`` turns, each
-  sending the whole history (the recorded replies as the assistant's turns) and the next message.
+  sending the whole history (the recorded replies as the assistant's turns, or with
+  ``--history generated`` those the server generated, as a chat client sends them) and the
+  next message.
 - ``trace``: a request log in the Mooncake trace format, one JSON object a line with its
   ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (one id per block of
   the prompt, 512 tokens in Mooncake's traces: requests that share a prefix share its ids),
@@ -16,6 +18,7 @@ as a Poisson process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -31,6 +34,17 @@ class TurnSpec:
     prompt: list[int]
     output_len: int
     at_s: float | None = None  # a trace's session: when it arrived in the trace (s after its first)
+    # A later turn's tokens after the last turn's reply (its end of turn, this turn's message, the
+    # assistant's start): with the replies generated as the history, the prompt is the last one's,
+    # the reply the server made, and these (None: the recorded history only).
+    after_reply: list[int] | None = None
+
+    def sent_prompt(self, last: tuple[list[int], list[int]] | None) -> list[int]:
+        """The prompt to send after ``last`` (the last turn's prompt sent and the tokens it
+        generated; None: the history as recorded)."""
+        if last is None or self.after_reply is None:
+            return self.prompt
+        return last[0] + last[1] + self.after_reply
 
 
 def arrival_times(num_sessions: int, rate: float, seed: int) -> list[float]:
@@ -83,13 +97,21 @@ def sharegpt_sessions(
             output_len = max(4, min(output_cap, len(tokenizer.encode(turn.reply, add_special_tokens=False))))
             if len(prompt) + output_len > max_context:
                 break
-            turns.append(TurnSpec(prompt, output_len))
+            turns.append(TurnSpec(prompt, output_len, after_reply=_after_reply(prompt, turns[-1].prompt, reply) if turns else None))
             history.append({"role": "assistant", "content": turn.reply})
+            reply = tokenizer.encode(turn.reply, add_special_tokens=False)
         if turns:
             chosen.append(turns)
         if len(chosen) == num:
             break
     return chosen
+
+
+def _after_reply(prompt: list[int], last_prompt: list[int], reply: list[int]) -> list[int] | None:
+    """What follows the last turn's prompt and its reply in ``prompt``, where the chat template
+    puts them there token for token (else None: the boundary tokenizes otherwise)."""
+    end = len(last_prompt) + len(reply)
+    return prompt[end:] if prompt[:end] == last_prompt + reply else None
 
 
 def trace_sessions(path: str | Path, num: int, max_context: int, seed: int, scale: float | None = None) -> list[list[TurnSpec]]:
@@ -133,3 +155,19 @@ def trace_sessions(path: str | Path, num: int, max_context: int, seed: int, scal
         prompt = prompt[:input_len] + [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(input_len - len(prompt))]
         sessions.append([TurnSpec(prompt, output_len, (record["timestamp"] - first_ms) / 1e3)])
     return sessions
+
+
+def make_sessions(args: argparse.Namespace, workload: str, seed: int) -> list[list[TurnSpec]]:
+    """The sessions of ``workload`` that ``duet bench serve``'s load arguments (``args``) and ``seed`` give."""
+    if workload in ("random", "shared-prefix"):
+        prefix = args.shared_prefix if workload == "shared-prefix" else 0
+        return random_sessions(args.num_requests, args.input_len, args.output_len, prefix, seed)
+    if workload == "trace":
+        return trace_sessions(args.trace, args.num_requests, args.max_context, seed, args.trace_scale)
+    from duet.benchmarks.sharegpt import load_conversations
+    from duet.models.loader import resolve_model_path
+    from duet.router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer(resolve_model_path(args.tokenizer))
+    turns = 1 if workload == "sharegpt" else args.turns
+    return sharegpt_sessions(tokenizer, load_conversations(), args.num_requests, turns, args.sharegpt_output_cap, args.max_context, seed)

@@ -64,6 +64,31 @@ def test_multiturn_sessions_send_the_recorded_history_through_the_chat_template(
     assert [len(s) for s in short] == [1]
 
 
+def test_a_generated_history_resends_the_servers_replies_where_the_recorded_ones_stood(tiny_tokenizer_dir):
+    """With ``--history generated`` a later turn is the last prompt sent, the reply the server
+    generated, and what the template puts after a reply (its end of turn, the next message, the
+    assistant's start): token for token the recorded prompt with the generated reply in place of
+    the recorded one. Where the template does not put the reply there token for token, the turn
+    is sent as recorded."""
+    from duet.benchmarks.workloads import _after_reply, sharegpt_sessions
+    from duet.router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer(tiny_tokenizer_dir)
+    turns = [("Hi there", "Hello, how are you?"), ("Tell me a story", "Once upon a time."), ("And then?", "The end.")]
+    conversation = [{"from": who, "value": text} for message, reply in turns for who, text in (("human", message), ("gpt", reply))]
+    (session,) = sharegpt_sessions(tokenizer, [conversation], 1, 3, 64, 10_000, 0)
+    assert session[0].after_reply is None and all(turn.after_reply for turn in session[1:])
+    for last, turn, (_, reply) in zip(session, session[1:], turns):
+        assert turn.prompt == last.prompt + tokenizer.encode(reply, add_special_tokens=False) + turn.after_reply
+        assert turn.sent_prompt(None) == turn.prompt
+    generated = [7, 8, 9]
+    sent = session[1].sent_prompt((session[0].prompt, generated))
+    other = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": tokenizer.decode(generated)}, {"role": "user", "content": "Tell me a story"}]
+    assert sent == session[0].prompt + generated + session[1].after_reply
+    assert tokenizer.decode(sent) == tokenizer.decode(tokenizer.encode_chat(other))  # the chat a client would send
+    assert _after_reply([1, 2, 3, 4], [1], [2]) == [3, 4] and _after_reply([1, 5, 3, 4], [1], [2]) is None
+
+
 def test_later_turns_are_summarised_apart_with_their_prefix_hits():
     results = [
         RequestResult(ok=True, turn=0, ttft=0.4, e2e=1.0, output_tokens=5, prompt_tokens=100, cached_tokens=0),
