@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -59,13 +59,17 @@ def routing_depth(depth: int) -> bool:
     return depth % (ROUTING_DEPTHS_FINE if depth <= ROUTING_DEPTHS_FINE_TO else ROUTING_DEPTHS_STRIDE) == 0
 
 
+def routing_depths() -> Iterator[int]:
+    """The routing depths in order: those of ``routing_block_hashes``' hashes."""
+    return (depth for depth in itertools.count(1) if routing_depth(depth))
+
+
 def held_blocks(prefix_hashes: Sequence[int], held: Container[int]) -> int:
     """How many leading full blocks of a prompt whose routing hashes are ``prefix_hashes``
     (``routing_block_hashes``) a replica reporting ``held`` holds: the deepest routing depth up
     to which it holds every one of them."""
     blocks = 0
-    depths = (depth for depth in itertools.count(1) if routing_depth(depth))
-    for block_hash, depth in zip(prefix_hashes, depths):
+    for block_hash, depth in zip(prefix_hashes, routing_depths()):
         if block_hash not in held:
             break
         blocks = depth

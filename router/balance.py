@@ -78,7 +78,8 @@ the tokens past what its best replica holds: a decode replica holds the last tur
 the reply it decoded, a prefill replica at most the last prompt. Where the decode side holds
 more, the prefill pool does not come first: computed there, the next turn's prompt computes
 the reply again and sends the whole history's KV; computed where the history is, only the new
-message (the decode pool's router places it on the replica holding the history,
+message (on the replica holding the history: the one this router's record names, where the
+reports do not yet, ``duet.router.held``; else the decode pool's router finds it,
 ``duet.router.routing.prefix_first``). The sooner way decides, within the TPOT room.
 
 Before any prefill replica measured its prompt throughput, the static ``local_prefill_threshold``
@@ -102,6 +103,7 @@ from collections.abc import Callable, Sequence
 
 from duet.block_pool import held_blocks
 from duet.messages import ReplicaStats
+from duet.router.held import HeldContexts, Holder
 
 PD_OVERHEAD_S = 0.05  # two hops and a KV transfer, over computing locally
 PREFILL_FIRST_TTFT_SHARE = 0.25  # of the TTFT target within which a prompt goes through the prefill pool
@@ -126,6 +128,7 @@ class Choice:
     balancer: StageBalancer | None = None
     sent_at: float = 0.0
     predicted_s: float | None = None  # when its first token should come after ``sent_at``, before lateness
+    holder: Holder | None = None  # local: the replica this router knows holds the most of it (``duet.router.held``)
 
     def done(self, first_token: bool = False) -> None:
         """``first_token``: it came (its lateness counts), rather than the context failing or
@@ -168,35 +171,44 @@ class StageBalancer:
         # The router's sequences now decoding (its ``Orchestrator`` sets it): with none, and none
         # waiting for a first token, a decode replica that shares the cores has them all.
         self.live_streams: Callable[[], int] = lambda: 0
+        # The contexts the router's sequences ended with, before the replicas report them (its ``Orchestrator`` sets it).
+        self.held: HeldContexts | None = None
 
     def choose(self, num_tokens: int, waited_s: float = 0.0, prefix_hashes: Sequence[int] = ()) -> Choice | None:
         """Where a context of ``num_tokens`` (its routing hashes ``prefix_hashes``) that has waited
         ``waited_s`` for it goes, or None: it should wait (through the prefill pool it would give
         its first token past the TTFT target, that pool has enough queued not to idle, and the
         decode pool has no room for it)."""
-        tokens = self._to_compute(num_tokens, prefix_hashes)
+        tokens, holder = self._to_compute(num_tokens, prefix_hashes)
         local, predicted_s = self._local(tokens, waited_s)
         if local is None:
             return None
         self.decisions[local] += 1
         self._outstanding[local] += tokens[local]
-        choice = Choice(local, tokens[local], self, self.clock(), predicted_s)
+        choice = Choice(local, tokens[local], self, self.clock(), predicted_s, holder if local else None)
         self._in_flight[local].append(choice)
         if local:
             self._local_sent.append((choice.sent_at, tokens[local]))
             self._recent_local_tokens()  # trims: bounded however the choice was made
         return choice
 
-    def _to_compute(self, num_tokens: int, prefix_hashes: Sequence[int]) -> dict[bool, int]:
+    def _to_compute(self, num_tokens: int, prefix_hashes: Sequence[int]) -> tuple[dict[bool, int], Holder | None]:
         """The tokens each side (local: True) would compute of a context: those past the most its
-        best replica holds (one at least: the last is always computed)."""
+        best replica holds (one at least: the last is always computed), by the replicas' reports
+        and, for decode, this router's record (``held``); and the decode replica the record names,
+        where it holds more than any report says (else the pool's router finds the holder)."""
         tokens = {True: num_tokens, False: num_tokens}
         if not prefix_hashes or not self.block_size:
-            return tokens
+            return tokens, None
+        holder = self.held.holder(prefix_hashes) if self.held is not None else None
         for local, pool in ((True, "decode"), (False, "prefill")):
             held = max((held_blocks(prefix_hashes, set(stats.prefix_hashes)) for stats in self._stats(pool) if stats.prefix_hashes), default=0)
+            if local and holder is not None and holder.blocks > held:
+                held = holder.blocks
+            elif local:
+                holder = None
             tokens[local] = max(1, num_tokens - held * self.block_size)
-        return tokens
+        return tokens, holder
 
     def admit(self, contexts: list[tuple[int, float]]) -> list[Choice | None]:
         """Choices for the contexts waiting in the router (``(num_tokens, waited_s)``, or with their
@@ -251,7 +263,7 @@ class StageBalancer:
         the TTFT target the fastest way with nothing queued before it: through a prefill replica,
         or on a decode replica, each computing what it does not hold (True before any replica
         measured its prompt throughput)."""
-        tokens = self._to_compute(num_tokens, prefix_hashes)
+        tokens, _ = self._to_compute(num_tokens, prefix_hashes)
         ways = [
             tokens[local] / stats.load.prefill_tokens_per_s + (self.lateness[True] if local else PD_OVERHEAD_S + self.lateness[False])
             for local, pool in ((False, "prefill"), (True, "decode"))

@@ -100,8 +100,10 @@ class DecodeStream:
         deadline = time.monotonic() + ROOM_WAIT_S
         refused = 0
         prefix_hashes = self._prefix_hashes()  # once: the same for every attempt
+        holder = self.choice.holder if self.choice is not None else None  # first where its history is
         while True:
-            pool, pinned = self.orchestrator.decode_target()
+            pool, pinned = (holder.pool, holder.replica_id) if holder is not None else self.orchestrator.decode_target()
+            holder = None
             if pool is None:
                 self.orchestrator.roles.want()
             else:

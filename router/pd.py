@@ -46,6 +46,7 @@ from duet.messages import EngineRequest, KVDestination, Moved, TokenDelta
 from duet.router.balance import Choice, StageBalancer
 from duet.router.channels import Channels
 from duet.router.decode_stream import DecodeStream, pin
+from duet.router.held import HeldContexts
 from duet.router.roles import RoleView, away_or_home
 from duet.router.serve_internals import new_call_context, replica_running
 from duet.router.sequence import Action, Failure, Phase, Sequence, TooManyMigrations
@@ -92,8 +93,10 @@ class Orchestrator:
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
         self.open_streams: set[DecodeStream] = set()  # not yet finished or closed
         self.channels = Channels(self.handles, new_call_context)  # each replica's one stream of every sequence's items
+        self.held = HeldContexts(block_size)  # what its sequences ended with, where (``duet.router.held``)
         if balancer is not None:
             balancer.live_streams = lambda: len(self.open_streams)
+            balancer.held = self.held
 
     async def run(
         self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None = None
@@ -128,6 +131,10 @@ class Orchestrator:
                         sequence.moved(by_kv=moved_to is not None)
                         break
                     sequence.token_ids += item.token_ids
+                    if item.finished and item.error is None and self.balancer is not None:  # its KV: all but the last token's
+                        request = sequence.request
+                        context = request.prompt_token_ids + sequence.token_ids[:-1]
+                        self.held.add(stream.replica_id, stream.pool, context, request.lora, request.lora_path)
                     yield item
                     if item.finished:
                         sequence.to(Phase.DONE)

@@ -133,6 +133,37 @@ def test_a_turn_whose_history_a_decode_replica_holds_is_computed_there_past_it()
     assert balancer(idle, decode).in_time(len(turn), 1.7, hashes) and not balancer(idle, decode).in_time(len(turn), 1.7)
 
 
+def test_a_history_this_router_just_saw_end_counts_before_the_replica_reports_it():
+    """The next turn comes the moment the last ended, before the decode replica's report names
+    that history: the router's own record (``HeldContexts``) counts it, and the choice names the
+    replica, where its record holds more than the reports; a record expires after its TTL."""
+    from duet.block_pool import routing_block_hashes
+    from duet.router.held import HeldContexts, Holder
+
+    now = [100.0]
+    prompt, reply = list(range(1000, 2024)), list(range(3000, 3128))
+    turn = routing_block_hashes(prompt + reply + list(range(5000, 5176)), 16)  # 1,328 tokens
+    unreported = [stats("decode", "d", prefill_tokens_per_s=1000.0, decode_only_tpot_s=0.02)]
+    reported = [dataclasses.replace(unreported[0], prefix_hashes=routing_block_hashes(prompt + reply, 16))]
+    idle = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prefix_hashes=routing_block_hashes(prompt, 16))]
+
+    def chooser(decode, recorded: bool):
+        made = balancer(idle, decode)
+        made.held = HeldContexts(16, ttl_s=30.0, clock=lambda: now[0])
+        if recorded:  # a sequence ended on "d": its KV all but its last token's (71 blocks: depth 68)
+            made.held.add("d", "decode", prompt + reply[:-1])
+        return made
+
+    assert not chooser(unreported, recorded=False).choose(1328, prefix_hashes=turn).local  # the prefill pool first
+    choice = chooser(unreported, recorded=True).choose(1328, prefix_hashes=turn)
+    assert choice.local and choice.num_tokens == 1328 - 68 * 16 and choice.holder == Holder("d", "decode", 68)
+    choice = chooser(reported, recorded=True).choose(1328, prefix_hashes=turn)  # the report holds more (72): the pool routes
+    assert choice.local and choice.holder is None
+    later = chooser(unreported, recorded=True)
+    now[0] += 31.0
+    assert later.held.holder(turn) is None and not later.choose(1328, prefix_hashes=turn).local  # the record expired
+
+
 def test_what_it_sent_without_a_first_token_yet_counts_until_done():
     """Reports lag; the balancer's own outstanding tokens are fresher. Both stages equal: the
     idle prefill pool takes the first prompt, the second would wait for it there and goes local,

@@ -174,3 +174,48 @@ def test_a_full_replica_sends_the_reservation_to_another_and_the_sequence_stream
     assert asyncio.run(run()) == [[5], [6]]
     assert [kind for kind, _ in pool.calls] == ["reserve", "reserve", "attach"]
     assert orchestrator.migrations == {"kv": 0, "recompute": 0}
+
+
+def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is_recorded():
+    """A local choice naming the replica this router saw end the context's history
+    (``Choice.holder``) reserves there first, pinned; that replica full, the pool's router places
+    it. A sequence that ends is recorded where it ran: its context but the last token, whose KV
+    no step computed (``duet.router.held``)."""
+    from duet.block_pool import routing_block_hashes
+    from duet.errors import ReplicaFullError
+    from duet.router.balance import Choice
+    from duet.router.held import Holder
+
+    class Pool(_ScriptedPool):
+        async def _reserve(self, request, **kwargs):
+            self.pins.append(kwargs.get("replica_id"))
+            return await super()._reserve(request)
+
+    for placements, pins in (([Placement("h")], ["h"]), ([ReplicaFullError("full"), Placement("y")], ["h", None])):
+        pool = Pool(placements, attaches=[[TokenDelta("s", [5]), TokenDelta("s", [6, 7], finished=True, finish_reason="length")]])
+        pool.pins = []
+        orchestrator = pd.Orchestrator(None, pool, 16, None)
+        request = EngineRequest("s", list(range(40)), SamplingParams(max_tokens=3))
+
+        async def run():
+            stream = decode_stream.DecodeStream(orchestrator, request, choice=Choice(True, 8, holder=Holder("h", "colocated", 2)))
+            placement = await stream.place()
+            tokens = [delta.token_ids async for delta in stream]
+            await stream.aclose()
+            return placement.replica_id, tokens
+
+        assert asyncio.run(run()) == (pins[-1] or "y", [[5], [6, 7]]) and pool.pins == pins
+
+    from duet.router.balance import StageBalancer
+
+    pool = _ScriptedPool([Placement("y")], [[TokenDelta("s", [5]), TokenDelta("s", [6, 7], finished=True, finish_reason="length")]])
+    balancer = StageBalancer(lambda pool: None, lambda pool: 0, 0, 2.0, 0.2, block_size=16)  # the record is the balancer's
+    orchestrator = pd.Orchestrator(None, pool, 16, balancer)
+    assert balancer.held is orchestrator.held
+
+    async def run():
+        return [delta.token_ids async for delta in orchestrator.run("s", list(range(45)), SamplingParams(max_tokens=3))]
+
+    assert asyncio.run(run()) == [[5], [6, 7]]
+    next_turn = routing_block_hashes(list(range(45)) + [5, 6, 7, 8], 16)  # 49 tokens: 3 full blocks, the KV of 2 held
+    assert orchestrator.held.holder(next_turn) == Holder("y", "colocated", 2)
