@@ -210,14 +210,15 @@ class StageBalancer:
             tokens[local] = max(1, num_tokens - held * self.block_size)
         return tokens, holder
 
-    def admit(self, contexts: list[tuple[int, float]]) -> list[Choice | None]:
+    def admit(self, contexts: list[tuple]) -> list[Choice | None]:
         """Choices for the contexts waiting in the router (``(num_tokens, waited_s)``, or with their
-        ``prefix_hashes`` third, in the order they came; None: wait on), asked for the most urgent first: late ones that have waited
-        their turn (``LATE_TURN_TTFTS`` targets), then those still ``in_time``, then the other
-        late ones, each group in the order it came. Under a load past both pools, first come
-        first served made every context late: each joined the end of a queue that was already
-        past the target by the time it got there. A late context goes whenever a pool has time
-        no context in time needs (``choose`` feeds an emptying prefill pool), or its turn came."""
+        ``prefix_hashes`` third, in the order they came; None: wait on), asked for the most
+        urgent first: late ones that have waited their turn (``LATE_TURN_TTFTS`` targets), then
+        those still ``in_time``, then the other late ones, each group in the order it came. Under
+        a load past both pools, first come first served made every context late: each joined the
+        end of a queue that was already past the target by the time it got there. A late context
+        goes whenever a pool has time no context in time needs (``choose`` feeds an emptying
+        prefill pool), or its turn came."""
         self._snapshot = {}  # each pool's stats read once for all of them
         try:
             turn_s = LATE_TURN_TTFTS * self.ttft_s

@@ -23,12 +23,16 @@ HELD_LIMIT = 8192  # routing hashes kept (36 for a 2,048-token context)
 
 @dataclasses.dataclass(frozen=True)
 class Holder:
+    """A decode replica (of ``pool``) that this router saw end a context's first ``blocks`` blocks."""
+
     replica_id: str
     pool: str
     blocks: int  # the leading full blocks of the context it holds
 
 
 class HeldContexts:
+    """Routing hash -> the replica that last ended a sequence holding it, and when."""
+
     def __init__(self, block_size: int, ttl_s: float = HELD_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.ttl_s = ttl_s

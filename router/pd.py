@@ -131,10 +131,9 @@ class Orchestrator:
                         sequence.moved(by_kv=moved_to is not None)
                         break
                     sequence.token_ids += item.token_ids
-                    if item.finished and item.error is None and self.balancer is not None:  # its KV: all but the last token's
+                    if item.finished and item.error is None and self.balancer is not None:
                         request = sequence.request
-                        context = request.prompt_token_ids + sequence.token_ids[:-1]
-                        self.held.add(stream.replica_id, stream.pool, context, request.lora, request.lora_path)
+                        self.held.add(stream.replica_id, stream.pool, sequence.context_token_ids(), request.lora, request.lora_path)
                     yield item
                     if item.finished:
                         sequence.to(Phase.DONE)
@@ -169,7 +168,12 @@ class Orchestrator:
         """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
         context computed by the prefill pool or there; yields the prefill's first token of a
         new sequence, then the decode stream (none if that token ended it), the caller's to close."""
-        choice = Choice(True, 0) if self.prefill is None else await self.waiting_room.choose(sequence.num_context_tokens, self._context_hashes(sequence))
+        if self.prefill is None:
+            choice = Choice(True, 0)
+        else:
+            request = sequence.request
+            hashes = routing_block_hashes(sequence.context_token_ids(), self.block_size, request.lora, request.lora_path)
+            choice = await self.waiting_room.choose(sequence.num_context_tokens, hashes)  # the part a replica holds counts less
         if choice.local:
             stream = await self._place_local(sequence, choice)
             sequence.to(Phase.DECODING)
@@ -214,13 +218,6 @@ class Orchestrator:
                 return
         sequence.to(Phase.DECODING)
         yield stream
-
-    def _context_hashes(self, sequence: Sequence) -> list[int]:
-        """The routing hashes of the tokens whose KV a (re)start computes: where a replica holds
-        them (a conversation's history), the balancer counts only the rest."""
-        request = sequence.request
-        context = request.prompt_token_ids + sequence.token_ids[:-1]
-        return routing_block_hashes(context, self.block_size, request.lora, request.lora_path)
 
     async def _place_local(self, sequence: Sequence, choice: Choice | None = None) -> DecodeStream:
         stream = DecodeStream(self, sequence.resumed(), choice=choice)

@@ -108,6 +108,10 @@ class Sequence:
         """Tokens whose KV a (re)start computes: the prompt and all outputs but the last."""
         return len(self.request.prompt_token_ids) + max(0, len(self.token_ids) - 1)
 
+    def context_token_ids(self) -> list[int]:
+        """Those tokens (what its replica holds the KV of once it ended)."""
+        return self.request.prompt_token_ids + self.token_ids[:-1]
+
     def resumed(self, kv_receive: bool = False) -> EngineRequest:
         """The sequence with its tokens so far, to place anew: under an id of its own each
         time, so that an earlier placement's tear-down (a cancel or an abort still on its way to
