@@ -2,7 +2,8 @@
 they end: a conversation's next turn is often sent within milliseconds of the last one's end,
 while the replica's report that it holds that history (``ReplicaStats.prefix_hashes``) comes
 within a second or so. The balancer counts both (``duet.router.balance``), and a context it
-sends to be computed where its history is goes to the replica named here (``DecodeStream``).
+sends to be computed where its history is goes to the replica named here first
+(``DecodeStream``), as does a colocated pool's (the pool's router, by the reports, otherwise).
 
 A record lasts ``HELD_TTL_S``, by when the replica's reports name what it still holds; a
 record whose blocks the replica evicted sooner costs at most one context computed there whole.

@@ -131,7 +131,7 @@ class Orchestrator:
                         sequence.moved(by_kv=moved_to is not None)
                         break
                     sequence.token_ids += item.token_ids
-                    if item.finished and item.error is None and self.balancer is not None:
+                    if item.finished and item.error is None:
                         request = sequence.request
                         self.held.add(stream.replica_id, stream.pool, sequence.context_token_ids(), request.lora, request.lora_path)
                     yield item
@@ -168,12 +168,12 @@ class Orchestrator:
         """Place the sequence (new, or resumed with its tokens so far) on a decode replica, its
         context computed by the prefill pool or there; yields the prefill's first token of a
         new sequence, then the decode stream (none if that token ended it), the caller's to close."""
-        if self.prefill is None:
-            choice = Choice(True, 0)
-        else:
-            request = sequence.request
-            hashes = routing_block_hashes(sequence.context_token_ids(), self.block_size, request.lora, request.lora_path)
-            choice = await self.waiting_room.choose(sequence.num_context_tokens, hashes)  # the part a replica holds counts less
+        request = sequence.request
+        hashes = routing_block_hashes(sequence.context_token_ids(), self.block_size, request.lora, request.lora_path)
+        if self.prefill is None:  # computed where this router saw its history end, if it did (else where the reports say)
+            choice = Choice(True, 0, holder=self.held.holder(hashes))
+        else:  # the part a replica holds counts less
+            choice = await self.waiting_room.choose(sequence.num_context_tokens, hashes)
         if choice.local:
             stream = await self._place_local(sequence, choice)
             sequence.to(Phase.DECODING)

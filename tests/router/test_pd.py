@@ -180,7 +180,7 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
     """A local choice naming the replica this router saw end the context's history
     (``Choice.holder``) reserves there first, pinned; that replica full, the pool's router places
     it. A sequence that ends is recorded where it ran: its context but the last token, whose KV
-    no step computed (``duet.router.held``)."""
+    no step computed (``duet.router.held``); a colocated pool's next turn is reserved there first."""
     from duet.block_pool import routing_block_hashes
     from duet.errors import ReplicaFullError
     from duet.router.balance import Choice
@@ -206,16 +206,15 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
 
         assert asyncio.run(run()) == (pins[-1] or "y", [[5], [6, 7]]) and pool.pins == pins
 
-    from duet.router.balance import StageBalancer
+    ends = [TokenDelta("s", [5]), TokenDelta("s", [6, 7], finished=True, finish_reason="length")]
+    pool = Pool([Placement("y"), Placement("y")], [ends, [TokenDelta("t", [9], finished=True, finish_reason="length")]])
+    pool.pins = []
+    orchestrator = pd.Orchestrator(None, pool, 16, None)  # colocated: the record still counts
 
-    pool = _ScriptedPool([Placement("y")], [[TokenDelta("s", [5]), TokenDelta("s", [6, 7], finished=True, finish_reason="length")]])
-    balancer = StageBalancer(lambda pool: None, lambda pool: 0, 0, 2.0, 0.2, block_size=16)  # the record is the balancer's
-    orchestrator = pd.Orchestrator(None, pool, 16, balancer)
-    assert balancer.held is orchestrator.held
+    async def run(request_id, prompt):
+        return [delta.token_ids async for delta in orchestrator.run(request_id, prompt, SamplingParams(max_tokens=3))]
 
-    async def run():
-        return [delta.token_ids async for delta in orchestrator.run("s", list(range(45)), SamplingParams(max_tokens=3))]
-
-    assert asyncio.run(run()) == [[5], [6, 7]]
-    next_turn = routing_block_hashes(list(range(45)) + [5, 6, 7, 8], 16)  # 49 tokens: 3 full blocks, the KV of 2 held
-    assert orchestrator.held.holder(next_turn) == Holder("y", "colocated", 2)
+    assert asyncio.run(run("s", list(range(45)))) == [[5], [6, 7]]
+    next_turn = list(range(45)) + [5, 6, 7, 8]  # 49 tokens: 3 full blocks, the KV of 2 held
+    assert orchestrator.held.holder(routing_block_hashes(next_turn, 16)) == Holder("y", "colocated", 2)
+    assert asyncio.run(run("t", next_turn)) == [[9]] and pool.pins == [None, "y"]  # the next turn reserved there first
