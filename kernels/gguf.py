@@ -28,6 +28,14 @@ and min of each half, ``d * sc`` and ``-dmin * m`` (fp16 times 4-bit integers: e
 one fma each, rounded once as gguf's ``d * sc * q - dmin * m``. The codes stay 2- to 6-bit
 values; only their container widens (Q4_K: 0.75 byte a weight against 0.5625 in the file; Q5_K:
 1.25 against 0.6875; Q6_K: 1.25 against 0.82; Q3_K: 1.25 against 0.43; Q2_K: 1.5 against 0.33).
+
+The non-linear 4-bit types map each 4-bit index through a fixed table of sixteen int8 values
+(``IQ4_VALUES``): an IQ4_NL block of 32 (fp16 ``d``, 16 bytes of indices: weight j low, 16 + j
+high) is ``d * v``, and an IQ4_XS super-block's 32-weight sub-blocks ``d * (ls - 32) * v`` (6-bit
+``ls``, low nibbles in 4 bytes and high pairs in a 16-bit word, before the indices). Each becomes
+a Q8_0 block of the looked-up values with scale ``d`` or ``d * (ls - 32)`` (fp16 times a 6-bit
+integer: exact), rounded once as gguf's own products are (1.125 bytes a weight against 0.5625
+and 0.53).
 """
 
 from __future__ import annotations
@@ -47,18 +55,47 @@ Q3_K = 11
 Q4_K = 12
 Q5_K = 13
 Q6_K = 14
-_LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1, 32)}  # per block: fp16 scales (d[, m]), code bytes
+IQ4_NL = 20
+IQ4_XS = 23
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
+_LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1, 32), IQ4_NL: (1, 16)}  # per block: fp16 scales (d[, m]), code bytes
 # Not GGML types: float8 (e4m3fn) weights with a scale a block (compressed-tensors' FP8: ``float8_blocks``),
 # and 8-bit codes with a scale and a zero point a block (compressed-tensors' asymmetric 8 bits: ``zero_point_blocks``).
 F8 = 1000
 Q8Z = 1001
 _KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32), Q2_K: (4, 32), Q8Z: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
-TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K})  # what the kernels read (some rewritten at load)
+TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS})  # what the kernels read (some rewritten at load)
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
 SUPER_BLOCK = 256  # weights of a K-quant super-block
 # weights and bytes of a super-block
-_K_LAYOUTS = {Q2_K: (SUPER_BLOCK, 84), Q3_K: (SUPER_BLOCK, 110), Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210)}
+_K_LAYOUTS = {
+    Q2_K: (SUPER_BLOCK, 84), Q3_K: (SUPER_BLOCK, 110), Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210),
+    IQ4_XS: (SUPER_BLOCK, 136),
+}
+
+
+def _iq4_values(indices: torch.Tensor) -> torch.Tensor:
+    """Bytes of two 4-bit indices each, ``[..., 16]`` (weight j low, 16 + j high), as the 32
+    int8 values they look up, viewed as bytes ``[..., 32]``."""
+    table = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=indices.device)
+    both = torch.cat([indices & 0x0F, indices >> 4], dim=-1).long()
+    return table[both].view(torch.uint8)
+
+
+def _from_iq4_xs(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS super-blocks ``[out, n, 136]`` (fp16 d, a 16-bit word of the scales' high pairs, 4
+    bytes of their low nibbles, 128 bytes of indices) as 8n Q8_0 blocks: the 32 looked-up values
+    and the scale ``d * (ls - 32)`` (exact)."""
+    out, n = rows.shape[:2]
+    device = rows.device
+    d = rows[..., 0:2].contiguous().view(torch.float16).float()
+    high = rows[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    high = (high >> (2 * torch.arange(8, dtype=torch.int32, device=device))) & 0x03  # [out, n, 8]
+    low = (rows[..., 4:8].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8, device=device)) & 0x0F  # [out, n, 4, 2]
+    ls = (low.reshape(out, n, 8).to(torch.int32) | (high << 4)) - 32
+    codes = _iq4_values(rows[..., 8:136].reshape(out, n, 8, 16))
+    return codes.reshape(out, -1).contiguous(), (d * ls.float()).reshape(out, -1).contiguous()
 
 
 def q4_1_words(codes: torch.Tensor) -> torch.Tensor:
@@ -217,7 +254,7 @@ class GGUFWeight:
         if qtype not in TYPES:
             supported = (
                 f"Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q5_0 = {Q5_0}, Q5_1 = {Q5_1}, Q8_0 = {Q8_0}, Q2_K = {Q2_K}, Q3_K = {Q3_K}, Q4_K = {Q4_K}, "
-                f"Q5_K = {Q5_K}, Q6_K = {Q6_K}"
+                f"Q5_K = {Q5_K}, Q6_K = {Q6_K}, IQ4_NL = {IQ4_NL}, IQ4_XS = {IQ4_XS}"
             )
             raise ValueError(f"GGUF type {qtype} is not supported ({supported})")
         block, per_block = _K_LAYOUTS[qtype] if qtype in _K_LAYOUTS else (BLOCK, 2 * _LAYOUTS[qtype][0] + _LAYOUTS[qtype][1])
@@ -234,9 +271,13 @@ class GGUFWeight:
             return cls(*_from_q3_k(rows), Q6_K, in_features, ops)
         if qtype == Q2_K:
             return cls(*_from_q2_k(rows), Q2_K, in_features, ops)
+        if qtype == IQ4_XS:
+            return cls(*_from_iq4_xs(rows), Q8_0, in_features, ops)
         num_scales = _LAYOUTS[qtype][0]
         scales = rows[..., : 2 * num_scales].contiguous().view(torch.float16).float()
         codes = rows[..., 2 * num_scales :]
+        if qtype == IQ4_NL:  # d * v: a Q8_0 block of the looked-up values
+            codes, qtype = _iq4_values(codes), Q8_0
         if qtype == Q4_0:  # d * (q - 8): a Q4_1 block with min -8 d, exact (a power of two times d)
             scales, qtype = torch.cat([scales, -8.0 * scales], dim=-1), Q4_1
         if qtype in (Q5_0, Q5_1):  # the kernels' Q5_K blocks: codes a byte each, d and m (Q5_0's -16 d)

@@ -15,17 +15,20 @@ from tests.conftest import make_tiny_llama, make_tiny_model
 
 
 def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int = 0):
-    """Random Q2_K, Q3_K, Q4_K, Q5_K or Q6_K super-blocks (gguf's quantizer makes none): random
-    codes and integer scales under fp16 super-block scales up to ``magnitude``; ``[rows, cols /
-    256 * bytes]`` uint8."""
+    """Random Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-blocks, or IQ4_NL blocks (gguf's
+    quantizer makes none): random codes and integer scales under fp16 (super-)block scales up to
+    ``magnitude``; ``[rows, cols / block * bytes]`` uint8."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
     with_min = qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K)
-    blocks = rng.integers(0, 256, (rows, cols // 256, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)][1]), dtype=np.uint8)
-    scales = (rng.random((rows, cols // 256, 2)) * magnitude).astype(np.float16).view(np.uint8)
-    if with_min:
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = (rng.random((rows, cols // block, 2)) * magnitude).astype(np.float16).view(np.uint8)
+    if qtype in (gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.IQ4_XS):
+        blocks[..., 0:2] = scales[..., :2]  # d
+    elif with_min:
         blocks[..., 0:4] = scales  # d, dmin
     elif qtype == gguf.GGMLQuantizationType.Q2_K:
         blocks[..., 80:84] = scales  # d, dmin
@@ -43,8 +46,8 @@ def make_tiny_gguf_llama(
     projections quantized to Q4_1 and its embedding and LM head to Q8_0 by gguf's own quantizer,
     the float weights replaced by their dequantization, and the blocks kept beside them. With
     ``k_quants`` (sizes multiples of 256), as a Q4_K_M file has them instead: q, k, v, gate and
-    up Q4_K (``k_quant``: Q5_K for a Q5_K_M file's), o, down and the LM head Q6_K (random
-    super-blocks: gguf quantizes to none of them)."""
+    up Q4_K (``k_quant``: Q5_K for a Q5_K_M file's, Q2_K, IQ4_NL or IQ4_XS), o, down and the LM
+    head Q6_K (random super-blocks: gguf quantizes to none of them)."""
     import gguf
     from safetensors.torch import load_file, save_file
 
@@ -59,8 +62,8 @@ def make_tiny_gguf_llama(
         if k_quants and "embed" not in name:
             q4_k = any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
             qtype = gguf.GGMLQuantizationType[k_quant] if q4_k else gguf.GGMLQuantizationType.Q6_K
-            # Q5_K's codes reach 31; Q2_K's 3 (its scales 15)
-            magnitude = {"Q4_K": 0.0004, "Q2_K": 0.004}.get(k_quant, 0.0001) if q4_k else 0.00005
+            # Q5_K's codes reach 31; Q2_K's 3 (its scales 15); IQ4's table 127 (IQ4_XS's scales 32)
+            magnitude = {"Q4_K": 0.0004, "Q2_K": 0.004, "IQ4_NL": 0.0003, "IQ4_XS": 0.00001}.get(k_quant, 0.0001) if q4_k else 0.00005
             quantized = k_quant_blocks(*weight.shape, int(qtype), magnitude=magnitude, seed=len(blocks))
         else:
             qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
@@ -209,8 +212,9 @@ def write_tiny_gguf(
             continue
         if value.ndim >= 2 and "embed" not in name and not name.endswith("mlp.gate.weight"):
             qtype = getattr(gguf.GGMLQuantizationType, projections)
-            if projections.endswith("_K"):  # gguf quantizes to no K-quant
-                blocks = k_quant_blocks(*value.shape, int(qtype), magnitude=0.0001, seed=len(gguf_name) + value.shape[0])
+            if projections.endswith("_K") or projections.startswith("IQ4"):  # gguf quantizes to none of these
+                magnitude = {"IQ4_XS": 0.00001, "IQ4_NL": 0.0003}.get(projections, 0.0001)
+                blocks = k_quant_blocks(*value.shape, int(qtype), magnitude=magnitude, seed=len(gguf_name) + value.shape[0])
             else:
                 blocks = gguf.quants.quantize(value, qtype)
             writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
