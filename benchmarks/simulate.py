@@ -49,10 +49,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from duet.benchmarks.serve import add_load_arguments, chosen_workloads, format_table, run_label, run_seed, summarise
-from duet.benchmarks.workloads import make_sessions
 from duet.benchmarks.sim_model import cluster_model
 from duet.benchmarks.sim_run import Simulation
-from duet.benchmarks.workloads import session_arrivals
+from duet.benchmarks.workloads import make_sessions, session_arrivals
 
 
 def main(argv: list[str] | None = None) -> None:
