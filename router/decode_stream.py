@@ -8,6 +8,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from ray.exceptions import RayActorError
+
 from duet.block_pool import routing_block_hashes
 from duet.errors import PoolUnavailableError, ReplicaFullError, ReplicaGoneError
 from duet.messages import EngineRequest, Moved, Placement, TokenDelta
@@ -102,8 +104,8 @@ class DecodeStream:
         prefix_hashes = self._prefix_hashes()  # once: the same for every attempt
         holder = self.choice.holder if self.choice is not None else None  # first where its history is
         while True:
-            pool, pinned = (holder.pool, holder.replica_id) if holder is not None else self.orchestrator.decode_target()
-            holder = None
+            first, holder = holder, None
+            pool, pinned = (first.pool, first.replica_id) if first is not None else self.orchestrator.decode_target()
             if pool is None:
                 self.orchestrator.roles.want()
             else:
@@ -115,6 +117,11 @@ class DecodeStream:
                 try:
                     placement = await self._call
                 except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone
+                    refused += 1
+                except RayActorError:
+                    if first is None:
+                        raise
+                    self.orchestrator.held.forget(first.replica_id)  # where its history was died, and the history with it
                     refused += 1
                 else:
                     self._call = None

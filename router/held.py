@@ -49,6 +49,11 @@ class HeldContexts:
         while len(self._held) > HELD_LIMIT:
             self._held.popitem(last=False)
 
+    def forget(self, replica_id: str) -> None:
+        """The replica died: it holds nothing."""
+        for block_hash in [block_hash for block_hash, entry in self._held.items() if entry[0] == replica_id]:
+            del self._held[block_hash]
+
     def holder(self, prefix_hashes: Sequence[int]) -> Holder | None:
         """The replica that ended a sequence with the deepest of ``prefix_hashes`` (routing
         hashes: a chained hash names its whole prefix) in the last ``ttl_s``, or None."""

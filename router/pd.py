@@ -155,6 +155,8 @@ class Orchestrator:
                 if action is Action.FAIL:
                     raise
                 where = stream.replica_id if stream is not None else "(placing it)"
+                if failure is Failure.REPLICA_LOST and stream is not None and stream.replica_id is not None:
+                    self.held.forget(stream.replica_id)  # what it held went with it
                 logger.warning(
                     "%s lost on decode replica %s while %s (%r); recomputing it", sequence.request.request_id, where, phase.value, error
                 )

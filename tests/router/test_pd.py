@@ -178,8 +178,8 @@ def test_a_full_replica_sends_the_reservation_to_another_and_the_sequence_stream
 
 def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is_recorded():
     """A local choice naming the replica this router saw end the context's history
-    (``Choice.holder``) reserves there first, pinned; that replica full, the pool's router places
-    it. A sequence that ends is recorded where it ran: its context but the last token, whose KV
+    (``Choice.holder``) reserves there first, pinned; that replica full or dead (then forgotten),
+    the pool's router places it. A sequence that ends is recorded where it ran: its context but the last token, whose KV
     no step computed (``duet.router.held``); a colocated pool's next turn is reserved there first."""
     from duet.block_pool import routing_block_hashes
     from duet.errors import ReplicaFullError
@@ -191,10 +191,16 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
             self.pins.append(kwargs.get("replica_id"))
             return await super()._reserve(request)
 
-    for placements, pins in (([Placement("h")], ["h"]), ([ReplicaFullError("full"), Placement("y")], ["h", None])):
+    from ray.exceptions import RayActorError
+
+    cases = (
+        ([Placement("h")], ["h"]), ([ReplicaFullError("full"), Placement("y")], ["h", None]), ([RayActorError(), Placement("y")], ["h", None]),
+    )
+    for placements, pins in cases:
         pool = Pool(placements, attaches=[[TokenDelta("s", [5]), TokenDelta("s", [6, 7], finished=True, finish_reason="length")]])
         pool.pins = []
         orchestrator = pd.Orchestrator(None, pool, 16, None)
+        orchestrator.held.add("h", "colocated", list(range(40)))
         request = EngineRequest("s", list(range(40)), SamplingParams(max_tokens=3))
 
         async def run():
@@ -205,6 +211,8 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
             return placement.replica_id, tokens
 
         assert asyncio.run(run()) == (pins[-1] or "y", [[5], [6, 7]]) and pool.pins == pins
+        died = isinstance(placements[0], RayActorError)  # the replica holding the history died: forgotten
+        assert (orchestrator.held.holder(routing_block_hashes(list(range(40)), 16)) is None) == died
 
     ends = [TokenDelta("s", [5]), TokenDelta("s", [6, 7], finished=True, finish_reason="length")]
     pool = Pool([Placement("y"), Placement("y")], [ends, [TokenDelta("t", [9], finished=True, finish_reason="length")]])
