@@ -6,8 +6,8 @@ streams into; the sequence joins the continuous batch (with speculative decoding
 and first token are in, and its tokens stream back. Short prompts, and sequences resumed after
 their KV was lost, come without ``kv_receive`` and are prefilled here. A colocated replica does
 everything locally and receives no KV. Either reports the routing hashes of the contexts its
-prefix cache still holds (``duet.block_pool.RecalledPrefixes``): each sequence's prompt (computed
-here or received) and, once it ends, its prompt with its outputs, whose KV it computed. So a
+prefix cache still holds (``duet.block_pool.RecalledPrefixes``): each prompt it computes and,
+once a sequence ends, its prompt (computed or received) with its outputs. So a
 conversation's next turn, which resends that history, is computed where the history is: its
 pool's router sends it there, and the PD router's balancer prices it at the tokens past it
 (``duet.router.balance``) rather than sending the whole history to a prefill replica that
@@ -36,11 +36,13 @@ class DecodeRole:
             raise InvalidRequestError("a decode replica does not send prompt KV (kv_send)")
         if self.colocated and request.kv_receive:
             raise InvalidRequestError("a colocated replica computes its own prompts; it receives no KV")
-        self._prefixes.add(request.prompt_token_ids, block_size, request.lora, request.lora_path)
+        if not request.kv_receive:  # a received prompt counts once its sequence ends (below): a replica
+            # lost mid-stream must not draw its sequences' recomputing back by its last report
+            self._prefixes.add(request.prompt_token_ids, block_size, request.lora, request.lora_path)
 
     def prefix_hashes(self, engine) -> list[int]:
         """The recalled contexts' prefixes still in the engine's prefix cache, for its routing
-        report: the prompts admitted, and the sequences that ended since the last report, each
+        report: the prompts it computes, and the sequences that ended since the last report, each
         with the tokens it made (the engine's ``finished_contexts``: with a received prompt's
         first token, which only the engine saw)."""
         while engine.finished_contexts:

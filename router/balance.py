@@ -171,8 +171,10 @@ class StageBalancer:
         # The router's sequences now decoding (its ``Orchestrator`` sets it): with none, and none
         # waiting for a first token, a decode replica that shares the cores has them all.
         self.live_streams: Callable[[], int] = lambda: 0
-        # The contexts the router's sequences ended with, before the replicas report them (its ``Orchestrator`` sets it).
+        # The contexts the router's sequences ended with on decode replicas, and those it had the
+        # prefill pool compute, before the replicas report them (its ``Orchestrator`` sets them).
         self.held: HeldContexts | None = None
+        self.prefilled: HeldContexts | None = None
 
     def choose(self, num_tokens: int, waited_s: float = 0.0, prefix_hashes: Sequence[int] = ()) -> Choice | None:
         """Where a context of ``num_tokens`` (its routing hashes ``prefix_hashes``) that has waited
@@ -180,7 +182,7 @@ class StageBalancer:
         its first token past the TTFT target, that pool has enough queued not to idle, and the
         decode pool has no room for it)."""
         tokens, holder = self._to_compute(num_tokens, prefix_hashes)
-        local, predicted_s = self._local(tokens, waited_s)
+        local, predicted_s = self._local(tokens, waited_s, num_tokens)
         if local is None:
             return None
         self.decisions[local] += 1
@@ -195,16 +197,17 @@ class StageBalancer:
     def _to_compute(self, num_tokens: int, prefix_hashes: Sequence[int]) -> tuple[dict[bool, int], Holder | None]:
         """The tokens each side (local: True) would compute of a context: those past the most its
         best replica holds (one at least: the last is always computed), by the replicas' reports
-        and, for decode, this router's record (``held``); and the decode replica the record names,
-        where it holds more than any report says (else the pool's router finds the holder)."""
+        and this router's records (``held``, ``prefilled``); and the decode replica the record
+        names, where it holds more than any report says (else the pool's router finds the holder)."""
         tokens = {True: num_tokens, False: num_tokens}
         if not prefix_hashes or not self.block_size:
             return tokens, None
         holder = self.held.holder(prefix_hashes) if self.held is not None else None
-        for local, pool in ((True, "decode"), (False, "prefill")):
+        prefilled = self.prefilled.holder(prefix_hashes) if self.prefilled is not None else None
+        for local, pool, recorded in ((True, "decode", holder), (False, "prefill", prefilled)):
             held = max((held_blocks(prefix_hashes, set(stats.prefix_hashes)) for stats in self._stats(pool) if stats.prefix_hashes), default=0)
-            if local and holder is not None and holder.blocks > held:
-                held = holder.blocks
+            if recorded is not None and recorded.blocks > held:
+                held = recorded.blocks
             elif local:
                 holder = None
             tokens[local] = max(1, num_tokens - held * self.block_size)
@@ -273,10 +276,10 @@ class StageBalancer:
         ]
         return not ways or waited_s + min(ways) <= self.ttft_s
 
-    def _local(self, tokens: dict[bool, int], waited_s: float) -> tuple[bool | None, float | None]:
-        """Where a context goes (None: it waits), ``tokens`` what each side would compute of it
-        (``_to_compute``), and in how long its first token should come by the replicas' speeds
-        and what this router sent, before ``lateness`` (None: not known)."""
+    def _local(self, tokens: dict[bool, int], waited_s: float, num_tokens: int) -> tuple[bool | None, float | None]:
+        """Where a context of ``num_tokens`` goes (None: it waits), ``tokens`` what each side would
+        compute of it (``_to_compute``), and in how long its first token should come by the
+        replicas' speeds and what this router sent, before ``lateness`` (None: not known)."""
         if self.pool_size("prefill") == 0:
             return True, None
         prefill = self._stats("prefill")
@@ -286,7 +289,8 @@ class StageBalancer:
             return True, None  # one engine on every core: no hop, no transfer
         prefill_rates = [stats.load.prefill_tokens_per_s for stats in prefill if stats.load.prefill_tokens_per_s > 0]
         if not prefill_rates or not decode:
-            short = tokens[True] < self.local_prefill_threshold
+            # Short: what decode computes of it, where decode holds more of it; else the whole context.
+            short = (tokens[True] if tokens[True] < tokens[False] else num_tokens) < self.local_prefill_threshold
             return short or (bool(prefill) and bool(decode) and self._unmeasured(tokens, prefill, decode)), None
         prefill_rate = sum(prefill_rates)
         per_replica = prefill_rate / len(prefill_rates)

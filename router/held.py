@@ -1,7 +1,9 @@
 """The contexts this router's sequences ended with on each decode replica, known the moment
 they end: a conversation's next turn is often sent within milliseconds of the last one's end,
 while the replica's report that it holds that history (``ReplicaStats.prefix_hashes``) comes
-within a second or so. The balancer counts both (``duet.router.balance``), and a context it
+within a second or so. The balancer counts both (``duet.router.balance``), for the prefill
+pool too (the contexts this router had it compute: its own record, so that neither side's
+reports lag the other's), and a context it
 sends to be computed where its history is goes to the replica named here first
 (``DecodeStream``), as does a colocated pool's (the pool's router, by the reports, otherwise).
 
@@ -24,9 +26,10 @@ HELD_LIMIT = 8192  # routing hashes kept (36 for a 2,048-token context)
 
 @dataclasses.dataclass(frozen=True)
 class Holder:
-    """A decode replica (of ``pool``) that this router saw end a context's first ``blocks`` blocks."""
+    """A replica (of ``pool``; None: one of the pool's) that this router saw end a context's
+    first ``blocks`` blocks."""
 
-    replica_id: str
+    replica_id: str | None
     pool: str
     blocks: int  # the leading full blocks of the context it holds
 
@@ -40,8 +43,8 @@ class HeldContexts:
         self.clock = clock
         self._held: OrderedDict[int, tuple[str, str, float]] = OrderedDict()  # routing hash -> replica, pool, when
 
-    def add(self, replica_id: str, pool: str, token_ids: Sequence[int], lora: str | None = None, lora_path: str | None = None) -> None:
-        """A sequence ended on ``replica_id`` (of ``pool``) with its KV computed for ``token_ids``."""
+    def add(self, replica_id: str | None, pool: str, token_ids: Sequence[int], lora: str | None = None, lora_path: str | None = None) -> None:
+        """A sequence ended on ``replica_id`` (of ``pool``; None: not known) with its KV computed for ``token_ids``."""
         now = self.clock()
         for block_hash in routing_block_hashes(token_ids, self.block_size, lora, lora_path):
             self._held[block_hash] = (replica_id, pool, now)

@@ -94,9 +94,10 @@ class Orchestrator:
         self.open_streams: set[DecodeStream] = set()  # not yet finished or closed
         self.channels = Channels(self.handles, new_call_context)  # each replica's one stream of every sequence's items
         self.held = HeldContexts(block_size)  # what its sequences ended with, where (``duet.router.held``)
+        self.prefilled = HeldContexts(block_size)  # the contexts it had the prefill pool compute (which replica: not known)
         if balancer is not None:
             balancer.live_streams = lambda: len(self.open_streams)
-            balancer.held = self.held
+            balancer.held, balancer.prefilled = self.held, self.prefilled
 
     async def run(
         self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None = None
@@ -249,6 +250,7 @@ class Orchestrator:
         stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, lora=request.lora, **pin(pinned))
         try:
             async for delta in stream:
+                self.prefilled.add(None, pool, request.prompt_token_ids, request.lora, request.lora_path)
                 return None if sequence.token_ids else delta
         finally:
             stream.cancel()

@@ -89,10 +89,12 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
 
 
 def test_a_decode_or_colocated_replica_reports_the_contexts_it_holds_still_cached(tiny_llama_dir):
-    """A colocated or decode replica recalls the routing hashes of each sequence's prompt
-    (computed there, or received) and, once the sequence ends, of its prompt with its outputs,
-    whose KV it computed (the engine's ``finished_contexts``); it reports those its prefix cache
-    still holds, so that a conversation's next turn, which resends that history, is computed there."""
+    """A colocated or decode replica recalls the routing hashes of each prompt it computes and,
+    once a sequence ends, of its prompt (computed there, or received) with its outputs, whose KV
+    it computed (the engine's ``finished_contexts``); it reports those its prefix cache still
+    holds, so that a conversation's next turn, which resends that history, is computed there. A
+    received prompt is not named before its sequence ends: the last report of a replica lost
+    mid-stream drew its sequences' recomputing back to it."""
     from duet.decode_node.role import DecodeRole
 
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
@@ -105,7 +107,7 @@ def test_a_decode_or_colocated_replica_reports_the_contexts_it_holds_still_cache
         request = EngineRequest("r", prompt, SamplingParams(), kv_receive=not role.colocated)
         role.admit(request, block_size)
         role.admit(EngineRequest("never-run", list(range(200, 264)), SamplingParams()), block_size)
-        assert role.prefix_hashes(engine) == routing_block_hashes(prompt, block_size) != []
+        assert role.prefix_hashes(engine) == ([] if request.kv_receive else routing_block_hashes(prompt, block_size))
         output_ids = llm.generate([prompt], params)[0].outputs[0].token_ids
         whole = routing_block_hashes(prompt + output_ids, block_size)
         assert len(whole) == len(routing_block_hashes(prompt, block_size)) + 1

@@ -136,7 +136,8 @@ def test_a_turn_whose_history_a_decode_replica_holds_is_computed_there_past_it()
 def test_a_history_this_router_just_saw_end_counts_before_the_replica_reports_it():
     """The next turn comes the moment the last ended, before the decode replica's report names
     that history: the router's own record (``HeldContexts``) counts it, and the choice names the
-    replica, where its record holds more than the reports; a record expires after its TTL."""
+    replica, where its record holds more than the reports; a record expires after its TTL. Its
+    record of what the prefill pool computed counts for that pool likewise."""
     from duet.block_pool import routing_block_hashes
     from duet.router.held import HeldContexts, Holder
 
@@ -162,6 +163,14 @@ def test_a_history_this_router_just_saw_end_counts_before_the_replica_reports_it
     later = chooser(unreported, recorded=True)
     now[0] += 31.0
     assert later.held.holder(turn) is None and not later.choose(1328, prefix_hashes=turn).local  # the record expired
+    # The same prompt again (a retry): the prefill pool computed it, which this router recorded
+    # before that replica's report names it; both sides hold as much, and the prefill pool goes first.
+    again = routing_block_hashes(prompt + reply, 16)
+    assert chooser(unreported, recorded=True).choose(1152, prefix_hashes=again).local  # the prefill pool's report: the prompt only
+    recorded = chooser(unreported, recorded=True)
+    recorded.prefilled = HeldContexts(16, clock=lambda: now[0])
+    recorded.prefilled.add(None, "prefill", prompt + reply)
+    assert not recorded.choose(1152, prefix_hashes=again).local
 
 
 def test_what_it_sent_without_a_first_token_yet_counts_until_done():
