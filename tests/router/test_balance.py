@@ -34,6 +34,24 @@ def test_before_any_measurement_the_static_threshold_decides():
     assert unknown.choose(63).local and not unknown.choose(64).local
 
 
+def test_before_any_measurement_a_held_context_counts_short_only_where_decode_holds_more():
+    """A 40-token prompt sent again: its first 32 tokens held by both sides (this router's
+    records), it is judged by its whole length, past the threshold of 24: through the prefill pool,
+    as before held prefixes counted. Held by decode alone, its 8 tokens there are short: local."""
+    from duet.block_pool import routing_block_hashes
+    from duet.router.held import HeldContexts
+
+    prompt = list(range(100, 140))
+    hashes = routing_block_hashes(prompt, 16)
+    for prefilled, local in ((True, False), (False, True)):
+        chooser = balancer([stats("prefill", "p")], [stats("decode", "d")], threshold=24)
+        chooser.held, chooser.prefilled = HeldContexts(16), HeldContexts(16)
+        chooser.held.add("d", "decode", prompt)
+        if prefilled:
+            chooser.prefilled.add(None, "prefill", prompt)
+        assert chooser.choose(len(prompt), prefix_hashes=hashes).local == local
+
+
 def test_with_no_prefill_replica_running_every_context_stays_local(monkeypatch):
     alone = balancer([], [stats("decode", "d", decode_only_tpot_s=0.5, num_decode_waiting=3)], prefill_replicas=0)
     assert alone.choose(5000).local
