@@ -43,9 +43,10 @@ class DecodeRole:
     def prefix_hashes(self, engine) -> list[int]:
         """The recalled contexts' prefixes still in the engine's prefix cache, for its routing
         report: the prompts it computes, and the sequences that ended since the last report, each
-        with the tokens it made (the engine's ``finished_contexts``: with a received prompt's
+        with the tokens it made (``KVCacheManager.finished_contexts``: with a received prompt's
         first token, which only the engine saw)."""
-        while engine.finished_contexts:
-            token_ids, lora, lora_path = engine.finished_contexts.popleft()
+        finished = engine.kv_cache_manager.finished_contexts
+        while finished:
+            token_ids, lora, lora_path = finished.popleft()
             self._prefixes.add(token_ids, engine.block_size, lora, lora_path)
         return self._prefixes.cached(engine)

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections import deque
 
 import torch
 
@@ -42,7 +41,6 @@ from duet.worker import WorkerConfig, kv_bytes_per_block
 # steps a second, away from the prefill computing that KV on the same machine. A transfer that
 # ends meanwhile is seen at most this much later.
 IDLE_STEP_WAIT_S = 0.001
-FINISHED_CONTEXTS = 256  # ended sequences kept for a replica to read (``LLMEngine.finished_contexts``)
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +129,6 @@ class LLMEngine:
         )
         self._logprobs: dict[str, list] = {}  # per request: top logprobs of tokens not yet reported
         self._prompt_logprobs: dict[str, list] = {}  # per request: its prompt tokens' top logprobs, until its first token
-        # Each sequence that decoded and ended: its tokens, LoRA adapter and its folder (its KV is in
-        # the prefix cache till evicted), the latest ``FINISHED_CONTEXTS``: a decode replica names
-        # them to its router at its next report, and reads them off then.
-        self.finished_contexts: deque[tuple[list[int], str | None, str | None]] = deque(maxlen=FINISHED_CONTEXTS)
-        self._caching = cache_config.enable_prefix_caching
         self.load = LoadTracker()
         # The machine's cores, shared step by step with the other engines on it (``duet.cores``); the host sets it.
         self.core_share = None
@@ -324,8 +317,7 @@ class LLMEngine:
         if request.is_finished:
             self._logprobs.pop(request.request_id, None)
             self._prompt_logprobs.pop(request.request_id, None)
-            if self._caching and request.error is None and request.num_output_tokens > 1:  # it decoded (not a prefill replica's)
-                self.finished_contexts.append((list(request.all_token_ids), request.lora, request.lora_path))
+            self.kv_cache_manager.remember_finished(request)
         return TokenDelta(
             request.request_id, new_tokens, logprobs, request.is_finished, request.finish_reason, request.stop_reason,
             request.num_cached_tokens, request.error, kv_lost=request.error is not None and request.finish_reason == "kv_lost",

@@ -3,11 +3,15 @@ it (``duet.kv_tier``). Hides both from the scheduler."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from duet.block_pool import BlockIntegrityError, BlockPool, KVCacheBlock, chain_root, hash_block_tokens
 from duet.kv_tier import KVTier, TierBlock
 from duet.messages import KVCacheStats
 from duet.outputs import KVTierOps
 from duet.request import Request
+
+FINISHED_CONTEXTS = 256  # ended sequences kept for a replica to read (``KVCacheManager.finished_contexts``)
 
 
 class KVCacheManager:
@@ -36,6 +40,7 @@ class KVCacheManager:
         self.held: dict[int, list[KVCacheBlock]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.finished_contexts: deque[tuple[list[int], str | None, str | None]] = deque(maxlen=FINISHED_CONTEXTS)  # remember_finished
 
     @property
     def usage(self) -> float:
@@ -219,6 +224,13 @@ class KVCacheManager:
         if num_skipped:
             self._num_dropped[request.request_id] = num_skipped
         return blocks
+
+    def remember_finished(self, request: Request) -> None:
+        """Keep an ended sequence that decoded (not a prefill replica's, ended at its first token)
+        and did not fail: its tokens, adapter and folder, whose KV stays cached till evicted, the
+        latest ``FINISHED_CONTEXTS``. A decode replica names them to its router at its next report."""
+        if self.enable_caching and request.error is None and request.num_output_tokens > 1:
+            self.finished_contexts.append((list(request.all_token_ids), request.lora, request.lora_path))
 
     def cache_received(self, request: Request) -> None:
         self._cache_full_blocks(request, self.req_to_blocks[request.request_id], request.num_computed_tokens)

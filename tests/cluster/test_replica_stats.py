@@ -91,7 +91,7 @@ def test_a_replicas_report_is_its_engines_parts_each_filled_by_its_owner(tiny_ll
 def test_a_decode_or_colocated_replica_reports_the_contexts_it_holds_still_cached(tiny_llama_dir):
     """A colocated or decode replica recalls the routing hashes of each prompt it computes and,
     once a sequence ends, of its prompt (computed there, or received) with its outputs, whose KV
-    it computed (the engine's ``finished_contexts``); it reports those its prefix cache still
+    it computed (``KVCacheManager.finished_contexts``); it reports those its prefix cache still
     holds, so that a conversation's next turn, which resends that history, is computed there. A
     received prompt is not named before its sequence ends: the last report of a replica lost
     mid-stream drew its sequences' recomputing back to it."""
@@ -101,7 +101,7 @@ def test_a_decode_or_colocated_replica_reports_the_contexts_it_holds_still_cache
     engine, block_size = llm.engine, llm.engine.block_size
     prompt = list(range(10, 122))  # 7 full blocks; with 20 outputs, 8 (the routing depth past 4)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))  # the prompt cached: its one output has no KV
-    engine.finished_contexts.clear()
+    engine.kv_cache_manager.finished_contexts.clear()
     params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20)
     for role in (DecodeRole(colocated=True), DecodeRole()):
         request = EngineRequest("r", prompt, SamplingParams(), kv_receive=not role.colocated)
@@ -111,7 +111,7 @@ def test_a_decode_or_colocated_replica_reports_the_contexts_it_holds_still_cache
         output_ids = llm.generate([prompt], params)[0].outputs[0].token_ids
         whole = routing_block_hashes(prompt + output_ids, block_size)
         assert len(whole) == len(routing_block_hashes(prompt, block_size)) + 1
-        assert role.prefix_hashes(engine) == whole and not engine.finished_contexts
+        assert role.prefix_hashes(engine) == whole and not engine.kv_cache_manager.finished_contexts
 
 
 def test_a_decode_replica_that_computed_no_prompt_reports_no_prefixes(replica):
