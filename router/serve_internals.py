@@ -87,6 +87,16 @@ def _router(pool: str) -> RequestRouter | None:
     return _shared()._ROUTERS.get(pool)
 
 
+def _running(pool: str) -> list | None:
+    """The running replicas of a pool as this process's router lists them, copied in one step
+    (None: no router yet). Serve's router updates its dict on its own event loop's thread (it
+    drops a dead replica in place); a loop over the dict itself, reading each replica's report
+    between steps, once met it changing size mid-loop and failed a prompt that was falling back
+    from a killed prefill replica."""
+    router = _router(pool)
+    return None if router is None else list(router.curr_replicas.values())
+
+
 def reported_stats(replica) -> ReplicaStats | None:
     """A replica's last ``record_routing_stats`` report; None before its first."""
     return ReplicaStats.from_dict(replica.routing_stats) if replica.routing_stats else None
@@ -94,24 +104,22 @@ def reported_stats(replica) -> ReplicaStats | None:
 
 def pool_stats(pool: str) -> list[ReplicaStats] | None:
     """The last stats of each running replica of a pool; None before the pool was first called."""
-    if _router(pool) is None:
+    replicas = _running(pool)
+    if replicas is None:
         return None
-    return [stats for _, stats in pool_members(pool) if stats is not None]
+    return [stats for stats in map(reported_stats, replicas) if stats is not None]
 
 
 def pool_members(pool: str) -> list[tuple[str, ReplicaStats | None]]:
     """Each running replica of a pool, as this process's router sees it: its id and its last
     report (None before its first)."""
-    router = _router(pool)
-    if router is None:
-        return []
-    return [(replica.replica_id.unique_id, reported_stats(replica)) for replica in router.curr_replicas.values()]
+    return [(replica.replica_id.unique_id, reported_stats(replica)) for replica in _running(pool) or ()]
 
 
 def pool_size(pool: str) -> int | None:
     """Running replicas of a pool as this process's router sees them; None if not known yet."""
-    router = _router(pool)
-    return None if router is None else len(router.curr_replicas)
+    replicas = _running(pool)
+    return None if replicas is None else len(replicas)
 
 
 def live_replicas(pool: str) -> int | None:
@@ -119,24 +127,23 @@ def live_replicas(pool: str) -> int | None:
     seconds (their clocks and ours agree to well within that), or have not reported yet (just
     started); None while this process's router of the pool lists none (before its first call,
     or between Serve's updates: calls then wait in Serve's queue)."""
-    router = _router(pool)
-    if router is None or not router.curr_replicas:
+    replicas = _running(pool)
+    if not replicas:
         return None
     now = time.time()
-    stats = [reported_stats(replica) for replica in router.curr_replicas.values()]
+    stats = [reported_stats(replica) for replica in replicas]
     return sum(1 for replica in stats if replica is None or now - replica.reported_at < POOL_DOWN_S)
 
 
 def replica_ids(pool: str) -> list[str]:
     """The running replicas of a pool as this process's router sees them (none before its first call)."""
-    router = _router(pool)
-    return [] if router is None else [replica.unique_id for replica in router.curr_replicas]
+    return [replica.replica_id.unique_id for replica in _running(pool) or ()]
 
 
 def replica_running(pool: str, replica_id: str) -> bool:
     """Whether this process's router of ``pool`` still lists the replica (True before it has a router)."""
-    router = _router(pool)
-    return router is None or any(replica.unique_id == replica_id for replica in router.curr_replicas)
+    replicas = _running(pool)
+    return replicas is None or any(replica.replica_id.unique_id == replica_id for replica in replicas)
 
 
 # -- departure notice

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from duet.router import serve_internals
-from tests.router.fake_serve import FakePool
+from tests.router.fake_serve import FakePool, ReplicaID
 
 
 @pytest.fixture
@@ -76,3 +76,28 @@ def test_a_replica_leaving_its_pool_sets_the_events_watching_it(decode_pool):
 
     assert asyncio.run(run()) is False
     serve_internals._DEPARTURE_WATCHERS.pop("staying", None)
+
+
+def test_the_pool_view_reads_a_copy_of_the_routers_replicas(decode_pool):
+    """Serve's router drops a dead replica from its dict on its own thread, which may run while
+    the pool view reads one replica's report after another: the view reads a copy (a loop over
+    the dict itself failed a prompt falling back from a killed prefill replica in CI)."""
+    decode_pool.set("a", num_free_blocks=3)
+    decode_pool.set("b", num_free_blocks=4)
+    decode_pool.set("c", num_free_blocks=5)
+
+    class Dying(type(decode_pool.curr_replicas[next(iter(decode_pool.curr_replicas))])):
+        """A replica whose report, read, lets Serve's thread drop replica "c" (as a switch of
+        threads between two reads can)."""
+
+        @property
+        def routing_stats(self):
+            decode_pool.curr_replicas.pop(ReplicaID("c"), None)
+            return self.__dict__["stats"]
+
+    first = next(iter(decode_pool.curr_replicas))
+    dying = Dying(replica_id=first)
+    dying.__dict__["stats"] = decode_pool.curr_replicas[first].routing_stats
+    decode_pool.curr_replicas[first] = dying
+    assert [replica_id for replica_id, _ in serve_internals.pool_members("decode")] == ["a", "b", "c"]
+    assert [stats.replica_id for stats in serve_internals.pool_stats("decode")] == ["a", "b"]
