@@ -5,7 +5,9 @@ within a second or so. The balancer counts both (``duet.router.balance``), for t
 pool too (the contexts this router had it compute: its own record, so that neither side's
 reports lag the other's), and a context it
 sends to be computed where its history is goes to the replica named here first
-(``DecodeStream``), as does a colocated pool's (the pool's router, by the reports, otherwise).
+(``DecodeStream``), as does a colocated pool's (the pool's router, by the reports, otherwise),
+unless that replica is busier than the least loaded by more than the pools' routers allow
+(``Orchestrator.holder_target``).
 
 A record lasts ``HELD_TTL_S``, by when the replica's reports name what it still holds; a
 record whose blocks the replica evicted sooner costs at most one context computed there whole.

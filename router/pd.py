@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -46,9 +47,10 @@ from duet.messages import EngineRequest, KVDestination, Moved, TokenDelta
 from duet.router.balance import Choice, StageBalancer
 from duet.router.channels import Channels
 from duet.router.decode_stream import DecodeStream, pin
-from duet.router.held import HeldContexts
+from duet.router.held import HeldContexts, Holder
 from duet.router.roles import RoleView, away_or_home
-from duet.router.serve_internals import new_call_context, replica_running
+from duet.router.routing import IMBALANCE_THRESHOLD
+from duet.router.serve_internals import new_call_context, pool_members, replica_running
 from duet.router.sequence import Action, Failure, Phase, Sequence, TooManyMigrations
 from duet.router.waiting import WaitingRoom
 from duet.sampling_params import SamplingParams
@@ -267,6 +269,27 @@ class Orchestrator:
         if not members:
             return (None, None) if self.roles.serving("prefill") else (self.decode_pool, None)
         return away_or_home(members, self.decode_pool, lambda member: member.load)
+
+    def holder_target(self, holder: Holder) -> tuple[str, str] | None:
+        """``(pool, replica_id)`` of the replica ``holder`` names (where a context's history
+        ended), unless it serves decode no more or its load passes the least loaded replica's
+        serving decode by more than ``IMBALANCE_THRESHOLD`` (the rule the pools' routers apply
+        to the prefixes replicas report): None, and ``decode_target`` places it. A load is the
+        replica's last report's, or the sequences this router has open there where more (a
+        burst of turns held by one replica comes faster than its reports)."""
+        if self.roles is not None:
+            reported = {member.replica_id: member.load for member in self.roles.serving("decode")}
+        else:
+            members = pool_members(holder.pool)
+            reported = {replica_id: (stats.scheduler.num_running + stats.scheduler.num_waiting) if stats else 0 for replica_id, stats in members}
+        if holder.replica_id not in reported and (self.roles is not None or reported):
+            return None  # serving prefill now, or gone
+        own = Counter(stream.replica_id for stream in self.open_streams if stream.replica_id is not None)
+        loads = {replica_id: max(load, own[replica_id]) for replica_id, load in reported.items()}
+        load = loads.get(holder.replica_id, own[holder.replica_id])
+        if loads and load - min(loads.values()) > IMBALANCE_THRESHOLD:
+            return None
+        return holder.pool, holder.replica_id
 
     def prefill_target(self) -> tuple[str, str | None]:
         """Where a context is computed for the decode replica that reserved its blocks: the

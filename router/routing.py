@@ -27,6 +27,9 @@ from duet.messages import ReplicaStats
 from duet.router.serve_internals import departed, register_router, reported_stats
 
 ADAPTER_LOAD_CREDIT = 2
+# A replica holding a context's prefix takes it while its load passes the least loaded's by this
+# many requests at most (the ingress's pin to where a history ended keeps the same rule).
+IMBALANCE_THRESHOLD = 4
 
 class _PoolRouter(RequestRouter):
     """Pins calls that name a replica; ranks the others with ``rank``."""
@@ -71,7 +74,7 @@ class PrefixAffinityRouter(_PoolRouter):
     it is busier than the least loaded replica by more than ``imbalance_threshold`` requests;
     otherwise the least loaded (ties broken at random)."""
 
-    def initialize_state(self, pool: str, imbalance_threshold: int = 4) -> None:
+    def initialize_state(self, pool: str, imbalance_threshold: int = IMBALANCE_THRESHOLD) -> None:
         super().initialize_state(pool)
         self.imbalance_threshold = imbalance_threshold
 
@@ -93,7 +96,7 @@ class KVCapacityRouter(_PoolRouter):
     goes first to the replica with room holding the longest run of its leading blocks, unless it
     is busier than the least loaded by more than ``imbalance_threshold`` requests."""
 
-    def initialize_state(self, pool: str, imbalance_threshold: int = 4) -> None:
+    def initialize_state(self, pool: str, imbalance_threshold: int = IMBALANCE_THRESHOLD) -> None:
         super().initialize_state(pool)
         self.imbalance_threshold = imbalance_threshold
 

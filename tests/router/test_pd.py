@@ -226,3 +226,56 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
     next_turn = list(range(45)) + [5, 6, 7, 8]  # 49 tokens: 3 full blocks, the KV of 2 held
     assert orchestrator.held.holder(routing_block_hashes(next_turn, 16)) == Holder("y", "colocated", 2)
     assert asyncio.run(run("t", next_turn)) == [[9]] and pool.pins == [None, "y"]  # the next turn reserved there first
+
+
+def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypatch):
+    """The pin to where a history ended keeps the pools' routers' rule: the holder takes the
+    context while its load passes the least loaded decode replica's by ``IMBALANCE_THRESHOLD`` at
+    most, its load the larger of its report and the sequences this router has open there (a
+    burst outruns the reports); busier, or not listed any more, the pool's router places it."""
+    from duet.router import serve_internals
+    from duet.router.held import Holder
+    from duet.router.routing import IMBALANCE_THRESHOLD
+    from tests.router.fake_serve import FakePool
+
+    listed = FakePool("colocated")
+    monkeypatch.setitem(serve_internals._ROUTERS, "colocated", listed)
+    orchestrator = pd.Orchestrator(None, None, 16, None)
+    holder = Holder("h", "colocated", 2)
+    assert orchestrator.holder_target(holder) == ("colocated", "h")  # nothing listed yet: pinned
+    listed.set("h", num_running=IMBALANCE_THRESHOLD + 1, num_waiting=1)
+    listed.set("y", num_running=2)
+    assert orchestrator.holder_target(holder) == ("colocated", "h")  # 6 against 2
+    listed.set("h", num_running=IMBALANCE_THRESHOLD + 2, num_waiting=1)
+    assert orchestrator.holder_target(holder) is None  # 7 against 2
+    listed.set("h", num_running=0)
+    own = [decode_stream.DecodeStream.__new__(decode_stream.DecodeStream) for _ in range(IMBALANCE_THRESHOLD + 3)]
+    for stream in own:
+        stream.replica_id = "h"
+    orchestrator.open_streams.update(own)
+    assert orchestrator.holder_target(holder) is None  # reported idle, but 7 open there against 2
+    orchestrator.open_streams.clear()
+    assert orchestrator.holder_target(holder) == ("colocated", "h")
+    listed.remove("h")
+    assert orchestrator.holder_target(holder) is None  # gone
+
+    class Pool(_ScriptedPool):
+        async def _reserve(self, request, **kwargs):
+            self.pins.append(kwargs.get("replica_id"))
+            return await super()._reserve(request)
+
+    listed.set("h", num_running=IMBALANCE_THRESHOLD + 3)
+    pool = Pool([Placement("y")], attaches=[[TokenDelta("s", [5], finished=True, finish_reason="length")]])
+    pool.pins = []
+    orchestrator = pd.Orchestrator(None, pool, 16, None)
+
+    async def run():
+        from duet.router.balance import Choice
+
+        request = EngineRequest("s", list(range(40)), SamplingParams(max_tokens=1))
+        stream = decode_stream.DecodeStream(orchestrator, request, choice=Choice(True, 8, holder=holder))
+        placement = await stream.place()
+        await stream.aclose()
+        return placement.replica_id
+
+    assert asyncio.run(run()) == "y" and pool.pins == [None]
