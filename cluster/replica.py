@@ -101,17 +101,27 @@ class EngineReplica:
             self.migration = Migration(replica_id, engine, self.loop, self._streams, peers, by_kv)
 
     async def generate(
-        self, request: EngineRequest, prefix_hashes: list[int] | None = None, replica_id: str | None = None, lora: str | None = None
+        self, request: EngineRequest, prefix_hashes: list[int] | None = None, replica_id: str | None = None, lora: str | None = None,
+        from_history: bool = False,
     ) -> AsyncIterator[TokenDelta]:
         """The prefill role's call: compute the prompt, stream its KV to ``request.kv_send``, and
         answer with the first token. ``prefix_hashes`` and ``lora`` (its adapter) are hints for the pool's request router;
         ``replica_id`` pins the call to this replica. The decode role places sequences by
-        ``reserve`` and ``attach_to``."""
+        ``reserve`` and ``attach_to``. ``from_history``: a context whose history this replica's
+        prefix cache holds (a turn after one it decoded), sent here by a router that found it too
+        busy to decode the turn: served in either role by a replica of a PD application, which
+        computes the tokens past its history and sends the whole context's KV, rather than
+        another replica computing the history again (refused as full by any other)."""
         if replica_id is not None:
             ReplicaGoneError.check(replica_id, self.replica_id)
-        self._check_role("prefill")
+        if from_history and self.role.stage != "prefill":
+            if self.migration is None or not self.migration.by_kv or request.kv_send is None:
+                raise ReplicaFullError(f"replica {self.replica_id} sends no KV: the context goes elsewhere")
+        else:
+            self._check_role("prefill")
         self._refuse_new_sequences()
-        self.role.admit(request, self.engine.block_size)
+        if not from_history or self.role.stage == "prefill":
+            self.role.admit(request, self.engine.block_size)
         stream, _ = await self._add(request)
         async with aclosing(self._follow(stream)) as items:
             async for item in items:
@@ -119,13 +129,14 @@ class EngineReplica:
 
     async def reserve(
         self, request: EngineRequest, num_prompt_blocks: int = 0, replica_id: str | None = None, lora: str | None = None,
-        prefix_hashes: list[int] | None = None,
+        prefix_hashes: list[int] | None = None, avoid: str | None = None,
     ) -> Placement:
         """The decode role's call: place a sequence here, add it to the engine (its blocks
         reserved, for KV from elsewhere when ``kv_receive``) and answer where it runs and where
         its KV goes. Its outputs wait for ``attach_to``; nobody attaching within
         ``ATTACH_TIMEOUT_S`` drops it. ``num_prompt_blocks``, ``prefix_hashes`` (a context
-        computed here) and ``lora`` (its adapter) are hints for the pool's request router;
+        computed here), ``lora`` (its adapter) and ``avoid`` (the replica that sends its KV) are
+        hints for the pool's request router;
         ``replica_id`` pins the call to this replica."""
         if replica_id is not None:
             ReplicaGoneError.check(replica_id, self.replica_id)

@@ -52,10 +52,12 @@ class DecodeStream:
         replica_id: str | None = None,
         choice: Choice | None = None,
         pool: str | None = None,
+        avoid: str | None = None,
     ):
         self.orchestrator = orchestrator
         self.request = request
         self.num_prompt_blocks = num_prompt_blocks
+        self.avoid = avoid  # the replica sending its KV (its pool's router places it elsewhere where it can)
         self.replica_id = replica_id
         self.choice = choice
         self.pool = pool or orchestrator.decode_pool
@@ -113,7 +115,8 @@ class DecodeStream:
                 new_call_context()  # an abort of an earlier placement may still be on its way
                 handle = self.orchestrator.handles[pool]
                 self._call = handle.reserve.remote(
-                    self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, prefix_hashes=prefix_hashes, **pin(pinned)
+                    self.request, num_prompt_blocks=self.num_prompt_blocks, lora=self.request.lora, prefix_hashes=prefix_hashes,
+                    **pin(pinned), **({"avoid": self.avoid} if self.avoid else {})
                 )
                 try:
                     placement = await self._call

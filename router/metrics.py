@@ -171,6 +171,13 @@ class _RoutingCollector:
             )
             fallbacks.add_metric([self.model_name], self.orchestrator.prefill_fallbacks)
             yield fallbacks
+            sends = CounterMetricFamily(
+                "duet:history_sends",
+                "Contexts a busy decode replica holding their history computed past it and sent to the replica that decoded them.",
+                labels=["model_name"],
+            )
+            sends.add_metric([self.model_name], self.orchestrator.history_sends)
+            yield sends
             prefills = CounterMetricFamily(
                 "duet:prompts_computed",
                 "Prompts (and recomputed contexts) by the stage the router chose to compute them (fallbacks aside).",

@@ -63,6 +63,10 @@ FAILURE_POLICIES = ("recompute", "fail")
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
+class _PlacedAtSource(Exception):
+    """The decode pool placed a context on the replica that was to send it its history."""
+
+
 class Orchestrator:
     """``prefill`` is None in the colocated mode: ``decode`` is then the only pool, and
     ``balancer`` unused. ``roles``: who serves which role when roles move with load
@@ -91,6 +95,7 @@ class Orchestrator:
         self.roles = roles
         self.migrations = {"kv": 0, "recompute": 0}
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
+        self.history_sends = 0  # contexts a busy decode replica computed past its history and sent (``_history_source``)
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
         self.open_streams: set[DecodeStream] = set()  # not yet finished or closed
@@ -179,22 +184,31 @@ class Orchestrator:
             choice = Choice(True, 0, holder=self.held.holder(hashes))
         else:  # the part a replica holds counts less
             choice = await self.waiting_room.choose(sequence.num_context_tokens, hashes)
-        if choice.local:
+        source = self._history_source(choice)
+        if choice.local and source is None:
             stream = await self._place_local(sequence, choice)
             sequence.to(Phase.DECODING)
             yield stream
             return
         num_blocks = -(-sequence.num_context_tokens // self.block_size)
-        stream = DecodeStream(self, sequence.resumed(kv_receive=True), num_prompt_blocks=num_blocks)
+        stream = DecodeStream(self, sequence.resumed(kv_receive=True), num_prompt_blocks=num_blocks, avoid=source and source[1])
         try:
             placement = await stream.place()
+            if source is not None and placement.replica_id == source[1]:  # placed where its history is after all
+                raise _PlacedAtSource
             sequence.to(Phase.PREFILLING)
-            first = await self._prefill(sequence, stream.request.request_id, placement.destination)
+            first = await self._prefill(sequence, stream.request.request_id, placement.destination, source)
             choice.done(first_token=True)
         except (InvalidRequestError, RequestFailedError):
             await stream.aclose()
             sequence.failed(Failure.REFUSED)
             raise
+        except _PlacedAtSource:
+            await stream.aclose()
+            stream = await self._place_local(sequence)
+            sequence.to(Phase.DECODING)
+            yield stream
+            return
         except Exception as error:  # noqa: BLE001 - the prefill replica is gone: compute the context on decode
             await stream.aclose()
             if sequence.phase is not Phase.PREFILLING:  # no decode replica took it: nothing to fall back on
@@ -233,8 +247,23 @@ class Orchestrator:
             raise
         return stream
 
-    async def _prefill(self, sequence: Sequence, request_id: str, destination: KVDestination) -> TokenDelta | None:
-        """Have the prefill replica that prefix affinity picks compute the context's KV into
+    def _history_source(self, choice: Choice) -> tuple[str, str] | None:
+        """``(pool, replica_id)`` of the decode replica holding a context's history (the
+        balancer's local choice names it) where it is too busy to decode the turn too
+        (``holder_target``): in PD it computes the turn's new tokens and sends the context's
+        KV to the replica that decodes it, rather than that replica computing the history again."""
+        holder = choice.holder
+        if not choice.local or holder is None or holder.replica_id is None or self.prefill is None:
+            return None
+        if self.holder_target(holder) is not None:
+            return None
+        return holder.pool, holder.replica_id
+
+    async def _prefill(
+        self, sequence: Sequence, request_id: str, destination: KVDestination, source: tuple[str, str] | None = None
+    ) -> TokenDelta | None:
+        """Have the prefill replica that prefix affinity picks (``source``: the decode replica
+        holding its history) compute the context's KV into
         ``destination`` (``request_id``: the placement's): a new sequence's prompt (its first
         token returned), or a resumed one's prompt and outputs but the last (the decode replica
         computes that one; None returned)."""
@@ -247,12 +276,17 @@ class Orchestrator:
             )
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
         hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, request.lora, request.lora_path)
-        pool, pinned = self.prefill_target()
+        pool, pinned = source or self.prefill_target()
         new_call_context()
-        stream = self.handles[pool].options(stream=True).generate.remote(request, prefix_hashes=hashes, lora=request.lora, **pin(pinned))
+        stream = self.handles[pool].options(stream=True).generate.remote(
+            request, prefix_hashes=hashes, lora=request.lora, **pin(pinned), **({"from_history": True} if source else {})
+        )
         try:
             async for delta in stream:
-                self.prefilled.add(None, pool, request.prompt_token_ids, request.lora, request.lora_path)
+                if source is None:
+                    self.prefilled.add(None, pool, request.prompt_token_ids, request.lora, request.lora_path)
+                else:
+                    self.history_sends += 1
                 return None if sequence.token_ids else delta
         finally:
             stream.cancel()

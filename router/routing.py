@@ -134,6 +134,9 @@ def choose(
     working = [replica for replica in candidates if (stats := reported_stats(replica)) is None or stats.worker_failure is None]
     if role is not None:
         working = [replica for replica in working if (stats := reported_stats(replica)) is None or stats.stage == role] or working
+    avoid = kwargs.get("avoid")  # the replica sending the context's KV: another receives it, while one is left
+    if avoid is not None:
+        working = [replica for replica in working if replica.replica_id.unique_id != avoid] or working
     return rank(working or candidates, kwargs)
 
 

@@ -4,6 +4,7 @@ sequence is placed by ``reserve`` and streamed through its replica's channel (``
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -279,3 +280,79 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
         return placement.replica_id
 
     assert asyncio.run(run()) == "y" and pool.pins == [None]
+
+
+def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_replica(monkeypatch):
+    """#40, PD: the balancer chose to compute a turn where its history is, on a replica too busy
+    (``holder_target``) to decode it too: another decode replica reserves its KV (the holder
+    avoided), and the holder, pinned, computes it past its history and sends it
+    (``generate(from_history=True)``); the turn decodes on the receiver and counts as a history
+    send. Placed on the holder after all (the one replica with room), it is computed there."""
+    from duet.router import serve_internals
+    from duet.router.balance import Choice
+    from duet.router.held import Holder
+    from tests.router.fake_serve import FakePool
+
+    listed = FakePool("decode")
+    monkeypatch.setitem(serve_internals._ROUTERS, "decode", listed)
+    listed.set("h", num_running=9)
+    listed.set("y", num_running=1)
+
+    class Pool(_ScriptedPool):
+        def __init__(self, placements, attaches, firsts):
+            super().__init__(placements, attaches)
+            self.generate = _Method(self._generate)
+            self.firsts, self.kwargs = firsts, []
+
+        async def _reserve(self, request, **kwargs):
+            self.kwargs.append(("reserve", request.kv_receive, kwargs.get("avoid"), kwargs.get("replica_id")))
+            return await super()._reserve(request)
+
+        def _generate(self, request, **kwargs):
+            self.kwargs.append(("generate", request.request_id, kwargs.get("from_history"), kwargs.get("replica_id")))
+
+            async def deltas():
+                yield self.firsts.pop(0)
+
+            return _Streamed(deltas())
+
+    def orchestrator_for(pool):
+        orchestrator = pd.Orchestrator(object(), pool, 16, None)
+        orchestrator.waiting_room = SimpleNamespace(choose=_async(lambda *args: Choice(True, 8, holder=Holder("h", "decode", 4))))
+        return orchestrator
+
+    pool = Pool([Placement("y")], [[TokenDelta("s", [6, 7], finished=True, finish_reason="length")]], [TokenDelta("s", [5])])
+    orchestrator = orchestrator_for(pool)
+
+    async def run(orchestrator):
+        return [delta.token_ids async for delta in orchestrator.run("s", list(range(80)), SamplingParams(max_tokens=3))]
+
+    assert asyncio.run(run(orchestrator)) == [[5], [6, 7]]
+    assert pool.kwargs == [("reserve", True, "h", None), ("generate", pool.calls[0][1].request_id, True, "h")]  # into y's reservation
+    assert orchestrator.history_sends == 1 and orchestrator.prefill_fallbacks == 0
+
+    pool = Pool([Placement("h"), Placement("h")], [[TokenDelta("s", [5, 6, 7], finished=True, finish_reason="length")]], [])
+    orchestrator = orchestrator_for(pool)
+    assert asyncio.run(run(orchestrator)) == [[5, 6, 7]]
+    assert [call[:2] for call in pool.kwargs] == [("reserve", True), ("reserve", False)]  # computed there
+    assert orchestrator.history_sends == 0
+
+
+class _Streamed:
+    """A Serve streaming call's response: iterated, and cancelled once read."""
+
+    def __init__(self, deltas) -> None:
+        self.deltas = deltas
+
+    def __aiter__(self):
+        return self.deltas
+
+    def cancel(self) -> None:
+        pass
+
+
+def _async(function):
+    async def call(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return call

@@ -113,6 +113,22 @@ def test_a_call_pinned_to_a_gone_replica_goes_to_a_live_one_and_every_round_back
     assert unranked == [] and gone.routing_context.should_backoff and here.routing_context.should_backoff
 
 
+def test_a_reservation_avoids_the_replica_sending_its_kv_while_another_is_left():
+    """A context sent from the decode replica holding its history (``avoid``) is reserved on
+    another replica of the pool; with that one alone left, on it (it is then computed there)."""
+    from ray.serve._private.request_router.common import RequestRoutingContext
+
+    replicas = []
+    for name in ("holder", "other"):
+        replicas.append(_replica(name))
+        replicas[-1].replica_id = SimpleNamespace(unique_id=name)
+    ranked = []
+    request = SimpleNamespace(kwargs={"avoid": "holder"}, routing_context=RequestRoutingContext())
+    choose(replicas, request, lambda candidates, kwargs: ranked.append(candidates))
+    choose(replicas[:1], request, lambda candidates, kwargs: ranked.append(candidates))
+    assert [[replica.replica_id.unique_id for replica in candidates] for candidates in ranked] == [["other"], ["holder"]]
+
+
 def test_a_replica_refuses_a_call_pinned_to_another():
     from duet.errors import ReplicaGoneError
 
