@@ -260,6 +260,23 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
     listed.remove("h")
     assert orchestrator.holder_target(holder) is None  # gone
 
+    # Roles that move: the replicas serving decode, in either pool, are compared; a holder
+    # serving prefill now takes no reservation.
+    from duet.router.roles import RoleView
+    from tests.router.fake_serve import make_stats
+
+    members = {
+        "decode": [("h", make_stats("decode", "h", num_running=7)), ("y", make_stats("prefill", "y"))],
+        "prefill": [("p", make_stats("decode", "p", num_running=2))],
+    }
+    orchestrator = pd.Orchestrator(object(), None, 16, None, roles=RoleView(lambda pool: members.get(pool, [])))
+    decode_holder = Holder("h", "decode", 2)
+    assert orchestrator.holder_target(decode_holder) is None  # 7 against the away replica's 2
+    members["prefill"] = [("p", make_stats("decode", "p", num_running=3))]
+    assert orchestrator.holder_target(decode_holder) == ("decode", "h")
+    members["decode"][0] = ("h", make_stats("prefill", "h"))
+    assert orchestrator.holder_target(decode_holder) is None
+
     class Pool(_ScriptedPool):
         async def _reserve(self, request, **kwargs):
             self.pins.append(kwargs.get("replica_id"))
