@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from duet.benchmarks.serve_plots import watch_kv
+from duet.benchmarks.serve_plots import queue_balance, watch_kv
 from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, WORKLOADS, TurnSpec, make_sessions, session_arrivals
 
 
@@ -376,6 +376,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"{name} turns: {turn['requests']} ok, TTFT p50 {turn['ttft_p50_ms']:.0f} ms, prefix hit rate {turn['prefix_hit_rate']:.2f}"
                 for name, turn in summary.turns.items()
             ))
+    for summary in summaries:
+        balance = queue_balance(summary.kv_timeline)
+        if balance:
+            print(f"{summary.config} {summary.workload}: prompt tokens queued per replica, the largest mean against the mean: "
+                  + ", ".join(f"{pool} {ratio:.2f}" for pool, ratio in sorted(balance.items())))
     ratios = format_ratios(summaries)
     if ratios:
         print(ratios)

@@ -14,17 +14,24 @@ _KV_METRICS = ("duet:kv_cache_blocks", "vllm:kv_cache_usage_perc", "duet:kv_offl
 
 async def watch_kv(client, url: str, origin: float, samples: list[dict], stop: asyncio.Event, interval_s: float = 1.0) -> None:
     """Until ``stop``: every ``interval_s``, the server's KV blocks in use and in its second tier,
-    summed per stage (``{"t": seconds since origin, "pool": {stage: blocks}, "tier": {stage: blocks}}``).
-    A server without duet's metrics (another OpenAI server) gives empty samples."""
+    summed per stage, and each replica's prompt tokens queued or in their prefill, by pool
+    (``{"t": seconds since origin, "pool": {stage: blocks}, "tier": {stage: blocks}, "queued":
+    {pool: {replica: tokens}}}``, from ``/duet/status``). A server without duet's metrics
+    (another OpenAI server) gives empty samples."""
     while not stop.is_set():
         try:
             text = (await client.get(f"{url}/metrics", timeout=5)).text
             blocks, usage, tier = (metric_values(text, name) for name in _KV_METRICS)
-            sample = {"t": time.perf_counter() - origin, "pool": {}, "tier": {}}
+            sample = {"t": time.perf_counter() - origin, "pool": {}, "tier": {}, "queued": {}}
             for labels, total in blocks.items():
                 stage = _stage(labels)
                 sample["pool"][stage] = sample["pool"].get(stage, 0) + total * usage.get(labels, 0.0)
                 sample["tier"][stage] = sample["tier"].get(stage, 0) + tier.get(labels, 0.0)
+            if blocks:
+                status = await client.get(f"{url}/duet/status", timeout=5)
+                if status.status_code == 200:
+                    for pool, view in status.json()["pools"].items():
+                        sample["queued"][pool] = {stats["replica_id"]: stats["prompt_tokens_pending"] for stats in view["stats"]}
             samples.append(sample)
         except Exception:  # noqa: BLE001 - a missed sample is only a gap in the plot
             pass
@@ -32,6 +39,24 @@ async def watch_kv(client, url: str, origin: float, samples: list[dict], stop: a
             await asyncio.wait_for(stop.wait(), interval_s)
         except asyncio.TimeoutError:
             pass
+
+
+def queue_balance(samples: list[dict]) -> dict[str, float]:
+    """Per pool of two replicas or more, the largest replica's mean prompt tokens queued over the
+    samples against the mean of all of them (1.0: even; #40 asks at most 1.3 of the prefill
+    pool); pools that queued nothing are left out."""
+    totals: dict[str, dict[str, float]] = {}
+    for sample in samples:
+        for pool, replicas in sample.get("queued", {}).items():
+            for replica, tokens in replicas.items():
+                totals.setdefault(pool, {}).setdefault(replica, 0.0)
+                totals[pool][replica] += tokens
+    balance = {}
+    for pool, per_replica in totals.items():
+        mean = sum(per_replica.values()) / len(per_replica)
+        if len(per_replica) > 1 and mean > 0:
+            balance[pool] = max(per_replica.values()) / mean
+    return balance
 
 
 def _stage(labels: str) -> str:

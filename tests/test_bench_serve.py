@@ -119,7 +119,7 @@ def test_sessions_are_plotted_by_turn(tmp_path, capsys):
 def test_kv_samples_sum_each_stages_replicas_from_the_metrics():
     import asyncio
 
-    from duet.benchmarks.serve_plots import watch_kv
+    from duet.benchmarks.serve_plots import queue_balance, watch_kv
 
     text = "\n".join([
         'duet:kv_cache_blocks{model_name="m",stage="prefill",replica="a"} 100.0',
@@ -131,15 +131,26 @@ def test_kv_samples_sum_each_stages_replicas_from_the_metrics():
         'duet:kv_offload_blocks{model_name="m",stage="prefill",replica="a"} 30.0',
     ])
 
+    queued = iter([{"prefill": [("p1", 300), ("p2", 100)], "decode": [("d1", 0)]}, {"prefill": [("p1", 100), ("p2", 300)], "decode": [("d1", 0)]}])
+
     class Client:
         async def get(self, url, timeout):
-            stop.set()
-            return type("Response", (), {"text": text})()
+            if url.endswith("/metrics"):
+                return type("Response", (), {"text": text})()
+            pools = next(queued)
+            if pools["prefill"][0][1] == 100:  # the second status read: the last sample
+                stop.set()
+            body = {pool: {"stats": [{"replica_id": replica, "prompt_tokens_pending": tokens} for replica, tokens in stats]} for pool, stats in pools.items()}
+            return type("Response", (), {"status_code": 200, "json": lambda self: {"pools": body}})()
 
     samples, stop = [], asyncio.Event()
-    asyncio.run(watch_kv(Client(), "http://127.0.0.1:1", 0.0, samples, stop))
-    assert len(samples) == 1
+    asyncio.run(watch_kv(Client(), "http://127.0.0.1:1", 0.0, samples, stop, interval_s=0.01))
+    assert len(samples) == 2
     assert samples[0]["pool"] == {"prefill": 50.0, "decode": 150.0} and samples[0]["tier"] == {"prefill": 30.0, "decode": 0.0}
+    assert samples[1]["queued"] == {"prefill": {"p1": 100, "p2": 300}, "decode": {"d1": 0}}
+    # Each replica's mean over the run: 200 and 200 queued, even; decode queued nothing.
+    assert queue_balance(samples) == {"prefill": 1.0}
+    assert queue_balance(samples[:1]) == {"prefill": 1.5}  # 300 against a mean of 200
 
 
 def _write_trace(path, records) -> None:
