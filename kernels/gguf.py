@@ -35,7 +35,8 @@ high) is ``d * v``, and an IQ4_XS super-block's 32-weight sub-blocks ``d * (ls -
 ``ls``, low nibbles in 4 bytes and high pairs in a 16-bit word, before the indices). Each becomes
 a Q8_0 block of the looked-up values with scale ``d`` or ``d * (ls - 32)`` (fp16 times a 6-bit
 integer: exact), rounded once as gguf's own products are (1.125 bytes a weight against 0.5625
-and 0.53).
+and 0.53). The 1- to 3-bit i-quants become Q8_0 or Q6_K blocks of their grids' signed values
+(``gguf_iq``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import dataclasses
 
 import gguf
 import torch
+
+from duet.kernels import gguf_iq
 
 Q2_K = 10  # GGML's type ids
 Q4_0 = 2
@@ -64,7 +67,8 @@ _LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1
 F8 = 1000
 Q8Z = 1001
 _KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32), Q2_K: (4, 32), Q8Z: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
-TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS})  # what the kernels read (some rewritten at load)
+# What the kernels read (most rewritten at load; the 1- to 3-bit i-quants in ``gguf_iq``).
+TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS}) | gguf_iq.TYPES
 BLOCK = 32
 PANEL_WIDTH = 32  # output features a panel of the AVX-512 kernels holds (``lay_out_panels``)
 SUPER_BLOCK = 256  # weights of a K-quant super-block
@@ -72,7 +76,7 @@ SUPER_BLOCK = 256  # weights of a K-quant super-block
 _K_LAYOUTS = {
     Q2_K: (SUPER_BLOCK, 84), Q3_K: (SUPER_BLOCK, 110), Q4_K: (SUPER_BLOCK, 144), Q5_K: (SUPER_BLOCK, 176), Q6_K: (SUPER_BLOCK, 210),
     IQ4_XS: (SUPER_BLOCK, 136),
-}
+} | {qtype: (SUPER_BLOCK, size) for qtype, (size, _) in gguf_iq.LAYOUTS.items()}
 
 
 def _iq4_values(indices: torch.Tensor) -> torch.Tensor:
@@ -254,7 +258,7 @@ class GGUFWeight:
         if qtype not in TYPES:
             supported = (
                 f"Q4_0 = {Q4_0}, Q4_1 = {Q4_1}, Q5_0 = {Q5_0}, Q5_1 = {Q5_1}, Q8_0 = {Q8_0}, Q2_K = {Q2_K}, Q3_K = {Q3_K}, Q4_K = {Q4_K}, "
-                f"Q5_K = {Q5_K}, Q6_K = {Q6_K}, IQ4_NL = {IQ4_NL}, IQ4_XS = {IQ4_XS}"
+                f"Q5_K = {Q5_K}, Q6_K = {Q6_K}, IQ4_NL = {IQ4_NL}, IQ4_XS = {IQ4_XS}, and the i-quants {sorted(gguf_iq.TYPES)}"
             )
             raise ValueError(f"GGUF type {qtype} is not supported ({supported})")
         block, per_block = _K_LAYOUTS[qtype] if qtype in _K_LAYOUTS else (BLOCK, 2 * _LAYOUTS[qtype][0] + _LAYOUTS[qtype][1])
@@ -273,6 +277,8 @@ class GGUFWeight:
             return cls(*_from_q2_k(rows), Q2_K, in_features, ops)
         if qtype == IQ4_XS:
             return cls(*_from_iq4_xs(rows), Q8_0, in_features, ops)
+        if qtype in gguf_iq.TYPES:  # a scale a 32 weights: Q8_0 blocks; a 16: Q6_K's kernel blocks
+            return cls(*gguf_iq.from_iq(rows, qtype), Q8_0 if gguf_iq.LAYOUTS[qtype][1] == BLOCK else Q6_K, in_features, ops)
         num_scales = _LAYOUTS[qtype][0]
         scales = rows[..., : 2 * num_scales].contiguous().view(torch.float16).float()
         codes = rows[..., 2 * num_scales :]

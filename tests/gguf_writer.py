@@ -14,10 +14,18 @@ import torch
 from tests.conftest import make_tiny_llama, make_tiny_model
 
 
+# The largest d that gives an i-quant's weights about a tiny model's size: a sub-block scale up
+# to 3.9 d (IQ2), 7.75 d (IQ3_XXS), 31 d (IQ3_S) or 15 d (IQ1_S) times grid values up to 43, 62,
+# 15 or 1.125.
+IQ_MAGNITUDES = {"IQ4_XS": 0.00001, "IQ4_NL": 0.0003, "IQ2_XXS": 0.0003, "IQ2_XS": 0.0003, "IQ2_S": 0.0003, "IQ3_XXS": 0.0001,
+                 "IQ3_S": 0.0001, "IQ1_S": 0.003}
+
+
 def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int = 0):
-    """Random Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or IQ4_XS super-blocks, or IQ4_NL blocks (gguf's
-    quantizer makes none): random codes and integer scales under fp16 (super-)block scales up to
-    ``magnitude``; ``[rows, cols / block * bytes]`` uint8."""
+    """Random Q2_K, Q3_K, Q4_K, Q5_K, Q6_K or i-quant super-blocks (IQ1_S to IQ4_XS), or IQ4_NL
+    blocks (gguf's quantizer makes none): random codes and integer scales under fp16
+    (super-)block scales up to ``magnitude`` (``IQ_MAGNITUDES``: a tiny model's weights' size);
+    ``[rows, cols / block * bytes]`` uint8."""
     import gguf
     import numpy as np
 
@@ -26,7 +34,7 @@ def k_quant_blocks(rows: int, cols: int, qtype: int, magnitude: float, seed: int
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
     blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     scales = (rng.random((rows, cols // block, 2)) * magnitude).astype(np.float16).view(np.uint8)
-    if qtype in (gguf.GGMLQuantizationType.IQ4_NL, gguf.GGMLQuantizationType.IQ4_XS):
+    if gguf.GGMLQuantizationType(qtype).name.startswith("IQ"):
         blocks[..., 0:2] = scales[..., :2]  # d
     elif with_min:
         blocks[..., 0:4] = scales  # d, dmin
@@ -46,7 +54,7 @@ def make_tiny_gguf_llama(
     projections quantized to Q4_1 and its embedding and LM head to Q8_0 by gguf's own quantizer,
     the float weights replaced by their dequantization, and the blocks kept beside them. With
     ``k_quants`` (sizes multiples of 256), as a Q4_K_M file has them instead: q, k, v, gate and
-    up Q4_K (``k_quant``: Q5_K for a Q5_K_M file's, Q2_K, IQ4_NL or IQ4_XS), o, down and the LM
+    up Q4_K (``k_quant``: Q5_K for a Q5_K_M file's, Q2_K or an i-quant), o, down and the LM
     head Q6_K (random super-blocks: gguf quantizes to none of them)."""
     import gguf
     from safetensors.torch import load_file, save_file
@@ -63,7 +71,7 @@ def make_tiny_gguf_llama(
             q4_k = any(part in name for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
             qtype = gguf.GGMLQuantizationType[k_quant] if q4_k else gguf.GGMLQuantizationType.Q6_K
             # Q5_K's codes reach 31; Q2_K's 3 (its scales 15); IQ4's table 127 (IQ4_XS's scales 32)
-            magnitude = {"Q4_K": 0.0004, "Q2_K": 0.004, "IQ4_NL": 0.0003, "IQ4_XS": 0.00001}.get(k_quant, 0.0001) if q4_k else 0.00005
+            magnitude = ({"Q4_K": 0.0004, "Q2_K": 0.004} | IQ_MAGNITUDES).get(k_quant, 0.0001) if q4_k else 0.00005
             quantized = k_quant_blocks(*weight.shape, int(qtype), magnitude=magnitude, seed=len(blocks))
         else:
             qtype = gguf.GGMLQuantizationType.Q4_1 if "proj" in name else gguf.GGMLQuantizationType.Q8_0
@@ -212,8 +220,8 @@ def write_tiny_gguf(
             continue
         if value.ndim >= 2 and "embed" not in name and not name.endswith("mlp.gate.weight"):
             qtype = getattr(gguf.GGMLQuantizationType, projections)
-            if projections.endswith("_K") or projections.startswith("IQ4"):  # gguf quantizes to none of these
-                magnitude = {"IQ4_XS": 0.00001, "IQ4_NL": 0.0003}.get(projections, 0.0001)
+            if projections.endswith("_K") or projections.startswith("IQ"):  # gguf quantizes to none of these
+                magnitude = IQ_MAGNITUDES.get(projections, 0.0001)
                 blocks = k_quant_blocks(*value.shape, int(qtype), magnitude=magnitude, seed=len(gguf_name) + value.shape[0])
             else:
                 blocks = gguf.quants.quantize(value, qtype)

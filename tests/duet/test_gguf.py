@@ -71,9 +71,9 @@ def test_greedy_rows_take_their_tokens_from_the_lm_heads_argmax_without_logits(t
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("k_quant", ["Q4_K", "Q5_K", "Q2_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize("k_quant", ["Q4_K", "Q5_K", "Q2_K", "IQ4_XS", "IQ4_NL", "IQ3_S", "IQ2_S"])
 def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_path, tiny_tokenizer_dir, k_quant):
-    """Q4_K (or Q5_K, Q2_K, IQ4_XS or IQ4_NL) and Q6_K weights (a Q4_K_M, Q5_K_M, Q2_K or IQ4 file's) are kept as
+    """Q4_K (or Q5_K, Q2_K, IQ4_XS, IQ4_NL, IQ3_S or IQ2_S) and Q6_K weights (a Q4_K_M, Q5_K_M, Q2_K or i-quant file's) are kept as
     blocks, rewritten for the kernels, dequantize to the float weights bit for bit (the loader
     checks), and give transformers' greedy tokens over those weights, alone and in a batch."""
     from tests.gguf_writer import make_tiny_gguf_llama
@@ -84,7 +84,8 @@ def test_a_k_quant_model_computes_from_its_blocks_and_equals_transformers(tmp_pa
     )
     llm = LLM(model=str(model_dir), num_kv_blocks=256)
     kinds = {name.rsplit(".", 1)[-1]: linear.gguf.qtype for name, linear in _linears(llm).items()}
-    low = {"Q4_K": 3, "Q5_K": 13, "Q2_K": 10, "IQ4_XS": 8, "IQ4_NL": 8}[k_quant]  # Q4_K is computed as Q4_1 blocks, IQ4 as Q8_0
+    # Q4_K is computed as Q4_1 blocks, IQ4 and IQ3_S as Q8_0, IQ2_S (a scale per 16) as Q6_K's
+    low = {"Q4_K": 3, "Q5_K": 13, "Q2_K": 10, "IQ4_XS": 8, "IQ4_NL": 8, "IQ3_S": 8, "IQ2_S": 14}[k_quant]
     assert kinds == {"qkv_proj": low, "o_proj": 14, "gate_up_proj": low, "down_proj": 14, "lm_head": 14}
     rng = random.Random(7)
     prompts = [[rng.randrange(3, TINY_VOCAB) for _ in range(rng.randrange(4, 30))] for _ in range(6)]

@@ -45,17 +45,18 @@ K_QUANT_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_he
     ("family", "projections"),
     [
         ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"), ("llama", "Q5_K"),
-        ("qwen3-moe", "Q8_0"), ("qwen2", "Q5_1"), ("qwen2-moe", "Q8_0"), ("qwen3", "IQ4_XS"), ("llama", "IQ4_NL"),
+        ("qwen3-moe", "Q8_0"), ("qwen2", "Q5_1"), ("qwen2-moe", "Q8_0"), ("qwen3", "IQ4_XS"), ("llama", "IQ4_NL"), ("qwen2", "IQ2_XXS"),
     ],
 )
 def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, monkeypatch, tiny_tokenizer_dir, family, projections):
     """Q8_0 projections compute from their blocks as they are, Q4_0 ones rewritten as Q4_1
     blocks, Q5_K and Q5_1 ones as blocks of a byte a code, IQ4_XS and IQ4_NL ones as Q8_0 blocks
-    of their table's values; a MoE file's stacked experts are
+    of their table's values, IQ2_XXS ones as Q8_0 blocks of their grid's signed values; a MoE file's stacked experts are
     split per expert (and computed from floats), a Qwen 2 MoE's shared expert computes from its
     blocks and its gate (a vector in the file) becomes a row."""
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
-    shape = SHAPES[family] | (K_QUANT_SHAPE if projections.endswith("_K") or projections == "IQ4_XS" else {})
+    super_blocks = projections.endswith("_K") or (projections.startswith("IQ") and projections != "IQ4_NL")
+    shape = SHAPES[family] | (K_QUANT_SHAPE if super_blocks else {})
     path = write_tiny_gguf(tmp_path / f"tiny-{family}.gguf", tiny_tokenizer_dir, family, projections=projections, **shape)
     references = hf_greedy(tmp_path, PROMPTS, NEW_TOKENS, gguf_file=path.name)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
@@ -69,7 +70,7 @@ def test_a_gguf_file_serves_with_transformers_tokens_from_its_blocks(tmp_path, m
         gates = {name for name in linears if name.endswith("shared_expert_gate")}  # F32 likewise
         assert len(gates) == (model.arch.num_layers if family == "qwen2-moe" else 0)
         assert len(routers) == (model.arch.num_layers if family.endswith("moe") else 0)
-        qtype = {"Q8_0": 8, "Q4_0": 3, "Q5_K": 13, "Q5_1": 13, "IQ4_XS": 8, "IQ4_NL": 8}[projections]
+        qtype = {"Q8_0": 8, "Q4_0": 3, "Q5_K": 13, "Q5_1": 13, "IQ4_XS": 8, "IQ4_NL": 8, "IQ2_XXS": 8}[projections]
         kept = {name: linear for name, linear in linears.items() if name not in routers | gates}
         assert kept and all(linear.gguf is not None and linear.gguf.qtype == qtype for linear in kept.values())
     from transformers import AutoTokenizer

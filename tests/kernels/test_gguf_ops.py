@@ -13,7 +13,7 @@ import torch
 
 from duet.kernels import cpu_ops
 from duet.kernels.gguf import F8, Q8Z, GGUFWeight, float8_blocks, zero_point_blocks
-from tests.gguf_writer import k_quant_blocks
+from tests.gguf_writer import IQ_MAGNITUDES, k_quant_blocks
 
 OPS = cpu_ops.load_gguf()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ toolchain")
@@ -142,19 +142,21 @@ def test_the_process_rule_for_panels_is_the_measured_one_and_every_caller_follow
         OPS.set_panel_min_rows(0)
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S"])
 def test_k_quants_are_rewritten_to_kernel_blocks_that_dequantize_bit_for_bit(name):
     """Q4_K becomes Q4_1 blocks (scale d * sc, min -dmin * m), Q5_K blocks of a byte a code with
     the same scale and min, Q6_K and Q3_K int8 blocks with a scale per 16, Q2_K blocks of a byte
     a code with a scale and min per 16, IQ4_NL and IQ4_XS int8 blocks of their table's values
-    (Q8_0) with a scale per 32: each dequantizes to gguf's own floats exactly, and multiplies as
-    float matmuls over them."""
+    (Q8_0) with a scale per 32, the 1- to 3-bit i-quants int8 blocks of their grids' signed
+    values with a scale per 32 (Q8_0) or per 16 (IQ2_XS, IQ2_S: Q6_K's kernel blocks): each
+    dequantizes to gguf's own floats exactly, and multiplies as float matmuls over them."""
     qtype = getattr(gguf.GGMLQuantizationType, name)
-    magnitude = {"Q2_K": 0.002, "Q4_K": 0.002, "IQ4_NL": 0.0003, "IQ4_XS": 0.00001}.get(name, 0.0001)
+    magnitude = ({"Q2_K": 0.002, "Q4_K": 0.002} | IQ_MAGNITUDES).get(name, 0.0001)
     blocks = k_quant_blocks(48, 512, int(qtype), magnitude=magnitude)
     reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(48, 512))
     weight = GGUFWeight.from_blocks(torch.from_numpy(blocks), int(qtype), 512, OPS)
-    assert weight.qtype == {"Q2_K": 10, "Q3_K": 14, "Q4_K": 3, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 8, "IQ4_XS": 8}[name]
+    by_16 = {"IQ2_XS": 14, "IQ2_S": 14}
+    assert weight.qtype == ({"Q2_K": 10, "Q3_K": 14, "Q4_K": 3, "Q5_K": 13, "Q6_K": 14} | by_16).get(name, 8)
     assert reference.abs().max() > 0 and len(reference.unique()) > 1000  # values of the whole table, at many scales
     assert torch.equal(weight.dequantize(), reference)
     for rows in (1, 3, 20):  # tiles of rows, and panels
