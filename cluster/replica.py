@@ -102,10 +102,11 @@ class EngineReplica:
 
     async def generate(
         self, request: EngineRequest, prefix_hashes: list[int] | None = None, replica_id: str | None = None, lora: str | None = None,
-        from_history: bool = False,
+        from_history: bool = False, num_tokens: int = 0,
     ) -> AsyncIterator[TokenDelta]:
         """The prefill role's call: compute the prompt, stream its KV to ``request.kv_send``, and
-        answer with the first token. ``prefix_hashes`` and ``lora`` (its adapter) are hints for the pool's request router;
+        answer with the first token. ``prefix_hashes``, ``num_tokens`` (the prompt's) and ``lora``
+        (its adapter) are hints for the pool's request router;
         ``replica_id`` pins the call to this replica. The decode role places sequences by
         ``reserve`` and ``attach_to``. ``from_history``: a context whose history this replica's
         prefix cache holds (a turn after one it decoded), sent here by a router that found it too

@@ -279,7 +279,8 @@ class Orchestrator:
         pool, pinned = source or self.prefill_target()
         new_call_context()
         stream = self.handles[pool].options(stream=True).generate.remote(
-            request, prefix_hashes=hashes, lora=request.lora, **pin(pinned), **({"from_history": True} if source else {})
+            request, prefix_hashes=hashes, num_tokens=len(request.prompt_token_ids), lora=request.lora, **pin(pinned),
+            **({"from_history": True} if source else {}),
         )
         try:
             async for delta in stream:

@@ -29,6 +29,29 @@ def test_prefill_falls_back_to_the_least_loaded_when_the_warm_replica_is_swamped
     assert rank_by_prefix([warm, cold], {"cold": 0, "warm": 9}, hashes, imbalance_threshold=4)[0] == [cold]
 
 
+def test_prefill_weighs_a_held_prefix_against_the_prompt_tokens_queued_on_its_holder():
+    """Guards the pool whose one replica took nearly every prompt: a chat template's system
+    prompt (two blocks) held by one prefill replica drew every prompt there while its queue
+    stayed within the request margin (1.9 times the pool's mean queue of prompt tokens over a
+    multi-turn run, of two replicas). Now a replica's cost is the prompt tokens queued there
+    plus this prompt's past what it holds; equals go to the least loaded."""
+    system = list(range(5000, 5032))  # two blocks every prompt shares
+    prompt = system + list(range(100, 400))
+    hashes = routing_block_hashes(prompt, 16)
+    held = routing_block_hashes(system, 16)
+    idle_holder, idle_other = _replica("holder", prefix_hashes=held), _replica("other")
+    loads = {"holder": 0, "other": 0}
+    assert rank_by_prefix([idle_other, idle_holder], loads, hashes, 4, len(prompt))[0] == [idle_holder]  # 32 tokens fewer to compute
+    busy_holder = _replica("holder", prefix_hashes=held, prompt_tokens_pending=300)
+    assert rank_by_prefix([busy_holder, idle_other], loads, hashes, 4, len(prompt))[0] == [idle_other]  # 300 queued against 32 held
+    history = _replica("holder", prefix_hashes=routing_block_hashes(prompt[:320], 16), prompt_tokens_pending=200)
+    assert rank_by_prefix([idle_other, history], loads, hashes, 4, len(prompt))[0] == [history]  # its 320 held outweigh 200 queued
+    both = [_replica("a", prefix_hashes=held), _replica("b", prefix_hashes=held)]
+    firsts = {rank_by_prefix(both, {"a": 0, "b": 0}, hashes, 4, len(prompt))[0][0].replica_id for _ in range(40)}
+    assert firsts == {"a", "b"}  # equals: by load, ties at random (not the first listed every time)
+    assert rank_by_prefix(both, {"a": 1, "b": 0}, hashes, 4)[0][0].replica_id == "b"  # without the prompt's length too
+
+
 def test_routing_hashes_name_a_long_prompt_at_a_few_depths_of_its_chain():
     """Guards the router that matched a prompt's first four blocks only: conversations sharing
     a system prompt of four blocks or more all looked alike, and a session's later turn went to
