@@ -153,7 +153,8 @@ def rank_by_prefix(
     candidates: list[RunningReplica], loads: dict, prefix_hashes: list[int], imbalance_threshold: int, num_tokens: int = 0,
 ) -> list[list[RunningReplica]]:
     """The replica where the prompt's first token comes soonest first: the fewest prompt tokens
-    queued there (its report's ``prompt_tokens_pending``) plus those of this prompt
+    queued there (its report's ``prompt_tokens_pending``, or where more its prompts in flight,
+    ``loads``, at this one's size) plus those of this prompt
     (``num_tokens``) past the leading blocks it holds of ``prefix_hashes``; the least loaded
     (``loads`` by replica id) among equals. Unless its load passes the least loaded's by more
     than ``imbalance_threshold`` (reports are half a second old; loads are Serve's own): then
@@ -170,7 +171,10 @@ def rank_by_prefix(
         held = _leading_match(prefix_hashes, stats) * (stats.kv.block_size if stats is not None else 0)
         if not num_tokens:
             return -held
-        return (stats.scheduler.prompt_tokens_pending if stats is not None else 0) + max(num_tokens - held, 0)
+        # Its queue: the last report's, or the prompts Serve counts in flight there at this one's
+        # size where more (a report half a second old shows a replica idle that took a prompt since).
+        queued = max(stats.scheduler.prompt_tokens_pending if stats is not None else 0, loads[replica.replica_id] * num_tokens)
+        return queued + max(num_tokens - held, 0)
 
     best = min(by_load, key=cost)  # the first of the cheapest: the least loaded among equals
     if cost(best) == cost(by_load[0]) or loads[best.replica_id] - loads[by_load[0].replica_id] > imbalance_threshold:

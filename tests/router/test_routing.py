@@ -44,6 +44,7 @@ def test_prefill_weighs_a_held_prefix_against_the_prompt_tokens_queued_on_its_ho
     assert rank_by_prefix([idle_other, idle_holder], loads, hashes, 4, len(prompt))[0] == [idle_holder]  # 32 tokens fewer to compute
     busy_holder = _replica("holder", prefix_hashes=held, prompt_tokens_pending=300)
     assert rank_by_prefix([busy_holder, idle_other], loads, hashes, 4, len(prompt))[0] == [idle_other]  # 300 queued against 32 held
+    assert rank_by_prefix([idle_holder, idle_other], {"holder": 1, "other": 0}, hashes, 4, len(prompt))[0] == [idle_other]  # one in flight since its report
     history = _replica("holder", prefix_hashes=routing_block_hashes(prompt[:320], 16), prompt_tokens_pending=200)
     assert rank_by_prefix([idle_other, history], loads, hashes, 4, len(prompt))[0] == [history]  # its 320 held outweigh 200 queued
     both = [_replica("a", prefix_hashes=held), _replica("b", prefix_hashes=held)]
