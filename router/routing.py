@@ -30,6 +30,9 @@ ADAPTER_LOAD_CREDIT = 2
 # A replica holding a context's prefix takes it while its load passes the least loaded's by this
 # many requests at most (the ingress's pin to where a history ended keeps the same rule).
 IMBALANCE_THRESHOLD = 4
+# Prefill: replicas whose prompt tokens to compute before a prompt's first token come within this
+# factor of the fewest count as equal, the least loaded of them taking it (``rank_by_prefix``).
+NEAR_COST = 1.25
 
 class _PoolRouter(RequestRouter):
     """Pins calls that name a replica; ranks the others with ``rank``."""
@@ -163,7 +166,9 @@ def rank_by_prefix(
 
     The queue counts because a prefix every prompt shares (a chat template's system prompt)
     made the one replica holding it take every prompt while its queue stayed within the margin:
-    of two prefill replicas, one had 1.9 times the pool's mean queue over a multi-turn run."""
+    of two prefill replicas, one had 1.9 times the pool's mean queue over a multi-turn run. Costs
+    within ``NEAR_COST`` of the lowest count as equal: a short prefix saves too little to send
+    every prompt to its holder, and the other replica, once it computed one, holds it too."""
     by_load = sorted(candidates, key=lambda replica: (loads[replica.replica_id], random.random()))
 
     def cost(replica: RunningReplica) -> int:
@@ -176,8 +181,11 @@ def rank_by_prefix(
         queued = max(stats.scheduler.prompt_tokens_pending if stats is not None else 0, loads[replica.replica_id] * num_tokens)
         return queued + max(num_tokens - held, 0)
 
-    best = min(by_load, key=cost)  # the first of the cheapest: the least loaded among equals
-    if cost(best) == cost(by_load[0]) or loads[best.replica_id] - loads[by_load[0].replica_id] > imbalance_threshold:
+    costs = {replica.replica_id: cost(replica) for replica in by_load}
+    lowest = min(costs.values())
+    # The least loaded of the cheapest; with the prompt's length, of those within NEAR_COST of it.
+    best = next(replica for replica in by_load if costs[replica.replica_id] <= (lowest * NEAR_COST if num_tokens else lowest))
+    if best is by_load[0] or loads[best.replica_id] - loads[by_load[0].replica_id] > imbalance_threshold:
         return [[replica] for replica in by_load]
     return [[best], [replica for replica in by_load if replica is not best]]
 

@@ -34,23 +34,24 @@ def test_prefill_weighs_a_held_prefix_against_the_prompt_tokens_queued_on_its_ho
     prompt (two blocks) held by one prefill replica drew every prompt there while its queue
     stayed within the request margin (1.9 times the pool's mean queue of prompt tokens over a
     multi-turn run, of two replicas). Now a replica's cost is the prompt tokens queued there
-    plus this prompt's past what it holds; equals go to the least loaded."""
+    (its report's, or its prompts in flight at this one's size) plus this prompt's past what it
+    holds; costs within ``NEAR_COST`` of the lowest go to the least loaded, at random among equals."""
     system = list(range(5000, 5032))  # two blocks every prompt shares
     prompt = system + list(range(100, 400))
     hashes = routing_block_hashes(prompt, 16)
     held = routing_block_hashes(system, 16)
-    idle_holder, idle_other = _replica("holder", prefix_hashes=held), _replica("other")
-    loads = {"holder": 0, "other": 0}
-    assert rank_by_prefix([idle_other, idle_holder], loads, hashes, 4, len(prompt))[0] == [idle_holder]  # 32 tokens fewer to compute
-    busy_holder = _replica("holder", prefix_hashes=held, prompt_tokens_pending=300)
-    assert rank_by_prefix([busy_holder, idle_other], loads, hashes, 4, len(prompt))[0] == [idle_other]  # 300 queued against 32 held
-    assert rank_by_prefix([idle_holder, idle_other], {"holder": 1, "other": 0}, hashes, 4, len(prompt))[0] == [idle_other]  # one in flight since its report
+    holder, other = _replica("holder", prefix_hashes=held), _replica("other")
+    idle = {"holder": 0, "other": 0}
+    firsts = {rank_by_prefix([holder, other], idle, hashes, 4, len(prompt))[0][0].replica_id for _ in range(40)}
+    assert firsts == {"holder", "other"}  # 300 tokens to compute against 332: near enough, either
     history = _replica("holder", prefix_hashes=routing_block_hashes(prompt[:320], 16), prompt_tokens_pending=200)
-    assert rank_by_prefix([idle_other, history], loads, hashes, 4, len(prompt))[0] == [history]  # its 320 held outweigh 200 queued
+    assert rank_by_prefix([other, history], idle, hashes, 4, len(prompt))[0] == [history]  # 320 held outweigh 200 queued
+    busy = _replica("holder", prefix_hashes=routing_block_hashes(prompt[:320], 16), prompt_tokens_pending=500)
+    assert rank_by_prefix([busy, other], idle, hashes, 4, len(prompt))[0] == [other]  # 512 against 332
+    in_flight = {"holder": 2, "other": 0}  # two prompts since its report: 664 queued at this one's size
+    assert rank_by_prefix([history, other], in_flight, hashes, 4, len(prompt))[0] == [other]
     both = [_replica("a", prefix_hashes=held), _replica("b", prefix_hashes=held)]
-    firsts = {rank_by_prefix(both, {"a": 0, "b": 0}, hashes, 4, len(prompt))[0][0].replica_id for _ in range(40)}
-    assert firsts == {"a", "b"}  # equals: by load, ties at random (not the first listed every time)
-    assert rank_by_prefix(both, {"a": 1, "b": 0}, hashes, 4)[0][0].replica_id == "b"  # without the prompt's length too
+    assert rank_by_prefix(both, {"a": 1, "b": 0}, hashes, 4)[0][0].replica_id == "b"  # without the prompt's length: by load among equals
 
 
 def test_routing_hashes_name_a_long_prompt_at_a_few_depths_of_its_chain():
