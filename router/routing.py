@@ -34,6 +34,7 @@ IMBALANCE_THRESHOLD = 4
 # factor of the fewest count as equal, the least loaded of them taking it (``rank_by_prefix``).
 NEAR_COST = 1.25
 
+
 class _PoolRouter(RequestRouter):
     """Pins calls that name a replica; ranks the others with ``rank``."""
 
