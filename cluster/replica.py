@@ -118,10 +118,10 @@ class EngineReplica:
         if from_history and self.role.stage != "prefill":
             if self.migration is None or not self.migration.by_kv or request.kv_send is None:
                 raise ReplicaFullError(f"replica {self.replica_id} sends no KV: the context goes elsewhere")
+            self._refuse_new_sequences()
         else:
             self._check_role("prefill")
-        self._refuse_new_sequences()
-        if not from_history or self.role.stage == "prefill":
+            self._refuse_new_sequences()
             self.role.admit(request, self.engine.block_size)
         stream, _ = await self._add(request)
         async with aclosing(self._follow(stream)) as items:

@@ -124,6 +124,11 @@ class SchedulerStats:
     num_decoding_blocks: int  # KV blocks of sequences past their prompt (not of prompts, nor reserved for transfers)
     num_decode_waiting: int  # sequences past their prompt that cannot run for lack of room (preempted, or KV arrived)
 
+    @property
+    def num_sequences(self) -> int:
+        """Running and waiting: a replica's load as the routers weigh it."""
+        return self.num_running + self.num_waiting
+
 
 @dataclass(frozen=True)
 class KVCacheStats:

@@ -72,15 +72,14 @@ def codes_and_scales(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, np.nda
     ``[n, 256 / LAYOUTS[qtype][1]]``: weight ``i`` is ``scales[i // per_scale] * codes[i]``."""
     n = blocks.shape[0]
     grid = _grid(qtype)
+    d = blocks[:, :2].view(np.float16).astype(np.float32)  # every one of these types starts with it
     if qtype == IQ1_S:
-        d = blocks[:, :2].view(np.float16).astype(np.float32)
         qs, qh = blocks[:, 2:34], blocks[:, 34:50].view(np.uint16)
         dl = d * (2 * ((qh >> 12) & 7) + 1)  # [n, 8]
         shift = np.where((qh & 0x8000) == 0, 1, -1)  # 8 * delta
         index = qs.astype(np.uint16).reshape(n, 8, 4) | (((qh[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7) << 8)
         codes = 8 * grid[index].reshape(n, 8, 32) + shift[..., None]
         return codes.reshape(n, SUPER_BLOCK).astype(np.int8), dl / 8
-    d = blocks[:, :2].view(np.float16).astype(np.float32)
     if qtype in (IQ2_XXS, IQ3_XXS):  # 32 grid bytes (or 64 for IQ3_XXS), then a word per 32 weights: 4 sign indices, a 4-bit scale
         words = blocks[:, 2:].view(np.uint32).reshape(n, 8, 2)[..., 1] if qtype == IQ2_XXS else blocks[:, 66:98].view(np.uint32)
         index = blocks[:, 2:].view(np.uint32).reshape(n, 8, 2)[..., 0].copy().view(np.uint8) if qtype == IQ2_XXS else blocks[:, 2:66]

@@ -104,11 +104,10 @@ class DecodeStream:
         deadline = time.monotonic() + ROOM_WAIT_S
         refused = 0
         prefix_hashes = self._prefix_hashes()  # once: the same for every attempt
-        holder = self.choice.holder if self.choice is not None else None  # first where its history is, unless busy
+        holder = self.choice.holder if self.choice is not None else None  # first where its history is
         while True:
             first, holder = holder, None
-            at_holder = first is not None and self.orchestrator.holder_target(first)
-            pool, pinned = at_holder or self.orchestrator.decode_target()
+            pool, pinned = (first.pool, first.replica_id) if first is not None else self.orchestrator.decode_target()
             if pool is None:
                 self.orchestrator.roles.want()
             else:
@@ -123,7 +122,7 @@ class DecodeStream:
                 except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone
                     refused += 1
                 except RayActorError:
-                    if not at_holder:
+                    if first is None:
                         raise
                     self.orchestrator.held.forget(first.replica_id)  # where its history was died, and the history with it
                     refused += 1

@@ -248,16 +248,17 @@ class Orchestrator:
         return stream
 
     def _history_source(self, choice: Choice) -> tuple[str, str] | None:
-        """``(pool, replica_id)`` of the decode replica holding a context's history (the
-        balancer's local choice names it) where it is too busy to decode the turn too
-        (``holder_target``): in PD it computes the turn's new tokens and sends the context's
-        KV to the replica that decodes it, rather than that replica computing the history again."""
+        """Settles the replica a local choice names as holding the context's history
+        (``choice.holder``): kept, the context is reserved there first (``DecodeStream``); too
+        busy to decode it too (``holder_target``), it is dropped from the choice (the pool's
+        router places the context) and, in PD, answered as ``(pool, replica_id)``: it computes
+        the turn's new tokens and sends the context's KV to the replica that decodes it, rather
+        than that replica computing the history again."""
         holder = choice.holder
-        if not choice.local or holder is None or holder.replica_id is None or self.prefill is None:
+        if not choice.local or holder is None or holder.replica_id is None or self.holder_target(holder) is not None:
             return None
-        if self.holder_target(holder) is not None:
-            return None
-        return holder.pool, holder.replica_id
+        choice.holder = None
+        return (holder.pool, holder.replica_id) if self.prefill is not None else None
 
     async def _prefill(
         self, sequence: Sequence, request_id: str, destination: KVDestination, source: tuple[str, str] | None = None
@@ -316,7 +317,7 @@ class Orchestrator:
             reported = {member.replica_id: member.load for member in self.roles.serving("decode")}
         else:
             members = pool_members(holder.pool)
-            reported = {replica_id: (stats.scheduler.num_running + stats.scheduler.num_waiting) if stats else 0 for replica_id, stats in members}
+            reported = {replica_id: stats.scheduler.num_sequences if stats else 0 for replica_id, stats in members}
         if holder.replica_id not in reported and (self.roles is not None or reported):
             return None  # serving prefill now, or gone
         own = Counter(stream.replica_id for stream in self.open_streams if stream.replica_id is not None)

@@ -91,7 +91,7 @@ class Member:
     def load(self) -> int:
         if self.stats is None:
             return 0
-        return self.stats.scheduler.num_running + self.stats.scheduler.num_waiting
+        return self.stats.scheduler.num_sequences
 
     @property
     def prompt_tokens_pending(self) -> int:

@@ -70,7 +70,7 @@ class _PoolRouter(RequestRouter):
         if queue_len is not None:
             return queue_len
         stats = reported_stats(replica)
-        return stats.scheduler.num_running + stats.scheduler.num_waiting if stats else 0
+        return stats.scheduler.num_sequences if stats else 0
 
 
 class PrefixAffinityRouter(_PoolRouter):
@@ -85,7 +85,7 @@ class PrefixAffinityRouter(_PoolRouter):
 
     def rank(self, candidates: list[RunningReplica], kwargs: dict) -> list[list[RunningReplica]]:
         loads = self._loads(candidates, kwargs)
-        return rank_by_prefix(candidates, loads, kwargs.get("prefix_hashes") or [], self.imbalance_threshold, kwargs.get("num_tokens") or 0)
+        return rank_by_prefix(candidates, loads, kwargs.get("prefix_hashes") or [], kwargs.get("num_tokens", 0), self.imbalance_threshold)
 
 
 def _leading_match(prefix_hashes: list[int], stats: ReplicaStats | None) -> int:
@@ -154,7 +154,7 @@ def adapter_loads(candidates: list[RunningReplica], loads: dict, lora: str | Non
 
 
 def rank_by_prefix(
-    candidates: list[RunningReplica], loads: dict, prefix_hashes: list[int], imbalance_threshold: int, num_tokens: int = 0,
+    candidates: list[RunningReplica], loads: dict, prefix_hashes: list[int], num_tokens: int, imbalance_threshold: int,
 ) -> list[list[RunningReplica]]:
     """The replica where the prompt's first token comes soonest first: the fewest prompt tokens
     queued there (its report's ``prompt_tokens_pending``, or where more its prompts in flight,
@@ -162,8 +162,7 @@ def rank_by_prefix(
     (``num_tokens``) past the leading blocks it holds of ``prefix_hashes``; the least loaded
     (``loads`` by replica id) among equals. Unless its load passes the least loaded's by more
     than ``imbalance_threshold`` (reports are half a second old; loads are Serve's own): then
-    all by load (ties broken at random). Without ``num_tokens`` the replica holding the most of
-    the prompt goes first, as it will compute the fewest of its tokens.
+    all by load (ties broken at random).
 
     The queue counts because a prefix every prompt shares (a chat template's system prompt)
     made the one replica holding it take every prompt while its queue stayed within the margin:
@@ -175,8 +174,6 @@ def rank_by_prefix(
     def cost(replica: RunningReplica) -> int:
         stats = reported_stats(replica)
         held = _leading_match(prefix_hashes, stats) * (stats.kv.block_size if stats is not None else 0)
-        if not num_tokens:
-            return -held
         # Its queue: the last report's, or the prompts Serve counts in flight there at this one's
         # size where more (a report half a second old shows a replica idle that took a prompt since).
         queued = max(stats.scheduler.prompt_tokens_pending if stats is not None else 0, loads[replica.replica_id] * num_tokens)
@@ -184,8 +181,7 @@ def rank_by_prefix(
 
     costs = {replica.replica_id: cost(replica) for replica in by_load}
     lowest = min(costs.values())
-    # The least loaded of the cheapest; with the prompt's length, of those within NEAR_COST of it.
-    best = next(replica for replica in by_load if costs[replica.replica_id] <= (lowest * NEAR_COST if num_tokens else lowest))
+    best = next(replica for replica in by_load if costs[replica.replica_id] <= lowest * NEAR_COST)  # the least loaded of the near-cheapest
     if best is by_load[0] or loads[best.replica_id] - loads[by_load[0].replica_id] > imbalance_threshold:
         return [[replica] for replica in by_load]
     return [[best], [replica for replica in by_load if replica is not best]]

@@ -282,21 +282,21 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
             self.pins.append(kwargs.get("replica_id"))
             return await super()._reserve(request)
 
+    # Through the orchestrator (colocated): the busy holder is passed by, the idle one pinned.
     listed.set("h", num_running=IMBALANCE_THRESHOLD + 3)
-    pool = Pool([Placement("y")], attaches=[[TokenDelta("s", [5], finished=True, finish_reason="length")]])
+    done = [TokenDelta("s", [5], finished=True, finish_reason="length")]
+    pool = Pool([Placement("y"), Placement("h")], attaches=[done, done])
     pool.pins = []
     orchestrator = pd.Orchestrator(None, pool, 16, None)
+    orchestrator.held.add("h", "colocated", list(range(40)))
 
     async def run():
-        from duet.router.balance import Choice
+        return [delta.token_ids async for delta in orchestrator.run("s", list(range(40)), SamplingParams(max_tokens=1))]
 
-        request = EngineRequest("s", list(range(40)), SamplingParams(max_tokens=1))
-        stream = decode_stream.DecodeStream(orchestrator, request, choice=Choice(True, 8, holder=holder))
-        placement = await stream.place()
-        await stream.aclose()
-        return placement.replica_id
-
-    assert asyncio.run(run()) == "y" and pool.pins == [None]
+    assert asyncio.run(run()) == [[5]] and pool.pins == [None]
+    listed.set("h", num_running=0)
+    orchestrator.held.add("h", "colocated", list(range(40)))  # (the first run's end was recorded on y)
+    assert asyncio.run(run()) == [[5]] and pool.pins == [None, "h"]
 
 
 def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_replica(monkeypatch):

@@ -19,14 +19,14 @@ def test_prefill_prefers_the_replica_holding_the_longest_leading_prefix():
     prompt = list(range(100))
     hashes = routing_block_hashes(prompt, 16)
     cold, warm, partial = _replica("cold"), _replica("warm", prefix_hashes=hashes), _replica("partial", prefix_hashes=hashes[:1])
-    ranks = rank_by_prefix([cold, partial, warm], {"cold": 0, "warm": 2, "partial": 0}, hashes, imbalance_threshold=4)
+    ranks = rank_by_prefix([cold, partial, warm], {"cold": 0, "warm": 0, "partial": 0}, hashes, len(prompt), imbalance_threshold=4)
     assert ranks[0] == [warm]
 
 
 def test_prefill_falls_back_to_the_least_loaded_when_the_warm_replica_is_swamped():
     hashes = routing_block_hashes(list(range(64)), 16)
     cold, warm = _replica("cold"), _replica("warm", prefix_hashes=hashes)
-    assert rank_by_prefix([warm, cold], {"cold": 0, "warm": 9}, hashes, imbalance_threshold=4)[0] == [cold]
+    assert rank_by_prefix([warm, cold], {"cold": 0, "warm": 9}, hashes, 64, imbalance_threshold=4)[0] == [cold]
 
 
 def test_prefill_weighs_a_held_prefix_against_the_prompt_tokens_queued_on_its_holder():
@@ -42,16 +42,16 @@ def test_prefill_weighs_a_held_prefix_against_the_prompt_tokens_queued_on_its_ho
     held = routing_block_hashes(system, 16)
     holder, other = _replica("holder", prefix_hashes=held), _replica("other")
     idle = {"holder": 0, "other": 0}
-    firsts = {rank_by_prefix([holder, other], idle, hashes, 4, len(prompt))[0][0].replica_id for _ in range(40)}
+    firsts = {rank_by_prefix([holder, other], idle, hashes, len(prompt), 4)[0][0].replica_id for _ in range(40)}
     assert firsts == {"holder", "other"}  # 300 tokens to compute against 332: near enough, either
     history = _replica("holder", prefix_hashes=routing_block_hashes(prompt[:320], 16), prompt_tokens_pending=200)
-    assert rank_by_prefix([other, history], idle, hashes, 4, len(prompt))[0] == [history]  # 320 held outweigh 200 queued
+    assert rank_by_prefix([other, history], idle, hashes, len(prompt), 4)[0] == [history]  # 320 held outweigh 200 queued
     busy = _replica("holder", prefix_hashes=routing_block_hashes(prompt[:320], 16), prompt_tokens_pending=500)
-    assert rank_by_prefix([busy, other], idle, hashes, 4, len(prompt))[0] == [other]  # 512 against 332
+    assert rank_by_prefix([busy, other], idle, hashes, len(prompt), 4)[0] == [other]  # 512 against 332
     in_flight = {"holder": 2, "other": 0}  # two prompts since its report: 664 queued at this one's size
-    assert rank_by_prefix([history, other], in_flight, hashes, 4, len(prompt))[0] == [other]
+    assert rank_by_prefix([history, other], in_flight, hashes, len(prompt), 4)[0] == [other]
     both = [_replica("a", prefix_hashes=held), _replica("b", prefix_hashes=held)]
-    assert rank_by_prefix(both, {"a": 1, "b": 0}, hashes, 4)[0][0].replica_id == "b"  # without the prompt's length: by load among equals
+    assert rank_by_prefix(both, {"a": 1, "b": 0}, hashes, len(prompt), 4)[0][0].replica_id == "b"  # equals: the least loaded
 
 
 def test_routing_hashes_name_a_long_prompt_at_a_few_depths_of_its_chain():
@@ -72,7 +72,7 @@ def test_routing_hashes_name_a_long_prompt_at_a_few_depths_of_its_chain():
     holder_a = _replica("a", prefix_hashes=routing_block_hashes(session_a, 16))
     holder_b = _replica("b", prefix_hashes=routing_block_hashes(session_b, 16))
     next_turn_b = session_b + list(range(2000, 2100))
-    ranks = rank_by_prefix([holder_a, holder_b], {"a": 0, "b": 0}, routing_block_hashes(next_turn_b, 16), imbalance_threshold=4)
+    ranks = rank_by_prefix([holder_a, holder_b], {"a": 0, "b": 0}, routing_block_hashes(next_turn_b, 16), len(next_turn_b), imbalance_threshold=4)
     assert ranks[0] == [holder_b]
 
 
@@ -113,7 +113,7 @@ def test_a_replica_holding_the_calls_adapter_is_preferred_unless_busier_by_more_
     for busier, expected in ((ADAPTER_LOAD_CREDIT - 1, "holder"), (ADAPTER_LOAD_CREDIT + 1, "other")):
         loads = adapter_loads([holder, other], {"holder": busier, "other": 0}, "sql")
         assert rank_by_capacity([holder, other], loads, 10)[0][0].replica_id == expected
-        assert rank_by_prefix([holder, other], loads, [], imbalance_threshold=4)[0][0].replica_id == expected
+        assert rank_by_prefix([holder, other], loads, [], 100, imbalance_threshold=4)[0][0].replica_id == expected
     assert adapter_loads([holder, other], {"holder": 1, "other": 0}, None) == {"holder": 1, "other": 0}
     assert adapter_loads([holder, other], {"holder": 1, "other": 0}, "chat") == {"holder": 1, "other": 0}
 
