@@ -35,7 +35,7 @@ from duet.router.serve_internals import keep_replica_on_loopback, live_replicas,
 
 logger = logging.getLogger(__name__)
 admin = APIRouter(prefix="/duet")
-WAITING_REPORT_S = 1.0  # how often a router reports its waiting contexts to an autoscaled prefill pool's policy
+WAITING_REPORT_S = 1.0  # how often a router reports its waiting contexts and arrivals to the pools' policies
 LORA_REFRESH_S = 1.0  # how often a router reads the LoRA adapters served (loaded or unloaded through another router replica)
 LORA_CHECK_TIMEOUT_S = 60.0  # a replica's check of an adapter to load (it reads the adapter's weights)
 
@@ -68,24 +68,21 @@ class DuetIngress(RouterIngress):
         self._lora_lock = threading.Lock()
         self._lora_edits = 0  # loads and unloads made here: a read of the board begun before one is stale
         threading.Thread(target=self._refresh_loras, name="lora-refresh", daemon=True).start()
-        waiting_room = self.orchestrator.waiting_room
-        if waiting_room is not None and "prefill" in self.autoscaled:
+        if self.autoscaled:
             router_id = serve.get_replica_context().replica_id.unique_id
-            threading.Thread(target=self._report_waiting, args=(waiting_room, router_id), name="waiting-report", daemon=True).start()
+            threading.Thread(target=self._report_demand, args=(router_id,), name="demand-report", daemon=True).start()
 
-    def _report_waiting(self, waiting_room, router_id: str) -> None:
-        """Tell the autoscalers the context tokens waiting here, every ``WAITING_REPORT_S`` while
-        any wait and once when none do (the board's records age out if this replica stops)."""
-        reported = 0
+    def _report_demand(self, router_id: str) -> None:
+        """Tell the autoscalers, every ``WAITING_REPORT_S``, the context tokens waiting here and
+        what this router took in lately (the board's records age out if this replica stops)."""
+        waiting_room = self.orchestrator.waiting_room
         while True:
             time.sleep(WAITING_REPORT_S)
-            tokens = waiting_room.demand()
-            if tokens or reported:
-                try:
-                    self.board.report_waiting(self.app_name, router_id, tokens)
-                except Exception as error:  # noqa: BLE001 - the next report may reach it
-                    logger.warning("could not report the waiting contexts to the autoscaler board: %r", error)
-                reported = tokens
+            tokens = waiting_room.demand() if waiting_room is not None else 0
+            try:
+                self.board.report_waiting(self.app_name, router_id, tokens, self.orchestrator.arrivals.summary())
+            except Exception as error:  # noqa: BLE001 - the next report may reach it
+                logger.warning("could not report the router's demand to the autoscaler board: %r", error)
 
     def _refresh_loras(self) -> None:
         """Serve the adapters the board lists, every ``LORA_REFRESH_S``."""

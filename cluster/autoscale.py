@@ -44,6 +44,13 @@ that less the replicas it borrowed, plus those it lent (``_by_role``).
   ``upscale_delay_s``/``downscale_delay_s`` and keeps the target within
   ``min_replicas``..``max_replicas``.
 
+A pool whose settings name a ``profile`` (a ``duet profile`` JSON of its config) is sized
+ahead instead (``_planned``): the replicas the arrival rate and length mix the routers measured
+need to meet the SLO, by the profile's step times corrected by the replicas' measure
+(``duet.cluster.capacity``), and never fewer than the load present needs (the backlog's, the
+router-held contexts counted, or the decoding KV's). The reactive rules still add a replica
+where the load present asks for more than the plan.
+
 An operator may pin an autoscaled pool at a size (``duet scale POOL N``, ``POST /duet/scale``;
 ``auto`` unpins, and so does deploying the application again): the policy then decides the pin,
 within the bounds, without cooldown.
@@ -60,6 +67,7 @@ import logging
 import math
 import time
 
+from duet.cluster import capacity
 from duet.cluster.board import ActorBoard
 from duet.messages import EngineStats
 
@@ -106,6 +114,7 @@ class Targets:
     prompt_tokens_per_replica: int | None = None
     kv_usage: float = 0.7
     cooldown_s: float = 10.0
+    profile: str | None = None  # a `duet profile` JSON: the pool is sized ahead by it (``capacity``)
 
     def __post_init__(self) -> None:
         checks = {
@@ -115,12 +124,13 @@ class Targets:
             or (isinstance(self.prompt_tokens_per_replica, int) and self.prompt_tokens_per_replica >= 1),
             "kv_usage": _number(self.kv_usage) and 0 < self.kv_usage <= 1,
             "cooldown_s": _number(self.cooldown_s) and self.cooldown_s >= 0,
+            "profile": self.profile is None or (isinstance(self.profile, str) and bool(self.profile)),
         }
         wrong = [name for name, ok in checks.items() if not ok]
         if wrong:
             raise ValueError(
                 f"{wrong[0]}={getattr(self, wrong[0])!r} is out of range (kv_usage in (0, 1], prompt_tokens_per_replica a "
-                "positive integer, times positive)"
+                "positive integer, times positive, profile a path)"
             )
 
 
@@ -167,11 +177,12 @@ class Decision:
 
 def decide(
     views: dict[str, PoolView], targets: dict[str, Targets], now: float, pins: dict[str, int] | None = None, waiting_tokens: float = 0.0,
+    demand: capacity.Demand | None = None, models: dict[str, capacity.StageModel] | None = None,
 ) -> dict[str, Decision]:
-    """Both pools' decisions from their views (``prefill`` absent when colocated) and the context
-    tokens waiting in the routers. A pool an operator pinned (``duet scale``) gets its pin, within
-    its bounds, at once. Views of stages without targets (another deployment's pools) are left
-    out."""
+    """Both pools' decisions from their views (``prefill`` absent when colocated), the context
+    tokens waiting in the routers and, for the pools with a profile's ``models``, the routers'
+    ``demand``. A pool an operator pinned (``duet scale``) gets its pin, within its bounds, at
+    once. Views of stages without targets (another deployment's pools) are left out."""
     views = {stage: view for stage, view in views.items() if stage in targets}
     roles, moved = _by_role(views)
     decisions = {}
@@ -182,6 +193,9 @@ def decide(
         decode = decisions.get("decode")
         decode_short = decode is not None and decode.target > decode.current
         decisions["prefill"] = _prefill(roles["prefill"], targets["prefill"], roles.get("decode"), decode_short, waiting_tokens)
+    for stage in decisions:
+        if stage in (models or {}) and demand is not None:
+            decisions[stage] = _planned(decisions[stage], roles[stage], targets[stage], models[stage], demand)
     for stage, shift in moved.items():  # back from the role's replicas to the pool's own
         decision = decisions[stage]
         decisions[stage] = dataclasses.replace(decision, current=decision.current - shift, target=max(0, decision.target - shift))
@@ -227,6 +241,7 @@ def _prefill(view: PoolView, targets: Targets, decode: PoolView | None, decode_s
                "ttft_target_s": targets.ttft_s}
     current = view.target
     needed = math.ceil(backlog / per_replica)
+    numbers["needed"] = needed
 
     def decision(target: int, reason: str) -> Decision:
         return Decision(view.stage, current, target, reason, numbers)
@@ -251,8 +266,9 @@ def _decode(view: PoolView, targets: Targets) -> Decision:
     if view.stage == "colocated":
         numbers |= {"ttft_s": ttft, "ttft_target_s": targets.ttft_s}
     current = view.target
-    capacity = blocks_per_replica * targets.kv_usage
-    needed = math.ceil(used / capacity) if capacity else current
+    per_replica = blocks_per_replica * targets.kv_usage
+    needed = math.ceil(used / per_replica) if per_replica else current
+    numbers["needed"] = needed
 
     def decision(target: int, reason: str) -> Decision:
         return Decision(view.stage, current, target, reason, numbers)
@@ -265,10 +281,38 @@ def _decode(view: PoolView, targets: Targets) -> Decision:
         return decision(current + 1, "tpot")
     if ttft > targets.ttft_s:
         return decision(current + 1, "ttft")
-    fits_in_fewer = used <= LOW_LOAD * capacity * (current - 1)
+    fits_in_fewer = used <= LOW_LOAD * per_replica * (current - 1)
     if current > 1 and fits_in_fewer and tpot <= LOW_LOAD * targets.tpot_s and ttft <= LOW_LOAD * targets.ttft_s:
         return decision(current - 1, "low_load")
     return decision(current, "steady")
+
+
+def _planned(reactive: Decision, view: PoolView, targets: Targets, model: capacity.StageModel, demand: capacity.Demand) -> Decision:
+    """A pool sized ahead: the replicas ``capacity`` plans for the demand, by the profile's times
+    corrected by those its replicas measured; at least those the load present needs
+    (``needed``); more where a reactive rule asks for more than that."""
+    prompt_factor = decode_factor = 1.0
+    speed = view.mean_nonzero("prefill_tokens_per_s")
+    if speed and demand.prompt_tokens:
+        prompt_factor = capacity.correction(demand.prompt_tokens / speed, model.prompt_seconds(demand.prompt_tokens))
+    tpot, batch = view.mean_nonzero("tpot_s"), view.mean_nonzero("num_running")
+    if tpot and batch:
+        decode_factor = capacity.correction(tpot, model.step_seconds(batch, demand.prompt_tokens + demand.output_tokens / 2))
+    if view.stage == "prefill":
+        planned, factor = capacity.prefill_replicas(model, demand, targets.ttft_s, prompt_factor), prompt_factor
+    elif view.stage == "colocated":
+        planned = capacity.colocated_replicas(model, demand, targets.ttft_s, targets.tpot_s, targets.kv_usage, prompt_factor, decode_factor)
+        factor = max(prompt_factor, decode_factor)
+    else:
+        planned, factor = capacity.decode_replicas(model, demand, targets.tpot_s, targets.kv_usage, decode_factor), decode_factor
+    numbers = reactive.numbers | {
+        "planned": planned, "rate": demand.rate, "prompt_tokens": demand.prompt_tokens, "output_tokens": demand.output_tokens,
+        "correction": factor,
+    }
+    if reactive.target > reactive.current and reactive.target > planned:
+        return dataclasses.replace(reactive, numbers=numbers)  # the load present asks for more
+    target = max(planned, int(reactive.numbers["needed"]))
+    return dataclasses.replace(reactive, target=target, reason="planned" if target != reactive.current else "steady", numbers=numbers)
 
 
 def _bounded(decision: Decision, view: PoolView, targets: Targets, now: float) -> Decision:
@@ -298,6 +342,10 @@ class PoolPolicy:
     def __init__(self, stage: str, targets: dict[str, dict], board=None) -> None:
         self.stage = stage
         self.targets = {name: Targets(**values) for name, values in targets.items()}
+        # the pools sized ahead, by their profiles (read once: a deploy checked they read)
+        self.models = {
+            name: capacity.load_models(target.profile)[name] for name, target in self.targets.items() if target.profile is not None
+        }
         self.board = board if board is not None else ActorBoard()
         self._last: Decision | None = None
         self._published_at = 0.0
@@ -324,8 +372,10 @@ class PoolPolicy:
         seen = {stage: PoolView(**fields) for stage, fields in posted.items()} | {self.stage: view}
         views = {stage: other for stage, other in seen.items() if now - other.at <= VIEW_TTL_S}
         pins = {stage: record["replicas"] for stage, record in pin_records.items() if record["at"] >= self._created_at}
-        waiting_tokens = sum(record["tokens"] for record in waiting.values() if now - record["at"] <= VIEW_TTL_S)
-        decision = decide(views, self.targets, now, pins, waiting_tokens)[self.stage]
+        routers = [record for record in waiting.values() if now - record["at"] <= VIEW_TTL_S]
+        waiting_tokens = sum(record["tokens"] for record in routers)
+        demand = capacity.Demand.from_reports([record["arrivals"] for record in routers if record.get("arrivals")])
+        decision = decide(views, self.targets, now, pins, waiting_tokens, demand, self.models)[self.stage]
         self._report(ctx.app_name or "", decision, ctx.current_num_replicas, now)
         return decision.target, {}
 

@@ -29,7 +29,7 @@ READ_TIMEOUT_S = 5.0  # a router's or the CLI's read; a policy never waits
 
 class Board:
     """Views, decisions and pins, keyed by application and stage, and the contexts waiting in
-    each router replica (plain, picklable data)."""
+    each router replica and its arrivals (plain, picklable data)."""
 
     def __init__(self) -> None:
         self._views: dict[str, dict] = {}
@@ -61,10 +61,11 @@ class Board:
         self._views.setdefault(app_name, {})[stage] = view
         return dict(self._views[app_name]), dict(self._pins.get(app_name, {})), dict(self._waiting.get(app_name, {}))
 
-    def report_waiting(self, app_name: str, router_id: str, tokens: int, at: float) -> None:
-        """A router replica's context tokens waiting for a pool with room, at ``at`` (wall-clock
-        seconds: a router that stops reporting ages out of the policies' sums)."""
-        self._waiting.setdefault(app_name, {})[router_id] = {"tokens": tokens, "at": at}
+    def report_waiting(self, app_name: str, router_id: str, tokens: int, at: float, arrivals: list[dict] | None = None) -> None:
+        """A router replica's context tokens waiting for a pool with room, and what it took in
+        lately (``duet.router.arrivals``), at ``at`` (wall-clock seconds: a router that stops
+        reporting ages out of the policies' sums)."""
+        self._waiting.setdefault(app_name, {})[router_id] = {"tokens": tokens, "at": at, "arrivals": arrivals}
 
     def publish(self, app_name: str, stage: str, record: dict) -> None:
         self._decisions.setdefault(app_name, {})[stage] = record
@@ -134,8 +135,8 @@ class ActorBoard:
     def publish(self, app_name: str, stage: str, record: dict) -> None:
         self._board().publish.remote(app_name, stage, record)
 
-    def report_waiting(self, app_name: str, router_id: str, tokens: int) -> None:
-        self._board().report_waiting.remote(app_name, router_id, tokens, time.time())
+    def report_waiting(self, app_name: str, router_id: str, tokens: int, arrivals: list[dict] | None = None) -> None:
+        self._board().report_waiting.remote(app_name, router_id, tokens, time.time(), arrivals)
 
     def published(self, app_name: str, stages: list[str]) -> dict[str, dict]:
         import ray

@@ -56,7 +56,7 @@ class SLOSettings(_Strict):
 
 
 # duet's policy settings a pool's autoscaling_config may hold beside Serve's own keys.
-_POLICY_KEYS = {"prefill": ("prompt_tokens_per_replica", "cooldown_s"), "decode": ("kv_usage", "cooldown_s")}
+_POLICY_KEYS = {"prefill": ("prompt_tokens_per_replica", "cooldown_s", "profile"), "decode": ("kv_usage", "cooldown_s", "profile")}
 # Serve's keys duet sets when a pool's autoscaling_config leaves them out: react within seconds.
 AUTOSCALING_DEFAULTS = {
     "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 5.0, "downscale_delay_s": 30.0,
@@ -302,7 +302,29 @@ class AppArgs(_Strict):
                 raise ValueError(f"{name}.engine: {error}") from None
         if self.prefill is not None:
             check_pools_exchange_kv(self.prefill.merged_engine(self.engine), self.decode.merged_engine(self.engine))
+        self._profiles_read()
         return self
+
+    def _profiles_read(self) -> None:
+        """A pool sized ahead (``autoscaling_config.profile``) names a profile that reads and has
+        the pool; its path is made absolute (Serve's controller reads it, from its own folder)."""
+        from duet.cluster.capacity import load_models
+
+        for section, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            path = ((pool.autoscaling_config or {}) if pool is not None else {}).get("profile")
+            if path is None:
+                continue
+            stage = "colocated" if self.mode == "colocated" else section
+            setting = f"{section}.autoscaling_config.profile"
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"{setting}: a path to a `duet profile` JSON, got {path!r}")
+            try:
+                models = load_models(path)
+            except ValueError as error:
+                raise ValueError(f"{setting}: {error}") from None
+            if stage not in models:
+                raise ValueError(f"{setting}: {path} has no {stage} pool (it has {', '.join(sorted(models)) or 'none'}): profile this config")
+            pool.autoscaling_config["profile"] = str(Path(path).resolve())
 
 
 def readable(error: Exception) -> str:

@@ -44,6 +44,7 @@ from duet.errors import (
     WorkerDiedError,
 )
 from duet.messages import EngineRequest, KVDestination, Moved, TokenDelta
+from duet.router.arrivals import ArrivalMeter
 from duet.router.balance import Choice, StageBalancer
 from duet.router.channels import Channels
 from duet.router.decode_stream import DecodeStream, pin
@@ -100,6 +101,7 @@ class Orchestrator:
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
         self.open_streams: set[DecodeStream] = set()  # not yet finished or closed
         self.channels = Channels(self.handles, new_call_context)  # each replica's one stream of every sequence's items
+        self.arrivals = ArrivalMeter()  # what this router took in lately, for the planning autoscaler
         self.held = HeldContexts(block_size)  # what its sequences ended with, where (``duet.router.held``)
         self.prefilled = HeldContexts(block_size)  # the contexts it had the prefill pool compute (which replica: not known)
         if balancer is not None:
@@ -110,7 +112,20 @@ class Orchestrator:
         self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None = None
     ) -> AsyncIterator[TokenDelta]:
         """The sequence's deltas (with LoRA adapter ``lora``: its name and folder), wherever it
-        runs; started over elsewhere each time it must (``duet.router.sequence`` decides)."""
+        runs; started over elsewhere each time it must (``duet.router.sequence`` decides).
+        Its arrival and, if it finishes, its length are metered (``self.arrivals``)."""
+        self.arrivals.arrive(len(prompt_token_ids), params.max_tokens)
+        output_tokens = 0
+        async with aclosing(self._run(sequence_id, prompt_token_ids, params, lora)) as deltas:
+            async for delta in deltas:
+                output_tokens += len(delta.token_ids)
+                yield delta
+                if delta.finished and delta.error is None:
+                    self.arrivals.finish(output_tokens)
+
+    async def _run(
+        self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None
+    ) -> AsyncIterator[TokenDelta]:
         name, path = lora or (None, None)
         request = EngineRequest(sequence_id, prompt_token_ids, params, lora=name, lora_path=path)
         sequence = Sequence(request, self.max_migrations, self.on_transfer_failure)

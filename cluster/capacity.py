@@ -1,0 +1,190 @@
+"""The replicas a load needs, by a ``duet profile``: the planning autoscaler's arithmetic.
+
+A pool whose ``autoscaling_config`` names a ``profile`` is sized ahead of its queues
+(``duet.cluster.autoscale``): from the arrival rate and the length mix the routers measure
+(``Demand``) and the profile's step times of the pool's engine (``StageModel``), the replica
+count that meets the SLO at that rate, before any queue shows it.
+
+- **prefill**: a prompt of ``L`` tokens takes ``S``, its chunks' steps by the profile's fit. The
+  router spreads prompts over ``n`` replicas, each then an M/D/1 queue (Poisson arrivals, one
+  service time): at utilization ``rho = rate S / n`` a prompt waits ``rho S / (2 (1 - rho))`` on
+  average. The pool needs the fewest ``n`` with ``S +`` that wait within ``HEADROOM`` of the
+  TTFT target and ``rho <= MAX_UTILIZATION``; a prompt too long for the target even alone gets
+  the ``n`` that keeps up.
+- **decode**: a sequence decodes ``O`` tokens, one a step; with ``B`` sequences a replica's step
+  takes ``t(B) = a + (b + c C) B`` (the fit; ``C`` the mean context, ``L + O/2``; times the
+  drafts' factor where the pool speculates). By Little's law a replica receiving ``rate / n``
+  holds ``B = k t(B)`` sequences, ``k = rate O / n``, so ``B = k a / (1 - k (b + c C))`` when
+  ``k (b + c C) < 1`` (otherwise it falls behind at any batch). The pool needs the fewest ``n``
+  whose ``B`` steps within ``HEADROOM`` of the TPOT target, fits ``max_num_seqs`` and whose
+  blocks fit ``kv_usage`` of a replica's.
+- **colocated**: both on the same replicas: the prompts take ``rho`` of each replica's time, and
+  decoding runs in the rest (``k`` divided by ``1 - rho``).
+
+Each model is corrected by what the replicas measure (``correction``: the measured time over
+the profile's, kept within ``CORRECTION_BOUNDS``): a machine slower than the profiled one, or
+replicas slowing each other, is planned for as it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+HEADROOM = 0.8  # of each SLO target, what the plan fills: queues vary around their means
+MAX_UTILIZATION = 0.85  # of a replica's time, what prompts may fill
+CORRECTION_BOUNDS = (0.5, 4.0)  # measured over profiled times, clamped: a few odd steps do not swing the plan
+MAX_PLANNED = 64  # replicas a plan considers per pool (the pool's bounds cut it further)
+MIN_WINDOW_S = 5.0  # a router up for less is measured over this long: its first request is not a burst
+DEFAULT_OUTPUT_TOKENS = 128  # planned for before any sequence finished or asked for a length
+
+
+@dataclasses.dataclass(frozen=True)
+class Demand:
+    """What the routers took in: requests per second to plan for, and their mean lengths."""
+
+    rate: float
+    prompt_tokens: float
+    output_tokens: float
+
+    @classmethod
+    def from_reports(cls, reports: list[list[dict]]) -> Demand | None:
+        """The router replicas' ``ArrivalMeter.summary()`` reports as one demand (None without
+        any): the rate of the window that saw the most (a rise shows in the short one at once; a
+        lull holds the pools for the long one), summed over the routers; the mean lengths over the
+        longest window, the output's from the sequences that finished (else what they asked for)."""
+        if not reports:
+            return None
+        rate = max(
+            sum(report[index]["requests"] / max(report[index]["seconds"], MIN_WINDOW_S) for report in reports)
+            for index in range(min(len(report) for report in reports))
+        )
+        total = {key: sum(report[-1][key] for report in reports) for key in ("requests", "prompt_tokens", "max_tokens", "finished", "output_tokens")}
+        prompt = total["prompt_tokens"] / total["requests"] if total["requests"] else 0.0
+        if total["finished"]:
+            output = total["output_tokens"] / total["finished"]
+        else:
+            output = total["max_tokens"] / total["requests"] if total["max_tokens"] else DEFAULT_OUTPUT_TOKENS
+        return cls(rate, prompt, output)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageModel:
+    """One pool's engine, by its ``duet profile`` entry: the prompt fit ``a + b T + c T (C +
+    T/2)`` (``prompt``), the decode fit ``a + b B + c B C`` (``decode``), its token budget,
+    sequences, blocks, and its drafts' factor on decode steps."""
+
+    prompt: dict[str, float]
+    decode: dict[str, float]
+    budget: int
+    max_num_seqs: int
+    num_blocks: int
+    block_size: int
+    draft_factor: float = 1.0
+
+    @classmethod
+    def from_profile(cls, profile: dict, stage: str) -> StageModel:
+        pool = profile["pools"][stage]
+        settings = pool["settings"]
+        return cls(
+            pool["prompt"]["fit"], pool["decode"]["fit"], settings["max_num_batched_tokens"], settings["max_num_seqs"],
+            settings["num_blocks"], settings["block_size"], (pool.get("speculation") or {}).get("decode_factor", 1.0),
+        )
+
+    def prompt_seconds(self, tokens: float) -> float:
+        """A prompt of ``tokens`` computed alone, in chunks of the token budget."""
+        seconds, done, left = 0.0, 0.0, max(tokens, 1.0)
+        while left > 0:
+            chunk = min(left, self.budget)
+            fit = self.prompt
+            seconds += fit["base_s"] + fit["per_token_s"] * chunk + fit["per_token_context_s"] * chunk * (done + chunk / 2)
+            done, left = done + chunk, left - chunk
+        return seconds
+
+    def step_seconds(self, batch: float, context: float) -> float:
+        """A decode step of ``batch`` sequences of ``context`` tokens each (drafts included)."""
+        fit = self.decode
+        return (fit["base_s"] + (fit["per_row_s"] + fit["per_row_context_s"] * context) * batch) * self.draft_factor
+
+
+def load_models(path: str) -> dict[str, StageModel]:
+    """Every pool of a profile JSON, by stage; a ``ValueError`` naming what is wrong."""
+    try:
+        profile = json.loads(Path(path).read_text())
+        return {stage: StageModel.from_profile(profile, stage) for stage in profile["pools"]}
+    except OSError as error:
+        raise ValueError(f"profile {path!r} cannot be read ({error.strerror}): write it with `duet profile CONFIG --out {path}`") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"profile {path!r} is not a `duet profile` JSON ({error!r})") from None
+
+
+def correction(measured_s: float, predicted_s: float) -> float:
+    """The factor on the profile's times that the replicas' measure asks for (1 without one)."""
+    if measured_s <= 0 or predicted_s <= 0:
+        return 1.0
+    low, high = CORRECTION_BOUNDS
+    return min(max(measured_s / predicted_s, low), high)
+
+
+def _prefill_fits(seconds: float, rate: float, replicas: int, ttft_s: float) -> bool:
+    rho = rate * seconds / replicas
+    if rho > MAX_UTILIZATION:
+        return False
+    if seconds > HEADROOM * ttft_s:  # too long for the target even alone: keeping up is all there is
+        return True
+    return seconds + rho * seconds / (2 * (1 - rho)) <= HEADROOM * ttft_s
+
+
+def decode_batch(model: StageModel, demand: Demand, replicas: int, busy: float = 0.0, factor: float = 1.0) -> float | None:
+    """The sequences each of ``replicas`` holds at the demand's rate (Little's law), ``busy`` of
+    its time taken by prompts; None where it falls behind at any batch."""
+    if demand.rate <= 0 or demand.output_tokens <= 0:
+        return 0.0
+    context = demand.prompt_tokens + demand.output_tokens / 2
+    k = demand.rate * demand.output_tokens / (replicas * (1 - busy))
+    fit = model.decode
+    growth = k * (fit["per_row_s"] + fit["per_row_context_s"] * context) * model.draft_factor * factor
+    if growth >= 1:
+        return None
+    return k * fit["base_s"] * model.draft_factor * factor / (1 - growth)
+
+
+def _decode_fits(model: StageModel, demand: Demand, replicas: int, tpot_s: float, kv_usage: float, busy: float, factor: float) -> bool:
+    batch = decode_batch(model, demand, replicas, busy, factor)
+    if batch is None:
+        return False
+    context = demand.prompt_tokens + demand.output_tokens / 2
+    blocks = math.ceil(batch) * math.ceil((demand.prompt_tokens + demand.output_tokens) / model.block_size)
+    step = model.step_seconds(max(batch, 1.0), context) * factor
+    return step <= HEADROOM * tpot_s and batch <= model.max_num_seqs and blocks <= kv_usage * model.num_blocks
+
+
+def prefill_replicas(model: StageModel, demand: Demand, ttft_s: float, factor: float = 1.0) -> int:
+    """The prefill replicas the demand needs (0 with no arrivals)."""
+    if demand.rate <= 0:
+        return 0
+    seconds = model.prompt_seconds(demand.prompt_tokens) * factor
+    return next((n for n in range(1, MAX_PLANNED + 1) if _prefill_fits(seconds, demand.rate, n, ttft_s)), MAX_PLANNED)
+
+
+def decode_replicas(model: StageModel, demand: Demand, tpot_s: float, kv_usage: float, factor: float = 1.0) -> int:
+    """The decode replicas the demand needs (0 with no arrivals)."""
+    if demand.rate <= 0:
+        return 0
+    return next((n for n in range(1, MAX_PLANNED + 1) if _decode_fits(model, demand, n, tpot_s, kv_usage, 0.0, factor)), MAX_PLANNED)
+
+
+def colocated_replicas(
+    model: StageModel, demand: Demand, ttft_s: float, tpot_s: float, kv_usage: float, prompt_factor: float = 1.0, decode_factor: float = 1.0,
+) -> int:
+    """The colocated replicas the demand needs: prompts and decoding on the same ones."""
+    if demand.rate <= 0:
+        return 0
+    seconds = model.prompt_seconds(demand.prompt_tokens) * prompt_factor
+    for n in range(1, MAX_PLANNED + 1):
+        busy = demand.rate * seconds / n
+        if _prefill_fits(seconds, demand.rate, n, ttft_s) and _decode_fits(model, demand, n, tpot_s, kv_usage, busy, decode_factor):
+            return n
+    return MAX_PLANNED

@@ -1,0 +1,170 @@
+"""The planning autoscaler: the replicas a demand needs by a profile, on cases with closed-form
+answers (a prompt's chunks, M/D/1 waits, Little's law for decode batches), the routers' reports
+read as one demand, and the policy sizing pools ahead of their queues."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from duet.cluster import capacity
+from duet.cluster.autoscale import PoolPolicy, PoolView, Targets, decide
+from duet.cluster.board import LocalBoard
+from duet.cluster.capacity import Demand, StageModel
+
+NOW = 1000.0
+
+
+def model(prompt=(0.0, 0.001, 0.0), decode=(0.01, 0.001, 0.0), budget=512, max_num_seqs=64, num_blocks=10_000) -> StageModel:
+    return StageModel(
+        dict(zip(("base_s", "per_token_s", "per_token_context_s"), prompt)),
+        dict(zip(("base_s", "per_row_s", "per_row_context_s"), decode)), budget, max_num_seqs, num_blocks, 16,
+    )
+
+
+def test_a_prompt_is_priced_chunk_by_chunk_each_over_the_context_before_it():
+    stage = model(prompt=(0.01, 0.001, 1e-6), budget=512)
+    first = 0.01 + 0.001 * 512 + 1e-6 * 512 * 256
+    second = 0.01 + 0.001 * 488 + 1e-6 * 488 * (512 + 244)
+    assert stage.prompt_seconds(1000) == pytest.approx(first + second)
+
+
+def test_prefill_replicas_meet_the_ttft_target_by_an_md1_queue():
+    """A 500-token prompt takes 0.5 s. At 1/s one replica waits 0.25 s on average (TTFT 0.75 s,
+    within 0.8 x 2 s); at 3/s one cannot keep up and two wait 0.75 s (1.25 s); with a 1 s target
+    (0.8 s of it planned) two are too slow and three wait 0.25 s."""
+    stage = model()
+    assert capacity.prefill_replicas(stage, Demand(0.0, 500, 64), 2.0) == 0
+    assert capacity.prefill_replicas(stage, Demand(1.0, 500, 64), 2.0) == 1
+    assert capacity.prefill_replicas(stage, Demand(3.0, 500, 64), 2.0) == 2
+    assert capacity.prefill_replicas(stage, Demand(3.0, 500, 64), 1.0) == 3
+    # Measured twice as slow as profiled: 1 s a prompt; six replicas wait 0.5 s (TTFT 1.5 s).
+    assert capacity.prefill_replicas(stage, Demand(3.0, 500, 64), 2.0, factor=2.0) == 6
+    # A prompt longer than the target alone: the replicas that keep up (utilization <= 0.85).
+    assert capacity.prefill_replicas(stage, Demand(1.0, 3000, 64), 2.0) == 4
+
+
+def test_decode_batches_follow_littles_law_and_replicas_meet_the_tpot_target():
+    """Steps of 10 ms + 1 ms a sequence; 100 tokens a sequence. At 2/s one replica holds
+    B = 200 t(B): B = 2.5, a 12.5 ms step. At 10/s one falls behind at any batch; two hold 10
+    (20 ms steps), three 5 (15 ms)."""
+    stage = model()
+    assert capacity.decode_batch(stage, Demand(2.0, 0, 100), 1) == pytest.approx(2.5)
+    assert capacity.decode_batch(stage, Demand(10.0, 0, 100), 1) is None
+    assert capacity.decode_batch(stage, Demand(10.0, 0, 100), 2) == pytest.approx(10.0)
+    assert capacity.decode_replicas(stage, Demand(2.0, 0, 100), tpot_s=0.2, kv_usage=1.0) == 1
+    assert capacity.decode_replicas(stage, Demand(10.0, 0, 100), tpot_s=0.2, kv_usage=1.0) == 2
+    assert capacity.decode_replicas(stage, Demand(10.0, 0, 100), tpot_s=0.02, kv_usage=1.0) == 3  # 16 ms planned
+    # The KV: 10 sequences of 100 + 100 tokens (13 blocks each) do not fit 0.5 x 200 blocks; 5 do.
+    small = model(num_blocks=200)
+    assert capacity.decode_replicas(small, Demand(10.0, 100, 100), tpot_s=0.2, kv_usage=0.5) == 3
+    # Colocated, prompts take a sixth of each of three replicas' time: their decoding steps 16.7 ms, past
+    # the 16 ms planned, where three decode-only replicas step 15 ms.
+    assert capacity.decode_replicas(stage, Demand(10.0, 50, 100), 0.02, 1.0) == 3
+    assert capacity.colocated_replicas(stage, Demand(10.0, 50, 100), 2.0, 0.02, 1.0) == 4
+
+
+def test_the_correction_is_the_measured_over_the_profiled_time_within_bounds():
+    assert capacity.correction(0.3, 0.2) == pytest.approx(1.5)
+    assert capacity.correction(10.0, 0.1) == capacity.CORRECTION_BOUNDS[1]
+    assert capacity.correction(0.0, 0.2) == 1.0
+
+
+def report(seconds, requests, prompt_tokens, max_tokens=0, finished=0, output_tokens=0):
+    return {"seconds": seconds, "requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+            "finished": finished, "output_tokens": output_tokens}
+
+
+def test_the_routers_reports_are_one_demand_rising_at_once_and_falling_slowly():
+    rising = [[report(10, 20, 4000, 2000), report(60, 30, 6000, 3000)], [report(10, 10, 2000), report(60, 10, 2000)]]
+    demand = Demand.from_reports(rising)
+    assert demand.rate == pytest.approx(20 / 10 + 10 / 10)  # the short window's: the rise
+    assert demand.prompt_tokens == pytest.approx(8000 / 40)
+    assert demand.output_tokens == pytest.approx(3000 / 40)  # nothing finished yet: what they asked for
+    lull = [[report(10, 0, 0), report(60, 30, 6000, 3000, finished=30, output_tokens=1500)]]
+    demand = Demand.from_reports(lull)
+    assert demand.rate == pytest.approx(0.5)  # the long window's: the pools are held through a lull
+    assert demand.output_tokens == pytest.approx(50)  # what they ended with
+    young = [[report(1, 2, 200), report(1, 2, 200)]]
+    assert Demand.from_reports(young).rate == pytest.approx(2 / capacity.MIN_WINDOW_S)
+    assert Demand.from_reports([[report(10, 1, 10)]]).output_tokens == capacity.DEFAULT_OUTPUT_TOKENS
+    assert Demand.from_reports([]) is None
+
+
+def decode_view(target: int, blocks_used: float, running: float = 0.0, tpot_s: float = 0.0, bounds=(1, 4)) -> PoolView:
+    replica = {"num_decoding_blocks": blocks_used, "num_blocks": 1000.0, "tpot_s": tpot_s, "num_decode_waiting": 0.0, "num_running": running}
+    return PoolView("decode", target, *bounds, [replica] * target, 0.0)
+
+
+def test_a_planned_pool_grows_before_any_queue_shows_and_shrinks_to_the_plan():
+    """Guards the plan being computed and left out: the reactive rules see an idle decode pool and
+    hold it at one replica while the arrivals already need three."""
+    targets = {"decode": Targets(tpot_s=0.02, kv_usage=1.0, cooldown_s=0)}
+    models = {"decode": model()}
+    idle = decode_view(1, 0.0)
+    assert decide({"decode": idle}, targets, NOW)["decode"].target == 1
+    grown = decide({"decode": idle}, targets, NOW, demand=Demand(10.0, 0, 100), models=models)["decode"]
+    assert (grown.target, grown.reason, grown.numbers["planned"]) == (3, "planned", 3)
+    # Arrivals gone: down to the plan (at its bounds), not one at a time ...
+    shrunk = decide({"decode": decode_view(4, 0.0)}, targets, NOW, demand=Demand(0.0, 0, 100), models=models)["decode"]
+    assert (shrunk.target, shrunk.reason) == (1, "planned, bounded")
+    # ... but never below what the decoding KV holds now.
+    held = decide({"decode": decode_view(4, 900.0)}, targets, NOW, demand=Demand(0.0, 0, 100), models=models)["decode"]
+    assert held.target == 4 and held.numbers["needed"] == 4
+    # Replicas measured slower than profiled (TPOT 30 ms at 5 sequences, profiled 15 ms): planned for as they run.
+    slow = decide({"decode": decode_view(3, 0.0, running=5.0, tpot_s=0.03)}, targets, NOW, demand=Demand(10.0, 0, 100), models=models)
+    assert slow["decode"].numbers["correction"] == pytest.approx(2.0) and slow["decode"].target == 4
+
+
+def test_a_planned_prefill_pool_counts_the_backlog_the_routers_hold():
+    targets = {"prefill": Targets(prompt_tokens_per_replica=1000, cooldown_s=0)}
+    view = PoolView("prefill", 1, 1, 4, [{"prompt_tokens_pending": 0.0, "ttft_s": 0.1}], 0.0)
+    quiet = Demand(0.2, 500, 64)
+    assert decide({"prefill": view}, targets, NOW, demand=quiet, models={"prefill": model()})["prefill"].target == 1
+    backed_up = decide({"prefill": view}, targets, NOW, waiting_tokens=2500, demand=quiet, models={"prefill": model()})["prefill"]
+    assert (backed_up.target, backed_up.numbers["planned"]) == (3, 1)
+
+
+def _profile(path, stages=("prefill", "decode")) -> str:
+    pool = {
+        "prompt": {"fit": {"base_s": 0.0, "per_token_s": 0.001, "per_token_context_s": 0.0}},
+        "decode": {"fit": {"base_s": 0.01, "per_row_s": 0.001, "per_row_context_s": 0.0}},
+        "settings": {"max_num_batched_tokens": 512, "max_num_seqs": 64, "num_blocks": 10_000, "block_size": 16},
+    }
+    path.write_text(json.dumps({"machine": {"cpu": "test", "cores": 2}, "pools": {stage: pool for stage in stages}}))
+    return str(path)
+
+
+def test_the_policy_plans_from_the_arrivals_its_routersreport(tmp_path):
+    from tests.cluster.test_autoscale import _context
+
+    targets = {"decode": {"tpot_s": 0.02, "kv_usage": 1.0, "cooldown_s": 0, "profile": _profile(tmp_path / "p.json")}}
+    board = LocalBoard()
+    policy = PoolPolicy("decode", targets, board)
+    idle = {"num_decoding_blocks": 0.0, "num_blocks": 1000.0, "tpot_s": 0.0, "num_decode_waiting": 0.0}
+    assert policy(_context("plan", "decode", {"d1": idle}, 1, NOW))[0] == 1
+    board.report_waiting("plan", "router-a", 0, at=NOW, arrivals=[report(10, 100, 0, 10_000), report(60, 100, 0, 10_000)])
+    assert policy(_context("plan", "decode", {"d1": idle}, 1, NOW + 1))[0] == 3
+    # A router's report ages out with it: no demand known, the reactive rules decide (one down).
+    assert policy(_context("plan", "decode", {"d1": idle}, 3, NOW + 30))[0] == 2
+    assert policy._last.reason == "low_load"
+
+
+def test_a_profile_that_does_not_read_or_lacks_the_pool_fails_at_deploy_naming_the_setting(tmp_path, monkeypatch):
+    from duet.cluster.config import AppConfigError, parse_args
+
+    def args(path):
+        return {"decode": {"autoscaling_config": {"max_replicas": 2, "profile": path}}}
+
+    with pytest.raises(AppConfigError, match=r"decode.autoscaling_config.profile: .*cannot be read"):
+        parse_args(args(str(tmp_path / "missing.json")))
+    with pytest.raises(AppConfigError, match=r"decode.autoscaling_config.profile: .* has no decode pool"):
+        parse_args(args(_profile(tmp_path / "prefill-only.json", stages=("prefill",))))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(AppConfigError, match="not a `duet profile` JSON"):
+        parse_args(args(str(tmp_path / "bad.json")))
+    monkeypatch.chdir(tmp_path)  # a path relative to where `duet up` runs: Serve's controller reads it from its own folder
+    config = parse_args(args(Path(_profile(tmp_path / "ok.json")).name))
+    assert config.decode.policy_targets("decode", config.slo)["profile"] == str((tmp_path / "ok.json").resolve())
