@@ -4,11 +4,17 @@ Three phases, each a Poisson arrival process of fresh random prompts: prompt-hea
 prompts, one output token: the prefill pool's load), decode-heavy (short prompts, long outputs:
 the decode pool's), then idle. A phase's rate written ``cN`` is a closed loop instead: N clients,
 each sending its next request when its last one ended. Twice a second it reads ``/duet/status``: the replicas running
-and the target of each pool's policy. It prints goodput per phase (requests that met the TTFT
-and TPOT SLO, per second of the phase) and the requests that failed (there should be none), and
-plots a timeline PNG: replicas per pool, offered and completed requests per second, and TTFT
-and TPOT p90 per window, above them each replica's role (the one it serves: its pool's, or the
-other's, ``duet.router.roles``) and threads.
+and the target of each pool's policy. It prints per phase the goodput (requests that met the
+TTFT and TPOT SLO, per second of the phase), the SLO attainment (their share of the phase's
+requests), the replica-seconds the pools ran and the requests that failed (there should be
+none), and plots a timeline PNG: replicas per pool, offered and completed requests per second,
+and TTFT and TPOT p90 per window, above them each replica's role (the one it serves: its pool's,
+or the other's, ``duet.router.roles``) and threads.
+
+With ``--planned PROFILE`` it runs the phases twice, on the config as it is (the reactive
+policies) and with each autoscaled pool sized ahead by the profile (``duet.cluster.capacity``),
+the same seed and so the same arrivals, and prints the two runs' SLO attainment and
+replica-seconds side by side.
 """
 
 from __future__ import annotations
@@ -129,7 +135,9 @@ async def run(url: str, model: str, phases: list[Phase], seed: int, api_key: str
     return sent, samples, bounds
 
 
-def phase_figures(sent: list[Sent], bounds: dict, slo_ttft: float, slo_tpot: float) -> dict[str, dict]:
+def phase_figures(sent: list[Sent], samples: list[Sample], bounds: dict, slo_ttft: float, slo_tpot: float) -> dict[str, dict]:
+    """Per phase: requests sent in it, failed, goodput, SLO attainment (the share of its requests
+    within both targets), TTFT and TPOT p90, and the replica-seconds its pools ran."""
     figures = {}
     for name, (began, end) in bounds.items():
         mine = [item.result for item in sent if item.phase == name]
@@ -137,9 +145,22 @@ def phase_figures(sent: list[Sent], bounds: dict, slo_ttft: float, slo_tpot: flo
         good = [result for result in ok if result.ttft <= slo_ttft and result.tpot <= slo_tpot]
         figures[name] = {
             "requests": len(mine), "failed": len(mine) - len(ok), "goodput": len(good) / (end - began),
+            "slo_attainment": len(good) / len(mine) if mine else 1.0,
             "ttft_p90_ms": _p90([result.ttft * 1e3 for result in ok]), "tpot_p90_ms": _p90([result.tpot * 1e3 for result in ok]),
+            "replica_seconds": replica_seconds(samples, began, end),
         }
     return figures
+
+
+def replica_seconds(samples: list[Sample], began: float, end: float) -> float:
+    """The replicas running, all pools together, integrated over ``began``..``end``: each sample's
+    count holds until the next sample."""
+    total = 0.0
+    for sample, following in zip(samples, samples[1:]):
+        start, stop = max(sample.at, began), min(following.at, end)
+        if stop > start:
+            total += sum(sample.running.values()) * (stop - start)
+    return total
 
 
 def _p90(values: list[float]) -> float:
@@ -223,10 +244,68 @@ def plot(sent: list[Sent], samples: list[Sample], bounds: dict, window_s: float,
 DEFAULT_PHASES = "prompt-heavy:60:1.0:768:1,decode-heavy:60:3:32:256,idle:60:0:0:0"
 
 
+def planned_config(config: str, profile: str, out: Path) -> str:
+    """``config`` with each autoscaled pool sized ahead by ``profile`` (``duet.cluster.capacity``),
+    written to ``out``."""
+    import yaml
+
+    serve_file = yaml.safe_load(Path(config).read_text())
+    for app in serve_file["applications"]:
+        for pool in ("prefill", "decode"):
+            scaling = ((app.get("args") or {}).get(pool) or {}).get("autoscaling_config")
+            if scaling is not None:
+                scaling["profile"] = str(Path(profile).resolve())
+    out.write_text(yaml.safe_dump(serve_file, sort_keys=False))
+    return str(out)
+
+
+def _drive(args: argparse.Namespace, phases: list[Phase], config: str | None) -> tuple[list[Sent], list[Sample], dict]:
+    url = args.url
+    if url is None:
+        from duet.cluster.deploy import up
+
+        print(f"bringing up {config} ...", flush=True)
+        url = up(config).urls[0]
+    try:
+        return asyncio.run(run(url, args.model, phases, args.seed, args.api_key))
+    finally:
+        if args.url is None:
+            from duet.cluster.deploy import down
+
+            down()
+
+
+def _print_phases(figures: dict[str, dict], samples: list[Sample], bounds: dict) -> None:
+    print(f"{'phase':<14} {'requests':>8} {'failed':>6} {'goodput':>8} {'in SLO':>7} {'TTFT p90':>9} {'TPOT p90':>9} {'replica-s':>9}"
+          "  replicas (min-max per pool)")
+    for name, (began, end) in bounds.items():
+        f = figures[name]
+        seen = [s for s in samples if began <= s.at < end]
+        pools = seen[0].running if seen else {}
+        ranges = ", ".join(f"{pool} {min(s.running.get(pool, 0) for s in seen)}-{max(s.running.get(pool, 0) for s in seen)}" for pool in pools)
+        print(f"{name:<14} {f['requests']:>8} {f['failed']:>6} {f['goodput']:>8.2f} {f['slo_attainment']:>7.0%} {f['ttft_p90_ms']:>7.0f}ms "
+              f"{f['tpot_p90_ms']:>7.0f}ms {f['replica_seconds']:>9.0f}  {ranges}")
+
+
+def totals(figures: dict[str, dict]) -> dict[str, float]:
+    """A run's phases together: requests, failed, SLO attainment and replica-seconds."""
+    requests = sum(f["requests"] for f in figures.values())
+    good = sum(f["slo_attainment"] * f["requests"] for f in figures.values())
+    return {
+        "requests": requests, "failed": sum(f["failed"] for f in figures.values()),
+        "slo_attainment": good / requests if requests else 1.0, "replica_seconds": sum(f["replica_seconds"] for f in figures.values()),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="duet bench autoscale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/autoscale.yaml", help="brought up with `duet up` and taken down after")
     parser.add_argument("--url", default=None, help="drive a running cluster instead of --config")
+    parser.add_argument(
+        "--planned", default=None, metavar="PROFILE",
+        help="run the phases again with each autoscaled pool sized ahead by this `duet profile` JSON (the planning policy), "
+        "and compare the two runs' SLO attainment and replica-seconds",
+    )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--phases", default=DEFAULT_PHASES, help="name:seconds:rate:input_len:output_len, comma separated")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -238,35 +317,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     phases = parse_phases(args.phases)
-    url = args.url
-    if url is None:
-        from duet.cluster.deploy import up
-
-        print(f"bringing up {args.config} ...", flush=True)
-        url = up(args.config).urls[0]
-    try:
-        sent, samples, bounds = asyncio.run(run(url, args.model, phases, args.seed, args.api_key))
-    finally:
-        if args.url is None:
-            from duet.cluster.deploy import down
-
-            down()
-    figures = phase_figures(sent, bounds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    print(f"\nSLO: TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
-    print(f"{'phase':<14} {'requests':>8} {'failed':>6} {'goodput':>8} {'TTFT p90':>9} {'TPOT p90':>9}  replicas (min-max per pool)")
-    for name, (began, end) in bounds.items():
-        f = figures[name]
-        seen = [s for s in samples if began <= s.at < end]
-        pools = seen[0].running if seen else {}
-        ranges = ", ".join(f"{pool} {min(s.running.get(pool, 0) for s in seen)}-{max(s.running.get(pool, 0) for s in seen)}" for pool in pools)
-        print(f"{name:<14} {f['requests']:>8} {f['failed']:>6} {f['goodput']:>8.2f} {f['ttft_p90_ms']:>7.0f}ms {f['tpot_p90_ms']:>7.0f}ms  {ranges}")
-    failed = sum(f["failed"] for f in figures.values())
-    errors = sorted({item.result.error for item in sent if not item.result.ok})
-    print(f"failed requests: {failed}" + (f" ({errors[:3]})" if errors else ""))
-    plot(sent, samples, bounds, args.window_s, args.plot)
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "phases": figures,
+    if args.planned and args.url:
+        parser.error("--planned brings up --config twice (reactive, then planned): it cannot drive --url")
+    runs = [("reactive" if args.planned else Path(args.config).stem, args.config, args.plot)]
+    if args.planned:
+        planned = planned_config(args.config, args.planned, Path(args.plot).with_name(Path(args.plot).stem + "-planned.yaml"))
+        runs.append(("planned", planned, str(Path(args.plot).with_name(Path(args.plot).stem + "-planned.png"))))
+    report = {}
+    for label, config, plot_path in runs:
+        sent, samples, bounds = _drive(args, phases, config)
+        figures = phase_figures(sent, samples, bounds, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        print(f"\n{label}: SLO TTFT <= {args.slo_ttft_ms:.0f} ms, TPOT <= {args.slo_tpot_ms:.0f} ms")
+        _print_phases(figures, samples, bounds)
+        errors = sorted({item.result.error for item in sent if not item.result.ok})
+        print(f"failed requests: {totals(figures)['failed']}" + (f" ({errors[:3]})" if errors else ""))
+        plot(sent, samples, bounds, args.window_s, plot_path)
+        report[label] = {
+            "config": config, "phases": figures, "totals": totals(figures),
             "samples": [dataclasses.asdict(sample) for sample in samples],
             "requests": [{"phase": item.phase, "start": item.start} | dataclasses.asdict(item.result) for item in sent],
-        }, indent=1))
+        }
+    if len(report) > 1:
+        print(f"\n{'run':<10} {'requests':>8} {'failed':>6} {'in SLO':>7} {'replica-s':>9}")
+        for label, run_report in report.items():
+            t = run_report["totals"]
+            print(f"{label:<10} {t['requests']:>8} {t['failed']:>6} {t['slo_attainment']:>7.1%} {t['replica_seconds']:>9.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report if len(report) > 1 else next(iter(report.values())), indent=1))

@@ -34,6 +34,34 @@ def test_autoscale_phases_take_a_rate_or_a_closed_loop():
     ]
 
 
+def test_autoscale_runs_are_compared_by_slo_attainment_and_replica_seconds(tmp_path):
+    """Replica-seconds integrate the pools' running replicas between samples, cut at the phase's
+    bounds; the planned run's config is the reactive one with each autoscaled pool's profile."""
+    from pathlib import Path
+
+    import yaml
+
+    from duet.benchmarks.autoscale import Sample, Sent, phase_figures, planned_config, replica_seconds, totals
+    from duet.benchmarks.serve import RequestResult
+
+    samples = [Sample(0.0, {"prefill": 1, "decode": 1}, {}), Sample(10.0, {"prefill": 2, "decode": 1}, {}), Sample(20.0, {"prefill": 1}, {})]
+    assert replica_seconds(samples, 0.0, 20.0) == 2 * 10 + 3 * 10
+    assert replica_seconds(samples, 5.0, 15.0) == 2 * 5 + 3 * 5
+
+    def sent(ttft: float, ok: bool = True) -> Sent:
+        return Sent("p", 1.0, RequestResult(ok=ok, ttft=ttft, e2e=ttft + 0.3, output_tokens=4, error="" if ok else "boom"))  # TPOT 0.1 s
+
+    figures = phase_figures([sent(0.5), sent(3.0), sent(0.5), sent(0.5, ok=False)], samples, {"p": (0.0, 20.0)}, 2.0, 0.2)
+    assert figures["p"]["slo_attainment"] == 0.5 and figures["p"]["failed"] == 1 and figures["p"]["replica_seconds"] == 50
+    assert totals(figures) == {"requests": 4, "failed": 1, "slo_attainment": 0.5, "replica_seconds": 50}
+
+    profile = tmp_path / "profile.json"
+    written = yaml.safe_load(Path(planned_config("configs/autoscale.yaml", str(profile), tmp_path / "planned.yaml")).read_text())
+    args = written["applications"][0]["args"]
+    assert args["prefill"]["autoscaling_config"]["profile"] == args["decode"]["autoscaling_config"]["profile"] == str(profile)
+    assert args["prefill"]["autoscaling_config"]["max_replicas"] == 2  # the rest as it was
+
+
 def test_a_cut_off_sharegpt_file_keeps_its_whole_conversations():
     """The PyPI package's ShareGPT JSON ends in the middle of an entry: the list is closed after
     the last whole one."""
