@@ -19,7 +19,12 @@ count that meets the SLO at that rate, before any queue shows it.
   whose ``B`` steps within ``HEADROOM`` of the TPOT target, fits ``max_num_seqs`` and whose
   blocks fit ``kv_usage`` of a replica's.
 - **colocated**: both on the same replicas: the prompts take ``rho`` of each replica's time, and
-  decoding runs in the rest (``k`` divided by ``1 - rho``).
+  decoding runs in the rest (``k`` divided by ``1 - rho``), each sequence's tokens spread over
+  its steps and the prompts between them (its mean time a token ``t(B) / (1 - rho)``).
+
+Replicas of a pool are independent queues, so ``n`` of them take ``n`` times one's rate
+(``prefill_rate``, ``decode_rate``, ``colocated_rate``: where the counts above step up), which
+``duet plan --devices`` lays a fleet out by (``benchmarks/fleet.py``).
 
 Each model is corrected by what the replicas measure (``correction``: the measured time over
 the profile's, kept within ``CORRECTION_BOUNDS``): a machine slower than the profiled one, or
@@ -53,8 +58,10 @@ class Demand:
     def from_reports(cls, reports: list[list[dict]]) -> Demand | None:
         """The router replicas' ``ArrivalMeter.summary()`` reports as one demand (None without
         any): the rate of the window that saw the most (a rise shows in the short one at once; a
-        lull holds the pools for the long one), summed over the routers; the mean lengths over the
-        longest window, the output's from the sequences that finished (else what they asked for)."""
+        lull holds the pools for the long one), summed over the routers; the mean prompt over the
+        longest window; the mean output the larger of the finished sequences' there and twice the
+        tokens so far of those in flight (each, on average, half way: longer outputs show there
+        long before any of them finishes), else what they asked for."""
         if not reports:
             return None
         rate = max(
@@ -63,9 +70,10 @@ class Demand:
         )
         total = {key: sum(report[-1][key] for report in reports) for key in ("requests", "prompt_tokens", "max_tokens", "finished", "output_tokens")}
         prompt = total["prompt_tokens"] / total["requests"] if total["requests"] else 0.0
-        if total["finished"]:
-            output = total["output_tokens"] / total["finished"]
-        else:
+        running = sum(report[-1].get("running", 0) for report in reports)
+        in_flight = 2 * sum(report[-1].get("running_tokens", 0) for report in reports) / running if running else 0.0
+        output = max(total["output_tokens"] / total["finished"] if total["finished"] else 0.0, in_flight)
+        if not output:
             output = total["max_tokens"] / total["requests"] if total["max_tokens"] else DEFAULT_OUTPUT_TOKENS
         return cls(rate, prompt, output)
 
@@ -157,8 +165,9 @@ def _decode_fits(model: StageModel, demand: Demand, replicas: int, tpot_s: float
         return False
     context = demand.prompt_tokens + demand.output_tokens / 2
     blocks = math.ceil(batch) * math.ceil((demand.prompt_tokens + demand.output_tokens) / model.block_size)
-    step = model.step_seconds(max(batch, 1.0), context) * factor
-    return step <= HEADROOM * tpot_s and batch <= model.max_num_seqs and blocks <= kv_usage * model.num_blocks
+    # a sequence's mean time a token: its steps, stretched by the prompts' share of the replica's time
+    per_token = model.step_seconds(max(batch, 1.0), context) * factor / (1 - busy)
+    return per_token <= HEADROOM * tpot_s and batch <= model.max_num_seqs and blocks <= kv_usage * model.num_blocks
 
 
 def prefill_replicas(model: StageModel, demand: Demand, ttft_s: float, factor: float = 1.0) -> int:
@@ -188,3 +197,48 @@ def colocated_replicas(
         if _prefill_fits(seconds, demand.rate, n, ttft_s) and _decode_fits(model, demand, n, tpot_s, kv_usage, busy, decode_factor):
             return n
     return MAX_PLANNED
+
+
+def prefill_rate(model: StageModel, prompt_tokens: float, ttft_s: float, factor: float = 1.0) -> float:
+    """The arrivals per second one prefill replica takes within ``prefill_replicas``' rule (n
+    replicas take n times this): the utilization whose M/D/1 wait fills what the prompt leaves
+    of the planned TTFT; 0 where a prompt alone is past it."""
+    seconds = model.prompt_seconds(prompt_tokens) * factor
+    left = HEADROOM * ttft_s - seconds
+    if left <= 0:
+        return 0.0
+    return min(MAX_UTILIZATION, 2 * left / (seconds + 2 * left)) / seconds
+
+
+def _highest(fits, upper: float) -> float:
+    """The highest rate in (0, ``upper``) that ``fits`` (monotone: a lower one fits too), by bisection."""
+    low, high = 0.0, upper
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def decode_rate(model: StageModel, prompt_tokens: float, output_tokens: float, tpot_s: float, kv_usage: float, factor: float = 1.0) -> float:
+    """The arrivals per second one decode replica takes within ``decode_replicas``' rule."""
+    fit = model.decode
+    growth = (fit["per_row_s"] + fit["per_row_context_s"] * (prompt_tokens + output_tokens / 2)) * model.draft_factor * factor
+    upper = 1 / (output_tokens * growth) if growth > 0 else 1e6
+
+    def fits(rate: float) -> bool:
+        return _decode_fits(model, Demand(rate, prompt_tokens, output_tokens), 1, tpot_s, kv_usage, 0.0, factor)
+
+    return _highest(fits, upper)
+
+
+def colocated_rate(model: StageModel, prompt_tokens: float, output_tokens: float, ttft_s: float, tpot_s: float, kv_usage: float) -> float:
+    """The arrivals per second one colocated replica takes within ``colocated_replicas``' rule."""
+    seconds = model.prompt_seconds(prompt_tokens)
+    if seconds > HEADROOM * ttft_s:
+        return 0.0
+
+    def fits(rate: float) -> bool:
+        demand = Demand(rate, prompt_tokens, output_tokens)
+        return _prefill_fits(seconds, rate, 1, ttft_s) and _decode_fits(model, demand, 1, tpot_s, kv_usage, rate * seconds, 1.0)
+
+    return _highest(fits, MAX_UTILIZATION / seconds)

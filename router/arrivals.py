@@ -1,8 +1,9 @@
 """What a router took in lately: requests, the prompt tokens they brought, the output tokens they
-asked for and those they ended with, over the last few windows. The planning autoscaler
-(``duet.cluster.capacity``) sizes the pools from it, before any queue shows the load: each
-router replica reports ``ArrivalMeter.summary()`` to the autoscalers' board with its waiting
-contexts (``duet.cluster.admin``)."""
+asked for and those they ended with, over the last few windows, and the sequences in flight
+with the tokens they have had so far. The planning autoscaler (``duet.cluster.capacity``) sizes
+the pools from it, before any queue shows the load: each router replica reports
+``ArrivalMeter.summary()`` to the autoscalers' board with its waiting contexts
+(``duet.cluster.admin``)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,29 @@ class ArrivalMeter:
         self.started = clock()
         self._arrivals: deque[tuple[float, int, int]] = deque()  # (when, prompt tokens, max_tokens or 0)
         self._ends: deque[tuple[float, int]] = deque()  # (when, output tokens) of sequences that finished
+        self._live: dict[int, int] = {}  # a sequence in flight: its output tokens so far
+        self._tickets = 0
         self._lock = threading.Lock()
 
-    def arrive(self, prompt_tokens: int, max_tokens: int | None) -> None:
+    def arrive(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """A sequence arrived; its ticket for ``progress`` and ``end``."""
         with self._lock:
             self._arrivals.append((self.clock(), prompt_tokens, max_tokens or 0))
             self._drop()
+            self._tickets += 1
+            self._live[self._tickets] = 0
+            return self._tickets
 
-    def finish(self, output_tokens: int) -> None:
-        """A sequence that ended with its last token (not one its client left)."""
+    def progress(self, ticket: int, output_tokens: int) -> None:
+        self._live[ticket] = output_tokens  # one key's value: no lock needed beside the reader's copy
+
+    def end(self, ticket: int, finished: bool) -> None:
+        """A sequence left: ``finished`` with its last token (its length counts), or not (its
+        client left, it failed: its length is not one sequences end with)."""
         with self._lock:
-            self._ends.append((self.clock(), output_tokens))
+            output_tokens = self._live.pop(ticket, 0)
+            if finished:
+                self._ends.append((self.clock(), output_tokens))
             self._drop()
 
     def _drop(self) -> None:
@@ -45,10 +58,11 @@ class ArrivalMeter:
     def summary(self) -> list[dict[str, float]]:
         """Per window of ``WINDOWS_S``: the seconds it covers (no more than this router has run),
         the requests that arrived in it, their prompt tokens and asked-for output tokens, the
-        sequences that finished in it and their output tokens."""
+        sequences that finished in it and their output tokens; and in each, the sequences in
+        flight now (``running``) and their output tokens so far (``running_tokens``)."""
         with self._lock:
             self._drop()
-            arrivals, ends = list(self._arrivals), list(self._ends)
+            arrivals, ends, live = list(self._arrivals), list(self._ends), list(self._live.values())
         now = self.clock()
         windows = []
         for window in WINDOWS_S:
@@ -59,5 +73,6 @@ class ArrivalMeter:
                 "seconds": min(window, now - self.started), "requests": len(arrived),
                 "prompt_tokens": sum(item[1] for item in arrived), "max_tokens": sum(item[2] for item in arrived),
                 "finished": len(ended), "output_tokens": sum(item[1] for item in ended),
+                "running": len(live), "running_tokens": sum(live),
             })
         return windows

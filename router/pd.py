@@ -114,14 +114,17 @@ class Orchestrator:
         """The sequence's deltas (with LoRA adapter ``lora``: its name and folder), wherever it
         runs; started over elsewhere each time it must (``duet.router.sequence`` decides).
         Its arrival and, if it finishes, its length are metered (``self.arrivals``)."""
-        self.arrivals.arrive(len(prompt_token_ids), params.max_tokens)
-        output_tokens = 0
-        async with aclosing(self._run(sequence_id, prompt_token_ids, params, lora)) as deltas:
-            async for delta in deltas:
-                output_tokens += len(delta.token_ids)
-                yield delta
-                if delta.finished and delta.error is None:
-                    self.arrivals.finish(output_tokens)
+        ticket = self.arrivals.arrive(len(prompt_token_ids), params.max_tokens)
+        output_tokens, finished = 0, False
+        try:
+            async with aclosing(self._run(sequence_id, prompt_token_ids, params, lora)) as deltas:
+                async for delta in deltas:
+                    output_tokens += len(delta.token_ids)
+                    self.arrivals.progress(ticket, output_tokens)
+                    finished = delta.finished and delta.error is None
+                    yield delta
+        finally:
+            self.arrivals.end(ticket, finished)
 
     async def _run(
         self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None

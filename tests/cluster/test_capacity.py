@@ -60,10 +60,10 @@ def test_decode_batches_follow_littles_law_and_replicas_meet_the_tpot_target():
     # The KV: 10 sequences of 100 + 100 tokens (13 blocks each) do not fit 0.5 x 200 blocks; 5 do.
     small = model(num_blocks=200)
     assert capacity.decode_replicas(small, Demand(10.0, 100, 100), tpot_s=0.2, kv_usage=0.5) == 3
-    # Colocated, prompts take a sixth of each of three replicas' time: their decoding steps 16.7 ms, past
-    # the 16 ms planned, where three decode-only replicas step 15 ms.
-    assert capacity.decode_replicas(stage, Demand(10.0, 50, 100), 0.02, 1.0) == 3
-    assert capacity.colocated_replicas(stage, Demand(10.0, 50, 100), 2.0, 0.02, 1.0) == 4
+    # Colocated, prompts take a sixth of each of three replicas' time: 16.7 ms steps over the other 5/6 of it
+    # are 20 ms a token, past the 16.8 ms planned, where three decode-only replicas step 15 ms; four take 16 ms.
+    assert capacity.decode_replicas(stage, Demand(10.0, 50, 100), 0.021, 1.0) == 3
+    assert capacity.colocated_replicas(stage, Demand(10.0, 50, 100), 2.0, 0.021, 1.0) == 4
 
 
 def test_the_correction_is_the_measured_over_the_profiled_time_within_bounds():
@@ -72,9 +72,9 @@ def test_the_correction_is_the_measured_over_the_profiled_time_within_bounds():
     assert capacity.correction(0.0, 0.2) == 1.0
 
 
-def report(seconds, requests, prompt_tokens, max_tokens=0, finished=0, output_tokens=0):
+def report(seconds, requests, prompt_tokens, max_tokens=0, finished=0, output_tokens=0, running=0, running_tokens=0):
     return {"seconds": seconds, "requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-            "finished": finished, "output_tokens": output_tokens}
+            "finished": finished, "output_tokens": output_tokens, "running": running, "running_tokens": running_tokens}
 
 
 def test_the_routers_reports_are_one_demand_rising_at_once_and_falling_slowly():
@@ -87,6 +87,9 @@ def test_the_routers_reports_are_one_demand_rising_at_once_and_falling_slowly():
     demand = Demand.from_reports(lull)
     assert demand.rate == pytest.approx(0.5)  # the long window's: the pools are held through a lull
     assert demand.output_tokens == pytest.approx(50)  # what they ended with
+    # Longer outputs begin: 4 in flight have had 100 tokens each, past the 50 the finished ones ended with.
+    switching = [[report(10, 4, 800), report(60, 34, 6800, 0, finished=30, output_tokens=1500, running=4, running_tokens=400)]]
+    assert Demand.from_reports(switching).output_tokens == pytest.approx(200)
     young = [[report(1, 2, 200), report(1, 2, 200)]]
     assert Demand.from_reports(young).rate == pytest.approx(2 / capacity.MIN_WINDOW_S)
     assert Demand.from_reports([[report(10, 1, 10)]]).output_tokens == capacity.DEFAULT_OUTPUT_TOKENS
