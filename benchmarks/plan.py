@@ -4,6 +4,7 @@ predicts it, written as a config ``duet up`` deploys.
     duet plan --profile profile.json --config configs/local-pd.yaml [--config configs/colocated.yaml]
               [--cores N] [--budgets 256,512,1024,2048] [duet bench serve's load options]
               [--top 10] [--json ranking.json] [--out plan.yaml]
+    duet plan --devices N --profile tp1.json [--profile tp2.json ...] --config ... (a fleet: benchmarks/fleet.py)
 
 The layouts are those of ``--cores`` (default: the profile's machine's) that the profile's
 pools fill, each replica computing on the threads its pool was profiled with:
@@ -151,7 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
 
     parser = argparse.ArgumentParser(prog="duet plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--profile", required=True, help="a `duet profile` JSON of the configs")
+    parser.add_argument("--profile", action="append", required=True,
+                        help="a `duet profile` JSON of the configs (with --devices: one per TP size, repeated)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="plan a fleet of this many devices by the capacity arithmetic instead of simulating (benchmarks/fleet.py)")
+    parser.add_argument("--kv-usage", type=float, default=0.7, help="with --devices: the share of a decode replica's KV blocks planned for")
     parser.add_argument("--config", action="append", default=[], required=True,
                         help="a profiled config: the template of its mode's layouts (repeat: pd and colocated)")
     parser.add_argument("--cores", type=int, default=None, help="cores to lay out (default: the profile's machine's)")
@@ -162,6 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="plan.yaml", help="the winner's config")
     args = parser.parse_args(argv)
     workloads = chosen_workloads(parser, args)
+    if args.devices is not None:
+        from duet.benchmarks import fleet
+
+        return fleet.main(args, parser, load_runs(args, workloads))
+    if len(args.profile) > 1:
+        parser.error("one --profile (several, one per TP size, only with --devices)")
+    args.profile = args.profile[0]
     profile = json.loads(Path(args.profile).read_text())
     cores = args.cores or profile["machine"]["cores"]
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
