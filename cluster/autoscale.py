@@ -177,11 +177,11 @@ class Decision:
 
 def decide(
     views: dict[str, PoolView], targets: dict[str, Targets], now: float, pins: dict[str, int] | None = None, waiting_tokens: float = 0.0,
-    demand: capacity.Demand | None = None, models: dict[str, capacity.StageModel] | None = None,
+    demands: list[capacity.Demand] | None = None, models: dict[str, capacity.StageModel] | None = None,
 ) -> dict[str, Decision]:
     """Both pools' decisions from their views (``prefill`` absent when colocated), the context
     tokens waiting in the routers and, for the pools with a profile's ``models``, the routers'
-    ``demand``. A pool an operator pinned (``duet scale``) gets its pin, within its bounds, at
+    ``demands`` (one per window of their meters). A pool an operator pinned (``duet scale``) gets its pin, within its bounds, at
     once. Views of stages without targets (another deployment's pools) are left out."""
     views = {stage: view for stage, view in views.items() if stage in targets}
     roles, moved = _by_role(views)
@@ -194,8 +194,8 @@ def decide(
         decode_short = decode is not None and decode.target > decode.current
         decisions["prefill"] = _prefill(roles["prefill"], targets["prefill"], roles.get("decode"), decode_short, waiting_tokens)
     for stage in decisions:
-        if stage in (models or {}) and demand is not None:
-            decisions[stage] = _planned(decisions[stage], roles[stage], targets[stage], models[stage], demand)
+        if stage in (models or {}) and demands:
+            decisions[stage] = _planned(decisions[stage], roles[stage], targets[stage], models[stage], demands)
     for stage, shift in moved.items():  # back from the role's replicas to the pool's own
         decision = decisions[stage]
         decisions[stage] = dataclasses.replace(decision, current=decision.current - shift, target=max(0, decision.target - shift))
@@ -287,24 +287,30 @@ def _decode(view: PoolView, targets: Targets) -> Decision:
     return decision(current, "steady")
 
 
-def _planned(reactive: Decision, view: PoolView, targets: Targets, model: capacity.StageModel, demand: capacity.Demand) -> Decision:
-    """A pool sized ahead: the replicas ``capacity`` plans for the demand, by the profile's times
-    corrected by those its replicas measured; at least those the load present needs
-    (``needed``); more where a reactive rule asks for more than that."""
-    prompt_factor = decode_factor = 1.0
-    speed = view.mean_nonzero("prefill_tokens_per_s")
-    if speed and demand.prompt_tokens:
-        prompt_factor = capacity.correction(demand.prompt_tokens / speed, model.prompt_seconds(demand.prompt_tokens))
-    tpot, batch = view.mean_nonzero("tpot_s"), view.mean_nonzero("num_running")
-    if tpot and batch:
-        decode_factor = capacity.correction(tpot, model.step_seconds(batch, demand.prompt_tokens + demand.output_tokens / 2))
-    if view.stage == "prefill":
-        planned, factor = capacity.prefill_replicas(model, demand, targets.ttft_s, prompt_factor), prompt_factor
-    elif view.stage == "colocated":
-        planned = capacity.colocated_replicas(model, demand, targets.ttft_s, targets.tpot_s, targets.kv_usage, prompt_factor, decode_factor)
-        factor = max(prompt_factor, decode_factor)
-    else:
-        planned, factor = capacity.decode_replicas(model, demand, targets.tpot_s, targets.kv_usage, decode_factor), decode_factor
+def _planned(reactive: Decision, view: PoolView, targets: Targets, model: capacity.StageModel, demands: list[capacity.Demand]) -> Decision:
+    """A pool sized ahead: the replicas ``capacity`` plans for the window that needs the most, by
+    the profile's times corrected by those its replicas measured; down only to what serves
+    ``DOWN_MARGIN`` times that window's rate; at least those the load present needs (``needed``);
+    more where a reactive rule asks for more than that."""
+
+    def plan(demand: capacity.Demand) -> tuple[int, float]:
+        prompt_factor = decode_factor = 1.0
+        speed = view.mean_nonzero("prefill_tokens_per_s")
+        if speed and demand.prompt_tokens:
+            prompt_factor = capacity.correction(demand.prompt_tokens / speed, model.prompt_seconds(demand.prompt_tokens))
+        tpot, batch = view.mean_nonzero("tpot_s"), view.mean_nonzero("num_running")
+        if tpot and batch:
+            decode_factor = capacity.correction(tpot, model.step_seconds(batch, demand.prompt_tokens + demand.output_tokens / 2))
+        if view.stage == "prefill":
+            return capacity.prefill_replicas(model, demand, targets.ttft_s, prompt_factor), prompt_factor
+        if view.stage == "colocated":
+            factor = max(prompt_factor, decode_factor)
+            return capacity.colocated_replicas(model, demand, targets.ttft_s, targets.tpot_s, targets.kv_usage, prompt_factor, decode_factor), factor
+        return capacity.decode_replicas(model, demand, targets.tpot_s, targets.kv_usage, decode_factor), decode_factor
+
+    (planned, factor), demand = max(((plan(demand), demand) for demand in demands), key=lambda item: item[0][0])
+    if planned < reactive.current:
+        planned = max(plan(dataclasses.replace(demand, rate=demand.rate * capacity.DOWN_MARGIN))[0] for demand in demands)
     numbers = reactive.numbers | {
         "planned": planned, "rate": demand.rate, "prompt_tokens": demand.prompt_tokens, "output_tokens": demand.output_tokens,
         "correction": factor,
@@ -374,8 +380,8 @@ class PoolPolicy:
         pins = {stage: record["replicas"] for stage, record in pin_records.items() if record["at"] >= self._created_at}
         routers = [record for record in waiting.values() if now - record["at"] <= VIEW_TTL_S]
         waiting_tokens = sum(record["tokens"] for record in routers)
-        demand = capacity.Demand.from_reports([record["arrivals"] for record in routers if record.get("arrivals")])
-        decision = decide(views, self.targets, now, pins, waiting_tokens, demand, self.models)[self.stage]
+        demands = capacity.Demand.from_reports([record["arrivals"] for record in routers if record.get("arrivals")])
+        decision = decide(views, self.targets, now, pins, waiting_tokens, demands, self.models)[self.stage]
         self._report(ctx.app_name or "", decision, ctx.current_num_replicas, now)
         return decision.target, {}
 

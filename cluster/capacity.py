@@ -42,6 +42,7 @@ HEADROOM = 0.8  # of each SLO target, what the plan fills: queues vary around th
 MAX_UTILIZATION = 0.85  # of a replica's time, what prompts may fill
 CORRECTION_BOUNDS = (0.5, 4.0)  # measured over profiled times, clamped: a few odd steps do not swing the plan
 MAX_PLANNED = 64  # replicas a plan considers per pool (the pool's bounds cut it further)
+DOWN_MARGIN = 1.25  # a pool planned down goes to what serves this much more than the demand: noise in the rate does not flap it
 MIN_WINDOW_S = 5.0  # a router up for less is measured over this long: its first request is not a burst
 DEFAULT_OUTPUT_TOKENS = 128  # planned for before any sequence finished or asked for a length
 
@@ -55,27 +56,29 @@ class Demand:
     output_tokens: float
 
     @classmethod
-    def from_reports(cls, reports: list[list[dict]]) -> Demand | None:
-        """The router replicas' ``ArrivalMeter.summary()`` reports as one demand (None without
-        any): the rate of the window that saw the most (a rise shows in the short one at once; a
-        lull holds the pools for the long one), summed over the routers; the mean prompt over the
-        longest window; the mean output the larger of the finished sequences' there and twice the
-        tokens so far of those in flight (each, on average, half way: longer outputs show there
-        long before any of them finishes), else what they asked for."""
+    def from_reports(cls, reports: list[list[dict]]) -> list[Demand]:
+        """The router replicas' ``ArrivalMeter.summary()`` reports as one demand per window,
+        shortest first (none without reports), summed over the routers: each window's rate, its
+        mean prompt, and its mean output the larger of its finished sequences' and twice the tokens
+        so far of those in flight (each, on average, half way: longer outputs show there long
+        before any of them finishes), else what its requests asked for. A pool is planned for the
+        window that needs the most: a rise shows in the short one at once, a lull holds the pools
+        for the long one, and each window's rate goes with its own lengths."""
         if not reports:
-            return None
-        rate = max(
-            sum(report[index]["requests"] / max(report[index]["seconds"], MIN_WINDOW_S) for report in reports)
-            for index in range(min(len(report) for report in reports))
-        )
-        total = {key: sum(report[-1][key] for report in reports) for key in ("requests", "prompt_tokens", "max_tokens", "finished", "output_tokens")}
-        prompt = total["prompt_tokens"] / total["requests"] if total["requests"] else 0.0
-        running = sum(report[-1].get("running", 0) for report in reports)
-        in_flight = 2 * sum(report[-1].get("running_tokens", 0) for report in reports) / running if running else 0.0
-        output = max(total["output_tokens"] / total["finished"] if total["finished"] else 0.0, in_flight)
-        if not output:
-            output = total["max_tokens"] / total["requests"] if total["max_tokens"] else DEFAULT_OUTPUT_TOKENS
-        return cls(rate, prompt, output)
+            return []
+        running = sum(report[0].get("running", 0) for report in reports)
+        in_flight = 2 * sum(report[0].get("running_tokens", 0) for report in reports) / running if running else 0.0
+        demands = []
+        for index in range(min(len(report) for report in reports)):
+            windows = [report[index] for report in reports]
+            total = {key: sum(window[key] for window in windows) for key in ("requests", "prompt_tokens", "max_tokens", "finished", "output_tokens")}
+            rate = sum(window["requests"] / max(window["seconds"], MIN_WINDOW_S) for window in windows)
+            prompt = total["prompt_tokens"] / total["requests"] if total["requests"] else 0.0
+            output = max(total["output_tokens"] / total["finished"] if total["finished"] else 0.0, in_flight)
+            if not output:
+                output = total["max_tokens"] / total["requests"] if total["max_tokens"] else DEFAULT_OUTPUT_TOKENS
+            demands.append(cls(rate, prompt, output))
+        return demands
 
 
 @dataclasses.dataclass(frozen=True)

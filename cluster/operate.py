@@ -117,10 +117,17 @@ def format_status(report: dict) -> str:
         if decision is None:
             lines.append(f"{pool} pool: {info['replicas']} replicas (fixed)")
         else:
-            lines.append(
+            line = (
                 f"{pool} pool: {decision['running']} running, target {decision['target']} replicas "
                 f"(autoscaler: {decision['reason']}, {time.time() - decision['at']:.0f} s ago)"
             )
+            numbers = decision.get("numbers") or {}
+            if "planned" in numbers:  # sized ahead (``duet.cluster.capacity``): what for
+                line += (
+                    f"; planned {numbers['planned']} for {numbers['rate']:.2f} req/s of {numbers['prompt_tokens']:.0f} + "
+                    f"{numbers['output_tokens']:.0f} tokens (profile's times x{numbers['correction']:.2g})"
+                )
+            lines.append(line)
     routing = report.get("routing", {})
     if routing:
         migrations = routing.get("migrations", {})

@@ -4,6 +4,7 @@ read as one demand, and the policy sizing pools ahead of their queues."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -77,23 +78,37 @@ def report(seconds, requests, prompt_tokens, max_tokens=0, finished=0, output_to
             "finished": finished, "output_tokens": output_tokens, "running": running, "running_tokens": running_tokens}
 
 
-def test_the_routers_reports_are_one_demand_rising_at_once_and_falling_slowly():
+def test_the_routers_reports_are_a_demand_per_window_each_rate_with_its_own_lengths():
     rising = [[report(10, 20, 4000, 2000), report(60, 30, 6000, 3000)], [report(10, 10, 2000), report(60, 10, 2000)]]
-    demand = Demand.from_reports(rising)
-    assert demand.rate == pytest.approx(20 / 10 + 10 / 10)  # the short window's: the rise
-    assert demand.prompt_tokens == pytest.approx(8000 / 40)
-    assert demand.output_tokens == pytest.approx(3000 / 40)  # nothing finished yet: what they asked for
-    lull = [[report(10, 0, 0), report(60, 30, 6000, 3000, finished=30, output_tokens=1500)]]
-    demand = Demand.from_reports(lull)
-    assert demand.rate == pytest.approx(0.5)  # the long window's: the pools are held through a lull
-    assert demand.output_tokens == pytest.approx(50)  # what they ended with
+    short, long = Demand.from_reports(rising)
+    assert short == Demand(20 / 10 + 10 / 10, 6000 / 30, 2000 / 30)  # nothing finished yet: what they asked for
+    assert long == Demand(40 / 60, 8000 / 40, 3000 / 40)
     # Longer outputs begin: 4 in flight have had 100 tokens each, past the 50 the finished ones ended with.
-    switching = [[report(10, 4, 800), report(60, 34, 6800, 0, finished=30, output_tokens=1500, running=4, running_tokens=400)]]
-    assert Demand.from_reports(switching).output_tokens == pytest.approx(200)
+    switching = [[report(10, 4, 800, running=4, running_tokens=400),
+                  report(60, 34, 6800, finished=30, output_tokens=1500, running=4, running_tokens=400)]]
+    assert [demand.output_tokens for demand in Demand.from_reports(switching)] == [200, 200]
+    lull = [[report(10, 0, 0), report(60, 30, 6000, 3000, finished=30, output_tokens=1500)]]
+    assert Demand.from_reports(lull)[1] == Demand(0.5, 200, 50)  # what they ended with
     young = [[report(1, 2, 200), report(1, 2, 200)]]
-    assert Demand.from_reports(young).rate == pytest.approx(2 / capacity.MIN_WINDOW_S)
-    assert Demand.from_reports([[report(10, 1, 10)]]).output_tokens == capacity.DEFAULT_OUTPUT_TOKENS
-    assert Demand.from_reports([]) is None
+    assert Demand.from_reports(young)[0].rate == pytest.approx(2 / capacity.MIN_WINDOW_S)
+    assert Demand.from_reports([[report(10, 1, 10)]])[0].output_tokens == capacity.DEFAULT_OUTPUT_TOKENS
+    assert Demand.from_reports([]) == []
+
+
+def test_a_pool_is_planned_for_the_window_that_needs_most_and_down_only_past_a_margin():
+    """Guards a flapping pool: the short window's Poisson count crossed a replica's threshold every
+    few seconds, and a planned pool went 2, 1, 2, 1 within a phase of steady arrivals."""
+    targets = {"prefill": Targets(cooldown_s=0)}
+    models = {"prefill": model()}
+    view = PoolView("prefill", 2, 1, 4, [{"prompt_tokens_pending": 0.0, "ttft_s": 0.1}] * 2, 0.0)
+    # 500-token prompts (0.5 s): 1.9/s needs two replicas (one waits 3.4 s at 0.95), 1.5/s one (0.75: 1.5 s).
+    rising = decide({"prefill": dataclasses.replace(view, target=1)}, targets, NOW, demands=[Demand(1.9, 500, 1), Demand(0.5, 500, 1)],
+                    models=models)["prefill"]
+    assert (rising.target, rising.numbers["rate"]) == (2, 1.9)  # the short window's rise
+    held = decide({"prefill": view}, targets, NOW, demands=[Demand(1.5, 500, 1), Demand(1.5, 500, 1)], models=models)["prefill"]
+    assert (held.target, held.reason) == (2, "steady")  # 1.25 x 1.5/s would not fit one
+    fallen = decide({"prefill": view}, targets, NOW, demands=[Demand(1.0, 500, 1), Demand(1.0, 500, 1)], models=models)["prefill"]
+    assert (fallen.target, fallen.reason) == (1, "planned")
 
 
 def decode_view(target: int, blocks_used: float, running: float = 0.0, tpot_s: float = 0.0, bounds=(1, 4)) -> PoolView:
@@ -108,16 +123,16 @@ def test_a_planned_pool_grows_before_any_queue_shows_and_shrinks_to_the_plan():
     models = {"decode": model()}
     idle = decode_view(1, 0.0)
     assert decide({"decode": idle}, targets, NOW)["decode"].target == 1
-    grown = decide({"decode": idle}, targets, NOW, demand=Demand(10.0, 0, 100), models=models)["decode"]
+    grown = decide({"decode": idle}, targets, NOW, demands=[Demand(10.0, 0, 100)], models=models)["decode"]
     assert (grown.target, grown.reason, grown.numbers["planned"]) == (3, "planned", 3)
     # Arrivals gone: down to the plan (at its bounds), not one at a time ...
-    shrunk = decide({"decode": decode_view(4, 0.0)}, targets, NOW, demand=Demand(0.0, 0, 100), models=models)["decode"]
+    shrunk = decide({"decode": decode_view(4, 0.0)}, targets, NOW, demands=[Demand(0.0, 0, 100)], models=models)["decode"]
     assert (shrunk.target, shrunk.reason) == (1, "planned, bounded")
     # ... but never below what the decoding KV holds now.
-    held = decide({"decode": decode_view(4, 900.0)}, targets, NOW, demand=Demand(0.0, 0, 100), models=models)["decode"]
+    held = decide({"decode": decode_view(4, 900.0)}, targets, NOW, demands=[Demand(0.0, 0, 100)], models=models)["decode"]
     assert held.target == 4 and held.numbers["needed"] == 4
     # Replicas measured slower than profiled (TPOT 30 ms at 5 sequences, profiled 15 ms): planned for as they run.
-    slow = decide({"decode": decode_view(3, 0.0, running=5.0, tpot_s=0.03)}, targets, NOW, demand=Demand(10.0, 0, 100), models=models)
+    slow = decide({"decode": decode_view(3, 0.0, running=5.0, tpot_s=0.03)}, targets, NOW, demands=[Demand(10.0, 0, 100)], models=models)
     assert slow["decode"].numbers["correction"] == pytest.approx(2.0) and slow["decode"].target == 4
 
 
@@ -125,8 +140,8 @@ def test_a_planned_prefill_pool_counts_the_backlog_the_routers_hold():
     targets = {"prefill": Targets(prompt_tokens_per_replica=1000, cooldown_s=0)}
     view = PoolView("prefill", 1, 1, 4, [{"prompt_tokens_pending": 0.0, "ttft_s": 0.1}], 0.0)
     quiet = Demand(0.2, 500, 64)
-    assert decide({"prefill": view}, targets, NOW, demand=quiet, models={"prefill": model()})["prefill"].target == 1
-    backed_up = decide({"prefill": view}, targets, NOW, waiting_tokens=2500, demand=quiet, models={"prefill": model()})["prefill"]
+    assert decide({"prefill": view}, targets, NOW, demands=[quiet], models={"prefill": model()})["prefill"].target == 1
+    backed_up = decide({"prefill": view}, targets, NOW, waiting_tokens=2500, demands=[quiet], models={"prefill": model()})["prefill"]
     assert (backed_up.target, backed_up.numbers["planned"]) == (3, 1)
 
 

@@ -269,3 +269,16 @@ def test_ray_is_started_under_the_interpreter_that_runs_duet():
     assert command[0] == sys.executable
     completed = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0 and "version" in completed.stdout, completed.stderr
+
+
+def test_status_shows_what_a_pool_sized_ahead_planned_for():
+    import time
+
+    decision = {"running": 1, "target": 2, "reason": "planned", "at": time.time(),
+                "numbers": {"planned": 2, "rate": 1.25, "prompt_tokens": 512.4, "output_tokens": 127.6, "correction": 1.5}}
+    report = {"url": "u", "model": "m", "pools": {"decode": {"replicas": 1, "stats": [], "autoscaler": decision}},
+              "admission": {"running_sequences": 0, "queued_requests": 0}}
+    line = next(line for line in format_status(report).splitlines() if line.startswith("decode pool"))
+    assert line.endswith("planned 2 for 1.25 req/s of 512 + 128 tokens (profile's times x1.5)")
+    del decision["numbers"]["planned"]  # a reactive decision: nothing planned to show
+    assert "planned" not in next(line for line in format_status(report).splitlines() if line.startswith("decode pool")).split(")")[-1]
