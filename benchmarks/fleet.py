@@ -21,7 +21,9 @@ take within the SLO, then fewer devices; the first is written as a config (its m
 What it leaves out (``duet simulate`` does not): the spread of lengths about their means, prompts
 batched together (its prefill is one prompt at a time, so it is pessimistic there), chunked
 prompts slowing colocated decoding beyond their share of the time, the router's balancing
-and the transfer's time. Its rates are the planning autoscaler's, the same arithmetic.
+and the time a step waits for a core. A PD prompt's TTFT counts its KV transfer where the
+profile has a transfer fit (a roofline profile's: the link). Its rates are the planning
+autoscaler's, the same arithmetic.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def pool_rates(profile: dict, budget: int, lengths: tuple[float, float], slo: tu
     for stage, pool in profile["pools"].items():
         model = replace(capacity.StageModel.from_profile(profile, stage), budget=budget)
         devices = pool.get("num_threads", 1)
-        if stage == "prefill":
-            rate = capacity.prefill_rate(model, prompt, ttft_s)
+        if stage == "prefill":  # its first token waits for the prompt's KV to reach decode too
+            transfer = (profile.get("transfer") or {}).get("fit") or {"base_s": 0.0, "per_token_s": 0.0}
+            rate = capacity.prefill_rate(model, prompt, ttft_s - transfer["base_s"] - transfer["per_token_s"] * prompt)
         elif stage == "decode":
             rate = capacity.decode_rate(model, prompt, output, tpot_s, kv_usage)
         else:
@@ -111,7 +114,7 @@ def fleet_layouts(profiles: list[dict], devices: int, budgets: list[int], length
                     if p:
                         found.append(FleetLayout("pd", p, p_rates.devices, d, d_rates.devices, budget, rate,
                                                  p * p_rates.devices + d * d_rates.devices))
-        for colocated in (pool_rates.get("colocated") for pool_rates in rates):
+        for colocated in (stage_rates.get("colocated") for stage_rates in rates):
             if colocated is not None and colocated.rate > 0 and devices >= colocated.devices:
                 k = devices // colocated.devices
                 found.append(FleetLayout("colocated", 0, 0, k, colocated.devices, budget, k * colocated.rate, k * colocated.devices))

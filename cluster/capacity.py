@@ -9,8 +9,8 @@ count that meets the SLO at that rate, before any queue shows it.
   router spreads prompts over ``n`` replicas, each then an M/D/1 queue (Poisson arrivals, one
   service time): at utilization ``rho = rate S / n`` a prompt waits ``rho S / (2 (1 - rho))`` on
   average. The pool needs the fewest ``n`` with ``S +`` that wait within ``HEADROOM`` of the
-  TTFT target and ``rho <= MAX_UTILIZATION``; a prompt too long for the target even alone gets
-  the ``n`` that keeps up.
+  TTFT target and ``rho <= MAX_UTILIZATION``; a prompt that alone comes near the target (or
+  past it) may wait ``MIN_WAIT_SHARE`` of its time still.
 - **decode**: a sequence decodes ``O`` tokens, one a step; with ``B`` sequences a replica's step
   takes ``t(B) = a + (b + c C) B`` (the fit; ``C`` the mean context, ``L + O/2``; times the
   drafts' factor where the pool speculates). By Little's law a replica receiving ``rate / n``
@@ -40,6 +40,7 @@ from pathlib import Path
 
 HEADROOM = 0.8  # of each SLO target, what the plan fills: queues vary around their means
 MAX_UTILIZATION = 0.85  # of a replica's time, what prompts may fill
+MIN_WAIT_SHARE = 0.25  # of a prompt's time, the mean wait a plan allows however close the prompt alone comes to the target
 CORRECTION_BOUNDS = (0.5, 4.0)  # measured over profiled times, clamped: a few odd steps do not swing the plan
 MAX_PLANNED = 64  # replicas a plan considers per pool (the pool's bounds cut it further)
 DOWN_MARGIN = 1.25  # a pool planned down goes to what serves this much more than the demand: noise in the rate does not flap it
@@ -59,15 +60,15 @@ class Demand:
     def from_reports(cls, reports: list[list[dict]]) -> list[Demand]:
         """The router replicas' ``ArrivalMeter.summary()`` reports as one demand per window,
         shortest first (none without reports), summed over the routers: each window's rate, its
-        mean prompt, and its mean output the larger of its finished sequences' and twice the tokens
-        so far of those in flight (each, on average, half way: longer outputs show there long
-        before any of them finishes), else what its requests asked for. A pool is planned for the
+        mean prompt, and its mean output the larger of its finished sequences' and the lengths
+        those in flight are likely to end with (``running_expected``: longer outputs show there
+        long before any of them finishes), else what its requests asked for. A pool is planned for the
         window that needs the most: a rise shows in the short one at once, a lull holds the pools
         for the long one, and each window's rate goes with its own lengths."""
         if not reports:
             return []
         running = sum(report[0].get("running", 0) for report in reports)
-        in_flight = 2 * sum(report[0].get("running_tokens", 0) for report in reports) / running if running else 0.0
+        in_flight = sum(report[0].get("running_expected", 0) for report in reports) / running if running else 0.0
         demands = []
         for index in range(min(len(report) for report in reports)):
             windows = [report[index] for report in reports]
@@ -105,12 +106,14 @@ class StageModel:
         )
 
     def prompt_seconds(self, tokens: float) -> float:
-        """A prompt of ``tokens`` computed alone, in chunks of the token budget."""
+        """A prompt of ``tokens`` computed alone, in chunks of the token budget (none quicker than
+        a roofline profile's ``floor_s``: reading the weights)."""
         seconds, done, left = 0.0, 0.0, max(tokens, 1.0)
+        fit = self.prompt
         while left > 0:
             chunk = min(left, self.budget)
-            fit = self.prompt
-            seconds += fit["base_s"] + fit["per_token_s"] * chunk + fit["per_token_context_s"] * chunk * (done + chunk / 2)
+            linear = fit["base_s"] + fit["per_token_s"] * chunk + fit["per_token_context_s"] * chunk * (done + chunk / 2)
+            seconds += max(fit.get("floor_s", 0.0), linear)
             done, left = done + chunk, left - chunk
         return seconds
 
@@ -139,13 +142,16 @@ def correction(measured_s: float, predicted_s: float) -> float:
     return min(max(measured_s / predicted_s, low), high)
 
 
+def _wait_allowed(seconds: float, ttft_s: float) -> float:
+    """The mean wait a prompt of ``seconds`` may have: what it leaves of the planned TTFT, and at
+    least ``MIN_WAIT_SHARE`` of its own time (near or past the target no count of replicas meets
+    it, and queueing must not make it worse: the plan stays continuous there)."""
+    return max(HEADROOM * ttft_s - seconds, MIN_WAIT_SHARE * seconds)
+
+
 def _prefill_fits(seconds: float, rate: float, replicas: int, ttft_s: float) -> bool:
     rho = rate * seconds / replicas
-    if rho > MAX_UTILIZATION:
-        return False
-    if seconds > HEADROOM * ttft_s:  # too long for the target even alone: keeping up is all there is
-        return True
-    return seconds + rho * seconds / (2 * (1 - rho)) <= HEADROOM * ttft_s
+    return rho <= MAX_UTILIZATION and rho * seconds / (2 * (1 - rho)) <= _wait_allowed(seconds, ttft_s)
 
 
 def decode_batch(model: StageModel, demand: Demand, replicas: int, busy: float = 0.0, factor: float = 1.0) -> float | None:
@@ -207,9 +213,9 @@ def prefill_rate(model: StageModel, prompt_tokens: float, ttft_s: float, factor:
     replicas take n times this): the utilization whose M/D/1 wait fills what the prompt leaves
     of the planned TTFT; 0 where a prompt alone is past it."""
     seconds = model.prompt_seconds(prompt_tokens) * factor
-    left = HEADROOM * ttft_s - seconds
-    if left <= 0:
+    if seconds > HEADROOM * ttft_s:
         return 0.0
+    left = _wait_allowed(seconds, ttft_s)
     return min(MAX_UTILIZATION, 2 * left / (seconds + 2 * left)) / seconds
 
 

@@ -30,6 +30,8 @@ def test_a_prompt_is_priced_chunk_by_chunk_each_over_the_context_before_it():
     first = 0.01 + 0.001 * 512 + 1e-6 * 512 * 256
     second = 0.01 + 0.001 * 488 + 1e-6 * 488 * (512 + 244)
     assert stage.prompt_seconds(1000) == pytest.approx(first + second)
+    floored = StageModel(stage.prompt | {"floor_s": 0.7}, stage.decode, 512, 64, 1000, 16)  # a roofline's: the weights read
+    assert floored.prompt_seconds(1000) == pytest.approx(0.7 + second)
 
 
 def test_prefill_replicas_meet_the_ttft_target_by_an_md1_queue():
@@ -43,8 +45,10 @@ def test_prefill_replicas_meet_the_ttft_target_by_an_md1_queue():
     assert capacity.prefill_replicas(stage, Demand(3.0, 500, 64), 1.0) == 3
     # Measured twice as slow as profiled: 1 s a prompt; six replicas wait 0.5 s (TTFT 1.5 s).
     assert capacity.prefill_replicas(stage, Demand(3.0, 500, 64), 2.0, factor=2.0) == 6
-    # A prompt longer than the target alone: the replicas that keep up (utilization <= 0.85).
-    assert capacity.prefill_replicas(stage, Demand(1.0, 3000, 64), 2.0) == 4
+    # A prompt longer than the target alone (3 s): it may still wait a quarter of its time, 0.75 s, at
+    # utilization 1/3: nine replicas. And one just under it (1.5 s) likewise: no cliff between the two.
+    assert capacity.prefill_replicas(stage, Demand(1.0, 3000, 64), 2.0) == 9
+    assert capacity.prefill_replicas(stage, Demand(1.0, 1500, 64), 2.0) == 5
 
 
 def test_decode_batches_follow_littles_law_and_replicas_meet_the_tpot_target():
@@ -73,9 +77,10 @@ def test_the_correction_is_the_measured_over_the_profiled_time_within_bounds():
     assert capacity.correction(0.0, 0.2) == 1.0
 
 
-def report(seconds, requests, prompt_tokens, max_tokens=0, finished=0, output_tokens=0, running=0, running_tokens=0):
+def report(seconds, requests, prompt_tokens, max_tokens=0, finished=0, output_tokens=0, running=0, running_tokens=0, running_expected=0):
     return {"seconds": seconds, "requests": requests, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
-            "finished": finished, "output_tokens": output_tokens, "running": running, "running_tokens": running_tokens}
+            "finished": finished, "output_tokens": output_tokens, "running": running, "running_tokens": running_tokens,
+            "running_expected": running_expected}
 
 
 def test_the_routers_reports_are_a_demand_per_window_each_rate_with_its_own_lengths():
@@ -83,9 +88,9 @@ def test_the_routers_reports_are_a_demand_per_window_each_rate_with_its_own_leng
     short, long = Demand.from_reports(rising)
     assert short == Demand(20 / 10 + 10 / 10, 6000 / 30, 2000 / 30)  # nothing finished yet: what they asked for
     assert long == Demand(40 / 60, 8000 / 40, 3000 / 40)
-    # Longer outputs begin: 4 in flight have had 100 tokens each, past the 50 the finished ones ended with.
-    switching = [[report(10, 4, 800, running=4, running_tokens=400),
-                  report(60, 34, 6800, finished=30, output_tokens=1500, running=4, running_tokens=400)]]
+    # Longer outputs begin: 4 in flight are likely to end with 200 tokens each, past the 50 the finished ones ended with.
+    switching = [[report(10, 4, 800, running=4, running_tokens=400, running_expected=800),
+                  report(60, 34, 6800, finished=30, output_tokens=1500, running=4, running_tokens=400, running_expected=800)]]
     assert [demand.output_tokens for demand in Demand.from_reports(switching)] == [200, 200]
     lull = [[report(10, 0, 0), report(60, 30, 6000, 3000, finished=30, output_tokens=1500)]]
     assert Demand.from_reports(lull)[1] == Demand(0.5, 200, 50)  # what they ended with

@@ -23,10 +23,14 @@ def test_the_arrival_meter_keeps_each_window_and_forgets_what_is_older():
     meter.end(first, finished=True)
     meter.progress(second, 5)
     short, long = meter.summary()
-    assert short == report(WINDOWS_S[0], 1, 300, 0, 1, 12, running=1, running_tokens=5)
-    assert long == report(30.0, 2, 400, 16, 1, 12, running=1, running_tokens=5)  # as long as it has run
+    assert short == report(WINDOWS_S[0], 1, 300, 0, 1, 12, running=1, running_tokens=5, running_expected=10)
+    assert long == report(30.0, 2, 400, 16, 1, 12, running=1, running_tokens=5, running_expected=10)  # as long as it has run
+    third = meter.arrive(10, 16)
+    meter.progress(third, 12)  # likely to end with 24, but it asked for 16 at most
+    assert meter.summary()[0]["running_expected"] == 10 + 16
+    meter.end(third, finished=False)
     meter.end(second, finished=False)  # its client left: no length counted
-    assert meter.summary()[0] == report(WINDOWS_S[0], 1, 300, 0, 1, 12)
+    assert meter.summary()[0] == report(WINDOWS_S[0], 2, 310, 16, 1, 12)
     now[0] = 100.0
     assert meter.summary()[1] == report(WINDOWS_S[1], 0, 0)
     assert not meter._arrivals and not meter._ends  # a router's memory stays bounded
