@@ -211,11 +211,31 @@ class _RoutingCollector:
         decisions = CounterMetricFamily(
             "duet:autoscaler_decisions", "Changes of the pool's autoscaling decision, by reason.", labels=["model_name", "stage", "reason"]
         )
+        planned = GaugeMetricFamily(
+            "duet:autoscaler_planned_replicas", "The replicas a pool sized ahead (its profile) planned for the demand, before its bounds.",
+            labels=["model_name", "stage"],
+        )
+        planned_rate = GaugeMetricFamily(
+            "duet:autoscaler_planned_rate", "The arrivals per second the pool's plan was made for.", labels=["model_name", "stage"]
+        )
         for stage, record in self.autoscaler().items():
             target.add_metric([self.model_name, stage], record["target"])
             running.add_metric([self.model_name, stage], record["running"])
             for reason, count in record["decisions"].items():
                 decisions.add_metric([self.model_name, stage, reason], count)
+            numbers = record.get("numbers") or {}
+            if "planned" in numbers:
+                planned.add_metric([self.model_name, stage], numbers["planned"])
+                planned_rate.add_metric([self.model_name, stage], numbers["rate"])
         yield target
         yield running
         yield decisions
+        yield planned
+        yield planned_rate
+        arrivals = self.orchestrator.arrivals.summary()[0]
+        arrival_rate = GaugeMetricFamily(
+            "duet:arrival_rate", "Requests per second this router took in over the last 10 s (what the planning autoscaler reads).",
+            labels=["model_name"],
+        )
+        arrival_rate.add_metric([self.model_name], arrivals["requests"] / max(arrivals["seconds"], 1.0))
+        yield arrival_rate

@@ -31,3 +31,27 @@ def test_every_replica_metric_reads_its_value_from_the_typed_report():
     assert families["vllm:cache_config_info"].samples[0].labels == {
         "model_name": "m", "stage": "decode", "replica": "d", "cache_dtype": "auto", "block_size": "16", "num_gpu_blocks": "100",
     }
+
+
+def test_a_planned_pool_and_the_routers_arrivals_are_exported():
+    from types import SimpleNamespace
+
+    from duet.router.arrivals import ArrivalMeter
+    from duet.router.metrics import _RoutingCollector
+
+    now = [100.0]
+    meter = ArrivalMeter(clock=lambda: now[0])
+    now[0] = 200.0
+    for _ in range(5):
+        meter.end(meter.arrive(10, 4), finished=True)
+    orchestrator = SimpleNamespace(
+        migrations={}, channels=SimpleNamespace(messages=0, items=0), balancer=None, arrivals=meter,
+    )
+    records = {
+        "decode": {"target": 2, "running": 1, "decisions": {"planned": 1}, "numbers": {"planned": 3, "rate": 1.5}},
+        "prefill": {"target": 1, "running": 1, "decisions": {"steady": 1}, "numbers": {"prompt_backlog": 0}},
+    }
+    families = {family.name: family for family in _RoutingCollector("m", orchestrator, lambda: records, dict).collect()}
+    assert [(sample.labels["stage"], sample.value) for sample in families["duet:autoscaler_planned_replicas"].samples] == [("decode", 3)]
+    assert [sample.value for sample in families["duet:autoscaler_planned_rate"].samples] == [1.5]
+    assert families["duet:arrival_rate"].samples[0].value == 0.5  # five in the last 10 s
