@@ -45,11 +45,10 @@ that less the replicas it borrowed, plus those it lent (``_by_role``).
   ``min_replicas``..``max_replicas``.
 
 A pool whose settings name a ``profile`` (a ``duet profile`` JSON of its config) is sized
-ahead instead (``_planned``): the replicas the arrival rate and length mix the routers measured
-need to meet the SLO, by the profile's step times corrected by the replicas' measure
-(``duet.cluster.capacity``), and never fewer than the load present needs (the backlog's, the
-router-held contexts counted, or the decoding KV's). The reactive rules still add a replica
-where the load present asks for more than the plan.
+ahead instead (``_planned``, ``duet.cluster.capacity``): for the routers' arrivals and lengths,
+by the profile's times corrected by the replicas' measure; never below what the load present
+needs (the backlog, router-held contexts counted, or the decoding KV); the reactive rules
+still add a replica where that load asks for more than the plan.
 
 An operator may pin an autoscaled pool at a size (``duet scale POOL N``, ``POST /duet/scale``;
 ``auto`` unpins, and so does deploying the application again): the policy then decides the pin,
@@ -293,7 +292,8 @@ def _planned(reactive: Decision, view: PoolView, targets: Targets, model: capaci
     ``DOWN_MARGIN`` times that window's rate; at least those the load present needs (``needed``);
     more where a reactive rule asks for more than that."""
 
-    def plan(demand: capacity.Demand) -> tuple[int, float]:
+    def plan(demand: capacity.Demand, margin: float = 1.0) -> tuple[int, float, capacity.Demand]:  # count, correction, window
+        planned_for = dataclasses.replace(demand, rate=demand.rate * margin)
         prompt_factor = decode_factor = 1.0
         speed = view.mean_nonzero("prefill_tokens_per_s")
         if speed and demand.prompt_tokens:
@@ -302,15 +302,15 @@ def _planned(reactive: Decision, view: PoolView, targets: Targets, model: capaci
         if tpot and batch:
             decode_factor = capacity.correction(tpot, model.step_seconds(batch, demand.prompt_tokens + demand.output_tokens / 2))
         if view.stage == "prefill":
-            return capacity.prefill_replicas(model, demand, targets.ttft_s, prompt_factor), prompt_factor
+            return capacity.prefill_replicas(model, planned_for, targets.ttft_s, prompt_factor), prompt_factor, demand
         if view.stage == "colocated":
-            factor = max(prompt_factor, decode_factor)
-            return capacity.colocated_replicas(model, demand, targets.ttft_s, targets.tpot_s, targets.kv_usage, prompt_factor, decode_factor), factor
-        return capacity.decode_replicas(model, demand, targets.tpot_s, targets.kv_usage, decode_factor), decode_factor
+            count = capacity.colocated_replicas(model, planned_for, targets.ttft_s, targets.tpot_s, targets.kv_usage, prompt_factor, decode_factor)
+            return count, max(prompt_factor, decode_factor), demand
+        return capacity.decode_replicas(model, planned_for, targets.tpot_s, targets.kv_usage, decode_factor), decode_factor, demand
 
-    (planned, factor), demand = max(((plan(demand), demand) for demand in demands), key=lambda item: item[0][0])
-    if planned < reactive.current:
-        planned = max(plan(dataclasses.replace(demand, rate=demand.rate * capacity.DOWN_MARGIN))[0] for demand in demands)
+    planned, factor, demand = max((plan(demand) for demand in demands), key=lambda item: item[0])
+    if planned < reactive.current:  # the window that set the count is the one its numbers show
+        planned, factor, demand = max((plan(demand, capacity.DOWN_MARGIN) for demand in demands), key=lambda item: item[0])
     numbers = reactive.numbers | {
         "planned": planned, "rate": demand.rate, "prompt_tokens": demand.prompt_tokens, "output_tokens": demand.output_tokens,
         "correction": factor,

@@ -114,6 +114,9 @@ def test_a_pool_is_planned_for_the_window_that_needs_most_and_down_only_past_a_m
     assert (held.target, held.reason) == (2, "steady")  # 1.25 x 1.5/s would not fit one
     fallen = decide({"prefill": view}, targets, NOW, demands=[Demand(1.0, 500, 1), Demand(1.0, 500, 1)], models=models)["prefill"]
     assert (fallen.target, fallen.reason) == (1, "planned")
+    # Both windows fit one replica, only the long one's 1.25 x 1.5/s does not: it holds two, and its numbers show it.
+    kept = decide({"prefill": view}, targets, NOW, demands=[Demand(1.0, 500, 1), Demand(1.5, 500, 1)], models=models)["prefill"]
+    assert (kept.target, kept.numbers["rate"]) == (2, 1.5)
 
 
 def decode_view(target: int, blocks_used: float, running: float = 0.0, tpot_s: float = 0.0, bounds=(1, 4)) -> PoolView:
