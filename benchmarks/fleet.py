@@ -152,8 +152,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser, runs: list) 
     profiles = [json.loads(Path(path).read_text()) for path in args.profile]
     templates = {}
     for path in args.config:
-        mode = (yaml_args(path).get("mode") or "pd")
-        templates.setdefault(mode, path)
+        templates.setdefault(config_mode(path), path)
     lengths = mean_lengths(runs)
     slo = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     layouts = [
@@ -178,7 +177,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser, runs: list) 
         Path(args.json).write_text(json.dumps([asdict(layout) | {"name": layout.name} for layout in layouts], indent=2))
 
 
-def yaml_args(path: str) -> dict:
+def config_mode(path: str) -> str:
+    """The mode (``pd`` or ``colocated``) of a config's first application, as duet reads it."""
     import yaml
 
-    return yaml.safe_load(Path(path).read_text())["applications"][0].get("args") or {}
+    from duet.cluster.config import parse_args
+
+    return parse_args(yaml.safe_load(Path(path).read_text())["applications"][0].get("args") or {}).mode

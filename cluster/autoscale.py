@@ -287,30 +287,11 @@ def _decode(view: PoolView, targets: Targets) -> Decision:
 
 
 def _planned(reactive: Decision, view: PoolView, targets: Targets, model: capacity.StageModel, demands: list[capacity.Demand]) -> Decision:
-    """A pool sized ahead: the replicas ``capacity`` plans for the window that needs the most, by
-    the profile's times corrected by those its replicas measured; down only to what serves
-    ``DOWN_MARGIN`` times that window's rate; at least those the load present needs (``needed``);
-    more where a reactive rule asks for more than that."""
-
-    def plan(demand: capacity.Demand, margin: float = 1.0) -> tuple[int, float, capacity.Demand]:  # count, correction, window
-        planned_for = dataclasses.replace(demand, rate=demand.rate * margin)
-        prompt_factor = decode_factor = 1.0
-        speed = view.mean_nonzero("prefill_tokens_per_s")
-        if speed and demand.prompt_tokens:
-            prompt_factor = capacity.correction(demand.prompt_tokens / speed, model.prompt_seconds(demand.prompt_tokens))
-        tpot, batch = view.mean_nonzero("tpot_s"), view.mean_nonzero("num_running")
-        if tpot and batch:
-            decode_factor = capacity.correction(tpot, model.step_seconds(batch, demand.prompt_tokens + demand.output_tokens / 2))
-        if view.stage == "prefill":
-            return capacity.prefill_replicas(model, planned_for, targets.ttft_s, prompt_factor), prompt_factor, demand
-        if view.stage == "colocated":
-            count = capacity.colocated_replicas(model, planned_for, targets.ttft_s, targets.tpot_s, targets.kv_usage, prompt_factor, decode_factor)
-            return count, max(prompt_factor, decode_factor), demand
-        return capacity.decode_replicas(model, planned_for, targets.tpot_s, targets.kv_usage, decode_factor), decode_factor, demand
-
-    planned, factor, demand = max((plan(demand) for demand in demands), key=lambda item: item[0])
-    if planned < reactive.current:  # the window that set the count is the one its numbers show
-        planned, factor, demand = max((plan(demand, capacity.DOWN_MARGIN) for demand in demands), key=lambda item: item[0])
+    """A pool sized ahead: the replicas ``capacity.plan`` gives, by the profile's times corrected by
+    those its replicas measured; at least those the load present needs (``needed``); more where a
+    reactive rule asks for more than that."""
+    measured = capacity.Measured(view.mean_nonzero("prefill_tokens_per_s"), view.mean_nonzero("tpot_s"), view.mean_nonzero("num_running"))
+    planned, factor, demand = capacity.plan(view.stage, model, demands, measured, targets.ttft_s, targets.tpot_s, targets.kv_usage, reactive.current)
     numbers = reactive.numbers | {
         "planned": planned, "rate": demand.rate, "prompt_tokens": demand.prompt_tokens, "output_tokens": demand.output_tokens,
         "correction": factor,

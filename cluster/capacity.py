@@ -26,9 +26,10 @@ Replicas of a pool are independent queues, so ``n`` of them take ``n`` times one
 (``prefill_rate``, ``decode_rate``, ``colocated_rate``: where the counts above step up), which
 ``duet plan --devices`` lays a fleet out by (``benchmarks/fleet.py``).
 
-Each model is corrected by what the replicas measure (``correction``: the measured time over
-the profile's, kept within ``CORRECTION_BOUNDS``): a machine slower than the profiled one, or
-replicas slowing each other, is planned for as it runs.
+Each model is corrected by what the replicas measure (``Measured``, ``correction``: the measured
+time over the profile's, kept within ``CORRECTION_BOUNDS``): a machine slower than the profiled
+one, or replicas slowing each other, is planned for as it runs. ``plan`` is the count a pool's
+policy takes: for the window of arrivals that needs the most, and down only past a margin.
 """
 
 from __future__ import annotations
@@ -206,6 +207,48 @@ def colocated_replicas(
         if _prefill_fits(seconds, demand.rate, n, ttft_s) and _decode_fits(model, demand, n, tpot_s, kv_usage, busy, decode_factor):
             return n
     return MAX_PLANNED
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What a pool's replicas measured (0: nothing yet): prompt tokens per second, TPOT, and the
+    sequences they ran meanwhile."""
+
+    prefill_tokens_per_s: float = 0.0
+    tpot_s: float = 0.0
+    num_running: float = 0.0
+
+    def factors(self, model: StageModel, demand: Demand) -> tuple[float, float]:
+        """The corrections of the model's prompt and decode times (``correction``)."""
+        prompt = decode = 1.0
+        if self.prefill_tokens_per_s and demand.prompt_tokens:
+            prompt = correction(demand.prompt_tokens / self.prefill_tokens_per_s, model.prompt_seconds(demand.prompt_tokens))
+        if self.tpot_s and self.num_running:
+            decode = correction(self.tpot_s, model.step_seconds(self.num_running, demand.prompt_tokens + demand.output_tokens / 2))
+        return prompt, decode
+
+
+def plan(
+    stage: str, model: StageModel, demands: list[Demand], measured: Measured, ttft_s: float, tpot_s: float, kv_usage: float, current: int,
+) -> tuple[int, float, Demand]:
+    """A pool's replicas for the window of ``demands`` that needs the most, its correction and
+    that window; below ``current`` only as far as ``DOWN_MARGIN`` times that window's rate
+    allows (the window that set the count is the one returned)."""
+
+    def count(demand: Demand, margin: float) -> tuple[int, float, Demand]:
+        wanted = dataclasses.replace(demand, rate=demand.rate * margin)
+        prompt_factor, decode_factor = measured.factors(model, demand)
+        if stage == "prefill":
+            return prefill_replicas(model, wanted, ttft_s, prompt_factor), prompt_factor, demand
+        if stage == "colocated":
+            replicas = colocated_replicas(model, wanted, ttft_s, tpot_s, kv_usage, prompt_factor, decode_factor)
+            return replicas, max(prompt_factor, decode_factor), demand
+        return decode_replicas(model, wanted, tpot_s, kv_usage, decode_factor), decode_factor, demand
+
+    planned = max((count(demand, 1.0) for demand in demands), key=lambda item: item[0])
+    if planned[0] < current:
+        planned = max((count(demand, DOWN_MARGIN) for demand in demands), key=lambda item: item[0])
+    return planned
 
 
 def prefill_rate(model: StageModel, prompt_tokens: float, ttft_s: float, factor: float = 1.0) -> float:

@@ -11,19 +11,14 @@ import pytest
 
 from duet.cluster import capacity
 from duet.cluster.capacity import Demand
+from tests.cluster.test_capacity import model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def _model(**changes):
-    from tests.cluster.test_capacity import model
-
-    return model(**changes)
-
-
 def test_a_replicas_rate_is_where_the_autoscalers_count_steps_up():
     """n replicas take n times one's rate: just under it the autoscaler plans n, just over n + 1."""
-    stage = _model(num_blocks=2000)
+    stage = model(num_blocks=2000)
     one = capacity.prefill_rate(stage, 500, 2.0)
     assert one == pytest.approx(2 * 1.1 / (0.5 + 2 * 1.1) / 0.5)  # 1.1 s of the 1.6 s planned left to wait
     decode_one = capacity.decode_rate(stage, 100, 100, 0.02, 0.7)
