@@ -57,6 +57,18 @@ class Sent:
     result: RequestResult
 
 
+def poisson_arrivals(phase: Phase, rng: random.Random) -> list[tuple[float, list[int]]]:
+    """A rate phase's requests: (seconds into the phase, a fresh random prompt), Poisson at its
+    rate (``duet simulate --phases`` sends the same, from the same seed)."""
+    requests, at = [], 0.0
+    while phase.rate > 0:
+        at += rng.expovariate(phase.rate)
+        if at >= phase.duration_s:
+            break
+        requests.append((at, [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(phase.input_len)]))
+    return requests
+
+
 def parse_phases(text: str) -> list[Phase]:
     """``name:seconds:rate:input_len:output_len`` separated by commas; a rate ``cN``: N clients
     in a closed loop."""
@@ -119,11 +131,8 @@ async def run(url: str, model: str, phases: list[Phase], seed: int, api_key: str
                   f"for {phase.duration_s:.0f} s", flush=True)
             end = began + phase.duration_s
             tasks += [asyncio.create_task(client_loop(phase, end)) for _ in range(phase.concurrency)]
-            while phase.rate > 0:
-                await asyncio.sleep(rng.expovariate(phase.rate))
-                if time.perf_counter() - origin >= end:
-                    break
-                prompt = [rng.randrange(*SAFE_TOKEN_RANGE) for _ in range(phase.input_len)]
+            for offset, prompt in poisson_arrivals(phase, rng):
+                await asyncio.sleep(max(0.0, began + offset - (time.perf_counter() - origin)))
                 tasks.append(asyncio.create_task(one(phase, prompt)))
             await asyncio.sleep(max(0.0, end - (time.perf_counter() - origin)))
             bounds[phase.name] = (began, end)

@@ -339,6 +339,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     add_roofline_arguments(parser)
     args = parser.parse_args(argv)
+    if args.serving:
+        from duet.cluster.deploy import use_loopback_ray
+
+        use_loopback_ray()  # it brings the configs up on this machine: before anything imports ray
 
     if args.roofline:
         pools = {}

@@ -6,7 +6,7 @@ application read into pools and router settings."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TOKEN = 1000  # what every simulated step samples; requests end at their length (EOS ignored)
@@ -137,17 +137,22 @@ class Replica:
             request.num_emitted_tokens = request.num_output_tokens
         return changed
 
-    def report(self):
-        """Its ``ReplicaStats``, as the replica reports them to the router."""
-        from duet.messages import CoreStats, EngineStats, LoRAStats, ReplicaStats
+    def engine_stats(self):
+        """Its engine's ``EngineStats``."""
+        from duet.messages import CoreStats, EngineStats, LoRAStats
 
         scheduler = self.scheduler
-        engine = EngineStats(
+        return EngineStats(
             scheduler=scheduler.stats(), kv=scheduler.kv_cache_manager.stats("auto", "float32", 0),
             transfer=scheduler.kv_connector.stats(), load=self.load.stats(), spec=scheduler.spec_stats.stats(),
             cores=CoreStats(1, False, 0.0), lora=LoRAStats([], 0, 0, 0), worker_failure=None,
         )
-        return ReplicaStats.compose(self.stage, self.name, "", engine, 0, [])
+
+    def report(self):
+        """Its ``ReplicaStats``, as the replica reports them to the router."""
+        from duet.messages import ReplicaStats
+
+        return ReplicaStats.compose(self.stage, self.name, "", self.engine_stats(), 0, [])
 
     def busyness(self) -> tuple[int, int]:
         """What the decode pool's request router weighs: sequences here, then fewer free blocks."""
@@ -170,17 +175,24 @@ class ClusterModel:
     transfer: dict[str, float] | None
     cores: int = 0  # the machine's (0: the engines never wait for a core)
     serving: dict[str, float] | None = None  # the serving path's CPU (``duet profile --serving``'s fit for the mode)
+    scaling: dict = field(default_factory=dict)  # the autoscaled pools' ``sim_scale.PoolScaling``, by the policy's stage
 
 
 def cluster_model(config_path: str, profile: dict, app_name: str | None = None) -> ClusterModel:
     import yaml
 
+    from duet.benchmarks.sim_scale import PoolScaling
     from duet.cluster.config import parse_args
 
     apps = yaml.safe_load(Path(config_path).read_text())["applications"]
     app = next(app for app in apps if app_name is None or app.get("name", "default") == app_name)
     config = parse_args(app.get("args") or {})
     colocated = config.mode == "colocated"
+    pools = {"decode": config.decode} if colocated else {"prefill": config.prefill, "decode": config.decode}
+    scaling = {
+        stage: spec for name, settings in pools.items()
+        if (spec := PoolScaling.of(settings, stage := "colocated" if colocated else name, config.slo)) is not None
+    }
 
     def pool(stage: str, settings) -> list[PoolModel]:
         if stage not in profile["pools"]:
@@ -199,4 +211,5 @@ def cluster_model(config_path: str, profile: dict, app_name: str | None = None) 
         transfer=(profile.get("transfer") or {}).get("fit"),
         cores=profile["machine"]["cores"],
         serving=((profile.get("serving") or {}).get("colocated" if colocated else "pd") or {}).get("fit"),
+        scaling=scaling,
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from duet.benchmarks.serve import RequestResult
 from duet.benchmarks.sim_model import TOKEN, ClusterModel, Replica, cpu_stretch
+from duet.benchmarks.sim_scale import DEFAULT_START_S, Autoscaling
 from duet.benchmarks.workloads import TurnSpec
 from duet.messages import ROUTING_STATS_PERIOD_S
 from duet.router.waiting import ROOM_WAIT_S, WAIT_POLL_S
@@ -47,7 +48,8 @@ class Simulation:
     reports, the waiting room's polls. The router's choices are its own code's: the stage
     balancer (``duet.router.balance``) on the replicas' reports, asked as its waiting room asks."""
 
-    def __init__(self, cluster: ClusterModel, think_time_s: float = 0.0) -> None:
+    def __init__(self, cluster: ClusterModel, think_time_s: float = 0.0, start_s: float = DEFAULT_START_S) -> None:
+        from duet.router.arrivals import ArrivalMeter
         from duet.router.balance import StageBalancer
 
         self.cluster, self.think_time_s = cluster, think_time_s
@@ -76,6 +78,10 @@ class Simulation:
         self._sessions: dict[int, list[TurnSpec]] = {}
         self._serving: deque[tuple[float, float]] = deque()  # (when, CPU seconds) the serving path spent
         self._serving_spent = 0.0  # their sum
+        self.arrivals = ArrivalMeter(clock)  # the router's, metering each admitted sequence
+        self._tickets: dict[str, int] = {}
+        self.draining: list[Replica] = []  # left their pools (scaled down): finishing what they have
+        self.autoscaling = Autoscaling(self, cluster.scaling, start_s) if cluster.scaling else None
 
     def clock(self) -> float:
         return self.now
@@ -83,13 +89,17 @@ class Simulation:
     def at(self, when: float, action, *args) -> None:
         heapq.heappush(self._events, (when, next(self._order), action, args))
 
-    def run(self, sessions: list[list[TurnSpec]], arrivals: list[float]) -> tuple[list[RequestResult], float]:
+    def run(self, sessions: list[list[TurnSpec]], arrivals: list[float], until: float = 0.0) -> tuple[list[RequestResult], float]:
+        """The sessions sent at their arrival times; each request's result and when the last
+        ended. Autoscaled pools keep deciding until ``until`` (and while requests remain)."""
         for index, (turns, when) in enumerate(zip(sessions, arrivals)):
             self._sessions[index] = turns
             self._open += len(turns)
             self.at(when, self._arrive, index, 0)
         if self.prefill:
             self.at(0.0, self._report)
+        if self.autoscaling is not None:
+            self.autoscaling.start(until)
         while self._events:
             self.now, _, action, args = heapq.heappop(self._events)
             action(*args)
@@ -97,6 +107,23 @@ class Simulation:
         ended = [sequence for sequence in self.sequences.values() if sequence.failed_at or sequence.token_times]
         end = max((sequence.failed_at or sequence.token_times[-1] for sequence in ended), default=0.0)
         return sorted(results, key=lambda result: result.sent_s), end
+
+    def open_requests(self) -> int:
+        """Requests of the sessions not ended yet (sent, or still to come)."""
+        return self._open
+
+    def waiting_tokens(self) -> int:
+        """The context tokens admitted and waiting in the router for a pool with room."""
+        return sum(context.num_tokens for context in self._contexts)
+
+    def retire(self, replica: Replica) -> None:
+        """``replica`` leaves its pool (scaled down): nothing new goes to it; it finishes what it has."""
+        (self.prefill if replica in self.prefill else self.decode).remove(replica)
+        self.draining.append(replica)
+
+    def admit_more(self) -> None:
+        """A replica joined a pool: contexts waiting may go."""
+        self._admit()
 
     def _report(self) -> None:
         """Every replica's stats, as they reach the router every ``ROUTING_STATS_PERIOD_S``."""
@@ -143,6 +170,8 @@ class Simulation:
         while self._admission and self._running < self.cluster.max_running:
             request_id = self._admission.pop(0)
             self._running += 1
+            spec = self.sequences[request_id].spec
+            self._tickets[request_id] = self.arrivals.arrive(len(spec.prompt), spec.output_len)
             if not self.prefill:
                 self._place_local(request_id, None)
             else:
@@ -208,11 +237,20 @@ class Simulation:
         prefill.scheduler.add_request(Request(request_id, prompt, first, None, kv_send=send, arrival_time=self.now))
         self._kick(prefill)
 
+    def busy_threads(self) -> int:
+        """The threads computing now: the engines' of the replicas stepping, and one for each
+        replica starting (loading its model and weights)."""
+        busy = sum(replica.model.threads for replica in (*self.prefill, *self.decode, *self.draining) if replica.busy)
+        return busy + (self.autoscaling.num_starting() if self.autoscaling is not None else 0)
+
+    def stretch(self, threads: int) -> float:
+        """How much longer work takes with ``threads`` computing now (``cpu_stretch``)."""
+        return cpu_stretch(threads, self.serving_cores(), self.cluster.cores)
+
     def _kick(self, replica: Replica) -> None:
         if not replica.busy:
-            others = [other for other in (*self.prefill, *self.decode) if other.busy and other is not replica]
-            threads = replica.model.threads + sum(other.model.threads for other in others)
-            seconds = replica.start(len(others), cpu_stretch(threads, self.serving_cores(), self.cluster.cores))
+            others = [other for other in (*self.prefill, *self.decode, *self.draining) if other.busy and other is not replica]
+            seconds = replica.start(len(others), self.stretch(self.busy_threads() + replica.model.threads))
             if seconds is not None:
                 self.at(self.now + seconds, self._finished_step, replica)
 
@@ -231,6 +269,7 @@ class Simulation:
             if new > 0:
                 sequence.token_times += [self.now] * new
                 self._spend(tokens=new)
+                self.arrivals.progress(self._tickets[request.request_id], len(sequence.token_times))
                 self._first_token(request.request_id)
             if request.is_finished:
                 self._ended(request.request_id)
@@ -260,6 +299,7 @@ class Simulation:
         """A request done (or failed: its session goes no further, as in ``duet bench serve``)."""
         sequence = self.sequences[request_id]
         self._running -= 1
+        self.arrivals.end(self._tickets.pop(request_id), ok)
         later_turns = len(self._sessions[sequence.session]) - sequence.turn - 1
         self._open -= 1 if ok else 1 + later_turns
         if ok and later_turns:

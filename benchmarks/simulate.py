@@ -35,7 +35,12 @@ A pool that drafts decodes in its profile's factor of the time (``duet profile``
 its engine decoding random prompts with its drafts, against its steps without): drafts are not
 proposed one by one, and the factor holds for text like the profile's.
 
-Not modelled yet: autoscaling (each pool at its starting size); roles that move;
+An autoscaled pool's policy decides in simulated time as Serve's controller runs it
+(``sim_scale``: the code's own ``decide``, Serve's delays and bounds, a new replica serving
+``--replica-start-s`` after its target rose); ``--phases`` runs ``duet bench autoscale``'s
+phased load instead of ``--rate`` and prints its per-phase figures (``sim_phases``).
+
+Not modelled yet: a leaving decode replica moving its sequences (they finish where they are); roles that move;
 prefix-affinity routing (least pending prompt tokens instead); the serving path's latency
 under load, and a later token's way to the client (it arrives when its step ends).
 """
@@ -51,6 +56,7 @@ from pathlib import Path
 from duet.benchmarks.serve import add_load_arguments, chosen_workloads, format_table, run_label, run_seed, summarise
 from duet.benchmarks.sim_model import cluster_model
 from duet.benchmarks.sim_run import Simulation
+from duet.benchmarks.sim_scale import DEFAULT_START_S
 from duet.benchmarks.workloads import make_sessions, session_arrivals
 
 
@@ -64,18 +70,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", default=None, help="write the summaries here (duet bench serve's format)")
     parser.add_argument("--measured", default=None, help="a `duet bench serve --json` of the same runs: the errors, run by run")
     parser.add_argument("--plot", default=None, help="write a PNG here (with --measured: predicted against measured)")
+    parser.add_argument(
+        "--phases", default=None,
+        help="`duet bench autoscale`'s phases (name:seconds:rate:input_len:output_len, comma separated) instead of --rate: "
+        "its per-phase figures and timeline; --measured then takes a `duet bench autoscale --json`",
+    )
+    parser.add_argument(
+        "--replica-start-s", type=float, default=DEFAULT_START_S,
+        help="an autoscaled pool's new replica serves this long after its target rose (`duet bench autoscale` shows it)",
+    )
     args = parser.parse_args(argv)
-    chosen = chosen_workloads(parser, args)
     profile = json.loads(Path(args.profile).read_text())
+    if args.phases:
+        from duet.benchmarks import sim_phases
+
+        sim_phases.run(args, profile)
+        return
+    chosen = chosen_workloads(parser, args)
     summaries = []
     for config in args.config:
         for label, sessions, arrivals in load_runs(args, chosen):
             started = time.perf_counter()
-            simulation = Simulation(cluster_model(config, profile), args.think_time_s)
+            simulation = Simulation(cluster_model(config, profile), args.think_time_s, args.replica_start_s)
             results, duration = simulation.run(sessions, arrivals)
             wall = time.perf_counter() - started
             summaries.append(summarise(Path(config).stem, label, results, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3))
-            print(f"{Path(config).stem}/{label}: {duration:.1f} s simulated in {wall:.2f} s ({duration / max(wall, 1e-9):.0f}x real time)")
+            print(f"{Path(config).stem}/{label}: {duration:.1f} s simulated in {wall:.2f} s ({duration / max(wall, 1e-9):.0f}x real time)"
+                  + replicas_line(simulation))
     print(f"\nsimulated on {args.profile} ({profile['machine']['cpu']})")
     if "transfer" not in profile:
         print("KV transfers taken as free: the profile has no transfer fit (`duet profile --transfer`)")
@@ -95,6 +116,18 @@ def main(argv: list[str] | None = None) -> None:
         from duet.benchmarks.serve_plots import plot
 
         plot(summaries, args.plot)
+
+
+def replicas_line(simulation: Simulation) -> str:
+    """The autoscaled pools' replicas over the run: each pool's least and most, and the
+    replica-seconds of all pools (empty for fixed pools)."""
+    from duet.benchmarks.autoscale import replica_seconds
+
+    samples = simulation.autoscaling.samples if simulation.autoscaling is not None else []
+    if not samples:
+        return ""
+    pools = ", ".join(f"{pool} {min(s.running[pool] for s in samples)}-{max(s.running[pool] for s in samples)}" for pool in samples[0].running)
+    return f"; replicas {pools}, {replica_seconds(samples, 0.0, samples[-1].at):.0f} replica-s"
 
 
 def load_runs(args: argparse.Namespace, workloads: list[str]) -> list[tuple[str, list, list[float]]]:

@@ -152,3 +152,24 @@ def test_a_request_reaches_the_pools_after_the_serving_paths_latency():
     late, duration = Simulation(_colocated(4, _serving(latency=0.07))).run([[TurnSpec(prompt, 3)]], [1.0])
     assert late[0].sent_s == 1.0 and late[0].ttft == pytest.approx(plain[0].ttft + 0.07)
     assert late[0].itls == pytest.approx(plain[0].itls) and duration == pytest.approx(1.0 + plain[0].e2e + 0.07)
+
+
+def test_profile_serving_makes_ray_local_before_it_reads_a_config(tmp_path):
+    """``duet profile --serving`` brings configs up on 127.0.0.1, which needs Ray's loopback
+    switch set before ray is first imported; reading the config imports it (Serve's
+    autoscaling config), so the switch comes first."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, sys\n"
+        "from duet.benchmarks import profile\n"
+        "def pools_of(*args, **kwargs):\n"
+        "    import ray\n"
+        "    raise SystemExit(os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', 'unset'))\n"
+        "profile.pools_of = pools_of\n"
+        f"profile.main(['configs/autoscale.yaml', '--serving', '--out', {str(tmp_path / 'p.json')!r}])\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "0", done.stderr[-2000:]
