@@ -85,7 +85,10 @@ class Replica:
         from duet.scheduler import Scheduler
 
         settings = model.settings
-        self.name, self.stage, self.model = name, stage, model
+        self.name, self.stage, self.model = name, stage, model  # stage: the role it serves now
+        self.home = stage  # its pool's role
+        self.role_since = clock()  # it keeps a role this long at least (``roles.hold_s``)
+        self.prompts_sent = 0  # prompts it computed for replicas serving decode (their KV sent)
         manager = KVCacheManager(settings["num_blocks"], settings["block_size"], enable_caching=True)
         self.scheduler = Scheduler(manager, settings["max_num_seqs"], settings["max_num_batched_tokens"], settings["max_model_len"])
         self.load = LoadTracker(clock)
@@ -176,6 +179,7 @@ class ClusterModel:
     cores: int = 0  # the machine's (0: the engines never wait for a core)
     serving: dict[str, float] | None = None  # the serving path's CPU (``duet profile --serving``'s fit for the mode)
     scaling: dict = field(default_factory=dict)  # the autoscaled pools' ``sim_scale.PoolScaling``, by the policy's stage
+    roles: object = None  # PD's ``duet.router.roles.RoleSettings`` (None: each replica serves its pool's role)
 
 
 def cluster_model(config_path: str, profile: dict, app_name: str | None = None) -> ClusterModel:
@@ -183,6 +187,7 @@ def cluster_model(config_path: str, profile: dict, app_name: str | None = None) 
 
     from duet.benchmarks.sim_scale import PoolScaling
     from duet.cluster.config import parse_args
+    from duet.router.roles import RoleSettings
 
     apps = yaml.safe_load(Path(config_path).read_text())["applications"]
     app = next(app for app in apps if app_name is None or app.get("name", "default") == app_name)
@@ -212,4 +217,5 @@ def cluster_model(config_path: str, profile: dict, app_name: str | None = None) 
         cores=profile["machine"]["cores"],
         serving=((profile.get("serving") or {}).get("colocated" if colocated else "pd") or {}).get("fit"),
         scaling=scaling,
+        roles=None if colocated else RoleSettings(**config.roles.model_dump()),
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from duet.benchmarks.serve import RequestResult
 from duet.benchmarks.sim_model import TOKEN, ClusterModel, Replica, cpu_stretch
+from duet.benchmarks.sim_roles import Roles
 from duet.benchmarks.sim_scale import DEFAULT_START_S, Autoscaling
 from duet.benchmarks.workloads import TurnSpec
 from duet.messages import ROUTING_STATS_PERIOD_S
@@ -58,12 +59,14 @@ class Simulation:
         stage = "colocated" if cluster.colocated else "decode"
         self.prefill = [Replica(f"prefill-{i}", "prefill", model, clock) for i, model in enumerate(cluster.prefill)]
         self.decode = [Replica(f"{stage}-{i}", stage, model, clock) for i, model in enumerate(cluster.decode)]
-        self._reports: dict[str, list] = {"prefill": [], "decode": []}
-        pools = {"prefill": self.prefill, "decode": self.decode}
-        stats = (lambda pool: self._reports[pool] or None) if cluster.adaptive_local_prefill else (lambda pool: None)
+        self._reports: dict[str, list] = {"prefill": [], "decode": []}  # the last reports, by the role each replica served
+        self.reported: dict[str, object] = {}  # replica name -> its last report
+        self.roles = Roles(self, cluster.roles, cluster.ttft_s, cluster.tpot_s)
+        stats = (lambda role: self._reports[role] or None) if cluster.adaptive_local_prefill else (lambda role: None)
         self.balancer = StageBalancer(
-            stats, lambda pool: len(pools[pool]), cluster.local_prefill_threshold, cluster.ttft_s, cluster.tpot_s, clock=clock
+            stats, lambda role: len(self.roles.serving(role)), cluster.local_prefill_threshold, cluster.ttft_s, cluster.tpot_s, clock=clock
         )
+        self.until = 0.0  # periodic work (``every``) goes on until then, and while requests remain
         self._events: list = []
         self._order = itertools.count()
         self._transfer_ids = itertools.count(1)
@@ -96,10 +99,12 @@ class Simulation:
             self._sessions[index] = turns
             self._open += len(turns)
             self.at(when, self._arrive, index, 0)
+        self.until = until
         if self.prefill:
             self.at(0.0, self._report)
+            self.roles.start()
         if self.autoscaling is not None:
-            self.autoscaling.start(until)
+            self.autoscaling.start()
         while self._events:
             self.now, _, action, args = heapq.heappop(self._events)
             action(*args)
@@ -108,9 +113,14 @@ class Simulation:
         end = max((sequence.failed_at or sequence.token_times[-1] for sequence in ended), default=0.0)
         return sorted(results, key=lambda result: result.sent_s), end
 
-    def open_requests(self) -> int:
-        """Requests of the sessions not ended yet (sent, or still to come)."""
-        return self._open
+    def every(self, period: float, action) -> None:
+        """``action`` now and every ``period`` after, until ``until`` and while requests remain."""
+        def run() -> None:
+            action()
+            if self.now < self.until or self._open:
+                self.at(self.now + period, run)
+
+        self.at(self.now, run)
 
     def waiting_tokens(self) -> int:
         """The context tokens admitted and waiting in the router for a pool with room."""
@@ -127,7 +137,8 @@ class Simulation:
 
     def _report(self) -> None:
         """Every replica's stats, as they reach the router every ``ROUTING_STATS_PERIOD_S``."""
-        self._reports = {"prefill": [replica.report() for replica in self.prefill], "decode": [replica.report() for replica in self.decode]}
+        self.reported = {replica.name: replica.report() for replica in (*self.prefill, *self.decode)}
+        self._reports = {role: [stats for stats in self.reported.values() if stats.stage == role] for role in ("prefill", "decode")}
         if self._open:
             self.at(self.now + ROUTING_STATS_PERIOD_S, self._report)
 
@@ -209,7 +220,7 @@ class Simulation:
     def _place_local(self, request_id: str, choice) -> None:
         from duet.request import Request
 
-        decode = min(self.decode, key=Replica.busyness)
+        decode = self._decode_replica()
         prompt = self.sequences[request_id].spec.prompt
         decode.scheduler.add_request(Request(request_id, prompt, self._params(request_id), None, arrival_time=self.now))
         if choice is not None:
@@ -222,7 +233,7 @@ class Simulation:
         from duet.sampling_params import SamplingParams
 
         prompt = self.sequences[request_id].spec.prompt
-        decode = min(self.decode, key=Replica.busyness)
+        decode = self._decode_replica()
         transfer_id = next(self._transfer_ids)
         request = Request(request_id, prompt, self._params(request_id), None, arrival_time=self.now)
         if not decode.scheduler.add_remote_request(request, transfer_id):
@@ -231,7 +242,9 @@ class Simulation:
             return
         self._receivers[transfer_id] = decode
         self._choices[request_id] = choice
-        prefill = min(self.prefill, key=lambda replica: replica.scheduler.stats().prompt_tokens_pending)
+        prefill = self.roles.pick(
+            "prefill", lambda member: member.prompt_tokens_pending, lambda replica: replica.scheduler.stats().prompt_tokens_pending
+        )
         first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         send = KVDestination(transfer_id, (), "decode")
         prefill.scheduler.add_request(Request(request_id, prompt, first, None, kv_send=send, arrival_time=self.now))
@@ -247,6 +260,12 @@ class Simulation:
         """How much longer work takes with ``threads`` computing now (``cpu_stretch``)."""
         return cpu_stretch(threads, self.serving_cores(), self.cluster.cores)
 
+    def _decode_replica(self) -> Replica:
+        """Where a sequence decodes: the router's choice among the replicas serving decode (the
+        decode pool's own ranks by sequences, then fewer free blocks: ``Replica.busyness``)."""
+        role = "colocated" if self.cluster.colocated else "decode"
+        return self.roles.pick(role, lambda member: member.load, Replica.busyness)
+
     def _kick(self, replica: Replica) -> None:
         if not replica.busy:
             others = [other for other in (*self.prefill, *self.decode, *self.draining) if other.busy and other is not replica]
@@ -257,11 +276,12 @@ class Simulation:
     def _finished_step(self, replica: Replica) -> None:
         for request in replica.finish():
             sequence = self.sequences[request.request_id]
-            if replica.stage == "prefill":
+            if request.kv_send is not None:  # a prompt computed for a replica serving decode
                 if request.output_token_ids and not sequence.token_times:
                     sequence.token_times.append(self.now)  # the router streams the first token on
                     self._spend(tokens=1)
                     self._first_token(request.request_id)
+                    replica.prompts_sent += 1
                     tokens = len(request.prompt_token_ids)
                     self.at(self.now + self._transfer_s(tokens), self._arrived, replica, request.kv_send.transfer_id)
                 continue

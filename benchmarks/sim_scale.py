@@ -110,7 +110,7 @@ class _Pool:
 
 class Autoscaling:
     """The autoscaled pools of ``simulation`` (a ``sim_run.Simulation``), deciding every
-    ``CONTROL_LOOP_S`` until ``until`` and while requests remain; ``samples``: the replicas
+    ``CONTROL_LOOP_S`` (``Simulation.every``); ``samples``: the replicas
     running and targeted per pool every ``SAMPLE_S`` (``duet bench autoscale``'s ``Sample``)."""
 
     def __init__(self, simulation, scaling: dict[str, PoolScaling], start_s: float = DEFAULT_START_S) -> None:
@@ -126,38 +126,28 @@ class Autoscaling:
         self.samples: list = []
         self.changes: list[tuple[float, str, int, int, str]] = []  # (when, stage, from, to, the policy's reason)
         self.served: dict[str, float] = {}  # replica name -> when it began serving (those a pool added)
-        self.until = 0.0
         self._records: dict[str, list[tuple[float, dict[str, float]]]] = {}  # replica name -> (when, metrics)
         self._born: dict[str, float] = {}  # replica name -> when it began serving
         self._waiting: tuple[float, list] = (0.0, [])  # the routers' last report: tokens waiting, arrivals
         self._start_left: dict[str, float] = {}  # a starting replica -> the seconds of a core its start still needs
 
-    def start(self, until: float) -> None:
+    def start(self) -> None:
         from duet.cluster.admin import WAITING_REPORT_S
 
-        self.until = until
-        now = self.simulation.now
+        simulation = self.simulation
         for pool in self.pools.values():
             for replica in pool.running:
-                self._born[replica.name] = now
-            self._every(pool.scaling.record_s, lambda pool=pool: self._record(pool))
-        self._every(WAITING_REPORT_S, self._report_waiting)
-        self._every(CONTROL_LOOP_S, self._tick)
-        self._every(SAMPLE_S, self._sample)
-
-    def _every(self, period: float, action) -> None:
-        def run() -> None:
-            action()
-            if self.simulation.now < self.until or self.simulation.open_requests():
-                self.simulation.at(self.simulation.now + period, run)
-
-        self.simulation.at(self.simulation.now, run)
+                self._born[replica.name] = simulation.now
+            simulation.every(pool.scaling.record_s, lambda pool=pool: self._record(pool))
+        simulation.every(WAITING_REPORT_S, self._report_waiting)
+        simulation.every(CONTROL_LOOP_S, self._tick)
+        simulation.every(SAMPLE_S, self._sample)
 
     def _record(self, pool: _Pool) -> None:
         now = self.simulation.now
         for replica in pool.running:
             records = self._records.setdefault(replica.name, [])
-            records.append((now, autoscaling_metrics(replica.engine_stats())))
+            records.append((now, autoscaling_metrics(replica.engine_stats(), away=replica.stage != replica.home)))
             while records and records[0][0] < now - 2 * pool.scaling.look_back_period_s - pool.scaling.metrics_interval_s:
                 records.pop(0)
 
