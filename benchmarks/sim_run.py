@@ -142,13 +142,12 @@ class Simulation:
         if self._open:
             self.at(self.now + ROUTING_STATS_PERIOD_S, self._report)
 
-    def _spend(self, prompt_tokens: int | None = None, tokens: int = 0) -> None:
-        """The serving path's CPU for a request of ``prompt_tokens`` arriving (None: none) and
-        ``tokens`` streamed now."""
+    def _spend(self, requests: int = 0, prompt_tokens: int = 0, tokens: int = 0) -> None:
+        """The serving path's CPU for ``requests`` arriving, ``prompt_tokens`` (a colocated
+        request's as it arrives; through PD, a context's as its KV moves) and ``tokens`` streamed now."""
         fit = self.cluster.serving
         if fit:
-            arrived = 0.0 if prompt_tokens is None else fit["per_request_s"] + fit["per_prompt_token_s"] * prompt_tokens
-            spent = arrived + fit["per_token_s"] * tokens
+            spent = fit["per_request_s"] * requests + fit["per_prompt_token_s"] * prompt_tokens + fit["per_token_s"] * tokens
             self._serving.append((self.now, spent))
             self._serving_spent += spent
 
@@ -164,7 +163,7 @@ class Simulation:
     def _arrive(self, session: int, turn: int) -> None:
         """A request sent: it reaches the router's admission after the serving path's latency."""
         request_id = f"s{session}-t{turn}"
-        self._spend(prompt_tokens=len(self._sessions[session][turn].prompt))
+        self._spend(requests=1, prompt_tokens=len(self._sessions[session][turn].prompt) if self.cluster.colocated else 0)
         self.sequences[request_id] = Sequence(self._sessions[session][turn], session, turn, self.now)
         latency = (self.cluster.serving or {}).get("latency_s", 0.0)
         if latency:
@@ -283,6 +282,7 @@ class Simulation:
                     self._first_token(request.request_id)
                     replica.prompts_sent += 1
                     tokens = len(request.prompt_token_ids)
+                    self._spend(prompt_tokens=tokens)
                     self.at(self.now + self._transfer_s(tokens), self._arrived, replica, request.kv_send.transfer_id)
                 continue
             new = len(request.output_token_ids) - len(sequence.token_times)

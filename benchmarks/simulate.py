@@ -27,7 +27,8 @@ to how many of the other replicas are stepping when it starts. The serving path 
 Serve's proxy and controller, Ray, the replicas' threads beside their engines) takes cores from
 them: with a profile measured ``--serving``, a step starting while the engines' threads stepping
 do not fit in the cores the serving path leaves (its idle base, and its CPU per request, prompt
-token and streamed token over the last second) takes longer in proportion
+token and streamed token over the last second; through PD a context's prompt tokens count when
+its KV moves, the transfer being most of that CPU) takes longer in proportion
 (``sim_model.cpu_stretch``), and a request reaches the router's admission after the path's
 latency measured alone (its calls to the pools, the first token's way back).
 

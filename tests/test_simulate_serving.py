@@ -173,3 +173,19 @@ def test_profile_serving_makes_ray_local_before_it_reads_a_config(tmp_path):
     env = {name: value for name, value in os.environ.items() if name != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.stderr.strip().splitlines()[-1] == "0", done.stderr[-2000:]
+
+
+def test_through_pd_a_contexts_cpu_is_spent_as_its_kv_moves_not_while_its_prompt_is_computed():
+    """The serving path's CPU a prompt token is, through PD, mostly its KV's transfer: the prompt
+    step runs unstretched, and the steps after the KV moved share the core with it."""
+    settings = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 512, "max_model_len": 2048}
+    pool = PoolModel(PROMPT, DECODE, settings)
+
+    def result(serving: dict | None):
+        cluster = ClusterModel(False, [pool], [pool], 16, False, 1000, 1.5, 0.2, None, cores=1, serving=serving)
+        (only,), _ = Simulation(cluster).run([[TurnSpec(list(range(100, 300)), 2)]], [0.0])
+        return only
+
+    charged, free = result(_serving(prompt_token=0.002)), result(None)
+    assert charged.ttft == pytest.approx(_prompt_s(200)) == pytest.approx(free.ttft)
+    assert charged.itls[0] > 1.5 * free.itls[0]  # 0.4 CPU-s in the last second: 0.6 of the core left
