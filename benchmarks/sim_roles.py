@@ -5,15 +5,14 @@ routed as the router routes it (``away_or_home``: the least loaded replica servi
 from its pool when it is less loaded than every one at home, else the home pool's own ranking).
 Without ``roles.move`` every replica serves its pool's role and only the routing remains.
 
-Not modelled: the keeper shedding decoding sequences by KV (``shed_plan``): the sequences a
-replica decodes finish there whatever role it takes.
+The keeper's shedding (``shed_plan``) moves sequences by KV (``sim_moves``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from duet.router.roles import PLAN_EVERY_S, Member, RoleSettings, away_or_home, plan
+from duet.router.roles import PLAN_EVERY_S, Member, RoleSettings, away_or_home, plan, shed_plan
 
 
 class Roles:
@@ -41,18 +40,19 @@ class Roles:
             for replica in (*simulation.prefill, *simulation.decode)
         ]
 
-    def pick(self, role: str, load: Callable[[Member], int], rank: Callable):
+    def pick(self, role: str, load: Callable[[Member], int], rank: Callable, exclude=None):
         """The replica a call of ``role`` goes to: ``away_or_home`` on the members serving it, else
         the best by ``rank`` of its home pool's replicas serving it (of any serving it when its
-        home pool has none left: the router finds the role through them)."""
-        members = [member for member in self.members() if member.role == role]
-        replicas = {replica.name: replica for replica in self.serving(role)}
+        home pool has none left: the router finds the role through them); never ``exclude``
+        (None when no other serves the role)."""
+        replicas = {replica.name: replica for replica in self.serving(role) if replica is not exclude}
+        members = [member for member in self.members() if member.role == role and member.replica_id in replicas]
         if members:
             _, replica_id = away_or_home(members, role, load)
             if replica_id is not None:
                 return replicas[replica_id]
         home = [replica for replica in replicas.values() if replica.home == role]
-        return min(home or list(replicas.values()), key=rank)
+        return min(home or list(replicas.values()), key=rank, default=None)
 
     def _plan(self) -> None:
         now = self.simulation.now
@@ -63,3 +63,7 @@ class Roles:
                 replica.stage, replica.role_since = change.role, now
                 self.changes.append((now, replica.name, change.role, change.reason))
                 self.simulation.admit_more()
+        moves = shed_plan(self.members())
+        if moves is not None:
+            busiest, least, count = moves
+            self.simulation.moves.shed(by_name[busiest.replica_id], by_name[least.replica_id], count, self.settings.hold_s)

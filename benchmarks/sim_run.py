@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from duet.benchmarks.serve import RequestResult
 from duet.benchmarks.sim_model import TOKEN, ClusterModel, Replica, cpu_stretch
+from duet.benchmarks.sim_moves import Moves
 from duet.benchmarks.sim_roles import Roles
 from duet.benchmarks.sim_scale import DEFAULT_START_S, Autoscaling
 from duet.benchmarks.workloads import TurnSpec
 from duet.messages import ROUTING_STATS_PERIOD_S
+from duet.request import RequestStatus
 from duet.router.waiting import ROOM_WAIT_S, WAIT_POLL_S
 
 SERVING_WINDOW_S = 1.0  # the serving path's recent CPU, as a rate over this long
@@ -62,6 +64,7 @@ class Simulation:
         self._reports: dict[str, list] = {"prefill": [], "decode": []}  # the last reports, by the role each replica served
         self.reported: dict[str, object] = {}  # replica name -> its last report
         self.roles = Roles(self, cluster.roles, cluster.ttft_s, cluster.tpot_s)
+        self.moves = Moves(self)
         stats = (lambda role: self._reports[role] or None) if cluster.adaptive_local_prefill else (lambda role: None)
         self.balancer = StageBalancer(
             stats, lambda role: len(self.roles.serving(role)), cluster.local_prefill_threshold, cluster.ttft_s, cluster.tpot_s, clock=clock
@@ -127,9 +130,19 @@ class Simulation:
         return sum(context.num_tokens for context in self._contexts)
 
     def retire(self, replica: Replica) -> None:
-        """``replica`` leaves its pool (scaled down): nothing new goes to it; it finishes what it has."""
+        """``replica`` leaves its pool (scaled down): nothing new goes to it; the sequences it
+        decodes move away (``sim_moves``), its prompts in flight finish there."""
         (self.prefill if replica in self.prefill else self.decode).remove(replica)
         self.draining.append(replica)
+        self.moves.leave(replica)
+
+    def new_transfer_id(self) -> int:
+        return next(self._transfer_ids)
+
+    def send_kv(self, sender: Replica, receiver: Replica, transfer_id: int, tokens: int) -> None:
+        """``tokens`` of KV from ``sender`` to the blocks ``receiver`` reserved as ``transfer_id``."""
+        self._receivers[transfer_id] = receiver
+        self.at(self.now + self._transfer_s(tokens), self._arrived, sender, transfer_id)
 
     def admit_more(self) -> None:
         """A replica joined a pool: contexts waiting may go."""
@@ -219,7 +232,7 @@ class Simulation:
     def _place_local(self, request_id: str, choice) -> None:
         from duet.request import Request
 
-        decode = self._decode_replica()
+        decode = self.decode_replica()
         prompt = self.sequences[request_id].spec.prompt
         decode.scheduler.add_request(Request(request_id, prompt, self._params(request_id), None, arrival_time=self.now))
         if choice is not None:
@@ -232,8 +245,8 @@ class Simulation:
         from duet.sampling_params import SamplingParams
 
         prompt = self.sequences[request_id].spec.prompt
-        decode = self._decode_replica()
-        transfer_id = next(self._transfer_ids)
+        decode = self.decode_replica()
+        transfer_id = self.new_transfer_id()
         request = Request(request_id, prompt, self._params(request_id), None, arrival_time=self.now)
         if not decode.scheduler.add_remote_request(request, transfer_id):
             choice.done()  # no room for its KV: it waits again, first in line
@@ -259,11 +272,16 @@ class Simulation:
         """How much longer work takes with ``threads`` computing now (``cpu_stretch``)."""
         return cpu_stretch(threads, self.serving_cores(), self.cluster.cores)
 
-    def _decode_replica(self) -> Replica:
+    def decode_replica(self, exclude: Replica | None = None) -> Replica | None:
         """Where a sequence decodes: the router's choice among the replicas serving decode (the
-        decode pool's own ranks by sequences, then fewer free blocks: ``Replica.busyness``)."""
+        decode pool's own ranks by sequences, then fewer free blocks: ``Replica.busyness``), but
+        ``exclude``; None if there is none."""
         role = "colocated" if self.cluster.colocated else "decode"
-        return self.roles.pick(role, lambda member: member.load, Replica.busyness)
+        return self.roles.pick(role, lambda member: member.load, Replica.busyness, exclude)
+
+    def kick(self, replica: Replica) -> None:
+        """``replica`` steps, if it is idle and has something to do."""
+        self._kick(replica)
 
     def _kick(self, replica: Replica) -> None:
         if not replica.busy:
@@ -283,7 +301,7 @@ class Simulation:
                     replica.prompts_sent += 1
                     tokens = len(request.prompt_token_ids)
                     self._spend(prompt_tokens=tokens)
-                    self.at(self.now + self._transfer_s(tokens), self._arrived, replica, request.kv_send.transfer_id)
+                    self.send_kv(replica, self._receivers[request.kv_send.transfer_id], request.kv_send.transfer_id, tokens)
                 continue
             new = len(request.output_token_ids) - len(sequence.token_times)
             if new > 0:
@@ -291,8 +309,9 @@ class Simulation:
                 self._spend(tokens=new)
                 self.arrivals.progress(self._tickets[request.request_id], len(sequence.token_times))
                 self._first_token(request.request_id)
-            if request.is_finished:
+            if request.is_finished and request.status != RequestStatus.FINISHED_MIGRATED:
                 self._ended(request.request_id)
+        self.moves.after_step(replica)
         self._kick(replica)
 
     def _first_token(self, request_id: str) -> None:

@@ -15,10 +15,10 @@ controller runs it, with the code's own decisions (``duet.cluster.autoscale.deci
   machine): a starting replica is one more thread computing, which slows it and the engines
   beside it as ``cpu_stretch`` says (on two cores, a start beside two busy engines and the
   serving path took twice as long). A pool that shrinks stops a starting replica first, else its
-  newest (Serve's order on one node), which takes nothing new and finishes what it has.
+  newest (Serve's order on one node), which takes nothing new; the sequences it decodes move
+  away (``sim_moves``), its prompts in flight finish there.
 
-Not modelled: a leaving decode replica moving its sequences to the others (here they finish
-where they are), replicas changing role, an operator's pins.
+Not modelled: an operator's pins.
 """
 
 from __future__ import annotations

@@ -40,11 +40,11 @@ An autoscaled pool's policy decides in simulated time as Serve's controller runs
 (``sim_scale``: the code's own ``decide``, Serve's delays and bounds, a new replica serving
 once it has had ``--replica-start-s`` of a core); ``--phases`` runs ``duet bench autoscale``'s
 phased load instead of ``--rate`` and prints its per-phase figures (``sim_phases``). Roles
-move with load as the router's keeper moves them (``sim_roles``: its own ``plan``).
+move with load as the router's keeper moves them (``sim_roles``: its own ``plan``), and
+sequences move by KV as they do (``sim_moves``: off a replica leaving its pool, the keeper's
+shedding).
 
-Not modelled yet: a leaving decode replica moving its sequences, and the role keeper's shedding
-by KV (they finish where they are); prefix-affinity routing (least pending prompt tokens
-instead); the serving path's latency under load, and a later token's way to the client (it
+Not modelled yet: prefix-affinity routing (least pending prompt tokens instead); the serving path's latency under load, and a later token's way to the client (it
 arrives when its step ends); each ``--rate`` run starts from the pools' starting sizes (``duet
 bench serve`` runs the rates one after another on one cluster: ``--phases`` does too).
 """
