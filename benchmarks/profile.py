@@ -18,7 +18,7 @@ Each kind is fitted by least squares: a prompt step ``a + b T + c T (C + T/2)`` 
 token, attention per token over its context), a decode step ``a + b B + c B C``. A step that
 mixes prompt chunks and decode rows is priced as ``max(a) +`` both sums (``step_seconds``). A
 pool that drafts (``speculative_config``) is also timed decoding with its drafts
-(``profile_spec``), as a factor on its decode steps.
+(``profile_spec``): the tokens a step gives a sequence, and what a row costs verifying them.
 
 With ``--transfer``, the KV transfer's time against tokens (``a + b tokens``) is fitted to
 ``duet bench transfer``'s measurement (SmolLM2's cache layout, whatever the model); without it
@@ -253,7 +253,7 @@ def profile_pool(stage: str, engine_args: dict, num_threads: int, quick: bool, s
     import torch
 
     from duet import LLM
-    from duet.benchmarks.profile_spec import measure as measure_speculation
+    from duet.benchmarks.profile_spec import BATCH, measure as measure_speculation
 
     torch.set_num_threads(num_threads)
     llm = LLM(**engine_args)
@@ -269,7 +269,8 @@ def profile_pool(stage: str, engine_args: dict, num_threads: int, quick: bool, s
         print(f"{stage}: {len(decode)} decode steps timed", flush=True)
         speculation = measure_speculation(llm, fit_decode(decode), seed)
         if speculation:
-            print(f"{stage}: decoding with its drafts x{speculation['decode_factor']:.2f} the time of steps without "
+            print(f"{stage}: decoding with its drafts x{speculation['decode_factor']:.2f} the time of steps without at "
+                  f"{BATCH} sequences: {speculation['tokens_per_step']:.2f} tokens a step, a row x{speculation['verify_factor']:.2f} "
                   f"(acceptance {speculation['acceptance']:.2f})", flush=True)
         shared = None
         if neighbours:

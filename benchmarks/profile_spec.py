@@ -7,9 +7,14 @@ and, where they are accepted, give a sequence several tokens. So the pool's engi
 config runs it, decodes ``BATCH`` of ``duet bench serve``'s random prompts (``PROMPT`` tokens
 from its vocabulary range) for ``OUTPUT`` tokens each, every step timed; the time its decode
 steps took, over what the fit gives for ``OUTPUT`` steps of the same batch and contexts, is the
-pool's ``decode_factor``: under one where drafts pay. It holds for this workload's kind of text
-(greedy continuations of random prompts repeat, so n-gram drafts pass often); other text drafts
-otherwise, and a model's accepted length is not measured apart from it.
+pool's ``decode_factor``: under one where drafts pay. That factor is the batch's: a step's fixed
+cost is shared by its rows, so drafts pay more in small batches, where it is most of a step. So
+the simulation and the planner take the two figures behind it (``drafts``): the tokens a
+sequence gets from a decode step (``tokens_per_step``: its decoded tokens over the decode
+steps), and what a row verifying its drafts costs over a row without (``verify_factor``: the
+steps' time less their fixed cost, over the rows' part of as many plain steps; 1 at least).
+They hold for this workload's kind of text (greedy continuations of random prompts repeat, so
+n-gram drafts pass often); other text drafts otherwise.
 """
 
 from __future__ import annotations
@@ -46,11 +51,26 @@ def measure(llm, fit: dict[str, float], seed: int) -> dict | None:
     decode = [seconds for seconds, output in steps if output.num_scheduled_tokens and _decoding_only(output)]
     plain = sum(decode_seconds(fit, BATCH, BATCH * (PROMPT + i)) for i in range(1, OUTPUT))
     drafted = after.num_draft_tokens - before.num_draft_tokens
-    return {
+    found = {
         "decode_factor": sum(decode) / plain if plain > 0 else 1.0,
         "decode_steps": len(decode), "decode_s": sum(decode), "plain_s": plain,
         "acceptance": (after.num_accepted_tokens - before.num_accepted_tokens) / drafted if drafted else 0.0,
     }
+    return found | drafts(found, fit)
+
+
+def drafts(found: dict, fit: dict[str, float]) -> dict[str, float]:
+    """``tokens_per_step`` and ``verify_factor`` from a measurement's decode steps (``OUTPUT`` - 1
+    tokens a sequence, its first from its prompt step): the rows' part of the drafted steps is
+    their time less a fixed cost each, and that of as many plain steps the plain steps' rows'
+    part in proportion."""
+    tokens = OUTPUT - 1
+    steps = found["decode_steps"]
+    if not steps:
+        return {"tokens_per_step": 1.0, "verify_factor": 1.0}
+    rows_plain = (found["plain_s"] - tokens * fit["base_s"]) * steps / tokens
+    verify = (found["decode_s"] - steps * fit["base_s"]) / rows_plain if rows_plain > 0 else 1.0
+    return {"tokens_per_step": tokens / steps, "verify_factor": max(1.0, verify)}
 
 
 def _decoding_only(output) -> bool:

@@ -42,13 +42,15 @@ class PoolModel:
     settings: dict
     neighbours: dict | None = None  # its steps' slowdown beside busy engines (``duet profile``'s)
     threads: int = 1  # the cores a step of it computes on
-    draft_factor: float = 1.0  # its drafts' effect on its decoding time (``duet profile``'s speculation)
+    draft_tokens: float = 1.0  # with drafts: the tokens a sequence gets from a decode step (``duet profile``'s speculation)
+    draft_verify: float = 1.0  # and what a row costs verifying its drafts, over a row without
 
     @classmethod
     def from_profile(cls, pool: dict) -> PoolModel:
-        drafts = (pool.get("speculation") or {}).get("decode_factor", 1.0)
+        from duet.cluster.capacity import drafts
+
         neighbours, threads = pool.get("neighbours"), pool.get("num_threads", 1)
-        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, drafts)
+        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, *drafts(pool.get("speculation")))
 
     def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: int, row_context: int, busy_neighbours: int = 0) -> float:
         """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's
@@ -64,9 +66,10 @@ class PoolModel:
             decode_factor = 1.0 + (self.neighbours["decode_slowdown"] - 1.0) * share
         prompt_linear = self.prompt["base_s"] + self.prompt["per_token_s"] * prompt_tokens + self.prompt["per_token_context_s"] * prompt_work
         prompt_s = max(self.prompt.get("floor_s", 0.0), prompt_linear)  # a roofline profile's: no step beats reading the weights
-        # drafts (``draft_factor``): fewer steps a token where they pass, each verifying more
-        decode_base = self.decode["base_s"] * self.draft_factor
-        decode_s = decode_seconds(self.decode, rows, row_context) * self.draft_factor
+        # drafts: a step gives each sequence ``draft_tokens`` (its time a token is that much less),
+        # each row verifying them costing ``draft_verify`` times a row without
+        decode_base = self.decode["base_s"] / self.draft_tokens
+        decode_s = (self.decode["base_s"] + (decode_seconds(self.decode, rows, row_context) - self.decode["base_s"]) * self.draft_verify) / self.draft_tokens
         if not prompt_tokens:
             return decode_s * decode_factor
         if not rows:

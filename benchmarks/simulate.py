@@ -32,9 +32,10 @@ its KV moves, the transfer being most of that CPU) takes longer in proportion
 (``sim_model.cpu_stretch``), and a request reaches the router's admission after the path's
 latency measured alone (its calls to the pools, the first token's way back).
 
-A pool that drafts decodes in its profile's factor of the time (``duet profile``'s speculation:
-its engine decoding random prompts with its drafts, against its steps without): drafts are not
-proposed one by one, and the factor holds for text like the profile's.
+A pool that drafts decodes by its profile's two figures (``duet profile``'s speculation: its
+engine decoding random prompts with its drafts): a decode step gives each sequence the tokens a
+step gave there, each row costing what verifying them cost, so drafts pay most in small batches;
+drafts are not proposed one by one, and the figures hold for text like the profile's.
 
 An autoscaled pool's policy decides in simulated time as Serve's controller runs it
 (``sim_scale``: the code's own ``decide``, Serve's delays and bounds, a new replica serving

@@ -87,7 +87,8 @@ class Demand:
 class StageModel:
     """One pool's engine, by its ``duet profile`` entry: the prompt fit ``a + b T + c T (C +
     T/2)`` (``prompt``), the decode fit ``a + b B + c B C`` (``decode``), its token budget,
-    sequences, blocks, and its drafts' factor on decode steps."""
+    sequences, blocks, and its drafts (``drafts``: the tokens a sequence gets from a decode
+    step, and how much more a row costs verifying them)."""
 
     prompt: dict[str, float]
     decode: dict[str, float]
@@ -95,7 +96,8 @@ class StageModel:
     max_num_seqs: int
     num_blocks: int
     block_size: int
-    draft_factor: float = 1.0
+    draft_tokens: float = 1.0
+    draft_verify: float = 1.0
 
     @classmethod
     def from_profile(cls, profile: dict, stage: str) -> StageModel:
@@ -103,7 +105,7 @@ class StageModel:
         settings = pool["settings"]
         return cls(
             pool["prompt"]["fit"], pool["decode"]["fit"], settings["max_num_batched_tokens"], settings["max_num_seqs"],
-            settings["num_blocks"], settings["block_size"], (pool.get("speculation") or {}).get("decode_factor", 1.0),
+            settings["num_blocks"], settings["block_size"], *drafts(pool.get("speculation")),
         )
 
     def prompt_seconds(self, tokens: float) -> float:
@@ -119,9 +121,22 @@ class StageModel:
         return seconds
 
     def step_seconds(self, batch: float, context: float) -> float:
-        """A decode step of ``batch`` sequences of ``context`` tokens each (drafts included)."""
+        """A decode step's time a token of each of ``batch`` sequences of ``context`` tokens
+        (with drafts: a step verifying them over the tokens each sequence gets from it)."""
         fit = self.decode
-        return (fit["base_s"] + (fit["per_row_s"] + fit["per_row_context_s"] * context) * batch) * self.draft_factor
+        return (fit["base_s"] + (fit["per_row_s"] + fit["per_row_context_s"] * context) * batch * self.draft_verify) / self.draft_tokens
+
+
+def drafts(speculation: dict | None) -> tuple[float, float]:
+    """A drafting pool's ``(tokens a sequence gets from a decode step, what a row costs verifying
+    its drafts over a row without)`` from its profile's ``speculation`` (``duet profile``'s
+    ``profile_spec``); a profile of before they were measured has only the factor its decode
+    steps took at its batch: the same factor at every batch. ``(1, 1)`` without drafts."""
+    if not speculation:
+        return 1.0, 1.0
+    if "tokens_per_step" in speculation:
+        return speculation["tokens_per_step"], speculation["verify_factor"]
+    return 1.0 / speculation["decode_factor"], 1.0
 
 
 def load_models(path: str) -> dict[str, StageModel]:
@@ -163,10 +178,11 @@ def decode_batch(model: StageModel, demand: Demand, replicas: int, busy: float =
     context = demand.prompt_tokens + demand.output_tokens / 2
     k = demand.rate * demand.output_tokens / (replicas * (1 - busy))
     fit = model.decode
-    growth = k * (fit["per_row_s"] + fit["per_row_context_s"] * context) * model.draft_factor * factor
+    # each step gives every sequence ``draft_tokens``, each row costing ``draft_verify`` times one without drafts
+    growth = k * (fit["per_row_s"] + fit["per_row_context_s"] * context) * model.draft_verify / model.draft_tokens * factor
     if growth >= 1:
         return None
-    return k * fit["base_s"] * model.draft_factor * factor / (1 - growth)
+    return k * fit["base_s"] / model.draft_tokens * factor / (1 - growth)
 
 
 def _decode_fits(model: StageModel, demand: Demand, replicas: int, tpot_s: float, kv_usage: float, busy: float, factor: float) -> bool:
@@ -274,7 +290,7 @@ def _highest(fits, upper: float) -> float:
 def decode_rate(model: StageModel, prompt_tokens: float, output_tokens: float, tpot_s: float, kv_usage: float, factor: float = 1.0) -> float:
     """The arrivals per second one decode replica takes within ``decode_replicas``' rule."""
     fit = model.decode
-    growth = (fit["per_row_s"] + fit["per_row_context_s"] * (prompt_tokens + output_tokens / 2)) * model.draft_factor * factor
+    growth = (fit["per_row_s"] + fit["per_row_context_s"] * (prompt_tokens + output_tokens / 2)) * model.draft_verify / model.draft_tokens * factor
     upper = 1 / (output_tokens * growth) if growth > 0 else 1e6
 
     def fits(rate: float) -> bool:

@@ -71,6 +71,16 @@ def test_decode_batches_follow_littles_law_and_replicas_meet_the_tpot_target():
     assert capacity.colocated_replicas(stage, Demand(10.0, 50, 100), 2.0, 0.021, 1.0) == 4
 
 
+def test_drafts_give_each_sequence_more_tokens_a_step_at_a_dearer_row():
+    """Each step gives a sequence 2 tokens, a row costing 1.5 ms: at 2/s one replica holds
+    B = 100 (10 + 1.5 B) ms / 1000: B = 1.176, a 11.76 ms step for two tokens each; a plain
+    replica 2.5 (above)."""
+    stage = dataclasses.replace(model(), draft_tokens=2.0, draft_verify=1.5)
+    assert capacity.decode_batch(stage, Demand(2.0, 0, 100), 1) == pytest.approx(1.0 / 0.85)
+    assert stage.step_seconds(4, 0) == pytest.approx((0.01 + 1.5 * 0.001 * 4) / 2)
+    assert capacity.decode_rate(stage, 0, 100, tpot_s=0.2, kv_usage=1.0) > capacity.decode_rate(model(), 0, 100, tpot_s=0.2, kv_usage=1.0)
+
+
 def test_the_correction_is_the_measured_over_the_profiled_time_within_bounds():
     assert capacity.correction(0.3, 0.2) == pytest.approx(1.5)
     assert capacity.correction(10.0, 0.1) == capacity.CORRECTION_BOUNDS[1]
