@@ -145,7 +145,7 @@ class Simulation:
         self.at(self.now + self._transfer_s(tokens), self._arrived, sender, transfer_id)
 
     def admit_more(self) -> None:
-        """A replica joined a pool: contexts waiting may go."""
+        """A replica joined a pool or took a role: contexts waiting may go."""
         self._admit()
 
     def _report(self) -> None:
