@@ -70,7 +70,9 @@ class Moves:
     def _leave_with(self, replica, request_id: str) -> None:
         simulation = self.simulation
         to = simulation.decode_replica(exclude=replica)
-        if to is not None and not simulation.cluster.colocated and self._move(replica, request_id, to):
+        if to is None:  # no other replica serves decode: it stays (Serve's shutdown would end it)
+            return
+        if not simulation.cluster.colocated and self._move(replica, request_id, to):
             self.counts["leave_kv"] += 1
             return
         held = replica.scheduler.freeze(request_id)
@@ -78,11 +80,10 @@ class Moves:
             return
         request = replica.scheduler.requests[request_id]
         replica.scheduler.abort(request_id)
-        target = to or replica  # no other replica serving decode: it stays (Serve's shutdown would end it)
-        target.scheduler.add_request(_resumed(request, held))
+        to.scheduler.add_request(_resumed(request, held))
         self.counts["leave_recompute"] += 1
         self._moved.add(request_id)
-        simulation.kick(target)
+        simulation.kick(to)
 
     def _move(self, replica, request_id: str, to) -> bool:
         """One sequence from ``replica`` to ``to`` by KV; whether it went (not between two decode

@@ -44,8 +44,7 @@ def simulate_phases(config: str, profile: dict, phases_text: str, seed: int, sta
     started = time.perf_counter()
     results, _ = simulation.run(sessions, arrivals, until=began)
     wall = time.perf_counter() - started
-    by_start = sorted(zip(arrivals, tags), key=lambda pair: pair[0])
-    sent = [Sent(tag, result.sent_s, result) for (_, tag), result in zip(by_start, results)]
+    sent = [Sent(tag, result.sent_s, result) for tag, result in zip(tags, results)]  # both in the order sent
     if simulation.autoscaling is not None:
         for stage in simulation.autoscaling.pools:
             moves = [f"{after} at {at:.1f} s ({reason})" for at, name, _, after, reason in simulation.autoscaling.changes if name == stage]

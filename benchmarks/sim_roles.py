@@ -62,7 +62,7 @@ class Roles:
             if change.urgent or now - replica.role_since >= self.settings.hold_s:
                 replica.stage, replica.role_since = change.role, now
                 self.changes.append((now, replica.name, change.role, change.reason))
-                self.simulation.admit_more()
+                self.simulation.admit()  # contexts waiting may go
         moves = shed_plan(self.members())
         if moves is not None:
             busiest, least, count = moves

@@ -19,7 +19,6 @@ from duet.benchmarks.sim_roles import Roles
 from duet.benchmarks.sim_scale import DEFAULT_START_S, Autoscaling
 from duet.benchmarks.workloads import TurnSpec
 from duet.messages import ROUTING_STATS_PERIOD_S
-from duet.request import RequestStatus
 from duet.router.waiting import ROOM_WAIT_S, WAIT_POLL_S
 
 SERVING_WINDOW_S = 1.0  # the serving path's recent CPU, as a rate over this long
@@ -104,7 +103,7 @@ class Simulation:
             self.at(when, self._arrive, index, 0)
         self.until = until
         if self.prefill:
-            self.at(0.0, self._report)
+            self.every(ROUTING_STATS_PERIOD_S, self._report)
             self.roles.start()
         if self.autoscaling is not None:
             self.autoscaling.start()
@@ -144,16 +143,10 @@ class Simulation:
         self._receivers[transfer_id] = receiver
         self.at(self.now + self._transfer_s(tokens), self._arrived, sender, transfer_id)
 
-    def admit_more(self) -> None:
-        """A replica joined a pool or took a role: contexts waiting may go."""
-        self._admit()
-
     def _report(self) -> None:
         """Every replica's stats, as they reach the router every ``ROUTING_STATS_PERIOD_S``."""
         self.reported = {replica.name: replica.report() for replica in (*self.prefill, *self.decode)}
         self._reports = {role: [stats for stats in self.reported.values() if stats.stage == role] for role in ("prefill", "decode")}
-        if self._open:
-            self.at(self.now + ROUTING_STATS_PERIOD_S, self._report)
 
     def _spend(self, requests: int = 0, prompt_tokens: int = 0, tokens: int = 0) -> None:
         """The serving path's CPU for ``requests`` arriving, ``prompt_tokens`` (a colocated
@@ -186,9 +179,9 @@ class Simulation:
 
     def _reach(self, request_id: str) -> None:
         self._admission.append(request_id)
-        self._admit()
+        self.admit()
 
-    def _admit(self) -> None:
+    def admit(self) -> None:
         """Admission (``max_running_sequences``), then the waiting room's choices."""
         while self._admission and self._running < self.cluster.max_running:
             request_id = self._admission.pop(0)
@@ -221,7 +214,7 @@ class Simulation:
 
     def _poll(self) -> None:
         self._polling = False
-        self._admit()
+        self.admit()
 
     def _params(self, request_id: str):
         from duet.sampling_params import SamplingParams
@@ -237,7 +230,7 @@ class Simulation:
         decode.scheduler.add_request(Request(request_id, prompt, self._params(request_id), None, arrival_time=self.now))
         if choice is not None:
             self._choices[request_id] = choice
-        self._kick(decode)
+        self.kick(decode)
 
     def _place_remote(self, request_id: str, choice) -> None:
         from duet.messages import KVDestination
@@ -260,7 +253,7 @@ class Simulation:
         first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         send = KVDestination(transfer_id, (), "decode")
         prefill.scheduler.add_request(Request(request_id, prompt, first, None, kv_send=send, arrival_time=self.now))
-        self._kick(prefill)
+        self.kick(prefill)
 
     def busy_threads(self) -> int:
         """The threads computing now: the engines' of the replicas stepping, and one for each
@@ -281,9 +274,6 @@ class Simulation:
 
     def kick(self, replica: Replica) -> None:
         """``replica`` steps, if it is idle and has something to do."""
-        self._kick(replica)
-
-    def _kick(self, replica: Replica) -> None:
         if not replica.busy:
             others = [other for other in (*self.prefill, *self.decode, *self.draining) if other.busy and other is not replica]
             seconds = replica.start(len(others), self.stretch(self.busy_threads() + replica.model.threads))
@@ -309,17 +299,17 @@ class Simulation:
                 self._spend(tokens=new)
                 self.arrivals.progress(self._tickets[request.request_id], len(sequence.token_times))
                 self._first_token(request.request_id)
-            if request.is_finished and request.status != RequestStatus.FINISHED_MIGRATED:
+            if request.is_finished:
                 self._ended(request.request_id)
         self.moves.after_step(replica)
-        self._kick(replica)
+        self.kick(replica)
 
     def _first_token(self, request_id: str) -> None:
         choice = self._choices.pop(request_id, None)
         if choice is not None:
             choice.done(first_token=True)
             if self._contexts:
-                self._admit()
+                self.admit()
 
     def _transfer_s(self, tokens: int) -> float:
         fit = self.cluster.transfer
@@ -329,10 +319,10 @@ class Simulation:
         from duet.outputs import KVTransferResult
 
         sender.kv_results.append(KVTransferResult(transfer_id, ok=True))
-        self._kick(sender)
+        self.kick(sender)
         receiver = self._receivers.pop(transfer_id)
         receiver.kv_results.append(KVTransferResult(transfer_id, ok=True, first_token_id=TOKEN))
-        self._kick(receiver)
+        self.kick(receiver)
 
     def _ended(self, request_id: str, ok: bool = True) -> None:
         """A request done (or failed: its session goes no further, as in ``duet bench serve``)."""
@@ -343,7 +333,7 @@ class Simulation:
         self._open -= 1 if ok else 1 + later_turns
         if ok and later_turns:
             self.at(self.now + self.think_time_s, self._arrive, sequence.session, sequence.turn + 1)
-        self._admit()
+        self.admit()
 
     def _result(self, sequence: Sequence) -> RequestResult:
         times = sequence.token_times

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from duet.benchmarks.autoscale import Sample
 from duet.benchmarks.sim_model import Replica
 from duet.cluster import capacity
 from duet.cluster.autoscale import PoolView, Targets, autoscaling_metrics, decide
@@ -101,11 +102,15 @@ class _Pool:
     name: str  # the pool's: prefill or decode
     scaling: PoolScaling
     running: list  # the simulation's list of this pool's serving replicas (shared with it)
-    target: int
+    started: int  # replicas made so far (their names)
     last_change: float = NEVER
     hold: Hold = field(default_factory=Hold)
     starting: list = field(default_factory=list)  # replicas not serving yet
-    started: int = 0  # replicas made so far (their names)
+
+    @property
+    def target(self) -> int:
+        """Serve's target for the pool: its replicas serving and starting."""
+        return len(self.running) + len(self.starting)
 
 
 class Autoscaling:
@@ -118,7 +123,7 @@ class Autoscaling:
         self.pools: dict[str, _Pool] = {}
         for stage, spec in scaling.items():
             name, replicas = ("prefill", simulation.prefill) if stage == "prefill" else ("decode", simulation.decode)
-            self.pools[stage] = _Pool(stage, name, spec, replicas, len(replicas), started=len(replicas))
+            self.pools[stage] = _Pool(stage, name, spec, replicas, started=len(replicas))
         self.targets = {stage: pool.scaling.targets for stage, pool in self.pools.items()}
         self.models = {
             stage: capacity.load_models(target.profile)[stage] for stage, target in self.targets.items() if target.profile is not None
@@ -205,14 +210,12 @@ class Autoscaling:
         simulation = self.simulation
         pool.last_change = simulation.now
         while pool.target < target:
-            pool.target += 1
             model = (simulation.cluster.prefill if pool.name == "prefill" else simulation.cluster.decode)[0]
             replica = Replica(f"{pool.stage}-{pool.started}", pool.stage, model, simulation.clock)
             pool.started += 1
             pool.starting.append(replica)
             self._start_left[replica.name] = self.start_s
         while pool.target > target:
-            pool.target -= 1
             if pool.starting:
                 pool.starting.pop()
             else:
@@ -223,11 +226,9 @@ class Autoscaling:
             pool.starting.remove(replica)
             pool.running.append(replica)
             self._born[replica.name] = self.served[replica.name] = self.simulation.now
-            self.simulation.admit_more()
+            self.simulation.admit()  # contexts waiting may go
 
     def _sample(self) -> None:
-        from duet.benchmarks.autoscale import Sample
-
         simulation = self.simulation
         running = {"prefill": len(simulation.prefill)} if simulation.prefill else {}
         running["decode"] = len(simulation.decode)

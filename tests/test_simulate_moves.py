@@ -85,3 +85,14 @@ def test_a_replica_sheds_once_per_hold_and_a_sequence_moves_so_once_at_most():
     results, _ = simulation.run(*_streams(6, 600))
     assert all(result.ok and result.output_tokens == 600 for result in results)
     assert simulation.moves.counts["shed"] == 1 + 3
+
+
+def test_a_leaving_replica_with_no_other_serving_decode_keeps_its_sequences():
+    """The only replica serving decode leaves: nothing can take its sequences, so they finish
+    there, each computed once (none recomputed in place)."""
+    cluster = ClusterModel(False, [_pool()], [_pool()], 16, False, 1000, 1.5, 0.2, TRANSFER)
+    simulation = Simulation(cluster)
+    _retire_at(simulation, 1.0, "decode-0")
+    results, _ = simulation.run(*_streams(3, 200))
+    assert all(result.ok and result.output_tokens == 200 for result in results)
+    assert simulation.moves.counts == {"leave_kv": 0, "leave_recompute": 0, "shed": 0}
