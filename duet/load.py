@@ -123,7 +123,10 @@ class LoadTracker:
 
     @property
     def decode_only_tpot_s(self) -> float:
-        return self._decode_only_tpot.mean() or self._last_decode_only_tpot_s
+        """Of the last ``WINDOW_S``'s steps that computed no prompt; where every step did, of all
+        of them (what decoding gives now: an older figure would hide the prompts' toll, and the
+        router would send more of them); idle, the last one seen."""
+        return self._decode_only_tpot.mean() or self._tpot.mean() or self._last_decode_only_tpot_s
 
     @property
     def ttft_s(self) -> float:

@@ -26,6 +26,23 @@ def test_a_step_counts_as_decode_and_as_prompt_work_for_what_it_computed():
     assert abs(load.tpot_s - 0.3) < 1e-9 and 800 < load.prefill_tokens_per_s < 1600
 
 
+def test_a_replica_computing_prompts_at_every_step_reports_what_its_decoding_gets_meanwhile():
+    """No decode-only step in the window: the decode-only TPOT is that of all the steps (a
+    figure from before the prompts came would let the router send more of them); idle, the last."""
+    from duet.load import WINDOW_S
+
+    now = [0.0]
+    load = LoadTracker(clock=lambda: now[0])
+    load.observe_step(num_prompt_tokens=0, num_tokens=4, num_decoding=4, num_decode_outputs=4, num_output_tokens=4, seconds=0.1)
+    now[0] = WINDOW_S + 1.0
+    load.observe_step(num_prompt_tokens=400, num_tokens=402, num_decoding=2, num_decode_outputs=2, num_output_tokens=2, seconds=0.5)
+    assert abs(load.decode_only_tpot_s - 0.5) < 1e-9
+    load.observe_step(num_prompt_tokens=0, num_tokens=2, num_decoding=2, num_decode_outputs=4, num_output_tokens=4, seconds=0.06)
+    assert abs(load.decode_only_tpot_s - 0.03) < 1e-9  # a decode-only step again: its own figure
+    now[0] += 3 * WINDOW_S
+    assert abs(load.decode_only_tpot_s - 0.03) < 1e-9 and load.tpot_s == 0.0
+
+
 def test_accepted_drafts_shorten_the_time_per_token():
     load = LoadTracker()
     # 4 sequences verify 4 drafts each and get 3 tokens apiece from a 0.09 s step.
