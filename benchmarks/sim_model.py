@@ -5,6 +5,7 @@ application read into pools and router settings."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,19 +45,38 @@ class PoolModel:
     threads: int = 1  # the cores a step of it computes on
     draft_tokens: float = 1.0  # with drafts: the tokens a sequence gets from a decode step (``duet profile``'s speculation)
     draft_verify: float = 1.0  # and what a row costs verifying its drafts, over a row without
+    drafts_by_batch: tuple = ()  # both by the step's decoding sequences: ``(batch, tokens, verify)``, batch ascending
 
     @classmethod
     def from_profile(cls, pool: dict) -> PoolModel:
         from duet.cluster.capacity import drafts
 
-        neighbours, threads = pool.get("neighbours"), pool.get("num_threads", 1)
-        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, *drafts(pool.get("speculation")))
+        neighbours, threads, speculation = pool.get("neighbours"), pool.get("num_threads", 1), pool.get("speculation")
+        by_batch = tuple(sorted(tuple(point) for point in (speculation or {}).get("by_batch", ())))
+        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, *drafts(speculation), by_batch)
 
-    def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: int, row_context: int, busy_neighbours: int = 0) -> float:
+    def drafts_at(self, batch: int) -> tuple[float, float]:
+        """The tokens a sequence gets from a decode step of ``batch`` sequences, and what a row
+        verifying drafts costs over a row without: the profile's figures at the batches it
+        measured, straight between them, the nearest one's beyond (a profile measured at one
+        batch: its figures at every batch)."""
+        points = self.drafts_by_batch
+        if not points:
+            return self.draft_tokens, self.draft_verify
+        if batch <= points[0][0]:
+            return points[0][1], points[0][2]
+        for (low, tokens_low, verify_low), (high, tokens_high, verify_high) in zip(points, points[1:]):
+            if batch <= high:
+                share = (batch - low) / (high - low)
+                return tokens_low + (tokens_high - tokens_low) * share, verify_low + (verify_high - verify_low) * share
+        return points[-1][1], points[-1][2]
+
+    def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: float, row_context: float, busy_neighbours: int = 0) -> float:
         """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's
         tokens times its mean context) and ``rows`` decoding sequences of ``row_context`` tokens
-        in all, while ``busy_neighbours`` other replicas on the machine step too: each part slowed
-        by the profile's ratio beside busy engines, in proportion to how many of them are busy."""
+        in all (a row verifying drafts counts ``draft_verify`` rows: ``Replica.start``), while
+        ``busy_neighbours`` other replicas on the machine step too: each part slowed by the
+        profile's ratio beside busy engines, in proportion to how many of them are busy."""
         if not prompt_tokens and not rows:
             return EMPTY_STEP_S
         prompt_factor = decode_factor = 1.0
@@ -66,17 +86,14 @@ class PoolModel:
             decode_factor = 1.0 + (self.neighbours["decode_slowdown"] - 1.0) * share
         prompt_linear = self.prompt["base_s"] + self.prompt["per_token_s"] * prompt_tokens + self.prompt["per_token_context_s"] * prompt_work
         prompt_s = max(self.prompt.get("floor_s", 0.0), prompt_linear)  # a roofline profile's: no step beats reading the weights
-        # drafts: a step gives each sequence ``draft_tokens`` (its time a token is that much less),
-        # each row verifying them costing ``draft_verify`` times a row without
-        decode_base = self.decode["base_s"] / self.draft_tokens
-        decode_s = (self.decode["base_s"] + (decode_seconds(self.decode, rows, row_context) - self.decode["base_s"]) * self.draft_verify) / self.draft_tokens
+        decode_s = decode_seconds(self.decode, rows, row_context)
         if not prompt_tokens:
             return decode_s * decode_factor
         if not rows:
             return prompt_s * prompt_factor
         # One fixed cost for the step (the larger one), each part's work on top.
-        base = max(self.prompt["base_s"] * prompt_factor, decode_base * decode_factor)
-        return base + (prompt_linear - self.prompt["base_s"]) * prompt_factor + (decode_s - decode_base) * decode_factor  # decode's base reads them
+        base = max(self.prompt["base_s"] * prompt_factor, self.decode["base_s"] * decode_factor)
+        return base + (prompt_linear - self.prompt["base_s"]) * prompt_factor + (decode_s - self.decode["base_s"]) * decode_factor
 
 
 class Replica:
@@ -98,6 +115,7 @@ class Replica:
         self.clock = clock
         self.busy = False
         self.kv_results: list = []  # transfers that ended, reported with the next step
+        self._credit: dict[str, float] = {}  # by sequence: the fraction of a token its drafts have earned
         self._step = None
 
     def start(self, busy_neighbours: int = 0, stretch: float = 1.0) -> float | None:
@@ -106,18 +124,23 @@ class Replica:
         output = self.scheduler.schedule()
         if output.is_empty and not self.kv_results:
             return None
-        prompt_tokens = rows = row_context = 0
-        prompt_work = 0.0
+        prompt_tokens = 0
+        prompt_work = rows = row_context = 0.0
+        decoding = []
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             if request.num_computed_tokens + num_tokens < request.num_tokens or request.num_computed_tokens < request.num_prompt_tokens:
                 prompt_tokens += num_tokens
                 prompt_work += num_tokens * (request.num_computed_tokens + num_tokens / 2)
             else:
-                rows += 1
-                row_context += request.num_computed_tokens
+                decoding.append((request_id, request.num_computed_tokens))
+        tokens, verify = self.model.drafts_at(len(decoding))
+        for request_id, context in decoding:  # a row verifying drafts costs what the profile measured one costs
+            weight = verify if request_id in output.scheduled_spec_token_ids else 1.0
+            rows += weight
+            row_context += weight * context
         seconds = self.model.step_seconds(prompt_tokens, prompt_work, rows, row_context, busy_neighbours) * stretch
-        self._step = (output, seconds)
+        self._step = (output, seconds, tokens)
         self.busy = True
         return seconds
 
@@ -126,14 +149,22 @@ class Replica:
         requests that got tokens or ended."""
         from duet.outputs import RunnerOutput
 
-        (output, seconds), self._step, self.busy = self._step, None, False
-        ids, sampled = [], []
+        (output, seconds, tokens), self._step, self.busy = self._step, None, False
+        ids, sampled, proposals = [], [], {}
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             ids.append(request_id)
-            sampled.append([TOKEN] if request.num_computed_tokens + num_tokens >= request.num_tokens else [])
+            if request.num_computed_tokens + num_tokens < request.num_tokens:
+                sampled.append([])  # a prompt's chunk before its last
+                continue
+            emitted = self._emitted(request_id, len(output.scheduled_spec_token_ids.get(request_id, ())), tokens)
+            sampled.append([TOKEN] * emitted)
+            # drafts for the next step: enough for as many tokens, within the sequence's length
+            drafts = min(math.ceil(tokens) - 1, request.sampling_params.max_tokens - request.num_output_tokens - emitted - 1)
+            if drafts > 0:
+                proposals[request_id] = [TOKEN] * drafts
         results, self.kv_results = self.kv_results, []
-        runner_output = RunnerOutput(ids, sampled, kv_results=results)
+        runner_output = RunnerOutput(ids, sampled, draft_token_ids=proposals, kv_results=results)
         if not output.is_empty:
             self.load.observe(output, runner_output, seconds)
         changed = self.scheduler.update_from_output(output, runner_output)
@@ -141,7 +172,19 @@ class Replica:
             if request.num_emitted_tokens == 0 and request.output_token_ids:  # its first token, computed here
                 self.load.observe_first_token(self.clock() - request.arrival_time)
             request.num_emitted_tokens = request.num_output_tokens
+            if request.is_finished:
+                self._credit.pop(request.request_id, None)
         return changed
+
+    def _emitted(self, request_id: str, drafts: int, tokens: float) -> int:
+        """The tokens a sequence gets from a step that verified ``drafts`` of its drafts: one
+        without drafts; with them, ``tokens`` (the profile's at the step's batch) on average,
+        the fraction carried to its next step, at most all of them and one more."""
+        if not drafts:
+            return 1
+        total = self._credit.get(request_id, 0.0) + tokens
+        self._credit[request_id] = total - int(total)
+        return min(int(total), drafts + 1)
 
     def engine_stats(self):
         """Its engine's ``EngineStats``."""

@@ -343,5 +343,12 @@ class Simulation:
         return RequestResult(
             ok=True, turn=sequence.turn, prompt_tokens=len(sequence.spec.prompt), sent_s=sequence.sent_s,
             ttft=times[0] - sequence.sent_s, tt2t=(times[1] if len(times) > 1 else times[0]) - sequence.sent_s,
-            e2e=times[-1] - sequence.sent_s, itls=[b - a for a, b in zip(times, times[1:])], output_tokens=len(times),
+            e2e=times[-1] - sequence.sent_s, itls=inter_token_latencies(times), output_tokens=len(times),
         )
+
+
+def inter_token_latencies(times: list[float]) -> list[float]:
+    """Each token's latency after the first step's, as ``duet bench serve``'s client counts it:
+    the tokens a step streams together (drafts) share the gap before them."""
+    steps = [(when, len(list(tokens))) for when, tokens in itertools.groupby(times)]
+    return [(when - last) / count for (last, _), (when, count) in zip(steps, steps[1:]) for _ in range(count)]

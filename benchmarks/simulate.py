@@ -33,9 +33,12 @@ its KV moves, the transfer being most of that CPU) takes longer in proportion
 latency measured alone (its calls to the pools, the first token's way back).
 
 A pool that drafts decodes by its profile's two figures (``duet profile``'s speculation: its
-engine decoding random prompts with its drafts): a decode step gives each sequence the tokens a
-step gave there, each row costing what verifying them cost, so drafts pay most in small batches;
-drafts are not proposed one by one, and the figures hold for text like the profile's.
+engine decoding random prompts with its drafts, at each of several batches): each decoding
+sequence verifies drafts through the engine's own scheduler (they take the step's token budget),
+a step of ``B`` of them gives each the tokens a step gave there at that batch, the fraction
+carried to its next step, and each drafting row costs what verifying them cost, in steps with
+prompt chunks too; the drafts' text is not modelled, and the figures hold for text like the
+profile's.
 
 An autoscaled pool's policy decides in simulated time as Serve's controller runs it
 (``sim_scale``: the code's own ``decide``, Serve's delays and bounds, a new replica serving
