@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         samples = transfer_samples()
         profile["transfer"] = {"samples": samples, "fit": fit_transfer(samples)}
     if args.serving:
-        from duet.benchmarks.profile_serving import SHORT_PROMPT, measure
+        from duet.benchmarks.profile_serving import LONG_PROMPT, SHORT_PROMPT, measure
         from duet.benchmarks.sim_model import PoolModel
 
         profile["serving"] = {}
@@ -380,8 +380,8 @@ def main(argv: list[str] | None = None) -> None:
             threads = {stage: num_threads for stage, (_, num_threads, _) in pools.items()}
             mode = "colocated" if "colocated" in pools else "pd"
             first = PoolModel.from_profile(profile["pools"]["colocated" if mode == "colocated" else "prefill"])
-            step = first.step_seconds(SHORT_PROMPT, SHORT_PROMPT * SHORT_PROMPT / 2, 0, 0)  # the prompt alone, in one step
-            profile["serving"][mode] = measure(config, threads, app_args.get("model_id") or app_args.get("model"), step)
+            steps = {prompt: first.step_seconds(prompt, prompt * prompt / 2, 0, 0) for prompt in (SHORT_PROMPT, LONG_PROMPT)}  # alone, in one step
+            profile["serving"][mode] = measure(config, threads, app_args.get("model_id") or app_args.get("model"), steps)
     Path(args.out).write_text(json.dumps(profile, indent=1))
     for stage, pool in profile["pools"].items():
         print(f"{stage}: prompt {_shown(pool['prompt']['fit'])}; decode {_shown(pool['decode']['fit'])}")
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         fit = serving["fit"]
         print(f"serving path ({mode}): {fit['base_cores']:.3f} cores idle, {fit['per_request_s'] * 1e3:.2f} CPU ms a request, "
               f"{fit['per_prompt_token_s'] * 1e3:.3f} a prompt token, {fit['per_token_s'] * 1e3:.3f} a streamed token; "
-              f"{fit['latency_s'] * 1e3:.0f} ms of latency a request")
+              f"{fit['latency_s'] * 1e3:.0f} ms of latency a request; served engines x{fit.get('engine_factor', 1.0):.2f}")
     print(f"wrote {args.out} ({profile['machine']['cpu']})")
 
 

@@ -13,10 +13,14 @@ of ``SHORT_PROMPT`` for ``LONG_OUTPUT``. A replica's engine is its
 the rest of its threads, and every other process but this one (the benchmark client), are the
 serving path. The idle window gives the base; least squares share the rest among requests,
 prompt tokens and streamed tokens. Then ``LATENCY_REQUESTS`` requests of ``SHORT_PROMPT``
-tokens, one at a time on the idle cluster: their median time to the first token, less the
-engine's step for such a prompt (the profile's fit), is the path's own latency a request (the
-router's calls to the pools, the token's way back), which ``duet simulate`` adds before a
-request reaches the router's admission.
+tokens and as many of ``LONG_PROMPT``, one at a time on the idle cluster: the difference of
+their median times to the first token, over that of the engine's steps for such prompts (the
+profile's fit), is how much slower a served engine computes than the profile's engine alone
+(``engine_factor``, 1 at least: on the 2-core EPYC Zen 4 the same offline prompt took 0.69-0.85 s
+with the cluster down and 0.84-0.89 s with it up and idle); the short prompts' median less
+their step at that speed is the path's own latency a request (the router's calls to the pools,
+the token's way back). ``duet simulate`` stretches every engine step by the factor and adds the
+latency before a request reaches the router's admission.
 
 ``duet simulate`` takes those cores from the engines' (``sim_model.cpu_stretch``): on two cores
 of a Xeon the serving path took 0.2-0.36 cores idle and more under load, first, as the
@@ -91,9 +95,10 @@ def fit(idle: tuple[float, float], loads: list[tuple[float, float, int, int, int
     return {"base_cores": base, "per_request_s": per_request, "per_prompt_token_s": per_prompt_token, "per_token_s": per_token}
 
 
-def measure(config_path: str, engine_threads: dict[str, int], model: str, prompt_step_s: float, log=print) -> dict:
-    """``config_path`` brought up and measured; the samples and the fit. ``prompt_step_s``: the
-    engine's step for a ``SHORT_PROMPT``-token prompt alone (the first pool a prompt meets)."""
+def measure(config_path: str, engine_threads: dict[str, int], model: str, prompt_steps: dict[int, float], log=print) -> dict:
+    """``config_path`` brought up and measured; the samples and the fit. ``prompt_steps``: the
+    engine's step for a ``SHORT_PROMPT``- and a ``LONG_PROMPT``-token prompt alone, by its tokens
+    (the first pool a prompt meets)."""
     from duet.benchmarks.serve import WARM_UP_OUTPUT, WARM_UP_PROMPT, run_load
     from duet.benchmarks.workloads import SAFE_TOKEN_RANGE, TurnSpec
     from duet.cluster.deploy import down, up
@@ -134,15 +139,30 @@ def measure(config_path: str, engine_threads: dict[str, int], model: str, prompt
             window(f"{LONG_PROMPT}-token prompts, 1 token each", sessions(LONG_PROMPT, 1)),
             window(f"{SHORT_PROMPT}-token prompts, {LONG_OUTPUT} tokens each", sessions(SHORT_PROMPT, LONG_OUTPUT)),
         ]
-        one_at_a_time = [[session[0] for session in sessions(SHORT_PROMPT, 1)[:LATENCY_REQUESTS]]]  # a session's turns
-        alone, _ = asyncio.run(run_load(url, model, one_at_a_time, 0.0, 0.0, 0, None, "serving path: latency"))
+        ttfts = {}
+        for prompt in (SHORT_PROMPT, LONG_PROMPT):
+            one_at_a_time = [[session[0] for session in sessions(prompt, 1)[:LATENCY_REQUESTS]]]  # a session's turns
+            alone, _ = asyncio.run(run_load(url, model, one_at_a_time, 0.0, 0.0, 0, None, f"serving path: {prompt}-token prompts alone"))
+            ttfts[prompt] = [result.ttft for result in alone if result.ok]
+            if not ttfts[prompt]:
+                raise RuntimeError(f"no request served alone on {config_path}: {alone[0].error}")
     finally:
         down()
-    ttfts = [result.ttft for result in alone if result.ok]
-    if not ttfts:
-        raise RuntimeError(f"no request served alone on {config_path}: {alone[0].error}")
-    figures = fit(idle, loads) | {"latency_s": max(0.0, statistics.median(ttfts) - prompt_step_s)}
-    log(f"serving path: alone, the first token in {statistics.median(ttfts) * 1e3:.0f} ms (median), the engine's step "
-        f"{prompt_step_s * 1e3:.0f} ms of it")
-    samples = {"idle": idle, "loads": loads, "ttfts": ttfts, "prompt_step_s": prompt_step_s}
+    medians = {prompt: statistics.median(times) for prompt, times in ttfts.items()}
+    figures = fit(idle, loads) | served_engine(medians, prompt_steps)
+    log(f"serving path: alone, the first token in {medians[SHORT_PROMPT] * 1e3:.0f} / {medians[LONG_PROMPT] * 1e3:.0f} ms "
+        f"(median, {SHORT_PROMPT} / {LONG_PROMPT} tokens), the profile's steps {prompt_steps[SHORT_PROMPT] * 1e3:.0f} / "
+        f"{prompt_steps[LONG_PROMPT] * 1e3:.0f} ms: served engines x{figures['engine_factor']:.2f}, {figures['latency_s'] * 1e3:.0f} ms of latency")
+    samples = {"idle": idle, "loads": loads, "ttfts": ttfts[SHORT_PROMPT], "ttfts_long": ttfts[LONG_PROMPT], "prompt_step_s": prompt_steps[SHORT_PROMPT],
+               "long_prompt_step_s": prompt_steps[LONG_PROMPT]}
     return {"config": config_path, "samples": samples, "fit": figures}
+
+
+def served_engine(medians: dict[int, float], prompt_steps: dict[int, float]) -> dict[str, float]:
+    """``engine_factor`` and ``latency_s`` from the median times to a lone request's first token
+    and the profile's steps, both by prompt tokens (``SHORT_PROMPT``, ``LONG_PROMPT``): the
+    factor the times' difference over the steps' (1 at least), the latency what the short
+    prompt's time leaves of its step at that speed (0 at least)."""
+    steps = prompt_steps[LONG_PROMPT] - prompt_steps[SHORT_PROMPT]
+    factor = max(1.0, (medians[LONG_PROMPT] - medians[SHORT_PROMPT]) / steps) if steps > 0 else 1.0
+    return {"engine_factor": factor, "latency_s": max(0.0, medians[SHORT_PROMPT] - factor * prompt_steps[SHORT_PROMPT])}

@@ -2,7 +2,8 @@
 transfers arriving, the replicas' reports and the router's waiting room asking its own
 ``StageBalancer`` where each context is computed. A step starting takes longer by
 ``cpu_stretch`` of the engines' threads stepping and the serving path's cores: its base, and its
-CPU per request, prompt token and streamed token spread over the last ``SERVING_WINDOW_S``; a
+CPU per request, prompt token and streamed token spread over the last ``SERVING_WINDOW_S``, and
+by how much slower a served engine computes than the profile's alone (``engine_factor``); a
 request reaches the router's admission after the serving path's latency."""
 
 from __future__ import annotations
@@ -276,7 +277,10 @@ class Simulation:
         """``replica`` steps, if it is idle and has something to do."""
         if not replica.busy:
             others = [other for other in (*self.prefill, *self.decode, *self.draining) if other.busy and other is not replica]
-            seconds = replica.start(len(others), self.stretch(self.busy_threads() + replica.model.threads))
+            # a served engine's step: the profile's, slower by the serving path's share and the
+            # profile's ``engine_factor`` (1 without one)
+            factor = (self.cluster.serving or {}).get("engine_factor", 1.0)
+            seconds = replica.start(len(others), factor * self.stretch(self.busy_threads() + replica.model.threads))
             if seconds is not None:
                 self.at(self.now + seconds, self._finished_step, replica)
 

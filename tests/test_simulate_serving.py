@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from duet.benchmarks.profile_serving import fit, reading, serving_seconds
+from duet.benchmarks.profile_serving import LONG_PROMPT, SHORT_PROMPT, fit, reading, served_engine, serving_seconds
 from duet.benchmarks.sim_model import MIN_ENGINE_SHARE, ClusterModel, PoolModel, cpu_stretch
 from duet.benchmarks.sim_run import SERVING_WINDOW_S, Simulation
 from duet.benchmarks.workloads import TurnSpec
@@ -152,6 +152,22 @@ def test_a_request_reaches_the_pools_after_the_serving_paths_latency():
     late, duration = Simulation(_colocated(4, _serving(latency=0.07))).run([[TurnSpec(prompt, 3)]], [1.0])
     assert late[0].sent_s == 1.0 and late[0].ttft == pytest.approx(plain[0].ttft + 0.07)
     assert late[0].itls == pytest.approx(plain[0].itls) and duration == pytest.approx(1.0 + plain[0].e2e + 0.07)
+
+
+def test_a_served_engine_is_as_much_slower_as_its_lone_first_tokens_say():
+    steps = {SHORT_PROMPT: 0.1, LONG_PROMPT: 0.6}
+    # the long prompt's first token 0.7 s after the short one's, for steps 0.5 s apart: x1.4;
+    # the short one's 0.2 s less its step at that speed is the path's latency
+    assert served_engine({SHORT_PROMPT: 0.2, LONG_PROMPT: 0.9}, steps) == pytest.approx({"engine_factor": 1.4, "latency_s": 0.06})
+    # never faster than the profile's engine, never a negative latency
+    assert served_engine({SHORT_PROMPT: 0.05, LONG_PROMPT: 0.3}, steps) == pytest.approx({"engine_factor": 1.0, "latency_s": 0.0})
+
+
+def test_every_step_of_a_served_engine_takes_the_profiles_factor_longer():
+    prompt = list(range(100, 300))
+    plain, _ = Simulation(_colocated(4, None)).run([[TurnSpec(prompt, 4)]], [0.0])
+    served, _ = Simulation(_colocated(4, _serving() | {"engine_factor": 1.5})).run([[TurnSpec(prompt, 4)]], [0.0])
+    assert served[0].ttft == pytest.approx(1.5 * _prompt_s(200)) and served[0].e2e == pytest.approx(1.5 * plain[0].e2e)
 
 
 def test_profile_serving_makes_ray_local_before_it_reads_a_config(tmp_path):
