@@ -1,5 +1,5 @@
-"""Speculative decoding's effect on a pool's decoding, for ``duet profile``: what ``duet
-simulate``, which drafts nothing, multiplies its decode work by.
+"""Speculative decoding's effect on a pool's decoding, for ``duet profile``: the figures a
+simulated sequence's drafts follow in ``duet simulate``, and the planner's arithmetic.
 
 ``duet profile``'s decode samples are steps without drafts (one token a sequence), fitted as
 ``a + b B + c B C``. A pool with a ``speculative_config`` decodes otherwise: steps verify drafts
@@ -14,7 +14,7 @@ decode steps), and what a row verifying its drafts costs over a row without (``v
 the steps' time less their fixed cost, over the rows' part of as many plain steps; 1 at least).
 Both depend on the batch: an adaptive engine drafts as many tokens as pay, and a step's fixed
 cost is most of a small batch's (on a 2-core EPYC Zen 4, SmolLM2's n-gram drafts gave a lone
-sequence 2.6 tokens a step and 8 sequences 1.8-2.2). So they are measured at each of
+sequence 2.3-2.6 tokens a step and 8 sequences 1.8-2.2). So they are measured at each of
 ``BATCHES`` (``by_batch``), the figures at ``BATCH`` beside them. They hold for this workload's
 kind of text (greedy continuations of random prompts repeat, so n-gram drafts pass often);
 other text drafts otherwise.

@@ -74,7 +74,7 @@ class PoolModel:
     def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: float, row_context: float, busy_neighbours: int = 0) -> float:
         """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's
         tokens times its mean context) and ``rows`` decoding sequences of ``row_context`` tokens
-        in all (a row verifying drafts counts ``draft_verify`` rows: ``Replica.start``), while
+        in all (a row verifying drafts counts as the rows its verification costs: ``Replica.start``), while
         ``busy_neighbours`` other replicas on the machine step too: each part slowed by the
         profile's ratio beside busy engines, in proportion to how many of them are busy."""
         if not prompt_tokens and not rows:
