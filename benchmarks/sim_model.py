@@ -151,6 +151,7 @@ class Replica:
 
         (output, seconds, tokens), self._step, self.busy = self._step, None, False
         ids, sampled, proposals = [], [], {}
+        wanted = math.ceil(tokens) - 1  # drafts for the next step: enough for as many tokens
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
             ids.append(request_id)
@@ -159,8 +160,7 @@ class Replica:
                 continue
             emitted = self._emitted(request_id, len(output.scheduled_spec_token_ids.get(request_id, ())), tokens)
             sampled.append([TOKEN] * emitted)
-            # drafts for the next step: enough for as many tokens, within the sequence's length
-            drafts = min(math.ceil(tokens) - 1, request.sampling_params.max_tokens - request.num_output_tokens - emitted - 1)
+            drafts = min(wanted, request.sampling_params.max_tokens - request.num_output_tokens - emitted - 1)  # within its length
             if drafts > 0:
                 proposals[request_id] = [TOKEN] * drafts
         results, self.kv_results = self.kv_results, []

@@ -217,16 +217,16 @@ class Autoscaling:
             self._start_left[replica.name] = self.start_s
         while pool.target > target:
             if pool.starting:
-                pool.starting.pop()
+                del self._start_left[pool.starting.pop().name]
             else:
                 simulation.retire(pool.running[-1])
 
     def _serve(self, pool: _Pool, replica) -> None:
-        if replica in pool.starting:  # not stopped meanwhile
-            pool.starting.remove(replica)
-            pool.running.append(replica)
-            self._born[replica.name] = self.served[replica.name] = self.simulation.now
-            self.simulation.admit()  # contexts waiting may go
+        del self._start_left[replica.name]
+        pool.starting.remove(replica)
+        pool.running.append(replica)
+        self._born[replica.name] = self.served[replica.name] = self.simulation.now
+        self.simulation.admit()  # contexts waiting may go
 
     def _sample(self) -> None:
         simulation = self.simulation

@@ -123,8 +123,13 @@ class StageModel:
     def step_seconds(self, batch: float, context: float) -> float:
         """A decode step's time a token of each of ``batch`` sequences of ``context`` tokens
         (with drafts: a step verifying them over the tokens each sequence gets from it)."""
+        return self.decode["base_s"] / self.draft_tokens + self.row_seconds(context) * batch
+
+    def row_seconds(self, context: float) -> float:
+        """What a sequence of ``context`` tokens adds to a decode step's time a token: its row,
+        verifying drafts (``draft_verify`` times a row without), over the tokens it gets."""
         fit = self.decode
-        return (fit["base_s"] + (fit["per_row_s"] + fit["per_row_context_s"] * context) * batch * self.draft_verify) / self.draft_tokens
+        return (fit["per_row_s"] + fit["per_row_context_s"] * context) * self.draft_verify / self.draft_tokens
 
 
 def drafts(speculation: dict | None) -> tuple[float, float]:
@@ -177,12 +182,10 @@ def decode_batch(model: StageModel, demand: Demand, replicas: int, busy: float =
         return 0.0
     context = demand.prompt_tokens + demand.output_tokens / 2
     k = demand.rate * demand.output_tokens / (replicas * (1 - busy))
-    fit = model.decode
-    # each step gives every sequence ``draft_tokens``, each row costing ``draft_verify`` times one without drafts
-    growth = k * (fit["per_row_s"] + fit["per_row_context_s"] * context) * model.draft_verify / model.draft_tokens * factor
+    growth = k * model.row_seconds(context) * factor
     if growth >= 1:
         return None
-    return k * fit["base_s"] / model.draft_tokens * factor / (1 - growth)
+    return k * model.decode["base_s"] / model.draft_tokens * factor / (1 - growth)
 
 
 def _decode_fits(model: StageModel, demand: Demand, replicas: int, tpot_s: float, kv_usage: float, busy: float, factor: float) -> bool:
@@ -289,8 +292,7 @@ def _highest(fits, upper: float) -> float:
 
 def decode_rate(model: StageModel, prompt_tokens: float, output_tokens: float, tpot_s: float, kv_usage: float, factor: float = 1.0) -> float:
     """The arrivals per second one decode replica takes within ``decode_replicas``' rule."""
-    fit = model.decode
-    growth = (fit["per_row_s"] + fit["per_row_context_s"] * (prompt_tokens + output_tokens / 2)) * model.draft_verify / model.draft_tokens * factor
+    growth = model.row_seconds(prompt_tokens + output_tokens / 2) * factor
     upper = 1 / (output_tokens * growth) if growth > 0 else 1e6
 
     def fits(rate: float) -> bool:
