@@ -49,27 +49,18 @@ class PoolModel:
 
     @classmethod
     def from_profile(cls, pool: dict) -> PoolModel:
-        from duet.cluster.capacity import drafts
+        from duet.cluster.capacity import drafts, drafts_by_batch
 
         neighbours, threads, speculation = pool.get("neighbours"), pool.get("num_threads", 1), pool.get("speculation")
-        by_batch = tuple(sorted(tuple(point) for point in (speculation or {}).get("by_batch", ())))
+        by_batch = drafts_by_batch(speculation)
         return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, *drafts(speculation), by_batch)
 
     def drafts_at(self, batch: int) -> tuple[float, float]:
         """The tokens a sequence gets from a decode step of ``batch`` sequences, and what a row
-        verifying drafts costs over a row without: the profile's figures at the batches it
-        measured, straight between them, the nearest one's beyond (a profile measured at one
-        batch: its figures at every batch)."""
-        points = self.drafts_by_batch
-        if not points:
-            return self.draft_tokens, self.draft_verify
-        if batch <= points[0][0]:
-            return points[0][1], points[0][2]
-        for (low, tokens_low, verify_low), (high, tokens_high, verify_high) in zip(points, points[1:]):
-            if batch <= high:
-                share = (batch - low) / (high - low)
-                return tokens_low + (tokens_high - tokens_low) * share, verify_low + (verify_high - verify_low) * share
-        return points[-1][1], points[-1][2]
+        verifying drafts costs over a row without (``duet.cluster.capacity.drafts_at``)."""
+        from duet.cluster.capacity import drafts_at
+
+        return drafts_at(self.drafts_by_batch, self.draft_tokens, self.draft_verify, batch)
 
     def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: float, row_context: float, busy_neighbours: int = 0) -> float:
         """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's

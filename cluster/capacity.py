@@ -12,10 +12,12 @@ count that meets the SLO at that rate, before any queue shows it.
   TTFT target and ``rho <= MAX_UTILIZATION``; a prompt that alone comes near the target (or
   past it) may wait ``MIN_WAIT_SHARE`` of its time still.
 - **decode**: a sequence decodes ``O`` tokens, one a step; with ``B`` sequences a replica's step
-  takes ``t(B) = a + (b + c C) B`` (the fit; ``C`` the mean context, ``L + O/2``; times the
-  drafts' factor where the pool speculates). By Little's law a replica receiving ``rate / n``
-  holds ``B = k t(B)`` sequences, ``k = rate O / n``, so ``B = k a / (1 - k (b + c C))`` when
-  ``k (b + c C) < 1`` (otherwise it falls behind at any batch). The pool needs the fewest ``n``
+  takes ``t(B) = a + (b + c C) B`` (the fit; ``C`` the mean context, ``L + O/2``; where the pool
+  speculates, ``a / T + (b + c C) V B / T`` with the tokens a sequence gets from a step ``T`` and
+  a row's verification factor ``V`` at that batch, ``drafts_at``). By Little's law a replica
+  receiving ``rate / n`` holds ``B = k t(B)`` sequences, ``k = rate O / n``: without drafts ``B = k
+  a / (1 - k (b + c C))`` when ``k (b + c C) < 1`` (otherwise it falls behind at any batch); with
+  them the least ``B`` where ``k t(B)`` comes down to ``B``. The pool needs the fewest ``n``
   whose ``B`` steps within ``HEADROOM`` of the TPOT target, fits ``max_num_seqs`` and whose
   blocks fit ``kv_usage`` of a replica's.
 - **colocated**: both on the same replicas: the prompts take ``rho`` of each replica's time, and
@@ -88,7 +90,8 @@ class StageModel:
     """One pool's engine, by its ``duet profile`` entry: the prompt fit ``a + b T + c T (C +
     T/2)`` (``prompt``), the decode fit ``a + b B + c B C`` (``decode``), its token budget,
     sequences, blocks, and its drafts (``drafts``: the tokens a sequence gets from a decode
-    step, and how much more a row costs verifying them)."""
+    step, and how much more a row costs verifying them; ``drafts_by_batch``: both by the step's
+    batch, where the profile measured them so)."""
 
     prompt: dict[str, float]
     decode: dict[str, float]
@@ -98,6 +101,7 @@ class StageModel:
     block_size: int
     draft_tokens: float = 1.0
     draft_verify: float = 1.0
+    drafts_by_batch: tuple = ()  # ``(batch, tokens, verify)``, batch ascending (``drafts_by_batch``)
 
     @classmethod
     def from_profile(cls, profile: dict, stage: str) -> StageModel:
@@ -105,7 +109,7 @@ class StageModel:
         settings = pool["settings"]
         return cls(
             pool["prompt"]["fit"], pool["decode"]["fit"], settings["max_num_batched_tokens"], settings["max_num_seqs"],
-            settings["num_blocks"], settings["block_size"], *drafts(pool.get("speculation")),
+            settings["num_blocks"], settings["block_size"], *drafts(pool.get("speculation")), drafts_by_batch(pool.get("speculation")),
         )
 
     def prompt_seconds(self, tokens: float) -> float:
@@ -120,16 +124,23 @@ class StageModel:
             done, left = done + chunk, left - chunk
         return seconds
 
+    def drafts_at(self, batch: float) -> tuple[float, float]:
+        """The tokens a sequence gets from a decode step of ``batch`` sequences and a drafting
+        row's cost over a plain one (``drafts_at``)."""
+        return drafts_at(self.drafts_by_batch, self.draft_tokens, self.draft_verify, batch)
+
     def step_seconds(self, batch: float, context: float) -> float:
         """A decode step's time a token of each of ``batch`` sequences of ``context`` tokens
         (with drafts: a step verifying them over the tokens each sequence gets from it)."""
-        return self.decode["base_s"] / self.draft_tokens + self.row_seconds(context) * batch
+        return self.decode["base_s"] / self.drafts_at(batch)[0] + self.row_seconds(context, batch) * batch
 
-    def row_seconds(self, context: float) -> float:
-        """What a sequence of ``context`` tokens adds to a decode step's time a token: its row,
-        verifying drafts (``draft_verify`` times a row without), over the tokens it gets."""
+    def row_seconds(self, context: float, batch: float) -> float:
+        """What a sequence of ``context`` tokens adds to a decode step of ``batch`` sequences'
+        time a token: its row, verifying drafts (their verification factor times a row
+        without), over the tokens it gets."""
         fit = self.decode
-        return (fit["per_row_s"] + fit["per_row_context_s"] * context) * self.draft_verify / self.draft_tokens
+        tokens, verify = self.drafts_at(batch)
+        return (fit["per_row_s"] + fit["per_row_context_s"] * context) * verify / tokens
 
 
 def drafts(speculation: dict | None) -> tuple[float, float]:
@@ -142,6 +153,28 @@ def drafts(speculation: dict | None) -> tuple[float, float]:
     if "tokens_per_step" in speculation:
         return speculation["tokens_per_step"], speculation["verify_factor"]
     return 1.0 / speculation["decode_factor"], 1.0
+
+
+def drafts_by_batch(speculation: dict | None) -> tuple:
+    """A profile's drafts measured by batch (``profile_spec``'s ``by_batch``): ``(batch, tokens a
+    step, verification factor)``, batch ascending; empty where it measured one batch."""
+    return tuple(sorted(tuple(point) for point in (speculation or {}).get("by_batch", ())))
+
+
+def drafts_at(points: tuple, tokens: float, verify: float, batch: float) -> tuple[float, float]:
+    """The tokens a sequence gets from a decode step of ``batch`` sequences, and what a row
+    verifying drafts costs over a row without: ``points``' figures (``drafts_by_batch``) at the
+    batches measured, straight between them, the nearest one's beyond; ``(tokens, verify)``
+    without points (a profile measured at one batch: its figures at every batch)."""
+    if not points:
+        return tokens, verify
+    if batch <= points[0][0]:
+        return points[0][1], points[0][2]
+    for (low, tokens_low, verify_low), (high, tokens_high, verify_high) in zip(points, points[1:]):
+        if batch <= high:
+            share = (batch - low) / (high - low)
+            return tokens_low + (tokens_high - tokens_low) * share, verify_low + (verify_high - verify_low) * share
+    return points[-1][1], points[-1][2]
 
 
 def load_models(path: str) -> dict[str, StageModel]:
@@ -182,10 +215,26 @@ def decode_batch(model: StageModel, demand: Demand, replicas: int, busy: float =
         return 0.0
     context = demand.prompt_tokens + demand.output_tokens / 2
     k = demand.rate * demand.output_tokens / (replicas * (1 - busy))
-    growth = k * model.row_seconds(context) * factor
+
+    def excess(batch: float) -> float:  # the sequences a replica would hold at ``batch``'s step time, past ``batch``
+        return k * model.step_seconds(batch, context) * factor - batch
+
+    # Drafts by batch: the least batch where the excess comes down to 0, if it does among the
+    # batches measured (straight between them, so bisection finds it)...
+    low = 0.0
+    for high in (point[0] for point in model.drafts_by_batch):
+        if excess(high) <= 0:
+            for _ in range(60):
+                middle = (low + high) / 2
+                low, high = (middle, high) if excess(middle) > 0 else (low, middle)
+            return high
+        low = high
+    # ...else with the drafts of the largest batch (or the same at every batch): in closed form.
+    last = model.drafts_by_batch[-1][0] if model.drafts_by_batch else 1.0
+    growth = k * model.row_seconds(context, last) * factor
     if growth >= 1:
         return None
-    return k * model.decode["base_s"] / model.draft_tokens * factor / (1 - growth)
+    return k * model.decode["base_s"] / model.drafts_at(last)[0] * factor / (1 - growth)
 
 
 def _decode_fits(model: StageModel, demand: Demand, replicas: int, tpot_s: float, kv_usage: float, busy: float, factor: float) -> bool:
@@ -292,7 +341,9 @@ def _highest(fits, upper: float) -> float:
 
 def decode_rate(model: StageModel, prompt_tokens: float, output_tokens: float, tpot_s: float, kv_usage: float, factor: float = 1.0) -> float:
     """The arrivals per second one decode replica takes within ``decode_replicas``' rule."""
-    growth = model.row_seconds(prompt_tokens + output_tokens / 2) * factor
+    # above any rate that fits: the cheapest row at any batch (drafts by batch) leaves none higher
+    batches = [point[0] for point in model.drafts_by_batch] or [1.0]
+    growth = min(model.row_seconds(prompt_tokens + output_tokens / 2, batch) for batch in batches) * factor
     upper = 1 / (output_tokens * growth) if growth > 0 else 1e6
 
     def fits(rate: float) -> bool:

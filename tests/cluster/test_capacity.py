@@ -81,6 +81,37 @@ def test_drafts_give_each_sequence_more_tokens_a_step_at_a_dearer_row():
     assert capacity.decode_rate(stage, 0, 100, tpot_s=0.2, kv_usage=1.0) > capacity.decode_rate(model(), 0, 100, tpot_s=0.2, kv_usage=1.0)
 
 
+def test_drafts_measured_by_batch_price_each_batch_by_its_own_figures():
+    """Drafts by batch, (1: 2 tokens a step, a row 1.5 times dearer) and (3: 1 token, 1): at a
+    batch B between, T = (5 - B) / 2 tokens and V = (7 - B) / 4. At 2/s one replica holds B =
+    200 (10 + V B) ms / T: 9 B^2 - 43 B + 40 = 0, the lesser root; at 4/s it is past batch 3
+    and holds 400 x 10 ms / (1 - 0.4) with the last batch's figures."""
+    stage = dataclasses.replace(model(), drafts_by_batch=((1, 2.0, 1.5), (3, 1.0, 1.0)))
+    assert stage.step_seconds(2, 0) == pytest.approx(0.01 / 1.5 + 0.001 * 1.25 / 1.5 * 2)
+    assert capacity.decode_batch(stage, Demand(2.0, 0, 100), 1) == pytest.approx((43 - 409 ** 0.5) / 18)
+    assert capacity.decode_batch(stage, Demand(4.0, 0, 100), 1) == pytest.approx(4.0 / 0.6)
+    assert capacity.decode_batch(stage, Demand(10.0, 0, 100), 1) is None
+    # the same figures at every batch: as a profile measured at one batch
+    same = dataclasses.replace(model(), drafts_by_batch=((1, 2.0, 1.5), (8, 2.0, 1.5)))
+    assert capacity.decode_batch(same, Demand(2.0, 0, 100), 1) == pytest.approx(1.0 / 0.85)
+    # one replica's rate is where the plan steps up to two
+    rate = capacity.decode_rate(stage, 0, 100, tpot_s=0.02, kv_usage=1.0)
+    assert capacity.decode_replicas(stage, Demand(rate * 0.99, 0, 100), 0.02, 1.0) == 1
+    assert capacity.decode_replicas(stage, Demand(rate * 1.01, 0, 100), 0.02, 1.0) == 2
+
+
+def test_a_profiles_drafts_by_batch_reach_the_plan_and_the_simulation_alike():
+    from duet.benchmarks.sim_model import PoolModel
+
+    pool = {"prompt": {"fit": model().prompt}, "decode": {"fit": model().decode}, "num_threads": 1,
+            "settings": {"max_num_batched_tokens": 512, "max_num_seqs": 64, "num_blocks": 100, "block_size": 16},
+            "speculation": {"tokens_per_step": 2.2, "verify_factor": 2.1, "by_batch": [[8, 2.2, 2.1], [1, 2.6, 2.0]]}}
+    stage = StageModel.from_profile({"pools": {"decode": pool}}, "decode")
+    assert stage.drafts_by_batch == ((1, 2.6, 2.0), (8, 2.2, 2.1))
+    for batch in (1, 4, 8, 20):
+        assert stage.drafts_at(batch) == PoolModel.from_profile(pool).drafts_at(batch)
+
+
 def test_the_correction_is_the_measured_over_the_profiled_time_within_bounds():
     assert capacity.correction(0.3, 0.2) == pytest.approx(1.5)
     assert capacity.correction(10.0, 0.1) == capacity.CORRECTION_BOUNDS[1]
