@@ -250,10 +250,8 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
     listed.set("h", num_running=IMBALANCE_THRESHOLD + 2, num_waiting=1)
     assert orchestrator.holder_target(holder) is None  # 7 against 2
     listed.set("h", num_running=0)
-    own = [decode_stream.DecodeStream.__new__(decode_stream.DecodeStream) for _ in range(IMBALANCE_THRESHOLD + 3)]
-    for stream in own:
-        stream.replica_id = "h"
-    orchestrator.open_streams.update(own)
+    for index in range(IMBALANCE_THRESHOLD + 3):  # each stream counts itself open on the orchestrator
+        decode_stream.DecodeStream(orchestrator, EngineRequest(f"open-{index}", [1], SamplingParams()), replica_id="h")
     assert orchestrator.holder_target(holder) is None  # reported idle, but 7 open there against 2
     orchestrator.open_streams.clear()
     assert orchestrator.holder_target(holder) == ("colocated", "h")
