@@ -168,6 +168,12 @@ class KVCacheManager:
         request not yet holding blocks; their tokens count as computed. A tier hit takes a new
         block, which the coming step's copies fill before its forward.
         """
+        held = self.req_to_blocks.get(request.request_id)
+        if not new_computed_blocks and held and self.window is None:  # a step of a sequence under way
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if -(-total_tokens // self.block_size) <= len(held):  # within the blocks it holds
+                self._cache_full_blocks(request, held, min(total_tokens, request.num_tokens))
+                return []
         computed = new_computed_blocks or []
         null = self.block_pool.null_block
         num_null_hits = sum(1 for block in computed if block is null)
@@ -206,8 +212,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         bs = self.block_size
-        hashes = self._block_hashes(request, num_tokens)
         already = self._num_cached_blocks.get(request.request_id, 0)
+        if num_tokens // bs <= already:  # no block filled since
+            return
+        hashes = self._block_hashes(request, num_tokens)
         for index in range(already, num_tokens // bs):  # (the pool never caches its null block)
             self.block_pool.cache_block(blocks[index], hashes[index], request.all_token_ids[index * bs : (index + 1) * bs])
         self._num_cached_blocks[request.request_id] = max(already, num_tokens // bs)

@@ -25,7 +25,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "remote", "error", "kv_lost", "migrated")
+        return self in _FINISHED  # members compare by identity: no lookup of each one's value
+
+
+_FINISHED = tuple(status for status in RequestStatus if status.name.startswith("FINISHED_"))
 
 
 class Request:
