@@ -48,9 +48,9 @@ move with load as the router's keeper moves them (``sim_roles``: its own ``plan`
 sequences move by KV as they do (``sim_moves``: off a replica leaving its pool, the keeper's
 shedding).
 
-Not modelled yet: prefix-affinity routing (least pending prompt tokens instead); Serve's
-queue lengths behind the decode pool's routing (cached up to 10 s; the simulation ranks on the
-replicas' own counts); the serving path's latency under load, and a later token's way to the
+Not modelled yet: prefix-affinity routing (least pending prompt tokens instead); calls on their
+way in the decode pool's routing (Serve counts a call from when its router sends it to when it
+ends; the simulation ranks on the replicas' own counts); the serving path's latency under load, and a later token's way to the
 client (it arrives when its step ends); each ``--rate`` run starts from the pools' starting
 sizes (``duet bench serve`` runs the rates one after another on one cluster: ``--phases`` does
 too).
