@@ -50,10 +50,10 @@ shedding).
 
 Not modelled yet: prefix-affinity routing (least pending prompt tokens instead); calls on their
 way in the decode pool's routing (Serve counts a call from when its router sends it to when it
-ends; the simulation ranks on the replicas' own counts); the serving path's latency under load, and a later token's way to the
-client (it arrives when its step ends); each ``--rate`` run starts from the pools' starting
-sizes (``duet bench serve`` runs the rates one after another on one cluster: ``--phases`` does
-too).
+ends; the simulation ranks on the replicas' own counts); the serving path's latency under
+load, and a later token's way to the client (it arrives when its step ends); each ``--rate``
+run starts from the pools' starting sizes (``duet bench serve`` runs the rates one after
+another on one cluster: ``--phases`` does too).
 """
 
 from __future__ import annotations
