@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from duet.cluster import capacity
+
 TOKEN = 1000  # what every simulated step samples; requests end at their length (EOS ignored)
 EMPTY_STEP_S = 0.001  # an engine step that computes nothing (it only takes in KV that arrived)
 MIN_ENGINE_SHARE = 0.25  # of the cores, what the engines keep however busy the serving path is
@@ -49,18 +51,14 @@ class PoolModel:
 
     @classmethod
     def from_profile(cls, pool: dict) -> PoolModel:
-        from duet.cluster.capacity import drafts, drafts_by_batch
-
         neighbours, threads, speculation = pool.get("neighbours"), pool.get("num_threads", 1), pool.get("speculation")
-        by_batch = drafts_by_batch(speculation)
-        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, *drafts(speculation), by_batch)
+        by_batch = capacity.drafts_by_batch(speculation)
+        return cls(pool["prompt"]["fit"], pool["decode"]["fit"], pool["settings"], neighbours, threads, *capacity.drafts(speculation), by_batch)
 
     def drafts_at(self, batch: int) -> tuple[float, float]:
         """The tokens a sequence gets from a decode step of ``batch`` sequences, and what a row
         verifying drafts costs over a row without (``duet.cluster.capacity.drafts_at``)."""
-        from duet.cluster.capacity import drafts_at
-
-        return drafts_at(self.drafts_by_batch, self.draft_tokens, self.draft_verify, batch)
+        return capacity.drafts_at(self.drafts_by_batch, self.draft_tokens, self.draft_verify, batch)
 
     def step_seconds(self, prompt_tokens: int, prompt_work: float, rows: float, row_context: float, busy_neighbours: int = 0) -> float:
         """A step computing ``prompt_tokens`` of prompt chunks (``prompt_work``: each chunk's

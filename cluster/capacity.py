@@ -221,14 +221,9 @@ def decode_batch(model: StageModel, demand: Demand, replicas: int, busy: float =
 
     # Drafts by batch: the least batch where the excess comes down to 0, if it does among the
     # batches measured (straight between them, so bisection finds it)...
-    low = 0.0
-    for high in (point[0] for point in model.drafts_by_batch):
-        if excess(high) <= 0:
-            for _ in range(60):
-                middle = (low + high) / 2
-                low, high = (middle, high) if excess(middle) > 0 else (low, middle)
-            return high
-        low = high
+    for batch in (point[0] for point in model.drafts_by_batch):
+        if excess(batch) <= 0:
+            return _highest(lambda smaller: excess(smaller) > 0, batch)
     # ...else with the drafts of the largest batch (or the same at every batch): in closed form.
     last = model.drafts_by_batch[-1][0] if model.drafts_by_batch else 1.0
     growth = k * model.row_seconds(context, last) * factor
@@ -331,7 +326,7 @@ def prefill_rate(model: StageModel, prompt_tokens: float, ttft_s: float, factor:
 
 
 def _highest(fits, upper: float) -> float:
-    """The highest rate in (0, ``upper``) that ``fits`` (monotone: a lower one fits too), by bisection."""
+    """The highest value in (0, ``upper``) that ``fits`` (monotone: a lower one fits too), by bisection."""
     low, high = 0.0, upper
     for _ in range(60):
         middle = (low + high) / 2

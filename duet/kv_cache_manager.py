@@ -168,22 +168,20 @@ class KVCacheManager:
         request not yet holding blocks; their tokens count as computed. A tier hit takes a new
         block, which the coming step's copies fill before its forward.
         """
-        held = self.req_to_blocks.get(request.request_id)
-        if not new_computed_blocks and held and self.window is None:  # a step of a sequence under way
-            total_tokens = request.num_computed_tokens + num_new_tokens
-            if -(-total_tokens // self.block_size) <= len(held):  # within the blocks it holds
-                self._cache_full_blocks(request, held, min(total_tokens, request.num_tokens))
-                return []
         computed = new_computed_blocks or []
-        null = self.block_pool.null_block
-        num_null_hits = sum(1 for block in computed if block is null)
-        pool_hits = [block for block in computed if isinstance(block, KVCacheBlock) and block is not null]
-        tier_hits = [block for block in computed if isinstance(block, TierBlock)]
         held = self.req_to_blocks.get(request.request_id, [])
         if held and self.window is not None:
             self._drop_passed_blocks(request, held)
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
         total_tokens = num_computed_tokens + num_new_tokens
+        if not computed and held and -(-total_tokens // self.block_size) <= len(held):
+            # a step of a sequence under way within the blocks it holds: only a block it filled to cache
+            self._cache_full_blocks(request, held, min(total_tokens, request.num_tokens))
+            return []
+        null = self.block_pool.null_block
+        num_null_hits = sum(1 for block in computed if block is null)
+        pool_hits = [block for block in computed if isinstance(block, KVCacheBlock) and block is not null]
+        tier_hits = [block for block in computed if isinstance(block, TierBlock)]
         num_required = -(-total_tokens // self.block_size) - len(held) - len(pool_hits) - num_null_hits
         # Hits sitting in the free queue stop being allocatable once touched.
         num_evictable_hits = sum(1 for block in pool_hits if block.ref_cnt == 0)
