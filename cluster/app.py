@@ -20,12 +20,8 @@ from duet.config import ConfigError, EngineArgs
 from duet.messages import ROUTING_STATS_PERIOD_S
 
 # A replica that shares its machine's cores: its OpenMP threads spin this many iterations at a
-# barrier before they sleep, so that they do not spin into the other engine's step. GOMP's
-# default (300,000, milliseconds) measured decode steps of 12.1 ms against 10.2 with 10,000,
-# and 9.4 alone (two processes taking turns at two cores, Intel Xeon with AMX). Until engines
-# were built on the thread that steps them, a second OpenMP pool in each process kept libgomp
-# at its short throttled spin whatever this said; 10,000 with one pool gave goodput
-# 0.63 req/s at 2 req/s against 0.75 and 0.61 with 100 (docs/benchmarks.md, 2026-12-03).
+# barrier before they sleep, so that they do not spin into the other engine's step (GOMP's
+# default spins for milliseconds; the runs that chose 100: docs/benchmarks.md, 2026-12-03).
 SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "100"}
 POLICY = "duet.cluster.autoscale:PoolPolicy"
 

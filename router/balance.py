@@ -1,97 +1,46 @@
-"""Adaptive selective PD: per sequence, compute its context on the prefill pool or on the decode
-replica it will run on, whichever gives it its first token sooner without breaking the decode
-pool's time per output token.
+"""Adaptive selective PD: per context, compute it on the prefill pool or on the decode replica
+that will run it, whichever gives its first token sooner without breaking the decode pool's
+time per output token. Replica counts move in tens of seconds, load within one, so the router
+balances the two stages per request, from the replicas' reports (``ReplicaStats``: prompt
+tokens per second, time per output token, KV use) and what it sent each side that has not yet
+given its first token (fresher than any report). The rules (the runs behind them:
+docs/benchmarks.md, "Adaptive selective PD"):
 
-Replica counts move in tens of seconds; load moves within one. So the router balances the two
-stages per request, from what the replicas measured of themselves (``ReplicaStats``: prompt
-tokens per second, time per output token, KV use) and what it sent each stage that has not yet
-produced its first token (fresher than any report):
-
-- through the prefill pool: the time it needs for what it has (``_wait_s``) and for the
-  context, at its measured throughput, plus the fixed cost of going through two replicas
-  (``PD_OVERHEAD_S``);
-- on a decode replica: the same for the local prompts, at its measured prompt throughput (the
-  prefill pool's per-replica figure until it has one), allowed only while the decode pool has
-  room for it: no sequence waiting, KV not nearly full, and the time its prompts take leaves
-  the sequences decoding there within their TPOT target.
-
-The prefill pool comes first: its time has no other use, while a decode replica's time is its
-sequences' next tokens, and a prompt computed there stalls every one of them for as long as it
-takes. So a context goes through the prefill pool while that pool has nothing queued, or gives
-its first token within ``PREFILL_FIRST_TTFT_SHARE`` of the TTFT target; only past that does the
-sooner of the two ways decide. (Choosing the sooner way for every prompt kept the decode
-replica computing half the prompts at 1 req/s on two cores, its decoding sequences near their
-TPOT target, while the prefill core idled 40% of the time.) The share is a quarter: at three
-quarters, a load past the prefill pool's capacity (4 req/s of 256-token prompts on two cores)
-held its queue near that bound, so first tokens came at 1.5-2 s against a 2 s target (TTFT p90
-1.7-2.05 s) while the decode core's sequences took 8 ms a token against 200; at a quarter the
-same load gave TTFT p90 0.69-1.47 s and TPOT p50 23-55 ms over four runs, and the TPOT room
-below still bounds what the decode pool takes.
-
-The TPOT room is a share of time. A decode replica that gives each decoding sequence a token
-every ``t`` while it computes no prompt (its ``decode_only_tpot_s``: step time over the tokens a
-sequence gets per step, more than one where drafts are accepted), and spends a share ``f`` of
-its time on local prompts, gives them a token every ``t / (1 - f)`` on average: within
-``DECODE_TPOT_SHARE`` of the target while ``f <= 1 - t / (DECODE_TPOT_SHARE * tpot)``. TPOT is
-a mean over a request's life (a few seconds), so the share is counted over the last
-``LOCAL_WINDOW_S`` seconds of local prompts the router sent (fresher than any report: each
-counts the moment it is sent), priced at what a token costs on the decode pool
-(``tokens_per_s``: a prompt step there also decodes, which its prompt speed would count against
-the prompt). A single prompt step is long; the mean is what the SLO bounds. Past that share,
-the rest of the way to the TPOT target itself goes to prompts that would miss their TTFT target
-through the prefill pool and meet it locally: a first token that comes too late loses the
-request, a TPOT within its target loses nothing.
-
-A context that would give its first token past the TTFT target through the prefill pool (counting
-the time it has already waited for a choice), where the decode pool has no room for it, waits in
-the router (``choose`` gives None) instead of joining the prefill pool's queue: it would be late
-there anyway, and its place in the queue is better given to a context still in time. Placed
-there, it would also hold its KV blocks on a decode replica, reserved for the transfer, for as
-long as the queue takes: at 6 req/s of 256-token prompts on two cores, such reservations filled
-the decode replica's KV within ten seconds, after which it ran 2-20 sequences and computed no
-prompt of its own, while the prefill queue grew to 38 prompts. A late context still goes through
-the prefill pool once that pool's queue is below ``PREFILL_FEED_S`` (its time has no other use),
-and the router asks for the contexts still in time first (``in_time``), in the order they came,
-then for the late ones; a late context that has waited ``LATE_TURN_TTFTS`` TTFT targets goes
-before all of them, so none starves. Waiting until that queue was past the target itself held it there under
-a load past both pools, so every context that joined it came late: at 4.3 req/s (seed 2000, 128
-requests on two cores) goodput was 1.45-1.87 req/s, TTFT p90 5.3-7.3 s; asking for those in time
-first and keeping the queue short gave 2.45-2.61 req/s in three runs (colocation 2.00-2.32 in the
-same runs), each context in time or well past it.
-
-A prediction leaves out what no report shows: the placement, which waits on the decode replica
-for the end of its current step (a prompt chunk there is ~0.5 s on one core), the hops, reports
-a second old. So each side keeps the running mean of how much later than predicted its first
-tokens came (``lateness``) and adds it to what it predicts; without it, contexts predicted in
-time under that load missed the target by 0.1-0.5 s.
-
-Decode replicas that share their machine's cores with the prefill replicas (``cores.share``,
-``duet.cores``) are not second to the prefill pool: a prompt computes on the same cores either
-way, so the sooner way decides from the start (a local prompt saves the hop and the transfer),
-within the decoders' TPOT room. While the machine is idle (nothing of this router's in flight or
-decoding, a decode replica reporting nothing running) every prompt goes to such a replica: it
-has every core, as one engine would.
-
-A context whose start some replica holds (a conversation's history: ``prefix_hashes``, against
-the hashes each replica reports holding, ``duet.block_pool.held_blocks``) costs each side only
-the tokens past what its best replica holds: a decode replica holds the last turn's prompt and
-the reply it decoded, a prefill replica at most the last prompt. Where the decode side holds
-more, the prefill pool does not come first: computed there, the next turn's prompt computes
-the reply again and sends the whole history's KV; computed where the history is, only the new
-message (on the replica holding the history: the one this router's record names, where the
-reports do not yet, ``duet.router.held``; else the decode pool's router finds it,
-``duet.router.routing.prefix_first``). The sooner way decides, within the TPOT room.
-
-Before any prefill replica measured its prompt throughput, the static ``local_prefill_threshold``
-decides for a short prompt (shorter than it stays local). A longer one goes through the prefill
-pool when that pool has none of this router's contexts in flight; otherwise to the side with less
-of them a thread, the prefill pool on a tie (``_unmeasured``): the same model on either side
-computes a prompt at about the same speed a thread, so a burst at a deployment's start does not
-wait on the prefill pool while the decode replicas idle. With measurements, a short prompt goes
-through the prefill pool when decode is busy, and a long one stays local when the prefill pool
-is the bottleneck. While the prefill pool has no running replica at all (its last one died, and
-Serve is starting another), every context stays local, whatever the rule: a call to the pool
-would wait for the new replica.
+- **Prices.** Through the prefill pool: its queue (``_wait_s``) and the context at its measured
+  speed, plus ``PD_OVERHEAD_S`` (two hops and a transfer). Locally: the same at the decode
+  replicas' prompt speed (the prefill pool's per-replica figure until they have one). Each
+  side adds the running mean of how late its first tokens came against the prediction
+  (``lateness``: the placement waits for a step to end, the hops, reports a second old).
+- **Local only with room**: no sequence waiting for room, KV below ``MAX_LOCAL_KV_USAGE``, and
+  TPOT room: a replica whose decode-only TPOT is ``t`` and which spends a share ``f`` of its
+  time on prompts gives its streams a token every ``t / (1 - f)``, kept within
+  ``DECODE_TPOT_SHARE`` of the target; ``f`` counts the local prompts sent over the last
+  ``LOCAL_WINDOW_S``, at what a token costs there (a prompt step there also decodes). Past that
+  share, the rest of the way to the target goes to prompts that would be late through the
+  prefill pool and in time locally.
+- **The prefill pool first** while it has nothing queued or gives the first token within
+  ``PREFILL_FIRST_TTFT_SHARE`` of the TTFT target: its time has no other use, while a prompt on
+  a decode replica stalls every stream there. Past that, the sooner side.
+- **A context late either way waits** in the router (``choose`` gives None), holding no KV,
+  when the prefill pool would give its first token past the TTFT target and the decode pool
+  has no room; it still joins the prefill pool once that queue is below ``PREFILL_FEED_S``.
+  Waiting contexts are asked for in arrival order, those still in time first; one that has
+  waited ``LATE_TURN_TTFTS`` targets goes before all of them, so none starves.
+- **Held prefixes.** A context costs each side only the tokens past what its best replica holds
+  (the reports' routing hashes, ``duet.block_pool.held_blocks``, and this router's own record,
+  ``duet.router.held``): a decode replica holds the last prompt and the reply it decoded, a
+  prefill replica at most the last prompt. Where the decode side holds more, the prefill pool
+  does not come first: the sooner side decides, within the TPOT room (and the decode pool's
+  router sends it to the holder: ``duet.router.routing.prefix_first``).
+- **Shared cores** (``cores.share``, ``duet.cores``): a prompt computes on the same cores either
+  way, so the sooner side decides from the start; on an idle machine (nothing of this router's
+  in flight, a decode replica running nothing) every prompt goes to such a decode replica.
+- **Before any prefill replica measured its speed**, a prompt shorter than
+  ``local_prefill_threshold`` stays local; a longer one goes through the prefill pool when
+  that pool has none of this router's contexts in flight, else (the decode pool having TPOT
+  room) to the side with less of them a thread, the prefill pool on a tie: a burst at a
+  deployment's start does not queue on the prefill pool while the decode replicas idle. With no running prefill replica at all, every context
+  stays local: a call to the pool would wait for its next replica.
 """
 
 from __future__ import annotations
