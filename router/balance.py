@@ -39,8 +39,9 @@ docs/benchmarks.md, "Adaptive selective PD"):
   ``local_prefill_threshold`` stays local; a longer one goes through the prefill pool when
   that pool has none of this router's contexts in flight, else (the decode pool having TPOT
   room) to the side with less of them a thread, the prefill pool on a tie: a burst at a
-  deployment's start does not queue on the prefill pool while the decode replicas idle. With no running prefill replica at all, every context
-  stays local: a call to the pool would wait for its next replica.
+  deployment's start does not queue on the prefill pool while the decode replicas idle. With
+  no running prefill replica at all, every context stays local: a call to the pool would wait
+  for its next replica.
 """
 
 from __future__ import annotations
