@@ -111,8 +111,9 @@ class EngineReplica:
         ``reserve`` and ``attach_to``. ``from_history``: a context whose history this replica's
         prefix cache holds (a turn after one it decoded), sent here by a router that found it too
         busy to decode the turn: served in either role by a replica of a PD application, which
-        computes the tokens past its history and sends the whole context's KV, rather than
-        another replica computing the history again (refused as full by any other)."""
+        computes the tokens past its history (for a pull, the history cut one token past its
+        cached blocks: that one token) and sends their KV, rather than another replica computing
+        the history again (refused as full by any other)."""
         if replica_id is not None:
             ReplicaGoneError.check(replica_id, self.replica_id)
         if from_history and self.role.stage != "prefill":

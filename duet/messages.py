@@ -59,7 +59,10 @@ class EngineRequest:
     ``output_token_ids``: tokens generated before, elsewhere (a request resumed after its KV was
     lost); the engine recomputes their KV and goes on from them. ``kv_send``: a prefill
     replica's request: ship the prompt's KV there and stop after the first token. ``kv_receive``:
-    a decode replica's request whose prompt KV (and first token) come from a prefill replica.
+    a decode replica's request whose prompt KV (and first token) come from a prefill replica;
+    ``kv_receive_tokens`` with it: only the KV of the prompt's first that many tokens comes (a
+    pull of a history another replica holds), and this replica computes the rest and samples the
+    first token itself.
     ``lora``: the LoRA adapter it runs with (``duet.lora``), None for the base model;
     ``lora_path``: its folder, which an engine that does not hold it loads it from (None: an
     adapter named in the engine's config). ``own_prompt_len``: where ``prompt_token_ids`` hold a
@@ -74,6 +77,7 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     kv_send: KVDestination | None = None
     kv_receive: bool = False
+    kv_receive_tokens: int | None = None
     lora: str | None = None
     lora_path: str | None = None
     own_prompt_len: int | None = None

@@ -52,6 +52,7 @@ class Request:
         lora_path: str | None = None,
         prompt_len: int | None = None,
         cache_key: int | None = None,
+        num_pulled_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.lora = lora  # its LoRA adapter's name (None: the base model)
@@ -79,8 +80,10 @@ class Request:
         # Prefill role: ship the prompt's KV here, and stop after the first token.
         self.kv_send = kv_send
         self.remote_decode = kv_send is not None
-        # Decode role: the transfer bringing the prompt's KV.
+        # Decode role: the transfer bringing the prompt's KV, and (a pull,
+        # ``EngineRequest.kv_receive_tokens``) the leading prompt tokens it brings when not all.
         self.kv_receive_id: int | None = None
+        self.num_pulled_tokens = num_pulled_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -96,8 +99,11 @@ class Request:
 
     @property
     def num_transfer_tokens(self) -> int:
-        """Tokens whose KV a transfer of this request carries: its prompt, or, for a sequence
-        under way, all its tokens but the last (the next step computes that one)."""
+        """Tokens whose KV a transfer of this request carries: its prompt (the leading part pulled,
+        for a pull), or, for a sequence under way, all its tokens but the last (the next step
+        computes that one)."""
+        if self.num_pulled_tokens is not None:
+            return self.num_pulled_tokens
         return self.num_tokens - 1 if self.output_token_ids else self.num_prompt_tokens
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:

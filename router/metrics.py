@@ -178,6 +178,13 @@ class _RoutingCollector:
             )
             sends.add_metric([self.model_name], self.orchestrator.history_sends)
             yield sends
+            pulls = CounterMetricFamily(
+                "duet:history_pulls",
+                "Of those, the sends of the cached history alone: the replica that decoded them computed the rest.",
+                labels=["model_name"],
+            )
+            pulls.add_metric([self.model_name], self.orchestrator.history_pulls)
+            yield pulls
             prefills = CounterMetricFamily(
                 "duet:prompts_computed",
                 "Prompts (and recomputed contexts) by the stage the router chose to compute them (fallbacks aside).",

@@ -97,6 +97,7 @@ class Orchestrator:
         self.migrations = {"kv": 0, "recompute": 0}
         self.prefill_fallbacks = 0  # contexts computed on decode because their prefill replica failed
         self.history_sends = 0  # contexts a busy decode replica computed past its history and sent (``_history_source``)
+        self.history_pulls = 0  # of those, the sends of its cached history alone, the rest computed by the receiver
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
         self.open_streams: set[DecodeStream] = set()  # not yet finished or closed
@@ -202,6 +203,7 @@ class Orchestrator:
             choice = Choice(True, 0, holder=self.held.holder(hashes))
         else:  # the part a replica holds counts less
             choice = await self.waiting_room.choose(sequence.num_context_tokens, hashes)
+        held_blocks = choice.holder.blocks if choice.holder is not None else 0
         source = self._history_source(choice)
         if choice.local and source is None:
             stream = await self._place_local(sequence, choice)
@@ -209,13 +211,15 @@ class Orchestrator:
             yield stream
             return
         num_blocks = -(-sequence.num_context_tokens // self.block_size)
-        stream = DecodeStream(self, sequence.resumed(kv_receive=True), num_prompt_blocks=num_blocks, avoid=source and source[1])
+        pulled = self._pulled_tokens(sequence, held_blocks) if source is not None else None
+        request = sequence.resumed(kv_receive=True, kv_receive_tokens=pulled)
+        stream = DecodeStream(self, request, num_prompt_blocks=num_blocks, avoid=source and source[1])
         try:
             placement = await stream.place()
             if source is not None and placement.replica_id == source[1]:  # placed where its history is after all
                 raise _PlacedAtSource
             sequence.to(Phase.PREFILLING)
-            first = await self._prefill(sequence, stream.request.request_id, placement.destination, source)
+            first = await self._prefill(sequence, stream.request.request_id, placement.destination, source, pulled)
             choice.done(first_token=True)
         except (InvalidRequestError, RequestFailedError):
             await stream.aclose()
@@ -265,6 +269,18 @@ class Orchestrator:
             raise
         return stream
 
+    def _pulled_tokens(self, sequence: Sequence, held_blocks: int) -> int | None:
+        """How much of a context whose history a busy replica holds (its first ``held_blocks``
+        blocks) that replica sends: its held blocks' tokens and one more (the least its engine
+        computes), at most all but the context's last token (the receiver's logits sample the
+        first token). The receiver computes the rest, so the busy replica computes almost
+        nothing. None: it computes the context's tokens past its history and sends them all (a
+        resumed sequence; prompt logprobs, which it would compute; a history shorter than a block)."""
+        if sequence.token_ids or sequence.request.params.prompt_logprobs is not None:
+            return None
+        blocks = min(held_blocks, (sequence.num_context_tokens - 2) // self.block_size)
+        return blocks * self.block_size + 1 if blocks > 0 else None
+
     def _history_source(self, choice: Choice) -> tuple[str, str] | None:
         """Settles the replica a local choice names as holding the context's history
         (``choice.holder``): kept, the context is reserved there first (``DecodeStream``); too
@@ -279,15 +295,21 @@ class Orchestrator:
         return (holder.pool, holder.replica_id) if self.prefill is not None else None
 
     async def _prefill(
-        self, sequence: Sequence, request_id: str, destination: KVDestination, source: tuple[str, str] | None = None
+        self, sequence: Sequence, request_id: str, destination: KVDestination, source: tuple[str, str] | None = None,
+        pulled: int | None = None,
     ) -> TokenDelta | None:
         """Have the prefill replica that prefix affinity picks (``source``: the decode replica
         holding its history) compute the context's KV into
         ``destination`` (``request_id``: the placement's): a new sequence's prompt (its first
         token returned), or a resumed one's prompt and outputs but the last (the decode replica
-        computes that one; None returned)."""
+        computes that one; None returned), or (``pulled``) the prompt's first tokens alone (the
+        decode replica computes the rest and the first token; None returned)."""
         request = sequence.request
-        if sequence.token_ids:
+        if pulled is not None:
+            request = EngineRequest(
+                request_id, request.prompt_token_ids[:pulled], _FILL_PARAMS, lora=request.lora, lora_path=request.lora_path,
+            )
+        elif sequence.token_ids:
             context = request.prompt_token_ids + sequence.token_ids[:-1]
             request = EngineRequest(
                 request_id, context, _FILL_PARAMS, lora=request.lora, lora_path=request.lora_path,
@@ -307,7 +329,8 @@ class Orchestrator:
                     self.prefilled.add(None, pool, request.prompt_token_ids, request.lora, request.lora_path)
                 else:
                     self.history_sends += 1
-                return None if sequence.token_ids else delta
+                    self.history_pulls += pulled is not None
+                return None if sequence.token_ids or pulled is not None else delta
         finally:
             stream.cancel()
         raise PoolUnavailableError("the prefill replica ended the request without a token")

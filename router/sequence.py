@@ -112,15 +112,18 @@ class Sequence:
         """Those tokens (what its replica holds the KV of once it ended)."""
         return self.request.prompt_token_ids + self.token_ids[:-1]
 
-    def resumed(self, kv_receive: bool = False) -> EngineRequest:
+    def resumed(self, kv_receive: bool = False, kv_receive_tokens: int | None = None) -> EngineRequest:
         """The sequence with its tokens so far, to place anew: under an id of its own each
         time, so that an earlier placement's tear-down (a cancel or an abort still on its way to
-        the same replica) cannot touch this one."""
+        the same replica) cannot touch this one. ``kv_receive_tokens``: a pull's (``EngineRequest``)."""
         self.placements += 1
         request_id = self.request.request_id
         if self.placements > 1:
             request_id = f"{request_id}.{self.placements - 1}"
-        return dataclasses.replace(self.request, request_id=request_id, output_token_ids=list(self.token_ids), kv_receive=kv_receive)
+        return dataclasses.replace(
+            self.request, request_id=request_id, output_token_ids=list(self.token_ids), kv_receive=kv_receive,
+            kv_receive_tokens=kv_receive_tokens,
+        )
 
     def to(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:

@@ -161,13 +161,15 @@ def test_a_served_engine_is_built_on_the_thread_that_steps_it_so_the_process_hol
     assert one_thread == two_threads - 1, f"{one_thread} threads outside Python with build_engine, {two_threads} without"
 
 
-def test_a_busy_decode_replica_sends_a_turn_past_the_history_it_holds_to_another(decode_pair, tiny_llama_dir):
+@pytest.mark.parametrize("pull", [False, True], ids=["computed-past-history", "pulled"])
+def test_a_busy_decode_replica_sends_a_turn_past_the_history_it_holds_to_another(decode_pair, tiny_llama_dir, pull):
     """#40: the decode replica that decoded a reply holds the conversation's history; too busy to
     decode the next turn too, it computes only the turn's new tokens past that history (its
     prefix cache's hit) and sends the whole context's KV to the replica that decodes it
-    (``generate(from_history=True)``, in the decode role, beside its live stream): the turn's
-    tokens are transformers' greedy ones, and both replicas end with every block free. Without
-    ``from_history`` the decode role refuses the call, as before."""
+    (``generate(from_history=True)``, in the decode role, beside its live stream), or (a pull)
+    sends the history's full blocks and one token more, the receiver computing the rest and the
+    first token: the turn's tokens are transformers' greedy ones, and both replicas end with
+    every block free. Without ``from_history`` the decode role refuses the call, as before."""
     from duet.errors import ReplicaFullError
     from tests.reference import hf_greedy
 
@@ -180,8 +182,10 @@ def test_a_busy_decode_replica_sends_a_turn_past_the_history_it_holds_to_another
         busy = await placed(holder, EngineRequest("busy", list(range(300, 340)), SamplingParams(temperature=0.0, max_tokens=300, min_tokens=300)))
         await anext(busy)
         context = first_turn + reply + list(range(200, 216))
-        placement = await other.reserve(EngineRequest("turn-2", context, greedy, kv_receive=True), -(-len(context) // 16))
-        sent = EngineRequest("turn-2", context, greedy, kv_send=placement.destination)
+        pulled = (len(first_turn) + len(reply) - 1) // 16 * 16 + 1 if pull else None
+        received = EngineRequest("turn-2", context, greedy, kv_receive=True, kv_receive_tokens=pulled)
+        placement = await other.reserve(received, -(-len(context) // 16))
+        sent = EngineRequest("turn-2", context[:pulled], greedy, kv_send=placement.destination)
         with pytest.raises(ReplicaFullError, match="serves the decode role"):
             [delta async for delta in holder.generate(sent)]
         hits_before = holder.engine.kv_cache_manager.prefix_cache_hits
@@ -189,7 +193,8 @@ def test_a_busy_decode_replica_sends_a_turn_past_the_history_it_holds_to_another
         hits = holder.engine.kv_cache_manager.prefix_cache_hits - hits_before
         rest, _ = await read_stream(attached(other, "turn-2"))
         await busy.aclose()
-        return reply, context, [token for delta in first for token in delta.token_ids] + rest, hits, await settled(holder), await settled(other)
+        tokens = rest if pull else [token for delta in first for token in delta.token_ids] + rest
+        return reply, context, tokens, hits, await settled(holder), await settled(other)
 
     reply, context, tokens, hits, holder_state, other_state = asyncio.run(run())
     reference = hf_greedy(tiny_llama_dir, [first_turn, context], 12)

@@ -300,9 +300,12 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
 def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_replica(monkeypatch):
     """#40, PD: the balancer chose to compute a turn where its history is, on a replica too busy
     (``holder_target``) to decode it too: another decode replica reserves its KV (the holder
-    avoided), and the holder, pinned, computes it past its history and sends it
-    (``generate(from_history=True)``); the turn decodes on the receiver and counts as a history
-    send. Placed on the holder after all (the one replica with room), it is computed there."""
+    avoided), and the holder, pinned, sends its history's 4 blocks and one token more (a pull:
+    ``generate(from_history=True)`` on the context's first 65 tokens, its token dropped); the
+    receiver computes the rest, samples the first token and decodes. With prompt logprobs (which
+    a pull would not compute) the holder computes the whole turn past its history and sends it,
+    its first token the turn's. Placed on the holder after all (the one replica with room), it
+    is computed there."""
     from duet.router import serve_internals
     from duet.router.balance import Choice
     from duet.router.held import Holder
@@ -320,11 +323,15 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
             self.firsts, self.kwargs = firsts, []
 
         async def _reserve(self, request, **kwargs):
-            self.kwargs.append(("reserve", request.kv_receive, kwargs.get("avoid"), kwargs.get("replica_id")))
+            self.kwargs.append(
+                ("reserve", request.kv_receive, kwargs.get("avoid"), kwargs.get("replica_id"), request.kv_receive_tokens)
+            )
             return await super()._reserve(request)
 
         def _generate(self, request, **kwargs):
-            self.kwargs.append(("generate", request.request_id, kwargs.get("from_history"), kwargs.get("replica_id")))
+            self.kwargs.append(
+                ("generate", request.request_id, kwargs.get("from_history"), kwargs.get("replica_id"), len(request.prompt_token_ids))
+            )
 
             async def deltas():
                 yield self.firsts.pop(0)
@@ -336,15 +343,24 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
         orchestrator.waiting_room = SimpleNamespace(choose=_async(lambda *args: Choice(True, 8, holder=Holder("h", "decode", 4))))
         return orchestrator
 
-    pool = Pool([Placement("y")], [[TokenDelta("s", [6, 7], finished=True, finish_reason="length")]], [TokenDelta("s", [5])])
+    pool = Pool([Placement("y")], [[TokenDelta("s", [5, 6, 7], finished=True, finish_reason="length")]], [TokenDelta("s", [9])])
     orchestrator = orchestrator_for(pool)
 
-    async def run(orchestrator):
-        return [delta.token_ids async for delta in orchestrator.run("s", list(range(80)), SamplingParams(max_tokens=3))]
+    async def run(orchestrator, **params):
+        params = SamplingParams(max_tokens=3, **params)
+        return [delta.token_ids async for delta in orchestrator.run("s", list(range(80)), params)]
 
-    assert asyncio.run(run(orchestrator)) == [[5], [6, 7]]
-    assert pool.kwargs == [("reserve", True, "h", None), ("generate", pool.calls[0][1].request_id, True, "h")]  # into y's reservation
-    assert orchestrator.history_sends == 1 and orchestrator.prefill_fallbacks == 0
+    assert asyncio.run(run(orchestrator)) == [[5, 6, 7]]
+    placed = pool.calls[0][1].request_id
+    assert pool.kwargs == [("reserve", True, "h", None, 65), ("generate", placed, True, "h", 65)]  # into y's reservation
+    assert (orchestrator.history_sends, orchestrator.history_pulls, orchestrator.prefill_fallbacks) == (1, 1, 0)
+
+    pool = Pool([Placement("y")], [[TokenDelta("s", [6, 7], finished=True, finish_reason="length")]], [TokenDelta("s", [5])])
+    orchestrator = orchestrator_for(pool)
+    assert asyncio.run(run(orchestrator, prompt_logprobs=1)) == [[5], [6, 7]]
+    placed = pool.calls[0][1].request_id
+    assert pool.kwargs == [("reserve", True, "h", None, None), ("generate", placed, True, "h", 80)]
+    assert (orchestrator.history_sends, orchestrator.history_pulls) == (1, 0)
 
     pool = Pool([Placement("h"), Placement("h")], [[TokenDelta("s", [5, 6, 7], finished=True, finish_reason="length")]], [])
     orchestrator = orchestrator_for(pool)
