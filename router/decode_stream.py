@@ -68,6 +68,13 @@ class DecodeStream:
         self._items = self._attach()
         orchestrator.open_streams.add(self)
 
+    def headed_to(self) -> str | None:
+        """The replica it runs on, or, while it is placed, the one its choice holds it for
+        first (where its history is; None: where the pool's router places it)."""
+        if self.replica_id is not None or self.choice is None or self.choice.holder is None:
+            return self.replica_id
+        return self.choice.holder.replica_id
+
     async def place(self) -> Placement:
         """Where the sequence runs. Bounded: while Serve lists no replica of the pool (its last one
         died and the next is not up, or none can be placed), a call waits in Serve's queue

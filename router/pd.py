@@ -352,8 +352,9 @@ class Orchestrator:
         ended), unless it serves decode no more or its load passes the least loaded replica's
         serving decode by more than ``IMBALANCE_THRESHOLD`` (the rule the pools' routers apply
         to the prefixes replicas report): None, and ``decode_target`` places it. A load is the
-        replica's last report's, or the sequences this router has open there where more (a
-        burst of turns held by one replica comes faster than its reports)."""
+        replica's last report's, or the sequences this router has open there or being placed
+        there where more (a burst of turns held by one replica comes faster than its reports,
+        and faster than its placements)."""
         if self.roles is not None:
             reported = {member.replica_id: member.load for member in self.roles.serving("decode")}
         else:
@@ -361,7 +362,7 @@ class Orchestrator:
             reported = {replica_id: stats.scheduler.num_sequences if stats else 0 for replica_id, stats in members}
         if holder.replica_id not in reported and (self.roles is not None or reported):
             return None  # serving prefill now, or gone
-        own = Counter(stream.replica_id for stream in self.open_streams if stream.replica_id is not None)
+        own = Counter(replica_id for stream in self.open_streams if (replica_id := stream.headed_to()) is not None)
         loads = {replica_id: max(load, own[replica_id]) for replica_id, load in reported.items()}
         load = loads.get(holder.replica_id, own[holder.replica_id])
         if loads and load - min(loads.values()) > IMBALANCE_THRESHOLD:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.client import complete, duet_status, greedy_body, random_prompt, settled, wait_for
+from tests.integration.client import complete, duet_status, greedy_body, metric, random_prompt, settled, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -108,4 +108,37 @@ def test_a_pd_conversations_next_turn_is_computed_where_its_reply_was_decoded(cl
     assert duet_status(url)["routing"]["local_prefills"] == len(second_turns)
     assert [cached for _, cached in answers] == [192] * len(second_turns)
     assert [tokens for tokens, _ in answers] == tiny_offline(second_turns, 8)
+    assert settled(cluster, url)["ok"]
+
+
+def test_a_burst_of_turns_on_one_history_pulls_it_from_its_busy_holder(cluster, tiny_offline, deploy):
+    """Eight turns continuing one conversation (its first turn and reply, then a message each),
+    sent at once: the decode replica that decoded the reply holds the history, and the router
+    reserves turns there until its load (the turns placed or being placed there) passes the
+    other decode replica's by more than ``IMBALANCE_THRESHOLD`` (4); the rest are pulls (2 or 3,
+    as placements interleave), the holder sending the history's KV and the other replica
+    computing each turn and decoding it. Every turn's tokens are the offline engine's, every
+    send a pull (new sequences), and every block comes back. Counting only the turns already
+    placed (tried once), all eight went to the holder."""
+    url = deploy("pd-pull", PD_APP)
+    wait_for(lambda: len(duet_status(url)["pools"]["decode"]["stats"]) == 2, 60, "both decode replicas reporting")
+    rng = random.Random(43)
+    first_turn = random_prompt(rng, PD_FIRST_TURN)
+    turns = 8
+
+    async def run() -> tuple[list[int], list[tuple[int, list[int], list[dict]]]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            status, reply, errors = await complete(client, url, greedy_body(first_turn, PD_REPLY))
+            assert (status, errors) == (200, [])
+            seconds = [first_turn + reply + random_prompt(rng, PD_MESSAGE) for _ in range(turns)]
+            answers = await asyncio.gather(*(complete(client, url, greedy_body(prompt, 48)) for prompt in seconds))
+            return seconds, answers
+
+    seconds, answers = asyncio.run(run())
+    assert [(status, errors) for status, _, errors in answers] == [(200, [])] * turns
+    assert [tokens for _, tokens, _ in answers] == tiny_offline(seconds, 48)
+    sends = sum(metric(url, "duet:history_sends_total").values())
+    pulls = sum(metric(url, "duet:history_pulls_total").values())
+    print(f"\n{duet_status(url)['routing']}; history sends {sends}, pulls {pulls}")
+    assert pulls == sends >= 1
     assert settled(cluster, url)["ok"]

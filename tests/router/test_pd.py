@@ -232,9 +232,11 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
 def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypatch):
     """The pin to where a history ended keeps the pools' routers' rule: the holder takes the
     context while its load passes the least loaded decode replica's by ``IMBALANCE_THRESHOLD`` at
-    most, its load the larger of its report and the sequences this router has open there (a
-    burst outruns the reports); busier, or not listed any more, the pool's router places it."""
+    most, its load the larger of its report and the sequences this router has open there or is
+    placing there (a burst outruns the reports and the placements); busier, or not listed any
+    more, the pool's router places it."""
     from duet.router import serve_internals
+    from duet.router.balance import Choice
     from duet.router.held import Holder
     from duet.router.routing import IMBALANCE_THRESHOLD
     from tests.router.fake_serve import FakePool
@@ -255,6 +257,12 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
     assert orchestrator.holder_target(holder) is None  # reported idle, but 7 open there against 2
     orchestrator.open_streams.clear()
     assert orchestrator.holder_target(holder) == ("colocated", "h")
+    for index in range(IMBALANCE_THRESHOLD + 3):  # a burst: reserved there first, none placed yet
+        decode_stream.DecodeStream(
+            orchestrator, EngineRequest(f"burst-{index}", [1], SamplingParams()), choice=Choice(True, 1, holder=holder)
+        )
+    assert orchestrator.holder_target(holder) is None  # 7 headed there against 2
+    orchestrator.open_streams.clear()
     listed.remove("h")
     assert orchestrator.holder_target(holder) is None  # gone
 
