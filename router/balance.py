@@ -30,8 +30,9 @@ docs/benchmarks.md, "Adaptive selective PD"):
   (the reports' routing hashes, ``duet.block_pool.held_blocks``, and this router's own record,
   ``duet.router.held``): a decode replica holds the last prompt and the reply it decoded, a
   prefill replica at most the last prompt. Where the decode side holds more, the prefill pool
-  does not come first: the sooner side decides, within the TPOT room (and the decode pool's
-  router sends it to the holder: ``duet.router.routing.prefix_first``).
+  does not come first: the sooner side decides, within the TPOT room, and names the decode
+  replica holding the most (``Choice.holder``), where the router reserves the context first or,
+  that replica busy, from which it pulls the history (``duet.router.pd``).
 - **Shared cores** (``cores.share``, ``duet.cores``): a prompt computes on the same cores either
   way, so the sooner side decides from the start; on an idle machine (nothing of this router's
   in flight, a decode replica running nothing) every prompt goes to such a decode replica.
@@ -78,7 +79,7 @@ class Choice:
     balancer: StageBalancer | None = None
     sent_at: float = 0.0
     predicted_s: float | None = None  # when its first token should come after ``sent_at``, before lateness
-    holder: Holder | None = None  # local: the replica this router knows holds the most of it (``duet.router.held``)
+    holder: Holder | None = None  # local: the decode replica holding the most of it (record or reports)
 
     def done(self, first_token: bool = False) -> None:
         """``first_token``: it came (its lateness counts), rather than the context failing or
@@ -147,19 +148,22 @@ class StageBalancer:
     def _to_compute(self, num_tokens: int, prefix_hashes: Sequence[int]) -> tuple[dict[bool, int], Holder | None]:
         """The tokens each side (local: True) would compute of a context: those past the most its
         best replica holds (one at least: the last is always computed), by the replicas' reports
-        and this router's records (``held``, ``prefilled``); and the decode replica the record
-        names, where it holds more than any report says (else the pool's router finds the holder)."""
+        and this router's records (``held``, ``prefilled``); and the decode replica holding the
+        most of it, by the record where it says more than the reports, else by the reports."""
         tokens = {True: num_tokens, False: num_tokens}
         if not prefix_hashes or not self.block_size:
             return tokens, None
         holder = self.held.holder(prefix_hashes) if self.held is not None else None
         prefilled = self.prefilled.holder(prefix_hashes) if self.prefilled is not None else None
         for local, pool, recorded in ((True, "decode", holder), (False, "prefill", prefilled)):
-            held = max((held_blocks(prefix_hashes, set(stats.prefix_hashes)) for stats in self._stats(pool) if stats.prefix_hashes), default=0)
+            held, reporter = max(
+                ((held_blocks(prefix_hashes, set(stats.prefix_hashes)), stats.replica_id) for stats in self._stats(pool)),
+                default=(0, None),
+            )
             if recorded is not None and recorded.blocks > held:
                 held = recorded.blocks
             elif local:
-                holder = None
+                holder = Holder(reporter, pool, held) if held else None
             tokens[local] = max(1, num_tokens - held * self.block_size)
         return tokens, holder
 

@@ -5,7 +5,8 @@ within a second or so. The balancer counts both (``duet.router.balance``), for t
 pool too (the contexts this router had it compute: its own record, so that neither side's
 reports lag the other's), and a context it
 sends to be computed where its history is goes to the replica named here first
-(``DecodeStream``), as does a colocated pool's (the pool's router, by the reports, otherwise),
+(``DecodeStream``; in PD, the one the reports name where they say more), as does a colocated
+pool's (the pool's router, by the reports, otherwise),
 unless that replica is busier than the least loaded by more than the pools' routers allow
 (``Orchestrator.holder_target``, settled once for the choice: ``Orchestrator._history_source``).
 

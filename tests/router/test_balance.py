@@ -154,8 +154,9 @@ def test_a_turn_whose_history_a_decode_replica_holds_is_computed_there_past_it()
 def test_a_history_this_router_just_saw_end_counts_before_the_replica_reports_it():
     """The next turn comes the moment the last ended, before the decode replica's report names
     that history: the router's own record (``HeldContexts``) counts it, and the choice names the
-    replica, where its record holds more than the reports; a record expires after its TTL. Its
-    record of what the prefill pool computed counts for that pool likewise."""
+    replica, by its record where that holds more than the reports, else by the reports; a record
+    expires after its TTL. Its record of what the prefill pool computed counts for that pool
+    likewise."""
     from duet.block_pool import routing_block_hashes
     from duet.router.held import HeldContexts, Holder
 
@@ -176,8 +177,9 @@ def test_a_history_this_router_just_saw_end_counts_before_the_replica_reports_it
     assert not chooser(unreported, recorded=False).choose(1328, prefix_hashes=turn).local  # the prefill pool first
     choice = chooser(unreported, recorded=True).choose(1328, prefix_hashes=turn)
     assert choice.local and choice.num_tokens == 1328 - 68 * 16 and choice.holder == Holder("d", "decode", 68)
-    choice = chooser(reported, recorded=True).choose(1328, prefix_hashes=turn)  # the report holds more (72): the pool routes
-    assert choice.local and choice.holder is None
+    choice = chooser(reported, recorded=True).choose(1328, prefix_hashes=turn)  # the report holds more (72)
+    assert choice.local and choice.holder == Holder("d", "decode", 72)
+    assert chooser(reported, recorded=False).choose(1328, prefix_hashes=turn).holder == Holder("d", "decode", 72)
     later = chooser(unreported, recorded=True)
     now[0] += 31.0
     assert later.held.holder(turn) is None and not later.choose(1328, prefix_hashes=turn).local  # the record expired
