@@ -213,14 +213,17 @@ class Orchestrator:
         num_blocks = -(-sequence.num_context_tokens // self.block_size)
         pulled = self._pulled_tokens(sequence, held_blocks) if source is not None else None
         request = sequence.resumed(kv_receive=True, kv_receive_tokens=pulled)
-        stream = DecodeStream(self, request, num_prompt_blocks=num_blocks, avoid=source and source[1])
+        # A pull's first token comes from the decode stream, which settles the choice then.
+        settled_by = choice if pulled is not None else None
+        stream = DecodeStream(self, request, num_prompt_blocks=num_blocks, choice=settled_by, avoid=source and source[1])
         try:
             placement = await stream.place()
             if source is not None and placement.replica_id == source[1]:  # placed where its history is after all
                 raise _PlacedAtSource
             sequence.to(Phase.PREFILLING)
             first = await self._prefill(sequence, stream.request.request_id, placement.destination, source, pulled)
-            choice.done(first_token=True)
+            if settled_by is None:
+                choice.done(first_token=True)
         except (InvalidRequestError, RequestFailedError):
             await stream.aclose()
             sequence.failed(Failure.REFUSED)
@@ -247,7 +250,8 @@ class Orchestrator:
             await stream.aclose()
             raise
         finally:
-            choice.done()
+            if settled_by is None:
+                choice.done()
         if first is not None:
             try:
                 yield first

@@ -348,7 +348,9 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
 
     def orchestrator_for(pool):
         orchestrator = pd.Orchestrator(object(), pool, 16, None)
-        orchestrator.waiting_room = SimpleNamespace(choose=_async(lambda *args: Choice(True, 8, holder=Holder("h", "decode", 4))))
+        settles = SimpleNamespace(_done=lambda choice, first_token: pool.calls.append(("settled", first_token)))
+        choice = lambda *args: Choice(True, 8, balancer=settles, holder=Holder("h", "decode", 4))  # noqa: E731
+        orchestrator.waiting_room = SimpleNamespace(choose=_async(choice))
         return orchestrator
 
     pool = Pool([Placement("y")], [[TokenDelta("s", [5, 6, 7], finished=True, finish_reason="length")]], [TokenDelta("s", [9])])
@@ -362,6 +364,8 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
     placed = pool.calls[0][1].request_id
     assert pool.kwargs == [("reserve", True, "h", None, 65), ("generate", placed, True, "h", 65)]  # into y's reservation
     assert (orchestrator.history_sends, orchestrator.history_pulls, orchestrator.prefill_fallbacks) == (1, 1, 0)
+    # The balancer learns when the first token came: from the receiver, for a pull.
+    assert [call[0] for call in pool.calls] == ["reserve", "attach", "settled"] and pool.calls[-1] == ("settled", True)
 
     pool = Pool([Placement("y")], [[TokenDelta("s", [6, 7], finished=True, finish_reason="length")]], [TokenDelta("s", [5])])
     orchestrator = orchestrator_for(pool)
@@ -369,6 +373,7 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
     placed = pool.calls[0][1].request_id
     assert pool.kwargs == [("reserve", True, "h", None, None), ("generate", placed, True, "h", 80)]
     assert (orchestrator.history_sends, orchestrator.history_pulls) == (1, 0)
+    assert [call[0] for call in pool.calls] == ["reserve", "settled", "attach"] and pool.calls[1] == ("settled", True)
 
     pool = Pool([Placement("h"), Placement("h")], [[TokenDelta("s", [5, 6, 7], finished=True, finish_reason="length")]], [])
     orchestrator = orchestrator_for(pool)
