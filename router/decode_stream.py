@@ -127,12 +127,14 @@ class DecodeStream:
                 try:
                     placement = await self._call
                 except (ReplicaFullError, ReplicaGoneError):  # full, leaving, serving prefill now; pinned: gone
+                    if first is not None:
+                        continue  # the pool's router places it next, at once: it knows which replicas have room
                     refused += 1
                 except RayActorError:
                     if first is None:
                         raise
                     self.orchestrator.held.forget(first.replica_id)  # where its history was died, and the history with it
-                    refused += 1
+                    continue
                 else:
                     self._call = None
                     self.pool = pool

@@ -177,10 +177,10 @@ def test_a_full_replica_sends_the_reservation_to_another_and_the_sequence_stream
     assert orchestrator.migrations == {"kv": 0, "recompute": 0}
 
 
-def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is_recorded():
+def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is_recorded(monkeypatch):
     """A local choice naming the replica this router saw end the context's history
     (``Choice.holder``) reserves there first, pinned; that replica full or dead (then forgotten),
-    the pool's router places it. A sequence that ends is recorded where it ran: its context but the last token, whose KV
+    the pool's router places it at once. A sequence that ends is recorded where it ran: its context but the last token, whose KV
     no step computed (``duet.router.held``); a colocated pool's next turn is reserved there first."""
     from duet.block_pool import routing_block_hashes
     from duet.errors import ReplicaFullError
@@ -194,6 +194,8 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
 
     from ray.exceptions import RayActorError
 
+    slept, sleep = [], asyncio.sleep
+    monkeypatch.setattr(decode_stream.asyncio, "sleep", lambda delay, *args: (delay and slept.append(delay)) or sleep(0, *args))
     cases = (
         ([Placement("h")], ["h"]), ([ReplicaFullError("full"), Placement("y")], ["h", None]), ([RayActorError(), Placement("y")], ["h", None]),
     )
@@ -211,7 +213,9 @@ def test_a_context_sent_where_its_history_is_reserves_there_first_and_its_end_is
             await stream.aclose()
             return placement.replica_id, tokens
 
+        slept.clear()
         assert asyncio.run(run()) == (pins[-1] or "y", [[5], [6, 7]]) and pool.pins == pins
+        assert slept == []  # a holder that cannot take it is passed over at once, no backing off
         died = isinstance(placements[0], RayActorError)  # the replica holding the history died: forgotten
         assert (orchestrator.held.holder(routing_block_hashes(list(range(40)), 16)) is None) == died
 
