@@ -111,7 +111,7 @@ def _down(args: argparse.Namespace) -> int:
 EVAL_CHECKS = ("ppl",)
 BENCH_SUITES = (
     "offline", "step", "attention", "cascade", "transfer", "serve", "spec", "autoscale", "migrate", "parallel", "soak", "grammar", "structured",
-    "tools", "gpu", "window",
+    "tools", "gpu", "window", "pull",
 )
 
 
