@@ -309,9 +309,10 @@ class Orchestrator:
         computes that one; None returned), or (``pulled``) the prompt's first tokens alone (the
         decode replica computes the rest and the first token; None returned)."""
         request = sequence.request
-        if pulled is not None:
+        if pulled is not None:  # its RoPE the whole prompt's, where that depends on the length (Phi-3's longrope)
             request = EngineRequest(
                 request_id, request.prompt_token_ids[:pulled], _FILL_PARAMS, lora=request.lora, lora_path=request.lora_path,
+                own_prompt_len=len(request.prompt_token_ids),
             )
         elif sequence.token_ids:
             context = request.prompt_token_ids + sequence.token_ids[:-1]

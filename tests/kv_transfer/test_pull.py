@@ -51,14 +51,15 @@ def _drain(process: EngineProcess, request_id: str, timeout_s: float = 60):
 
 
 def _pull(
-    holder: EngineProcess, decode, request_id: str, params: SamplingParams, prompt=PROMPT, pulled=PULLED, timeout_s: float = 60
+    holder: EngineProcess, decode, request_id: str, params: SamplingParams, prompt=PROMPT, pulled=PULLED, own_prompt_len=None,
+    timeout_s: float = 60,
 ):
     """The router's pull: the receiver reserves the whole prompt's blocks, the holder computes
     the prompt's first ``pulled`` tokens (its cache hit, and one more) and sends their KV. The
     holder's answer, and every token the receiver gives."""
     request = EngineRequest(request_id, prompt, params, kv_receive=True, kv_receive_tokens=pulled)
     destination = decode.add_request(request)
-    holder.add_request(EngineRequest(request_id, prompt[:pulled], FILL, kv_send=destination))
+    holder.add_request(EngineRequest(request_id, prompt[:pulled], FILL, kv_send=destination, own_prompt_len=own_prompt_len))
     sent = _drain(holder, request_id)
     tokens, deadline = [], time.monotonic() + timeout_s
     while decode.has_unfinished_requests():
@@ -117,6 +118,27 @@ def test_a_windowed_pull_ships_only_the_blocks_the_receiver_reads(tmp_path_facto
         assert sent[0].num_cached_tokens == 64
         assert compare_to_reference(tokens, hf_greedy(mistral, [prompt], 12)[0], "windowed pull") is None
         assert decode.stats().transfer.bytes * 5 == _prompt_kv_bytes(decode, 65) * 3
+        decode.check_integrity()
+        decode.close()
+    finally:
+        holder.stop()
+
+
+def test_a_pull_past_a_length_dependent_rope_switch_is_computed_with_the_whole_prompts_rope(tmp_path_factory, tiny_tokenizer_dir):
+    """Phi-3's longrope rotates a prompt longer than ``original_max_position_embeddings`` (20
+    here) by its long frequencies: a 16-token history the holder computed short, pulled for a
+    40-token turn, is computed there again with the turn's RoPE (``own_prompt_len``, as the
+    router sends it), not sent as it is cached; the tokens are transformers'."""
+    phi3 = make_tiny_model(tmp_path_factory.mktemp("phi3"), tiny_tokenizer_dir, "phi3-longrope")
+    history, prompt = list(range(100, 116)), list(range(100, 116)) + list(range(600, 624))
+    holder = EngineProcess(_engine_kwargs(phi3, "holder-longrope"))
+    try:
+        holder.add_request(EngineRequest("history", history, SamplingParams(temperature=0.0, max_tokens=2)))
+        _drain(holder, "history")
+        decode = _decode(phi3, "pull-longrope")
+        sent, tokens = _pull(holder, decode, "turn", GREEDY, prompt, 17, own_prompt_len=len(prompt))
+        assert sent[0].num_cached_tokens == 0  # the short history's KV is not the turn's
+        assert compare_to_reference(tokens, hf_greedy(phi3, [prompt], 12)[0], "pull past longrope's switch") is None
         decode.check_integrity()
         decode.close()
     finally:

@@ -332,7 +332,7 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
         def __init__(self, placements, attaches, firsts):
             super().__init__(placements, attaches)
             self.generate = _Method(self._generate)
-            self.firsts, self.kwargs = firsts, []
+            self.firsts, self.kwargs, self.own_prompt_lens = firsts, [], []
 
         async def _reserve(self, request, **kwargs):
             self.kwargs.append(
@@ -344,6 +344,7 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
             self.kwargs.append(
                 ("generate", request.request_id, kwargs.get("from_history"), kwargs.get("replica_id"), len(request.prompt_token_ids))
             )
+            self.own_prompt_lens.append(request.own_prompt_len)
 
             async def deltas():
                 yield self.firsts.pop(0)
@@ -367,6 +368,7 @@ def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_r
     assert asyncio.run(run(orchestrator)) == [[5, 6, 7]]
     placed = pool.calls[0][1].request_id
     assert pool.kwargs == [("reserve", True, "h", None, 65), ("generate", placed, True, "h", 65)]  # into y's reservation
+    assert pool.own_prompt_lens == [80]  # its RoPE the whole prompt's, where that depends on the length
     assert (orchestrator.history_sends, orchestrator.history_pulls, orchestrator.prefill_fallbacks) == (1, 1, 0)
     # The balancer learns when the first token came: from the receiver, for a pull.
     assert [call[0] for call in pool.calls] == ["reserve", "attach", "settled"] and pool.calls[-1] == ("settled", True)
