@@ -212,13 +212,11 @@ class LLMEngine:
         queued = Request(
             request.request_id, request.prompt_token_ids, params, self.eos_token_id,
             output_token_ids=request.output_token_ids, kv_send=request.kv_send, lora=request.lora, lora_path=lora_path,
-            prompt_len=prompt_len, cache_key=arch.rope_cache_key(prompt_len),
-            num_pulled_tokens=request.kv_receive_tokens,
+            prompt_len=prompt_len, cache_key=arch.rope_cache_key(prompt_len), num_pulled_tokens=request.kv_receive_tokens,
         )
         if request.kv_receive and self.kv_transfer_config is None:
             raise InvalidRequestError("this engine has no KV connector: it cannot receive prompt KV")
-        if request.kv_receive_tokens is not None:
-            _check_pull(request)
+        request.check_pull()
         if params.logprobs is not None:
             self._logprobs[request.request_id] = []
         if params.prompt_logprobs is not None and not request.kv_receive and not request.output_token_ids:
@@ -400,14 +398,3 @@ class LLMEngine:
         if self.core_share is not None:
             self.core_share.close()
         self.executor.close()
-
-
-def _check_pull(request: EngineRequest) -> None:
-    """A pull brings the KV of some of a new prompt's leading tokens, at least one, and leaves at
-    least its last to compute here (its logits sample the first token); no prompt logprobs
-    (the replica that sends the KV computes none of them)."""
-    num_pulled, num_prompt = request.kv_receive_tokens, len(request.prompt_token_ids)
-    if not request.kv_receive or request.output_token_ids or request.params.prompt_logprobs is not None:
-        raise InvalidRequestError("kv_receive_tokens is for a new sequence's prompt KV, received, without prompt logprobs")
-    if not 0 < num_pulled < num_prompt:
-        raise InvalidRequestError(f"kv_receive_tokens is {num_pulled}: it must be from 1 to {num_prompt - 1}, the prompt's length less one")

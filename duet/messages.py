@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from duet.errors import InvalidRequestError
 from duet.sampling_params import SamplingParams
 
 
@@ -81,6 +82,18 @@ class EngineRequest:
     lora: str | None = None
     lora_path: str | None = None
     own_prompt_len: int | None = None
+
+    def check_pull(self) -> None:
+        """A pull (``kv_receive_tokens``) brings the KV of some of a new prompt's leading tokens,
+        at least one, and leaves at least its last to compute (its logits sample the first
+        token); no prompt logprobs (the replica that sends the KV computes none of them)."""
+        if self.kv_receive_tokens is None:
+            return
+        num_pulled, num_prompt = self.kv_receive_tokens, len(self.prompt_token_ids)
+        if not self.kv_receive or self.output_token_ids or self.params.prompt_logprobs is not None:
+            raise InvalidRequestError("kv_receive_tokens is for a new sequence's prompt KV, received, without prompt logprobs")
+        if not 0 < num_pulled < num_prompt:
+            raise InvalidRequestError(f"kv_receive_tokens is {num_pulled}: it must be from 1 to {num_prompt - 1}, the prompt's length less one")
 
 
 @dataclass

@@ -70,7 +70,7 @@ class Request:
         # Output tokens already reported (given at arrival, or sent out by the prefill replica).
         self.num_emitted_tokens = len(self.output_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = num_pulled_tokens or 0  # a pull's tokens were not computed for it either
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

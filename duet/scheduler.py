@@ -81,9 +81,8 @@ class Scheduler(SequenceMoves, StepRecovery):
         self.waiting.append(request)
 
     def add_remote_request(self, request: Request, transfer_id: int) -> bool:
-        """A request whose prompt KV another replica computes and sends as ``transfer_id``: its
-        blocks are reserved now (False: no room). It joins the batch once the KV is in."""
-        # its next token (a pull's prompt tokens past those that come), and the drafts proposed after it
+        """A request whose prompt KV another replica computes and sends as ``transfer_id``: its blocks, and its
+        first step's (its next token or a pull's rest, and drafts), are reserved now (False: no room)."""
         first_step = max(1, request.num_tokens - request.num_transfer_tokens) + self.num_lookahead_tokens
         num_next_slots = max(0, min(first_step, self.max_model_len - request.num_transfer_tokens))
         if not self.kv_connector.reserve(request, transfer_id, num_next_slots):
@@ -94,15 +93,14 @@ class Scheduler(SequenceMoves, StepRecovery):
     def stats(self) -> SchedulerStats:
         """The queues, read off the engine thread: snapshots, and blocks looked up leniently."""
         waiting, running, prefilled = list(self.waiting), list(self.running), list(self.prefilled)
+        queued = (*waiting, *running, *prefilled)  # a pull's prompt is computed after its KV came
         decoding = [request for request in (*running, *prefilled) if request.num_computed_tokens >= request.num_prompt_tokens]
         return SchedulerStats(
             num_running=len(running),
             num_waiting=len(waiting) + len(prefilled),
             num_preemptions=self.num_preemptions,
-            prompt_tokens_pending=sum(_prompt_left(request) for request in (*waiting, *running, *prefilled)),
-            new_prompt_tokens_pending=sum(
-                _prompt_left(request) for request in (*waiting, *running, *prefilled) if not request.output_token_ids
-            ),
+            prompt_tokens_pending=sum(_prompt_left(request) for request in queued),
+            new_prompt_tokens_pending=sum(_prompt_left(request) for request in queued if not request.output_token_ids),
             num_decoding_blocks=sum(self.kv_cache_manager.num_held_blocks(request.request_id) for request in decoding),
             num_decode_waiting=len(prefilled) + sum(1 for request in waiting if request.output_token_ids),
         )
@@ -356,8 +354,6 @@ class Scheduler(SequenceMoves, StepRecovery):
         for request, first_token_id in arrived:
             request.num_computed_tokens = request.num_transfer_tokens
             self.kv_cache_manager.cache_received(request)
-            if request.num_pulled_tokens is not None:  # not computed for it: its usage counts them cached
-                request.num_cached_tokens = request.num_pulled_tokens
             # a whole prompt's first token came with it (a pull's prompt is finished here first)
             if not request.output_token_ids and request.num_computed_tokens == request.num_prompt_tokens:
                 request.append_output_token_ids([first_token_id])

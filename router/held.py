@@ -36,6 +36,13 @@ class Holder:
     pool: str
     blocks: int  # the leading full blocks of the context it holds
 
+    def pull_length(self, num_context_tokens: int, block_size: int) -> int | None:
+        """The tokens of a context it sends when too busy to take it (a pull): its held blocks'
+        and one more (the least its engine computes), at most all but the context's last (the
+        receiver's logits sample the first token); None where it holds no block of those."""
+        blocks = min(self.blocks, (num_context_tokens - 2) // block_size)
+        return blocks * block_size + 1 if blocks > 0 else None
+
 
 class HeldContexts:
     """Routing hash -> the replica that last ended a sequence holding it, and when."""

@@ -203,7 +203,7 @@ class Orchestrator:
             choice = Choice(True, 0, holder=self.held.holder(hashes))
         else:  # the part a replica holds counts less
             choice = await self.waiting_room.choose(sequence.num_context_tokens, hashes)
-        held_blocks = choice.holder.blocks if choice.holder is not None else 0
+        holder = choice.holder
         source = self._history_source(choice)
         if choice.local and source is None:
             stream = await self._place_local(sequence, choice)
@@ -211,10 +211,11 @@ class Orchestrator:
             yield stream
             return
         num_blocks = -(-sequence.num_context_tokens // self.block_size)
-        pulled = self._pulled_tokens(sequence, held_blocks) if source is not None else None
+        pulled = None  # a pull, but of a resumed sequence or one with prompt logprobs (the holder computes those)
+        if source is not None and not sequence.token_ids and request.params.prompt_logprobs is None:
+            pulled = holder.pull_length(sequence.num_context_tokens, self.block_size)
         request = sequence.resumed(kv_receive=True, kv_receive_tokens=pulled)
-        # A pull's first token comes from the decode stream, which settles the choice then.
-        settled_by = choice if pulled is not None else None
+        settled_by = choice if pulled is not None else None  # a pull's first token is the decode stream's
         stream = DecodeStream(self, request, num_prompt_blocks=num_blocks, choice=settled_by, avoid=source and source[1])
         try:
             placement = await stream.place()
@@ -273,18 +274,6 @@ class Orchestrator:
             raise
         return stream
 
-    def _pulled_tokens(self, sequence: Sequence, held_blocks: int) -> int | None:
-        """How much of a context whose history a busy replica holds (its first ``held_blocks``
-        blocks) that replica sends: its held blocks' tokens and one more (the least its engine
-        computes), at most all but the context's last token (the receiver's logits sample the
-        first token). The receiver computes the rest, so the busy replica computes almost
-        nothing. None: it computes the context's tokens past its history and sends them all (a
-        resumed sequence; prompt logprobs, which it would compute; a history shorter than a block)."""
-        if sequence.token_ids or sequence.request.params.prompt_logprobs is not None:
-            return None
-        blocks = min(held_blocks, (sequence.num_context_tokens - 2) // self.block_size)
-        return blocks * self.block_size + 1 if blocks > 0 else None
-
     def _history_source(self, choice: Choice) -> tuple[str, str] | None:
         """Settles the replica a local choice names as holding the context's history
         (``choice.holder``): kept, the context is reserved there first (``DecodeStream``); too
@@ -306,13 +295,11 @@ class Orchestrator:
         holding its history) compute the context's KV into
         ``destination`` (``request_id``: the placement's): a new sequence's prompt (its first
         token returned), or a resumed one's prompt and outputs but the last (the decode replica
-        computes that one; None returned), or (``pulled``) the prompt's first tokens alone (the
-        decode replica computes the rest and the first token; None returned)."""
+        computes that one; None returned), or (``pulled``) the prompt's first tokens alone (None)."""
         request = sequence.request
         if pulled is not None:  # its RoPE the whole prompt's, where that depends on the length (Phi-3's longrope)
-            request = EngineRequest(
-                request_id, request.prompt_token_ids[:pulled], _FILL_PARAMS, lora=request.lora, lora_path=request.lora_path,
-                own_prompt_len=len(request.prompt_token_ids),
+            request = dataclasses.replace(
+                request, prompt_token_ids=request.prompt_token_ids[:pulled], params=_FILL_PARAMS, own_prompt_len=len(request.prompt_token_ids)
             )
         elif sequence.token_ids:
             context = request.prompt_token_ids + sequence.token_ids[:-1]
