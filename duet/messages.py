@@ -91,9 +91,9 @@ class EngineRequest:
             return
         num_pulled, num_prompt = self.kv_receive_tokens, len(self.prompt_token_ids)
         if not self.kv_receive or self.output_token_ids or self.params.prompt_logprobs is not None:
-            raise InvalidRequestError("kv_receive_tokens is for a new sequence's prompt KV, received, without prompt logprobs")
+            raise InvalidRequestError("kv_receive_tokens is for a new sequence's prompt KV, received, no prompt logprobs")
         if not 0 < num_pulled < num_prompt:
-            raise InvalidRequestError(f"kv_receive_tokens is {num_pulled}: it must be from 1 to {num_prompt - 1}, the prompt's length less one")
+            raise InvalidRequestError(f"kv_receive_tokens is {num_pulled}: it must be from 1 to {num_prompt - 1}, the prompt less one")
 
 
 @dataclass

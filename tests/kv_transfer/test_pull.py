@@ -5,6 +5,7 @@ transformers' on the whole prompt; the holder computes at most the one token pas
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -27,14 +28,23 @@ PULLED = 33  # the history's two full blocks, and the one token the holder compu
 pytestmark = pytest.mark.slow
 
 
+@contextlib.contextmanager
+def _holding(model_dir, name: str, history: list[int]):
+    """An engine in a process of its own that computed ``history`` (a turn it decoded): its
+    prefix cache holds it."""
+    process = EngineProcess(_engine_kwargs(model_dir, name))
+    try:
+        process.add_request(EngineRequest("history", history, SamplingParams(temperature=0.0, max_tokens=2)))
+        _drain(process, "history")
+        yield process
+    finally:
+        process.stop()
+
+
 @pytest.fixture(scope="module")
 def holder(tiny_llama_dir):
-    """An engine that computed ``HISTORY`` (a turn it decoded): its prefix cache holds it."""
-    process = EngineProcess(_engine_kwargs(tiny_llama_dir, "holder-0"))
-    process.add_request(EngineRequest("history", HISTORY, SamplingParams(temperature=0.0, max_tokens=2)))
-    _drain(process, "history")
-    yield process
-    process.stop()
+    with _holding(tiny_llama_dir, "holder-0", HISTORY) as process:
+        yield process
 
 
 def _drain(process: EngineProcess, request_id: str, timeout_s: float = 60):
@@ -109,10 +119,7 @@ def test_a_windowed_pull_ships_only_the_blocks_the_receiver_reads(tmp_path_facto
     read keys 46 on, so blocks 2-4 travel (not 0-4), and the tokens are transformers'."""
     mistral = make_tiny_model(tmp_path_factory.mktemp("mistral"), tiny_tokenizer_dir, "mistral-windowed")
     history, prompt = list(range(100, 170)), list(range(100, 170)) + list(range(600, 637))
-    holder = EngineProcess(_engine_kwargs(mistral, "holder-window"))
-    try:
-        holder.add_request(EngineRequest("history", history, SamplingParams(temperature=0.0, max_tokens=2)))
-        _drain(holder, "history")
+    with _holding(mistral, "holder-window", history) as holder:
         decode = _decode(mistral, "pull-window")
         sent, tokens = _pull(holder, decode, "turn", GREEDY, prompt, 65)
         assert sent[0].num_cached_tokens == 64
@@ -120,8 +127,6 @@ def test_a_windowed_pull_ships_only_the_blocks_the_receiver_reads(tmp_path_facto
         assert decode.stats().transfer.bytes * 5 == _prompt_kv_bytes(decode, 65) * 3
         decode.check_integrity()
         decode.close()
-    finally:
-        holder.stop()
 
 
 def test_a_pull_past_a_length_dependent_rope_switch_is_computed_with_the_whole_prompts_rope(tmp_path_factory, tiny_tokenizer_dir):
@@ -131,18 +136,13 @@ def test_a_pull_past_a_length_dependent_rope_switch_is_computed_with_the_whole_p
     router sends it), not sent as it is cached; the tokens are transformers'."""
     phi3 = make_tiny_model(tmp_path_factory.mktemp("phi3"), tiny_tokenizer_dir, "phi3-longrope")
     history, prompt = list(range(100, 116)), list(range(100, 116)) + list(range(600, 624))
-    holder = EngineProcess(_engine_kwargs(phi3, "holder-longrope"))
-    try:
-        holder.add_request(EngineRequest("history", history, SamplingParams(temperature=0.0, max_tokens=2)))
-        _drain(holder, "history")
+    with _holding(phi3, "holder-longrope", history) as holder:
         decode = _decode(phi3, "pull-longrope")
         sent, tokens = _pull(holder, decode, "turn", GREEDY, prompt, 17, own_prompt_len=len(prompt))
         assert sent[0].num_cached_tokens == 0  # the short history's KV is not the turn's
         assert compare_to_reference(tokens, hf_greedy(phi3, [prompt], 12)[0], "pull past longrope's switch") is None
         decode.check_integrity()
         decode.close()
-    finally:
-        holder.stop()
 
 
 def test_a_pull_reserves_the_slots_of_the_tokens_it_computes_here(tiny_llama_dir):
@@ -169,7 +169,7 @@ def test_a_pull_reserves_the_slots_of_the_tokens_it_computes_here(tiny_llama_dir
         (dict(kv_receive_tokens=0), "from 1 to 76"),
         (dict(kv_receive_tokens=16, output_token_ids=[5]), "new sequence"),
         (dict(kv_receive_tokens=16, kv_receive=False), "new sequence"),
-        (dict(kv_receive_tokens=16, params=SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)), "prompt logprobs"),
+        (dict(kv_receive_tokens=16, params=SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)), "no prompt logprobs"),
     ],
 )
 def test_a_pull_the_receiver_cannot_finish_is_refused_and_holds_nothing(tiny_llama_dir, overrides, message):
