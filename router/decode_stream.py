@@ -114,7 +114,7 @@ class DecodeStream:
         holder = self.choice.holder if self.choice is not None else None  # first where its history is
         while True:
             first, holder = holder, None
-            pool, pinned = (first.pool, first.replica_id) if first is not None else self.orchestrator.decode_target()
+            pool, pinned = (first.pool, first.replica_id) if first is not None else self.orchestrator.targets.decode()
             if pool is None:
                 self.orchestrator.roles.want()
             else:

@@ -8,7 +8,7 @@ sends to be computed where its history is goes to the replica named here first
 (``DecodeStream``; in PD, the one the reports name where they say more), as does a colocated
 pool's (the pool's router, by the reports, otherwise),
 unless that replica is busier than the least loaded by more than the pools' routers allow
-(``Orchestrator.holder_target``, settled once for the choice: ``Orchestrator._history_source``).
+(``duet.router.targets.Targets.holder``, settled once for the choice: ``Orchestrator._history_source``).
 
 A record lasts ``HELD_TTL_S``, by when the replica's reports name what it still holds; a
 record whose blocks the replica evicted sooner costs at most one context computed there whole.

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -49,10 +48,10 @@ from duet.router.balance import Choice, StageBalancer
 from duet.router.channels import Channels
 from duet.router.decode_stream import DecodeStream, pin
 from duet.router.held import HeldContexts, Holder
-from duet.router.roles import RoleView, away_or_home
-from duet.router.routing import IMBALANCE_THRESHOLD
-from duet.router.serve_internals import new_call_context, pool_members, replica_running
+from duet.router.roles import RoleView
+from duet.router.serve_internals import new_call_context, replica_running
 from duet.router.sequence import Action, Failure, Phase, Sequence, TooManyMigrations
+from duet.router.targets import Targets
 from duet.router.waiting import WaitingRoom
 from duet.sampling_params import SamplingParams
 
@@ -101,6 +100,7 @@ class Orchestrator:
         self._cleanups: set[asyncio.Task] = set()  # referenced until done, or asyncio may drop them
         self.waiting_room = WaitingRoom(balancer) if balancer is not None else None
         self.open_streams: set[DecodeStream] = set()  # not yet finished or closed
+        self.targets = Targets(self.decode_pool, roles, lambda: self.open_streams)  # where calls go past the pools' routers
         self.channels = Channels(self.handles, new_call_context)  # each replica's one stream of every sequence's items
         self.arrivals = ArrivalMeter()  # what this router took in lately, for the planning autoscaler
         self.held = HeldContexts(block_size)  # what its sequences ended with, where (``duet.router.held``)
@@ -277,12 +277,12 @@ class Orchestrator:
     def _history_source(self, choice: Choice) -> tuple[str, str] | None:
         """Settles the replica a local choice names as holding the context's history
         (``choice.holder``): kept, the context is reserved there first (``DecodeStream``); too
-        busy to decode it too (``holder_target``), it is dropped from the choice (the pool's
+        busy to decode it too (``Targets.holder``), it is dropped from the choice (the pool's
         router places the context) and, in PD, answered as ``(pool, replica_id)``: it computes
         the turn's new tokens and sends the context's KV to the replica that decodes it, rather
         than that replica computing the history again."""
         holder = choice.holder
-        if not choice.local or holder is None or holder.replica_id is None or self.holder_target(holder) is not None:
+        if not choice.local or holder is None or holder.replica_id is None or self.targets.holder(holder) is not None:
             return None
         choice.holder = None
         return (holder.pool, holder.replica_id) if self.prefill is not None else None
@@ -309,7 +309,7 @@ class Orchestrator:
             )
         request = dataclasses.replace(request, request_id=request_id, kv_send=destination)
         hashes = routing_block_hashes(request.prompt_token_ids, self.block_size, request.lora, request.lora_path)
-        pool, pinned = source or self.prefill_target()
+        pool, pinned = source or self.targets.prefill()
         new_call_context()
         stream = self.handles[pool].options(stream=True).generate.remote(
             request, prefix_hashes=hashes, num_tokens=len(request.prompt_token_ids), lora=request.lora, **pin(pinned),
@@ -326,51 +326,6 @@ class Orchestrator:
         finally:
             stream.cancel()
         raise PoolUnavailableError("the prefill replica ended the request without a token")
-
-    def decode_target(self) -> tuple[str | None, str | None]:
-        """Where a sequence is placed: ``(pool, None)``, the pool whose request router ranks its
-        replicas; ``(pool, replica_id)``, a replica serving decode away from its pool, less
-        loaded than every decode replica at home; ``(None, None)``: none serves decode now
-        while a replica could take the role (the ``RoleKeeper`` gives it within a round)."""
-        if self.roles is None:
-            return self.decode_pool, None
-        members = self.roles.serving("decode")
-        if not members:
-            return (None, None) if self.roles.serving("prefill") else (self.decode_pool, None)
-        return away_or_home(members, self.decode_pool, lambda member: member.load)
-
-    def holder_target(self, holder: Holder) -> tuple[str, str] | None:
-        """``(pool, replica_id)`` of the replica ``holder`` names (where a context's history
-        ended), unless it serves decode no more or its load passes the least loaded replica's
-        serving decode by more than ``IMBALANCE_THRESHOLD`` (the rule the pools' routers apply
-        to the prefixes replicas report): None, and ``decode_target`` places it. A load is the
-        replica's last report's, or the sequences this router has open there or being placed
-        there where more (a burst of turns held by one replica comes faster than its reports,
-        and faster than its placements)."""
-        if self.roles is not None:
-            reported = {member.replica_id: member.load for member in self.roles.serving("decode")}
-        else:
-            members = pool_members(holder.pool)
-            reported = {replica_id: stats.scheduler.num_sequences if stats else 0 for replica_id, stats in members}
-        if holder.replica_id not in reported and (self.roles is not None or reported):
-            return None  # serving prefill now, or gone
-        own = Counter(replica_id for stream in self.open_streams if (replica_id := stream.headed_to()) is not None)
-        loads = {replica_id: max(load, own[replica_id]) for replica_id, load in reported.items()}
-        load = loads.get(holder.replica_id, own[holder.replica_id])
-        if loads and load - min(loads.values()) > IMBALANCE_THRESHOLD:
-            return None
-        return holder.pool, holder.replica_id
-
-    def prefill_target(self) -> tuple[str, str | None]:
-        """Where a context is computed for the decode replica that reserved its blocks: the
-        prefill pool (prefix affinity ranks it), or a decode replica serving prefill with less
-        queued than every prefill replica at home."""
-        if self.roles is None:
-            return "prefill", None
-        members = self.roles.serving("prefill")
-        if not members:
-            return "prefill", None
-        return away_or_home(members, "prefill", lambda member: member.prompt_tokens_pending)
 
     async def _pinned(self, call):
         response = call()

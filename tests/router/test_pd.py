@@ -249,26 +249,26 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
     monkeypatch.setitem(serve_internals._ROUTERS, "colocated", listed)
     orchestrator = pd.Orchestrator(None, None, 16, None)
     holder = Holder("h", "colocated", 2)
-    assert orchestrator.holder_target(holder) == ("colocated", "h")  # nothing listed yet: pinned
+    assert orchestrator.targets.holder(holder) == ("colocated", "h")  # nothing listed yet: pinned
     listed.set("h", num_running=IMBALANCE_THRESHOLD + 1, num_waiting=1)
     listed.set("y", num_running=2)
-    assert orchestrator.holder_target(holder) == ("colocated", "h")  # 6 against 2
+    assert orchestrator.targets.holder(holder) == ("colocated", "h")  # 6 against 2
     listed.set("h", num_running=IMBALANCE_THRESHOLD + 2, num_waiting=1)
-    assert orchestrator.holder_target(holder) is None  # 7 against 2
+    assert orchestrator.targets.holder(holder) is None  # 7 against 2
     listed.set("h", num_running=0)
     for index in range(IMBALANCE_THRESHOLD + 3):  # each stream counts itself open on the orchestrator
         decode_stream.DecodeStream(orchestrator, EngineRequest(f"open-{index}", [1], SamplingParams()), replica_id="h")
-    assert orchestrator.holder_target(holder) is None  # reported idle, but 7 open there against 2
+    assert orchestrator.targets.holder(holder) is None  # reported idle, but 7 open there against 2
     orchestrator.open_streams.clear()
-    assert orchestrator.holder_target(holder) == ("colocated", "h")
+    assert orchestrator.targets.holder(holder) == ("colocated", "h")
     for index in range(IMBALANCE_THRESHOLD + 3):  # a burst: reserved there first, none placed yet
         decode_stream.DecodeStream(
             orchestrator, EngineRequest(f"burst-{index}", [1], SamplingParams()), choice=Choice(True, 1, holder=holder)
         )
-    assert orchestrator.holder_target(holder) is None  # 7 headed there against 2
+    assert orchestrator.targets.holder(holder) is None  # 7 headed there against 2
     orchestrator.open_streams.clear()
     listed.remove("h")
-    assert orchestrator.holder_target(holder) is None  # gone
+    assert orchestrator.targets.holder(holder) is None  # gone
 
     # Roles that move: the replicas serving decode, in either pool, are compared; a holder
     # serving prefill now takes no reservation.
@@ -281,11 +281,11 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
     }
     orchestrator = pd.Orchestrator(object(), None, 16, None, roles=RoleView(lambda pool: members.get(pool, [])))
     decode_holder = Holder("h", "decode", 2)
-    assert orchestrator.holder_target(decode_holder) is None  # 7 against the away replica's 2
+    assert orchestrator.targets.holder(decode_holder) is None  # 7 against the away replica's 2
     members["prefill"] = [("p", make_stats("decode", "p", num_running=3))]
-    assert orchestrator.holder_target(decode_holder) == ("decode", "h")
+    assert orchestrator.targets.holder(decode_holder) == ("decode", "h")
     members["decode"][0] = ("h", make_stats("prefill", "h"))
-    assert orchestrator.holder_target(decode_holder) is None
+    assert orchestrator.targets.holder(decode_holder) is None
 
     class Pool(_ScriptedPool):
         async def _reserve(self, request, **kwargs):
@@ -311,7 +311,7 @@ def test_a_history_held_by_a_busy_replica_is_placed_by_the_pools_router(monkeypa
 
 def test_a_turn_whose_history_holder_is_busy_is_sent_from_it_to_another_decode_replica(monkeypatch):
     """#40, PD: the balancer chose to compute a turn where its history is, on a replica too busy
-    (``holder_target``) to decode it too: another decode replica reserves its KV (the holder
+    (``Targets.holder``) to decode it too: another decode replica reserves its KV (the holder
     avoided), and the holder, pinned, sends its history's 4 blocks and one token more (a pull:
     ``generate(from_history=True)`` on the context's first 65 tokens, its token dropped); the
     receiver computes the rest, samples the first token and decodes. With prompt logprobs (which

@@ -195,7 +195,7 @@ def test_a_sequence_goes_to_a_prefill_replica_serving_decode_when_it_is_the_leas
     view = RoleView(pools.members, lambda pool: 1)
     prefill, decode = _Pool("prefill"), _Pool("decode")
     orchestrator = pd.Orchestrator(prefill, decode, 16, None, roles=view)
-    assert orchestrator.decode_target() == ("prefill", "p")
+    assert orchestrator.targets.decode() == ("prefill", "p")
     request = pd.EngineRequest("s", [1, 2, 3], SamplingParams(max_tokens=1))
 
     async def run():
@@ -209,20 +209,20 @@ def test_a_sequence_goes_to_a_prefill_replica_serving_decode_when_it_is_the_leas
     assert prefill.calls == [("reserve", "p"), ("attach", "p")] and decode.calls == []
     # A home replica as little loaded: the decode pool's own router ranks.
     pools.pools["decode"] = [make_stats("decode", "d")]
-    assert orchestrator.decode_target() == ("decode", None)
+    assert orchestrator.targets.decode() == ("decode", None)
     # Nobody serves decode, a prefill replica could: wait for the keeper; nobody at all: the pool.
     pools.pools = {"prefill": [make_stats("prefill", "p")], "decode": []}
-    assert orchestrator.decode_target() == (None, None)
+    assert orchestrator.targets.decode() == (None, None)
     pools.pools = {}
-    assert orchestrator.decode_target() == ("decode", None)
+    assert orchestrator.targets.decode() == ("decode", None)
 
 
 def test_a_context_goes_to_a_decode_replica_serving_prefill_with_less_queued():
     pools = _Pools(prefill=[make_stats("prefill", "p", prompt_tokens_pending=900)], decode=[make_stats("prefill", "d")])
     orchestrator = pd.Orchestrator(_Pool("prefill"), _Pool("decode"), 16, None, roles=RoleView(pools.members, lambda pool: 1))
-    assert orchestrator.prefill_target() == ("decode", "d")
+    assert orchestrator.targets.prefill() == ("decode", "d")
     pools.pools["prefill"] = [make_stats("prefill", "p")]
-    assert orchestrator.prefill_target() == ("prefill", None)
+    assert orchestrator.targets.prefill() == ("prefill", None)
 
 
 def test_a_pools_router_passes_by_a_replica_serving_the_other_role_unless_none_is_left():
