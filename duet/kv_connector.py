@@ -26,19 +26,25 @@ from duet.request import Request, RequestStatus
 @dataclass
 class TransferCounters:
     """For metrics: bytes moved, transfers done, failed and cancelled (their request was
-    aborted: not a failure), seconds from announcement to acknowledgement."""
+    aborted: not a failure), seconds from announcement to acknowledgement; and of the sends, the
+    bytes and the seconds they took less their waits for the forward (what the wire costs)."""
 
     bytes: int = 0
     transfers: int = 0
     failures: int = 0
     cancelled: int = 0
     seconds: float = 0.0
+    wire_bytes: int = 0
+    wire_seconds: float = 0.0
 
     def count(self, result: KVTransferResult) -> None:
         if result.ok:
             self.bytes += result.num_bytes
             self.transfers += 1
             self.seconds += result.seconds
+            if result.wire_seconds is not None:
+                self.wire_bytes += result.num_bytes
+                self.wire_seconds += result.wire_seconds
         elif result.cancelled:
             self.cancelled += 1
         else:
@@ -72,7 +78,7 @@ class KVConnectorScheduler:
         counters = self.counters
         return TransferStats(
             bytes=counters.bytes, transfers=counters.transfers, failures=counters.failures, cancelled=counters.cancelled,
-            seconds=counters.seconds, pending=self.num_in_flight,
+            seconds=counters.seconds, pending=self.num_in_flight, wire_bytes=counters.wire_bytes, wire_seconds=counters.wire_seconds,
         )
 
     def reserve(self, request: Request, transfer_id: int, num_next_slots: int = 0) -> bool:

@@ -175,7 +175,9 @@ class KVCacheStats:
 class TransferStats:
     """KV transfers (``KVConnectorScheduler.stats``): bytes moved, transfers done, failed and
     cancelled (their request was aborted: not a failure), seconds from announcement to
-    acknowledgement, and the transfers reserved or under way now."""
+    acknowledgement, and the transfers reserved or under way now; of the sends, the bytes and
+    the seconds they took less their waits for the forward (``wire_bytes / wire_seconds``: what
+    this replica's sends move a second, for the router's cost of pulling a history)."""
 
     bytes: int
     transfers: int
@@ -183,6 +185,8 @@ class TransferStats:
     cancelled: int
     seconds: float
     pending: int
+    wire_bytes: int
+    wire_seconds: float
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,8 @@ class ReplicaStats:
             "transfers_cancelled": transfer.cancelled,
             "transfer_seconds": transfer.seconds,
             "pending_transfers": transfer.pending,
+            "transfer_wire_bytes": transfer.wire_bytes,
+            "transfer_wire_seconds": transfer.wire_seconds,
             **asdict(self.load),
             **asdict(self.cores),
             "spec_num_drafts": spec.num_drafts,

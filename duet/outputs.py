@@ -68,6 +68,9 @@ class KVTransferResult:
     cancelled: bool = False
     num_bytes: int = 0
     seconds: float = 0.0
+    # A send's time less its waits for the forward computing what it sends: what moving
+    # ``num_bytes`` took (None: a receive, which cannot tell its wire from its sender's forward).
+    wire_seconds: float | None = None
 
     @classmethod
     def combine(cls, parts: list[KVTransferResult]) -> KVTransferResult:
@@ -83,6 +86,7 @@ class KVTransferResult:
             cancelled=any(part.cancelled for part in parts),
             num_bytes=sum(part.num_bytes for part in parts),
             seconds=max(part.seconds for part in parts),
+            wire_seconds=None if any(part.wire_seconds is None for part in parts) else max(part.wire_seconds for part in parts),
         )
 
 

@@ -238,6 +238,7 @@ class _SenderPair:
     def _send(self, group, job: _Send) -> None:
         owner = self.owner
         began = time.monotonic()
+        computing = 0.0  # of the time since, waits for the forward to compute what goes
         heads = owner.local_heads(job.heads)
         runs, here = owner.runs(job.num_blocks, job.heads, job.layers)
         valid, reason = True, None
@@ -258,10 +259,12 @@ class _SenderPair:
         in_flight = None  # (work, buffer): one run on the wire while the next is packed
         for index, (start, end) in enumerate(runs):
             if valid:
+                waited = time.monotonic()
                 try:
                     block_ids = job.progress.wait_for(here + end, owner.timeout_s)
                 except (TransferCancelled, TimeoutError) as error:
                     valid, reason = False, str(error)  # the rest goes out as filler, marked invalid
+                computing += time.monotonic() - waited
             if shared is not None and index >= 2:  # its slot held run index - 2: the receiver must be done with it
                 owner.wait(group.recv(torch.zeros(1, dtype=torch.int64), FREE_TAG_BASE + index - 2), f"slot of transfer {job.transfer_id}")
             packed = staged[index]
@@ -283,10 +286,12 @@ class _SenderPair:
         owner.wait(in_flight[0], f"last layers of transfer {job.transfer_id}")
         first_token_id = NO_TOKEN
         if valid:
+            waited = time.monotonic()
             try:
                 first_token_id = job.progress.wait_first_token(owner.timeout_s)
             except (TransferCancelled, TimeoutError) as error:
                 valid, reason = False, str(error)
+            computing += time.monotonic() - waited
         if faults is not None:
             faults.stall()
         # Control tensors live where the KV does: an NCCL pair moves only GPU tensors.
@@ -298,7 +303,8 @@ class _SenderPair:
         if int(ack[0]) != job.transfer_id:
             raise RuntimeError(f"transfer {job.transfer_id} acknowledged as {int(ack[0])}")
         if valid and int(ack[1]) == ACK_ACCEPTED:
-            owner.done(job, KVTransferResult(job.transfer_id, True, num_bytes=num_bytes, seconds=time.monotonic() - began))
+            seconds = time.monotonic() - began
+            owner.done(job, KVTransferResult(job.transfer_id, True, num_bytes=num_bytes, seconds=seconds, wire_seconds=seconds - computing))
         elif int(ack[1]) == ACK_CORRUPTED:
             owner.done(job, KVTransferResult(job.transfer_id, False, error="the decode replica received it corrupted"))
         elif valid:

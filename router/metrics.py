@@ -102,6 +102,10 @@ class _PoolCollector:
             "duet:kv_transfer_failures": ("KV transfers that failed.", lambda s: s.transfer.failures),
             "duet:kv_transfers_cancelled": ("KV transfers given up because their request was aborted.", lambda s: s.transfer.cancelled),
             "duet:kv_transfer_seconds": ("Seconds spent in KV transfers, announcement to acknowledgement.", lambda s: s.transfer.seconds),
+            "duet:kv_transfer_wire_bytes": ("KV bytes sent by transfers whose wire time was measured.", lambda s: s.transfer.wire_bytes),
+            "duet:kv_transfer_wire_seconds": (
+                "Seconds KV sends took, less their waits for the forward computing what they send.", lambda s: s.transfer.wire_seconds,
+            ),
             "duet:kv_integrity_failures": ("Idle KV bookkeeping checks that failed (blocks leaked).", lambda s: s.integrity_failures),
             "duet:lora_loads": ("LoRA adapters loaded after start (first use, or again after eviction).", lambda s: s.lora.loads),
             "duet:lora_evictions": ("LoRA adapters unloaded to load another, max_loras being held.", lambda s: s.lora.evictions),

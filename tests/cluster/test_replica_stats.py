@@ -21,7 +21,7 @@ STATUS_KEYS = {
     "stage", "replica_id", "node_id", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "block_size", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "kv_cache_dtype", "kv_dtype", "kv_bytes_per_block", "kv_usage",
     "tier_capacity_blocks", "tier_blocks", "tier_saved_blocks", "tier_restored_blocks", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_position", "transfer_bytes",
-    "transfers", "transfer_failures", "transfers_cancelled", "transfer_seconds", "pending_transfers", "prompt_tokens_pending",
+    "transfers", "transfer_failures", "transfers_cancelled", "transfer_seconds", "pending_transfers", "transfer_wire_bytes", "transfer_wire_seconds", "prompt_tokens_pending",
     "new_prompt_tokens_pending", "num_decoding_blocks", "num_decode_waiting", "prefill_tokens_per_s", "tokens_per_s",
     "tpot_s", "decode_only_tpot_s", "ttft_s", "output_tokens_per_s", "threads", "shared_cores", "core_wait_s",
     "integrity_failures", "worker_failure", "loras", "lora_loads", "lora_evictions",

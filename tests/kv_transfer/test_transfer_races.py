@@ -5,6 +5,7 @@ that is gone fail at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -116,3 +117,47 @@ def test_transfers_for_a_receiver_that_is_gone_fail_at_once():
         sender.close()
     assert sorted(transfer_id for transfer_id, _, _ in results) == [1, 2, 3]
     assert all(not ok and f"no KV receiver at 127.0.0.1:{port}" in error for _, ok, error in results), results
+
+
+def test_a_sends_wire_time_leaves_out_its_waits_for_the_forward(pair, monkeypatch):
+    """#40's cost of a pull: a send reports the seconds it took less those it spent waiting for
+    the forward to compute its layers and first token (``wire_seconds``), and the connector's
+    counters total them with the bytes of those sends alone (a receive cannot tell its wire
+    from its sender's forward). The sender's clock is moved on by each wait here: 5 s for the
+    layers, 1 s for the first token."""
+    from types import SimpleNamespace
+
+    from duet.kv_connector import TransferCounters
+    from duet.kv_transfer import sender as sender_module
+
+    moved = [0.0]
+    clock = SimpleNamespace(monotonic=lambda: time.monotonic() + moved[0])
+    monkeypatch.setattr(sender_module, "time", clock)
+
+    class Forward(LayerProgress):
+        def wait_for(self, num_layers, timeout_s):
+            moved[0] += 5.0
+            return super().wait_for(num_layers, timeout_s)
+
+        def wait_first_token(self, timeout_s):
+            moved[0] += 1.0
+            return super().wait_first_token(timeout_s)
+
+    sender, receiver = pair
+    progress = Forward(3)
+    progress.mark_ready(3, [5])
+    progress.set_first_token(7)
+    receiver.expect(1, [0])
+    sender.send(1, receiver.endpoint, progress, 1)
+    received = _results(receiver, 1)
+    deadline, sent = time.monotonic() + 15.0, []
+    while not sent and time.monotonic() < deadline:
+        sent = sender.poll()
+        time.sleep(0.01)
+    assert received == [(1, True, None)] and [(result.transfer_id, result.ok) for result in sent] == [(1, True)]
+    result = sent[0]
+    assert result.seconds - result.wire_seconds == pytest.approx(6.0, abs=0.5) and 0 <= result.wire_seconds < result.seconds
+    counters = TransferCounters()
+    counters.count(result)
+    counters.count(dataclasses.replace(result, wire_seconds=None))  # a receive of the same bytes
+    assert (counters.bytes, counters.wire_bytes, counters.wire_seconds) == (2 * result.num_bytes, result.num_bytes, result.wire_seconds)

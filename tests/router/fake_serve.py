@@ -17,7 +17,7 @@ def make_stats(stage: str = "decode", replica_id: str = "r", **fields) -> Replic
     parts = {
         "scheduler": SchedulerStats(0, 0, 0, 0, 0, 0, 0),
         "kv": KVCacheStats(100, 100, 16, 0, 0, "auto", "bfloat16", 0, 0, 0, 0, 0),
-        "transfer": TransferStats(0, 0, 0, 0, 0.0, 0),
+        "transfer": TransferStats(0, 0, 0, 0, 0.0, 0, 0, 0.0),
         "load": LoadStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
         "spec": SpecStats(0, 0, 0, []),
         "cores": CoreStats(1, False, 0.0),

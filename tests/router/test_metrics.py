@@ -10,7 +10,7 @@ def test_every_replica_metric_reads_its_value_from_the_typed_report():
     stats = make_stats(
         "decode", "d", num_running=2, num_waiting=1, num_free_blocks=25, num_blocks=100, kv_bytes_per_block=1600,
         num_preemptions=3, prefix_cache_queries=40, prefix_cache_hits=16, bytes=4096, transfers=2, failures=1, cancelled=1,
-        seconds=0.5, pending=4, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6, accepted_per_position=[4, 2, 0],
+        seconds=0.5, pending=4, wire_bytes=2048, wire_seconds=0.25, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=6, accepted_per_position=[4, 2, 0],
         integrity_failures=1, tier_capacity_blocks=64, tier_blocks=40, tier_saved_blocks=50, tier_restored_blocks=7,
         held=["a", "b"], loads=5, evictions=3,
     )
@@ -22,6 +22,7 @@ def test_every_replica_metric_reads_its_value_from_the_typed_report():
         "duet:kv_cache_bytes_per_token": 100.0, "duet:spec_decode_mean_accepted_length": 2.5, "vllm:num_preemptions": 3,
         "vllm:prefix_cache_queries": 40, "vllm:prefix_cache_hits": 16, "duet:kv_transfer_bytes": 4096, "duet:kv_transfers": 2,
         "duet:kv_transfer_failures": 1, "duet:kv_transfers_cancelled": 1, "duet:kv_transfer_seconds": 0.5,
+        "duet:kv_transfer_wire_bytes": 2048, "duet:kv_transfer_wire_seconds": 0.25,
         "duet:kv_integrity_failures": 1, "vllm:spec_decode_num_drafts": 4, "vllm:spec_decode_num_draft_tokens": 12,
         "vllm:spec_decode_num_accepted_tokens": 6, "duet:pool_replicas": 1,
         "vllm:spec_decode_num_accepted_tokens_per_pos": 4, "duet:kv_offload_blocks": 40, "duet:kv_offload_capacity_blocks": 64,
