@@ -33,6 +33,12 @@ docs/benchmarks.md, "Adaptive selective PD"):
   does not come first: the sooner side decides, within the TPOT room, and names the decode
   replica holding the most (``Choice.holder``), where the router reserves the context first or,
   that replica busy, from which it pulls the history (``duet.router.pd``).
+- **A pull's cost.** Where that replica is too busy to take the context (``busy_holder``), the
+  local side is priced with its history pulled from there (``_pull_s``: the hops, one of the
+  holder's steps, and the history's KV at what the replicas' sends moved a second,
+  ``TransferStats.wire_bytes / wire_seconds``) or computed again by the receiver, whichever is
+  sooner; computed again, the choice names no holder. A short history is computed sooner than
+  it is pulled, and so is a long one over a slow link.
 - **Shared cores** (``cores.share``, ``duet.cores``): a prompt computes on the same cores either
   way, so the sooner side decides from the start; on an idle machine (nothing of this router's
   in flight, a decode replica running nothing) every prompt goes to such a decode replica.
@@ -80,6 +86,7 @@ class Choice:
     sent_at: float = 0.0
     predicted_s: float | None = None  # when its first token should come after ``sent_at``, before lateness
     holder: Holder | None = None  # local: the decode replica holding the most of it (record or reports)
+    pull_s: float | None = None  # local, its holder busy: what pulling its history was priced at (None: no pull)
 
     def done(self, first_token: bool = False) -> None:
         """``first_token``: it came (its lateness counts), rather than the context failing or
@@ -126,6 +133,9 @@ class StageBalancer:
         # prefill pool compute, before the replicas report them (its ``Orchestrator`` sets them).
         self.held: HeldContexts | None = None
         self.prefilled: HeldContexts | None = None
+        # Whether a decode replica holding a context's history is too busy to take it (the
+        # orchestrator's rule, ``duet.router.targets``): its history is then pulled or recomputed.
+        self.busy_holder: Callable[[Holder], bool] = lambda holder: False
 
     def choose(self, num_tokens: int, waited_s: float = 0.0, prefix_hashes: Sequence[int] = ()) -> Choice | None:
         """Where a context of ``num_tokens`` (its routing hashes ``prefix_hashes``) that has waited
@@ -133,12 +143,15 @@ class StageBalancer:
         its first token past the TTFT target, that pool has enough queued not to idle, and the
         decode pool has no room for it)."""
         tokens, holder = self._to_compute(num_tokens, prefix_hashes)
-        local, predicted_s = self._local(tokens, waited_s, num_tokens)
+        pull_s = None
+        if holder is not None and holder.replica_id is not None and self.busy_holder(holder):
+            tokens, holder, pull_s = self._pull_or_recompute(tokens, num_tokens, holder)
+        local, predicted_s = self._local(tokens, waited_s, num_tokens, pull_s or 0.0)
         if local is None:
             return None
         self.decisions[local] += 1
         self._outstanding[local] += tokens[local]
-        choice = Choice(local, tokens[local], self, self.clock(), predicted_s, holder if local else None)
+        choice = Choice(local, tokens[local], self, self.clock(), predicted_s, holder if local else None, pull_s if local else None)
         self._in_flight[local].append(choice)
         if local:
             self._local_sent.append((choice.sent_at, tokens[local]))
@@ -166,6 +179,36 @@ class StageBalancer:
                 holder = Holder(reporter, pool, held) if held else None
             tokens[local] = max(1, num_tokens - held * self.block_size)
         return tokens, holder
+
+    def _pull_or_recompute(self, tokens: dict[bool, int], num_tokens: int, holder: Holder) -> tuple[dict[bool, int], Holder | None, float | None]:
+        """For a context whose history ``holder`` holds but is too busy to take: ``tokens``,
+        ``holder`` and the pull's cost where pulling that history is sooner than the receiver
+        computing it (at the decode replicas' prompt speed, the prefill replicas' until they have
+        one; with neither measured, it pulls); else the whole context to compute locally, no
+        holder and no pull."""
+        pull_s = self._pull_s(holder)
+
+        def measured(pool: str) -> list[float]:
+            return [stats.load.prefill_tokens_per_s for stats in self._stats(pool) if stats.load.prefill_tokens_per_s > 0]
+
+        rates = measured("decode") or measured("prefill")
+        if not rates or pull_s < (num_tokens - tokens[True]) / (sum(rates) / len(rates)):
+            return tokens, holder, pull_s
+        return {True: num_tokens, False: tokens[False]}, None, None
+
+    def _pull_s(self, holder: Holder) -> float:
+        """What pulling ``holder``'s blocks of a history costs before the receiver computes the
+        rest: the hops (``PD_OVERHEAD_S``), one step of the holder's (its time per output token:
+        the pull's one token is computed in its batch), and the blocks' bytes at what the
+        replicas' sends moved a second (free before any send measured it)."""
+        reports = self._stats("prefill") + self._stats("decode")
+        own = next((stats for stats in reports if stats.replica_id == holder.replica_id), None)
+        step_s = own.load.tpot_s if own is not None else 0.0
+        block_bytes = max((stats.kv.kv_bytes_per_block for stats in reports if stats.replica_id == holder.replica_id), default=0)
+        wire_bytes = sum(stats.transfer.wire_bytes for stats in reports)
+        wire_s = sum(stats.transfer.wire_seconds for stats in reports)
+        transfer_s = holder.blocks * block_bytes * wire_s / wire_bytes if wire_bytes and wire_s > 0 else 0.0
+        return PD_OVERHEAD_S + step_s + transfer_s
 
     def admit(self, contexts: list[tuple]) -> list[Choice | None]:
         """Choices for the contexts waiting in the router (``(num_tokens, waited_s)``, or with their
@@ -230,10 +273,11 @@ class StageBalancer:
         ]
         return not ways or waited_s + min(ways) <= self.ttft_s
 
-    def _local(self, tokens: dict[bool, int], waited_s: float, num_tokens: int) -> tuple[bool | None, float | None]:
+    def _local(self, tokens: dict[bool, int], waited_s: float, num_tokens: int, pull_s: float = 0.0) -> tuple[bool | None, float | None]:
         """Where a context of ``num_tokens`` goes (None: it waits), ``tokens`` what each side would
-        compute of it (``_to_compute``), and in how long its first token should come by the
-        replicas' speeds and what this router sent, before ``lateness`` (None: not known)."""
+        compute of it (``_to_compute``), ``pull_s`` what its history's pull adds locally, and in
+        how long its first token should come by the replicas' speeds and what this router sent,
+        before ``lateness`` (None: not known)."""
         if self.pool_size("prefill") == 0:
             return True, None
         prefill = self._stats("prefill")
@@ -254,7 +298,7 @@ class StageBalancer:
         prefill_first = not shared and tokens[True] >= tokens[False]  # not where decode holds more of it
         if prefill_first and (prefill_wait == 0 or through_prefill <= PREFILL_FIRST_TTFT_SHARE * self.ttft_s):
             return False, through_prefill
-        on_decode = self._wait_s(True, decode_rate, sum(stats.scheduler.prompt_tokens_pending for stats in decode)) + tokens[True] / decode_rate
+        on_decode = self._wait_s(True, decode_rate, sum(stats.scheduler.prompt_tokens_pending for stats in decode)) + tokens[True] / decode_rate + pull_s
         first_token_s = {False: through_prefill + self.lateness[False], True: on_decode + self.lateness[True]}
         in_time = waited_s + first_token_s[False] <= self.ttft_s
         through_prefill_or_wait = (False, through_prefill) if in_time or prefill_wait <= PREFILL_FEED_S else (None, None)

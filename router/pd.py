@@ -108,6 +108,7 @@ class Orchestrator:
         if balancer is not None:
             balancer.live_streams = lambda: len(self.open_streams)
             balancer.held, balancer.prefilled = self.held, self.prefilled
+            balancer.busy_holder = lambda holder: self.targets.holder(holder) is None
 
     async def run(
         self, sequence_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: tuple[str, str] | None = None

@@ -386,3 +386,71 @@ def test_before_any_measurement_a_burst_of_long_prompts_is_shared_by_threads_and
     # A decode pool without room takes none.
     full = balancer([stats("prefill", "p")], [stats("decode", "d", num_decode_waiting=1)])
     assert not any(full.choose(256).local for _ in range(4))
+
+
+def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computing_it_again(monkeypatch):
+    """#40's cost model: a turn of 1,200 tokens whose 1,024-token history (64 blocks) decode
+    replica "d" holds, "d" too busy to take it (``busy_holder``: the orchestrator's rule). The
+    local side is priced with the pull: the hops, one of d's steps (70 ms) and 64 blocks of
+    720 KiB at what the replicas' sends moved (2 GB/s here: 24 ms), against 1,024 tokens
+    computed again at 1,000 a second. Over a link of 1 MB/s (47 s) or for a history of one block
+    (16 tokens: 16 ms), computing it again is sooner: no holder, and the prefill pool, idle,
+    computes the turn past the last prompt it holds; with that pool 5 s behind, a decode replica
+    computes it whole."""
+    from duet.block_pool import routing_block_hashes
+    from duet.router import pd, serve_internals
+    from duet.router.balance import PD_OVERHEAD_S
+    from duet.router.held import Holder
+    from duet.router.routing import IMBALANCE_THRESHOLD
+    from tests.router.fake_serve import FakePool
+
+    history = list(range(1000, 2024))
+    turn = history + list(range(5000, 5176))
+    block_bytes = 720 * 1024
+
+    def pools(link: tuple[int, float], held: list[int], pending: int = 0, decode_rate: float = 1000.0):
+        decode = [
+            stats(
+                "decode", name, prefill_tokens_per_s=decode_rate, decode_only_tpot_s=0.02, tpot_s=0.07, kv_bytes_per_block=block_bytes,
+                prefix_hashes=routing_block_hashes(held, 16) if name == "d" else [],
+            )
+            for name in ("d", "e")
+        ]
+        last_prompt = routing_block_hashes(history[:960], 16)
+        idle = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prefix_hashes=last_prompt, prompt_tokens_pending=pending)]
+        idle[0] = dataclasses.replace(idle[0], transfer=dataclasses.replace(idle[0].transfer, wire_bytes=link[0], wire_seconds=link[1]))
+        chooser = balancer(idle, decode)
+        chooser.busy_holder = lambda holder: holder.replica_id == "d"
+        return chooser
+
+    fast = pools((2_000_000_000, 1.0), history).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
+    assert fast.local and fast.num_tokens == 176 and fast.holder == Holder("d", "decode", 64)
+    assert fast.pull_s == pytest.approx(PD_OVERHEAD_S + 0.07 + 64 * block_bytes / 2e9)
+    slow = pools((1_000_000, 1.0), history).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
+    assert (slow.local, slow.num_tokens, slow.holder, slow.pull_s) == (False, 240, None, None)
+    # 300 ms on the wire: cheaper than computing the history again, but the turn is then
+    # sooner through the idle prefill pool. With that pool 5 s behind, over the slow link, the
+    # turn is computed whole on a decode replica.
+    medium = pools((64 * block_bytes, 0.3), history).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
+    assert (medium.local, medium.num_tokens, medium.holder, medium.pull_s) == (False, 240, None, None)
+    busy = pools((1_000_000, 1.0), history, pending=5000).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
+    assert (busy.local, busy.num_tokens, busy.holder, busy.pull_s) == (True, len(turn), None, None)
+    unmeasured = pools((1_000_000, 1.0), history, pending=5000, decode_rate=0.0)  # the prefill replicas' speed stands in
+    assert unmeasured.choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16)).holder is None
+    short_turn = history[:16] + list(range(5000, 5176))
+    short = pools((2_000_000_000, 1.0), history[:16]).choose(len(short_turn), prefix_hashes=routing_block_hashes(short_turn, 16))
+    assert (short.local, short.num_tokens, short.holder, short.pull_s) == (False, 176, None, None)
+    not_busy = pools((1_000_000, 1.0), history)
+    not_busy.busy_holder = lambda holder: False
+    kept = not_busy.choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
+    assert kept.local and kept.holder == Holder("d", "decode", 64) and kept.pull_s is None
+
+    # The orchestrator gives the balancer its rule: busier than the least loaded by more than
+    # the pools' routers allow.
+    listed = FakePool("decode")
+    monkeypatch.setitem(serve_internals._ROUTERS, "decode", listed)
+    listed.set("d", num_running=IMBALANCE_THRESHOLD + 2)
+    listed.set("e", num_running=1)
+    wired = balancer(None, None)
+    pd.Orchestrator(object(), None, 16, wired)
+    assert wired.busy_holder(Holder("d", "decode", 64)) and not wired.busy_holder(Holder("e", "decode", 64))
