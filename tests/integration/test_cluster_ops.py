@@ -54,6 +54,11 @@ def test_metrics_carry_vllm_names_and_a_stage_label(cluster):
     assert any('stage="prefill"' in labels and value > 0 for labels, value in hits.items())
     sent = _metric_values(cluster, "duet:kv_transfer_bytes_total")
     assert any('stage="decode"' in labels and value > 0 for labels, value in sent.items())
+    # Sends measure their wire time (the cost of a pull, #40); receives measure none.
+    wire_bytes = _metric_values(cluster, "duet:kv_transfer_wire_bytes_total")
+    wire_seconds = _metric_values(cluster, "duet:kv_transfer_wire_seconds_total")
+    assert any('stage="prefill"' in labels and value > 0 and wire_seconds[labels] > 0 for labels, value in wire_bytes.items())
+    assert all(wire_bytes[labels] <= value for labels, value in sent.items())
     tiers = _metric_values(cluster, "duet:kv_offload_capacity_blocks")  # kv_offload reached both pools' engines
     assert {stage for stage in ("prefill", "decode") if any(f'stage="{stage}"' in labels and value > 0 for labels, value in tiers.items())} == {
         "prefill", "decode",
