@@ -35,8 +35,9 @@ docs/benchmarks.md, "Adaptive selective PD"):
   that replica busy, from which it pulls the history (``duet.router.pd``).
 - **A pull's cost.** Where that replica is too busy to take the context (``busy_holder``), the
   local side is priced with its history pulled from there (``_pull_s``: the hops, one of the
-  holder's steps, and the history's KV at what the replicas' sends moved a second,
-  ``TransferStats.wire_bytes / wire_seconds``) or computed again by the receiver, whichever is
+  holder's steps, and the history's KV at what the holder's sends, or where it made none every
+  replica's, moved a second, ``TransferStats.wire_bytes / wire_seconds``) or computed again by
+  the receiver, whichever is
   sooner; computed again, the choice names no holder. A short history is computed sooner than
   it is pulled, and so is a long one over a slow link.
 - **Shared cores** (``cores.share``, ``duet.cores``): a prompt computes on the same cores either
@@ -200,15 +201,17 @@ class StageBalancer:
         """What pulling ``holder``'s blocks of a history costs before the receiver computes the
         rest: the hops (``PD_OVERHEAD_S``), one step of the holder's (its time per output token:
         the pull's one token is computed in its batch), and the blocks' bytes at what the
-        replicas' sends moved a second (free before any send measured it)."""
+        holder's own sends moved a second where it has sent (its links, beside its own steps),
+        else every replica's (free before any send measured it, or without the holder's report)."""
         reports = self._stats("prefill") + self._stats("decode")
         own = next((stats for stats in reports if stats.replica_id == holder.replica_id), None)
-        step_s = own.load.tpot_s if own is not None else 0.0
-        block_bytes = max((stats.kv.kv_bytes_per_block for stats in reports if stats.replica_id == holder.replica_id), default=0)
-        wire_bytes = sum(stats.transfer.wire_bytes for stats in reports)
-        wire_s = sum(stats.transfer.wire_seconds for stats in reports)
-        transfer_s = holder.blocks * block_bytes * wire_s / wire_bytes if wire_bytes and wire_s > 0 else 0.0
-        return PD_OVERHEAD_S + step_s + transfer_s
+        if own is None:
+            return PD_OVERHEAD_S
+        senders = [own] if own.transfer.wire_seconds > 0 else reports
+        wire_bytes = sum(stats.transfer.wire_bytes for stats in senders)
+        wire_s = sum(stats.transfer.wire_seconds for stats in senders)
+        transfer_s = holder.blocks * own.kv.kv_bytes_per_block * wire_s / wire_bytes if wire_bytes and wire_s > 0 else 0.0
+        return PD_OVERHEAD_S + own.load.tpot_s + transfer_s
 
     def admit(self, contexts: list[tuple]) -> list[Choice | None]:
         """Choices for the contexts waiting in the router (``(num_tokens, waited_s)``, or with their

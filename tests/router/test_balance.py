@@ -396,7 +396,7 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
     computed again at 1,000 a second. Over a link of 1 MB/s (47 s) or for a history of one block
     (16 tokens: 16 ms), computing it again is sooner: no holder, and the prefill pool, idle,
     computes the turn past the last prompt it holds; with that pool 5 s behind, a decode replica
-    computes it whole."""
+    computes it whole. The holder's own sends, where it has made some, give its rate."""
     from duet.block_pool import routing_block_hashes
     from duet.router import pd, serve_internals
     from duet.router.balance import PD_OVERHEAD_S
@@ -408,7 +408,7 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
     turn = history + list(range(5000, 5176))
     block_bytes = 720 * 1024
 
-    def pools(link: tuple[int, float], held: list[int], pending: int = 0, decode_rate: float = 1000.0):
+    def pools(link: tuple[int, float], held: list[int], pending: int = 0, decode_rate: float = 1000.0, own_link=(0, 0.0)):
         decode = [
             stats(
                 "decode", name, prefill_tokens_per_s=decode_rate, decode_only_tpot_s=0.02, tpot_s=0.07, kv_bytes_per_block=block_bytes,
@@ -419,6 +419,7 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
         last_prompt = routing_block_hashes(history[:960], 16)
         idle = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prefix_hashes=last_prompt, prompt_tokens_pending=pending)]
         idle[0] = dataclasses.replace(idle[0], transfer=dataclasses.replace(idle[0].transfer, wire_bytes=link[0], wire_seconds=link[1]))
+        decode[0] = dataclasses.replace(decode[0], transfer=dataclasses.replace(decode[0].transfer, wire_bytes=own_link[0], wire_seconds=own_link[1]))
         chooser = balancer(idle, decode)
         chooser.busy_holder = lambda holder: holder.replica_id == "d"
         return chooser
@@ -428,6 +429,12 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
     assert fast.pull_s == pytest.approx(PD_OVERHEAD_S + 0.07 + 64 * block_bytes / 2e9)
     slow = pools((1_000_000, 1.0), history).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
     assert (slow.local, slow.num_tokens, slow.holder, slow.pull_s) == (False, 240, None, None)
+    # The holder's own sends, where it made some, price its pull: its links, beside its steps.
+    hashes = routing_block_hashes(turn, 16)
+    own_slow = pools((2_000_000_000, 1.0), history, own_link=(1_000_000, 1.0)).choose(len(turn), prefix_hashes=hashes)
+    assert (own_slow.local, own_slow.holder, own_slow.pull_s) == (False, None, None)
+    own_fast = pools((1_000_000, 1.0), history, own_link=(2_000_000_000, 1.0)).choose(len(turn), prefix_hashes=hashes)
+    assert own_fast.pull_s == pytest.approx(fast.pull_s)
     # 300 ms on the wire: cheaper than computing the history again, but the turn is then
     # sooner through the idle prefill pool. With that pool 5 s behind, over the slow link, the
     # turn is computed whole on a decode replica.
