@@ -37,9 +37,8 @@ docs/benchmarks.md, "Adaptive selective PD"):
   local side is priced with its history pulled from there (``_pull_s``: the hops, one of the
   holder's steps, and the history's KV at what the holder's sends, or where it made none every
   replica's, moved a second, ``TransferStats.wire_bytes / wire_seconds``) or computed again by
-  the receiver, whichever is
-  sooner; computed again, the choice names no holder. A short history is computed sooner than
-  it is pulled, and so is a long one over a slow link.
+  the receiver, whichever is sooner; computed again, the choice names no holder. A short
+  history is computed sooner than it is pulled, and so is a long one over a slow link.
 - **Shared cores** (``cores.share``, ``duet.cores``): a prompt computes on the same cores either
   way, so the sooner side decides from the start; on an idle machine (nothing of this router's
   in flight, a decode replica running nothing) every prompt goes to such a decode replica.
