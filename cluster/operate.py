@@ -79,6 +79,13 @@ def cores_shown(stats: dict) -> str:
     return f"{threads} shared" if stats.get("shared_cores") else str(threads)
 
 
+def wire_rate_shown(stats: dict) -> str:
+    """What a replica's KV sends moved a second on the wire (their time less their waits for the
+    forward): the rate the router prices a pull of a history this replica holds at."""
+    rate = stats["transfer_wire_bytes"] / stats["transfer_wire_seconds"]
+    return f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:.0f} MB/s"
+
+
 def format_status(report: dict) -> str:
     """The status as a table (a replica's role is the one it serves now: its pool's, or the
     other's, ``duet.router.roles``); a replica whose last report is older than ``REPLICA_SILENT_S``
@@ -109,6 +116,7 @@ def format_status(report: dict) -> str:
                     f"  LoRA: {', '.join(stats['loras'])} ({stats['lora_loads']} loaded, {stats['lora_evictions']} evicted)"
                     if stats.get("loras") else ""
                 )
+                + (f"  sends: {wire_rate_shown(stats)}" if stats.get("transfer_wire_seconds") else "")
                 + (f"  STALE: last report {stats['age_s']:.0f} s ago" if stats["age_s"] > REPLICA_SILENT_S else "")
                 + (f"  LEAK: {stats['integrity_failures']} failed idle checks" if stats["integrity_failures"] else "")
             )

@@ -244,7 +244,7 @@ def test_the_cli_imports_no_ray_before_duet_up_sets_the_loopback_variable():
     assert answer.stdout.strip() == "False", answer.stderr
 
 
-def test_status_shows_a_replicas_second_kv_tier_where_it_has_one():
+def test_status_shows_a_replicas_second_kv_tier_its_adapters_and_its_sends_rate_where_it_has_them():
     stats = {
         "stage": "prefill", "replica_id": "abc", "num_running": 0, "num_waiting": 0, "kv_usage": 0.5, "num_free_blocks": 5, "num_blocks": 10,
         "kv_cache_dtype": "auto", "kv_dtype": "float32", "transfers": 0, "num_preemptions": 0, "age_s": 0.1,
@@ -258,6 +258,10 @@ def test_status_shows_a_replicas_second_kv_tier_where_it_has_one():
     assert "tier" not in format_status(report).splitlines()[2]
     stats |= {"loras": ["sql", "chat"], "lora_loads": 5, "lora_evictions": 3}  # and the LoRA adapters it holds
     assert format_status(report).splitlines()[2].endswith("LoRA: sql, chat (5 loaded, 3 evicted)")
+    stats |= {"transfer_wire_bytes": 70_778_880, "transfer_wire_seconds": 0.446}  # and what its sends moved a second
+    assert format_status(report).splitlines()[2].endswith("evicted)  sends: 159 MB/s")
+    stats |= {"transfer_wire_bytes": 4_700_000_000, "transfer_wire_seconds": 2.0}
+    assert format_status(report).splitlines()[2].endswith("sends: 2.35 GB/s")
 
 
 def test_ray_is_started_under_the_interpreter_that_runs_duet():
