@@ -38,7 +38,8 @@ docs/benchmarks.md, "Adaptive selective PD"):
   holder's steps, and the history's KV at what the holder's sends, or where it made none every
   replica's, moved a second, ``TransferStats.wire_bytes / wire_seconds``) or computed again by
   the receiver, whichever is sooner; computed again, the choice names no holder. A short
-  history is computed sooner than it is pulled, and so is a long one over a slow link.
+  history is computed sooner than it is pulled, and so is a long one over a slow link. A
+  context waiting in the router is judged in time or late (``in_time``) at the same price.
 - **Shared cores** (``cores.share``, ``duet.cores``): a prompt computes on the same cores either
   way, so the sooner side decides from the start; on an idle machine (nothing of this router's
   in flight, a decode replica running nothing) every prompt goes to such a decode replica.
@@ -142,10 +143,7 @@ class StageBalancer:
         ``waited_s`` for it goes, or None: it should wait (through the prefill pool it would give
         its first token past the TTFT target, that pool has enough queued not to idle, and the
         decode pool has no room for it)."""
-        tokens, holder = self._to_compute(num_tokens, prefix_hashes)
-        pull_s = None
-        if holder is not None and holder.replica_id is not None and self.busy_holder(holder):
-            tokens, holder, pull_s = self._pull_or_recompute(tokens, num_tokens, holder)
+        tokens, holder, pull_s = self._priced(num_tokens, prefix_hashes)
         local, predicted_s = self._local(tokens, waited_s, num_tokens, pull_s or 0.0)
         if local is None:
             return None
@@ -179,6 +177,14 @@ class StageBalancer:
                 holder = Holder(reporter, pool, held) if held else None
             tokens[local] = max(1, num_tokens - held * self.block_size)
         return tokens, holder
+
+    def _priced(self, num_tokens: int, prefix_hashes: Sequence[int]) -> tuple[dict[bool, int], Holder | None, float | None]:
+        """``_to_compute``'s tokens and holder, and the pull's cost; where that holder is too busy
+        to take the context, pulled from or computed again as ``_pull_or_recompute`` says."""
+        tokens, holder = self._to_compute(num_tokens, prefix_hashes)
+        if holder is not None and holder.replica_id is not None and self.busy_holder(holder):
+            return self._pull_or_recompute(tokens, num_tokens, holder)
+        return tokens, holder, None
 
     def _pull_or_recompute(self, tokens: dict[bool, int], num_tokens: int, holder: Holder) -> tuple[dict[bool, int], Holder | None, float | None]:
         """For a context whose history ``holder`` holds but is too busy to take: ``tokens``,
@@ -264,11 +270,13 @@ class StageBalancer:
     def in_time(self, num_tokens: int, waited_s: float, prefix_hashes: Sequence[int] = ()) -> bool:
         """Whether a context that has waited ``waited_s`` could still give its first token within
         the TTFT target the fastest way with nothing queued before it: through a prefill replica,
-        or on a decode replica, each computing what it does not hold (True before any replica
-        measured its prompt throughput)."""
-        tokens, _ = self._to_compute(num_tokens, prefix_hashes)
+        or on a decode replica, each computing what it does not hold (a busy holder's history
+        pulled or computed again, as ``choose`` prices it; True before any replica measured its
+        prompt throughput)."""
+        tokens, _, pull_s = self._priced(num_tokens, prefix_hashes)
+        local_s = self.lateness[True] + (pull_s or 0.0)
         ways = [
-            tokens[local] / stats.load.prefill_tokens_per_s + (self.lateness[True] if local else PD_OVERHEAD_S + self.lateness[False])
+            tokens[local] / stats.load.prefill_tokens_per_s + (local_s if local else PD_OVERHEAD_S + self.lateness[False])
             for local, pool in ((False, "prefill"), (True, "decode"))
             for stats in self._stats(pool)
             if stats.load.prefill_tokens_per_s > 0

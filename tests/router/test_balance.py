@@ -408,7 +408,7 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
     turn = history + list(range(5000, 5176))
     block_bytes = 720 * 1024
 
-    def pools(link: tuple[int, float], held: list[int], pending: int = 0, decode_rate: float = 1000.0, own_link=(0, 0.0)):
+    def pools(link, held, pending=0, decode_rate=1000.0, own_link=(0, 0.0), prefill_rate=1000.0):
         decode = [
             stats(
                 "decode", name, prefill_tokens_per_s=decode_rate, decode_only_tpot_s=0.02, tpot_s=0.07, kv_bytes_per_block=block_bytes,
@@ -417,7 +417,7 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
             for name in ("d", "e")
         ]
         last_prompt = routing_block_hashes(history[:960], 16)
-        idle = [stats("prefill", "p", prefill_tokens_per_s=1000.0, prefix_hashes=last_prompt, prompt_tokens_pending=pending)]
+        idle = [stats("prefill", "p", prefill_tokens_per_s=prefill_rate, prefix_hashes=last_prompt, prompt_tokens_pending=pending)]
         idle[0] = dataclasses.replace(idle[0], transfer=dataclasses.replace(idle[0].transfer, wire_bytes=link[0], wire_seconds=link[1]))
         decode[0] = dataclasses.replace(decode[0], transfer=dataclasses.replace(decode[0].transfer, wire_bytes=own_link[0], wire_seconds=own_link[1]))
         chooser = balancer(idle, decode)
@@ -442,6 +442,13 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
     assert (medium.local, medium.num_tokens, medium.holder, medium.pull_s) == (False, 240, None, None)
     busy = pools((1_000_000, 1.0), history, pending=5000).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
     assert (busy.local, busy.num_tokens, busy.holder, busy.pull_s) == (True, len(turn), None, None)
+    # A context waiting in the router is in time by the same price: 1.5 s waited, 176 tokens
+    # on decode (0.18 s) and the pull over the 300 ms link (0.42 s) pass the 2 s target, the
+    # prefill pool (a tenth as fast) further still; the holder not busy, it is in time.
+    waited = pools((64 * block_bytes, 0.3), history, prefill_rate=100.0)
+    assert not waited.in_time(len(turn), 1.5, hashes)
+    waited.busy_holder = lambda holder: False
+    assert waited.in_time(len(turn), 1.5, hashes)
     unmeasured = pools((1_000_000, 1.0), history, pending=5000, decode_rate=0.0)  # the prefill replicas' speed stands in
     assert unmeasured.choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16)).holder is None
     short_turn = history[:16] + list(range(5000, 5176))
