@@ -87,7 +87,6 @@ class Choice:
     sent_at: float = 0.0
     predicted_s: float | None = None  # when its first token should come after ``sent_at``, before lateness
     holder: Holder | None = None  # local: the decode replica holding the most of it (record or reports)
-    pull_s: float | None = None  # local, its holder busy: what pulling its history was priced at (None: no pull)
 
     def done(self, first_token: bool = False) -> None:
         """``first_token``: it came (its lateness counts), rather than the context failing or
@@ -149,7 +148,7 @@ class StageBalancer:
             return None
         self.decisions[local] += 1
         self._outstanding[local] += tokens[local]
-        choice = Choice(local, tokens[local], self, self.clock(), predicted_s, holder if local else None, pull_s if local else None)
+        choice = Choice(local, tokens[local], self, self.clock(), predicted_s, holder if local else None)
         self._in_flight[local].append(choice)
         if local:
             self._local_sent.append((choice.sent_at, tokens[local]))

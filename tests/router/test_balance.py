@@ -424,24 +424,26 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
         chooser.busy_holder = lambda holder: holder.replica_id == "d"
         return chooser
 
-    fast = pools((2_000_000_000, 1.0), history).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
+    priced = PD_OVERHEAD_S + 0.07 + 64 * block_bytes / 2e9
+    fast_link = pools((2_000_000_000, 1.0), history)
+    fast = fast_link.choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
     assert fast.local and fast.num_tokens == 176 and fast.holder == Holder("d", "decode", 64)
-    assert fast.pull_s == pytest.approx(PD_OVERHEAD_S + 0.07 + 64 * block_bytes / 2e9)
+    assert fast_link._pull_s(fast.holder) == pytest.approx(priced)
     slow = pools((1_000_000, 1.0), history).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
-    assert (slow.local, slow.num_tokens, slow.holder, slow.pull_s) == (False, 240, None, None)
+    assert (slow.local, slow.num_tokens, slow.holder) == (False, 240, None)
     # The holder's own sends, where it made some, price its pull: its links, beside its steps.
     hashes = routing_block_hashes(turn, 16)
     own_slow = pools((2_000_000_000, 1.0), history, own_link=(1_000_000, 1.0)).choose(len(turn), prefix_hashes=hashes)
-    assert (own_slow.local, own_slow.holder, own_slow.pull_s) == (False, None, None)
-    own_fast = pools((1_000_000, 1.0), history, own_link=(2_000_000_000, 1.0)).choose(len(turn), prefix_hashes=hashes)
-    assert own_fast.pull_s == pytest.approx(fast.pull_s)
+    assert (own_slow.local, own_slow.holder) == (False, None)
+    own_fast = pools((1_000_000, 1.0), history, own_link=(2_000_000_000, 1.0))
+    assert own_fast.choose(len(turn), prefix_hashes=hashes).holder == fast.holder and own_fast._pull_s(fast.holder) == pytest.approx(priced)
     # 300 ms on the wire: cheaper than computing the history again, but the turn is then
     # sooner through the idle prefill pool. With that pool 5 s behind, over the slow link, the
     # turn is computed whole on a decode replica.
     medium = pools((64 * block_bytes, 0.3), history).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
-    assert (medium.local, medium.num_tokens, medium.holder, medium.pull_s) == (False, 240, None, None)
+    assert (medium.local, medium.num_tokens, medium.holder) == (False, 240, None)
     busy = pools((1_000_000, 1.0), history, pending=5000).choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
-    assert (busy.local, busy.num_tokens, busy.holder, busy.pull_s) == (True, len(turn), None, None)
+    assert (busy.local, busy.num_tokens, busy.holder) == (True, len(turn), None)
     # A context waiting in the router is in time by the same price: 1.5 s waited, 176 tokens
     # on decode (0.18 s) and the pull over the 300 ms link (0.42 s) pass the 2 s target, the
     # prefill pool (a tenth as fast) further still; the holder not busy, it is in time.
@@ -453,11 +455,11 @@ def test_a_busy_holders_history_is_pulled_only_where_that_is_sooner_than_computi
     assert unmeasured.choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16)).holder is None
     short_turn = history[:16] + list(range(5000, 5176))
     short = pools((2_000_000_000, 1.0), history[:16]).choose(len(short_turn), prefix_hashes=routing_block_hashes(short_turn, 16))
-    assert (short.local, short.num_tokens, short.holder, short.pull_s) == (False, 176, None, None)
+    assert (short.local, short.num_tokens, short.holder) == (False, 176, None)
     not_busy = pools((1_000_000, 1.0), history)
     not_busy.busy_holder = lambda holder: False
     kept = not_busy.choose(len(turn), prefix_hashes=routing_block_hashes(turn, 16))
-    assert kept.local and kept.holder == Holder("d", "decode", 64) and kept.pull_s is None
+    assert kept.local and kept.holder == Holder("d", "decode", 64)
 
     # The orchestrator gives the balancer its rule: busier than the least loaded by more than
     # the pools' routers allow.
