@@ -4,12 +4,13 @@ random token ids) and saves it in the format it ships in (``gptq``; AWQ's ``gemm
 ``gemv``), then writes each quantized linear's weight as GPTQModel's own code dequantizes it (the
 reference for the format's conventions: packing order, zero offsets, groups).
 
-GPTQModel has no dequantization of AWQ's ``gemv`` layout, and refuses to write it for a CPU
-device (its kernel for it is CUDA's; the packing is torch's, on any device): a ``gemv`` job lifts
-that device check and also writes a ``gemm`` twin from the same source in the same process,
-whose codes, zeros and scales come out the same (AWQ's search is deterministic on a CPU, from the
-same seed), and the twin's dequantization is the reference. Both load the source in fp16, the
-only dtype GPTQModel's ``gemv`` layer takes.
+GPTQModel has no dequantization of AWQ's ``gemv`` and ``gemv_fast`` layouts (nor llm-awq's,
+``gemv_fast``'s packing), and refuses to write them for a CPU device (its kernels for them are
+CUDA's; the packing is torch's, on any device): such a job lifts that device check and also
+writes a ``gemm`` twin from the same source in the same process, whose codes, zeros and scales
+come out the same (AWQ's search is deterministic on a CPU, from the same seed), and the twin's
+dequantization is the reference. Both load the source in fp16, the only dtype GPTQModel's
+``gemv`` and ``gemv_fast`` layers take.
 
 GPTQModel requires a newer torch than duet pins, and a CUDA one from the index; its CPU path
 needs none of that. So it is installed once, without its dependencies, into a folder of the
@@ -60,7 +61,7 @@ class Quantization:
     sym: bool
     desc_act: bool = False
     method: str = "gptq"
-    format: str = "gemm"  # AWQ's: gemm or gemv
+    format: str = "gemm"  # AWQ's: gemm, gemv, gemv_fast or llm-awq
 
 
 def gptq_checkpoints(quantizations: list[Quantization], logs: Path) -> None:
@@ -89,7 +90,7 @@ def _write(settings: dict) -> None:
     from safetensors.torch import save_file
 
     awq = settings["method"] == "awq"
-    gemv = awq and settings["format"] == "gemv"
+    gemv = awq and settings["format"] != "gemm"  # a gemv layout: written beside its gemm twin
     if gemv:
         _quantize(settings | {"target": settings["target"] + "-gemm-twin", "format": "gemm"}, torch.float16)
     _quantize(settings, torch.float16 if gemv else None)
@@ -122,12 +123,14 @@ def _quantize(settings: dict, dtype) -> None:
 
     torch.manual_seed(0)
     awq = settings["method"] == "awq"
-    if awq and settings["format"] == "gemv":
+    if awq and settings["format"] != "gemm":
         from gptqmodel.models._const import DEVICE
         from gptqmodel.nn_modules.qlinear.gemv_awq import AwqGEMVLinear
+        from gptqmodel.nn_modules.qlinear.gemv_fast_awq import AwqGEMVFastLinear, LLMAwqLinear
 
-        if DEVICE.CPU not in AwqGEMVLinear.SUPPORTS_DEVICES:
-            AwqGEMVLinear.SUPPORTS_DEVICES = [*AwqGEMVLinear.SUPPORTS_DEVICES, DEVICE.CPU]
+        for layer in (AwqGEMVLinear, AwqGEMVFastLinear, LLMAwqLinear):
+            if DEVICE.CPU not in layer.SUPPORTS_DEVICES:
+                layer.SUPPORTS_DEVICES = [*layer.SUPPORTS_DEVICES, DEVICE.CPU]
     # GPTQ's act_group_aware is on by default, where its other settings allow it.
     gptq = dict(desc_act=settings["desc_act"], act_group_aware=settings["group_size"] > 0 and not settings["desc_act"])
     method = dict(quant_method=METHOD.AWQ, format=FORMAT(settings["format"])) if awq else gptq

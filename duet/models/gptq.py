@@ -1,6 +1,6 @@
 """GPTQ and AWQ checkpoints (``quant_method: gptq`` or ``awq``, as GPTQModel writes them; AWQ in
-AutoAWQ's ``gemm`` and ``gemv`` formats), read into the codes and scales ``duet.models.packed``
-makes blocks of: never a float copy.
+AutoAWQ's ``gemm``, ``gemv`` and ``gemv_fast`` formats and llm-awq's), read into the codes and
+scales ``duet.models.packed`` makes blocks of: never a float copy.
 
 Both ship, per linear ``x``, ``x.qweight`` (codes in int32 words), ``x.scales`` (``[groups,
 out]``) and ``x.qzeros`` (int32 ``[groups, out * bits / 32]``, a zero per group and output
@@ -19,6 +19,14 @@ transposes all three (below).
   i``), ``qzeros`` ``[out, words]`` packed along the groups likewise and ``scales`` ``[out, 8 *
   words]``, both padded past the last group (``words`` at least ``groups / 8``: AutoAWQ rounds it
   up for its kernel). 4 bits.
+- **AWQ** (``version: gemv_fast``, and llm-awq's ``version: llm-awq``, whose zeros tensor is
+  ``x.scaled_zeros``) keeps the output features first and packs four rows' codes in each int16
+  (``qweight`` ``[out / 4, in]``: code ``b`` of word ``[r, 64 c + a]`` is row ``4 r + i`` and
+  column ``64 c + j`` where ``4 a + b = 64 i + j``, and each 32 columns' codes are permuted twice
+  within them: ``GEMV_FAST_PERMUTATIONS``). Its scales and zeros are ``[groups, out]`` floats
+  padded past the last group, and each zero is already scaled: the weight is ``s * q + m``, ``m``
+  the stored ``-s * z`` rounded to the checkpoint's dtype, which the format's kernels add as it
+  is. So its blocks are Q4_1's, ``d = s`` and min ``m``, exact. 4 bits.
 
 A weight whose zeros are all at the middle (``2^(bits-1)``: a symmetric scheme, or zeros that
 happen to be) gives compressed-tensors' symmetric codes, Q4_1 or Q8_0 blocks, exact; other
@@ -34,14 +42,30 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 
-SUFFIXES = ("qweight", "scales", "qzeros")
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format: what its stored zeros lack
+AWQ_VERSIONS = ("gemm", "gemv", "gemv_fast", "llm-awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output feature (of 8) each code of an AWQ word holds
+# gemv_fast's two permutations of each 32 columns' codes, as (split, order): the codes viewed as
+# ``split``, their axes taken in ``order`` (an axis of the 32's index each); undone last to first.
+GEMV_FAST_PERMUTATIONS = (((4, 4, 2), (1, 0, 2)), ((4, 4, 2), (0, 2, 1)))
+
+
+class WeightCodes(NamedTuple):
+    """A packed weight as ``duet.models.packed`` makes blocks of it: codes ``[out, in]`` and fp32
+    scales per 32-weight block ``[out, in / 32]``, and what the weight is made of them."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    symmetric: bool  # unsigned codes about 2^(bits-1) (uint8); else q - z at 4 bits (int8), q at 8 (uint8)
+    order: torch.Tensor | None = None  # the order of their input features (``input_order``); None: as given
+    zeros: torch.Tensor | None = None  # 8-bit codes with their zero point off the middle: each block's (fp32)
+    mins: torch.Tensor | None = None  # the weight is ``scale * code + min``, codes 0..15 (uint8): each block's min (fp32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +74,15 @@ class Layout:
 
     method: str  # gptq or awq
     zero_offset: int = 0  # what the stored zeros lack
-    gemv: bool = False  # AWQ's gemv version: the output features first
+    version: str = "gemm"  # AWQ's (``AWQ_VERSIONS``)
+
+    @property
+    def zeros_name(self) -> str:
+        return "scaled_zeros" if self.version == "llm-awq" else "qzeros"
+
+    @property
+    def suffixes(self) -> tuple[str, str, str]:
+        return ("qweight", "scales", self.zeros_name)
 
 
 def read_layout(config: dict, path: Path, refuse) -> tuple[int, int | None, Layout]:
@@ -60,11 +92,11 @@ def read_layout(config: dict, path: Path, refuse) -> tuple[int, int | None, Layo
     bits, group_size = config.get("bits"), config.get("group_size", -1)
     if method == "awq":
         version = str(config.get("version") or config.get("checkpoint_format") or "gemm").lower()
-        if version not in ("gemm", "gemv"):
-            refuse("version", version, "'gemm' or 'gemv'")
+        if version not in AWQ_VERSIONS:
+            refuse("version", version, ", ".join(repr(name) for name in AWQ_VERSIONS))
         if bits != 4:
             refuse("bits", bits, "4")
-        layout = Layout("awq", gemv=version == "gemv")
+        layout = Layout("awq", version=version)
     else:
         checkpoint_format = config.get("checkpoint_format") or config.get("format") or "gptq"
         if bits not in (4, 8):
@@ -109,20 +141,21 @@ def input_order(state: dict[str, torch.Tensor], part: str, groups: torch.Tensor,
     return order
 
 
-def layout_codes(
-    state: dict[str, torch.Tensor], part: str, bits: int, group_size: int | None, layout: Layout, path: Path
-) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None, torch.Tensor | None]:
-    """A GPTQ or AWQ weight's codes ``[out, in]`` and scales per 32-weight block ``[out, in /
-    32]`` (fp32), whether they are symmetric (unsigned codes about ``2^(bits-1)``, uint8, when
-    every zero is there, else ``q - z`` at 4 bits, int8, and ``q`` at 8, uint8), the order of
-    their input features (``input_order``; None: as given), and the zero point of each block
-    where 8-bit codes have theirs off the middle (fp32, ``[out, in / 32]``; else None)."""
-    for suffix in SUFFIXES:
+def layout_codes(state: dict[str, torch.Tensor], part: str, bits: int, group_size: int | None, layout: Layout, path: Path) -> WeightCodes:
+    """A GPTQ or AWQ weight's codes and block scales: symmetric (unsigned codes about
+    ``2^(bits-1)``) when every zero is there, else ``q - z`` at 4 bits and ``q`` beside each
+    block's zero at 8; a gemv_fast weight's codes beside each block's min."""
+    for suffix in layout.suffixes:
         if tensor_name(part, suffix) not in state:
             raise DamagedCheckpointError(f"{path}: tensor {tensor_name(part, suffix)} is missing")
-    tensors = [state[tensor_name(part, suffix)] for suffix in SUFFIXES]
-    unpacked = _gemv_codes if layout.gemv else _codes
-    codes, scales, zeros = unpacked(*tensors, bits, group_size, layout, lambda suffix: f"{path}: {tensor_name(part, suffix)}")
+    tensors = [state[tensor_name(part, suffix)] for suffix in layout.suffixes]
+
+    def named(suffix: str) -> str:  # a tensor, as an error names it
+        return f"{path}: {tensor_name(part, suffix)}"
+
+    fast = layout.version in ("gemv_fast", "llm-awq")
+    unpacked = _gemv_fast_codes if fast else _gemv_codes if layout.version == "gemv" else _codes
+    codes, scales, zeros = unpacked(*tensors, bits, group_size, layout, named)
     in_features = codes.shape[1]
     if in_features % 32:
         raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not whole blocks of 32")
@@ -131,12 +164,14 @@ def layout_codes(
     if order is not None:  # the input features sorted by group: each group's features side by side
         codes = codes[:, order]
     block_scales = scales.float()[:, groups[::32]]
+    if fast:  # zeros: the mins as stored
+        return WeightCodes(codes.to(torch.uint8), block_scales, False, mins=zeros.float()[:, groups[::32]])
     if bool((zeros == 1 << (bits - 1)).all()):
-        return codes.to(torch.uint8), block_scales, True, order, None
+        return WeightCodes(codes.to(torch.uint8), block_scales, True, order)
     if bits == 8:  # q - z spans 9 bits: q beside z (1..256 in the gptq format)
-        return codes.to(torch.uint8), block_scales, False, order, zeros[:, groups[::32]].float()
+        return WeightCodes(codes.to(torch.uint8), block_scales, False, order, zeros[:, groups[::32]].float())
     signed = codes.to(torch.int16) - zeros[:, groups]  # q - z, in -16..15
-    return signed.to(torch.int8), block_scales, False, order, None
+    return WeightCodes(signed.to(torch.int8), block_scales, False, order)
 
 
 def _codes(qweight, scales, qzeros, bits: int, group_size: int | None, layout: Layout, named) -> tuple[torch.Tensor, ...]:
@@ -182,3 +217,27 @@ def _gemv_codes(qweight, scales, qzeros, bits: int, group_size: int | None, layo
     codes = _unpack(qweight, bits, along_rows=False)
     zeros = _unpack(qzeros, bits, along_rows=False)[:, :num_groups].to(torch.int16) + layout.zero_offset
     return codes, scales[:, :num_groups], zeros
+
+
+def _gemv_fast_codes(qweight, scales, mins, bits: int, group_size: int | None, layout: Layout, named) -> tuple[torch.Tensor, ...]:
+    """AWQ gemv_fast's (and llm-awq's) codes ``[out, in]``, scales and mins ``[out, groups]``
+    (the padding past the last group dropped); ``named(suffix)`` names a tensor in an error."""
+    out_features, in_features = qweight.shape[0] * 4, qweight.shape[1]
+    num_groups = -(-in_features // (group_size or in_features))
+    for suffix, tensor, wanted, ok in (
+        ("qweight", qweight, f"int16 [out / 4, in] with whole 64 columns, {in_features} of them",
+         qweight.dtype == torch.int16 and qweight.dim() == 2 and in_features % 64 == 0),
+        ("scales", scales, f"floats [at least {num_groups}, {out_features}]", scales.dim() == 2 and scales.is_floating_point()),
+        (layout.zeros_name, mins, f"floats [at least {num_groups}, {out_features}]", mins.dim() == 2 and mins.is_floating_point()),
+    ):
+        if not ok or (tensor is not qweight and (tensor.shape[0] < num_groups or tensor.shape[1] != out_features)):
+            raise DamagedCheckpointError(f"{named(suffix)} is {tensor.dtype} {tuple(tensor.shape)}, where 4-bit AWQ {layout.version} codes give {wanted}")
+    words = qweight.to(torch.int32) & 0xFFFF
+    codes = (words.unsqueeze(-1) >> (torch.arange(4, dtype=torch.int32) * 4)) & 0xF  # [out / 4, in, 4]: a word's 4 codes
+    rows = codes.reshape(out_features // 4, in_features // 64, 4, 64).permute(0, 2, 1, 3)  # 4 rows of each word's 64 columns
+    codes = rows.reshape(out_features, in_features // 32, 32)
+    for split, order in reversed(GEMV_FAST_PERMUTATIONS):  # undone: the permuted axes put back
+        permuted = [split[axis] for axis in order]
+        codes = codes.reshape(out_features, in_features // 32, *permuted).permute(0, 1, *(2 + order.index(axis) for axis in range(3)))
+        codes = codes.reshape(out_features, in_features // 32, 32)
+    return codes.reshape(out_features, in_features), scales[:num_groups].T, mins[:num_groups].T

@@ -67,7 +67,7 @@ from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words, zero_point_blocks
 from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC
 from duet.models import float8
-from duet.models.gptq import Layout, layout_codes, read_layout, tensor_name
+from duet.models.gptq import Layout, WeightCodes, layout_codes, read_layout, tensor_name
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
 
@@ -192,13 +192,10 @@ def is_packed(state: dict[str, torch.Tensor], parts: list[str], scheme: PackedSc
     return packed[0]
 
 
-def _codes(
-    state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path
-) -> tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None, torch.Tensor | None]:
-    """A packed weight's unsigned codes ``[out, in]`` (uint8; 4 bits asymmetric: ``q - z``, int8),
-    its scales per 32-weight block ``[out, in / 32]`` (fp32), whether they are symmetric, the
-    order its input features are in (GPTQ's activation order; None: as given), and for 8 bits
-    with zero points, each block's zero point offset as the codes are (``z + 128``, fp32; else None)."""
+def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> WeightCodes:
+    """A packed weight's unsigned codes ``[out, in]`` (uint8; 4 bits asymmetric: ``q - z``, int8)
+    and scales per 32-weight block (``WeightCodes``); for 8 bits with zero points, each block's
+    zero point offset as the codes are (``z + 128``)."""
     if scheme.layout is not None:
         return layout_codes(state, part, scheme.num_bits, scheme.group_size, scheme.layout, path)
     if scheme.format == "int-quantized":
@@ -209,12 +206,12 @@ def _codes(
     group = scheme.group_size or in_features
     block_scales = scale.repeat_interleave(group // BLOCK, dim=1)
     if scheme.symmetric:
-        return codes.to(torch.uint8), block_scales, True, None, None
+        return WeightCodes(codes.to(torch.uint8), block_scales, True)
     zero = _zero_points(state[part + "_zero_point"], scheme.num_bits, out_features, in_features // group, part, path)
     if scheme.num_bits == 8:  # u = q + 128 beside z + 128
-        return codes.to(torch.uint8), block_scales, False, None, (zero + 128).float().repeat_interleave(group // BLOCK, dim=1)
+        return WeightCodes(codes.to(torch.uint8), block_scales, False, zeros=(zero + 128).float().repeat_interleave(group // BLOCK, dim=1))
     signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
-    return signed.to(torch.int8), block_scales, False, None, None
+    return WeightCodes(signed.to(torch.int8), block_scales, False)
 
 
 def _unpacked_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> torch.Tensor:
@@ -262,12 +259,12 @@ def _int8_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme,
     unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
     block_scales = scale.repeat_interleave(group // BLOCK, dim=1)
     if scheme.symmetric:
-        return unsigned, block_scales, True, None, None
+        return WeightCodes(unsigned, block_scales, True)
     zero = state.get(part + "_zero_point")
     if zero is None or zero.dtype != torch.int8 or zero.shape != scale.shape:
         found = "missing" if zero is None else f"{zero.dtype} {tuple(zero.shape)}"
         raise DamagedCheckpointError(f"{path}: {part}_zero_point is {found}, not int8 zero points beside its scales")
-    return unsigned, block_scales, False, None, (zero.float() + 128).repeat_interleave(group // BLOCK, dim=1)
+    return WeightCodes(unsigned, block_scales, False, zeros=(zero.float() + 128).repeat_interleave(group // BLOCK, dim=1))
 
 
 def _zero_points(packed: torch.Tensor, bits: int, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:
@@ -291,33 +288,43 @@ def packed_weight(
 ) -> tuple[GGUFWeight, torch.Tensor | None]:
     """The weight made of ``parts``' rows (a fused q/k/v or gate/up product), as blocks for ``ops``:
     float8 blocks of float8 weights; Q8Z blocks of 8-bit codes where a part's have zero points;
-    of symmetric codes where every part's are, else of ``q - z`` (a symmetric part's ``u - 8``);
-    and the order the blocks take their input features in (``Linear.input_order``), which the
-    parts share (they read one input)."""
+    Q4_1 blocks of codes with mins (AWQ gemv_fast's); of symmetric codes where every part's are,
+    else of ``q - z`` (a symmetric part's ``u - 8``); and the order the blocks take their input
+    features in (``Linear.input_order``), which the parts share (they read one input)."""
     if scheme.format in (float8.COMPRESSED_TENSORS, float8.HUGGING_FACE):
         return float8.float8_weight(state, parts, scheme, path, ops), None
-    codes, scales, symmetric, orders, zeros = zip(*(_codes(state, part, scheme, path) for part in parts))
-    first = orders[0]
-    if any((order is None) != (first is None) or (order is not None and not torch.equal(order, first)) for order in orders):
+    weights = [_codes(state, part, scheme, path) for part in parts]
+    first = weights[0].order
+    if any((w.order is None) != (first is None) or (w.order is not None and not torch.equal(w.order, first)) for w in weights):
         raise UnsupportedCheckpointError(f"{path}: {', '.join(parts)} order their input features differently, and are computed as one product")
-    if any(zero is not None for zero in zeros):  # 8 bits with zero points: Q8Z blocks (a symmetric part's zero is 128)
-        zeros = [torch.full_like(scale, 128.0) if zero is None else zero for zero, scale in zip(zeros, scales)]
-        return zero_point_blocks(torch.cat(codes), torch.cat(scales), torch.cat(zeros), ops), first
-    return _blocks(codes, scales, symmetric, scheme, ops), first
+    if any(w.zeros is not None for w in weights):  # 8 bits with zero points: Q8Z blocks (a symmetric part's zero is 128)
+        zeros = [torch.full_like(w.scales, 128.0) if w.zeros is None else w.zeros for w in weights]
+        return zero_point_blocks(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]), torch.cat(zeros), ops), first
+    return _blocks(weights, scheme, ops), first
 
 
-def _blocks(codes, scales, symmetric, scheme: PackedScheme, ops) -> GGUFWeight:
+def _blocks(weights: list[WeightCodes], scheme: PackedScheme, ops) -> GGUFWeight:
     """The parts' codes and scales (``_codes``), their rows concatenated, as blocks."""
-    if not all(symmetric):
-        codes = [c if not sym else (c.to(torch.int16) - 8).to(torch.int8) for c, sym in zip(codes, symmetric)]
-    codes, scales = torch.cat(codes), torch.cat(scales)
+    if any(w.mins is not None for w in weights):  # one checkpoint's: every part has its mins
+        codes, scales, mins = (torch.cat([getattr(w, field) for w in weights]) for field in ("codes", "scales", "mins"))
+        return _q4_1(codes, scales, mins, ops)
+    symmetric = all(w.symmetric for w in weights)
+    codes = [w.codes if symmetric or not w.symmetric else (w.codes.to(torch.int16) - 8).to(torch.int8) for w in weights]
+    codes, scales = torch.cat(codes), torch.cat([w.scales for w in weights])
+    out_features, in_features = codes.shape
+    if not symmetric:  # q - z as int8 codes, Q8_0 blocks
+        blocks = codes.view(torch.uint8).reshape(out_features, -1).contiguous()
+        return GGUFWeight(blocks, scales.contiguous(), Q8_0, in_features, ops)
+    if scheme.num_bits == 4:
+        return _q4_1(codes, scales, -8.0 * scales, ops)
+    signed = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+    return GGUFWeight(signed.reshape(out_features, -1).contiguous(), scales.contiguous(), Q8_0, in_features, ops)
+
+
+def _q4_1(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, ops) -> GGUFWeight:
+    """Q4_1 blocks of 4-bit codes ``[out, in]`` (0..15), each 32's weight ``scale * code + min``."""
     out_features, in_features = codes.shape
     blocks = codes.view(out_features, in_features // BLOCK, BLOCK)
-    if not all(symmetric):  # q - z as int8 codes, Q8_0 blocks
-        return GGUFWeight(blocks.view(torch.uint8).reshape(out_features, -1).contiguous(), scales.contiguous(), Q8_0, in_features, ops)
-    if scheme.num_bits == 4:
-        words = q4_1_words(blocks[..., :16] | (blocks[..., 16:] << 4))  # Q4_1's byte order: weight j low, 16 + j high
-        block_scales = torch.stack([scales, -8.0 * scales], dim=-1)
-        return GGUFWeight(words.reshape(out_features, -1).contiguous(), block_scales.reshape(out_features, -1).contiguous(), Q4_1, in_features, ops)
-    signed = (blocks.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-    return GGUFWeight(signed.reshape(out_features, -1).contiguous(), scales.contiguous(), Q8_0, in_features, ops)
+    words = q4_1_words(blocks[..., :16] | (blocks[..., 16:] << 4))  # Q4_1's byte order: weight j low, 16 + j high
+    block_scales = torch.stack([scales, mins], dim=-1).reshape(out_features, -1).contiguous()
+    return GGUFWeight(words.reshape(out_features, -1).contiguous(), block_scales, Q4_1, in_features, ops)

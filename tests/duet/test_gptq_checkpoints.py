@@ -1,6 +1,7 @@
 """GPTQ and AWQ checkpoints written by GPTQModel (``tests/gptq_writer.py``): GPTQ at 4 and 8
 bits, groups of 32 and 128 and a scale per channel, symmetric and not, the ``gptq`` format it is
-published in; AWQ's ``gemm`` and ``gemv`` formats with zero points and without.
+published in; AWQ's ``gemm``, ``gemv`` and ``gemv_fast`` formats and llm-awq's, with zero points
+and without.
 Each packed weight computes from blocks that equal the checkpoint's exact weights ``s * (q -
 z)`` bit for bit (and those, computed in bf16, equal GPTQModel's own dequantization: its
 packing, zeros and groups read right), no float copy is kept, and greedy output equals
@@ -42,7 +43,10 @@ SCHEMES = {
     "qwen3-awq-g32-sym": ("qwen3", 4, 32, True, dict(intermediate_size=128), "awq"),
     "llama-awq-gemv-g128-zero": ("llama3-rope", 4, 128, False, WIDE | dict(num_key_value_heads=2), "awq-gemv"),
     "qwen3-awq-gemv-g64-sym": ("qwen3", 4, 64, True, dict(intermediate_size=128), "awq-gemv"),  # gemv: groups of 64 or 128
+    "llama-awq-gemv_fast-g128-zero": ("llama3-rope", 4, 128, False, WIDE | dict(num_key_value_heads=2), "awq-gemv_fast"),
+    "qwen3-awq-llm-awq-g32-zero": ("qwen3", 4, 32, False, dict(intermediate_size=128), "awq-llm-awq"),
 }
+FAST = ("gemv_fast", "llm-awq")  # AWQ versions whose zeros are stored scaled: the weight is s * q + m
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's: code i of a word is feature AWQ_ORDER[i] of its 8
 
 
@@ -57,28 +61,44 @@ def _unpack(words: torch.Tensor, bits: int, along_rows: bool, order=None) -> tor
     return stacked.reshape(words.shape[0] * per_word, -1) if along_rows else stacked.reshape(words.shape[0], -1)
 
 
+def _gemm_codes(state, base: str, bits: int, awq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's or AWQ gemm's codes ``[in, out]`` and stored zeros ``[groups, out]`` of ``base``."""
+    order = AWQ_ORDER if awq else None
+    q = _unpack(state[base + ".qweight"], bits, along_rows=not awq, order=order)  # [in, out]
+    return q, _unpack(state[base + ".qzeros"], bits, along_rows=False, order=order)[:, : q.shape[1]]
+
+
 def _exact_weights(path, scale_dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Each linear's weight ``[out, in]`` in fp32, exact: ``s[g] * (q - z)`` for the group ``g``
     of each input feature (GPTQ: ``g_idx``'s, its ``z`` the stored zero + 1; AWQ: in order),
-    its scale first rounded to ``scale_dtype``."""
+    its scale first rounded to ``scale_dtype``; gemv_fast's and llm-awq's ``s[g] * q + m[g]``,
+    ``q`` read from the checkpoint's gemm twin, which GPTQModel packed from the same codes
+    (``test_a_fast_checkpoint_holds_its_gemm_twins_scales_and_zeros``)."""
     from safetensors.torch import load_file
 
     config = json.loads((path / "config.json").read_text())["quantization_config"]
     bits, awq = config["bits"], config["quant_method"] == "awq"
     state = load_file(str(path / "model.safetensors"))
+    twin = load_file(str(path.with_name(path.name + "-gemm-twin") / "model.safetensors")) if config.get("version") in FAST else None
     weights = {}
     for name in state:
-        if name.endswith(".qweight") and config.get("version") == "gemv":  # [out, in], each word's codes in order
-            base = name[: -len(".qweight")]
+        if not name.endswith(".qweight"):
+            continue
+        base = name[: -len(".qweight")]
+        if twin is not None:
+            q = _gemm_codes(twin, base, bits, awq=True)[0].T  # [out, in]
+            groups = torch.arange(q.shape[1]) // config["group_size"]
+            zeros = ".qzeros" if config["version"] == "gemv_fast" else ".scaled_zeros"
+            scales, mins = (state[base + suffix][: int(groups[-1]) + 1].T.to(scale_dtype).float()[:, groups] for suffix in (".scales", zeros))
+            weights[base + ".weight"] = scales * q.float() + mins
+        elif config.get("version") == "gemv":  # [out, in], each word's codes in order
             q = _unpack(state[name], bits, along_rows=False)
             groups = torch.arange(q.shape[1]) // config["group_size"]
             zeros = _unpack(state[base + ".qzeros"], bits, along_rows=False)[:, groups]
             weights[base + ".weight"] = state[base + ".scales"].to(scale_dtype).float()[:, groups] * (q - zeros).float()
-        elif name.endswith(".qweight"):
-            base = name[: -len(".qweight")]
-            order = AWQ_ORDER if awq else None
-            q = _unpack(state[name], bits, along_rows=not awq, order=order)  # [in, out]
-            zeros = _unpack(state[base + ".qzeros"], bits, along_rows=False, order=order)[:, : q.shape[1]] + (0 if awq else 1)
+        else:
+            q, zeros = _gemm_codes(state, base, bits, awq)
+            zeros = zeros + (0 if awq else 1)
             group = config["group_size"] if config["group_size"] > 0 else q.shape[0]
             groups = torch.arange(q.shape[0]) // group if awq else state[base + ".g_idx"].long()
             weight = state[base + ".scales"].to(scale_dtype).float()[groups] * (q - zeros[groups]).float()
@@ -91,7 +111,7 @@ def _exact_twin(path, target):
     from safetensors.torch import load_file, save_file
 
     weights = _exact_weights(path)
-    packed = (".qweight", ".scales", ".qzeros", ".g_idx")  # a linear's packed tensors (its bias stays)
+    packed = (".qweight", ".scales", ".qzeros", ".scaled_zeros", ".g_idx")  # a linear's packed tensors (its bias stays)
     state = {name: tensor for name, tensor in load_file(str(path / "model.safetensors")).items() if not name.endswith(packed)}
     target.mkdir()
     for file in path.iterdir():
@@ -120,7 +140,7 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
             for scheme, (family, bits, group_size, sym, shape, method, *act_order) in SCHEMES.items():
                 root = roots[scheme] = tmp_path_factory.mktemp(scheme)
                 source = make_tiny_model(root / "float", tiny_tokenizer_dir, family, **shape)
-                method, _, layout = method.partition("-")  # awq-gemv: AWQ in its gemv layout
+                method, _, layout = method.partition("-")  # awq-gemv: AWQ in its gemv layout, awq-llm-awq llm-awq's
                 settings = (bits, group_size, sym, any(act_order), method, layout or "gemm")
                 jobs.append(Quantization(source, root / "packed", root / "reference", *settings))
             gptq_checkpoints(jobs, tmp_path_factory.mktemp("gptqmodel"))
@@ -155,7 +175,8 @@ def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoint
     path, reference, _ = checkpoints(name)
     theirs = load_file(str(reference / "dequantized.safetensors"))
     dtype = next(iter(theirs.values())).dtype
-    ours = _exact_weights(path, scale_dtype=dtype)
+    fast = SCHEMES[name][5].partition("-")[2] in FAST  # GPTQModel dequantizes its gemm twin
+    ours = _exact_weights(path.with_name(path.name + "-gemm-twin") if fast else path, scale_dtype=dtype)
     assert sorted(theirs) == sorted(ours)
     for part, weight in ours.items():
         assert torch.equal(weight.to(dtype), theirs[part]), part
@@ -180,9 +201,32 @@ def test_the_blocks_are_the_exact_weights_and_gptqmodel_reads_them_so(checkpoint
         else:
             assert linear.input_order is None, module_name
         assert torch.equal(linear.gguf.dequantize(), weight), module_name
-        assert linear.gguf.qtype == (3 if bits == 4 and sym else Q8Z if bits == 8 and not sym else 8), module_name
+        assert linear.gguf.qtype == (3 if bits == 4 and (sym or fast) else Q8Z if bits == 8 and not sym else 8), module_name
         checked += 1
     assert checked == 4 * model.arch.num_layers  # q/k/v, o, gate/up, down
+
+
+@pytest.mark.parametrize("name", [name for name, scheme in SCHEMES.items() if scheme[5].partition("-")[2] in FAST])
+def test_a_fast_checkpoint_holds_its_gemm_twins_scales_and_zeros(checkpoints, name):
+    """GPTQModel packs a gemv_fast (or llm-awq) checkpoint and its gemm twin from the same codes,
+    scales and zeros: its scales are the twin's, padded with zero rows past the last group, and
+    its mins the twin's ``-(s * z)`` rounded to fp16. So ``_exact_weights`` may read a fast
+    checkpoint's codes from its twin, and duet's blocks equal to those weights read its packing right."""
+    from safetensors.torch import load_file
+
+    path, _, _ = checkpoints(name)
+    state = load_file(str(path / "model.safetensors"))
+    twin = load_file(str(path.with_name(path.name + "-gemm-twin") / "model.safetensors"))
+    zeros_name = ".qzeros" if "gemv_fast" in name else ".scaled_zeros"
+    bases = [name[: -len(".qweight")] for name in twin if name.endswith(".qweight")]
+    assert len(bases) == 14
+    for base in bases:
+        _, zeros = _gemm_codes(twin, base, 4, awq=True)
+        scales = twin[base + ".scales"]
+        groups = scales.shape[0]
+        assert torch.equal(state[base + ".scales"][:groups], scales), base
+        assert not state[base + ".scales"][groups:].any(), base
+        assert torch.equal(state[base + zeros_name][:groups], -(scales.float() * zeros.float()).half()), base
 
 
 def test_what_duet_does_not_read_is_refused_naming_the_field(checkpoints, tmp_path):
@@ -194,7 +238,7 @@ def test_what_duet_does_not_read_is_refused_naming_the_field(checkpoints, tmp_pa
     })
     awq, _, _ = checkpoints("qwen3-awq-g32-sym")
     refusals(awq, tmp_path / "awq", {
-        "version='gemv_fast' is not supported": lambda q: q.update(version="gemv_fast"),
+        "version='gemv_slow' is not supported": lambda q: q.update(version="gemv_slow"),
         "bits=8 is not supported: duet reads 4": lambda q: q.update(bits=8),
     })
 
@@ -226,14 +270,16 @@ def test_an_activation_ordered_mlp_splits_by_whole_groups_of_its_order(checkpoin
 
 
 @pytest.mark.slow
-def test_an_activation_ordered_checkpoint_at_tp2_matches_transformers(ray_cluster, checkpoints):
-    """Its o_proj's groups span both ranks' heads: each rank gathers the heads' outputs and
-    computes it whole (``WholeInput``); its down projection splits as above."""
-    path, _, references = checkpoints("llama-w4-g32-asym-act-order")
+@pytest.mark.parametrize("name", ["llama-w4-g32-asym-act-order", "llama-awq-gemv_fast-g128-zero"])
+def test_an_activation_ordered_or_gemv_fast_checkpoint_at_tp2_matches_transformers(ray_cluster, checkpoints, name):
+    """An activation-ordered one's o_proj's groups span both ranks' heads: each rank gathers the
+    heads' outputs and computes it whole (``WholeInput``); its down projection splits as above.
+    A gemv_fast one's Q4_1 blocks split with their mins."""
+    path, _, references = checkpoints(name)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-        check_outputs(llm.generate(PROMPTS, params), references, "activation order at TP=2")
+        check_outputs(llm.generate(PROMPTS, params), references, f"{name} at TP=2")
     finally:
         llm.engine.close()
 
@@ -252,4 +298,21 @@ def test_a_gemv_checkpoint_short_of_its_groups_is_refused_naming_the_tensor(chec
     state[name] = state[name][:, :1].contiguous()
     save_file(state, str(damaged / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(DamagedCheckpointError, match=r"down_proj\.scales is torch\.float16 \(128, 1\), where 4-bit AWQ gemv .* 2 groups"):
+        LLM(model=str(damaged), num_kv_blocks=64, max_model_len=256)
+
+
+def test_a_gemv_fast_checkpoint_with_int32_words_is_refused_naming_the_tensor(checkpoints, tmp_path):
+    """gemv_fast packs four codes in each int16; int32 words there are another layout's."""
+    from safetensors.torch import load_file, save_file
+
+    from duet.errors import DamagedCheckpointError
+
+    path, _, _ = checkpoints("llama-awq-gemv_fast-g128-zero")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    state = load_file(str(damaged / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj.qweight"
+    state[name] = state[name].to(torch.int32)
+    save_file(state, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DamagedCheckpointError, match=r"o_proj\.qweight is torch\.int32 \(32, 128\), where 4-bit AWQ gemv_fast codes give int16"):
         LLM(model=str(damaged), num_kv_blocks=64, max_model_len=256)
