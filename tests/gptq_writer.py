@@ -14,8 +14,8 @@ dequantization is the reference. Both load the source in fp16, the only dtype GP
 
 GPTQModel requires a newer torch than duet pins, and a CUDA one from the index; its CPU path
 needs none of that. So it is installed once, without its dependencies, into a folder of the
-test cache with the few pure-Python ones it imports (``TOOLS``), and runs in a child process
-(this file as a script) whose path starts there.
+test cache with the few pure-Python ones it imports (``TOOLS``, ``tests.tool_install``), and runs
+in a child process (this file as a script) whose path starts there.
 """
 
 from __future__ import annotations
@@ -31,20 +31,6 @@ TOOLS = (
     "gptqmodel==7.7.0", "pypcre==0.6.4", "logbar==0.4.15", "threadpoolctl==3.8.0", "device-smi==0.5.7", "tokenicer==0.0.14",
     "defuser==0.0.28",
 )
-
-
-def tools_dir() -> Path:
-    """The folder GPTQModel is installed in (installed on first use)."""
-    cache = Path(os.environ.get("DUET_CACHE_DIR", Path.home() / ".cache" / "duet"))
-    target = cache / "test-tools" / "gptqmodel"
-    if not (target / ".complete").exists() or (target / ".complete").read_text() != "\n".join(TOOLS):
-        target.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target", str(target), *TOOLS], check=True,
-            timeout=900,
-        )
-        (target / ".complete").write_text("\n".join(TOOLS))
-    return target
 
 
 @dataclass(frozen=True)
@@ -67,9 +53,11 @@ class Quantization:
 def gptq_checkpoints(quantizations: list[Quantization], logs: Path) -> None:
     """Write each checkpoint, all in one child process (GPTQModel takes seconds to import);
     GPTQModel's logs go to ``logs``."""
+    from tests.tool_install import tools_dir
+
     settings = [{name: str(value) if isinstance(value, Path) else value for name, value in asdict(job).items()} for job in quantizations]
     env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(tools_dir()), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(tools_dir("gptqmodel", TOOLS)), os.environ.get("PYTHONPATH", "")]),
         "GPTQMODEL_CPU_WORKERS": "2",  # its thread pools want two at least, whatever the machine has
     }
     logs.mkdir(parents=True, exist_ok=True)

@@ -128,15 +128,14 @@ def _unpack(words: torch.Tensor, bits: int, along_rows: bool, order: tuple[int, 
     return codes.reshape(words.shape[0], -1)
 
 
-def input_order(state: dict[str, torch.Tensor], part: str, groups: torch.Tensor, path: Path) -> torch.Tensor | None:
-    """The input features sorted by their group (GPTQ's ``g_idx``; stable), None when already
-    so. Sorted, they must fall in ``groups`` (each input feature's group, in order)."""
-    g_idx = state.get(tensor_name(part, "g_idx"))
+def input_order(g_idx: torch.Tensor | None, name: str, groups: torch.Tensor, path: Path) -> torch.Tensor | None:
+    """The input features sorted by their group (``g_idx``, the tensor ``name``: GPTQ's, and
+    compressed-tensors' ``weight_g_idx``; stable), None when already so. Sorted, they must fall in
+    ``groups`` (each input feature's group, in order)."""
     if g_idx is None or torch.equal(g_idx.long(), groups):
         return None
     order = torch.argsort(g_idx.long(), stable=True)
     if g_idx.shape != groups.shape or not torch.equal(g_idx.long()[order], groups):
-        name = tensor_name(part, "g_idx")
         raise DamagedCheckpointError(f"{path}: {name} does not put {len(groups)} input features in groups of equal size")
     return order
 
@@ -160,7 +159,8 @@ def layout_codes(state: dict[str, torch.Tensor], part: str, bits: int, group_siz
     if in_features % 32:
         raise UnsupportedCheckpointError(f"{path}: {part} has {in_features} input features, not whole blocks of 32")
     groups = torch.arange(in_features) // (group_size or in_features)  # the last one may be short (576 features in groups of 128)
-    order = input_order(state, part, groups, path) if layout.method == "gptq" else None
+    g_idx = tensor_name(part, "g_idx")
+    order = input_order(state.get(g_idx), g_idx, groups, path) if layout.method == "gptq" else None
     if order is not None:  # the input features sorted by group: each group's features side by side
         codes = codes[:, order]
     block_scales = scales.float()[:, groups[::32]]

@@ -47,8 +47,11 @@ point 128).
 Groups of a multiple of 32 features or whole channels, and no activation schemes but W8A8's
 (dynamic per token, or static per tensor): each other is refused at load, naming the field.
 Activation ordering ``weight`` (or ``static``) leaves the groups in order and the format as it
-is; ``group`` (features in groups out of order, a ``weight_g_idx`` per weight, which
-compressed-tensors no longer writes) is refused.
+is; ``group`` (or ``dynamic``: features in groups out of order, a ``weight_g_idx`` per weight,
+which compressed-tensors wrote up to 0.18) is read, in the ``pack-quantized`` format, as GPTQ's
+activation order is
+(``duet.models.gptq``): the codes with their input features sorted by group, and the Linear
+takes its input in that order.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
@@ -67,9 +70,10 @@ from duet.errors import DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.gguf import BLOCK, Q4_1, Q8_0, GGUFWeight, q4_1_words, zero_point_blocks
 from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, FLOAT8_STATIC, INT8_PER_TOKEN, INT8_STATIC
 from duet.models import float8
-from duet.models.gptq import Layout, WeightCodes, layout_codes, read_layout, tensor_name
+from duet.models.gptq import Layout, WeightCodes, input_order, layout_codes, read_layout, tensor_name
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+ACTORDERS = ("weight", "static", "group", "dynamic")  # 'static' is 'weight' and 'dynamic' 'group' (compressed-tensors' aliases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +87,7 @@ class PackedScheme:
     format: str = "pack-quantized"  # compressed-tensors': codes packed in int32 words, int8 or float8 as they are; "fp8": transformers'
     float8_block: tuple[int, int] | None = None  # "fp8": the rows and input features a scale covers (None: the tensor)
     activations: str | None = None  # how each product's input is quantized first (INT8_PER_TOKEN, INT8_STATIC, ...); None: not
+    group_order: bool = False  # compressed-tensors' ``actorder: group``: a ``weight_g_idx`` per weight
 
     def ships_codes(self, state: dict[str, torch.Tensor], part: str) -> bool:
         """Whether the checkpoint holds ``part``'s codes for the block kernels (an ``int-quantized``
@@ -149,7 +154,7 @@ def read_scheme(path: Path) -> PackedScheme | None:
         ("strategy", args.get("strategy"), args.get("strategy") in ("group", "channel"), "'group' or 'channel'"),
         # 'weight' (alias 'static', llm-compressor's default): GPTQ visits the features in the
         # activations' order, but groups stay in order, so the format is as without it.
-        ("actorder", args.get("actorder"), args.get("actorder") in (None, False, "weight", "static"), "none, 'weight' or 'static'"),
+        ("actorder", args.get("actorder"), args.get("actorder") in (None, False, *ACTORDERS), "none, " + ", ".join(map(repr, ACTORDERS))),
         ("dynamic", args.get("dynamic"), not args.get("dynamic"), "false"),
     )
     for field, value, ok, wanted in checks:
@@ -160,7 +165,12 @@ def read_scheme(path: Path) -> PackedScheme | None:
         refuse("weights.group_size", group_size, f"a multiple of {BLOCK}")
     if formats == {"int-quantized"} and args["num_bits"] != 8:
         refuse("weights.num_bits", args["num_bits"], "8 in the int-quantized format")
-    return PackedScheme(args["num_bits"], group_size, args.get("symmetric") is not False, format=formats.pop(), activations=inputs)
+    group_order = args.get("actorder") in ("group", "dynamic") and group_size is not None
+    if group_order and formats != {"pack-quantized"}:
+        refuse("weights.actorder", args["actorder"], "'group' in the pack-quantized format (W4A16, W8A16) only")
+    return PackedScheme(
+        args["num_bits"], group_size, args.get("symmetric") is not False, format=formats.pop(), activations=inputs, group_order=group_order,
+    )
 
 
 def _check_activations(args: dict, group_format: str, field: str, refuse) -> str:
@@ -204,14 +214,28 @@ def _codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path
     out_features, in_features = codes.shape
     scale = _group_scales(state, part, scheme, codes.shape, path).float()
     group = scheme.group_size or in_features
+    order = _group_order(state, part, scheme, in_features, path)
+    if order is not None:  # the input features sorted by group: each group's features side by side
+        codes = codes[:, order]
     block_scales = scale.repeat_interleave(group // BLOCK, dim=1)
     if scheme.symmetric:
-        return WeightCodes(codes.to(torch.uint8), block_scales, True)
+        return WeightCodes(codes.to(torch.uint8), block_scales, True, order)
     zero = _zero_points(state[part + "_zero_point"], scheme.num_bits, out_features, in_features // group, part, path)
     if scheme.num_bits == 8:  # u = q + 128 beside z + 128
-        return WeightCodes(codes.to(torch.uint8), block_scales, False, zeros=(zero + 128).float().repeat_interleave(group // BLOCK, dim=1))
+        return WeightCodes(codes.to(torch.uint8), block_scales, False, order, (zero + 128).float().repeat_interleave(group // BLOCK, dim=1))
     signed = codes.to(torch.int16) - 8 - zero.repeat_interleave(group, dim=1)  # q - z, in -15..15
-    return WeightCodes(signed.to(torch.int8), block_scales, False)
+    return WeightCodes(signed.to(torch.int8), block_scales, False, order)
+
+
+def _group_order(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, in_features: int, path: Path) -> torch.Tensor | None:
+    """Where the scheme groups input features out of order (``actorder: group``), the features
+    sorted by their group (``input_order``); None: in order."""
+    if not scheme.group_order:
+        return None
+    name = part + "_g_idx"
+    if name not in state:
+        raise DamagedCheckpointError(f"{path}: tensor {name} is missing (actorder: group gives each weight one)")
+    return input_order(state[name], name, torch.arange(in_features) // scheme.group_size, path)
 
 
 def _unpacked_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme, path: Path) -> torch.Tensor:

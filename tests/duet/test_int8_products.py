@@ -18,7 +18,8 @@ from duet.kernels.cpu_rules import RULES_ENV
 from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
 from duet.kernels.w8a8 import INT8_PER_TOKEN, RULE, Int8Weight, exact_int8_sums, int8_min_rows, int8_product, int8_sums, per_token_codes, sums_are_exact
 from duet.models.linear import Linear
-from tests.conftest import make_compressed_checkpoint, make_tiny_model
+from tests.compressed_writer import make_compressed_checkpoint
+from tests.conftest import make_tiny_model
 from tests.duet.test_batch_invariant import GREEDY, HEADS_OF_64, TARGET, _prompts, _signature
 from tests.duet.test_decoder_stack import _check_every_short_step, _generate
 from tests.duet.test_packed_checkpoints import NEW_TOKENS, PROMPTS, _greedy, checkpoints  # noqa: F401 (a fixture)

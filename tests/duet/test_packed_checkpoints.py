@@ -12,13 +12,15 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from duet import LLM, SamplingParams
 from duet.errors import UnsupportedCheckpointError
 from duet.kernels.gguf import F8, Q8Z
 from duet.models.linear import Linear
 from duet.models.quantize import QuantizationError
-from tests.conftest import make_compressed_checkpoint, make_tiny_model, refusals
+from tests.compressed_writer import make_compressed_checkpoint, reference_file, reference_weights
+from tests.conftest import make_tiny_model, refusals
 from tests.reference import check_outputs, hf_greedy
 
 # The writer, in the test extras. Found, not imported: it imports triton, which must not be
@@ -51,6 +53,10 @@ SCHEMES = {
     "llama-fp8-static": ("llama3-rope", 8, None, {}, True, "float", None, True),
     # llm-compressor's GPTQ default: its config says so, its format is W4A16's.
     "llama-w4-g32-static-order": ("llama3-rope", 4, 32, {}, True, None, "static"),
+    # Groups out of activation order (a weight_g_idx each), as compressed-tensors wrote them up to 0.18.
+    "llama-w4-g32-group-order": ("llama3-rope", 4, 32, {}, True, None, "group"),
+    "qwen3-w4-g32-asym-group-order": ("qwen3", 4, 32, {}, False, None, "group"),
+    "qwen3-w8-g32-asym-group-order": ("qwen3", 8, 32, {}, False, None, "group"),
 }
 
 
@@ -69,7 +75,8 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
             )
             # transformers loads no packed zero points (it expects them unpacked): an asymmetric
             # checkpoint's reference is transformers on its weights as compressed-tensors dequantizes them.
-            reference = path if symmetric else _dequantized_twin(path, root / "dequantized")
+            # Nor does it read compressed-tensors' activation order by group any more.
+            reference = path if symmetric and actorder != "group" else _dequantized_twin(path, root / "dequantized")
             made[name] = (path, hf_greedy(reference, PROMPTS, NEW_TOKENS))
         return made[name]
 
@@ -81,29 +88,12 @@ def _greedy() -> SamplingParams:
 
 
 def _reference_weights(path) -> dict[str, torch.Tensor]:
-    """Each packed weight as compressed-tensors' own code dequantizes it."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from safetensors.torch import load_file
-
+    """Each packed weight as compressed-tensors' own code dequantizes it (a group-ordered
+    checkpoint's: as its writer's did, which reads its ``weight_g_idx``)."""
     config = json.loads((path / "config.json").read_text())["quantization_config"]
-    args = QuantizationArgs(**config["config_groups"]["group_0"]["weights"])
-    state = load_file(str(path / "model.safetensors"))
-    weights = {}
-    for name in state:
-        if state[name].dtype == torch.float8_e4m3fn:  # float-quantized: the weight as it ships
-            weights[name] = dequantize(state[name], state[name + "_scale"], args=args)
-        elif name.endswith(".weight_packed"):
-            base = name[: -len("_packed")]
-            shape = torch.Size(state[base + "_shape"].tolist())
-            codes = unpack_from_int32(state[name], args.num_bits, shape)
-            zero_point = None
-            if base + "_zero_point" in state:  # packed along the output features
-                zero_shape = (shape[0], state[base + "_scale"].shape[1])
-                zero_point = unpack_from_int32(state[base + "_zero_point"], args.num_bits, zero_shape, packed_dim=0)
-            weights[base] = dequantize(codes, state[base + "_scale"], zero_point, args=args)
-    return weights
+    if config["config_groups"]["group_0"]["weights"].get("actorder") == "group":
+        return load_file(reference_file(path))
+    return reference_weights(path)
 
 
 def _dequantized_twin(path, target):
@@ -111,7 +101,7 @@ def _dequantized_twin(path, target):
     dequantization of it (a lossless reference: those are the weights)."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     state = load_file(str(path / "model.safetensors"))
     weights = _reference_weights(path)
@@ -158,25 +148,38 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
     "name",
     [
         "qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym", "llama-w4-g32-static-order",
-        "qwen3-fp8-channel", "llama-fp8-static", "qwen3-w8-g32-asym", "phi3-w8-channel-asym",
+        "qwen3-fp8-channel", "llama-fp8-static", "qwen3-w8-g32-asym", "phi3-w8-channel-asym", "llama-w4-g32-group-order",
+        "qwen3-w4-g32-asym-group-order", "qwen3-w8-g32-asym-group-order",
     ],
 )
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
     """Fused products (q/k/v, gate/up; Phi-3's fused in the file) hold their parts' rows; a zero
     point's codes ``q - z`` are int8 blocks (Q8_0), a symmetric 4-bit scheme's Q4_1 blocks, FP8's
     float8 weights float8 blocks (a scale a channel, or the tensor's: ``llama-fp8-static``), 8-bit
-    codes with zero points Q8Z blocks (``q - z`` spans 9 bits)."""
+    codes with zero points Q8Z blocks (``q - z`` spans 9 bits). Groups out of order (a
+    ``weight_g_idx`` each): the blocks hold the input features sorted by group, and the Linear
+    takes its input in that order."""
+    from duet.models.loader import _fusion_plan
+
     model, linears = _linears_and_their_weights(checkpoints, name)
+    state = load_file(str(checkpoints(name)[0] / "model.safetensors"))
     for module_name, linear, expected in linears:
         assert linear.weight is None and linear.packed_weight is None, f"{module_name} keeps a float weight"
+        if name.endswith("group-order"):  # q/k/v (gate/up) read one input: GPTQ orders their features alike
+            g_idx = state[_fusion_plan(model.arch)[f"{module_name}.weight"][0] + "_g_idx"]
+            assert not torch.equal(g_idx, g_idx.sort().values), module_name  # the features were grouped out of order
+            assert torch.equal(linear.input_order, torch.argsort(g_idx, stable=True)), module_name
+            expected = expected[:, linear.input_order]
+        else:
+            assert linear.input_order is None, module_name
         assert torch.equal(linear.gguf.dequantize(), expected.float()), module_name
         assert linear.gguf.codes.element_size() * linear.gguf.codes.numel() <= expected.numel()  # at most a byte a weight
         if "fp8" in name:
             assert linear.gguf.qtype == F8
-        elif name.startswith(("qwen3-w8", "phi3-w8")) and name.endswith("asym"):
+        elif name.startswith(("qwen3-w8", "phi3-w8")) and "asym" in name:
             assert linear.gguf.qtype == Q8Z
         else:
-            assert linear.gguf.qtype == (3 if name.startswith(("qwen3-w4", "llama-w4")) and not name.endswith("asym") else 8)
+            assert linear.gguf.qtype == (3 if name.startswith(("qwen3-w4", "llama-w4")) and "asym" not in name else 8)
     assert model.lm_head.weight is not None  # left in floats by the checkpoint (``ignore: [lm_head]``)
 
 
@@ -197,8 +200,7 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
             input_activations={"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}
         ),
         "quant_method='bitsandbytes' is not supported": lambda q: q.update(quant_method="bitsandbytes"),
-        # features in groups out of order (a weight_g_idx per weight), which compressed-tensors no longer writes
-        "weights.actorder='group' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"),
+        "weights.actorder='random' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="random"),
         "weights.symmetric='no' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric="no"),
     })
     with pytest.raises(QuantizationError, match="ships quantized .4-bit weights.: quantization='int8' does not apply"):
@@ -207,7 +209,29 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
     refusals(w8a8, tmp_path / "w8a8", {  # W8A8 with static scales, or one scale a tensor: not what duet computes
         "input_activations.dynamic=False is not supported": lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
         "input_activations.strategy='tensor' is not supported": lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
+        # groups out of order: read in the pack-quantized format only
+        "weights.actorder='group' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(
+            actorder="group", strategy="group", group_size=32,
+        ),
     })
+
+
+def test_a_group_ordered_checkpoint_without_its_g_idx_is_damaged(checkpoints, tmp_path):
+    """``actorder: group`` gives each weight a ``weight_g_idx``; one missing is damage, named."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from duet.errors import DamagedCheckpointError
+
+    path, _ = checkpoints("llama-w4-g32-group-order")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    state = load_file(str(damaged / "model.safetensors"))
+    del state["model.layers.1.mlp.down_proj.weight_g_idx"]
+    save_file(state, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DamagedCheckpointError, match=r"down_proj\.weight_g_idx is missing"):
+        LLM(model=str(damaged), num_kv_blocks=16)
 
 
 def test_a_static_scheme_needs_one_input_scale_for_the_parts_of_a_fused_product(checkpoints, tmp_path):
@@ -257,11 +281,14 @@ def test_experts_shipped_in_float8_are_refused(tmp_path, tiny_tokenizer_dir):
 
 
 @pytest.mark.slow
-def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, checkpoints):
-    path, references = checkpoints("qwen3-w4-g32")
+@pytest.mark.parametrize("name", ["qwen3-w4-g32", "llama-w4-g32-group-order"])
+def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, checkpoints, name):
+    """A group-ordered one's o_proj is kept whole on each rank and its down projection split by
+    whole groups of its own order, as GPTQ's activation order is."""
+    path, references = checkpoints(name)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2)
     try:
-        check_outputs(llm.generate(PROMPTS, _greedy()), references, "W4 at TP=2")
+        check_outputs(llm.generate(PROMPTS, _greedy()), references, f"{name} at TP=2")
     finally:
         llm.engine.close()
 
