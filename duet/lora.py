@@ -7,8 +7,9 @@ one: ``A`` the parts' rows stacked, ``B`` block-diagonal by part (a part the ada
 is zeros), the scale folded into ``B``. A step's rows of each adapter get ``x A^T B^T`` added to
 the base product, which every row shares (``LoRAStep``, the step's rows by adapter, set around
 the forward: ``Linear`` and the C++ decoder stack read it). On CPUs one C++ call adds every
-row's update (``kernels/csrc/lora.cpp``); elsewhere torch products per adapter. An adapter is
-kept in the model's dtype. No adapter is merged into the weights.
+row's update (``kernels/csrc/lora.cpp``), on CUDA devices one Triton launch
+(``kernels/triton_lora.py``); elsewhere torch products per adapter. An adapter is kept in the
+model's dtype. No adapter is merged into the weights.
 
 A request names its adapter (``EngineRequest.lora``) and where it lies (``lora_path``: an
 engine that does not hold it loads it from there); the prefix cache keys its blocks by both
@@ -200,10 +201,16 @@ class LoRAStep:
         self.row_slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
         self._rows = None  # each adapter's row indices, for the torch updates
         self._ops = None
+        self._blocks = None  # the rows by adapter, for the Triton updates
         if self.row_slots.device.type == "cpu":
             from duet.kernels import cpu_ops
 
             self._ops = cpu_ops.load()
+        elif self.row_slots.device.type == "cuda":
+            from duet.kernels.triton_lora import LoRABlocks
+
+            weights = [{name: (w.a, w.bt) for name, w in adapter.weights.items()} for adapter in adapters]
+            self._blocks = LoRABlocks(weights, row_slots, device)
 
     @property
     def native(self) -> bool:
@@ -220,6 +227,12 @@ class LoRAStep:
         if self._ops is not None:
             y = y.contiguous()
             self._ops.lora_add(y, x.contiguous(), self.row_slots, *self.weights(module_name))
+            return y
+        if self._blocks is not None:
+            from duet.kernels.triton_lora import lora_add_triton
+
+            y = y.contiguous()
+            lora_add_triton(y, x.contiguous(), self._blocks, module_name)
             return y
         if self._rows is None:
             self._rows = [(self.row_slots == slot).nonzero().flatten() for slot in range(len(self.adapters))]

@@ -162,3 +162,24 @@ def test_decode_steps_replayed_from_cuda_graphs_give_transformers_greedy_tokens(
         assert compare_to_reference(output.outputs[0].token_ids, expected, f"prompt {index}") is None
     assert len(graphs.replays) >= 4  # batches of many sizes, most of them padded, replayed
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_updates_on_the_gpu_are_the_cpu_kernels(dtype):
+    """``LoRAStep`` on a CUDA device adds each row's adapter update in one Triton launch
+    (``kernels/triton_lora.py``); on the CPU the C++ kernel does: both sum in fp32 and round once."""
+    from duet.lora import LoRAAdapter, LoRAStep, LoRAWeights
+
+    generator = torch.Generator().manual_seed(5)
+    adapters = [
+        LoRAAdapter(f"a{rank}", {"m": LoRAWeights(torch.randn(rank, 576, generator=generator).to(dtype), torch.randn(rank, 192, generator=generator).to(dtype))})
+        for rank in (8, 16, 64)
+    ]
+    rng = random.Random(6)
+    slots = [rng.randrange(-1, 3) for _ in range(37)]
+    x = torch.randn(len(slots), 576, generator=generator).to(dtype)
+    y = torch.randn(len(slots), 192, generator=generator).to(dtype)
+    on_cpu = LoRAStep(adapters, slots, "cpu").apply("m", x, y.clone())
+    on_gpu = LoRAStep([adapter.to("cuda") for adapter in adapters], slots, CUDA).apply("m", x.to(CUDA), y.to(CUDA))
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(on_gpu.cpu().double(), on_cpu.double(), **tolerance)

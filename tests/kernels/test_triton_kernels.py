@@ -213,3 +213,37 @@ def test_triton_gguf_kernels_read_float8_blocks_bit_for_bit():
     assert torch.equal(weight.dequantize(), reference)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(weight.matmul(x), (x.double() @ reference.double().T).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights, rows", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_triton_lora_adds_each_rows_own_adapters_update_and_leaves_base_rows_alone(weights, rows):
+    """Adapters of ranks 8, 5 (not a power of two) and 16, one leaving the module out, rows of
+    the base among theirs, more rows of one adapter than a block holds: each row gets its own
+    adapter's ``(x A^T) B^T`` (summed in fp32, added and rounded once to the row's dtype, as the
+    C++ kernel does); base rows and rows of the adapter without the module are untouched."""
+    from duet.kernels.triton_lora import ROW_BLOCK, LoRABlocks, lora_add_triton
+
+    generator = torch.Generator().manual_seed(4)
+    in_features, out_features = 70, 45  # not multiples of the tiles
+    adapters = [
+        {"m": (torch.randn(rank, in_features, generator=generator).to(weights), torch.randn(rank, out_features, generator=generator).to(weights))}
+        for rank in (8, 5, 16)
+    ]
+    adapters[1]["other"] = adapters[1].pop("m")  # adapter 1 leaves m out
+    slots = [0, -1, 2, 0, 1, 2] + [0] * (ROW_BLOCK + 3) + [-1, 2]
+    x = torch.randn(len(slots), in_features, generator=generator).to(rows)
+    y = torch.randn(len(slots), out_features, generator=generator).to(rows)
+    expected = y.double().clone()
+    for row, slot in enumerate(slots):
+        if slot in (0, 2):
+            a, bt = adapters[slot]["m"]
+            expected[row] += (x[row].double() @ a.double().T) @ bt.double()
+    base = y.clone()
+    lora_add_triton(y, x, LoRABlocks(adapters, slots, "cpu"), "m")
+    untouched = [row for row, slot in enumerate(slots) if slot in (-1, 1)]
+    assert torch.equal(y[untouched], base[untouched])
+    tolerance = 1e-5 if rows == torch.float32 else 0  # a bf16 row: the fp32 sum rounded once, to within an ulp
+    torch.testing.assert_close(y.double(), expected.to(rows).double(), rtol=tolerance or 8e-3, atol=tolerance or 1e-2)
+    before = y.clone()
+    lora_add_triton(y, x, LoRABlocks(adapters, slots, "cpu"), "not a module of any adapter")  # nothing to add
+    assert torch.equal(y, before)
