@@ -38,7 +38,11 @@ SETTINGS = {
     "w-int4": ("int4", "auto"),
     "w-int8+kv-int8": ("int8", "int8"),
     "w-int4+kv-int8": ("int4", "int8"),
+    "tier-int8": ("dequantized", "auto"),  # an fp32 cache whose earlier chunks come back from an int8 tier (TIER_SETTINGS)
 }
+# Settings whose cached context is evicted to a second tier of this dtype and restored before each
+# chunk reads it (``kv_offload.dtype``: the worst case, all of a prompt's history from the tier).
+TIER_SETTINGS = {"tier-int8": "int8"}
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Result:
     change: float  # relative to fp32's perplexity
     kl_divergence: float  # mean over the text's positions of KL(fp32 || setting), in nats
     top1_agreement: float
-    greedy_agreement: float
+    greedy_agreement: float | None  # None: not measured (a tier setting)
     weight_bytes: int
     kv_bytes_per_token: int
     seconds: float
@@ -71,13 +75,18 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def text_logits(model, token_ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
-    """``[len - 1, vocab]`` logits predicting tokens 1.., computed chunk by chunk over a paged cache."""
+def text_logits(model, token_ids: list[int], kv_dtype: torch.dtype, tier: str | None = None) -> torch.Tensor:
+    """``[len - 1, vocab]`` logits predicting tokens 1.., computed chunk by chunk over a paged
+    cache; ``tier`` (a ``kv_offload.dtype``): after each chunk its blocks are saved to such a
+    tier and restored from it, as an evicted history is."""
+    from duet.kv_tier import KVTierStore
     from duet.model_inputs import Span, build_batch
     from duet.model_runner import allocate_kv_cache
+    from duet.outputs import KVTierOps
 
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
-    _, caches = allocate_kv_cache(model.arch, num_blocks, BLOCK_SIZE, kv_dtype, "cpu")
+    kv_cache, caches = allocate_kv_cache(model.arch, num_blocks, BLOCK_SIZE, kv_dtype, "cpu")
+    store = None if tier is None else KVTierStore(kv_cache, num_blocks, quantized=tier == "int8")
     block_ids = list(range(num_blocks))
     logits = []
     for start in range(0, len(token_ids) - 1, CHUNK):
@@ -85,6 +94,10 @@ def text_logits(model, token_ids: list[int], kv_dtype: torch.dtype) -> torch.Ten
         batch = build_batch([Span(chunk, start, block_ids)], BLOCK_SIZE, "cpu")
         rows = torch.arange(len(chunk))
         logits.append(model(batch.input_ids, batch.positions, caches, batch.metadata, rows))
+        if store is not None:  # CHUNK is whole blocks: the chunk's, saved and then restored in place
+            written = list(range(start // BLOCK_SIZE, -(-(start + len(chunk)) // BLOCK_SIZE)))
+            store.apply(KVTierOps(saves=[(block, block) for block in written]))
+            store.apply(KVTierOps(loads=[(block, block) for block in written]))
     return torch.cat(logits)
 
 
@@ -122,10 +135,10 @@ def run(model: str, settings: list[str], num_prompts: int | None = None) -> list
         token_ids = token_ids or llm.get_tokenizer().encode(TEXT)
         prompts = prompts or encode_conversations(llm.get_tokenizer(), parity_conversations())[:num_prompts]
         network, kv_dtype = llm.engine.executor.worker.runner.model, llm.engine.kv_dtype
-        log_probs = text_logits(network, token_ids, kv_dtype).log_softmax(-1)
+        log_probs = text_logits(network, token_ids, kv_dtype, TIER_SETTINGS.get(name)).log_softmax(-1)
         targets = torch.tensor(token_ids[1:])
         perplexity = math.exp(torch.nn.functional.nll_loss(log_probs, targets).item())
-        greedy = greedy_tokens(llm, prompts)
+        greedy = None if name in TIER_SETTINGS else greedy_tokens(llm, prompts)  # single prompts never reach a tier
         if reference_log_probs is None:
             reference_log_probs, reference_greedy, base = log_probs, greedy, perplexity
         kl = torch.nn.functional.kl_div(log_probs, reference_log_probs, log_target=True, reduction="batchmean")
@@ -133,7 +146,7 @@ def run(model: str, settings: list[str], num_prompts: int | None = None) -> list
         results.append(Result(
             setting=name, quantization=quantization, kv_cache_dtype=kv_cache_dtype, perplexity=perplexity,
             change=perplexity / base - 1, kl_divergence=float(kl), top1_agreement=float(top1_agreement),
-            greedy_agreement=prefix_share(reference_greedy, greedy), weight_bytes=resident_weight_bytes(network),
+            greedy_agreement=None if greedy is None else prefix_share(reference_greedy, greedy), weight_bytes=resident_weight_bytes(network),
             kv_bytes_per_token=llm.engine.kv_bytes_per_block // llm.engine.block_size,
             seconds=time.perf_counter() - started,
         ))
@@ -145,7 +158,8 @@ def report(results: list[Result]) -> str:
     lines = [f"{'setting':<16} {'perplexity':>10} {'change':>8} {'KL':>8} {'top-1 agree':>11} {'greedy agree':>12} {'weights MB':>10} {'KV B/token':>10}"]
     for r in results:
         lines.append(
-            f"{r.setting:<16} {r.perplexity:>10.4f} {r.change:>+8.2%} {r.kl_divergence:>8.1e} {r.top1_agreement:>11.1%} {r.greedy_agreement:>12.1%} "
+            f"{r.setting:<16} {r.perplexity:>10.4f} {r.change:>+8.2%} {r.kl_divergence:>8.1e} {r.top1_agreement:>11.1%} "
+            f"{'-' if r.greedy_agreement is None else format(r.greedy_agreement, '.1%'):>12} "
             f"{r.weight_bytes / 1e6:>10.1f} {r.kv_bytes_per_token:>10}"
         )
     return "\n".join(lines)

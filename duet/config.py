@@ -163,16 +163,20 @@ class KVTransferConfig:
 
 
 KV_OFFLOAD_TIERS = ("cpu", "disk")
+KV_OFFLOAD_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
 class KVOffloadConfig:
     """A second KV tier behind the paged pool (``duet.kv_tier``), from the ``kv_offload`` dict:
-    ``tier`` cpu (host memory) or disk (a file under ``path``), ``size_gib`` per rank."""
+    ``tier`` cpu (host memory) or disk (a file under ``path``), ``size_gib`` per rank, ``dtype``
+    auto (the pool's bytes, exact) or int8 (a float pool's rows as the int8 KV cache stores them:
+    about 4x the blocks of fp32, not exact)."""
 
     tier: str = "cpu"
     size_gib: float = 1.0
     path: str | None = None
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tier not in KV_OFFLOAD_TIERS:
@@ -181,6 +185,16 @@ class KVOffloadConfig:
             raise ConfigError(f"kv_offload.size_gib must be a positive number, got {self.size_gib!r}")
         if (self.tier == "disk") != (self.path is not None):
             raise ConfigError("kv_offload.path (a folder for the tier's file) is required for, and only for, tier 'disk'")
+        if self.dtype not in KV_OFFLOAD_DTYPES:
+            raise ConfigError(f"kv_offload.dtype={self.dtype!r}: use one of {', '.join(KV_OFFLOAD_DTYPES)}")
+
+    def quantizes(self, kv_dtype) -> bool:
+        """Whether the tier keeps a pool of ``kv_dtype`` (a torch dtype) as int8 rows."""
+        if self.dtype == "auto":
+            return False
+        if str(kv_dtype) in ("torch.int8", "torch.float8_e4m3fn"):
+            raise ConfigError(f"kv_offload.dtype=int8 compresses a float KV cache; this one is {kv_dtype} already: leave it auto")
+        return True
 
     def check_fits(self) -> None:
         """A ``ConfigError`` naming the setting unless the tier fits where it goes on this node:
@@ -331,6 +345,8 @@ class EngineArgs:
         if offload is not None:
             if not self.enable_prefix_caching:
                 raise ConfigError("kv_offload keeps blocks the prefix cache evicts: it needs enable_prefix_caching")
+            if offload.dtype == "int8" and self.kv_cache_dtype != "auto":  # one byte a value already
+                raise ConfigError(f"kv_offload.dtype=int8 compresses a float KV cache; kv_cache_dtype={self.kv_cache_dtype!r} is not one")
             offload.check_fits()
 
     @property

@@ -72,13 +72,13 @@ class LLMEngine:
         world_size = args.world_size
         # Checked here, before any worker starts; a rank's KV cache holds its own KV heads of its stage's layers.
         kv_heads_per_rank = check_layout(arch, args.tensor_parallel_size, args.enable_expert_parallel)
-        layers_per_rank = max(len(stage_layers(arch.num_layers, args.pipeline_parallel_size, stage))
-                              for stage in range(args.pipeline_parallel_size))
+        layers_per_rank = max(len(stage_layers(arch.num_layers, args.pipeline_parallel_size, stage)) for stage in range(args.pipeline_parallel_size))
         self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.kv_bytes_per_block = kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, self.kv_dtype)
         self.num_blocks = cache_config.num_blocks(self.kv_bytes_per_block)
-        kv_offload = args.kv_offload_config()
-        tier_blocks = 0 if kv_offload is None else kv_offload.num_blocks(self.kv_bytes_per_block)  # fit checked by EngineArgs
+        kv_offload = args.kv_offload_config()  # its fit checked by EngineArgs; an int8 tier's rows are the int8 cache's
+        tier_dtype = self.kv_dtype if kv_offload is None or not kv_offload.quantizes(self.kv_dtype) else torch.int8
+        tier_blocks = 0 if kv_offload is None else kv_offload.num_blocks(kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, tier_dtype))
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()
         self.pipeline_parallel_size = args.pipeline_parallel_size

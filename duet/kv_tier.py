@@ -12,7 +12,9 @@ restored block keeps its slot, and evicting it from the pool again writes nothin
 
 Exact: the store holds the pool's bytes in the pool's dtype, so a restored prefix yields the
 tokens a recomputed one would. A restore costs the step a copy (about 46 MB for 1,000 of
-SmolLM2's fp32 tokens), where a recompute costs it the prompt's forward.
+SmolLM2's fp32 tokens), where a recompute costs it the prompt's forward. With ``dtype: int8``
+(``kv_offload``) a float pool's rows are kept as the int8 KV cache keeps its own, about 4x the
+blocks in the same bytes, and a restored prefix's KV carries that cache's rounding.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from duet.config import ConfigError
 from duet.kernels.block_copy import copy_block_runs
+from duet.kernels.kv_quant import dequantize_rows, quantize_rows, rotate, row_width
 from duet.outputs import KVTierOps
 
 
@@ -110,24 +113,43 @@ class KVTier:
 class KVTierStore:
     """A worker's tier: one tensor shaped like its KV cache with ``capacity_blocks`` in place of
     the pool's blocks, in host memory (pinned when the cache is on a GPU) or mapped from a file
-    under ``path`` that is unlinked at once (nothing is left behind, even by a crash)."""
+    under ``path`` that is unlinked at once (nothing is left behind, even by a crash).
+    ``quantized``: a float cache's rows kept as the int8 KV cache keeps its own
+    (``kernels.kv_quant``: a row's codes in a Hadamard basis and a byte of scale), restored into
+    the pool's dtype and basis; not exact, ``head_dim + 1`` bytes a row."""
 
-    def __init__(self, kv_cache: torch.Tensor, capacity_blocks: int, path: str | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, capacity_blocks: int, path: str | None = None, quantized: bool = False) -> None:
         self.kv_cache = kv_cache
+        self.quantized = quantized
         shape = list(kv_cache.shape)
         shape[3] = capacity_blocks  # [layers, 2, kv_heads, blocks, block_size, width]
+        dtype = kv_cache.dtype
+        if quantized:
+            shape[-1] = row_width(shape[-1], torch.int8)
+            dtype = torch.int8
         if path is None:
-            self.store = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
+            self.store = torch.empty(shape, dtype=dtype, pin_memory=kv_cache.is_cuda)
         else:
             numel = math.prod(shape)
             handle, file_name = tempfile.mkstemp(prefix="duet-kv-tier-", suffix=".bin", dir=path)
             try:
-                os.ftruncate(handle, numel * kv_cache.element_size())
-                self.store = torch.from_file(file_name, shared=True, size=numel, dtype=kv_cache.dtype).view(shape)
+                os.ftruncate(handle, numel * dtype.itemsize)
+                self.store = torch.from_file(file_name, shared=True, size=numel, dtype=dtype).view(shape)
             finally:
                 os.close(handle)
                 os.unlink(file_name)
 
     def apply(self, ops: KVTierOps) -> None:
-        copy_block_runs(self.store, self.kv_cache, ops.saves)
-        copy_block_runs(self.kv_cache, self.store, ops.loads)
+        if not self.quantized:
+            copy_block_runs(self.store, self.kv_cache, ops.saves)
+            copy_block_runs(self.kv_cache, self.store, ops.loads)
+            return
+        if ops.saves:
+            blocks, slots = (torch.tensor(ids) for ids in zip(*ops.saves))
+            rows = self.kv_cache.index_select(3, blocks.to(self.kv_cache.device))
+            self.store.index_copy_(3, slots, quantize_rows(rows, torch.int8).to(self.store.device))
+        if ops.loads:
+            slots, blocks = (torch.tensor(ids) for ids in zip(*ops.loads))
+            rows = self.store.index_select(3, slots).to(self.kv_cache.device)
+            values = rotate(dequantize_rows(rows, torch.float32)).to(self.kv_cache.dtype)  # back to the model's basis
+            self.kv_cache.index_copy_(3, blocks.to(self.kv_cache.device), values)

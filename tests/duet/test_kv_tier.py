@@ -130,3 +130,34 @@ def test_settings_that_cannot_work_fail_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="kv_offload.size_gib"):
         KVOffloadConfig(tier="disk", size_gib=1 << 20, path=str(tmp_path)).check_fits()
     assert KVOffloadConfig(size_gib=1 / 1024).num_blocks(4096) == 256
+    with pytest.raises(ConfigError, match="kv_offload.dtype='int4'"):
+        KVOffloadConfig(dtype="int4")
+    with pytest.raises(ConfigError, match="kv_offload.dtype=int8 compresses a float KV cache"):
+        KVOffloadConfig(dtype="int8").quantizes(torch.int8)
+    assert KVOffloadConfig(dtype="int8").quantizes(torch.bfloat16) and not KVOffloadConfig().quantizes(torch.float32)
+    from duet.config import EngineArgs
+
+    with pytest.raises(ConfigError, match="kv_offload.dtype=int8 compresses a float KV cache; kv_cache_dtype='int8'"):
+        EngineArgs(model="m", kv_cache_dtype="int8", kv_offload={"dtype": "int8", "size_gib": 0.01})
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["host", "disk"])
+def test_an_int8_tier_keeps_rows_as_the_int8_cache_does_and_restores_them_in_the_models_basis(tmp_path, path):
+    """``dtype: int8``: a saved block's rows are the int8 KV cache's (``quantize_rows``: codes in
+    the Hadamard basis and a byte of scale, 65 bytes a row of 64), and a restored one is those
+    rows' values taken back to the model's basis (``rotate``), bit for bit; blocks not loaded
+    are untouched."""
+    from duet.kernels.kv_quant import dequantize_rows, quantize_rows, rotate
+
+    cache = torch.randn(2, 2, 3, 6, 4, 64, generator=torch.Generator().manual_seed(0))
+    original = cache.clone()
+    store = KVTierStore(cache, capacity_blocks=3, path=str(tmp_path) if path else None, quantized=True)
+    assert store.store.dtype == torch.int8 and store.store.shape == (2, 2, 3, 3, 4, 65)
+    store.apply(KVTierOps(saves=[(4, 2), (1, 0)]))
+    assert torch.equal(store.store[:, :, :, 2], quantize_rows(original[:, :, :, 4], torch.int8))
+    store.apply(KVTierOps(loads=[(2, 0), (0, 5)]))
+    for slot, block, source in ((2, 0, 4), (0, 5, 1)):
+        expected = rotate(dequantize_rows(quantize_rows(original[:, :, :, source], torch.int8), torch.float32))
+        assert torch.equal(cache[:, :, :, block], expected)
+        assert (expected - original[:, :, :, source]).abs().max() < 0.05 * original[:, :, :, source].abs().max()
+    assert torch.equal(cache[:, :, :, 1:5], original[:, :, :, 1:5])

@@ -10,7 +10,7 @@ from duet.kernels import cpu_ops
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(cpu_ops.load_gguf() is None, reason="no C++ toolchain")]
 
-BUDGETS = {"kv-int8": 0.02, "kv-fp8": 0.03, "w-int8": 0.02, "w-int4": 0.10}
+BUDGETS = {"kv-int8": 0.02, "kv-fp8": 0.03, "w-int8": 0.02, "w-int4": 0.10, "tier-int8": 0.02}
 
 
 def test_quantized_settings_stay_within_their_perplexity_budgets(smollm2_dir):
@@ -24,6 +24,8 @@ def test_quantized_settings_stay_within_their_perplexity_budgets(smollm2_dir):
         assert results[setting].top1_agreement >= 0.75, (setting, results[setting])
     assert results["kv-int8"].top1_agreement >= 0.9
     assert fp32.kv_bytes_per_token / results["kv-int8"].kv_bytes_per_token == pytest.approx(256 / 65)
+    # The int8 tier's rows are the int8 cache's: every chunk's history through it costs no more.
+    assert results["tier-int8"].kl_divergence <= 1.5 * results["kv-int8"].kl_divergence and results["tier-int8"].greedy_agreement is None
     assert results["w-int8"].weight_bytes < fp32.weight_bytes / 3 and results["w-int4"].weight_bytes < results["w-int8"].weight_bytes
 
 
