@@ -222,13 +222,14 @@ def _gemv_codes(qweight, scales, qzeros, bits: int, group_size: int | None, layo
 def _gemv_fast_codes(qweight, scales, mins, bits: int, group_size: int | None, layout: Layout, named) -> tuple[torch.Tensor, ...]:
     """AWQ gemv_fast's (and llm-awq's) codes ``[out, in]``, scales and mins ``[out, groups]``
     (the padding past the last group dropped); ``named(suffix)`` names a tensor in an error."""
+    if qweight.dim() != 2 or scales.dim() != 2 or mins.dim() != 2:
+        raise DamagedCheckpointError(f"{named('qweight')} and its scales and zeros are not matrices: {qweight.dim()}, {scales.dim()}, {mins.dim()} dimensions")
     out_features, in_features = qweight.shape[0] * 4, qweight.shape[1]
     num_groups = -(-in_features // (group_size or in_features))
     for suffix, tensor, wanted, ok in (
-        ("qweight", qweight, f"int16 [out / 4, in] with whole 64 columns, {in_features} of them",
-         qweight.dtype == torch.int16 and qweight.dim() == 2 and in_features % 64 == 0),
-        ("scales", scales, f"floats [at least {num_groups}, {out_features}]", scales.dim() == 2 and scales.is_floating_point()),
-        (layout.zeros_name, mins, f"floats [at least {num_groups}, {out_features}]", mins.dim() == 2 and mins.is_floating_point()),
+        ("qweight", qweight, f"int16 [out / 4, in] with whole 64 columns, {in_features} of them", qweight.dtype == torch.int16 and in_features % 64 == 0),
+        ("scales", scales, f"floats [at least {num_groups}, {out_features}]", scales.is_floating_point()),
+        (layout.zeros_name, mins, f"floats [at least {num_groups}, {out_features}]", mins.is_floating_point()),
     ):
         if not ok or (tensor is not qweight and (tensor.shape[0] < num_groups or tensor.shape[1] != out_features)):
             raise DamagedCheckpointError(f"{named(suffix)} is {tensor.dtype} {tuple(tensor.shape)}, where 4-bit AWQ {layout.version} codes give {wanted}")

@@ -49,9 +49,8 @@ Groups of a multiple of 32 features or whole channels, and no activation schemes
 Activation ordering ``weight`` (or ``static``) leaves the groups in order and the format as it
 is; ``group`` (or ``dynamic``: features in groups out of order, a ``weight_g_idx`` per weight,
 which compressed-tensors wrote up to 0.18) is read, in the ``pack-quantized`` format, as GPTQ's
-activation order is
-(``duet.models.gptq``): the codes with their input features sorted by group, and the Linear
-takes its input in that order.
+activation order is (``duet.models.gptq``): the codes with their input features sorted by
+group, and the Linear takes its input in that order.
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model

@@ -3,7 +3,8 @@ bits, groups of 32 and 128 and a scale per channel, symmetric and not, the ``gpt
 published in; AWQ's ``gemm``, ``gemv`` and ``gemv_fast`` formats and llm-awq's, with zero points
 and without.
 Each packed weight computes from blocks that equal the checkpoint's exact weights ``s * (q -
-z)`` bit for bit (and those, computed in bf16, equal GPTQModel's own dequantization: its
+z)`` (gemv_fast's and llm-awq's ``s * q + m``, their zeros stored scaled) bit for bit (and
+those, computed in bf16, equal GPTQModel's own dequantization: its
 packing, zeros and groups read right), no float copy is kept, and greedy output equals
 transformers on those exact weights; an activation-ordered GPTQ checkpoint takes its input in
 its groups' order. What duet does not read (other bit widths and formats) is refused at load
