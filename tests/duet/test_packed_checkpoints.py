@@ -60,6 +60,12 @@ SCHEMES = {
 }
 
 
+def _schemes(names) -> list:
+    """``names`` as parameters: a group-ordered one is slow (its writer is installed from the
+    package index on first use and runs in a child process), kept out of the fast tier."""
+    return [pytest.param(name, marks=pytest.mark.slow) if SCHEMES[name][6:7] == ("group",) else name for name in names]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
     made = {}
@@ -136,7 +142,7 @@ def _linears_and_their_weights(checkpoints, name: str):
     return model, linears
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
+@pytest.mark.parametrize("name", _schemes(SCHEMES))
 def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(checkpoints, name):
     path, references = checkpoints(name)
     llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=32)
@@ -148,8 +154,8 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
     "name",
     [
         "qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym", "llama-w4-g32-static-order",
-        "qwen3-fp8-channel", "llama-fp8-static", "qwen3-w8-g32-asym", "phi3-w8-channel-asym", "llama-w4-g32-group-order",
-        "qwen3-w4-g32-asym-group-order", "qwen3-w8-g32-asym-group-order",
+        "qwen3-fp8-channel", "llama-fp8-static", "qwen3-w8-g32-asym", "phi3-w8-channel-asym",
+        *_schemes(["llama-w4-g32-group-order", "qwen3-w4-g32-asym-group-order", "qwen3-w8-g32-asym-group-order"]),
     ],
 )
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
@@ -216,6 +222,7 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
     })
 
 
+@pytest.mark.slow
 def test_a_group_ordered_checkpoint_without_its_g_idx_is_damaged(checkpoints, tmp_path):
     """``actorder: group`` gives each weight a ``weight_g_idx``; one missing is damage, named."""
     import shutil
