@@ -117,6 +117,10 @@ class RayExecutor:
     def kv_endpoints(self) -> tuple[KVEndpoint, ...]:
         return () if self._endpoints[0] is None else self._endpoints
 
+    def on_kv_results(self, wake) -> None:
+        """Nothing: the ranks' transfers end in their own processes, and the engine learns of
+        them at its next step or busy poll (``duet.engine_loop.BUSY_POLL_S``)."""
+
     def check_lora(self, name: str, path: str) -> None:
         """Raise ``duet.lora.LoRAError`` if the adapter at ``path`` does not fit every rank's part
         of the model (its heads and features at tensor-parallel ranks, its layers at pipeline stages)."""

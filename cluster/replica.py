@@ -88,9 +88,9 @@ class EngineReplica:
         self.integrity_failures = 0
         self._report: ReplicaStats | None = None  # the last sent
         self.loop = EngineLoop(
-            engine.step, _request_id, engine.has_unfinished_requests, name=f"{role.stage}-loop", on_idle=self._check_when_idle,
-            thread=thread,
+            engine.step, _request_id, engine.has_unfinished_requests, name=f"{role.stage}-loop", on_idle=self._check_when_idle, thread=thread,
         )
+        engine.executor.on_kv_results(self.loop.wake)
         self.draining = False
         self._streams: dict[str, Stream] = {}
         self.channels = Channels()

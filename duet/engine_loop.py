@@ -115,6 +115,10 @@ class EngineLoop:
         self._wake.set()
         return await future
 
+    def wake(self) -> None:
+        """Step now if there is work (from any thread): a KV transfer ended."""
+        self._wake.set()
+
     def call_soon(self, fn: Callable, *args) -> None:
         """Run ``fn`` on the engine thread without waiting (aborts from cancelled requests)."""
         self._calls.put((fn, args, {}, None, None))

@@ -35,6 +35,10 @@ class UniprocExecutor:
     def forget(self, request_ids) -> None:
         self.worker.forget(request_ids)
 
+    def on_kv_results(self, wake) -> None:
+        """Call ``wake`` whenever a KV transfer of the worker's ends (``KVConnector.on_results``)."""
+        self.worker.on_kv_results(wake)
+
     def check_health(self) -> None:
         """The worker lives in this process: it is up while the engine is."""
 

@@ -179,6 +179,11 @@ class Worker:
     def kv_endpoint(self) -> KVEndpoint | None:
         return None if self.kv_connector is None else self.kv_connector.endpoint
 
+    def on_kv_results(self, wake) -> None:
+        """``KVConnector.on_results``, where there is a connector."""
+        if self.kv_connector is not None:
+            self.kv_connector.on_results(wake)
+
     def load_lora(self, name: str, path: str):
         """The adapter at ``path``, checked against this model (``duet.lora.LoRAError``: why it does not
         fit): kept in host memory since it was unloaded (``unload_lora``), if its files are unchanged,

@@ -19,6 +19,7 @@ import logging
 import math
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -79,9 +80,12 @@ class TransferEndpoint:
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._local = threading.local()  # each pair thread's run buffers
+        self.on_report: Callable[[], None] | None = None  # called (from the reporting thread) after each result
 
     def report(self, result: KVTransferResult) -> None:
         self._results.put(result)
+        if self.on_report is not None:  # the engine waiting on it steps now, not at its next poll
+            self.on_report()
 
     def poll(self) -> list[KVTransferResult]:
         """Transfers finished (or failed, or cancelled) since the last call."""

@@ -39,6 +39,13 @@ def test_a_placement_cancelled_while_the_engine_is_busy_frees_its_reserved_block
     engine.check_integrity()
 
 
+def test_the_replicas_kv_transfers_wake_its_engine_loop(replica):
+    """A decode replica's engine waits for a prompt's KV by stepping every ``BUSY_POLL_S``; the
+    end of each transfer, sent or received, wakes its loop at once (``KVConnector.on_results``)."""
+    connector = replica.engine.executor.worker.kv_connector
+    assert connector.receiver.on_report == replica.loop.wake and connector.sender.on_report == replica.loop.wake
+
+
 def test_a_stream_closed_while_its_sequence_moves_by_kv_frees_it_on_the_new_replica(decode_pair):
     """Guards the leak a review found: a sequence moved by KV off a leaving replica, its client
     gone before the router read where it went; the abort reached the old replica alone, and the

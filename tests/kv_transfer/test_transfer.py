@@ -124,6 +124,24 @@ def test_a_cancelled_transfer_ends_at_once_and_the_pair_goes_on(start_sender):
     assert_arrived(receiver, [7], [3])
 
 
+def test_each_result_wakes_whoever_waits_on_the_endpoint():
+    """``on_report`` (``KVConnector.on_results``: a replica's engine loop) is called once per
+    result, after the result can be polled: an engine waiting on a transfer steps at once,
+    rather than at its next busy poll."""
+    receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
+    polled_when_woken = []
+    receiver.on_report = lambda: polled_when_woken.append(receiver.poll())
+    try:
+        receiver.cancel(9)
+        receiver.cancel(10)
+        deadline = time.monotonic() + 5
+        while len(polled_when_woken) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        receiver.close()
+    assert [[(result.transfer_id, result.ok) for result in results] for results in polled_when_woken] == [[(9, False)], [(10, False)]]
+
+
 def test_cancelling_a_transfer_never_expected_here_reports_it_at_once():
     """Blocks an engine holds for a receive its workers never heard of (its expectation lost)
     come free: the cancel is answered at once, and a late announcement would be drained."""
