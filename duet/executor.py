@@ -36,7 +36,7 @@ class UniprocExecutor:
         self.worker.forget(request_ids)
 
     def on_kv_results(self, wake) -> None:
-        """Call ``wake`` whenever a KV transfer of the worker's ends (``KVConnector.on_results``)."""
+        """Call ``wake`` whenever a KV transfer of the worker's ends (``KVConnectorWorker.on_results``)."""
         self.worker.on_kv_results(wake)
 
     def check_health(self) -> None:

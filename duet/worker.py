@@ -180,9 +180,11 @@ class Worker:
         return None if self.kv_connector is None else self.kv_connector.endpoint
 
     def on_kv_results(self, wake) -> None:
-        """``KVConnector.on_results``, where there is a connector."""
-        if self.kv_connector is not None:
-            self.kv_connector.on_results(wake)
+        """``KVConnectorWorker.on_results``, where the connector has it (another, configured by
+        ``kv_transfer_config.connector``, is polled each step as before)."""
+        on_results = getattr(self.kv_connector, "on_results", None)
+        if on_results is not None:
+            on_results(wake)
 
     def load_lora(self, name: str, path: str):
         """The adapter at ``path``, checked against this model (``duet.lora.LoRAError``: why it does not

@@ -41,7 +41,7 @@ def test_a_placement_cancelled_while_the_engine_is_busy_frees_its_reserved_block
 
 def test_the_replicas_kv_transfers_wake_its_engine_loop(replica):
     """A decode replica's engine waits for a prompt's KV by stepping every ``BUSY_POLL_S``; the
-    end of each transfer, sent or received, wakes its loop at once (``KVConnector.on_results``)."""
+    end of each transfer, sent or received, wakes its loop at once (``KVConnectorWorker.on_results``)."""
     connector = replica.engine.executor.worker.kv_connector
     assert connector.receiver.on_report == replica.loop.wake and connector.sender.on_report == replica.loop.wake
 

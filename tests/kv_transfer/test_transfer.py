@@ -125,7 +125,7 @@ def test_a_cancelled_transfer_ends_at_once_and_the_pair_goes_on(start_sender):
 
 
 def test_each_result_wakes_whoever_waits_on_the_endpoint():
-    """``on_report`` (``KVConnector.on_results``: a replica's engine loop) is called once per
+    """``on_report`` (``KVConnectorWorker.on_results``: a replica's engine loop) is called once per
     result, after the result can be polled: an engine waiting on a transfer steps at once,
     rather than at its next busy poll."""
     receiver = KVReceiver(torch.zeros(SHAPE), SPEC, timeout_s=20)
