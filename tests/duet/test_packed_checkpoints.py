@@ -222,25 +222,6 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
     })
 
 
-@pytest.mark.slow
-def test_a_group_ordered_checkpoint_without_its_g_idx_is_damaged(checkpoints, tmp_path):
-    """``actorder: group`` gives each weight a ``weight_g_idx``; one missing is damage, named."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from duet.errors import DamagedCheckpointError
-
-    path, _ = checkpoints("llama-w4-g32-group-order")
-    damaged = tmp_path / "damaged"
-    shutil.copytree(path, damaged)
-    state = load_file(str(damaged / "model.safetensors"))
-    del state["model.layers.1.mlp.down_proj.weight_g_idx"]
-    save_file(state, str(damaged / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(DamagedCheckpointError, match=r"down_proj\.weight_g_idx is missing"):
-        LLM(model=str(damaged), num_kv_blocks=16)
-
-
 def test_a_static_scheme_needs_one_input_scale_for_the_parts_of_a_fused_product(checkpoints, tmp_path):
     """q/k/v (and gate/up) read one input and are computed as one product: calibrated apart to
     different scales, they are refused, naming the parts; a Linear without its scale likewise."""
