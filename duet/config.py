@@ -188,13 +188,10 @@ class KVOffloadConfig:
         if self.dtype not in KV_OFFLOAD_DTYPES:
             raise ConfigError(f"kv_offload.dtype={self.dtype!r}: use one of {', '.join(KV_OFFLOAD_DTYPES)}")
 
-    def quantizes(self, kv_dtype) -> bool:
-        """Whether the tier keeps a pool of ``kv_dtype`` (a torch dtype) as int8 rows."""
-        if self.dtype == "auto":
-            return False
-        if str(kv_dtype) in ("torch.int8", "torch.float8_e4m3fn"):
-            raise ConfigError(f"kv_offload.dtype=int8 compresses a float KV cache; this one is {kv_dtype} already: leave it auto")
-        return True
+    @property
+    def quantized(self) -> bool:
+        """Whether the tier keeps the pool's rows as int8 ones (a float pool's: ``EngineArgs`` refuses others)."""
+        return self.dtype == "int8"
 
     def check_fits(self) -> None:
         """A ``ConfigError`` naming the setting unless the tier fits where it goes on this node:

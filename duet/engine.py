@@ -77,7 +77,7 @@ class LLMEngine:
         self.kv_bytes_per_block = kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, self.kv_dtype)
         self.num_blocks = cache_config.num_blocks(self.kv_bytes_per_block)
         kv_offload = args.kv_offload_config()  # its fit checked by EngineArgs; an int8 tier's rows are the int8 cache's
-        tier_dtype = self.kv_dtype if kv_offload is None or not kv_offload.quantizes(self.kv_dtype) else torch.int8
+        tier_dtype = torch.int8 if kv_offload is not None and kv_offload.quantized else self.kv_dtype
         tier_blocks = 0 if kv_offload is None else kv_offload.num_blocks(kv_bytes_per_block(layers_per_rank, kv_heads_per_rank, arch.head_dim, self.block_size, tier_dtype))
         self.speculative_config = args.speculative()
         self.kv_transfer_config = args.kv_transfer()

@@ -166,8 +166,7 @@ class Worker:
             cpu_ops.load()  # compile (once per machine) now, not inside the first step
         self.kv_tier = None
         if config.kv_offload is not None:
-            quantized = config.kv_offload.quantizes(self.runner.kv_cache.dtype)
-            self.kv_tier = KVTierStore(self.runner.kv_cache, config.kv_tier_blocks, config.kv_offload.path, quantized)
+            self.kv_tier = KVTierStore(self.runner.kv_cache, config.kv_tier_blocks, config.kv_offload.path, config.kv_offload.quantized)
         self.kv_connector = None
         if config.kv_transfer is not None:
             self.kv_connector = import_object(config.kv_transfer.connector)(self.runner.kv_cache, arch, config)

@@ -132,9 +132,7 @@ def test_settings_that_cannot_work_fail_naming_the_setting(tmp_path):
     assert KVOffloadConfig(size_gib=1 / 1024).num_blocks(4096) == 256
     with pytest.raises(ConfigError, match="kv_offload.dtype='int4'"):
         KVOffloadConfig(dtype="int4")
-    with pytest.raises(ConfigError, match="kv_offload.dtype=int8 compresses a float KV cache"):
-        KVOffloadConfig(dtype="int8").quantizes(torch.int8)
-    assert KVOffloadConfig(dtype="int8").quantizes(torch.bfloat16) and not KVOffloadConfig().quantizes(torch.float32)
+    assert KVOffloadConfig(dtype="int8").quantized and not KVOffloadConfig().quantized
     from duet.config import EngineArgs
 
     with pytest.raises(ConfigError, match="kv_offload.dtype=int8 compresses a float KV cache; kv_cache_dtype='int8'"):
