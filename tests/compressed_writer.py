@@ -135,6 +135,11 @@ def reference_weights(path: Path) -> dict[str, torch.Tensor]:
     for name in state:
         if state[name].dtype == torch.float8_e4m3fn:  # float-quantized: the weight as it ships
             weights[name] = dequantize(state[name], state[name + "_scale"], args=args)
+        elif state[name].dtype == torch.int8 and name + "_scale" in state:  # int-quantized: int8 codes as they are
+            g_idx = state.get(name + "_g_idx")
+            weights[name] = dequantize(
+                state[name], state[name + "_scale"], state.get(name + "_zero_point"), args=args, **({} if g_idx is None else dict(g_idx=g_idx)),
+            )
         elif name.endswith(".weight_packed"):
             base = name[: -len("_packed")]
             shape = torch.Size(state[base + "_shape"].tolist())
@@ -174,3 +179,27 @@ def _observed_inputs(model) -> dict:
 
 if __name__ == "__main__":
     _write(**json.loads(sys.argv[1]))
+
+
+def quantize_inputs_as_compressed_tensors(path: Path):
+    """A ``hf_greedy`` ``prepare`` for a float twin of the checkpoint at ``path``: every Linear but
+    the LM head quantizes its input by the checkpoint's ``input_activations`` in compressed-tensors'
+    own forward (``set_forward_quantized``), as a W8A8 checkpoint's own does; its weights are left
+    as they are (already dequantized). For a checkpoint compressed-tensors no longer loads (groups
+    out of order)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, QuantizationStatus
+    from compressed_tensors.quantization.lifecycle.forward import set_forward_quantized
+
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    inputs = QuantizationArgs(**config["config_groups"]["group_0"]["input_activations"])
+    if not inputs.dynamic:
+        raise ValueError("static input scales live in the checkpoint's modules, which a float twin lacks")
+
+    def prepare(model) -> None:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.quantization_scheme = QuantizationScheme(targets=["Linear"], input_activations=inputs)
+                module.quantization_status = QuantizationStatus.FROZEN
+                set_forward_quantized(module)
+
+    return prepare

@@ -26,6 +26,7 @@ def hf_greedy(
     dtype=torch.float32,
     gguf_file: str | None = None,
     processes: int = 1,
+    prepare=None,
 ) -> list[Reference]:
     """transformers ``generate(do_sample=False)`` one prompt at a time (no padding effects), on the
     checkpoint in ``model_dir`` (its GGUF file ``gguf_file``, read by transformers' own reader).
@@ -34,14 +35,17 @@ def hf_greedy(
     each (at most one a core): transformers' steps on a model of SmolLM2's size are bound by
     Python's overhead, not by its threads (on a 2-core EPYC one thread steps as fast as two, and
     two processes of one thread each step as fast as one alone), so the references come in about
-    the time of one process's share plus a few seconds to start them."""
+    the time of one process's share plus a few seconds to start them. ``prepare`` (in this
+    process only) is called with the loaded model before it generates."""
     processes = min(processes, len(prompts), os.cpu_count() or 1)
-    if processes > 1:
+    if processes > 1 and prepare is None:
         return _in_processes(str(model_dir), prompts, max_new_tokens, dtype, gguf_file, processes)
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **kwargs).eval()
+    if prepare is not None:
+        prepare(model)
     references = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -48,9 +48,10 @@ Groups of a multiple of 32 features or whole channels, and no activation schemes
 (dynamic per token, or static per tensor): each other is refused at load, naming the field.
 Activation ordering ``weight`` (or ``static``) leaves the groups in order and the format as it
 is; ``group`` (or ``dynamic``: features in groups out of order, a ``weight_g_idx`` per weight,
-which compressed-tensors wrote up to 0.18) is read, in the ``pack-quantized`` format, as GPTQ's
-activation order is (``duet.models.gptq``): the codes with their input features sorted by
-group, and the Linear takes its input in that order.
+which compressed-tensors wrote up to 0.18) is read, in the ``pack-quantized`` and
+``int-quantized`` formats, as GPTQ's activation order is (``duet.models.gptq``): the codes with
+their input features sorted by group, and the Linear takes its input in that order (W8A8's
+inputs are quantized per token or per tensor, at a scale no order of the features changes).
 
 Scales in the checkpoint's dtype widen to fp32 exactly; a checkpoint whose scales are bf16
 dequantizes, in compressed-tensors' own code, to ``q * s`` rounded to bf16: a bf16 model
@@ -165,8 +166,6 @@ def read_scheme(path: Path) -> PackedScheme | None:
     if formats == {"int-quantized"} and args["num_bits"] != 8:
         refuse("weights.num_bits", args["num_bits"], "8 in the int-quantized format")
     group_order = args.get("actorder") in ("group", "dynamic") and group_size is not None
-    if group_order and formats != {"pack-quantized"}:
-        refuse("weights.actorder", args["actorder"], "'group' in the pack-quantized format (W4A16, W8A16) only")
     return PackedScheme(
         args["num_bits"], group_size, args.get("symmetric") is not False, format=formats.pop(), activations=inputs, group_order=group_order,
     )
@@ -280,14 +279,17 @@ def _int8_codes(state: dict[str, torch.Tensor], part: str, scheme: PackedScheme,
     scale = _group_scales(state, part, scheme, codes.shape, path).float()
     group = scheme.group_size or in_features
     unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
+    order = _group_order(state, part, scheme, in_features, path)
+    if order is not None:  # the input features sorted by group, as in the pack-quantized format
+        unsigned = unsigned[:, order]
     block_scales = scale.repeat_interleave(group // BLOCK, dim=1)
     if scheme.symmetric:
-        return WeightCodes(unsigned, block_scales, True)
+        return WeightCodes(unsigned, block_scales, True, order)
     zero = state.get(part + "_zero_point")
     if zero is None or zero.dtype != torch.int8 or zero.shape != scale.shape:
         found = "missing" if zero is None else f"{zero.dtype} {tuple(zero.shape)}"
         raise DamagedCheckpointError(f"{path}: {part}_zero_point is {found}, not int8 zero points beside its scales")
-    return WeightCodes(unsigned, block_scales, False, zeros=(zero.float() + 128).repeat_interleave(group // BLOCK, dim=1))
+    return WeightCodes(unsigned, block_scales, False, order, zeros=(zero.float() + 128).repeat_interleave(group // BLOCK, dim=1))
 
 
 def _zero_points(packed: torch.Tensor, bits: int, out_features: int, num_groups: int, part: str, path: Path) -> torch.Tensor:

@@ -19,7 +19,7 @@ from duet.errors import UnsupportedCheckpointError
 from duet.kernels.gguf import F8, Q8Z
 from duet.models.linear import Linear
 from duet.models.quantize import QuantizationError
-from tests.compressed_writer import make_compressed_checkpoint, reference_file, reference_weights
+from tests.compressed_writer import make_compressed_checkpoint, quantize_inputs_as_compressed_tensors, reference_file, reference_weights
 from tests.conftest import make_tiny_model, refusals
 from tests.reference import check_outputs, hf_greedy
 
@@ -57,6 +57,7 @@ SCHEMES = {
     "llama-w4-g32-group-order": ("llama3-rope", 4, 32, {}, True, None, "group"),
     "qwen3-w4-g32-asym-group-order": ("qwen3", 4, 32, {}, False, None, "group"),
     "qwen3-w8-g32-asym-group-order": ("qwen3", 8, 32, {}, False, None, "group"),
+    "phi3-w8a8-g32-group-order": ("phi3", 8, 32, {}, True, "int", "group"),  # int-quantized: int8 codes as they are
 }
 
 
@@ -83,7 +84,9 @@ def checkpoints(tmp_path_factory, tiny_tokenizer_dir):
             # checkpoint's reference is transformers on its weights as compressed-tensors dequantizes them.
             # Nor does it read compressed-tensors' activation order by group any more.
             reference = path if symmetric and actorder != "group" else _dequantized_twin(path, root / "dequantized")
-            made[name] = (path, hf_greedy(reference, PROMPTS, NEW_TOKENS))
+            # A W8A8 twin quantizes its inputs as compressed-tensors' own forward does.
+            prepare = quantize_inputs_as_compressed_tensors(path) if reference != path and w8a8 else None
+            made[name] = (path, hf_greedy(reference, PROMPTS, NEW_TOKENS, prepare=prepare))
         return made[name]
 
     return get
@@ -155,7 +158,7 @@ def test_a_packed_checkpoint_computes_from_its_codes_and_matches_transformers(ch
     [
         "qwen3-w4-g32", "llama-w4-g128", "phi3-w8-channel", "llama-w4-g128-asym", "qwen3-w4-channel-asym", "llama-w4-g32-static-order",
         "qwen3-fp8-channel", "llama-fp8-static", "qwen3-w8-g32-asym", "phi3-w8-channel-asym",
-        *_schemes(["llama-w4-g32-group-order", "qwen3-w4-g32-asym-group-order", "qwen3-w8-g32-asym-group-order"]),
+        *_schemes(["llama-w4-g32-group-order", "qwen3-w4-g32-asym-group-order", "qwen3-w8-g32-asym-group-order", "phi3-w8a8-g32-group-order"]),
     ],
 )
 def test_the_blocks_are_the_checkpoints_weights_bit_for_bit_and_no_float_copy_is_kept(checkpoints, name):
@@ -215,10 +218,6 @@ def test_schemes_duet_does_not_compute_exactly_are_refused_naming_the_field(chec
     refusals(w8a8, tmp_path / "w8a8", {  # W8A8 with static scales, or one scale a tensor: not what duet computes
         "input_activations.dynamic=False is not supported": lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
         "input_activations.strategy='tensor' is not supported": lambda q: q["config_groups"]["group_0"]["input_activations"].update(strategy="tensor"),
-        # groups out of order: read in the pack-quantized format only
-        "weights.actorder='group' is not supported": lambda q: q["config_groups"]["group_0"]["weights"].update(
-            actorder="group", strategy="group", group_size=32,
-        ),
     })
 
 
@@ -269,7 +268,7 @@ def test_experts_shipped_in_float8_are_refused(tmp_path, tiny_tokenizer_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-w4-g32", "llama-w4-g32-group-order"])
+@pytest.mark.parametrize("name", _schemes(["qwen3-w4-g32", "llama-w4-g32-group-order", "phi3-w8a8-g32-group-order"]))
 def test_tp2_shards_the_packed_codes_and_matches_transformers(ray_cluster, checkpoints, name):
     """A group-ordered one's o_proj is kept whole on each rank and its down projection split by
     whole groups of its own order, as GPTQ's activation order is."""
