@@ -62,6 +62,9 @@ class LLM:
         for prompt, params, adapter in zip(prompts, params_list, loras):
             text = prompt if isinstance(prompt, str) else None
             token_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
+            truncated = params.truncate(token_ids, self.engine.max_model_len)
+            if len(truncated) < len(token_ids):  # the prompt is what is left of it
+                text, token_ids = self.engine.tokenizer.decode(truncated), truncated
             requests.append(_Request(str(next(self._ids)), text, token_ids, params, adapter))
         return self._run(requests)
 

@@ -54,6 +54,22 @@ def fit_to_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len
     return room if max_tokens is None else max_tokens
 
 
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """A prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: as many as the model's
+    context holds; None: the prompt as it is)."""
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise SamplingParamsError(f"truncate_prompt_tokens must be at least 1, or -1 for the model's context, got {keep}", "truncate_prompt_tokens")
+    if keep > max_model_len:
+        raise SamplingParamsError(
+            f"truncate_prompt_tokens={keep} is more than this model's maximum context length, {max_model_len}", "truncate_prompt_tokens",
+        )
+    return prompt_token_ids[-keep:]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -98,6 +114,11 @@ class SamplingParams:
     # most likely tokens there (vLLM's); the prompt is then computed whole, not read from the
     # prefix cache.
     prompt_logprobs: int | None = None
+    # Keep only the prompt's last this many tokens (-1: as many as the model's context holds),
+    # vLLM's: a prompt past the context is otherwise refused, never cut silently. Applied where
+    # the prompt is tokenized (the router, ``LLM``: ``truncate``), not by the engine, whose
+    # contexts (a moved sequence's prompt and output) are never cut.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +156,11 @@ class SamplingParams:
                 "prompt_logprobs",
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
                 f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
+                f"truncate_prompt_tokens must be at least 1, or -1 for the model's context, got {self.truncate_prompt_tokens}",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"),
@@ -187,6 +213,10 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise SamplingParamsError(message, param)
+
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` asks (``truncate_prompt``)."""
+        return truncate_prompt(prompt_token_ids, self.truncate_prompt_tokens, max_model_len)
 
     def choice(self, index: int) -> SamplingParams:
         """Completion ``index`` of the ``n``: one completion, seeded with ``seed + index`` (wrapped

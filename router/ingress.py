@@ -37,7 +37,7 @@ from duet.router.roles import RoleKeeper, RoleSettings, RoleView
 from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
 from duet.router.tokenizer import RouterTokenizer
-from duet.sampling_params import fit_to_context
+from duet.sampling_params import fit_to_context, truncate_prompt
 from duet.tool_calls import HERMES, ToolFormat
 
 app = FastAPI(title="duet", docs_url=None, redoc_url=None)
@@ -178,6 +178,9 @@ class RouterIngress:
         except InvalidRequestError as error:
             raise bad_request(str(error), error.param) from None
         encoded = await asyncio.to_thread(self._encode_prompts, prompts)
+        truncated = [self._truncate(body, ids) for ids in encoded]
+        prompts = [prompt if len(ids) == len(kept) else kept for prompt, ids, kept in zip(prompts, encoded, truncated)]
+        encoded = truncated
         # best_of ranks sequences by the log-probability of their tokens: they carry theirs.
         logprobs = body.logprobs if body.num_sequences == body.n else max(body.logprobs or 0, 0)
         echo_prompts = None
@@ -196,7 +199,7 @@ class RouterIngress:
         except InvalidRequestError as error:
             raise bad_request(str(error), error.param) from None
         return await self._generate(
-            body, [prompt.token_ids], body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=prompt.reads_calls,
+            body, [self._truncate(body, prompt.token_ids)], body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=prompt.reads_calls,
             reasoning_mode=prompt.reasoning_mode,
         )
 
@@ -274,6 +277,13 @@ class RouterIngress:
             else:
                 raise bad_request("prompt must be a string, a list of strings, or lists of token ids", "prompt")
         return encoded
+
+    def _truncate(self, body, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt as the request's ``truncate_prompt_tokens`` asks."""
+        try:
+            return truncate_prompt(prompt_token_ids, body.truncate_prompt_tokens, self.max_model_len)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
 
     def _sequences(
         self,

@@ -163,6 +163,28 @@ def test_bad_requests_are_refused_with_a_reason(llm, prompt, params, message):
     llm.engine.check_integrity()
 
 
+def test_a_prompt_truncated_as_asked_is_its_last_tokens(llm):
+    """``truncate_prompt_tokens`` keeps a prompt's last k tokens (-1: the context's worth): the
+    output is that of the cut prompt sent alone, its text the cut prompt's; a prompt past the
+    context is refused unless so cut, and k past the context is refused naming the field."""
+    long_prompt = list(range(100, 700))  # 600 tokens, past the 512-token context
+    cut = llm.generate([long_prompt], _greedy(truncate_prompt_tokens=40))[0]
+    alone = llm.generate([long_prompt[-40:]], _greedy())[0]
+    assert cut.prompt_token_ids == long_prompt[-40:]
+    assert cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = llm.generate(["one two three four five six seven"], _greedy(truncate_prompt_tokens=3))[0]
+    assert len(text.prompt_token_ids) == 3 and text.prompt == llm.get_tokenizer().decode(text.prompt_token_ids)
+    assert llm.generate([PROMPTS[0]], _greedy(truncate_prompt_tokens=-1))[0].prompt_token_ids == PROMPTS[0]
+    with pytest.raises(InvalidRequestError, match="maximum context length is 512"):
+        llm.generate([long_prompt], _greedy(truncate_prompt_tokens=-1))  # the whole context: no room for a token
+    with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens=513 is more than") as refused:
+        llm.generate([PROMPTS[0]], _greedy(truncate_prompt_tokens=513))
+    assert refused.value.param == "truncate_prompt_tokens"
+    with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens must be at least 1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    llm.engine.check_integrity()
+
+
 def test_bad_sampling_params_are_refused_at_construction():
     with pytest.raises(SamplingParamsError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=-1)

@@ -34,6 +34,9 @@ BAD_REQUESTS = {
     "missing prompt": ("/v1/completions", {"model": "smollm2"}, 400, "prompt"),
     "prompt too long": ("/v1/completions", _completion(prompt=[42] * (MAX_MODEL_LEN + 10)), 400, "prompt"),
     "max_tokens past the context": ("/v1/completions", _completion(prompt=[42] * 1000, max_tokens=100), 400, "max_tokens"),
+    "truncation past the context": ("/v1/completions", _completion(truncate_prompt_tokens=MAX_MODEL_LEN + 1), 400, "truncate_prompt_tokens"),
+    "truncation to no token": ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                                                         "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     "token id outside the vocabulary": ("/v1/completions", _completion(prompt=[10**7]), 400, None),
     # Streamed, the status waits for the first output: a request refused before it is not a 200.
     "token id outside the vocabulary, streamed": ("/v1/completions", _completion(prompt=[10**7], stream=True), 400, None),

@@ -143,6 +143,26 @@ def test_tokenize_and_detokenize_agree_with_what_the_endpoints_count(cluster):
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
 
 
+def test_a_prompt_past_the_context_is_cut_only_when_asked(cluster):
+    """``truncate_prompt_tokens`` (vLLM's) keeps a prompt's last k tokens, a chat's after its
+    template: the answer is the cut prompt's sent alone, and usage counts the tokens kept."""
+    import httpx
+
+    client = cluster.client()
+    long_prompt = [300 + index % 500 for index in range(MAX_MODEL_LEN + 200)]
+    cut = _greedy(client, long_prompt, truncate_prompt_tokens=64)
+    alone = _greedy(client, long_prompt[-64:])
+    assert cut.usage.prompt_tokens == 64 and cut.choices[0].token_ids == alone.choices[0].token_ids
+    messages = [{"role": "user", "content": "Tell me about the history of Paris. " * 3}]
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    tokens = httpx.post(f"{cluster.url}/tokenize", json={"model": "smollm2", "messages": messages}, headers=headers, timeout=60).json()["tokens"]
+    chat = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0, extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True},
+    )
+    same = client.completions.create(model="smollm2", prompt=tokens[-20:], max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    assert chat.usage.prompt_tokens == 20 and chat.choices[0].token_ids == same.choices[0].token_ids
+
+
 @pytest.mark.parametrize("colocated", [False, True], ids=["pd", "colocated"])
 def test_logit_bias_steers_every_token_through_the_pools(cluster, colocated):
     """+100 on one token makes it every greedy choice, on the prefill replica's first token and
