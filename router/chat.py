@@ -52,7 +52,11 @@ class ChatRenderer:
         messages, tools = body.conversation(), body.function_tools(self.tool_format or HERMES)
         if self.tool_format is not None and self.tool_format.short_ids:
             messages = short_call_ids(messages)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message goes on from the last message: set add_generation_prompt to false", "continue_final_message")
         try:
-            return self.tokenizer.render_chat(messages, tools, body.chat_template_kwargs)
+            return self.tokenizer.render_chat(
+                messages, tools, body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message,
+            )
         except ChatTemplateError as error:
             raise InvalidRequestError(str(error), "messages") from None

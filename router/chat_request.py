@@ -110,6 +110,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # more variables for the chat template (enable_thinking, ...)
+    # vLLM's: the template opens the assistant's turn, or the output goes on from the last
+    # message's text (an assistant's turn begun by the client).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # OpenAI's fields that ask nothing of generation, taken and left unused: what clients and
+    # agent frameworks send along.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # Chat's own: no token limit unless asked (OpenAI's newer name wins), and logprobs a switch
     # with the count apart.
     max_tokens: int | None = None
@@ -177,7 +186,7 @@ class ChatCompletionRequest(SamplingFields):
                 param = f"messages.{index}.tool_call_id"
                 raise InvalidRequestError(f"{param}: {message.tool_call_id!r} answers no tool call made before it", param)
             if message.content is None and not (message.role == "assistant" and message.tool_calls):
-                raise InvalidRequestError(f"messages.{index}.content: a {message.role} message needs content", f"messages.{index}.content")
+                raise InvalidRequestError(f"messages.{index}.content: {'an' if message.role[0] in 'aeiou' else 'a'} {message.role} message needs content", f"messages.{index}.content")
         return [message.template_dict() for message in self.messages]
 
     @property
@@ -200,6 +209,8 @@ class TokenizeRequest(ApiRequest):
     messages: list[ChatMessage] | None = None
     tools: list[ToolDefinition] | None = None
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def chat(self) -> ChatCompletionRequest | None:
         """The conversation as a chat request (None for a prompt); a 400 unless exactly one is given."""
@@ -207,4 +218,7 @@ class TokenizeRequest(ApiRequest):
             raise InvalidRequestError("give prompt or messages, not both", "prompt" if self.prompt is not None else "messages")
         if self.messages is None:
             return None
-        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs)
+        return ChatCompletionRequest(
+            model=self.model, messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
+            add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message,
+        )

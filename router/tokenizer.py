@@ -91,10 +91,16 @@ class RouterTokenizer:
         """A rendered conversation's tokens (the template wrote its special tokens)."""
         return self.encode(text, add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], tools: list[tool_calls.Tool] | None = None, template_kwargs: dict | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], tools: list[tool_calls.Tool] | None = None, template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> str:
         """A conversation rendered by the chat template, with ``tools`` where given: passed to a
         template that renders tools, written into the messages (``tool_calls.hermes_messages``)
-        for one that does not. ``template_kwargs``: the request's own template variables."""
+        for one that does not. ``template_kwargs``: the request's own template variables;
+        ``add_generation_prompt``: the assistant's turn opened after the messages;
+        ``continue_final_message``: the text cut after the last message's, so that the output
+        goes on from it (``continued``)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         has_tool_turns = any(message.get("tool_calls") or message["role"] == "tool" for message in messages)
@@ -105,10 +111,10 @@ class RouterTokenizer:
         elif tools or has_tool_turns:
             messages = tool_calls.hermes_messages(messages, tools or [])
         try:
-            text = self._template.render(**variables | {"messages": messages, "add_generation_prompt": True} | self._special)
+            text = self._template.render(**variables | {"messages": messages, "add_generation_prompt": add_generation_prompt} | self._special)
         except (TemplateError, TypeError, ValueError) as error:  # a template's own error, or a value it cannot take
             raise ChatTemplateError(f"the chat template rejected the conversation: {error}") from error
-        return text
+        return continued(text, messages[-1]["content"]) if continue_final_message else text
 
     @property
     def vocab_size(self) -> int:
@@ -140,3 +146,18 @@ def _token_text(token) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token
+
+
+def continued(text: str, final: str) -> str:
+    """A rendered conversation cut right after its last message's text ``final`` (transformers'
+    ``continue_final_message``): what the template closes the turn with is dropped. A template
+    that strips the message's trailing spaces is cut after its stripped text."""
+    stripped = final.strip()
+    if not stripped:
+        raise ChatTemplateError("continue_final_message goes on from the last message's text, and it has none")
+    if stripped not in text:
+        raise ChatTemplateError("continue_final_message: the last message's text does not appear in the rendered conversation")
+    start = text.rindex(stripped)
+    kept = final.lstrip()
+    end = start + (len(kept) if text[start : start + len(kept)] == kept else len(stripped))
+    return text[:end]

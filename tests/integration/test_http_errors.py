@@ -41,6 +41,8 @@ BAD_REQUESTS = {
     # Streamed, the status waits for the first output: a request refused before it is not a 200.
     "token id outside the vocabulary, streamed": ("/v1/completions", _completion(prompt=[10**7], stream=True), 400, None),
     "empty messages": ("/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
+    "a turn continued and opened": ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "assistant", "content": "So"}],
+                                                            "continue_final_message": True}, 400, "continue_final_message"),
     "bad role": ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "robot", "content": "hi"}]}, 400, None),
     "unknown model": ("/v1/completions", _completion(model="gpt-5"), 404, "model"),
 }

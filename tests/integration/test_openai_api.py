@@ -163,6 +163,27 @@ def test_a_prompt_past_the_context_is_cut_only_when_asked(cluster):
     assert chat.usage.prompt_tokens == 20 and chat.choices[0].token_ids == same.choices[0].token_ids
 
 
+def test_an_assistant_turn_begun_by_the_client_is_continued(cluster):
+    """vLLM's ``continue_final_message``: the output goes on from the last message's text (the
+    tokens /tokenize gives for the same flags, answered as a completion of them would be); the
+    fields OpenAI's clients send along that ask nothing of generation are taken."""
+    import httpx
+
+    client = cluster.client()
+    messages = [{"role": "user", "content": "Name a city in France."}, {"role": "assistant", "content": "A city in France is"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    headers = {"Authorization": f"Bearer {cluster.api_key}"}
+    tokens = httpx.post(f"{cluster.url}/tokenize", json={"model": "smollm2", "messages": messages} | flags, headers=headers, timeout=60).json()["tokens"]
+    chat = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0, store=False, metadata={"run": "test"}, service_tier="auto",
+        extra_body=flags | {"return_token_ids": True},
+    )
+    same = client.completions.create(model="smollm2", prompt=tokens, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    detokenized = httpx.post(f"{cluster.url}/detokenize", json={"model": "smollm2", "tokens": tokens}, headers=headers, timeout=60).json()
+    assert detokenized["prompt"].endswith("<|im_start|>assistant\nA city in France is")
+    assert chat.usage.prompt_tokens == len(tokens) and chat.choices[0].token_ids == same.choices[0].token_ids
+
+
 @pytest.mark.parametrize("colocated", [False, True], ids=["pd", "colocated"])
 def test_logit_bias_steers_every_token_through_the_pools(cluster, colocated):
     """+100 on one token makes it every greedy choice, on the prefill replica's first token and

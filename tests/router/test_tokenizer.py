@@ -29,6 +29,32 @@ def test_prompts_and_chat_templates_encode_as_transformers_does(model, request):
     assert router.token_text(tokenizer.encode(" Paris")[0]) == " Paris"
 
 
+def test_a_conversation_left_open_or_continued_encodes_as_transformers_does(tiny_tokenizer_dir):
+    """``add_generation_prompt`` false leaves the assistant's turn unopened; with
+    ``continue_final_message`` the text ends at the last message's (an assistant's reply begun
+    by the client, trailing spaces or not), as transformers' ``apply_chat_template`` cuts it."""
+    from transformers import AutoTokenizer
+
+    from duet.router.tokenizer import ChatTemplateError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    router = RouterTokenizer(tiny_tokenizer_dir)
+
+    def expected(conversation, **options):
+        encoded = tokenizer.apply_chat_template(conversation, tokenize=True, **options)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    for conversation in parity_conversations():
+        closed = router.encode_chat_text(router.render_chat(conversation, add_generation_prompt=False))
+        assert closed == expected(conversation, add_generation_prompt=False)
+        for begun in ["The answer is", "The answer is ", "  Sure:\n"]:
+            open_turn = conversation + [{"role": "assistant", "content": begun}]
+            text = router.render_chat(open_turn, add_generation_prompt=False, continue_final_message=True)
+            assert router.encode_chat_text(text) == expected(open_turn, continue_final_message=True), begun
+    with pytest.raises(ChatTemplateError, match="has none"):
+        router.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}], add_generation_prompt=False, continue_final_message=True)
+
+
 def test_the_router_imports_no_torch(tiny_tokenizer_dir):
     code = (
         "import sys; from duet.router.ingress import RouterIngress; "
