@@ -57,6 +57,10 @@ LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node addres
 _ROUTERS: dict[str, RequestRouter] = {}
 # Replica id -> events to set (each on its own event loop) when the replica leaves its pool's set.
 _DEPARTURE_WATCHERS: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+# Replica -> (its last report as Serve's router holds it, that report parsed): a report is
+# read several times a request (routing, balancing, roles) and replaced whole when a new one comes.
+_PARSED: dict[int, tuple[dict, ReplicaStats]] = {}  # by the id of Serve's replica object
+_PARSED_LIMIT = 64  # replicas remembered (past it, all are forgotten: each report holds its prefix hashes)
 
 
 def _shared():
@@ -98,8 +102,21 @@ def _running(pool: str) -> list | None:
 
 
 def reported_stats(replica) -> ReplicaStats | None:
-    """A replica's last ``record_routing_stats`` report; None before its first."""
-    return ReplicaStats.from_dict(replica.routing_stats) if replica.routing_stats else None
+    """A replica's last ``record_routing_stats`` report; None before its first. Parsed once a
+    report (``ReplicaStats`` is frozen: the parse is shared)."""
+    report = replica.routing_stats
+    if not report:
+        return None
+    parsed = _shared()._PARSED
+    key = id(replica)  # its report, checked by identity below, cannot be another's
+    cached = parsed.get(key)
+    if cached is not None and cached[0] is report:
+        return cached[1]
+    if len(parsed) >= _PARSED_LIMIT:
+        parsed.clear()
+    stats = ReplicaStats.from_dict(report)
+    parsed[key] = (report, stats)
+    return stats
 
 
 def pool_stats(pool: str) -> list[ReplicaStats] | None:

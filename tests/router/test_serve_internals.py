@@ -64,6 +64,18 @@ def test_the_pool_view_reads_each_replicas_last_report(decode_pool):
     assert serve_internals.replica_running("decode", "b") and not serve_internals.replica_running("decode", "gone")
 
 
+def test_a_report_is_parsed_once_and_a_new_one_is_read_anew(decode_pool):
+    """The router reads each replica's report several times a request: one parse a report,
+    never a parse kept past the report it came from."""
+    decode_pool.set("a", num_free_blocks=7)
+    replica = decode_pool.curr_replicas[ReplicaID("a")]
+    first = serve_internals.reported_stats(replica)
+    assert serve_internals.reported_stats(replica) is first and first.kv.num_free_blocks == 7
+    replica.routing_stats = replica.routing_stats | {"kv": replica.routing_stats["kv"] | {"num_free_blocks": 5}}  # a new report
+    second = serve_internals.reported_stats(replica)
+    assert second is not first and second.kv.num_free_blocks == 5
+
+
 def test_a_replica_leaving_its_pool_sets_the_events_watching_it(decode_pool):
     async def run():
         decode_pool.set("leaving")
