@@ -41,9 +41,11 @@ def fit_to_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len
     if num_prompt_tokens == 0:
         raise ContextLengthError("the prompt is empty; send at least one token", "prompt")
     if num_prompt_tokens >= max_model_len:
+        over = num_prompt_tokens - max_model_len + 1
         raise ContextLengthError(
             f"the prompt has {num_prompt_tokens} tokens but this model's maximum context length is {max_model_len}; "
-            "shorten the prompt so at least one token can be generated", "prompt",
+            f"shorten it by at least {over} token{'s' if over > 1 else ''} so that one can be generated "
+            "(or ask for its last tokens only: truncate_prompt_tokens)", "prompt",
         )
     room = max_model_len - num_prompt_tokens
     if max_tokens is not None and max_tokens > room:

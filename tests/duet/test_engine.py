@@ -153,7 +153,8 @@ def test_abort_mid_generation_frees_every_block(llm):
     [
         ([], SamplingParams(), "empty"),
         ([1, 2, TINY_VOCAB], SamplingParams(), "integers in"),
-        (list(range(512)), SamplingParams(), "maximum context length is 512"),
+        (list(range(512)), SamplingParams(), "maximum context length is 512; shorten it by at least 1 token so"),
+        (list(range(600)), SamplingParams(), "maximum context length is 512; shorten it by at least 89 tokens"),
         ([1, 2, 3], SamplingParams(max_tokens=600), "max_tokens=600 is too large: the 3-token prompt leaves 509"),
     ],
 )
