@@ -33,6 +33,7 @@ from duet.router.chat_request import ChatCompletionRequest, TokenizeRequest
 from duet.router.protocol import BodyTooLargeError, CompletionRequest, DetokenizeRequest, parse_json_object, read_body
 from duet.router.delivery import respond
 from duet.router.responses import ResponseBuilder, error_body
+from duet.router.responses_api import ResponsesRequest, as_response
 from duet.router.roles import RoleKeeper, RoleSettings, RoleView
 from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
@@ -41,6 +42,13 @@ from duet.sampling_params import fit_to_context, truncate_prompt
 from duet.tool_calls import HERMES, ToolFormat
 
 app = FastAPI(title="duet", docs_url=None, redoc_url=None)
+
+
+def _invalid(error: ValidationError) -> ApiError:
+    """A body that does not parse: a 400 naming its first bad field."""
+    first = max(error.errors(), key=lambda found: len(found["loc"]))  # the deepest: a union's branch that came closest
+    param = ".".join(str(part) for part in first["loc"] if "[" not in str(part)) or None  # not the union's branch names
+    return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param)
 
 
 def bearer_matches(request: Request, keys: list[bytes]) -> bool:
@@ -193,7 +201,21 @@ class RouterIngress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        body = await self._parse(request, ChatCompletionRequest)
+        return await self._chat(await self._parse(request, ChatCompletionRequest))
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, through the chat path (``duet.router.responses_api``)."""
+        body = await self._parse(request, ResponsesRequest)
+        try:
+            chat = body.chat_request()
+        except ValidationError as error:
+            raise _invalid(error) from None
+        except InvalidRequestError as error:
+            raise bad_request(str(error), error.param) from None
+        return as_response(await self._chat(chat), body)
+
+    async def _chat(self, body: ChatCompletionRequest) -> Response:
         try:
             prompt = await asyncio.to_thread(self.chat.prompt, body)
         except InvalidRequestError as error:
@@ -236,9 +258,7 @@ class RouterIngress:
         try:
             body = schema.model_validate(payload)
         except ValidationError as error:
-            first = error.errors()[0]
-            param = ".".join(str(part) for part in first["loc"]) or None
-            raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+            raise _invalid(error) from None
         self._adapter(body.model)
         return body
 

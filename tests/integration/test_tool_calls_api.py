@@ -212,3 +212,44 @@ def test_bad_tools_get_a_400_naming_the_field(cluster):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="smollm2", max_tokens=4, **body)
         assert refused.value.body["param"] == param, refused.value.body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_tool_loop_through_the_responses_api(cluster, stream):
+    """OpenAI's Responses API (``/v1/responses``, what the Agents SDK sends by default): a named
+    call valid under its schema, its output sent back as an input item, and a text answer equal
+    to the chat endpoint's for the same conversation; streamed, the last event's response is
+    the whole one."""
+    client = cluster.client()
+    function = WEATHER["function"]
+    tools = [{"type": "function"} | function]
+
+    def respond(**fields):
+        if not stream:
+            return client.responses.create(model="smollm2", temperature=0, max_output_tokens=48, **fields)
+        events = list(client.responses.create(model="smollm2", temperature=0, max_output_tokens=48, stream=True, **fields))
+        kinds = [event.type for event in events]
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed", "response.incomplete")
+        assert [event.sequence_number for event in events] == list(range(len(events)))
+        return events[-1].response
+
+    question = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    called = respond(input=question, tools=tools, tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), function["parameters"])
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps({"celsius": 21})}
+    answer = respond(input=question + [calls[0].model_dump(exclude_none=True), result], tools=tools, instructions="Answer in one sentence.")
+    chat = client.chat.completions.create(
+        model="smollm2", temperature=0, max_tokens=48, tools=[WEATHER],
+        messages=[{"role": "system", "content": "Answer in one sentence."}] + question + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].call_id, "type": "function", "function": {"name": "get_weather", "arguments": calls[0].arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].call_id, "content": json.dumps({"celsius": 21})},
+        ],
+    )
+    assert answer.output_text == (chat.choices[0].message.content or "")
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens and answer.usage.output_tokens == chat.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="smollm2", input="hi", previous_response_id="resp_1")
+    assert refused.value.body["param"] == "previous_response_id"
+    assert settled(cluster, cluster.url)["ok"]
