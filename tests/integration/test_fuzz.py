@@ -108,8 +108,33 @@ RAW_BODIES = st.one_of(
     shaped_body().map(_lone_surrogate),
     JSON.map(lambda value: json.dumps(value).encode()),
 )
+RESPONSES_ITEMS = st.lists(st.one_of(
+    MESSAGES.map(lambda messages: messages[0] if messages else {}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": SCALARS, "name": st.sampled_from(["f", "x"]), "arguments": st.one_of(st.text(max_size=12), JSON)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call_output", "web_search_call", "reasoning"]), "call_id": SCALARS, "output": SCALARS}),
+    JSON,
+), max_size=4)
+
+
+@st.composite
+def responses_body(draw) -> dict:
+    """A body shaped like a Responses API request (``/v1/responses``)."""
+    body = {"model": "tiny", "input": draw(st.one_of(st.text(max_size=40), RESPONSES_ITEMS, JSON)), "max_output_tokens": 4}
+    options = {
+        "instructions": SCALARS, "tools": TOOLS.map(lambda tools: [{"type": "function"} | tool["function"] for tool in tools]),
+        "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries({"type": st.just("function"), "name": SCALARS})),
+        "text": st.one_of(JSON, st.fixed_dictionaries({"format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])}, optional={"schema": JSON})})),
+        "stream": st.booleans(), "temperature": NUMBERS, "max_output_tokens": NUMBERS, "previous_response_id": SCALARS, "store": SCALARS,
+        "parallel_tool_calls": SCALARS,
+    }
+    for name in draw(st.lists(st.sampled_from(sorted(options)), max_size=4, unique=True)):
+        body[name] = draw(options[name])
+    return body
+
+
 BODIES = st.one_of(shaped_body().map(lambda body: json.dumps(body).encode()), RAW_BODIES)
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+HOSTILE = st.one_of(st.tuples(PATHS, BODIES), st.tuples(st.just("/v1/responses"), responses_body().map(lambda body: json.dumps(body).encode())))
 
 
 def _check_answer(response: httpx.Response) -> None:
@@ -124,7 +149,7 @@ def _check_answer(response: httpx.Response) -> None:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(hostile=st.lists(st.tuples(PATHS, BODIES), min_size=16, max_size=16))
+@given(hostile=st.lists(HOSTILE, min_size=16, max_size=16))
 def test_random_and_malformed_bodies_get_openai_errors_and_fail_no_one_else(cluster, tiny_offline, hostile):
     url = cluster.stress_url
     rng = random.Random(len(hostile))
