@@ -33,7 +33,8 @@ from duet.router.chat_request import ChatCompletionRequest, TokenizeRequest
 from duet.router.protocol import BodyTooLargeError, CompletionRequest, DetokenizeRequest, parse_json_object, read_body
 from duet.router.delivery import respond
 from duet.router.responses import ResponseBuilder, error_body
-from duet.router.responses_api import ResponsesRequest, as_response
+from duet.router.responses_api import ResponsesRequest
+from duet.router.responses_output import as_response
 from duet.router.roles import RoleKeeper, RoleSettings, RoleView
 from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec

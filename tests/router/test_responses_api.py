@@ -9,7 +9,8 @@ import json
 import pytest
 
 from duet.errors import InvalidRequestError
-from duet.router.responses_api import ResponseEvents, ResponsesRequest, response_body
+from duet.router.responses_api import ResponsesRequest
+from duet.router.responses_output import ResponseEvents, response_body
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
@@ -38,6 +39,11 @@ def test_a_conversation_with_calls_and_their_outputs_becomes_the_chats():
     assert [call["id"] for call in messages[2]["tool_calls"]] == ["a", "b"]  # consecutive calls: one assistant turn
     assert [(message["tool_call_id"], message["content"]) for message in messages[3:]] == [("a", "21"), ("b", "19")]
     assert chat.tool_mode() == "get_weather" and chat.parallel_tool_calls is False
+    said_then_called = _request(input=[
+        {"role": "user", "content": "Weather?"}, {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "a", "name": "get_weather", "arguments": "{}"},
+    ]).chat_request().messages
+    assert [(message.role, message.text, len(message.tool_calls or [])) for message in said_then_called] == [("user", "Weather?", 0), ("assistant", "Looking.", 1)]
     assert (chat.max_completion_tokens, chat.temperature, chat.stream) == (9, 0, False)
 
 
