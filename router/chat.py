@@ -55,8 +55,9 @@ class ChatRenderer:
         if body.continue_final_message and body.add_generation_prompt:
             raise InvalidRequestError("continue_final_message goes on from the last message: set add_generation_prompt to false", "continue_final_message")
         try:
-            return self.tokenizer.render_chat(
-                messages, tools, body.chat_template_kwargs, body.add_generation_prompt, body.continue_final_message,
-            )
+            variables = body.chat_template_kwargs
+            if body.reasoning_effort is not None:
+                variables = {"reasoning_effort": body.reasoning_effort} | (variables or {})
+            return self.tokenizer.render_chat(messages, tools, variables, body.add_generation_prompt, body.continue_final_message)
         except ChatTemplateError as error:
             raise InvalidRequestError(str(error), "messages") from None

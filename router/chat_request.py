@@ -114,6 +114,9 @@ class ChatCompletionRequest(SamplingFields):
     # message's text (an assistant's turn begun by the client).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's: passed to the chat template as ``reasoning_effort`` (templates of reasoning models
+    # read it; others render as without it), as vLLM does; ``chat_template_kwargs`` wins.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # OpenAI's fields that ask nothing of generation, taken and left unused: what clients and
     # agent frameworks send along.
     store: bool | None = None

@@ -121,6 +121,12 @@ class TextOptions(_Strict):
     verbosity: str | None = None
 
 
+class ReasoningOptions(_Strict):
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None  # taken, not written: the reasoning comes whole
+    generate_summary: str | None = None
+
+
 class ResponsesRequest(ApiRequest):
     """``POST /v1/responses``."""
 
@@ -135,10 +141,10 @@ class ResponsesRequest(ApiRequest):
     stream: bool = False
     text: TextOptions | None = None
     previous_response_id: str | None = None
+    reasoning: ReasoningOptions | None = None  # its effort goes to the chat template, as the chat's reasoning_effort
     # Taken and unused: what clients send along.
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    reasoning: dict | None = None
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     user: str | None = None
@@ -159,6 +165,8 @@ class ResponsesRequest(ApiRequest):
         for name in ("temperature", "top_p"):
             if getattr(self, name) is not None:
                 chat[name] = getattr(self, name)
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            chat["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             chat["tools"] = [
                 {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)} for tool in self.tools

@@ -86,6 +86,34 @@ def test_templates_pass_tojson_the_arguments_transformers_takes_and_bad_values_a
         router.encode_chat([{"role": "system", "content": "a string plus one"}])
 
 
+def test_reasoning_effort_reaches_the_template_unless_its_own_kwargs_say_otherwise(tmp_path, tiny_tokenizer_dir):
+    """OpenAI's ``reasoning_effort`` (the chat's, or a response's ``reasoning.effort``) is a
+    template variable, as vLLM passes it; ``chat_template_kwargs`` set it too, and win."""
+    import json
+    import shutil
+
+    from duet.router.chat import ChatRenderer
+    from duet.router.chat_request import ChatCompletionRequest
+    from duet.router.responses_api import ResponsesRequest
+
+    shutil.copy(tiny_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ reasoning_effort | default('unset') }}|{{ messages[-1].content }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    renderer = ChatRenderer(RouterTokenizer(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+
+    def render(**fields) -> str:
+        return renderer.render(ChatCompletionRequest.model_validate({"model": "m", "messages": messages} | fields))
+
+    assert render() == "unset|hi" and render(reasoning_effort="low") == "low|hi"
+    assert render(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}) == "high|hi"
+    response = ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"effort": "medium", "summary": "auto"}})
+    assert renderer.render(response.chat_request()) == "medium|hi"
+    with pytest.raises(ValueError):
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"effort": "extreme"}})
+
+
 def test_a_long_prompt_is_tokenized_without_holding_the_gil(tiny_tokenizer_dir):
     """The router tokenizes on a thread so that its event loop, and every stream on it, goes on
     meanwhile; a tokenizer call that held the GIL throughout would stop the loop all the same."""
