@@ -189,7 +189,7 @@ class ChatCompletionRequest(SamplingFields):
                 param = f"messages.{index}.tool_call_id"
                 raise InvalidRequestError(f"{param}: {message.tool_call_id!r} answers no tool call made before it", param)
             if message.content is None and not (message.role == "assistant" and message.tool_calls):
-                raise InvalidRequestError(f"messages.{index}.content: {'an' if message.role[0] in 'aeiou' else 'a'} {message.role} message needs content", f"messages.{index}.content")
+                raise InvalidRequestError(f"messages.{index}.content: this {message.role} message needs content", f"messages.{index}.content")
         return [message.template_dict() for message in self.messages]
 
     @property
