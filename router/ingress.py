@@ -31,10 +31,10 @@ from duet.router.pd import Orchestrator
 from duet.router.chat import ChatRenderer
 from duet.router.chat_request import ChatCompletionRequest, TokenizeRequest
 from duet.router.protocol import BodyTooLargeError, CompletionRequest, DetokenizeRequest, parse_json_object, read_body
-from duet.router.delivery import respond
+from duet.router.delivery import Form, respond
 from duet.router.responses import ResponseBuilder, error_body
 from duet.router.responses_api import ResponsesRequest
-from duet.router.responses_output import as_response
+from duet.router.responses_output import ResponsesForm
 from duet.router.roles import RoleKeeper, RoleSettings, RoleView
 from duet.router.serve_internals import live_replicas, new_call_context, pool_members, pool_size, pool_stats
 from duet.router.run import Run, SequenceSpec
@@ -214,16 +214,16 @@ class RouterIngress:
             raise _invalid(error) from None
         except InvalidRequestError as error:
             raise bad_request(str(error), error.param) from None
-        return as_response(await self._chat(chat), body)
+        return await self._chat(chat, ResponsesForm(body))
 
-    async def _chat(self, body: ChatCompletionRequest) -> Response:
+    async def _chat(self, body: ChatCompletionRequest, form: Form | None = None) -> Response:
         try:
             prompt = await asyncio.to_thread(self.chat.prompt, body)
         except InvalidRequestError as error:
             raise bad_request(str(error), error.param) from None
         return await self._generate(
             body, [self._truncate(body, prompt.token_ids)], body.effective_max_tokens, body.num_logprobs, chat=True, reads_calls=prompt.reads_calls,
-            reasoning_mode=prompt.reasoning_mode,
+            reasoning_mode=prompt.reasoning_mode, form=form,
         )
 
     @app.post("/tokenize")
@@ -353,10 +353,12 @@ class RouterIngress:
         reads_calls: ToolFormat | None = None,
         reasoning_mode: str | None = None,
         echo_prompts: list[tuple[str, list[int]]] | None = None,
+        form: Form | None = None,
     ) -> Response:
         """``reads_calls``: tool calls in this format are read from the output; ``reasoning_mode``:
         its reasoning is parted from its content, and its constraint applies after it
-        (``duet.reasoning``); ``echo_prompts``: each prompt's text and tokens go before its output."""
+        (``duet.reasoning``); ``echo_prompts``: each prompt's text and tokens go before its output;
+        ``form`` writes the answer out (``duet.router.delivery``)."""
         if body.response_format is not None or body.structured_outputs is not None or reads_calls:
             # Checking a new constraint takes milliseconds: off the loop that streams every response.
             sequences = await asyncio.to_thread(self._sequences, body, encoded, max_tokens, logprobs, reasoning_mode, reads_calls)
@@ -386,4 +388,4 @@ class RouterIngress:
             self.orchestrator, self.tokenizer, self.metrics, request_id, encoded, sequences, arrival, self.tokenizer.skipped_ids(reads_calls),
             lora=lora,
         )
-        return await respond(run, builder, body, admitted)
+        return await respond(run, builder, body, admitted, form)

@@ -1,18 +1,16 @@
 """The chat endpoint's answer as OpenAI's Responses API gives it (``duet.router.responses_api``
-reads the request): a whole answer as a response of output items (``response_body``), a
-streamed one's chunks as the Responses events (``ResponseEvents``: an output item per message,
-reasoning and function call, their deltas, then ``response.completed``, ``response.incomplete``
-or ``response.failed``)."""
+reads the request), written by ``ResponsesForm`` as the chat path builds it: a whole answer as a
+response of output items (``response_body``), a streamed one's chunks as the Responses events (an
+output item per message, reasoning and function call, their deltas, then ``response.completed``,
+``response.incomplete`` or ``response.failed``)."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from contextlib import aclosing
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
+from duet.router.delivery import Form
 from duet.router.responses_api import ResponsesRequest
 
 
@@ -86,12 +84,13 @@ def response_body(chat: dict, body: ResponsesRequest) -> dict:
     return ResponseShell(body).response(status, output, chat.get("usage"), choice["finish_reason"])
 
 
-class ResponseEvents:
-    """The Responses events of a streamed chat's chunks (``feed`` each chunk's JSON; ``finish``
-    after the last): each output item opened when its first piece comes and closed when the
-    next item opens or the stream ends."""
+class ResponsesForm(Form):
+    """The chat path's answer to ``body.chat_request()`` as the Responses API's: a whole one by
+    ``response_body``; a stream's chunks as the Responses events, each output item opened when
+    its first piece comes and closed when the next item opens or the stream ends."""
 
     def __init__(self, body: ResponsesRequest) -> None:
+        self.body = body
         self.shell = ResponseShell(body)
         self.sequence = 0
         self.output: list[dict] = []  # the items so far, the last one open until closed
@@ -106,11 +105,14 @@ class ResponseEvents:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
-    def start(self) -> list[str]:
+    def whole(self, payload: dict) -> dict:
+        return response_body(payload, self.body)
+
+    def opening(self) -> list[str]:
         response = self.shell.response("in_progress", [], None)
         return [self._event("response.created", response=response), self._event("response.in_progress", response=response)]
 
-    def feed(self, chunk: dict) -> list[str]:
+    def chunk(self, chunk: dict) -> list[str]:
         if "error" in chunk:  # the stream's own end, after a failure
             error = chunk["error"]
             self.error = {"code": error.get("type"), "message": error.get("message")}
@@ -130,7 +132,7 @@ class ResponseEvents:
                 self.finish_reason = choice["finish_reason"]
         return events
 
-    def finish(self) -> list[str]:
+    def closing(self) -> list[str]:
         events = self._close()
         status = "failed" if self.error else "incomplete" if self.finish_reason == "length" else "completed"
         response = self.shell.response(status, self.output, self.usage, self.finish_reason) | {"error": self.error}
@@ -192,27 +194,3 @@ class ResponseEvents:
         item["status"] = "completed"
         events.append(self._event("response.output_item.done", output_index=index, item=item))
         return events
-
-
-def as_response(answer: Response, body: ResponsesRequest) -> Response:
-    """The chat endpoint's ``answer`` to ``body.chat_request()`` as the Responses API's."""
-    if not body.stream:
-        return JSONResponse(response_body(json.loads(answer.body), body))
-    return StreamingResponse(_events(answer.body_iterator, body), media_type="text/event-stream")
-
-
-async def _events(chunks, body: ResponsesRequest):
-    """The chat's SSE chunks (``data: {...}``) as the Responses events; closing this (the client
-    left) closes the chat's stream, which ends its run."""
-    events = ResponseEvents(body)
-    for event in events.start():
-        yield event
-    async with aclosing(chunks):
-        async for chunk in chunks:
-            payload = (chunk.decode() if isinstance(chunk, bytes) else chunk).removeprefix("data: ").strip()
-            if payload == "[DONE]":
-                break
-            for event in events.feed(json.loads(payload)):
-                yield event
-    for event in events.finish():
-        yield event

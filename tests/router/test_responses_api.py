@@ -10,7 +10,7 @@ import pytest
 
 from duet.errors import InvalidRequestError
 from duet.router.responses_api import ResponsesRequest
-from duet.router.responses_output import ResponseEvents, response_body
+from duet.router.responses_output import ResponsesForm, response_body
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
@@ -83,6 +83,8 @@ def test_a_whole_answer_is_a_response_of_output_items():
         "input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 12,
     }
+    whole = ResponsesForm(_request()).whole(_chat_answer("Yes", reasoning="thinking"))  # how the chat path's whole answer goes out
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
     cut = response_body(_chat_answer("Half", finish_reason="length"), _request())
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
 
@@ -92,8 +94,8 @@ def _events(stream: list[str]) -> list[dict]:
 
 
 def test_streamed_chunks_become_the_events_of_each_item_in_order():
-    events = ResponseEvents(_request(stream=True))
-    stream = events.start()
+    events = ResponsesForm(_request(stream=True))
+    stream = events.opening()
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Let"}, "finish_reason": None}]},
         {"choices": [{"index": 0, "delta": {"content": " me look."}, "finish_reason": None}]},
@@ -103,8 +105,8 @@ def test_streamed_chunks_become_the_events_of_each_item_in_order():
         {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}},
     ]
     for chunk in chunks:
-        stream += events.feed(chunk)
-    stream += events.finish()
+        stream += events.chunk(chunk)
+    stream += events.closing()
     parsed = _events(stream)
     assert [event["sequence_number"] for event in parsed] == list(range(len(parsed)))
     assert all(event.startswith(f"event: {payload['type']}\n") for event, payload in zip(stream, parsed))
@@ -124,12 +126,12 @@ def test_streamed_chunks_become_the_events_of_each_item_in_order():
 
 
 def test_a_stream_that_fails_or_runs_out_says_so_last():
-    events = ResponseEvents(_request(stream=True))
-    events.start()
-    events.feed({"choices": [{"index": 0, "delta": {"content": "Hal"}, "finish_reason": None}]})
-    failed = _events(events.feed({"error": {"message": "the replica died", "type": "server_error", "param": None, "code": 500}}) + events.finish())
+    events = ResponsesForm(_request(stream=True))
+    events.opening()
+    events.chunk({"choices": [{"index": 0, "delta": {"content": "Hal"}, "finish_reason": None}]})
+    failed = _events(events.chunk({"error": {"message": "the replica died", "type": "server_error", "param": None, "code": 500}}) + events.closing())
     assert [event["type"] for event in failed][-2:] == ["error", "response.failed"]
     assert failed[-1]["response"]["error"] == {"code": "server_error", "message": "the replica died"}
-    events = ResponseEvents(_request(stream=True))
-    events.feed({"choices": [{"index": 0, "delta": {"content": "Half"}, "finish_reason": "length"}]})
-    assert _events(events.finish())[-1]["type"] == "response.incomplete"
+    events = ResponsesForm(_request(stream=True))
+    events.chunk({"choices": [{"index": 0, "delta": {"content": "Half"}, "finish_reason": "length"}]})
+    assert _events(events.closing())[-1]["type"] == "response.incomplete"
