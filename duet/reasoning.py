@@ -74,3 +74,25 @@ class ReasoningSplitter:
         content, self._pending = self._pending, ""
         return reasoning, content
 
+
+
+def count_reasoning_tokens(pieces: list[str], mode: str) -> int:
+    """How many of an output's tokens (``pieces``: each token's text, in order) are its
+    reasoning's, as ``ReasoningSplitter`` parts the text: the tokens that end inside it. The
+    tags' own tokens are not counted (as vLLM counts them); an output cut off while reasoning
+    is reasoning to its end."""
+    text = "".join(pieces)
+    start = 0
+    if mode != INSIDE:
+        if not text.startswith(OPEN):
+            return 0
+        start = len(OPEN)
+    close = text.find(CLOSE, start)
+    end = len(text) if close < 0 else close
+    count, offset = 0, 0
+    for piece in pieces:
+        offset += len(piece)
+        if offset > end:
+            break
+        count += offset > start
+    return count

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from duet.detokenizer import TextDelta
-from duet.reasoning import ReasoningSplitter
+from duet.reasoning import ReasoningSplitter, count_reasoning_tokens
 from duet.tool_call_parser import ToolCallParser
 from duet.tool_calls import ToolFormat
 
@@ -107,12 +107,16 @@ class ResponseBuilder:
 
     def usage(self, num_prompt_tokens: int, choices: list[Choice], num_cached_tokens: int) -> dict:
         completion = sum(len(choice.token_ids) for choice in choices)
-        return {
+        usage = {
             "prompt_tokens": num_prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": num_prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
         }
+        if self.chat and self.reasoning_mode:  # as vLLM reports them where it parts reasoning
+            reasoning = sum(count_reasoning_tokens([self.token_text(token) for token in choice.token_ids], self.reasoning_mode) for choice in choices)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def response(self, choices: list[Choice], usage: dict) -> dict:
         # A prompt's logprobs come with its first sequence only (the others read the prompt from the cache).

@@ -9,7 +9,7 @@ import llguidance
 import pytest
 
 from duet.detokenizer import TextDelta
-from duet.reasoning import INSIDE, OPTIONAL, ReasoningSplitter, start_mode
+from duet.reasoning import INSIDE, OPTIONAL, ReasoningSplitter, count_reasoning_tokens, start_mode
 from duet.router.responses import Choice, ResponseBuilder
 from duet.structured_output import StructuredOutputs, StructuredOutputsError
 from duet.tool_calls import HERMES, Tool, tool_grammar
@@ -49,6 +49,33 @@ def test_reasoning_parts_from_content_the_same_whole_and_in_any_pieces(mode, tex
             more = splitter.feed(piece, final=position == len(pieces) - 1)
             parts = (parts[0] + more[0], parts[1] + more[1])
         assert parts == (reasoning, content)
+
+
+@pytest.mark.parametrize(
+    "mode, pieces, reasoning",
+    [
+        (INSIDE, ["Let", " me", " see", "</", "think", ">", "\n\n", "Yes"], 3),  # the closing tag's tokens are not counted
+        (INSIDE, ["Let", " me", "</think>", "Yes"], 2),  # nor a tag that is one token
+        (OPTIONAL, ["<", "think", ">\n", "Hm", ".", "</think>", "Yes"], 3),  # a token that ends past the opening tag is reasoning
+        (OPTIONAL, ["<think>", "Hm", "</think>", "Yes", "</think>"], 1),
+        (OPTIONAL, ["No", " thinking", " <think>", "x"], 0),  # the output did not open it
+        (INSIDE, ["cut", " off", " </", "thi"], 4),  # cut off while reasoning: all of it
+        (INSIDE, ["</think>", "Yes"], 0),
+    ],
+)
+def test_reasoning_tokens_are_the_tokens_that_end_inside_it(mode, pieces, reasoning):
+    assert count_reasoning_tokens(pieces, mode) == reasoning
+    text = "".join(pieces)
+    assert (ReasoningSplitter(mode).feed(text, final=True)[0] != "") == (reasoning > 0)
+
+
+def test_a_chat_with_reasoning_reports_its_tokens_in_the_usage_as_vllm_does():
+    pieces = {1: "<think>", 2: "Hm", 3: "m.", 4: "</think>", 5: "Yes"}
+    builder = ResponseBuilder("chatcmpl-1", "m", True, pieces.get, False, False, reasoning_mode=OPTIONAL)
+    choices = [Choice(0, ["<think>Hmm.</think>Yes"], [1, 2, 3, 4, 5], "stop"), Choice(1, ["<think>Hm"], [1, 2], "length")]
+    usage = builder.usage(4, choices, 0)
+    assert usage["completion_tokens"] == 7 and usage["completion_tokens_details"] == {"reasoning_tokens": 3}
+    assert "completion_tokens_details" not in ResponseBuilder("chatcmpl-2", "m", True, pieces.get, False, False).usage(4, choices, 0)
 
 
 def _accepts(constraint: StructuredOutputs, text: str, tokenizer_dir) -> bool:

@@ -83,8 +83,11 @@ def test_a_whole_answer_is_a_response_of_output_items():
         "input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 7, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 12,
     }
-    whole = ResponsesForm(_request()).whole(_chat_answer("Yes", reasoning="thinking"))  # how the chat path's whole answer goes out
-    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    reasoned = _chat_answer("Yes", reasoning="thinking")
+    reasoned["usage"]["completion_tokens_details"] = {"reasoning_tokens": 3}
+    assert response_body(reasoned, _request())["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    whole = ResponsesForm(_request()).whole(reasoned)  # how the chat path's whole answer goes out
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"] and whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
     cut = response_body(_chat_answer("Half", finish_reason="length"), _request())
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
 
