@@ -109,6 +109,26 @@ class ClusterState:
             return None
 
 
+def _check_keys(path, raw: dict) -> None:
+    """``DeployError`` for a key Serve's schema does not have, at the top or in an application
+    (Serve's schema ignores it: a ``router:`` section at the top, meant for an application's
+    ``args``, was dropped without a word)."""
+    from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+    from duet.cluster.config import AppArgs
+
+    duet_sections = set(AppArgs.model_fields)
+    places = [("", raw, set(ServeDeploySchema.__fields__))]
+    places += [(f"applications[{index}].", app, set(ServeApplicationSchema.__fields__)) for index, app in enumerate(raw["applications"])]
+    for where, section, known in places:
+        if not isinstance(section, dict):
+            raise DeployError(f"{path}: {where.rstrip('.') or 'the file'} must be a mapping")
+        for key in section:
+            if key not in known:
+                hint = f"; duet's '{key}' goes under applications[i].args" if key in duet_sections else f"; Serve's keys here: {', '.join(sorted(known))}"
+                raise DeployError(f"{path}: {where}{key} is not a key of Serve's config{hint}")
+
+
 @dataclass(frozen=True)
 class ServeFile:
     """The parts of a Serve config file that ``duet up`` acts on."""
@@ -136,6 +156,7 @@ class ServeFile:
         for kind, values in (("name", names), ("route_prefix", prefixes)):
             if len(set(values)) < len(values):
                 raise DeployError(f"{path}: two applications have the same {kind} (an application without a name is 'default')")
+        _check_keys(path, raw)
         for index, app in enumerate(raw["applications"]):
             if app.get("import_path") != "duet.cluster.app:build_app":
                 raise DeployError(f"{path}: applications[{index}].import_path must be duet.cluster.app:build_app")

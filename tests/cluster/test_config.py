@@ -92,6 +92,27 @@ def test_a_file_without_applications_is_refused(tmp_path):
         ServeFile.read(path)
 
 
+APP = "{import_path: duet.cluster.app:build_app"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (f"router: {{reasoning_parser: think}}\napplications:\n  - {APP}}}\n", "router is not a key of Serve's config; duet's 'router' goes under applications[i].args"),
+        (f"http_option: {{port: 8000}}\napplications:\n  - {APP}}}\n", "http_option is not a key of Serve's config; Serve's keys here: applications, "),
+        (f"applications:\n  - {APP}, engine: {{dtype: float32}}}}\n", "applications[0].engine is not a key of Serve's config; duet's 'engine' goes under"),
+        (f"applications:\n  - {APP}, arg: {{}}}}\n", "applications[0].arg is not a key of Serve's config; Serve's keys here: args, "),
+    ],
+)
+def test_a_key_serve_would_drop_is_refused_naming_where_it_belongs(tmp_path, text, message):
+    """Serve's schema ignores keys it does not have: a section meant for ``args`` was dropped."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(text)
+    with pytest.raises(DeployError) as refused:
+        ServeFile.read(path)
+    assert f"{path}: {message}" in str(refused.value)
+
+
 @pytest.mark.parametrize(
     "second, kind", [("{import_path: duet.cluster.app:build_app, route_prefix: /b}", "name"), ("{name: b, import_path: duet.cluster.app:build_app}", "route_prefix")]
 )
