@@ -1,6 +1,6 @@
 """Offline throughput and latency: duet against transformers, side by side in one run.
 
-    duet bench offline [--model smollm2,DIR] [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,int8,int4,w8a8]
+    duet bench offline [--model smollm2,DIR] [--dtype float32|bfloat16|auto] [--quantization auto,dequantized,bf16,int8,int4,w8a8]
                        [--kv-cache-dtype auto,int8,fp8_e4m3] [--lora N [--lora-rank 16]] [--batch-invariant]
                        [--peer vllm --peer-python VENV/bin/python] [--json out.json] [--plot out.png]
 
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per figure")
     parser.add_argument(
-        "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized, int8, int4, w8a8"
+        "--quantization", default="auto", help="comma-separated settings to measure in one run: auto, gguf, dequantized, bf16, int8, int4, w8a8"
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated KV cache dtypes, each measured with every --quantization: auto, int8, fp8_e4m3")
     parser.add_argument("--lora", type=int, default=0, help="also decode with this many LoRA adapters mixed across the batch, against the base")

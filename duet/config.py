@@ -240,7 +240,7 @@ def import_object(import_path: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-QUANTIZATIONS = (None, "gguf", "dequantized", "int8", "int4", "w8a8")
+QUANTIZATIONS = (None, "gguf", "dequantized", "bf16", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,9 @@ class EngineArgs:
     model: str = "smollm2"
     dtype: str = "float32"
     # None: compute from a GGUF checkpoint's own blocks where that is exact and runs here (CPU,
-    # float32); "gguf": insist on it; "dequantized": the float weights alone; "int8" / "int4" /
+    # float32); "gguf": insist on it; "dequantized": the float weights alone; "bf16": a bf16
+    # checkpoint's linear weights kept in bf16 while the model computes in float32 on CPU (half
+    # the memory, the same tokens: duet.models.bf16_weights); "int8" / "int4" /
     # "w8a8": linear weights (and for w8a8 their inputs) quantized at load time, any model
     # (duet.models.quantize).
     quantization: str | None = None

@@ -64,9 +64,11 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 _LAYOUTS = {Q4_0: (1, 16), Q4_1: (2, 16), Q5_0: (1, 20), Q5_1: (2, 20), Q8_0: (1, 32), IQ4_NL: (1, 16)}  # per block: fp16 scales (d[, m]), code bytes
 # Not GGML types: float8 (e4m3fn) weights with a scale a block (compressed-tensors' FP8: ``float8_blocks``),
 # and 8-bit codes with a scale and a zero point a block (compressed-tensors' asymmetric 8 bits: ``zero_point_blocks``).
+# And a checkpoint's bf16 weights as they are, for a model computing in fp32 (``bf16_blocks``).
 F8 = 1000
 Q8Z = 1001
-_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32), Q2_K: (4, 32), Q8Z: (2, 32)}  # per block in the kernels: fp32 scales, code bytes
+BF16 = 1002
+_KERNEL_LAYOUTS = {Q4_1: (2, 16), Q8_0: (1, 32), Q5_K: (2, 32), Q6_K: (2, 32), F8: (1, 32), Q2_K: (4, 32), Q8Z: (2, 32), BF16: (0, 64)}  # per block in the kernels: fp32 scales, code bytes
 # What the kernels read (most rewritten at load; the 1- to 3-bit i-quants in ``gguf_iq``).
 TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS}) | gguf_iq.TYPES
 BLOCK = 32
@@ -205,6 +207,21 @@ def float8_blocks(weight: torch.Tensor, scales: torch.Tensor, ops) -> GGUFWeight
         raise ValueError(f"float8 blocks take e4m3fn weights [out, in] (in a multiple of {BLOCK}) and a scale a block, not {weight.dtype} "
                          f"{tuple(weight.shape)} with scales {tuple(scales.shape)}")
     return GGUFWeight(weight.contiguous().view(torch.uint8), scales.float().contiguous(), F8, in_features, ops)
+
+
+def bf16_blocks(weight: torch.Tensor, ops) -> GGUFWeight:
+    """A checkpoint's bf16 weight ``[out, in]`` (in a multiple of 32) as the kernels' BF16 blocks,
+    for a model that computes in fp32: its bytes as they are, no scale. The kernels widen each
+    weight to fp32 exactly (a bf16 is the upper half of its fp32: each 16 weights are paired so
+    that a shift or a mask widens 8 at a time, ``csrc/gguf_blocks.h``), so the products are those
+    of ``weight.float()``, from 2 bytes a weight instead of 4."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or in_features % BLOCK:
+        raise ValueError(f"bf16 blocks take bf16 weights [out, in] (in a multiple of {BLOCK}), not {weight.dtype} {tuple(weight.shape)}")
+    # Each 16 weights paired as the kernels read them: 32-bit word j holds weight j (low half) and 8 + j (high).
+    pairs = weight.contiguous().view(torch.int16).reshape(out_features, in_features // 16, 2, 8).transpose(2, 3)
+    codes = pairs.contiguous().view(torch.uint8).reshape(out_features, 2 * in_features)
+    return GGUFWeight(codes, torch.empty(out_features, 0, dtype=torch.float32, device=weight.device), BF16, in_features, ops)
 
 
 def _from_q2_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

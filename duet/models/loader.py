@@ -14,6 +14,7 @@ import torch
 from duet.errors import CheckpointError, DamagedCheckpointError, UnsupportedCheckpointError
 from duet.kernels.w8a8 import StaticInput
 from duet.models.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, model_class
+from duet.models.bf16_weights import bf16_linears, keep_bf16
 from duet.models.gguf_convert import GGUF_BLOCKS_FILE
 from duet.models.linear import Linear
 from duet.models.llama import LlamaArch, LlamaForCausalLM
@@ -302,7 +303,8 @@ def read_arch(path: Path) -> LlamaArch:
 def load_model(
     path: Path, dtype: torch.dtype, device: str, max_positions: int, quantization: str | None = None
 ) -> LlamaForCausalLM:
-    """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``;
+    """Build duet's Llama from a Hugging Face directory, weights cast to ``dtype`` on ``device``
+    (``bf16``: a bf16 checkpoint's linear weights kept in bf16, ``duet.models.bf16_weights``);
     with the checkpoint's GGUF blocks beside them where ``quantization`` allows (``_gguf_backend``),
     or with its linear weights quantized to blocks (``int8``, ``int4``, ``w8a8``: ``duet.models.quantize``)."""
     arch = read_arch(path)
@@ -317,7 +319,8 @@ def load_model(
     linears = {name: plan[f"{name}.weight"] for name, module in model.named_modules() if isinstance(module, Linear)}
     inputs = input_schemes(linears, raw_state, path, scheme, packed)
     inputs = {name: how.to(device) if isinstance(how, StaticInput) else how for name, how in inputs.items()}
-    for name in packed:  # their blocks are their weights: no float copy is ever allocated
+    kept = bf16_linears(model, raw_state, linears, dtype, device, quantization, skip=packed)
+    for name in [*packed, *kept]:  # their blocks are their weights: no float copy is ever allocated
         model.get_submodule(name).weight = None
     # The RoPE tables are real even under the meta device (``RotaryEmbedding``): kept apart
     # from ``to_empty``, which would leave them uninitialised.
@@ -346,6 +349,12 @@ def load_model(
         if arch.norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, added in fp32 as transformers does
             tensor = 1.0 + tensor.float()
         param.data = tensor.to(device=device, dtype=dtype).contiguous()
+    for name in kept:
+        linear, tensor = model.get_submodule(name), state.pop(f"{name}.weight")
+        if tensor.shape != (linear.out_features, linear.in_features):
+            raise DamagedCheckpointError(f"{path}: {', '.join(linears[name])} has shape {tuple(tensor.shape)} where config.json gives "
+                                         f"{(linear.out_features, linear.in_features)}")
+        keep_bf16(linear, tensor)
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
     for module in model.modules():

@@ -40,12 +40,23 @@ constexpr int64_t kF8 = 1000;
 // (compressed-tensors' 8-bit schemes with zero points: u - z spans 9 bits, which no int8 block
 // holds). u - z is exact in fp32, so the weight rounds once, as compressed-tensors' (q - z) * s.
 constexpr int64_t kQ8Z = 1001;
+// Not a GGML type: a checkpoint's bf16 weights, 32 a block (64 bytes), no scale, for a model that
+// computes in fp32 (kernels/gguf.py's bf16_blocks): a bf16 is the upper half of the fp32 of the
+// same value, so the products are those of the weights widened once, at half the bytes read.
+// Each 16 weights are paired for that: 32-bit word j holds weight j in its low half and weight
+// 8 + j in its high one, so that a vector of words gives weights 0-7 by a shift and 8-15 by a
+// mask, with no shuffle (kBF16Word below).
+constexpr int64_t kBF16 = 1002;
+// Where weight j of a BF16 block sits among its 32 halves (the pairing above).
+constexpr int64_t bf16_half(int64_t j) { return (j / 16) * 16 + (j % 16 < 8 ? 2 * (j % 16) : 2 * (j % 16 - 8) + 1); }
 
 // Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
 // Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31; F8: 32 e4m3, s;
 // Q2_K: 32 uint8, d and m of weights 0-15, then of 16-31; Q8Z: 32 uint8, s and z).
-constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
-constexpr int64_t num_scales(int64_t qtype) { return qtype == kQ8_0 || qtype == kF8 ? 1 : qtype == kQ2_K ? 4 : 2; }
+constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : qtype == kBF16 ? 64 : 32; }
+constexpr int64_t num_scales(int64_t qtype) {
+  return qtype == kBF16 ? 0 : qtype == kQ8_0 || qtype == kF8 ? 1 : qtype == kQ2_K ? 4 : 2;
+}
 constexpr float kF8Unit = 256.0f;  // an F8 code's value over its fp16 reading (above)
 
 // A float8 (e4m3fn) code's value, exactly, for the plain C++ kernels and the tests' references:
@@ -153,6 +164,14 @@ struct Isa {
     const V s = _mm512_set1_ps(scales[0] * kF8Unit);
     for (int i = 0; i < 2; ++i) w[i] = _mm512_mul_ps(f8_readings(codes + 16 * i), s);
   }
+  static void bf16(const uint8_t* codes, const float*, V* w) {  // weights 0-7 by a shift, 8-15 by a mask, a 16 at a time
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int i = 0; i < 2; ++i) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * i));
+      w[i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_castsi256_ps(_mm256_slli_epi32(words, 16))),
+                                _mm256_castsi256_ps(_mm256_and_si256(words, high)), 1);
+    }
+  }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Isa {
@@ -241,6 +260,14 @@ struct Isa {
     for (int i = 0; i < 4; ++i) w[i] = _mm256_load_ps(values + 8 * i);
 #endif
   }
+  static void bf16(const uint8_t* codes, const float*, V* w) {  // weights 0-7 by a shift, 8-15 by a mask, a 16 at a time
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int i = 0; i < 2; ++i) {
+      const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * i));
+      w[2 * i] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      w[2 * i + 1] = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+    }
+  }
 };
 #else
 struct Isa {
@@ -281,6 +308,14 @@ struct Isa {
   }
   static void q2_k(const uint8_t* codes, const float* scales, V* w) {
     for (int j = 0; j < 32; ++j) w[j] = std::fma(scales[2 * (j / 16)], static_cast<float>(codes[j]), scales[2 * (j / 16) + 1]);
+  }
+  static void bf16(const uint8_t* codes, const float*, V* w) {
+    for (int j = 0; j < 32; ++j) {
+      uint16_t half;
+      std::memcpy(&half, codes + 2 * bf16_half(j), 2);
+      const uint32_t bits = static_cast<uint32_t>(half) << 16;
+      std::memcpy(&w[j], &bits, 4);
+    }
   }
 };
 #endif
@@ -367,6 +402,7 @@ inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   else if constexpr (QType == kF8) Isa::f8(codes, scales, out);
   else if constexpr (QType == kQ2_K) Isa::q2_k(codes, scales, out);
   else if constexpr (QType == kQ8Z) Isa::q8z(codes, scales, out);
+  else if constexpr (QType == kBF16) Isa::bf16(codes, scales, out);
   else Isa::q8_0(codes, scales, out);
 }
 
@@ -380,6 +416,7 @@ inline void with_qtype(int64_t qtype, F&& f) {
     case kF8: f(std::integral_constant<int64_t, kF8>{}); break;
     case kQ2_K: f(std::integral_constant<int64_t, kQ2_K>{}); break;
     case kQ8Z: f(std::integral_constant<int64_t, kQ8Z>{}); break;
+    case kBF16: f(std::integral_constant<int64_t, kBF16>{}); break;
     default: f(std::integral_constant<int64_t, kQ8_0>{}); break;
   }
 }
@@ -391,11 +428,12 @@ inline void with_qtype(int64_t qtype, F&& f) {
 constexpr int64_t kPanelWidth = 32;
 // How a bf16 product goes (gguf_bf16.cpp): by tiles of rows, by panels (vdpbf16ps), by panels on AMX tiles.
 constexpr int kBf16Tiles = 0, kBf16Panels = 1, kBf16Amx = 2;
-constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : 32; }
+constexpr int64_t panel_code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : qtype == kBF16 ? 64 : 32; }
 
 inline Weights checked(const torch::Tensor& codes, const torch::Tensor& scales, int64_t qtype, int64_t in_features) {
-  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K || qtype == kF8 || qtype == kQ2_K || qtype == kQ8Z,
-              "GGUF type ", qtype, " is not supported (Q2_K = 10, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14, F8 = 1000, Q8Z = 1001)");
+  TORCH_CHECK(qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ5_K || qtype == kQ6_K || qtype == kF8 || qtype == kQ2_K || qtype == kQ8Z ||
+                  qtype == kBF16,
+              "GGUF type ", qtype, " is not supported (Q2_K = 10, Q4_1 = 3, Q8_0 = 8, Q5_K = 13, Q6_K = 14, F8 = 1000, Q8Z = 1001, BF16 = 1002)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of ", kBlock);
   const int64_t num_blocks = in_features / kBlock;
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.dim() == 2 && codes.is_contiguous() &&

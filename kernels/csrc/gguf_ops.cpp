@@ -43,7 +43,7 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
     // cold weights). So ask for the row kAheadRows ahead of each of this tile's, a line at a time.
     if ((b * code_bytes(QType)) % 64 == 0)
       for (int c = 0; c < C; ++c) __builtin_prefetch(w.codes + ahead[c] * code_row + b * code_bytes(QType));
-    if ((b * num_scales(QType) * 4) % 64 == 0)
+    if (num_scales(QType) > 0 && (b * num_scales(QType) * 4) % 64 == 0)
       for (int c = 0; c < C; ++c) __builtin_prefetch(w.scales + ahead[c] * scale_row + b * num_scales(QType));
     for (int r = 0; r < R; ++r) {
       const float* xs = x + r * K + b * kBlock;
@@ -192,7 +192,7 @@ void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& 
 // The panel layout of N x K weights (N a multiple of 32), for AVX-512's panels: per panel of 32
 // features and block, the codes k by k (Q4_1: 16 bytes a k, byte j holding feature j's code in
 // its low nibble and feature 16 + j's in its high one; Q8_0, Q5_K and Q6_K: 32 bytes a k, one a
-// feature), then the 32 features' scales side by side ([num_scales][32]: Q4_1's and Q5_K's d
+// feature; BF16: 64 bytes a k, two a feature), then the 32 features' scales side by side ([num_scales][32]: Q4_1's and Q5_K's d
 // then m, Q6_K's two halves). The same codes and scales, rearranged: a product from them is the
 // same weights'.
 std::vector<torch::Tensor> gguf_panel_layout(torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t in_features) {
@@ -220,6 +220,8 @@ std::vector<torch::Tensor> gguf_panel_layout(torch::Tensor codes, torch::Tensor 
               const uint8_t code = (words[j % 4] >> (16 * (j / 16) + 4 * ((j % 16) / 4))) & 0x0F;
               to_codes[j * bytes + c % 16] |= c < 16 ? code : code << 4;
             }
+          } else if (qtype == kBF16) {  // two bytes a weight
+            for (int64_t j = 0; j < kBlock; ++j) std::memcpy(to_codes + j * bytes + 2 * c, from + 2 * bf16_half(j), 2);
           } else {
             for (int64_t j = 0; j < kBlock; ++j) to_codes[j * bytes + c] = from[j];
           }

@@ -51,6 +51,12 @@ inline void panel_block(const Weights& w, int64_t p, int64_t b, Row&& row) {
       row(k, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), z0), s0),
           _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), z1), s1));
     }
+  } else if constexpr (QType == kBF16) {  // the 32 features' bf16 weights of each k: 64 bytes
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * 64)));
+      const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * 64 + 32)));
+      row(k, _mm512_castsi512_ps(_mm512_slli_epi32(low, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(high, 16)));
+    }
   } else if constexpr (QType == kF8) {
     const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(scales), _mm512_set1_ps(kF8Unit));
     const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(scales + 16), _mm512_set1_ps(kF8Unit));
