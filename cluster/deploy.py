@@ -118,8 +118,8 @@ def _check_keys(path, raw: dict) -> None:
     from duet.cluster.config import AppArgs
 
     duet_sections = set(AppArgs.model_fields)
-    places = [("", raw, set(ServeDeploySchema.__fields__))]
-    places += [(f"applications[{index}].", app, set(ServeApplicationSchema.__fields__)) for index, app in enumerate(raw["applications"])]
+    places = [("", raw, set(ServeDeploySchema.model_fields))]
+    places += [(f"applications[{index}].", app, set(ServeApplicationSchema.model_fields)) for index, app in enumerate(raw["applications"])]
     for where, section, known in places:
         if not isinstance(section, dict):
             raise DeployError(f"{path}: {where.rstrip('.') or 'the file'} must be a mapping")
