@@ -75,7 +75,6 @@ class ReasoningSplitter:
         return reasoning, content
 
 
-
 def count_reasoning_tokens(pieces: list[str], mode: str) -> int:
     """How many of an output's tokens (``pieces``: each token's text, in order) are its
     reasoning's, as ``ReasoningSplitter`` parts the text: the tokens that end inside it. The

@@ -45,14 +45,15 @@ constexpr int64_t kQ8Z = 1001;
 // same value, so the products are those of the weights widened once, at half the bytes read.
 // Each 16 weights are paired for that: 32-bit word j holds weight j in its low half and weight
 // 8 + j in its high one, so that a vector of words gives weights 0-7 by a shift and 8-15 by a
-// mask, with no shuffle (kBF16Word below).
+// mask, with no shuffle (bf16_half below).
 constexpr int64_t kBF16 = 1002;
 // Where weight j of a BF16 block sits among its 32 halves (the pairing above).
 constexpr int64_t bf16_half(int64_t j) { return (j / 16) * 16 + (j % 16 < 8 ? 2 * (j % 16) : 2 * (j % 16 - 8) + 1); }
 
 // Per block: code bytes, and fp32 scales (Q4_1: 16 bytes of nibbles, d and m; Q8_0: 32 int8, d;
 // Q5_K: 32 uint8, d and m; Q6_K: 32 int8, the scales of weights 0-15 and 16-31; F8: 32 e4m3, s;
-// Q2_K: 32 uint8, d and m of weights 0-15, then of 16-31; Q8Z: 32 uint8, s and z).
+// Q2_K: 32 uint8, d and m of weights 0-15, then of 16-31; Q8Z: 32 uint8, s and z; BF16: 32 bf16
+// paired as above, no scale).
 constexpr int64_t code_bytes(int64_t qtype) { return qtype == kQ4_1 ? 16 : qtype == kBF16 ? 64 : 32; }
 constexpr int64_t num_scales(int64_t qtype) {
   return qtype == kBF16 ? 0 : qtype == kQ8_0 || qtype == kF8 ? 1 : qtype == kQ2_K ? 4 : 2;
@@ -168,8 +169,8 @@ struct Isa {
     const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
     for (int i = 0; i < 2; ++i) {
       const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * i));
-      w[i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_castsi256_ps(_mm256_slli_epi32(words, 16))),
-                                _mm256_castsi256_ps(_mm256_and_si256(words, high)), 1);
+      const __m256d low = _mm256_castsi256_pd(_mm256_slli_epi32(words, 16)), upper = _mm256_castsi256_pd(_mm256_and_si256(words, high));
+      w[i] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(low), upper, 1));  // AVX512F's insert (insertf32x8 is DQ's)
     }
   }
 };
