@@ -10,7 +10,7 @@ than the blocks serve (``Linear.keep_blocks_only``) widen the weight for the cal
 weights do. The token embedding (a row a token), Linears whose input features are not a whole
 number of 32-weight blocks and a mixture of experts' experts stay widened. It is for memory, not
 speed, and not the default: on a 2-core AMD EPYC (Zen 4, AVX2) the blocks decoded one stream at
-0.83-1.10x the widened weights' speed (by which ran first), a batch of 32 at 0.87x and a
+0.83-1.10x the widened weights' speed (by which ran first), a batch of 32 at 0.68-0.74x and a
 512-token prompt at 0.84-0.87x (docs/benchmarks.md): two cores' fp32 products of that model are
 bound by their arithmetic more than by the bytes they read.
 """

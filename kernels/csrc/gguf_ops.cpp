@@ -73,11 +73,10 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
 // multiply-adds a row, into accumulators that hold the outputs themselves (each output's sum
 // runs over k in order; nothing is summed across lanes). Without that copy, products go by
 // tiles of rows: transposing the rows' blocks into a panel in registers cost about as much as
-// the multiplications at 32 rows. With AVX2 the panel is 16 features, k-major too, dequantized
-// from the codes themselves and turned by 8 x 8 transposes (below). In plain C++ it is 16
-// features' rows of fp32, and tiles of kTileRows x kTileColumns take dot products: per vector
-// of k, kTileRows + kTileColumns loads feed kTileRows * kTileColumns fused multiply-adds, each
-// accumulator summed across its lanes once.
+// the multiplications at 32 rows. Elsewhere (AVX2, plain C++) the panel is 16 features' rows of
+// fp32 dequantized from the codes themselves, and tiles of kTileRows x kTileColumns take dot
+// products: per vector of k, kTileRows + kTileColumns loads feed kTileRows * kTileColumns
+// fused multiply-adds, each accumulator summed across its lanes once.
 #if defined(__AVX512F__)
 constexpr int kPanel = kPanelWidth;  // tiles of up to kPanelTileRows (gguf_panels.h) multiply it
 #else
@@ -161,116 +160,19 @@ void panel_tile_upto(const float* x, int64_t rows, int64_t K, const float* weigh
   panel_tile<R>(x, K, weights, out, N);
 }
 
-// run(p, panel) for each panel p of kPanel output features, a thread's panels in a buffer of its own.
-template <typename Run>
-void each_panel(int64_t N, int64_t K, Run&& run) {
+template <int64_t QType>
+void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
   at::parallel_for(0, N / kPanel, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(kPanel * K);
-    for (int64_t p = begin; p < end; ++p) run(p, panel.data());
-  });
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// With AVX2 the panel is k-major ([K][16]: a k's 16 features side by side), and tiles of up to
-// kOuterRows rows multiply it by outer products, as AVX-512's panels do: per k, 2 loads of
-// weights and a broadcast of each row's x feed 2 fused multiply-adds a row, into 12 accumulators
-// that hold the outputs themselves (each output's sum runs over k in order; nothing is summed
-// across lanes). Over 30 distinct 3,072 x 576 weights on two Zen 4 cores (AVX2), a product of
-// 32 rows took 0.90 ms from Q8_0 blocks and 0.99 from BF16 ones, against 1.42 and 1.44 by the
-// dot-product tiles of 16 features' rows (plain C++'s, below) and 0.88 by oneDNN's packed fp32.
-constexpr int kOuterRows = 6;
-
-// Rows r[0..7] (8 lanes each) as their columns: r[j] becomes lane j of each.
-inline void transpose8(__m256 r[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
-// Each block of 8 features dequantized (8 k a vector), then turned by 8 x 8 transposes into k's rows.
-template <int64_t QType>
-void dequant_panel_by_k(const Weights& w, int64_t n0, int64_t K, float* panel) {
-  alignas(32) float block[kPanel][kBlock];  // the 16 features' weights of one block, feature-major
-  for (int64_t b = 0; b < w.num_blocks; ++b) {
-    for (int c = 0; c < kPanel; ++c) {
-      Isa::V v[kVecs];
-      dequant<QType>(w, n0 + c, b, v);
-      for (int i = 0; i < kVecs; ++i) Isa::store(block[c] + i * Isa::kLanes, v[i]);
+    for (int64_t p = begin; p < end; ++p) {
+      dequant_panel<QType>(w, p * kPanel, K, panel.data());
+      for (int64_t r = 0; r < M; r += kTileRows)
+        for (int c = 0; c < kPanel; c += kTileColumns)
+          panel_tile_upto<kTileRows>(x + r * K, std::min<int64_t>(kTileRows, M - r), K, panel.data() + c * K,
+                                     out + r * N + p * kPanel + c, N);
     }
-    for (int i = 0; i < kVecs; ++i)  // 8 k at a time, both halves of the panel's row: whole lines
-      for (int half = 0; half < 2; ++half) {
-        __m256 rows[8];
-        for (int c = 0; c < 8; ++c) rows[c] = _mm256_load_ps(block[8 * half + c] + 8 * i);
-        transpose8(rows);
-        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(panel + (b * kBlock + i * 8 + j) * kPanel + 8 * half, rows[j]);
-      }
-  }
-}
-
-// The accumulators are named, not an array: GCC kept an array's in registers but also stored
-// them to the stack every k (12 dead stores a k, measured at half the speed).
-template <int R>
-void outer_tile(const float* x, int64_t K, const float* panel, float* out, int64_t N) {
-  static_assert(R >= 1 && R <= 6);
-  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-    const float* xk = x + k;
-    __m256 xv = _mm256_broadcast_ss(xk);
-    a0 = _mm256_fmadd_ps(xv, w0, a0), b0 = _mm256_fmadd_ps(xv, w1, b0);
-    if constexpr (R > 1) xv = _mm256_broadcast_ss(xk + K), a1 = _mm256_fmadd_ps(xv, w0, a1), b1 = _mm256_fmadd_ps(xv, w1, b1);
-    if constexpr (R > 2) xv = _mm256_broadcast_ss(xk + 2 * K), a2 = _mm256_fmadd_ps(xv, w0, a2), b2 = _mm256_fmadd_ps(xv, w1, b2);
-    if constexpr (R > 3) xv = _mm256_broadcast_ss(xk + 3 * K), a3 = _mm256_fmadd_ps(xv, w0, a3), b3 = _mm256_fmadd_ps(xv, w1, b3);
-    if constexpr (R > 4) xv = _mm256_broadcast_ss(xk + 4 * K), a4 = _mm256_fmadd_ps(xv, w0, a4), b4 = _mm256_fmadd_ps(xv, w1, b4);
-    if constexpr (R > 5) xv = _mm256_broadcast_ss(xk + 5 * K), a5 = _mm256_fmadd_ps(xv, w0, a5), b5 = _mm256_fmadd_ps(xv, w1, b5);
-  }
-  const __m256 sums[6][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out + r * N, sums[r][0]);
-    _mm256_storeu_ps(out + r * N + 8, sums[r][1]);
-  }
-}
-
-template <int R>
-void outer_tile_upto(const float* x, int64_t rows, int64_t K, const float* panel, float* out, int64_t N) {
-  if constexpr (R > 1) {
-    if (rows < R) return outer_tile_upto<R - 1>(x, rows, K, panel, out, N);
-  }
-  outer_tile<R>(x, K, panel, out, N);
-}
-
-template <int64_t QType>
-void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  each_panel(N, K, [&](int64_t p, float* panel) {
-    dequant_panel_by_k<QType>(w, p * kPanel, K, panel);
-    for (int64_t r = 0; r < M; r += kOuterRows)
-      outer_tile_upto<kOuterRows>(x + r * K, std::min<int64_t>(kOuterRows, M - r), K, panel, out + r * N + p * kPanel, N);
   });
 }
-#else
-template <int64_t QType>
-void matmul_panels(const float* x, int64_t M, int64_t K, const Weights& w, float* out, int64_t N) {
-  each_panel(N, K, [&](int64_t p, float* panel) {
-    dequant_panel<QType>(w, p * kPanel, K, panel);
-    for (int64_t r = 0; r < M; r += kTileRows)
-      for (int c = 0; c < kPanel; c += kTileColumns)
-        panel_tile_upto<kTileRows>(x + r * K, std::min<int64_t>(kTileRows, M - r), K, panel + c * K, out + r * N + p * kPanel + c, N);
-  });
-}
-#endif
 
 #endif
 
