@@ -211,7 +211,7 @@ def float8_blocks(weight: torch.Tensor, scales: torch.Tensor, ops) -> GGUFWeight
 
 def bf16_blocks(weight: torch.Tensor, ops) -> GGUFWeight:
     """A checkpoint's bf16 weight ``[out, in]`` (in a multiple of 32) as the kernels' BF16 blocks,
-    for a model that computes in fp32: its bytes as they are, no scale. The kernels widen each
+    for a model that computes in fp32: its bytes, paired (below), no scale. The kernels widen each
     weight to fp32 exactly (a bf16 is the upper half of its fp32: each 16 weights are paired so
     that a shift or a mask widens 8 at a time, ``csrc/gguf_blocks.h``), so the products are those
     of ``weight.float()``, from 2 bytes a weight instead of 4."""
