@@ -151,12 +151,12 @@ class ServeFile:
         http = raw.get("http_options") or {}
         if http.get("host", DEFAULT_HOST) in LOOPBACK_HOSTS:
             use_loopback_ray()  # before the args' validation imports ray (Serve's autoscaling config)
+        _check_keys(path, raw)  # first: an application that is no mapping is said so
         names = [app.get("name", "default") for app in raw["applications"]]
         prefixes = [app.get("route_prefix", "/") for app in raw["applications"]]
         for kind, values in (("name", names), ("route_prefix", prefixes)):
             if len(set(values)) < len(values):
                 raise DeployError(f"{path}: two applications have the same {kind} (an application without a name is 'default')")
-        _check_keys(path, raw)
         for index, app in enumerate(raw["applications"]):
             if app.get("import_path") != "duet.cluster.app:build_app":
                 raise DeployError(f"{path}: applications[{index}].import_path must be duet.cluster.app:build_app")

@@ -132,7 +132,7 @@ class Worker:
             # A draft checkpoint need not be a GGUF one: by default it follows the target's choice
             # only where that applies to any model (floats kept, or quantized at load time).
             draft_quantization = config.speculative_config.quantization
-            if draft_quantization is None and config.quantization in ("dequantized", "bf16", "int8", "int4", "w8a8"):
+            if draft_quantization is None and config.quantization in ("dequantized", "int8", "int4", "w8a8"):
                 draft_quantization = config.quantization
             draft = load_model(Path(config.draft_model_path), dtype, config.device, config.max_model_len, draft_quantization)
             if arch.kv_window is not None:  # the blocks before the target's window go (``KVCacheManager``)

@@ -339,22 +339,20 @@ def load_model(
         linear.input_order = order
         linear.input_quantization = inputs.get(name)
         linear.use_int8_products()
-    for name, param in model.named_parameters():
+    def checked(name: str, shape) -> torch.Tensor:
         tensor = state.pop(name)
-        if tensor.shape != param.shape:
-            parts = ", ".join(_fusion_plan(arch)[name])
-            raise DamagedCheckpointError(
-                f"{path}: {parts} has shape {tuple(tensor.shape)} where config.json gives {tuple(param.shape)}"
-            )
+        if tensor.shape != shape:
+            raise DamagedCheckpointError(f"{path}: {', '.join(plan[name])} has shape {tuple(tensor.shape)} where config.json gives {tuple(shape)}")
+        return tensor
+
+    for name, param in model.named_parameters():
+        tensor = checked(name, param.shape)
         if arch.norm_offset and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + w, added in fp32 as transformers does
             tensor = 1.0 + tensor.float()
         param.data = tensor.to(device=device, dtype=dtype).contiguous()
     for name in kept:
-        linear, tensor = model.get_submodule(name), state.pop(f"{name}.weight")
-        if tensor.shape != (linear.out_features, linear.in_features):
-            raise DamagedCheckpointError(f"{path}: {', '.join(linears[name])} has shape {tuple(tensor.shape)} where config.json gives "
-                                         f"{(linear.out_features, linear.in_features)}")
-        keep_bf16(linear, tensor)
+        linear = model.get_submodule(name)
+        keep_bf16(linear, checked(f"{name}.weight", (linear.out_features, linear.in_features)))
     if quantization in LOAD_TIME_QUANTIZATIONS:
         quantize_linears(model, quantization, _block_kernels(device, f"quantization={quantization!r}"))
     for module in model.modules():

@@ -102,6 +102,7 @@ APP = "{import_path: duet.cluster.app:build_app"
         (f"http_option: {{port: 8000}}\napplications:\n  - {APP}}}\n", "http_option is not a key of Serve's config; Serve's keys here: applications, "),
         (f"applications:\n  - {APP}, engine: {{dtype: float32}}}}\n", "applications[0].engine is not a key of Serve's config; duet's 'engine' goes under"),
         (f"applications:\n  - {APP}, arg: {{}}}}\n", "applications[0].arg is not a key of Serve's config; Serve's keys here: args, "),
+        ("applications:\n  - duet.cluster.app:build_app\n", "applications[0] must be a mapping"),  # not an AttributeError
     ],
 )
 def test_a_key_serve_would_drop_is_refused_naming_where_it_belongs(tmp_path, text, message):

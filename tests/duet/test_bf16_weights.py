@@ -84,6 +84,16 @@ def test_where_bf16_weights_cannot_be_kept_the_setting_is_refused_saying_why(che
         _linears(checkpoints("phi3")[0], "bf16", dtype=torch.bfloat16)
 
 
+def test_a_float32_draft_beside_a_bf16_target_loads_as_its_own_checkpoint_asks(checkpoints, tiny_llama_dir):
+    """The draft follows the target's setting only where that applies to any model: a float32
+    draft of a ``bf16`` target is widened as usual, and the tokens are the target's."""
+    path, references = checkpoints("phi3")
+    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(model=str(path), dtype="float32", quantization="bf16", num_kv_blocks=64, max_model_len=256, speculative_config=draft)
+    check_outputs(llm.generate(PROMPTS, _greedy()), references, "phi3 with a float32 draft")
+    assert llm.engine.stats().spec.num_draft_tokens > 0
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 70])
 def test_bf16_blocks_multiply_as_the_widened_weights_do(rows):
     """By tiles of rows and by panels (each forced), and with the LM head's fused argmax: within
