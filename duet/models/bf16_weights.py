@@ -57,4 +57,4 @@ def keep_bf16(linear: Linear, weight: torch.Tensor) -> None:
     from duet.kernels import cpu_ops
 
     linear.attach_gguf(bf16_blocks(weight, cpu_ops.load_gguf()))
-    linear.keep_blocks_only()
+    linear.keep_blocks_only(torch.float32)  # (bf16_linears keeps them for fp32 models alone)

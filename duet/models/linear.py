@@ -49,15 +49,14 @@ from duet.kernels.fused import greedy_argmax
 from duet.kernels.gguf import GGUFWeight
 from duet.kernels.w8a8 import FLOAT8_PER_TOKEN, INT8_PER_TOKEN, Int8Weight, StaticInput, exact_int8_sums, int8_linear, int8_min_rows, quantize_input
 from duet.lora import current_step as current_lora_step
-from duet.models.linear_rules import CHUNK_ROWS, PACK_BATCH_HINT, float_panel_rows, float_panels, gguf_float_max_rows, packed_wins
+from duet.models.linear_rules import (
+    CHUNK_ROWS, GGUF_MAX_ROWS, PACK_BATCH_HINT, blocks_only_max_rows, float_panel_rows, float_panels, gguf_float_max_rows, packed_wins,
+)
 from duet.models.module import Module
 
 logger = logging.getLogger(__name__)
 
 _PACKED_ROWS = {torch.float32: (2, 128), torch.bfloat16: (1, 128)}  # rows oneDNN's reordered weight serves
-# Weights kept as blocks alone (quantized at load) have no packed float weight to fall back
-# on: past this many rows they dequantize for the call.
-GGUF_MAX_ROWS = 64
 
 
 class Linear(Module):
@@ -72,6 +71,7 @@ class Linear(Module):
         self._packed_rows = (0, -1)
         self.gguf: GGUFWeight | None = None
         self._block_rows = -1  # products of up to this many rows read the GGUF blocks (none: not even empty ones)
+        self.blocks_dtype: torch.dtype | None = None  # where the blocks alone are the weight: the model's dtype
         self.lora_name: str | None = None  # its module name where LoRA adapters may update it (``duet.lora``)
         # The weight laid out in panels (``kernels/csrc/batch_invariant.cpp``), serving products of
         # up to ``_panel_rows`` rows (none: not even empty ones): those this CPU measured faster
@@ -170,13 +170,20 @@ class Linear(Module):
         self.packed_weight = None
         self._packed_rows = (0, -1)
 
-    def keep_blocks_only(self) -> None:
-        """Drop the float weight (and its packed and panel copies): the attached blocks are the weight."""
+    def keep_blocks_only(self, dtype: torch.dtype | None = None) -> None:
+        """Drop the float weight (and its packed and panel copies): the attached blocks are the
+        weight of a model of ``dtype`` (default: the dropped weight's). They serve products of up
+        to ``blocks_only_max_rows`` rows in an fp32 model on CPU, ``GGUF_MAX_ROWS`` elsewhere (a
+        bf16 model's weight dequantized for the call multiplies in bf16, which tied with the
+        blocks' fp32 products on an AMD EPYC with AVX512_BF16); longer products dequantize them
+        for the call."""
+        self.blocks_dtype = dtype or (self.blocks_dtype if self.weight is None else self.weight.dtype)
         self.weight = None
         self.packed_weight = None
         self.invariant_panels, self._panel_rows = None, -1
         self._packed_rows = (0, -1)
-        self._block_rows = GGUF_MAX_ROWS
+        fp32_cpu = self.blocks_dtype == torch.float32 and self.gguf.codes.device.type == "cpu"
+        self._block_rows = blocks_only_max_rows() if fp32_cpu else GGUF_MAX_ROWS
         self._lay_out_panels()
 
     def use_int8_products(self) -> None:

@@ -1,6 +1,7 @@
 """Which CPU path a ``Linear`` product of so many rows takes: the rules that choose between
 oneDNN's reordered weight and ``F.linear`` (``packed_wins``), the float panels
-(``float_panel_rows``) and the GGUF blocks (``gguf_float_max_rows``), each timed over sample
+(``float_panel_rows``) and the GGUF blocks (``gguf_float_max_rows``; ``blocks_only_max_rows``
+where they are the weight), each timed over sample
 weights of a SmolLM2 MLP's shape once per machine and thread count (``kernels.cpu_rules``), or
 given by ``DUET_CPU_RULES`` (``measured_cpu_rules``: what a process hands the ones it starts);
 and the float panels' layout they time (``float_panels``). Figures: docs/benchmarks.md, "GGUF
@@ -33,6 +34,13 @@ CHUNK_ROWS = 512  # a prompt chunk's rows, for that measurement
 # where oneDNN's packed float weight is ``_FLOAT_MARGIN`` times faster (a tie goes to the blocks).
 GGUF_FLOAT_ROWS = (4, 8, 16, 24, 32, 48, 64)
 _FLOAT_MARGIN = 1.05
+# Weights kept as blocks alone (quantized at load, a quantized checkpoint's packed weights,
+# ``quantization: bf16``) have no packed float weight to fall back on: past so many rows they
+# dequantize for the call. Up to GGUF_MAX_ROWS they read the blocks; an fp32 model's on CPU up to
+# ``blocks_only_max_rows``, timed at each of BLOCKS_ONLY_ROWS.
+GGUF_MAX_ROWS = 64
+BLOCKS_ONLY_ROWS = (128, 256, 512, 1024)
+BLOCKS_ONLY_RULE = "gguf_blocks_only_max_rows"
 
 
 def float_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
@@ -113,6 +121,46 @@ def _timed_packed_wins(rows: int) -> bool:
     return times["plain"] >= _PACKED_MARGIN * times["packed"]
 
 
+@functools.cache
+def blocks_only_max_rows() -> int:
+    """The most fp32 rows a product of weights kept as blocks alone reads the blocks for on this
+    CPU, past which it dequantizes the weight for the call and multiplies by ``F.linear``: at least
+    ``GGUF_MAX_ROWS``; then each of ``BLOCKS_ONLY_ROWS`` up to the first where the dequantized way
+    is ``_FLOAT_MARGIN`` times faster (best of 3 interleaved rounds each way over a quarter of
+    ``SAMPLE_WEIGHTS`` Q4_1 weights of a SmolLM2 MLP's shape), ``NEVER`` where the blocks won at
+    every count timed (both ways grow alike with the rows past them). On a 2-core AMD EPYC with
+    AVX-512, a W4A16 SmolLM2's 3,072 x 576 products of 512 rows took 6.4 ms by panels against
+    13.0 dequantized for the call (docs/benchmarks.md). Once per machine, or as ``DUET_CPU_RULES``
+    gives it (``cpu_rules``)."""
+    return cpu_ops.rule(BLOCKS_ONLY_RULE, _timed_blocks_only_max_rows)
+
+
+def _timed_blocks_only_max_rows() -> int:
+    ops = cpu_ops.load_gguf()
+    if ops is None:
+        return GGUF_MAX_ROWS
+    weights = []
+    for codes, scales in sample_q4_1_weights(SAMPLE_WEIGHTS // 4):
+        blocks = GGUFWeight(codes, scales, Q4_1, SAMPLE_IN_FEATURES, ops)
+        blocks.lay_out_panels()
+        weights.append(blocks)
+    generator = torch.Generator().manual_seed(2)
+    chosen = cpu_ops.NEVER
+    last = GGUF_MAX_ROWS
+    for rows in BLOCKS_ONLY_ROWS:
+        x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
+        times = best_times(
+            {"blocks": lambda: [weight.matmul(x) for weight in weights], "dequantized": lambda: [F.linear(x, weight.dequantize()) for weight in weights]},
+            rounds=3,
+        )
+        if times["blocks"] > _FLOAT_MARGIN * times["dequantized"]:
+            chosen = last
+            break
+        last = rows
+    logger.info("fp32 products of weights kept as blocks alone read them up to %s rows on this CPU", "any number of" if chosen == cpu_ops.NEVER else chosen)
+    return chosen
+
+
 def measured_cpu_rules() -> dict[str, int]:
     """This process's CPU rules as ``DUET_CPU_RULES`` takes them (``cpu_rules``), measured where
     neither the environment nor this machine's rules file gives them; none without the C++ kernels."""
@@ -120,7 +168,7 @@ def measured_cpu_rules() -> dict[str, int]:
     if ops is None:
         return {}
     rules = {"gguf_panel_min_rows": ops.panel_min_rows(), "float_panel_rows": float_panel_rows(),
-             "gguf_float_max_rows": gguf_float_max_rows(ops), INT8_RULE: int8_min_rows()}
+             "gguf_float_max_rows": gguf_float_max_rows(ops), INT8_RULE: int8_min_rows(), BLOCKS_ONLY_RULE: blocks_only_max_rows()}
     if ops.has_bf16():
         rules["gguf_bf16_max_rows"] = gguf_float_max_rows(ops, torch.bfloat16)
         rules["gguf_bf16_panel_min_rows"] = ops.bf16_panel_min_rows()

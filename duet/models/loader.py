@@ -335,7 +335,7 @@ def load_model(
     for name, (weight, order) in packed.items():
         linear = model.get_submodule(name)
         linear.attach_gguf(weight)
-        linear.keep_blocks_only()
+        linear.keep_blocks_only(dtype)
         linear.input_order = order
         linear.input_quantization = inputs.get(name)
         linear.use_int8_products()

@@ -155,7 +155,7 @@ def _shard(linear: Linear, rows: Rows, columns: slice | None) -> Linear:
         with torch.device("meta"):
             shard = Linear(blocks.in_features, blocks.codes.shape[0])
         shard.attach_gguf(blocks)
-        shard.keep_blocks_only()
+        shard.keep_blocks_only(linear.blocks_dtype)
         return shard
     weight = torch.cat([linear.weight[part] for part in rows])
     if columns is not None:

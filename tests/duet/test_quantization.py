@@ -8,6 +8,8 @@ how a token was batched, chunked or cached, so outputs are the same under every 
 
 from __future__ import annotations
 
+import json
+import os
 import random
 
 import pytest
@@ -16,8 +18,10 @@ import torch
 from duet import LLM, SamplingParams
 from duet.config import ConfigError
 from duet.kernels import cpu_ops
+from duet.kernels.cpu_rules import RULES_ENV
 from duet.kernels.gguf import Q4_1, Q8_0, GGUFWeight
 from duet.models.linear import GGUF_MAX_ROWS, Linear
+from duet.models.linear_rules import BLOCKS_ONLY_RULE, blocks_only_max_rows
 from duet.models.quantize import quantize_blocks
 from tests.conftest import TINY_VOCAB
 from tests.reference import compare_to_reference, hf_greedy
@@ -51,15 +55,28 @@ def _dequantized_checkpoint(source, target, qtype: int):
     return target
 
 
+@pytest.fixture
+def blocks_only_rows(request, monkeypatch):
+    """``blocks_only_max_rows`` pinned to ``request.param`` for the engines this test builds."""
+    monkeypatch.setenv(RULES_ENV, json.dumps(json.loads(os.environ.get(RULES_ENV) or "{}") | {BLOCKS_ONLY_RULE: request.param}))
+    blocks_only_max_rows.cache_clear()
+    yield request.param
+    blocks_only_max_rows.cache_clear()
+
+
+@pytest.mark.parametrize("blocks_only_rows", [GGUF_MAX_ROWS, cpu_ops.NEVER], indirect=True, ids=["dequantized-past-64", "blocks-always"])
 @pytest.mark.parametrize("quantization, qtype", [("int8", Q8_0), ("int4", Q4_1)])
-def test_quantized_weights_give_transformers_greedy_over_the_same_weights(quantization, qtype, tiny_llama_dir, tmp_path):
-    """Decode steps of one row and of more than GGUF_MAX_ROWS (the dequantize-per-call path),
-    prompt chunks past it too: every product reads the blocks the checkpoint was made from."""
+def test_quantized_weights_give_transformers_greedy_over_the_same_weights(quantization, qtype, blocks_only_rows, tiny_llama_dir, tmp_path):
+    """Decode steps of one row and of more than GGUF_MAX_ROWS, prompt chunks past it too, with
+    the blocks dequantized for products past GGUF_MAX_ROWS and with the blocks serving every
+    product (``blocks_only_max_rows``, as this CPU measures it for an fp32 model): every product
+    reads the blocks the checkpoint was made from."""
     prompts = _prompts(GGUF_MAX_ROWS + 4, seed=5)
     references = hf_greedy(_dequantized_checkpoint(tiny_llama_dir, tmp_path / quantization, qtype), prompts, 16)
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=1024, max_num_seqs=GGUF_MAX_ROWS + 4, quantization=quantization)
     linears = _linears(llm)
     assert all(linear.weight is None and linear.gguf.qtype == qtype for linear in linears.values()), sorted(linears)
+    assert {linear._block_rows for linear in linears.values()} == {blocks_only_rows}
     alone = [llm.generate([prompt], GREEDY)[0] for prompt in prompts[:6]]
     together = llm.generate(prompts, GREEDY)
     for label, outputs in (("alone", alone), ("together", together)):
@@ -68,11 +85,16 @@ def test_quantized_weights_give_transformers_greedy_over_the_same_weights(quanti
     llm.engine.check_integrity()
 
 
-def test_bf16_models_quantize_their_linears_too(tiny_llama_dir):
+@pytest.mark.parametrize("blocks_only_rows", [cpu_ops.NEVER], indirect=True)
+def test_bf16_models_quantize_their_linears_too(blocks_only_rows, tiny_llama_dir):
+    """Their products past GGUF_MAX_ROWS dequantize the blocks for the call whatever
+    ``blocks_only_max_rows`` says (a rule of fp32 models' products)."""
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, dtype="bfloat16", quantization="int8")
     output = llm.generate([[5, 6, 7, 8]], GREEDY)[0].outputs[0]
     assert len(output.token_ids) == 16
-    assert all(linear.weight is None for linear in _linears(llm).values())
+    linears = _linears(llm).values()
+    assert all(linear.weight is None and linear.blocks_dtype == torch.bfloat16 for linear in linears)
+    assert {linear._block_rows for linear in linears} == {GGUF_MAX_ROWS}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
@@ -126,3 +148,22 @@ def test_unknown_settings_name_the_choices():
         LLM(model="unused", quantization="int2")
     with pytest.raises(ConfigError, match="a draft_model's weights"):
         LLM(model="unused", speculative_config={"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"})
+
+
+@pytest.mark.parametrize("blocks_only_rows", [cpu_ops.NEVER], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tensor_parallel_shard_of_blocks_alone_keeps_its_models_rule(dtype, blocks_only_rows):
+    """A shard of a weight kept as blocks alone (built on the meta device, whose default dtype
+    is fp32) takes the rows the whole weight's blocks served: its model's dtype decides."""
+    from duet.models.tensor_parallel import shard_linear
+
+    linear = Linear(64, 32)
+    linear.weight = torch.nn.Parameter(torch.randn(32, 64).to(dtype), requires_grad=False)
+    linear.attach_gguf(GGUFWeight.from_blocks(quantize_blocks(linear.weight.float(), Q8_0), Q8_0, 64, cpu_ops.load_gguf()))
+    linear.keep_blocks_only()
+    rows = blocks_only_rows if dtype == torch.float32 else GGUF_MAX_ROWS
+    assert linear.blocks_dtype == dtype and linear._block_rows == rows
+    shard = shard_linear(linear, [slice(0, 16)])
+    assert shard.weight is None and shard.blocks_dtype == dtype and shard._block_rows == rows
+    x = torch.randn(GGUF_MAX_ROWS + 8, 64)
+    torch.testing.assert_close(shard(x), linear(x)[:, :16], rtol=1e-5, atol=1e-5)
