@@ -393,6 +393,24 @@ struct Weights {
   const float* panel_scales = nullptr;
 };
 
+// A product of few rows waits on memory: a weight row is short (a few hundred bytes), and the
+// hardware's stream prefetchers barely start on one before it ends (2.5x slower measured on cold
+// weights). So a tile of C rows from row n asks, at each block b, for the rows kAheadRows ahead
+// of its own (``ahead``, from ``rows_ahead``), a cache line at a time.
+template <int C>
+__attribute__((always_inline)) inline void rows_ahead(int64_t n, int64_t N, int64_t (&ahead)[C]) {
+  for (int c = 0; c < C; ++c) ahead[c] = std::min<int64_t>(n + c + kAheadRows, N - 1);
+}
+
+template <int64_t QType, int C>
+__attribute__((always_inline)) inline void prefetch_ahead(const Weights& w, const int64_t (&ahead)[C], int64_t b) {
+  const int64_t code_row = w.num_blocks * code_bytes(QType), scale_row = w.num_blocks * num_scales(QType);
+  if ((b * code_bytes(QType)) % 64 == 0)
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w.codes + ahead[c] * code_row + b * code_bytes(QType));
+  if (num_scales(QType) > 0 && (b * num_scales(QType) * 4) % 64 == 0)
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w.scales + ahead[c] * scale_row + b * num_scales(QType));
+}
+
 template <int64_t QType>
 inline void dequant(const Weights& w, int64_t n, int64_t b, Isa::V* out) {
   const uint8_t* codes = w.codes + (n * w.num_blocks + b) * code_bytes(QType);

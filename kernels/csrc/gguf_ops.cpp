@@ -32,19 +32,12 @@ void tile(const float* x, int64_t K, const Weights& w, int64_t n, float* out, in
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       for (int v = 0; v < kVecs; ++v) acc[r][c][v] = Isa::zero();
-  const int64_t code_row = w.num_blocks * code_bytes(QType), scale_row = w.num_blocks * num_scales(QType);
   int64_t ahead[C];
-  for (int c = 0; c < C; ++c) ahead[c] = std::min<int64_t>(n + c + kAheadRows, N - 1);
+  rows_ahead<C>(n, N, ahead);
   for (int64_t b = 0; b < w.num_blocks; ++b) {
     Isa::V weights[C][kVecs];
     for (int c = 0; c < C; ++c) dequant<QType>(w, n + c, b, weights[c]);
-    // Rows are short (a few hundred bytes): the hardware's stream prefetchers barely start on
-    // one before it ends, and a product of one row waits on memory (2.5x slower measured on
-    // cold weights). So ask for the row kAheadRows ahead of each of this tile's, a line at a time.
-    if ((b * code_bytes(QType)) % 64 == 0)
-      for (int c = 0; c < C; ++c) __builtin_prefetch(w.codes + ahead[c] * code_row + b * code_bytes(QType));
-    if (num_scales(QType) > 0 && (b * num_scales(QType) * 4) % 64 == 0)
-      for (int c = 0; c < C; ++c) __builtin_prefetch(w.scales + ahead[c] * scale_row + b * num_scales(QType));
+    prefetch_ahead<QType, C>(w, ahead, b);
     for (int r = 0; r < R; ++r) {
       const float* xs = x + r * K + b * kBlock;
       for (int v = 0; v < kVecs; ++v) {
