@@ -72,6 +72,8 @@ PD_APP = {
     "router": {"ray_actor_options": {"num_cpus": 0}},
 }
 PD_FIRST_TURN, PD_REPLY, PD_MESSAGE = 160, 40, 20  # a first turn and its reply: 12 full blocks of KV on decode
+# Prompt steps of 16 tokens, which never measure a prompt speed (``duet.load``: 32 tokens at least).
+PD_UNMEASURED_APP = PD_APP | {"engine": PD_APP["engine"] | {"max_num_batched_tokens": 16}}
 
 
 def test_a_pd_conversations_next_turn_is_computed_where_its_reply_was_decoded(cluster, tiny_offline, deploy):
@@ -119,8 +121,15 @@ def test_a_burst_of_turns_on_one_history_pulls_it_from_its_busy_holder(cluster, 
     as placements interleave), the holder sending the history's KV and the other replica
     computing each turn and decoding it. Every turn's tokens are the offline engine's, every
     send a pull (new sequences), and every block comes back. Counting only the turns already
-    placed (tried once), all eight went to the holder."""
-    url = deploy("pd-pull", PD_APP)
+    placed (tried once), all eight went to the holder.
+
+    The router prices these turns as it does before any replica has measured its prompt speed
+    (``duet.router.balance``), which is what a pull of a tiny model's short history needs: with a
+    speed known, computing 200 tokens again is sooner than a pull's hops, and the turns past the
+    holder went through the prefill pool (once on a 2-core AMD EPYC, whose prefill replica
+    reported its speed from the first turn before the burst came). So every prompt step here is
+    16 tokens, too few to measure a speed, whatever the reports' timing."""
+    url = deploy("pd-pull", PD_UNMEASURED_APP)
     wait_for(lambda: len(duet_status(url)["pools"]["decode"]["stats"]) == 2, 60, "both decode replicas reporting")
     rng = random.Random(43)
     first_turn = random_prompt(rng, PD_FIRST_TURN)
