@@ -149,15 +149,17 @@ def _timed_blocks_only_max_rows() -> int:
     last = GGUF_MAX_ROWS
     for rows in BLOCKS_ONLY_ROWS:
         x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
-        times = best_times(
-            {"blocks": lambda: [weight.matmul(x) for weight in weights], "dequantized": lambda: [F.linear(x, weight.dequantize()) for weight in weights]},
-            rounds=3,
-        )
+        ways = {
+            "blocks": lambda: [weight.matmul(x) for weight in weights],
+            "dequantized": lambda: [F.linear(x, weight.dequantize()) for weight in weights],
+        }
+        times = best_times(ways, rounds=3)
         if times["blocks"] > _FLOAT_MARGIN * times["dequantized"]:
             chosen = last
             break
         last = rows
-    logger.info("fp32 products of weights kept as blocks alone read them up to %s rows on this CPU", "any number of" if chosen == cpu_ops.NEVER else chosen)
+    up_to = "any number of" if chosen == cpu_ops.NEVER else chosen
+    logger.info("fp32 products of weights kept as blocks alone read them for up to %s rows on this CPU", up_to)
     return chosen
 
 
