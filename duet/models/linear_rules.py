@@ -145,8 +145,7 @@ def _timed_blocks_only_max_rows() -> int:
         blocks.lay_out_panels()
         weights.append(blocks)
     generator = torch.Generator().manual_seed(2)
-    chosen = cpu_ops.NEVER
-    last = GGUF_MAX_ROWS
+    served = GGUF_MAX_ROWS
     for rows in BLOCKS_ONLY_ROWS:
         x = torch.randn(rows, SAMPLE_IN_FEATURES, generator=generator)
         ways = {
@@ -155,12 +154,13 @@ def _timed_blocks_only_max_rows() -> int:
         }
         times = best_times(ways, rounds=3)
         if times["blocks"] > _FLOAT_MARGIN * times["dequantized"]:
-            chosen = last
             break
-        last = rows
-    up_to = "any number of" if chosen == cpu_ops.NEVER else chosen
+        served = rows
+    else:
+        served = cpu_ops.NEVER
+    up_to = "any number of" if served == cpu_ops.NEVER else served
     logger.info("fp32 products of weights kept as blocks alone read them for up to %s rows on this CPU", up_to)
-    return chosen
+    return served
 
 
 def measured_cpu_rules() -> dict[str, int]:

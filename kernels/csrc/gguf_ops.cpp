@@ -186,8 +186,8 @@ void matmul(int64_t qtype, const float* x, int64_t M, int64_t K, const Weights& 
 // features and block, the codes k by k (Q4_1: 16 bytes a k, byte j holding feature j's code in
 // its low nibble and feature 16 + j's in its high one; Q8_0, Q5_K and Q6_K: 32 bytes a k, one a
 // feature; BF16: 64 bytes a k, two a feature), then the 32 features' scales side by side
-// ([num_scales][32]: Q4_1's and Q5_K's d then m, Q6_K's two halves; BF16 has none). The same codes and scales, rearranged: a product from them is the
-// same weights'.
+// ([num_scales][32]: Q4_1's and Q5_K's d then m, Q6_K's two halves; BF16 has none). The same
+// codes and scales, rearranged: a product from them is the same weights'.
 std::vector<torch::Tensor> gguf_panel_layout(torch::Tensor codes, torch::Tensor scales, int64_t qtype, int64_t in_features) {
   constexpr int64_t kWidth = kPanelWidth;
   const Weights w = checked(codes, scales, qtype, in_features);
